@@ -1,0 +1,45 @@
+"""Finds the CUDA toolkit (nvcc, cudart, cuBLAS, NCCL) on this machine.
+
+Generates @local_cuda with:
+  defs.bzl   CUDA_AVAILABLE, CUDA_PATH
+  BUILD      :cuda (headers + cudart, cuBLAS, NCCL link flags) when available.
+Set BATON_CUDA_PATH to use a toolkit other than /usr/local/cuda. Without nvcc
+the GPU targets are left out of the build and this rule says so once.
+"""
+
+def _cuda_configure_impl(ctx):
+    cuda_path = ctx.os.environ.get("BATON_CUDA_PATH", "/usr/local/cuda")
+    nvcc = ctx.path(cuda_path + "/bin/nvcc")
+    nccl = ctx.path(cuda_path + "/include/nccl.h")
+    available = nvcc.exists and nccl.exists
+    if not available:
+        print("baton: no CUDA toolkit with NCCL at %s (set BATON_CUDA_PATH); " % cuda_path +
+              "GPU targets are left out of this build.")
+    ctx.file("defs.bzl", "CUDA_AVAILABLE = %s\nCUDA_PATH = %r\n" % (available, cuda_path))
+    if available:
+        ctx.symlink(cuda_path + "/include", "include")
+        ctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "cuda",
+    hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl", "include/**/*.cuh"]),
+    includes = ["include"],
+    linkopts = [
+        "-L{p}/lib64",
+        "-Wl,-rpath,{p}/lib64",
+        "-lcublas",
+        "-lcublasLt",
+        "-lnccl",
+        "-lcudart",
+    ],
+)
+""".format(p = cuda_path))
+    else:
+        ctx.file("BUILD", "package(default_visibility = [\"//visibility:public\"])\n")
+
+cuda_configure = repository_rule(
+    implementation = _cuda_configure_impl,
+    environ = ["BATON_CUDA_PATH"],
+    local = True,
+)
