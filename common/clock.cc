@@ -1,0 +1,10 @@
+#include "common/clock.h"
+
+namespace baton {
+
+RealClock* RealClock::Get() {
+  static RealClock* clock = new RealClock();
+  return clock;
+}
+
+}  // namespace baton

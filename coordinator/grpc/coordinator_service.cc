@@ -1,0 +1,175 @@
+#include "coordinator/grpc/coordinator_service.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/version.h"
+
+namespace baton {
+namespace {
+
+using Stream = grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>;
+
+// The server end of one Session stream. Writes are serialised; Close cancels
+// the RPC so the handler's blocking Read returns.
+class GrpcSession : public SessionHandle {
+ public:
+  GrpcSession(grpc::ServerContext* ctx, Stream* stream) : ctx_(ctx), stream_(stream) {}
+
+  void Close(const absl::Status& reason) override {
+    absl::MutexLock lock(&mu_);
+    if (done_) return;
+    BATON_LOG(INFO) << "closing session of " << ctx_->peer() << ": " << reason;
+    ctx_->TryCancel();
+  }
+
+  bool Send(const v1::CoordinatorMessage& message) override {
+    absl::MutexLock lock(&mu_);
+    return !done_ && stream_->Write(message);
+  }
+
+  // Called by the handler before it returns; later Close/Send are no-ops.
+  void Finish() {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  grpc::ServerContext* const ctx_;
+  Stream* const stream_ ABSL_PT_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::Status Invalid(const std::string& message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message);
+}
+
+absl::Status CheckKey(const v1::KvKey& key) {
+  if (key.job().empty()) return absl::InvalidArgumentError("kv: key.job must be set");
+  if (key.key().empty()) return absl::InvalidArgumentError("kv: key.key must be set");
+  return absl::OkStatus();
+}
+
+KvScope ScopeOf(const v1::KvKey& key) { return KvScope{key.job(), key.generation()}; }
+
+int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+
+}  // namespace
+
+CoordinatorService::CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options)
+    : registry_(registry), kv_(kv), options_(std::move(options)) {}
+
+grpc::Status CoordinatorService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
+                                          v1::RegisterResponse* resp) {
+  absl::StatusOr<WorkerRegistry::Registration> reg = registry_->Register(*req, options_.heartbeat);
+  if (!reg.ok()) return ToGrpcStatus(reg.status());
+  if (reg->replaced != nullptr) {
+    reg->replaced->Close(absl::AbortedError(absl::StrCat("replaced by a new incarnation of ", req->name())));
+  }
+  *resp = reg->response;
+  BATON_LOG(INFO) << "worker '" << req->name() << "' registered from " << req->host() << " (" << req->device()
+                  << "), id " << resp->worker_id();
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* stream) {
+  v1::WorkerMessage first;
+  if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
+  if (first.worker_id() == 0 || first.incarnation() == 0 || !first.has_heartbeat()) {
+    return Invalid("Session: the first message must be a heartbeat with worker_id and incarnation from Register");
+  }
+  const int64_t id = first.worker_id(), incarnation = first.incarnation();
+  auto session = std::make_shared<GrpcSession>(ctx, stream);
+  if (absl::Status s = registry_->OpenSession(id, incarnation, session); !s.ok()) {
+    session->Finish();
+    return ToGrpcStatus(s);
+  }
+  grpc::Status result = grpc::Status::OK;
+  v1::WorkerMessage msg = first;
+  do {
+    if (msg.worker_id() != id || msg.incarnation() != incarnation) {
+      result = Invalid("Session: worker_id/incarnation changed within one session");
+      break;
+    }
+    absl::Status s;
+    if (msg.has_heartbeat()) {
+      s = registry_->Heartbeat(id, incarnation, msg.heartbeat());
+      if (s.ok()) {
+        v1::CoordinatorMessage ack;
+        ack.mutable_ack()->set_worker_send_time_us(msg.heartbeat().send_time_us());
+        ack.mutable_ack()->set_coordinator_time_us(NowMicros());
+        session->Send(ack);
+      }
+    } else if (msg.has_goodbye()) {
+      s = registry_->Goodbye(id, incarnation);
+      BATON_LOG(INFO) << "worker id " << id << " says goodbye: " << msg.goodbye().reason();
+    }
+    if (!s.ok()) {
+      result = ToGrpcStatus(s);
+      break;
+    }
+  } while (stream->Read(&msg));
+  session->Finish();
+  registry_->SessionEnded(id, incarnation, session.get());
+  return result;
+}
+
+grpc::Status CoordinatorService::KvSet(grpc::ServerContext*, const v1::KvSetRequest* req, v1::KvSetResponse*) {
+  if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  return ToGrpcStatus(kv_->Set(ScopeOf(req->key()), req->key().key(), req->value()));
+}
+
+grpc::Status CoordinatorService::KvGet(grpc::ServerContext*, const v1::KvGetRequest* req, v1::KvGetResponse* resp) {
+  if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  absl::StatusOr<std::string> value = kv_->Get(ScopeOf(req->key()), req->key().key());
+  if (!value.ok()) return ToGrpcStatus(value.status());
+  resp->set_value(std::move(*value));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req, v1::KvWaitResponse*) {
+  if (req->keys().empty()) return Invalid("KvWait: keys must not be empty");
+  if (req->timeout_ms() < 0) return Invalid("KvWait: timeout_ms must be >= 0");
+  std::vector<std::string> keys;
+  for (const v1::KvKey& key : req->keys()) {
+    if (absl::Status s = CheckKey(key); !s.ok()) return ToGrpcStatus(s);
+    if (key.job() != req->keys(0).job() || key.generation() != req->keys(0).generation()) {
+      return Invalid("KvWait: all keys must share one job and generation");
+    }
+    keys.push_back(key.key());
+  }
+  absl::Duration timeout = std::min(absl::Milliseconds(req->timeout_ms()), options_.max_kv_wait);
+  // Never wait past the caller's own deadline.
+  const absl::Duration until_deadline = absl::FromChrono(ctx->deadline()) - absl::Now();
+  timeout = std::max(absl::ZeroDuration(), std::min(timeout, until_deadline));
+  return ToGrpcStatus(kv_->Wait(ScopeOf(req->keys(0)), keys, timeout));
+}
+
+grpc::Status CoordinatorService::KvAdd(grpc::ServerContext*, const v1::KvAddRequest* req, v1::KvAddResponse* resp) {
+  if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  absl::StatusOr<int64_t> value = kv_->Add(ScopeOf(req->key()), req->key().key(), req->delta());
+  if (!value.ok()) return ToGrpcStatus(value.status());
+  resp->set_value(*value);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                                           v1::GetStatusResponse* resp) {
+  resp->set_version(kVersion);
+  resp->set_job(options_.job_name);
+  if (!options_.job_name.empty()) resp->set_generation(kv_->CurrentGeneration(options_.job_name));
+  for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                                             v1::ListWorkersResponse* resp) {
+  for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
+  return grpc::Status::OK;
+}
+
+}  // namespace baton

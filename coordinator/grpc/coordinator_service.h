@@ -1,0 +1,44 @@
+// CoordinatorService: the gRPC skin over WorkerRegistry and KvStore. It only
+// validates wire fields and translates; the logic lives in those classes.
+#ifndef BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
+#define BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
+
+#include <functional>
+#include <string>
+
+#include "baton/v1/coordinator.grpc.pb.h"
+#include "coordinator/kv_store.h"
+#include "coordinator/worker_registry.h"
+
+namespace baton {
+
+class CoordinatorService final : public v1::Coordinator::Service {
+ public:
+  struct Options {
+    absl::Duration heartbeat = absl::Milliseconds(500);
+    absl::Duration max_kv_wait = absl::Minutes(10);
+    std::string job_name;  // empty when no job was given
+  };
+  CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options);
+
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
+  grpc::Status Session(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
+  grpc::Status KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req, v1::KvSetResponse* resp) override;
+  grpc::Status KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req, v1::KvGetResponse* resp) override;
+  grpc::Status KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req, v1::KvWaitResponse* resp) override;
+  grpc::Status KvAdd(grpc::ServerContext* ctx, const v1::KvAddRequest* req, v1::KvAddResponse* resp) override;
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
+                         v1::GetStatusResponse* resp) override;
+  grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
+                           v1::ListWorkersResponse* resp) override;
+
+ private:
+  WorkerRegistry* const registry_;
+  KvStore* const kv_;
+  const Options options_;
+};
+
+}  // namespace baton
+
+#endif  // BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_

@@ -1,0 +1,213 @@
+#include "coordinator/job_spec.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "common/status_macros.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace baton {
+namespace {
+
+constexpr const char* kScheduleKinds[] = {"gpipe", "1f1b", "interleaved", "zb-h1"};
+
+class CollectFirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column, const std::string& message) override {
+    if (first_.empty()) first_ = absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  const std::string& first() const { return first_; }
+
+ private:
+  std::string first_;
+};
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat("job spec: ", field, ": ", problem));
+}
+
+absl::Status AtLeast(absl::string_view field, int64_t value, int64_t min, absl::string_view hint = "") {
+  if (value >= min) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("is ", value, "; must be >= ", min, hint.empty() ? "" : " ", hint));
+}
+
+absl::Status NonNegativeFinite(absl::string_view field, double value) {
+  if (std::isfinite(value) && value >= 0) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("is ", value, "; must be a finite number >= 0"));
+}
+
+absl::Status ValidateModel(const v1::JobSpec& job, const ParallelDims& d) {
+  const v1::ModelSpec& m = job.model();
+  BATON_RETURN_IF_ERROR(AtLeast("model.layers", m.layers(), 1));
+  const int stages = d.pp * d.virtual_stages;
+  if (m.layers() < stages) {
+    return Invalid("model.layers",
+                   absl::StrCat("is ", m.layers(), " but parallel.pp=", d.pp, " x virtual_stages=",
+                                d.virtual_stages, " makes ", stages,
+                                " stages and each stage needs at least one layer; lower pp or "
+                                "virtual_stages, or add layers"));
+  }
+  if (m.has_synthetic()) {
+    const v1::SyntheticCost& c = m.synthetic();
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.forward_ms", c.forward_ms()));
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_input_ms", c.backward_input_ms()));
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_weight_ms", c.backward_weight_ms()));
+    return AtLeast("model.synthetic.activation_bytes", c.activation_bytes(), 0);
+  }
+  BATON_RETURN_IF_ERROR(AtLeast("model.d_model", m.d_model(), 1));
+  BATON_RETURN_IF_ERROR(AtLeast("model.heads", m.heads(), 1));
+  BATON_RETURN_IF_ERROR(AtLeast("model.vocab", m.vocab(), 2));
+  BATON_RETURN_IF_ERROR(AtLeast("model.seq_len", m.seq_len(), 1));
+  if (m.d_model() % m.heads() != 0) {
+    return Invalid("model.heads", absl::StrCat("is ", m.heads(), " and does not divide model.d_model=",
+                                               m.d_model(), "; choose heads that divides d_model"));
+  }
+  if (m.heads() % d.tp != 0) {
+    return Invalid("parallel.tp", absl::StrCat("is ", d.tp, " and does not divide model.heads=", m.heads(),
+                                               "; tensor parallelism splits heads across ranks, so "
+                                               "choose tp that divides heads"));
+  }
+  if ((4 * m.d_model()) % d.tp != 0) {
+    return Invalid("parallel.tp", absl::StrCat("is ", d.tp, " and does not divide the MLP width 4*d_model=",
+                                               4 * m.d_model(), "; choose tp that divides it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateParallel(const ParallelDims& d) {
+  const char* hint = "(leave it unset for 1)";
+  BATON_RETURN_IF_ERROR(AtLeast("parallel.pp", d.pp, 1, hint));
+  BATON_RETURN_IF_ERROR(AtLeast("parallel.tp", d.tp, 1, hint));
+  BATON_RETURN_IF_ERROR(AtLeast("parallel.dp", d.dp, 1, hint));
+  BATON_RETURN_IF_ERROR(AtLeast("parallel.virtual_stages", d.virtual_stages, 1, hint));
+  if (static_cast<int64_t>(d.pp) * d.tp * d.dp > 4096) {
+    return Invalid("parallel", absl::StrCat("pp*tp*dp = ", static_cast<int64_t>(d.pp) * d.tp * d.dp,
+                                            " workers; baton supports at most 4096"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
+  const std::string& kind = job.schedule().kind();
+  bool known = false;
+  for (const char* k : kScheduleKinds) known |= kind == k;
+  if (!known) {
+    return Invalid("schedule.kind", absl::StrCat("'", kind, "' is not a schedule; use one of: ",
+                                                 absl::StrJoin(kScheduleKinds, ", ")));
+  }
+  const int m = job.schedule().microbatches();
+  BATON_RETURN_IF_ERROR(AtLeast("schedule.microbatches", m, 1));
+  if (kind == "interleaved") {
+    if (d.virtual_stages < 2) {
+      return Invalid("parallel.virtual_stages",
+                     "schedule.kind 'interleaved' needs virtual_stages >= 2 (chunks per pipeline rank)");
+    }
+    if (m % d.pp != 0) {
+      return Invalid("schedule.microbatches",
+                     absl::StrCat("is ", m, "; the interleaved schedule needs a multiple of parallel.pp=", d.pp));
+    }
+  } else if (d.virtual_stages != 1) {
+    return Invalid("parallel.virtual_stages",
+                   absl::StrCat("is ", d.virtual_stages, "; more than one chunk per rank needs schedule.kind: "
+                                "\"interleaved\""));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTrain(const v1::TrainSpec& t) {
+  BATON_RETURN_IF_ERROR(AtLeast("train.steps", t.steps(), 1));
+  BATON_RETURN_IF_ERROR(AtLeast("train.micro_batch_size", t.micro_batch_size(), 1));
+  BATON_RETURN_IF_ERROR(NonNegativeFinite("train.lr", t.lr()));
+  BATON_RETURN_IF_ERROR(NonNegativeFinite("train.weight_decay", t.weight_decay()));
+  return NonNegativeFinite("train.grad_clip", t.grad_clip());
+}
+
+absl::Status ValidateData(const v1::DataSpec& data) {
+  std::string path, field;
+  if (data.source_case() == v1::DataSpec::kTextFile) {
+    path = data.text_file();
+    field = "data.text_file";
+  } else if (data.source_case() == v1::DataSpec::kTokensFile) {
+    path = data.tokens_file();
+    field = "data.tokens_file";
+  } else {
+    const std::string& task = data.synthetic().task();
+    if (!task.empty() && task != "addition") {
+      return Invalid("data.synthetic.task", absl::StrCat("'", task, "' is unknown; use \"addition\""));
+    }
+    return absl::OkStatus();
+  }
+  std::ifstream in(path);
+  if (path.empty() || !in.good()) return Invalid(field, absl::StrCat("cannot read '", path, "'"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ParallelDims DimsOf(const v1::JobSpec& job) {
+  const v1::ParallelSpec& p = job.parallel();
+  ParallelDims d;
+  d.pp = p.has_pp() ? p.pp() : 1;
+  d.tp = p.has_tp() ? p.tp() : 1;
+  d.dp = p.has_dp() ? p.dp() : 1;
+  d.virtual_stages = p.has_virtual_stages() ? p.virtual_stages() : 1;
+  return d;
+}
+
+absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source) {
+  v1::JobSpec job;
+  absl::string_view stripped = absl::StripLeadingAsciiWhitespace(text);
+  if (!stripped.empty() && stripped.front() == '{') {
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = false;
+    auto status = google::protobuf::util::JsonStringToMessage(std::string(text), &job, options);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job spec ", source, " is not valid JobSpec JSON: ", status.message().as_string()));
+    }
+  } else {
+    google::protobuf::TextFormat::Parser parser;
+    CollectFirstError errors;
+    parser.RecordErrorsTo(&errors);
+    if (!parser.ParseFromString(std::string(text), &job)) {
+      return absl::InvalidArgumentError(absl::StrCat("job spec ", source, " is not valid JobSpec textproto: ",
+                                                     errors.first(),
+                                                     " (fields are listed in proto/baton/v1/job.proto)"));
+    }
+  }
+  return job;
+}
+
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
+  std::ifstream in(path);
+  if (!in.good()) return absl::NotFoundError(absl::StrCat("cannot read job file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(text.str(), path);
+  if (!job.ok()) return job.status();
+  BATON_RETURN_IF_ERROR_CTX(ValidateJobSpec(*job), path);
+  return job;
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& job) {
+  if (job.name().empty()) return Invalid("name", "must be set, e.g. name: \"demo\"");
+  const ParallelDims d = DimsOf(job);
+  BATON_RETURN_IF_ERROR(ValidateParallel(d));
+  BATON_RETURN_IF_ERROR(ValidateModel(job, d));
+  BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
+  BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));
+  BATON_RETURN_IF_ERROR(ValidateData(job.data()));
+  BATON_RETURN_IF_ERROR(AtLeast("checkpoint.every_steps", job.checkpoint().every_steps(), 0));
+  if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {
+    return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace baton

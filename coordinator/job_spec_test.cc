@@ -1,0 +1,131 @@
+#include "coordinator/job_spec.h"
+
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace baton {
+namespace {
+
+constexpr char kGood[] = R"pb(
+  name: "demo"
+  model { layers: 4 d_model: 64 heads: 4 vocab: 32 seq_len: 16 }
+  parallel { pp: 2 tp: 2 }
+  schedule { kind: "1f1b" microbatches: 4 }
+  train { steps: 10 micro_batch_size: 2 lr: 0.001 seed: 1 }
+)pb";
+
+v1::JobSpec Good() {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(kGood, "test");
+  EXPECT_TRUE(job.ok()) << job.status();
+  return *job;
+}
+
+// Validates `job` and returns the error message ("" when valid).
+std::string ErrorOf(const v1::JobSpec& job) { return std::string(ValidateJobSpec(job).message()); }
+
+TEST(JobSpecTest, GoodSpecValidatesAndUnsetParallelFieldsMeanOne) {
+  v1::JobSpec job = Good();
+  EXPECT_EQ(ErrorOf(job), "");
+  ParallelDims d = DimsOf(job);
+  EXPECT_EQ(d.pp, 2);
+  EXPECT_EQ(d.tp, 2);
+  EXPECT_EQ(d.dp, 1);
+  EXPECT_EQ(d.virtual_stages, 1);
+  EXPECT_EQ(d.world_size(), 4);
+}
+
+TEST(JobSpecTest, JsonIsAcceptedToo) {
+  auto job = ParseJobSpec(R"({"name": "j", "parallel": {"pp": 3}, "schedule": {"kind": "gpipe"}})", "json");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->name(), "j");
+  EXPECT_EQ(DimsOf(*job).pp, 3);
+}
+
+TEST(JobSpecTest, UnknownFieldIsRejectedWithItsLine) {
+  auto job = ParseJobSpec("name: \"x\"\nmodel { layerz: 3 }\n", "spec.textproto");
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("line 2"), std::string::npos) << job.status();
+  EXPECT_NE(job.status().message().find("layerz"), std::string::npos) << job.status();
+  auto json = ParseJobSpec(R"({"name": "j", "bogus": 1})", "spec.json");
+  ASSERT_FALSE(json.ok());
+  EXPECT_NE(json.status().message().find("bogus"), std::string::npos) << json.status();
+}
+
+TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
+  struct Case {
+    const char* what;
+    void (*mutate)(v1::JobSpec*);
+    const char* field;
+    const char* fix;
+  };
+  const Case cases[] = {
+      {"zero tp", [](v1::JobSpec* j) { j->mutable_parallel()->set_tp(0); }, "parallel.tp", ">= 1"},
+      {"zero pp", [](v1::JobSpec* j) { j->mutable_parallel()->set_pp(0); }, "parallel.pp", ">= 1"},
+      {"zero dp", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(0); }, "parallel.dp", ">= 1"},
+      {"heads vs d_model", [](v1::JobSpec* j) { j->mutable_model()->set_heads(3); }, "model.heads",
+       "divides d_model"},
+      {"tp vs heads",
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_heads(2);
+         j->mutable_parallel()->set_tp(4);
+       },
+       "parallel.tp", "divides heads"},
+      {"negative steps", [](v1::JobSpec* j) { j->mutable_train()->set_steps(-3); }, "train.steps", ">= 1"},
+      {"unknown schedule", [](v1::JobSpec* j) { j->mutable_schedule()->set_kind("2f2b"); }, "schedule.kind",
+       "gpipe, 1f1b, interleaved, zb-h1"},
+      {"no microbatches", [](v1::JobSpec* j) { j->mutable_schedule()->set_microbatches(0); },
+       "schedule.microbatches", ">= 1"},
+      {"pp above layers", [](v1::JobSpec* j) { j->mutable_parallel()->set_pp(5); }, "model.layers",
+       "lower pp"},
+      {"interleaved without chunks", [](v1::JobSpec* j) { j->mutable_schedule()->set_kind("interleaved"); },
+       "parallel.virtual_stages", ">= 2"},
+      {"interleaved microbatches",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("interleaved");
+         j->mutable_parallel()->set_virtual_stages(2);
+         j->mutable_schedule()->set_microbatches(3);
+       },
+       "schedule.microbatches", "multiple of parallel.pp"},
+      {"chunks without interleaved", [](v1::JobSpec* j) { j->mutable_parallel()->set_virtual_stages(2); },
+       "parallel.virtual_stages", "interleaved"},
+      {"negative lr", [](v1::JobSpec* j) { j->mutable_train()->set_lr(-1); }, "train.lr", ">= 0"},
+      {"missing name", [](v1::JobSpec* j) { j->clear_name(); }, "name", "must be set"},
+      {"missing text file", [](v1::JobSpec* j) { j->mutable_data()->set_text_file("/nonexistent/x.txt"); },
+       "data.text_file", "cannot read"},
+      {"checkpoint without dir", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_every_steps(5); },
+       "checkpoint.dir", "must be set"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec job = Good();
+    c.mutate(&job);
+    absl::Status s = ValidateJobSpec(job);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.fix), std::string::npos) << c.what << ": " << s;
+  }
+}
+
+TEST(JobSpecTest, SyntheticModelSkipsShapeChecksButNotCosts) {
+  v1::JobSpec job = Good();
+  job.clear_model();
+  job.mutable_model()->set_layers(4);
+  job.mutable_model()->mutable_synthetic()->set_forward_ms(20);
+  job.mutable_parallel()->set_tp(1);
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_model()->mutable_synthetic()->set_forward_ms(-1);
+  EXPECT_NE(ErrorOf(job).find("model.synthetic.forward_ms"), std::string::npos);
+}
+
+TEST(JobSpecTest, LoadJobSpecNamesTheFile) {
+  std::string path = std::string(getenv("TEST_TMPDIR")) + "/bad.textproto";
+  std::ofstream(path) << "name: \"x\"\nparallel { pp: 0 }\n";
+  auto job = LoadJobSpec(path);
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find(path), std::string::npos);
+  EXPECT_NE(job.status().message().find("parallel.pp"), std::string::npos);
+  EXPECT_EQ(LoadJobSpec("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace baton

@@ -1,0 +1,163 @@
+// baton-coordinator: registers workers, holds their leases, serves the
+// rendezvous KV and admin RPCs, and exposes /metrics, /healthz, /readyz.
+//
+// Exit codes: 0 after SIGTERM/SIGINT, 1 when it cannot serve, 2 for bad flags
+// or an invalid --job (the message names the field and the fix).
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/ops_server.h"
+#include "common/version.h"
+#include "coordinator/grpc/coordinator_service.h"
+#include "coordinator/job_spec.h"
+#include "coordinator/kv_store.h"
+#include "coordinator/worker_registry.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC address HOST:PORT (port 0 picks a free one)");
+ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
+ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
+ABSL_FLAG(std::string, job, "", "JobSpec file (textproto, or JSON starting with '{'); validated at start");
+ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
+ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
+
+namespace baton {
+namespace {
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "baton-coordinator: %s\n", message.c_str());
+  return code;
+}
+
+int Main() {
+  SetLogComponent("coordinator");
+  const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
+  const absl::Duration heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  if (heartbeat <= absl::ZeroDuration() || lease <= heartbeat) {
+    return Fail(2, absl::StrCat("--heartbeat_ms=", absl::GetFlag(FLAGS_heartbeat_ms), " and --lease_ms=",
+                                absl::GetFlag(FLAGS_lease_ms),
+                                " must satisfy 0 < heartbeat_ms < lease_ms (e.g. 500 and 3000)"));
+  }
+  std::string host;
+  int port = 0;
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  std::string job_name;
+  if (!absl::GetFlag(FLAGS_job).empty()) {
+    absl::StatusOr<v1::JobSpec> job = LoadJobSpec(absl::GetFlag(FLAGS_job));
+    if (!job.ok()) return Fail(2, std::string(job.status().message()));
+    job_name = job->name();
+    BATON_LOG(INFO) << "job '" << job_name << "' is valid";
+  }
+
+  // Signals are handled by sigwait in this thread; block them before any
+  // other thread starts so they inherit the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  WorkerRegistry registry(RealClock::Get(), lease, absl::ToUnixMicros(absl::Now()));
+  KvStore kv;
+  CoordinatorService::Options options;
+  options.heartbeat = heartbeat;
+  options.job_name = job_name;
+  CoordinatorService service(&registry, &kv, options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen),
+                                ": address in use or not available; pick another --listen"));
+  }
+
+  auto metrics = std::make_shared<prometheus::Registry>();
+  prometheus::BuildGauge()
+      .Name("baton_build_info")
+      .Help("baton build; the value is always 1")
+      .Register(*metrics)
+      .Add({{"version", kVersion}, {"component", "coordinator"}})
+      .Set(1);
+  auto& workers_family =
+      prometheus::BuildGauge().Name("baton_workers").Help("Registered workers by state").Register(*metrics);
+  std::map<v1::WorkerState, prometheus::Gauge*> by_state;
+  for (v1::WorkerState s : {v1::JOINING, v1::READY, v1::LOST, v1::DRAINING, v1::LEFT}) {
+    by_state[s] = &workers_family.Add({{"state", absl::AsciiStrToLower(v1::WorkerState_Name(s))}});
+  }
+  auto refresh = [&]() {
+    std::map<v1::WorkerState, int> counts = registry.CountByState();
+    for (auto& [state, gauge] : by_state) gauge->Set(counts[state]);
+  };
+  std::atomic<bool> serving{true};
+  auto ops = OpsServer::Start(
+      absl::GetFlag(FLAGS_http_listen), metrics,
+      [&]() { return serving ? absl::OkStatus() : absl::UnavailableError("shutting down"); }, refresh);
+  if (!ops.ok()) return Fail(1, std::string(ops.status().message()));
+
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (absl::Status s = WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, (*ops)->port()); !s.ok()) {
+      return Fail(1, std::string(s.message()));
+    }
+  }
+  BATON_LOG(INFO) << "baton-coordinator " << kVersion << " serving gRPC on port " << grpc_port << ", HTTP on port "
+                  << (*ops)->port() << "; lease " << lease << ", heartbeat " << heartbeat;
+
+  absl::Notification stop_sweeper;
+  std::thread sweeper([&]() {
+    const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
+    while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
+      for (auto& session : registry.ExpireLeases()) {
+        session->Close(absl::DeadlineExceededError("lease expired"));
+      }
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
+  serving = false;
+  server->GetHealthCheckService()->SetServingStatus(false);
+  for (auto& session : registry.Sessions()) {
+    session->Close(absl::UnavailableError("coordinator shutting down"));
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  stop_sweeper.Notify();
+  sweeper.join();
+  BATON_LOG(INFO) << "stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace baton
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("baton coordinator: baton-coordinator --listen=HOST:PORT [--job=FILE] ...");
+  absl::ParseCommandLine(argc, argv);
+  return baton::Main();
+}

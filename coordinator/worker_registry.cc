@@ -1,0 +1,181 @@
+#include "coordinator/worker_registry.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+
+namespace baton {
+namespace {
+
+absl::Status ValidateRequest(const v1::RegisterRequest& r) {
+  if (r.name().empty() || r.name().size() > 128) {
+    return absl::InvalidArgumentError("Register: name must be 1..128 characters");
+  }
+  for (char c : r.name()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Register: name '", r.name(), "' may only hold letters, digits, '-', '_' and '.'"));
+    }
+  }
+  if (!IsValidDevice(r.device())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Register: device '", r.device(), "' must be \"cpu\" or \"cuda:N\""));
+  }
+  if (r.http_port() < 0 || r.http_port() > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("Register: http_port ", r.http_port(), " is not a port"));
+  }
+  if (r.memory_bytes() < 0) return absl::InvalidArgumentError("Register: memory_bytes must be >= 0");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsValidDevice(const std::string& device) {
+  if (device == "cpu") return true;
+  int ordinal;
+  return absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &ordinal) && ordinal >= 0 &&
+         device.size() > 5 && absl::ascii_isdigit(device[5]);
+}
+
+WorkerRegistry::WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id)
+    : clock_(clock), lease_(lease), next_id_(first_id) {}
+
+absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::RegisterRequest& request,
+                                                                      absl::Duration heartbeat) {
+  if (absl::Status s = ValidateRequest(request); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  Registration result;
+  Worker& w = by_name_[request.name()];
+  if (w.info.worker_id() != 0) {
+    result.replaced = std::move(w.session);
+    name_of_id_.erase(w.info.worker_id());
+  }
+  const int64_t id = next_id_++;
+  w = Worker();
+  w.info.set_worker_id(id);
+  w.info.set_incarnation(id);
+  w.info.set_name(request.name());
+  w.info.set_host(request.host());
+  w.info.set_device(request.device());
+  w.info.set_http_port(request.http_port());
+  w.info.set_state(v1::JOINING);
+  w.last_heartbeat = clock_->Now();
+  name_of_id_[id] = request.name();
+  result.response.set_worker_id(id);
+  result.response.set_incarnation(id);
+  result.response.set_lease_ms(absl::ToInt64Milliseconds(lease_));
+  result.response.set_heartbeat_ms(absl::ToInt64Milliseconds(heartbeat));
+  return result;
+}
+
+absl::StatusOr<WorkerRegistry::Worker*> WorkerRegistry::FindLocked(int64_t worker_id, int64_t incarnation) {
+  auto it = name_of_id_.find(worker_id);
+  if (it == name_of_id_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker id ", worker_id, " is unknown to this coordinator; register again"));
+  }
+  Worker& w = by_name_[it->second];
+  if (w.info.incarnation() != incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat("incarnation ", incarnation, " of worker '", it->second,
+                                                      "' is stale (current ", w.info.incarnation(),
+                                                      "); register again"));
+  }
+  if (w.info.state() == v1::LOST || w.info.state() == v1::LEFT) {
+    return absl::FailedPreconditionError(absl::StrCat("worker '", it->second, "' incarnation ", incarnation, " is ",
+                                                      v1::WorkerState_Name(w.info.state()), "; register again"));
+  }
+  return &w;
+}
+
+absl::Status WorkerRegistry::OpenSession(int64_t worker_id, int64_t incarnation,
+                                         std::shared_ptr<SessionHandle> session) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Worker*> w = FindLocked(worker_id, incarnation);
+  if (!w.ok()) return w.status();
+  if ((*w)->session != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker '", (*w)->info.name(), "' already has a session; register again"));
+  }
+  (*w)->session = std::move(session);
+  (*w)->info.set_state(v1::READY);
+  (*w)->last_heartbeat = clock_->Now();
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRegistry::Heartbeat(int64_t worker_id, int64_t incarnation, const v1::Heartbeat& heartbeat) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Worker*> w = FindLocked(worker_id, incarnation);
+  if (!w.ok()) return w.status();
+  (*w)->last_heartbeat = clock_->Now();
+  (*w)->info.set_step(heartbeat.step());
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRegistry::Goodbye(int64_t worker_id, int64_t incarnation) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Worker*> w = FindLocked(worker_id, incarnation);
+  if (!w.ok()) return w.status();
+  (*w)->info.set_state(v1::DRAINING);
+  return absl::OkStatus();
+}
+
+void WorkerRegistry::SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session) {
+  absl::MutexLock lock(&mu_);
+  auto it = name_of_id_.find(worker_id);
+  if (it == name_of_id_.end()) return;
+  Worker& w = by_name_[it->second];
+  if (w.info.incarnation() != incarnation || w.session.get() != session) return;
+  w.session.reset();
+  if (w.info.state() == v1::DRAINING) {
+    w.info.set_state(v1::LEFT);
+  } else if (w.info.state() != v1::LEFT) {
+    w.info.set_state(v1::LOST);
+  }
+}
+
+std::vector<std::shared_ptr<SessionHandle>> WorkerRegistry::ExpireLeases() {
+  std::vector<std::shared_ptr<SessionHandle>> expired;
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  for (auto& [name, w] : by_name_) {
+    const v1::WorkerState s = w.info.state();
+    if (s != v1::JOINING && s != v1::READY && s != v1::DRAINING) continue;
+    if (now - w.last_heartbeat <= lease_) continue;
+    w.info.set_state(v1::LOST);
+    if (w.session != nullptr) expired.push_back(std::move(w.session));
+  }
+  return expired;
+}
+
+std::vector<std::shared_ptr<SessionHandle>> WorkerRegistry::Sessions() const {
+  std::vector<std::shared_ptr<SessionHandle>> all;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, w] : by_name_) {
+    if (w.session != nullptr) all.push_back(w.session);
+  }
+  return all;
+}
+
+std::vector<v1::WorkerInfo> WorkerRegistry::List() const {
+  const absl::Time now = clock_->Now();
+  std::vector<v1::WorkerInfo> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, w] : by_name_) {
+      out.push_back(w.info);
+      out.back().set_last_heartbeat_age_seconds(absl::ToDoubleSeconds(now - w.last_heartbeat));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const v1::WorkerInfo& a, const v1::WorkerInfo& b) { return a.name() < b.name(); });
+  return out;
+}
+
+std::map<v1::WorkerState, int> WorkerRegistry::CountByState() const {
+  std::map<v1::WorkerState, int> counts;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, w] : by_name_) ++counts[w.info.state()];
+  return counts;
+}
+
+}  // namespace baton

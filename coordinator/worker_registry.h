@@ -1,0 +1,103 @@
+// WorkerRegistry: who the workers are, their incarnations and leases.
+//
+// States (proto WorkerState): JOINING after Register, READY once its Session
+// stream is open and heartbeats arrive within the lease, LOST when the stream
+// breaks or the lease expires, DRAINING after a goodbye, LEFT when a drained
+// session closes. A LOST incarnation never comes back: the worker registers
+// again (same name, new incarnation) and becomes READY. Registering a name
+// that is held replaces the old incarnation, whose session is closed.
+//
+// Thread-safe. Time comes from the injected Clock; sessions are closed by the
+// caller (outside the lock) from the handles this class returns.
+#ifndef BATON_COORDINATOR_WORKER_REGISTRY_H_
+#define BATON_COORDINATOR_WORKER_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "baton/v1/coordinator.pb.h"
+#include "common/clock.h"
+
+namespace baton {
+
+// The coordinator's end of one worker's Session stream.
+class SessionHandle {
+ public:
+  virtual ~SessionHandle() = default;
+  // Ends the stream; `reason` is logged. Safe to call more than once.
+  virtual void Close(const absl::Status& reason) = 0;
+  // Pushes a command; false when the stream is gone.
+  virtual bool Send(const v1::CoordinatorMessage& message) = 0;
+};
+
+class WorkerRegistry {
+ public:
+  // Ids and incarnations start at `first_id` (pass something time-based so a
+  // restarted coordinator never reuses the ids of its previous life).
+  WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id = 1);
+
+  struct Registration {
+    v1::RegisterResponse response;
+    std::shared_ptr<SessionHandle> replaced;  // old incarnation's session, to close
+  };
+
+  // INVALID_ARGUMENT for a malformed request (the field is named).
+  absl::StatusOr<Registration> Register(const v1::RegisterRequest& request, absl::Duration heartbeat);
+
+  // Binds a session to (worker_id, incarnation): JOINING -> READY.
+  // NOT_FOUND for an unknown id, FAILED_PRECONDITION for a stale incarnation
+  // or a LOST worker (it must register again).
+  absl::Status OpenSession(int64_t worker_id, int64_t incarnation, std::shared_ptr<SessionHandle> session);
+
+  // Renews the lease. Same errors as OpenSession.
+  absl::Status Heartbeat(int64_t worker_id, int64_t incarnation, const v1::Heartbeat& heartbeat);
+
+  // The worker is leaving on purpose: READY -> DRAINING.
+  absl::Status Goodbye(int64_t worker_id, int64_t incarnation);
+
+  // The stream of `session` ended: READY/JOINING -> LOST, DRAINING -> LEFT.
+  // Ignored when `session` is no longer the worker's current one.
+  void SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session);
+
+  // Marks workers whose lease ran out LOST and returns their sessions to close.
+  std::vector<std::shared_ptr<SessionHandle>> ExpireLeases();
+
+  // Every session (to tell all peers on shutdown).
+  std::vector<std::shared_ptr<SessionHandle>> Sessions() const;
+
+  std::vector<v1::WorkerInfo> List() const;
+  std::map<v1::WorkerState, int> CountByState() const;
+  absl::Duration lease() const { return lease_; }
+
+ private:
+  struct Worker {
+    v1::WorkerInfo info;  // state, ids, host, device, step; age computed on List()
+    absl::Time last_heartbeat;
+    std::shared_ptr<SessionHandle> session;
+  };
+
+  absl::StatusOr<Worker*> FindLocked(int64_t worker_id, int64_t incarnation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Clock* const clock_;
+  const absl::Duration lease_;
+  mutable absl::Mutex mu_;
+  int64_t next_id_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Worker> by_name_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int64_t, std::string> name_of_id_ ABSL_GUARDED_BY(mu_);
+};
+
+// "cpu" or "cuda:N".
+bool IsValidDevice(const std::string& device);
+
+}  // namespace baton
+
+#endif  // BATON_COORDINATOR_WORKER_REGISTRY_H_

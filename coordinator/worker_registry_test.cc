@@ -1,0 +1,157 @@
+#include "coordinator/worker_registry.h"
+
+#include "gtest/gtest.h"
+
+namespace baton {
+namespace {
+
+class FakeSession : public SessionHandle {
+ public:
+  void Close(const absl::Status& reason) override { closed_with = reason; }
+  bool Send(const v1::CoordinatorMessage&) override { return true; }
+  absl::Status closed_with = absl::OkStatus();
+};
+
+v1::RegisterRequest Request(const std::string& name, const std::string& device = "cpu") {
+  v1::RegisterRequest r;
+  r.set_name(name);
+  r.set_host("h1");
+  r.set_device(device);
+  return r;
+}
+
+class WorkerRegistryTest : public ::testing::Test {
+ protected:
+  v1::WorkerState StateOf(const std::string& name) {
+    for (const v1::WorkerInfo& w : registry_.List()) {
+      if (w.name() == name) return w.state();
+    }
+    return v1::WORKER_STATE_UNSPECIFIED;
+  }
+  // Registers and opens a session; returns the registration.
+  v1::RegisterResponse Join(const std::string& name, std::shared_ptr<FakeSession> session) {
+    auto reg = registry_.Register(Request(name), absl::Milliseconds(500));
+    EXPECT_TRUE(reg.ok()) << reg.status();
+    EXPECT_EQ(StateOf(name), v1::JOINING);
+    EXPECT_TRUE(registry_.OpenSession(reg->response.worker_id(), reg->response.incarnation(), session).ok());
+    return reg->response;
+  }
+
+  FakeClock clock_;
+  WorkerRegistry registry_{&clock_, absl::Seconds(3)};
+};
+
+TEST_F(WorkerRegistryTest, RegisterThenSessionMakesReady) {
+  auto session = std::make_shared<FakeSession>();
+  v1::RegisterResponse r = Join("w1", session);
+  EXPECT_EQ(r.lease_ms(), 3000);
+  EXPECT_EQ(r.heartbeat_ms(), 500);
+  EXPECT_EQ(StateOf("w1"), v1::READY);
+}
+
+TEST_F(WorkerRegistryTest, HeartbeatsKeepTheLeaseAndSilenceLosesIt) {
+  auto session = std::make_shared<FakeSession>();
+  v1::RegisterResponse r = Join("w1", session);
+  for (int i = 0; i < 10; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    ASSERT_TRUE(registry_.Heartbeat(r.worker_id(), r.incarnation(), {}).ok());
+    EXPECT_TRUE(registry_.ExpireLeases().empty());
+  }
+  EXPECT_EQ(StateOf("w1"), v1::READY);
+  clock_.Advance(absl::Milliseconds(2999));
+  EXPECT_TRUE(registry_.ExpireLeases().empty());
+  clock_.Advance(absl::Milliseconds(2));
+  auto expired = registry_.ExpireLeases();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].get(), session.get());
+  EXPECT_EQ(StateOf("w1"), v1::LOST);
+  // A LOST incarnation is fenced: its heartbeats are refused and it must re-register.
+  absl::Status late = registry_.Heartbeat(r.worker_id(), r.incarnation(), {});
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(late.message().find("register again"), std::string::npos);
+}
+
+TEST_F(WorkerRegistryTest, BrokenStreamIsLostAndSameNameComesBackReady) {
+  auto s1 = std::make_shared<FakeSession>();
+  v1::RegisterResponse r1 = Join("w1", s1);
+  registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get());
+  EXPECT_EQ(StateOf("w1"), v1::LOST);
+  auto s2 = std::make_shared<FakeSession>();
+  v1::RegisterResponse r2 = Join("w1", s2);
+  EXPECT_NE(r2.incarnation(), r1.incarnation());
+  EXPECT_EQ(StateOf("w1"), v1::READY);
+  EXPECT_EQ(registry_.List().size(), 1u);
+}
+
+TEST_F(WorkerRegistryTest, ReRegisteringReplacesTheOldIncarnation) {
+  auto s1 = std::make_shared<FakeSession>();
+  v1::RegisterResponse r1 = Join("w1", s1);
+  auto reg = registry_.Register(Request("w1"), absl::Milliseconds(500));
+  ASSERT_TRUE(reg.ok());
+  EXPECT_EQ(reg->replaced.get(), s1.get());  // the caller closes it
+  // The old session's end must not mark the new incarnation LOST.
+  registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get());
+  EXPECT_EQ(StateOf("w1"), v1::JOINING);
+  EXPECT_EQ(registry_.Heartbeat(r1.worker_id(), r1.incarnation(), {}).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(WorkerRegistryTest, UnknownWorkerIsFailedPrecondition) {
+  EXPECT_EQ(registry_.Heartbeat(12345, 1, {}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry_.OpenSession(12345, 1, std::make_shared<FakeSession>()).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(WorkerRegistryTest, GoodbyeDrainsThenLeaves) {
+  auto s = std::make_shared<FakeSession>();
+  v1::RegisterResponse r = Join("w1", s);
+  ASSERT_TRUE(registry_.Goodbye(r.worker_id(), r.incarnation()).ok());
+  EXPECT_EQ(StateOf("w1"), v1::DRAINING);
+  registry_.SessionEnded(r.worker_id(), r.incarnation(), s.get());
+  EXPECT_EQ(StateOf("w1"), v1::LEFT);
+}
+
+TEST_F(WorkerRegistryTest, JoiningWithoutSessionExpires) {
+  ASSERT_TRUE(registry_.Register(Request("w1"), absl::Milliseconds(500)).ok());
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_TRUE(registry_.ExpireLeases().empty());  // no session to close
+  EXPECT_EQ(StateOf("w1"), v1::LOST);
+}
+
+TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
+  struct Case {
+    v1::RegisterRequest req;
+    const char* field;
+  };
+  v1::RegisterRequest bad_port = Request("w1");
+  bad_port.set_http_port(70000);
+  v1::RegisterRequest bad_mem = Request("w1");
+  bad_mem.set_memory_bytes(-1);
+  const Case cases[] = {{Request(""), "name"},          {Request("a b"), "name"},
+                        {Request("w", "gpu0"), "device"}, {Request("w", "cuda:"), "device"},
+                        {Request("w", "cuda:x"), "device"}, {bad_port, "http_port"},
+                        {bad_mem, "memory_bytes"}};
+  for (const Case& c : cases) {
+    auto reg = registry_.Register(c.req, absl::Milliseconds(500));
+    ASSERT_FALSE(reg.ok()) << c.field;
+    EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(reg.status().message().find(c.field), std::string::npos) << reg.status();
+  }
+  EXPECT_TRUE(registry_.Register(Request("w-1.a_b", "cuda:7"), absl::Milliseconds(500)).ok());
+  EXPECT_TRUE(registry_.List().size() == 1);
+}
+
+TEST_F(WorkerRegistryTest, CountByStateCountsEachWorkerOnce) {
+  auto a = std::make_shared<FakeSession>(), b = std::make_shared<FakeSession>();
+  Join("a", a);
+  v1::RegisterResponse rb = Join("b", b);
+  ASSERT_TRUE(registry_.Register(Request("c"), absl::Milliseconds(500)).ok());
+  registry_.SessionEnded(rb.worker_id(), rb.incarnation(), b.get());
+  auto counts = registry_.CountByState();
+  EXPECT_EQ(counts[v1::READY], 1);
+  EXPECT_EQ(counts[v1::LOST], 1);
+  EXPECT_EQ(counts[v1::JOINING], 1);
+}
+
+}  // namespace
+}  // namespace baton
