@@ -1,0 +1,53 @@
+// batonctl: the operator's command line for baton.
+//
+//   batonctl [--coordinator=HOST:PORT] status [--json]
+//
+// Flags may come before or after the subcommand. Exit codes: 0 ok, 1 the
+// operation failed, 2 bad usage (the message says what to change).
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cli/status_cmd.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* help;
+  int (*run)(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+};
+
+constexpr Subcommand kSubcommands[] = {
+    {"status", "--coordinator=HOST:PORT [--json] [--timeout_ms=5000]: workers and their state",
+     &baton::cli::RunStatusCommand},
+};
+
+int Usage(std::ostream& err) {
+  err << "usage: batonctl <subcommand> [flags]\n";
+  for (const Subcommand& s : kSubcommands) err << "  " << s.name << " " << s.help << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The subcommand is the first word that is not a flag; every other word is
+  // passed on to it in order.
+  std::vector<std::string> args;
+  std::string command;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (command.empty() && a.rfind("--", 0) != 0) {
+      command = a;
+    } else {
+      args.push_back(a);
+    }
+  }
+  if (command.empty() || command == "help") return Usage(std::cerr);
+  for (const Subcommand& s : kSubcommands) {
+    if (command == s.name) return s.run(args, std::cout, std::cerr);
+  }
+  std::cerr << "batonctl: unknown subcommand '" << command << "'\n";
+  return Usage(std::cerr);
+}

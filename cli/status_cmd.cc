@@ -1,0 +1,83 @@
+#include "cli/status_cmd.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "baton/v1/coordinator.grpc.pb.h"
+#include "cli/args.h"
+
+namespace baton::cli {
+namespace {
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::WorkerState_Name(s)); }
+
+}  // namespace
+
+int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
+  absl::StatusOr<Args> args = Args::Parse(argv, {"coordinator", "timeout_ms"}, {"json"});
+  if (!args.ok()) {
+    err << "batonctl status: " << args.status().message() << "\n";
+    return 2;
+  }
+  const std::string target = args->GetString("coordinator", "");
+  absl::StatusOr<int64_t> timeout_ms = args->GetInt("timeout_ms", 5000);
+  if (target.empty() || !timeout_ms.ok() || *timeout_ms <= 0) {
+    err << "batonctl status: needs --coordinator=HOST:PORT and a positive --timeout_ms\n";
+    return 2;
+  }
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(*timeout_ms));
+  ctx.set_wait_for_ready(true);  // keep trying to connect until the deadline
+  v1::GetStatusResponse status;
+  grpc::Status s = stub->GetStatus(&ctx, {}, &status);
+  if (!s.ok()) {
+    err << "batonctl status: cannot reach the coordinator at " << target << " within " << *timeout_ms
+        << " ms (" << s.error_message() << "); is it running, and is --coordinator right?\n";
+    return 1;
+  }
+  if (args->GetBool("json")) {
+    out << "{\"workers\":[";
+    for (int i = 0; i < status.workers_size(); ++i) {
+      const v1::WorkerInfo& w = status.workers(i);
+      out << (i ? "," : "") << "{\"name\":" << JsonString(w.name()) << ",\"state\":"
+          << JsonString(StateName(w.state())) << ",\"device\":" << JsonString(w.device())
+          << ",\"host\":" << JsonString(w.host())
+          << ",\"last_heartbeat_age_seconds\":" << absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()) << "}";
+    }
+    out << "]}\n";
+    return 0;
+  }
+  out << "coordinator " << target << " (baton " << status.version() << ")";
+  if (!status.job().empty()) out << ", job " << status.job() << " generation " << status.generation();
+  out << "\n";
+  if (!status.job_error().empty()) out << "job error: " << status.job_error() << "\n";
+  out << absl::StrFormat("%-20s %-9s %-8s %-20s %s\n", "WORKER", "STATE", "DEVICE", "HOST", "LAST HEARTBEAT");
+  for (const v1::WorkerInfo& w : status.workers()) {
+    out << absl::StrFormat("%-20s %-9s %-8s %-20s %.1fs ago\n", w.name(), StateName(w.state()), w.device(),
+                           w.host(), w.last_heartbeat_age_seconds());
+  }
+  if (status.workers().empty()) out << "(no workers registered)\n";
+  return 0;
+}
+
+}  // namespace baton::cli

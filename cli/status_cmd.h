@@ -1,0 +1,18 @@
+// `batonctl status`: the coordinator's view of its workers, as a table or JSON.
+#ifndef BATON_CLI_STATUS_CMD_H_
+#define BATON_CLI_STATUS_CMD_H_
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace baton::cli {
+
+// `args` are the words after "batonctl" other than the subcommand itself.
+// Flags: --coordinator=HOST:PORT (required), --json, --timeout_ms (default 5000).
+// Returns 0, 1 when the coordinator cannot be reached in time, 2 for bad flags.
+int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+
+}  // namespace baton::cli
+
+#endif  // BATON_CLI_STATUS_CMD_H_

@@ -1,0 +1,207 @@
+#include "worker/agent.h"
+
+#include <unistd.h>
+
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/version.h"
+
+namespace baton {
+namespace {
+
+using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
+
+}  // namespace
+
+WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel, prometheus::Registry& metrics,
+                         CommandHandler on_command)
+    : options_(std::move(options)), stub_(v1::Coordinator::NewStub(channel)), on_command_(std::move(on_command)) {
+  heartbeats_ = &prometheus::BuildCounter()
+                     .Name("baton_heartbeats_total")
+                     .Help("Heartbeats sent to the coordinator")
+                     .Register(metrics)
+                     .Add({});
+  reconnects_ = &prometheus::BuildCounter()
+                     .Name("baton_session_reconnects_total")
+                     .Help("Sessions with the coordinator re-established after one ended")
+                     .Register(metrics)
+                     .Add({});
+  connected_ = &prometheus::BuildGauge()
+                    .Name("baton_coordinator_connected")
+                    .Help("1 while a session with the coordinator is open")
+                    .Register(metrics)
+                    .Add({});
+}
+
+absl::Status WorkerAgent::Readiness() const {
+  absl::MutexLock lock(&mu_);
+  if (session_open_) return absl::OkStatus();
+  return not_ready_;
+}
+
+void WorkerAgent::Run() {
+  std::mt19937_64 rng(std::hash<std::string>()(options_.name) ^ static_cast<uint64_t>(NowMicros()));
+  std::uniform_real_distribution<double> jitter(0.8, 1.2);
+  absl::Duration backoff = options_.backoff_min;
+  for (;;) {
+    bool opened = false;
+    absl::Status ended = RunSession(&opened);
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    session_open_ = false;
+    not_ready_ = ended;
+    connected_->Set(0);
+    absl::Duration wait;
+    if (opened) {
+      // The coordinator knew us: come back quickly (it restarted, or fenced us).
+      backoff = options_.backoff_min;
+      wait = options_.backoff_min;
+      BATON_LOG(WARNING) << "session with coordinator " << options_.coordinator << " ended: " << ended
+                         << "; registering again";
+    } else {
+      wait = backoff * jitter(rng);
+      backoff = std::min(backoff * 2, options_.backoff_max);
+      BATON_LOG(WARNING) << "cannot register with coordinator " << options_.coordinator << ": " << ended
+                         << "; retrying in " << wait;
+    }
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stop), wait);
+    if (stopping_) return;
+  }
+}
+
+absl::Status WorkerAgent::RunSession(bool* opened) {
+  v1::RegisterRequest req;
+  req.set_name(options_.name);
+  req.set_host(options_.host);
+  req.set_device(options_.device);
+  req.set_http_port(options_.http_port);
+  req.set_memory_bytes(options_.memory_bytes);
+  req.set_version(kVersion);
+  req.set_pid(getpid());
+  v1::RegisterResponse reg;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    {
+      absl::MutexLock lock(&stream_mu_);
+      session_ctx_ = &ctx;  // so that Stop() can cancel a pending Register
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) ctx.TryCancel();
+    }
+    grpc::Status s = stub_->Register(&ctx, req, &reg);
+    {
+      absl::MutexLock lock(&stream_mu_);
+      session_ctx_ = nullptr;
+    }
+    if (!s.ok()) {
+      absl::Status err = FromGrpcStatus(s, absl::StrCat("Register at ", options_.coordinator));
+      if (err.code() == absl::StatusCode::kInvalidArgument) return err;  // our flags are wrong; logged by Run
+      return absl::UnavailableError(absl::StrCat("coordinator unreachable: ", err.message()));
+    }
+  }
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub_->Session(&ctx);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::CancelledError("stopping");
+    in_session_ = true;
+  }
+  {
+    absl::MutexLock lock(&stream_mu_);
+    registration_ = reg;
+    session_ctx_ = &ctx;
+    stream_ = stream.get();
+  }
+  const absl::Duration period = absl::Milliseconds(std::max<int64_t>(10, reg.heartbeat_ms()));
+  std::thread beats([&]() { Heartbeats(stream.get(), reg, period); });
+  v1::CoordinatorMessage msg;
+  while (stream->Read(&msg)) {
+    if (msg.has_ack()) {
+      absl::MutexLock lock(&mu_);
+      if (!session_open_) {
+        session_open_ = true;
+        *opened = true;
+        if (sessions_opened_++ > 0) reconnects_->Increment();
+        connected_->Set(1);
+        BATON_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as '" << options_.name
+                        << "' (id " << reg.worker_id() << ", lease " << reg.lease_ms() << " ms)";
+      }
+      continue;
+    }
+    if (on_command_) on_command_(msg);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    in_session_ = false;
+  }
+  beats.join();
+  {
+    absl::MutexLock lock(&stream_mu_);
+    session_ctx_ = nullptr;
+    stream_ = nullptr;
+    registration_.Clear();
+  }
+  grpc::Status status = stream->Finish();
+  if (status.ok()) return absl::UnavailableError("coordinator closed the session");
+  return FromGrpcStatus(status, "session");
+}
+
+void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, absl::Duration period) {
+  for (;;) {
+    v1::WorkerMessage beat;
+    beat.set_worker_id(reg.worker_id());
+    beat.set_incarnation(reg.incarnation());
+    {
+      absl::MutexLock lock(&mu_);
+      if (!in_session_ || stopping_) return;
+      beat.mutable_heartbeat()->set_step(step_);
+    }
+    beat.mutable_heartbeat()->set_send_time_us(NowMicros());
+    {
+      absl::MutexLock lock(&stream_mu_);
+      if (!stream->Write(beat)) return;  // the reader sees the stream end
+    }
+    heartbeats_->Increment();
+    absl::MutexLock lock(&mu_);
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_session_ || stopping_; };
+    if (mu_.AwaitWithTimeout(absl::Condition(&done), period)) return;
+  }
+}
+
+void WorkerAgent::Stop(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  {
+    absl::MutexLock lock(&stream_mu_);
+    if (stream_ != nullptr) {
+      v1::WorkerMessage bye;
+      bye.set_worker_id(registration_.worker_id());
+      bye.set_incarnation(registration_.incarnation());
+      bye.mutable_goodbye()->set_reason("worker shutting down");
+      stream_->Write(bye);
+      stream_->WritesDone();
+    } else if (session_ctx_ != nullptr) {
+      session_ctx_->TryCancel();  // still registering
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto closed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_session_; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&closed), grace)) {
+    absl::MutexLock stream_lock(&stream_mu_);
+    if (session_ctx_ != nullptr) session_ctx_->TryCancel();
+  }
+}
+
+}  // namespace baton

@@ -1,0 +1,92 @@
+// WorkerAgent: the worker's session with the coordinator.
+//
+// Registers, opens the Session stream and heartbeats on it; when the stream
+// ends for any reason (coordinator restart, lease expiry, network) it
+// registers again with exponential backoff and never exits on its own.
+// Commands pushed by the coordinator go to the handler given at construction.
+//
+// Thread-safe: Run() blocks in one thread; Stop() and Readiness() may be
+// called from any other.
+#ifndef BATON_WORKER_AGENT_H_
+#define BATON_WORKER_AGENT_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "baton/v1/coordinator.grpc.pb.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+
+namespace baton {
+
+class WorkerAgent {
+ public:
+  struct Options {
+    std::string coordinator;  // HOST:PORT
+    std::string name;
+    std::string host;
+    std::string device = "cpu";
+    int http_port = 0;
+    int64_t memory_bytes = 0;
+    absl::Duration rpc_timeout = absl::Seconds(5);
+    absl::Duration backoff_min = absl::Milliseconds(100);
+    absl::Duration backoff_max = absl::Seconds(2);
+  };
+  using CommandHandler = std::function<void(const v1::CoordinatorMessage&)>;
+
+  // Metrics are registered in `metrics`; `on_command` may be null.
+  WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel, prometheus::Registry& metrics,
+              CommandHandler on_command = nullptr);
+
+  // Runs sessions until Stop(). Returns when stopped.
+  void Run();
+
+  // Says goodbye on the open session (if any), closes it and makes Run()
+  // return within `grace` (the stream is cancelled after that).
+  void Stop(absl::Duration grace = absl::Seconds(2));
+
+  // OK while a session is open; otherwise why not (e.g. coordinator unreachable).
+  absl::Status Readiness() const;
+
+ private:
+  // One Register + Session; returns why it ended.
+  absl::Status RunSession(bool* opened);
+  void Heartbeats(grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream,
+                  const v1::RegisterResponse& reg, absl::Duration period);
+
+  const Options options_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  CommandHandler on_command_;
+  prometheus::Counter* heartbeats_;
+  prometheus::Counter* reconnects_;
+  prometheus::Gauge* connected_;
+
+  // State; never held across a blocking stream write.
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool in_session_ ABSL_GUARDED_BY(mu_) = false;    // stream open, heartbeats due
+  bool session_open_ ABSL_GUARDED_BY(mu_) = false;  // coordinator acknowledged us
+  absl::Status not_ready_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("not registered yet");
+  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // The open stream; writes are serialised under this lock (gRPC allows one
+  // writer and one reader at a time).
+  absl::Mutex stream_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(stream_mu_) = nullptr;
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ ABSL_GUARDED_BY(stream_mu_) =
+      nullptr;
+  v1::RegisterResponse registration_ ABSL_GUARDED_BY(stream_mu_);
+};
+
+}  // namespace baton
+
+#endif  // BATON_WORKER_AGENT_H_

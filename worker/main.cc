@@ -1,0 +1,135 @@
+// baton-worker: a long-running worker daemon. Registers with the coordinator,
+// keeps its session alive (re-registering after any loss, never exiting on
+// its own), serves gRPC health and /metrics, /healthz, /readyz.
+//
+// Exit codes: 0 after SIGTERM/SIGINT, 1 when it cannot serve, 2 for bad flags.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/ops_server.h"
+#include "common/version.h"
+#include "coordinator/worker_registry.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+#include "worker/agent.h"
+
+ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (required)");
+ABSL_FLAG(std::string, name, "", "stable worker name (default: hostname); re-registering replaces the old one");
+ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
+ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
+ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
+
+namespace baton {
+namespace {
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "baton-worker: %s\n", message.c_str());
+  return code;
+}
+
+std::string Hostname() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+int Main() {
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (coordinator.empty()) return Fail(2, "--coordinator=HOST:PORT is required");
+  std::string host;
+  int port = 0;
+  if (absl::Status s = ParseHostPort(coordinator, "coordinator", &host, &port); !s.ok() || port == 0) {
+    return Fail(2, absl::StrCat("--coordinator='", coordinator, "' must be HOST:PORT with a non-zero port"));
+  }
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (!IsValidDevice(device)) {
+    return Fail(2, absl::StrCat("--device='", device, "' must be \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
+  }
+  std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
+  SetLogComponent(absl::StrCat("worker ", name));
+
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen), "; pick another --listen"));
+  }
+
+  auto metrics = std::make_shared<prometheus::Registry>();
+  prometheus::BuildGauge()
+      .Name("baton_build_info")
+      .Help("baton build; the value is always 1")
+      .Register(*metrics)
+      .Add({{"version", kVersion}, {"component", "worker"}})
+      .Set(1);
+
+  WorkerAgent::Options options;
+  options.coordinator = coordinator;
+  options.name = name;
+  options.host = Hostname();
+  options.device = device;
+  options.memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  std::unique_ptr<WorkerAgent> agent;
+  auto ops = OpsServer::Start(absl::GetFlag(FLAGS_http_listen), metrics, [&agent]() {
+    return agent ? agent->Readiness() : absl::UnavailableError("starting");
+  });
+  if (!ops.ok()) return Fail(1, std::string(ops.status().message()));
+  options.http_port = (*ops)->port();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  agent = std::make_unique<WorkerAgent>(
+      options, grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args), *metrics);
+
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    if (absl::Status s = WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, (*ops)->port()); !s.ok()) {
+      return Fail(1, std::string(s.message()));
+    }
+  }
+  BATON_LOG(INFO) << "baton-worker " << kVersion << " (" << device << ") gRPC port " << grpc_port
+                  << ", HTTP port " << (*ops)->port() << "; coordinator " << coordinator;
+  std::thread session([&]() { agent->Run(); });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; leaving";
+  server->GetHealthCheckService()->SetServingStatus(false);
+  agent->Stop(absl::Seconds(2));
+  session.join();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  BATON_LOG(INFO) << "stopped";
+  return 0;
+}
+
+}  // namespace
+}  // namespace baton
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("baton worker: baton-worker --coordinator=HOST:PORT [--name=NAME] [--device=cpu]");
+  absl::ParseCommandLine(argc, argv);
+  return baton::Main();
+}
