@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "common/http_get.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"
 
@@ -62,6 +63,7 @@ class Cluster {
     ASSERT_TRUE(workers_[name]->Start().ok());
     auto ports = ReadPortFile(port_file, absl::Seconds(10));
     ASSERT_TRUE(ports.ok()) << workers_[name]->Log();
+    worker_grpc_[name] = ports->first;
     worker_http_[name] = ports->second;
   }
 
@@ -106,7 +108,7 @@ class Cluster {
   std::string dir_;
   std::unique_ptr<Subprocess> coordinator_;
   std::map<std::string, std::unique_ptr<Subprocess>> workers_;
-  std::map<std::string, int> worker_http_;
+  std::map<std::string, int> worker_grpc_, worker_http_;
   int grpc_port_ = 0, http_port_ = 0;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
@@ -131,12 +133,27 @@ double MetricValue(const std::string& metrics, const std::string& series) {
   return std::stod(m[2]);
 }
 
+// grpc.health.v1 Check on HOST:PORT: the serving status, or UNKNOWN on error.
+grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(int port) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckResponse resp;
+  if (!stub->Check(&ctx, {}, &resp).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  return resp.status();
+}
+
 TEST(ClusterTest, WorkersComeGoFreezeAndSurviveACoordinatorRestart) {
   Cluster c("lifecycle");
   c.StartCoordinator();
   const std::vector<std::string> names = {"w1", "w2", "w3"};
   for (const auto& n : names) c.StartWorker(n);
   ASSERT_TRUE(c.AwaitAllReady(names, absl::Seconds(10))) << c.Logs();
+
+  // Both daemons serve grpc.health.v1.
+  EXPECT_EQ(HealthOf(c.grpc_port_), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(HealthOf(c.worker_grpc_["w1"]), grpc::health::v1::HealthCheckResponse::SERVING);
 
   // Metrics parse (promtool) and count three ready workers.
   std::string metrics = Scrape(c.http_port_);
