@@ -1,0 +1,134 @@
+#include "coordinator/planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "coordinator/job_spec.h"
+
+namespace baton {
+
+LayerCosts CostsOf(const v1::ModelSpec& model) {
+  LayerCosts c;
+  if (model.has_synthetic()) return c;
+  const double d = model.d_model(), s = model.seq_len(), v = model.vocab();
+  const double block = 24.0 * d * d + 4.0 * s * d;
+  if (block <= 0) return c;
+  c.head = 2.0 * d * v / block;
+  c.embedding = 0.05;
+  return c;
+}
+
+std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs) {
+  // best[k][i]: the smallest possible max stage cost when the first k stages
+  // hold the first i layers; cut[k][i] the first layer of stage k-1 there.
+  const double kInf = std::numeric_limits<double>::infinity();
+  auto cost = [&](int stage, int first, int end) {
+    double c = end - first;
+    if (stage == 0) c += costs.embedding;
+    if (stage == stages - 1) c += costs.head;
+    return c;
+  };
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(layers + 1, kInf));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(layers + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int i = k; i <= layers - (stages - k); ++i) {
+      for (int j = k - 1; j < i; ++j) {
+        if (best[k - 1][j] == kInf) continue;
+        double m = std::max(best[k - 1][j], cost(k - 1, j, i));
+        // Ties go to the later cut, which keeps earlier stages no heavier.
+        if (m < best[k][i] - 1e-12 || (std::abs(m - best[k][i]) <= 1e-12 && j > cut[k][i])) {
+          best[k][i] = m;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<v1::StagePartition> out(stages);
+  int end = layers;
+  for (int k = stages; k >= 1; --k) {
+    const int first = cut[k][end];
+    v1::StagePartition& p = out[k - 1];
+    p.set_stage(k - 1);
+    p.set_first_layer(first);
+    p.set_num_layers(end - first);
+    p.set_has_embedding(k == 1);
+    p.set_has_head(k == stages);
+    end = first;
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                  int64_t generation) {
+  BATON_RETURN_IF_ERROR(ValidateJobSpec(job));
+  const ParallelDims d = DimsOf(job);
+  const int world = d.world_size();
+  if (static_cast<int>(ready.size()) < world) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' needs pp*tp*dp = ", d.pp, "*", d.tp,
+                                                      "*", d.dp, " = ", world, " workers; ", ready.size(),
+                                                      " are ready (start ", world - ready.size(), " more)"));
+  }
+  // Free workers per host, each list in name order; hosts in name order.
+  std::map<std::string, std::vector<const v1::WorkerInfo*>> free;
+  for (const v1::WorkerInfo& w : ready) free[w.host()].push_back(&w);
+  for (auto& [host, list] : free) {
+    std::sort(list.begin(), list.end(), [](auto* a, auto* b) { return a->name() < b->name(); });
+    std::reverse(list.begin(), list.end());  // pop_back() yields name order
+  }
+  auto take_group = [&](int n) {
+    std::vector<const v1::WorkerInfo*> group;
+    for (auto& [host, list] : free) {
+      if (static_cast<int>(list.size()) >= n) {
+        for (int i = 0; i < n; ++i) {
+          group.push_back(list.back());
+          list.pop_back();
+        }
+        return group;
+      }
+    }
+    for (auto& [host, list] : free) {  // no host fits the whole group: spread it
+      while (!list.empty() && static_cast<int>(group.size()) < n) {
+        group.push_back(list.back());
+        list.pop_back();
+      }
+    }
+    return group;
+  };
+
+  v1::Plan plan;
+  plan.set_job(job.name());
+  plan.set_generation(generation);
+  plan.set_pp(d.pp);
+  plan.set_tp(d.tp);
+  plan.set_dp(d.dp);
+  plan.set_virtual_stages(d.virtual_stages);
+  for (int dp = 0; dp < d.dp; ++dp) {
+    for (int pp = 0; pp < d.pp; ++pp) {
+      std::vector<const v1::WorkerInfo*> group = take_group(d.tp);
+      for (int tp = 0; tp < d.tp; ++tp) {
+        v1::RankAssignment* r = plan.add_ranks();
+        r->set_worker_name(group[tp]->name());
+        r->set_worker_id(group[tp]->worker_id());
+        r->set_host(group[tp]->host());
+        r->set_global_rank((dp * d.pp + pp) * d.tp + tp);
+        r->set_pp_rank(pp);
+        r->set_tp_rank(tp);
+        r->set_dp_rank(dp);
+      }
+    }
+  }
+  for (auto& [host, list] : free) {
+    for (auto it = list.rbegin(); it != list.rend(); ++it) plan.add_spares((*it)->name());
+  }
+  for (v1::StagePartition& p :
+       PartitionLayers(job.model().layers(), d.pp * d.virtual_stages, CostsOf(job.model()))) {
+    *plan.add_stages() = std::move(p);
+  }
+  return plan;
+}
+
+}  // namespace baton

@@ -1,0 +1,47 @@
+// Planner: JobSpec + READY workers -> Plan (who holds which pipeline stage
+// and TP/DP rank, which layers each stage holds, who stays spare).
+//
+// Rank order: TP innermost, then PP, then DP:
+//   global_rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+// so a TP group is a block of tp consecutive ranks, placed on one host when
+// some host has tp free workers (TP all-reduces are the most frequent and
+// latency-bound collectives). Workers are taken in (host, name) order, so the
+// same workers always give the same plan. The rest are spares.
+//
+// Layer partition: contiguous blocks over pp * virtual_stages stages (chunk c
+// lives on pp rank c % pp), minimising the costliest stage, where a block
+// costs 1 and the first/last stage also pay for the embedding/LM head in
+// block units (see LayerCosts). Every stage gets at least one block.
+#ifndef BATON_COORDINATOR_PLANNER_H_
+#define BATON_COORDINATOR_PLANNER_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "baton/v1/coordinator.pb.h"
+#include "baton/v1/job.pb.h"
+#include "baton/v1/plan.pb.h"
+
+namespace baton {
+
+struct LayerCosts {
+  double embedding = 0;  // in units of one transformer block
+  double head = 0;       // final LayerNorm + LM head + loss
+};
+
+// Forward FLOP ratios: a block is ~24*d^2 + 4*s*d per token, the LM head
+// 2*d*vocab, the embedding a lookup (counted as 0.05 blocks for its optimizer
+// and gradient traffic). Synthetic models cost the same per block and nothing else.
+LayerCosts CostsOf(const v1::ModelSpec& model);
+
+// Contiguous partition of `layers` blocks into `stages` stages (layers >= stages).
+std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs);
+
+// FAILED_PRECONDITION when fewer workers are ready than pp*tp*dp (says how
+// many are missing); INVALID_ARGUMENT for an invalid spec.
+absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                  int64_t generation);
+
+}  // namespace baton
+
+#endif  // BATON_COORDINATOR_PLANNER_H_

@@ -1,0 +1,134 @@
+#include "coordinator/planner.h"
+
+#include <set>
+
+#include "coordinator/job_spec.h"
+#include "gtest/gtest.h"
+
+namespace baton {
+namespace {
+
+v1::JobSpec Job(int layers, int pp, int tp, int dp) {
+  v1::JobSpec job;
+  job.set_name("j");
+  auto* m = job.mutable_model();
+  m->set_layers(layers);
+  m->set_d_model(64);
+  m->set_heads(8);
+  m->set_vocab(64);
+  m->set_seq_len(16);
+  job.mutable_parallel()->set_pp(pp);
+  job.mutable_parallel()->set_tp(tp);
+  job.mutable_parallel()->set_dp(dp);
+  job.mutable_schedule()->set_kind("1f1b");
+  job.mutable_schedule()->set_microbatches(4);
+  job.mutable_train()->set_steps(1);
+  job.mutable_train()->set_micro_batch_size(1);
+  return job;
+}
+
+std::vector<v1::WorkerInfo> Workers(const std::vector<std::pair<std::string, std::string>>& name_host) {
+  std::vector<v1::WorkerInfo> out;
+  int64_t id = 1;
+  for (const auto& [name, host] : name_host) {
+    v1::WorkerInfo w;
+    w.set_name(name);
+    w.set_host(host);
+    w.set_worker_id(id++);
+    out.push_back(w);
+  }
+  return out;
+}
+
+std::vector<int> Sizes(const std::vector<v1::StagePartition>& parts) {
+  std::vector<int> out;
+  for (const auto& p : parts) out.push_back(p.num_layers());
+  return out;
+}
+
+TEST(PlannerTest, UnevenLayersSpreadContiguouslyAndCoverAll) {
+  auto parts = PartitionLayers(7, 3, LayerCosts{});
+  ASSERT_EQ(parts.size(), 3u);
+  int next = 0, total = 0;
+  for (const auto& p : parts) {
+    EXPECT_EQ(p.first_layer(), next);
+    EXPECT_GE(p.num_layers(), 1);
+    next += p.num_layers();
+    total += p.num_layers();
+  }
+  EXPECT_EQ(total, 7);
+  std::vector<int> sizes = Sizes(parts);
+  EXPECT_EQ(*std::max_element(sizes.begin(), sizes.end()), 3);
+  EXPECT_TRUE(parts.front().has_embedding());
+  EXPECT_TRUE(parts.back().has_head());
+  EXPECT_FALSE(parts[1].has_embedding() || parts[1].has_head());
+}
+
+TEST(PlannerTest, AHeavyHeadTakesLayersOffTheLastStage) {
+  EXPECT_EQ(Sizes(PartitionLayers(8, 2, LayerCosts{0, 0})), (std::vector<int>{4, 4}));
+  EXPECT_EQ(Sizes(PartitionLayers(8, 2, LayerCosts{0, 2})), (std::vector<int>{5, 3}));
+  // The head costs as much as 2 blocks for a vocab of 12*d + 2*s.
+  v1::ModelSpec m;
+  m.set_d_model(64);
+  m.set_seq_len(16);
+  m.set_vocab(12 * 64 + 2 * 16);
+  EXPECT_NEAR(CostsOf(m).head, 1.0, 1e-9);
+  m.mutable_synthetic();
+  EXPECT_EQ(CostsOf(m).head, 0);
+}
+
+TEST(PlannerTest, TensorGroupsStayOnOneHostAndRanksAreTpInnermost) {
+  // Two hosts with 2 workers each and a stray: tp=2 groups must not straddle hosts.
+  auto workers = Workers({{"a1", "hostA"}, {"b1", "hostB"}, {"a2", "hostA"}, {"b2", "hostB"}, {"c1", "hostC"}});
+  auto plan = MakePlan(Job(4, 2, 2, 1), workers, 7);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->generation(), 7);
+  ASSERT_EQ(plan->ranks_size(), 4);
+  for (const auto& r : plan->ranks()) {
+    EXPECT_EQ(r.global_rank(), r.pp_rank() * 2 + r.tp_rank());
+  }
+  EXPECT_EQ(plan->ranks(0).host(), plan->ranks(1).host());
+  EXPECT_EQ(plan->ranks(2).host(), plan->ranks(3).host());
+  EXPECT_NE(plan->ranks(0).host(), plan->ranks(2).host());
+  ASSERT_EQ(plan->spares_size(), 1);
+  EXPECT_EQ(plan->spares(0), "c1");
+  EXPECT_EQ(plan->stages_size(), 2);
+}
+
+TEST(PlannerTest, SameWorkersGiveTheSamePlanWhateverTheirOrder) {
+  auto w1 = Workers({{"x", "h"}, {"y", "h"}, {"z", "h"}});
+  auto w2 = Workers({{"z", "h"}, {"x", "h"}, {"y", "h"}});
+  for (auto& w : w2) w.set_worker_id(w.name() == "x" ? 1 : w.name() == "y" ? 2 : 3);
+  auto p1 = MakePlan(Job(3, 3, 1, 1), w1, 1), p2 = MakePlan(Job(3, 3, 1, 1), w2, 1);
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  EXPECT_EQ(p1->SerializeAsString(), p2->SerializeAsString());
+}
+
+TEST(PlannerTest, DataParallelReplicasGetDistinctWorkers) {
+  auto workers = Workers({{"w0", "h"}, {"w1", "h"}, {"w2", "h"}, {"w3", "h"}, {"w4", "h"}, {"w5", "h"},
+                          {"w6", "h"}, {"w7", "h"}});
+  auto plan = MakePlan(Job(4, 2, 2, 2), workers, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::set<std::string> names;
+  for (const auto& r : plan->ranks()) names.insert(r.worker_name());
+  EXPECT_EQ(names.size(), 8u);
+  EXPECT_EQ(plan->ranks(7).dp_rank(), 1);
+  EXPECT_EQ(plan->ranks(7).global_rank(), 7);
+}
+
+TEST(PlannerTest, TooFewWorkersSaysHowManyAreMissing) {
+  auto plan = MakePlan(Job(4, 2, 2, 1), Workers({{"a", "h"}, {"b", "h"}}), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("start 2 more"), std::string::npos) << plan.status();
+}
+
+TEST(PlannerTest, InvalidSpecIsRejectedBeforePlanning) {
+  auto plan = MakePlan(Job(2, 3, 1, 1), Workers({{"a", "h"}, {"b", "h"}, {"c", "h"}}), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("model.layers"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace baton
