@@ -188,8 +188,8 @@ Action Partner(const Action& a, int rank) {
 
 bool IsSend(ActionKind k) { return k == ActionKind::kSendF || k == ActionKind::kSendB; }
 
-// Lowered schedule: rendezvous batches (see ir.h).
-absl::Status RunRendezvous(const Schedule& s, const CostModel& c, RunState* st) {
+// Lowered schedule: batches of sends and receives (see ir.h).
+absl::Status RunBatches(const Schedule& s, const CostModel& c, RunState* st) {
   const int p = s.num_ranks, m = s.microbatches;
   const size_t cells = static_cast<size_t>(s.num_stages()) * m;
   std::vector<double> send_post(2 * cells, kNotYet), recv_post(2 * cells, kNotYet);
@@ -221,15 +221,19 @@ absl::Status RunRendezvous(const Schedule& s, const CostModel& c, RunState* st) 
       double finish = st->clock[r];
       bool blocked = false;
       for (size_t i = pc; i < end && !blocked; ++i) {
+        const bool send = IsSend(program[i].kind);
+        if (send && !c.blocking_sends) continue;
         const size_t id = MessageId(program[i], m, cells);
-        const double other = (IsSend(program[i].kind) ? recv_post : send_post)[id];
+        const double other = (send ? recv_post : send_post)[id];
         if (other == kNotYet) {
           waiters.Wait(id, r);
           blocked = true;
           st->waiting_for[r] = absl::StrCat("rank ", program[i].peer, " to post ",
                                             ActionToString(Partner(program[i], r)));
-        } else {
+        } else if (c.blocking_sends) {
           finish = std::max(finish, std::max(send_post[id], recv_post[id]) + message);
+        } else {
+          finish = std::max(finish, std::max(recv_post[id], send_post[id] + message));
         }
       }
       if (blocked) break;
@@ -299,14 +303,16 @@ absl::Status Run(const Schedule& s, const CostModel& costs, RunState* st) {
   st->waiting_for.resize(s.num_ranks);
   st->timings.resize(s.num_ranks);
   for (int r = 0; r < s.num_ranks; ++r) st->timings[r].resize(s.ranks[r].size());
-  return HasCommunication(s) ? RunRendezvous(s, costs, st) : RunEager(s, costs, st);
+  return HasCommunication(s) ? RunBatches(s, costs, st) : RunEager(s, costs, st);
 }
 
 }  // namespace
 
 std::optional<Deadlock> FindDeadlock(const Schedule& s) {
   RunState st;
-  absl::Status run = Run(s, CostModel(), &st);
+  CostModel blocking;
+  blocking.blocking_sends = true;
+  absl::Status run = Run(s, blocking, &st);
   if (run.ok()) return std::nullopt;
   for (int r = 0; r < s.num_ranks; ++r) {
     if (st.pc[r] < s.ranks[r].size()) {

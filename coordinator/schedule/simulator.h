@@ -4,9 +4,12 @@
 //
 // A compute-only schedule runs with eager messages: an op starts once its rank
 // is free and its inputs have arrived (producer end + message cost when the
-// producer is on another rank). A lowered schedule runs under the rendezvous
-// semantics described in ir.h: a batch of sends/receives completes when every
-// peer has posted its side, plus the message cost.
+// producer is on another rank). A lowered schedule runs its programs batch by
+// batch (see ir.h). By default a send returns once posted (an isend whose
+// buffer is released later) and a receive waits for the data (send post +
+// message cost). With `blocking_sends`, sends wait for the receiver too
+// (rendezvous: both sides finish at the later post + message cost), the
+// strict semantics the validator proves deadlock freedom under.
 //
 // Costs describe a rank's whole model share (one stage when v = 1); a chunk
 // of an interleaved schedule costs 1/v of that, times its stage multiplier.
@@ -34,6 +37,7 @@ struct CostModel {
   double comm_latency = 0;
   double comm_bandwidth = std::numeric_limits<double>::infinity();  // bytes/unit
   double activation_bytes = 0;  // bytes per message (activations or gradients)
+  bool blocking_sends = false;  // lowered schedules only; see above
 
   // InvalidArgument naming the field when a cost is negative or not finite,
   // the bandwidth is not positive, or the multipliers do not match the stages.
@@ -77,7 +81,7 @@ struct Deadlock {
   int action = 0;       // and the action it is stuck at
 };
 
-// Runs the schedule with unit costs and reports the ranks left stuck, or
+// Runs the schedule with unit costs and blocking sends and reports the ranks left stuck, or
 // nullopt when it finishes. Actions must be in range (see Simulate).
 std::optional<Deadlock> FindDeadlock(const Schedule& schedule);
 
