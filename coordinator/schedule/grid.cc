@@ -13,10 +13,11 @@ namespace {
 constexpr int kMaxColumns = 48;
 constexpr int kMaxRows = 16;
 
-// rows[r][c] = label or "" for idle. Draws rows [row_lo, row_hi) and columns
-// [col_lo, col_hi) with the marked cell in brackets.
+// rows[r][c] = label, or "" for an empty cell drawn as `empty`. Draws rows
+// [row_lo, row_hi) and columns [col_lo, col_hi) with the marked cell in
+// brackets.
 std::string Draw(const std::vector<std::vector<std::string>>& rows, int row_lo, int row_hi,
-                 int col_lo, int col_hi, int mark_row, int mark_col) {
+                 int col_lo, int col_hi, int mark_row, int mark_col, const std::string& empty) {
   size_t width = 1;
   for (int r = row_lo; r < row_hi; ++r) {
     for (int c = col_lo; c < col_hi && c < static_cast<int>(rows[r].size()); ++c) {
@@ -34,7 +35,7 @@ std::string Draw(const std::vector<std::vector<std::string>>& rows, int row_lo, 
     for (int c = col_lo; c < col_hi; ++c) {
       std::string cell = c < static_cast<int>(rows[r].size()) && !rows[r][c].empty()
                              ? rows[r][c]
-                             : ".";
+                             : empty;
       const bool marked = r == mark_row && c == mark_col;
       cell.resize(width, ' ');
       absl::StrAppend(&line, marked ? "[" : " ", cell, marked ? "]" : " ");
@@ -70,7 +71,7 @@ absl::StatusOr<std::string> RenderTimeGrid(const Schedule& schedule) {
       rows[r][slot] = CellLabel(compute.ranks[r][i], v);
     }
   }
-  return Draw(rows, 0, compute.num_ranks, 0, slots, -1, -1);
+  return Draw(rows, 0, compute.num_ranks, 0, slots, -1, -1, ".");
 }
 
 std::string RenderProgramGrid(const Schedule& schedule, std::optional<CellRef> mark) {
@@ -105,7 +106,7 @@ std::string RenderProgramGrid(const Schedule& schedule, std::optional<CellRef> m
     row_lo = std::clamp(mark_row - kMaxRows / 2, 0, p - kMaxRows);
     row_hi = row_lo + kMaxRows;
   }
-  return Draw(rows, row_lo, row_hi, col_lo, col_hi, mark_row, mark_col);
+  return Draw(rows, row_lo, row_hi, col_lo, col_hi, mark_row, mark_col, "");
 }
 
 }  // namespace baton::schedule

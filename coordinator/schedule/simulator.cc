@@ -68,6 +68,7 @@ constexpr double kNotYet = -1;
 struct RunState {
   std::vector<size_t> pc;
   std::vector<std::string> waiting_for;  // what a blocked rank waits for
+  std::vector<size_t> blocked_at;        // and the action that waits
   std::vector<double> clock;
   std::vector<std::vector<ActionTiming>> timings;
   int64_t sequence = 0;
@@ -78,8 +79,8 @@ absl::Status Stalled(const Schedule& s, const RunState& st) {
   for (int r = 0; r < s.num_ranks; ++r) {
     if (st.pc[r] < s.ranks[r].size()) {
       stuck.push_back(absl::StrCat("rank ", r, " is stuck at ",
-                                   ActionToString(s.ranks[r][st.pc[r]]), " (action ", st.pc[r],
-                                   ") waiting for ", st.waiting_for[r]));
+                                   ActionToString(s.ranks[r][st.blocked_at[r]]), " (action ",
+                                   st.blocked_at[r], ") waiting for ", st.waiting_for[r]));
     }
   }
   return absl::FailedPreconditionError(absl::StrCat(
@@ -139,6 +140,7 @@ absl::Status RunEager(const Schedule& s, const CostModel& c, RunState* st) {
           const char* what = deps[d].kind == ActionKind::kBackward ? "B/I" : KindName(deps[d].kind);
           st->waiting_for[r] = absl::StrCat(what, "(", deps[d].stage, ",", a.microbatch,
                                             ") on rank ", RankOfStage(deps[d].stage, p));
+          st->blocked_at[r] = st->pc[r];
         } else {
           const bool remote = RankOfStage(deps[d].stage, p) != r;
           at = std::max(at, done[deps[d].key] + (remote ? message : 0));
@@ -230,6 +232,7 @@ absl::Status RunBatches(const Schedule& s, const CostModel& c, RunState* st) {
           blocked = true;
           st->waiting_for[r] = absl::StrCat("rank ", program[i].peer, " to post ",
                                             ActionToString(Partner(program[i], r)));
+          st->blocked_at[r] = i;
         } else if (c.blocking_sends) {
           finish = std::max(finish, std::max(send_post[id], recv_post[id]) + message);
         } else {
@@ -301,6 +304,7 @@ absl::Status Run(const Schedule& s, const CostModel& costs, RunState* st) {
   st->pc.assign(s.num_ranks, 0);
   st->clock.assign(s.num_ranks, 0);
   st->waiting_for.resize(s.num_ranks);
+  st->blocked_at.resize(s.num_ranks);
   st->timings.resize(s.num_ranks);
   for (int r = 0; r < s.num_ranks; ++r) st->timings[r].resize(s.ranks[r].size());
   return HasCommunication(s) ? RunBatches(s, costs, st) : RunEager(s, costs, st);
@@ -316,7 +320,7 @@ std::optional<Deadlock> FindDeadlock(const Schedule& s) {
   if (run.ok()) return std::nullopt;
   for (int r = 0; r < s.num_ranks; ++r) {
     if (st.pc[r] < s.ranks[r].size()) {
-      return Deadlock{std::string(run.message()), r, static_cast<int>(st.pc[r])};
+      return Deadlock{std::string(run.message()), r, static_cast<int>(st.blocked_at[r])};
     }
   }
   return std::nullopt;

@@ -59,8 +59,9 @@ class Checker {
   size_t Cell(int stage, int mb) const { return static_cast<size_t>(stage) * m_ + mb; }
   int Pos(int slot, int stage, int mb) const { return pos_[slot][Cell(stage, mb)]; }
   int RankOf(int stage) const { return RankOfStage(stage, p_); }
+  // "F(1,3)", "SEND_F(1,3)": the kind and cell, without a peer.
   std::string Name(int slot, int stage, int mb) const {
-    return ActionToString(Action{kSlotKinds[slot], stage, mb, 0});
+    return absl::StrCat(KindName(kSlotKinds[slot]), "(", stage, ",", mb, ")");
   }
   // "F(1,3) on rank 1 (action 4)"
   std::string Where(int slot, int stage, int mb) const {
