@@ -93,8 +93,8 @@ int main() {
       const Timing t = Best(spec, 5);
       std::printf("%-12s %4d %5d %9zu %7.1fms %7.1fms %7.1fms %7.1fms %7.1fms %10.0f %7.4f\n",
                   (kind.kind + (kind.virtual_stages > 1 ? " v=2" : "")).c_str(), p, m, t.actions,
-                  t.build * 1e3, t.lower * 1e3, t.validate * 1e3, t.simulate * 1e3,
-                  t.total() * 1e3, t.total() * 1e9 / (static_cast<double>(p) * m), t.bubble);
+                  t.build * 1e3, t.lower * 1e3, t.validate * 1e3, t.simulate * 1e3, t.total() * 1e3,
+                  t.total() * 1e9 / (static_cast<double>(p) * m), t.bubble);
     }
   }
   return 0;

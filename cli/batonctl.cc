@@ -31,7 +31,9 @@ int main(int argc, char** argv) {
   if (argc < 2) return Usage(std::cerr);
   const std::string name = argv[1];
   for (const Subcommand& s : kSubcommands) {
-    if (name == s.name) return s.run(std::vector<std::string>(argv + 2, argv + argc), std::cout, std::cerr);
+    if (name == s.name) {
+      return s.run(std::vector<std::string>(argv + 2, argv + argc), std::cout, std::cerr);
+    }
   }
   std::cerr << "batonctl: unknown subcommand '" << name << "'\n";
   return Usage(std::cerr);

@@ -1,9 +1,9 @@
 #include "cli/schedule_cmd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <set>
 #include <sstream>
 
@@ -41,6 +41,7 @@ constexpr char kUsage[] =
     "            [--forward=1 --backward_input=1 --backward_weight=1]\n"
     "            [--stage_multipliers=X,Y,...] [--comm_latency=0 --comm_bandwidth=inf\n"
     "            --activation_bytes=0] [--blocking_sends] --format=text|json|chrome|csv\n"
+    "            (csv: the schedule in PyTorch's compute-only CSV format)\n"
     "  validate  --file=PATH (PyTorch compute-only CSV or a JSON array of programs)\n"
     "KIND is one of gpipe, 1f1b, interleaved, zb-h1.\n";
 
@@ -48,8 +49,8 @@ constexpr char kUsage[] =
 absl::Status Bad(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
 const std::set<std::string> kSourceFlags = {"schedule", "pp", "microbatches", "virtual", "file"};
-const std::set<std::string> kCostFlags = {"forward",        "backward_input", "backward_weight",
-                                          "comm_latency",   "comm_bandwidth", "activation_bytes",
+const std::set<std::string> kCostFlags = {"forward",          "backward_input", "backward_weight",
+                                          "comm_latency",     "comm_bandwidth", "activation_bytes",
                                           "stage_multipliers"};
 
 std::set<std::string> Union(std::set<std::string> a, const std::set<std::string>& b) {
@@ -76,14 +77,18 @@ absl::StatusOr<Schedule> LoadFile(const std::string& path) {
   return parsed;
 }
 
-// An integer flag >= min; `def` < 0 makes it required.
+// An integer flag in [min, kMaxSize]; `def` < 0 makes it required.
+constexpr int64_t kMaxSize = 1 << 16;
 absl::StatusOr<int> IntFlag(const Args& args, const std::string& name, int def, int min) {
   if (def < 0 && !args.Has(name)) return Bad(absl::StrCat("--", name, " is required"));
   auto v = args.GetInt(name, def);
   if (!v.ok()) return v.status();
-  if (*v < min || *v > 1 << 20) {
+  if (*v < min) {
     return Bad(absl::StrCat("--", name, " must be at least ", min, " (got ", *v, ")",
                             name == "pp" ? "; set it to the number of pipeline ranks" : ""));
+  }
+  if (*v > kMaxSize) {
+    return Bad(absl::StrCat("--", name, " must be at most ", kMaxSize, " (got ", *v, ")"));
   }
   return static_cast<int>(*v);
 }
@@ -95,8 +100,9 @@ absl::StatusOr<Schedule> LoadSchedule(const Args& args) {
   if (has_file && has_kind) return Bad("give either --schedule or --file, not both");
   if (has_file) return LoadFile(args.GetString("file", ""));
   if (!has_kind) {
-    return Bad("give --schedule=KIND (one of gpipe, 1f1b, interleaved, zb-h1) with --pp and "
-               "--microbatches, or --file=PATH");
+    return Bad(
+        "give --schedule=KIND (one of gpipe, 1f1b, interleaved, zb-h1) with --pp and "
+        "--microbatches, or --file=PATH");
   }
   schedule::ScheduleSpec spec;
   spec.kind = args.GetString("schedule", "");
@@ -122,18 +128,19 @@ absl::StatusOr<Schedule> LoadSchedule(const Args& args) {
     const int fix = (spec.microbatches / spec.num_ranks + 1) * spec.num_ranks;
     return Bad(absl::StrCat("--microbatches=", spec.microbatches,
                             " does not fit interleaved with --pp=", spec.num_ranks,
-                            ": it needs a multiple of ", spec.num_ranks, "; use --microbatches=",
-                            fix));
+                            ": it needs a multiple of ", spec.num_ranks,
+                            "; use --microbatches=", fix));
   }
   return schedule::BuildSchedule(spec);
 }
 
 absl::StatusOr<CostModel> LoadCosts(const Args& args) {
   CostModel c;
-  const std::pair<const char*, double*> fields[] = {
-      {"forward", &c.forward},           {"backward_input", &c.backward_input},
-      {"backward_weight", &c.backward_weight}, {"comm_latency", &c.comm_latency},
-      {"activation_bytes", &c.activation_bytes}};
+  const std::pair<const char*, double*> fields[] = {{"forward", &c.forward},
+                                                    {"backward_input", &c.backward_input},
+                                                    {"backward_weight", &c.backward_weight},
+                                                    {"comm_latency", &c.comm_latency},
+                                                    {"activation_bytes", &c.activation_bytes}};
   for (const auto& [name, field] : fields) {
     auto v = args.GetDouble(name, *field);
     if (!v.ok()) return v.status();
@@ -147,7 +154,8 @@ absl::StatusOr<CostModel> LoadCosts(const Args& args) {
   if (!bandwidth.ok()) return bandwidth.status();
   if (!(*bandwidth > 0)) {
     return Bad(absl::StrCat("--comm_bandwidth must be > 0 (got ",
-                            args.GetString("comm_bandwidth", ""), "); use inf for free "
+                            args.GetString("comm_bandwidth", ""),
+                            "); use inf for free "
                             "communication"));
   }
   c.comm_bandwidth = *bandwidth;
@@ -155,7 +163,8 @@ absl::StatusOr<CostModel> LoadCosts(const Args& args) {
     for (absl::string_view word : absl::StrSplit(args.GetString("stage_multipliers", ""), ',')) {
       double f;
       if (!absl::SimpleAtod(word, &f) || !(f >= 0) || !std::isfinite(f)) {
-        return Bad(absl::StrCat("--stage_multipliers: '", word, "' is not a number >= 0; give "
+        return Bad(absl::StrCat("--stage_multipliers: '", word,
+                                "' is not a number >= 0; give "
                                 "one factor per stage, comma-separated"));
       }
       c.stage_multipliers.push_back(f);
@@ -248,16 +257,14 @@ int ValidateCmd(const Args& args, std::ostream& out, std::ostream& err) {
   size_t actions = 0;
   for (const auto& program : s->ranks) actions += program.size();
   out << "valid: " << (s->kind.empty() ? "imported" : s->kind) << " schedule, p=" << s->num_ranks
-      << " v=" << s->virtual_stages << " m=" << s->microbatches << ", " << actions
-      << " actions" << (schedule::HasCommunication(*s) ? " (lowered)" : " (compute only)")
-      << "\n";
+      << " v=" << s->virtual_stages << " m=" << s->microbatches << ", " << actions << " actions"
+      << (schedule::HasCommunication(*s) ? " (lowered)" : " (compute only)") << "\n";
   return kOk;
 }
 
 }  // namespace
 
-int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out,
-                       std::ostream& err) {
+int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   using Handler = int (*)(const Args&, std::ostream&, std::ostream&);
   struct Command {
     Handler run;
@@ -266,8 +273,8 @@ int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out,
   };
   const std::map<std::string, Command> commands = {
       {"show", {&Show, Union(kSourceFlags, {"format"}), {}}},
-      {"simulate", {&Simulate, Union(Union(kSourceFlags, kCostFlags), {"format"}),
-                    {"blocking_sends"}}},
+      {"simulate",
+       {&Simulate, Union(Union(kSourceFlags, kCostFlags), {"format"}), {"blocking_sends"}}},
       {"validate", {&ValidateCmd, kSourceFlags, {}}},
   };
   if (args.empty() || !commands.count(args[0])) {
@@ -276,8 +283,8 @@ int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out,
     return kBadInput;
   }
   const Command& command = commands.at(args[0]);
-  auto parsed = Args::Parse(std::vector<std::string>(args.begin() + 1, args.end()),
-                            command.flags, command.booleans);
+  auto parsed = Args::Parse(std::vector<std::string>(args.begin() + 1, args.end()), command.flags,
+                            command.booleans);
   if (!parsed.ok()) return Fail(parsed.status(), err);
   if (!parsed->positionals().empty()) {
     return Fail(Bad(absl::StrCat("unexpected argument '", parsed->positionals()[0],

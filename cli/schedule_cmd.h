@@ -8,6 +8,7 @@
 //                     --stage_multipliers=1,1.5,... --comm_latency=0
 //                     --comm_bandwidth=inf --activation_bytes=0
 //                     --blocking_sends] --format=text|json|chrome|csv
+//                     (csv writes the schedule in PyTorch's compute-only CSV)
 //   schedule validate --file=PATH   (PyTorch compute-only CSV or our JSON)
 #ifndef BATON_CLI_SCHEDULE_CMD_H_
 #define BATON_CLI_SCHEDULE_CMD_H_
@@ -21,8 +22,7 @@ namespace baton::cli {
 // `args` are the words after `batonctl schedule`. Returns the exit code:
 // 0 success, 1 the schedule is invalid (the violation goes to `err`), 2 bad
 // input (a message on `err` says what to change).
-int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out,
-                       std::ostream& err);
+int RunScheduleCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
 }  // namespace baton::cli
 

@@ -46,11 +46,13 @@ TEST(ScheduleCommand, ShowPrintsTheTextbookGrid) {
 }
 
 TEST(ScheduleCommand, ShowInterleavedAndOtherFormats) {
-  Result grid = Batonctl({"show", "--schedule=interleaved", "--pp=2", "--microbatches=2", "--virtual=2"});
+  Result grid =
+      Batonctl({"show", "--schedule=interleaved", "--pp=2", "--microbatches=2", "--virtual=2"});
   ASSERT_EQ(grid.code, 0) << grid.err;
   EXPECT_NE(grid.out.find("rank 0 | 0F0  0F1  2F0  2F1"), std::string::npos) << grid.out;
 
-  Result json = Batonctl({"show", "--schedule=gpipe", "--pp=2", "--microbatches=2", "--format=json"});
+  Result json =
+      Batonctl({"show", "--schedule=gpipe", "--pp=2", "--microbatches=2", "--format=json"});
   ASSERT_EQ(json.code, 0) << json.err;
   auto programs = schedule::FromProgramsJson(json.out);
   ASSERT_TRUE(programs.ok()) << programs.status();
@@ -61,7 +63,8 @@ TEST(ScheduleCommand, ShowInterleavedAndOtherFormats) {
 }
 
 TEST(ScheduleCommand, SimulateJsonHasExactlyTheDocumentedKeys) {
-  Result r = Batonctl({"simulate", "--schedule=gpipe", "--pp=2", "--microbatches=2", "--format=json"});
+  Result r =
+      Batonctl({"simulate", "--schedule=gpipe", "--pp=2", "--microbatches=2", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;
   // (p-1)/(m+p-1) = 1/3 of a makespan of 3 * (m + p - 1).
   EXPECT_EQ(r.out,
@@ -75,14 +78,14 @@ TEST(ScheduleCommand, SimulateJsonHasExactlyTheDocumentedKeys) {
 TEST(ScheduleCommand, SimulateTakesCosts) {
   // F = 2, B = I + W = 3 per stage; latency 1 per message:
   // rank 0 F [0,2] -> rank 1 F [3,5], B [5,8] -> rank 0 B [9,12].
-  Result r = Batonctl({"simulate", "--schedule=1f1b", "--pp=2", "--microbatches=1", "--forward=2",
-                  "--backward_input=1", "--backward_weight=2", "--comm_latency=1",
-                  "--format=json"});
+  Result r =
+      Batonctl({"simulate", "--schedule=1f1b", "--pp=2", "--microbatches=1", "--forward=2",
+                "--backward_input=1", "--backward_weight=2", "--comm_latency=1", "--format=json"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out.substr(0, r.out.find(',')), "{\"makespan\": 12");
 
   Result uneven = Batonctl({"simulate", "--schedule=gpipe", "--pp=2", "--microbatches=2",
-                       "--stage_multipliers=1,2", "--format=json"});
+                            "--stage_multipliers=1,2", "--format=json"});
   ASSERT_EQ(uneven.code, 0) << uneven.err;
   // Rank 1 twice as slow: its Fs [1,3],[3,5], Bs [5,9],[9,13]; rank 0's B1 [13,15].
   EXPECT_EQ(uneven.out.substr(0, uneven.out.find(',')), "{\"makespan\": 15");
@@ -109,12 +112,14 @@ TEST(ScheduleCommand, SimulateTextChromeCsv) {
 }
 
 TEST(ScheduleCommand, ValidateCsvAndJsonFiles) {
-  const std::string good = WriteTemp("good.csv", "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n");
+  const std::string good =
+      WriteTemp("good.csv", "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n");
   Result ok = Batonctl({"validate", "--file=" + good});
   EXPECT_EQ(ok.code, 0) << ok.err;
   EXPECT_EQ(ok.out, "valid: imported schedule, p=2 v=1 m=2, 12 actions (compute only)\n");
 
-  const std::string missing_w = WriteTemp("missing_w.csv", "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0\n");
+  const std::string missing_w =
+      WriteTemp("missing_w.csv", "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0\n");
   Result bad = Batonctl({"validate", "--file=" + missing_w});
   EXPECT_EQ(bad.code, 1);
   EXPECT_NE(bad.err.find("invalid schedule: missing W(1,1): I(1,1) on rank 1 (action 3)"),
@@ -165,8 +170,9 @@ TEST(ScheduleCommand, BadInputSaysWhatToChange) {
       {{"simulate", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--backward_weight=-2"},
        "--backward_weight must be a finite number >= 0 (got -2)"},
       {{"validate", "--file=" + malformed},
-       "--file=" + malformed + ": row 1 (rank 0), cell 2: '0Q1' has kind 'Q'; the compute-only "
-       "format allows F, I, W and B"},
+       "--file=" + malformed +
+           ": row 1 (rank 0), cell 2: '0Q1' has kind 'Q'; the compute-only "
+           "format allows F, I, W and B"},
       {{"show", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--virtual=2"},
        "--virtual=2 needs --schedule=interleaved; drop --virtual for 1f1b"},
       {{"simulate", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--format=xml"},

@@ -105,30 +105,29 @@ Schedule BuildZeroBubbleH1(const ScheduleSpec& spec) {
 }  // namespace
 
 const std::vector<std::string>& ScheduleKinds() {
-  static const auto* kinds =
-      new std::vector<std::string>{"gpipe", "1f1b", "interleaved", "zb-h1"};
+  static const auto* kinds = new std::vector<std::string>{"gpipe", "1f1b", "interleaved", "zb-h1"};
   return *kinds;
 }
 
 absl::StatusOr<Schedule> BuildSchedule(const ScheduleSpec& spec) {
   const auto& kinds = ScheduleKinds();
   if (std::find(kinds.begin(), kinds.end(), spec.kind) == kinds.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown schedule '", spec.kind,
-                                                   "'; choose one of ",
-                                                   absl::StrJoin(kinds, ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown schedule '", spec.kind, "'; choose one of ", absl::StrJoin(kinds, ", ")));
   }
   if (spec.num_ranks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pipeline size must be at least 1 (got ", spec.num_ranks, "); set it to the number of "
-        "pipeline ranks"));
+    return absl::InvalidArgumentError(absl::StrCat("pipeline size must be at least 1 (got ",
+                                                   spec.num_ranks,
+                                                   "); set it to the number of "
+                                                   "pipeline ranks"));
   }
   if (spec.microbatches < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "microbatches must be at least 1 (got ", spec.microbatches, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("microbatches must be at least 1 (got ", spec.microbatches, ")"));
   }
   if (spec.virtual_stages < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "virtual stages must be at least 1 (got ", spec.virtual_stages, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("virtual stages must be at least 1 (got ", spec.virtual_stages, ")"));
   }
   if (spec.kind == "interleaved") {
     if (spec.microbatches % spec.num_ranks != 0) {
@@ -140,17 +139,18 @@ absl::StatusOr<Schedule> BuildSchedule(const ScheduleSpec& spec) {
     return BuildInterleaved(spec);
   }
   if (spec.virtual_stages != 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "virtual stages (", spec.virtual_stages, ") need the interleaved schedule; use "
-        "virtual stages 1 with ", spec.kind, " or choose interleaved"));
+    return absl::InvalidArgumentError(absl::StrCat("virtual stages (", spec.virtual_stages,
+                                                   ") need the interleaved schedule; use "
+                                                   "virtual stages 1 with ",
+                                                   spec.kind, " or choose interleaved"));
   }
   if (spec.kind == "gpipe") return BuildGpipe(spec);
   if (spec.kind == "1f1b") return BuildOneFOneB(spec);
   return BuildZeroBubbleH1(spec);
 }
 
-int ActivationBound(const std::string& kind, int num_ranks, int microbatches,
-                    int virtual_stages, int rank) {
+int ActivationBound(const std::string& kind, int num_ranks, int microbatches, int virtual_stages,
+                    int rank) {
   const int p = num_ranks, m = microbatches, v = virtual_stages;
   if (kind == "1f1b") return std::min(p - rank, m);
   if (kind == "zb-h1") return std::min(p, m);

@@ -50,8 +50,8 @@ absl::StatusOr<Schedule> BuildSchedule(const ScheduleSpec& spec);
 // Upper bound on activations (microbatch-chunks) stored at once on `rank`
 // for a schedule of this kind; the validator enforces it. For an unknown kind
 // (an imported schedule) the bound is everything: v * m.
-int ActivationBound(const std::string& kind, int num_ranks, int microbatches,
-                    int virtual_stages, int rank);
+int ActivationBound(const std::string& kind, int num_ranks, int microbatches, int virtual_stages,
+                    int rank);
 
 }  // namespace baton::schedule
 

@@ -57,8 +57,7 @@ TEST(Builders, RejectsBadSpecsWithWhatToChange) {
 
   auto few = BuildSchedule({"interleaved", 4, 6, 2});
   EXPECT_EQ(few.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(few.status().message().find("use 8 microbatches"), std::string::npos)
-      << few.status();
+  EXPECT_NE(few.status().message().find("use 8 microbatches"), std::string::npos) << few.status();
 }
 
 TEST(Builders, ActivationBounds) {

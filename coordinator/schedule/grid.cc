@@ -33,9 +33,8 @@ std::string Draw(const std::vector<std::vector<std::string>>& rows, int row_lo, 
     absl::StrAppend(&line, " |");
     if (col_lo > 0) absl::StrAppend(&line, " ...");
     for (int c = col_lo; c < col_hi; ++c) {
-      std::string cell = c < static_cast<int>(rows[r].size()) && !rows[r][c].empty()
-                             ? rows[r][c]
-                             : empty;
+      std::string cell =
+          c < static_cast<int>(rows[r].size()) && !rows[r][c].empty() ? rows[r][c] : empty;
       const bool marked = r == mark_row && c == mark_col;
       cell.resize(width, ' ');
       absl::StrAppend(&line, marked ? "[" : " ", cell, marked ? "]" : " ");
@@ -63,8 +62,7 @@ absl::StatusOr<std::string> RenderTimeGrid(const Schedule& schedule) {
   // Costs are 1/v per action; slot = start * v.
   const int v = schedule.virtual_stages;
   const int slots = static_cast<int>(std::lround(sim->makespan * v));
-  std::vector<std::vector<std::string>> rows(compute.num_ranks,
-                                             std::vector<std::string>(slots));
+  std::vector<std::vector<std::string>> rows(compute.num_ranks, std::vector<std::string>(slots));
   for (int r = 0; r < compute.num_ranks; ++r) {
     for (size_t i = 0; i < compute.ranks[r].size(); ++i) {
       const int slot = static_cast<int>(std::lround(sim->timings[r][i].start * v));

@@ -26,7 +26,8 @@ TEST(Grid, StagesLabelChunksWhenInterleaved) {
   ASSERT_TRUE(s.ok());
   auto grid = RenderTimeGrid(*s);
   ASSERT_TRUE(grid.ok());
-  EXPECT_EQ(grid->substr(0, grid->find('\n')), "rank 0 | 0F0  0F1  2F0  2F1  .    2B0  .    2B1  0B0  0B1");
+  EXPECT_EQ(grid->substr(0, grid->find('\n')),
+            "rank 0 | 0F0  0F1  2F0  2F1  .    2B0  .    2B1  0B0  0B1");
 }
 
 TEST(Grid, ProgramGridMarksACell) {

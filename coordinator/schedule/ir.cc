@@ -1,9 +1,9 @@
 #include "coordinator/schedule/ir.h"
 
-#include <algorithm>
-
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -13,33 +13,54 @@ namespace {
 
 v1::Action::Kind ToProtoKind(ActionKind kind) {
   switch (kind) {
-    case ActionKind::kForward: return v1::Action::FORWARD;
-    case ActionKind::kBackward: return v1::Action::BACKWARD;
-    case ActionKind::kBackwardInput: return v1::Action::BACKWARD_INPUT;
-    case ActionKind::kBackwardWeight: return v1::Action::BACKWARD_WEIGHT;
-    case ActionKind::kSendF: return v1::Action::SEND_F;
-    case ActionKind::kRecvF: return v1::Action::RECV_F;
-    case ActionKind::kSendB: return v1::Action::SEND_B;
-    case ActionKind::kRecvB: return v1::Action::RECV_B;
-    case ActionKind::kReduceGrads: return v1::Action::REDUCE_GRADS;
-    case ActionKind::kOptimizerStep: return v1::Action::OPTIMIZER_STEP;
+    case ActionKind::kForward:
+      return v1::Action::FORWARD;
+    case ActionKind::kBackward:
+      return v1::Action::BACKWARD;
+    case ActionKind::kBackwardInput:
+      return v1::Action::BACKWARD_INPUT;
+    case ActionKind::kBackwardWeight:
+      return v1::Action::BACKWARD_WEIGHT;
+    case ActionKind::kSendF:
+      return v1::Action::SEND_F;
+    case ActionKind::kRecvF:
+      return v1::Action::RECV_F;
+    case ActionKind::kSendB:
+      return v1::Action::SEND_B;
+    case ActionKind::kRecvB:
+      return v1::Action::RECV_B;
+    case ActionKind::kReduceGrads:
+      return v1::Action::REDUCE_GRADS;
+    case ActionKind::kOptimizerStep:
+      return v1::Action::OPTIMIZER_STEP;
   }
   return v1::Action::KIND_UNSPECIFIED;
 }
 
 absl::StatusOr<ActionKind> FromProtoKind(v1::Action::Kind kind) {
   switch (kind) {
-    case v1::Action::FORWARD: return ActionKind::kForward;
-    case v1::Action::BACKWARD: return ActionKind::kBackward;
-    case v1::Action::BACKWARD_INPUT: return ActionKind::kBackwardInput;
-    case v1::Action::BACKWARD_WEIGHT: return ActionKind::kBackwardWeight;
-    case v1::Action::SEND_F: return ActionKind::kSendF;
-    case v1::Action::RECV_F: return ActionKind::kRecvF;
-    case v1::Action::SEND_B: return ActionKind::kSendB;
-    case v1::Action::RECV_B: return ActionKind::kRecvB;
-    case v1::Action::REDUCE_GRADS: return ActionKind::kReduceGrads;
-    case v1::Action::OPTIMIZER_STEP: return ActionKind::kOptimizerStep;
-    default: break;
+    case v1::Action::FORWARD:
+      return ActionKind::kForward;
+    case v1::Action::BACKWARD:
+      return ActionKind::kBackward;
+    case v1::Action::BACKWARD_INPUT:
+      return ActionKind::kBackwardInput;
+    case v1::Action::BACKWARD_WEIGHT:
+      return ActionKind::kBackwardWeight;
+    case v1::Action::SEND_F:
+      return ActionKind::kSendF;
+    case v1::Action::RECV_F:
+      return ActionKind::kRecvF;
+    case v1::Action::SEND_B:
+      return ActionKind::kSendB;
+    case v1::Action::RECV_B:
+      return ActionKind::kRecvB;
+    case v1::Action::REDUCE_GRADS:
+      return ActionKind::kReduceGrads;
+    case v1::Action::OPTIMIZER_STEP:
+      return ActionKind::kOptimizerStep;
+    default:
+      break;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("action kind ", static_cast<int>(kind), " is not a schedule action"));
@@ -53,8 +74,8 @@ bool IsCompute(ActionKind kind) {
 }
 
 bool IsCommunication(ActionKind kind) {
-  return kind == ActionKind::kSendF || kind == ActionKind::kRecvF ||
-         kind == ActionKind::kSendB || kind == ActionKind::kRecvB;
+  return kind == ActionKind::kSendF || kind == ActionKind::kRecvF || kind == ActionKind::kSendB ||
+         kind == ActionKind::kRecvB;
 }
 
 bool HasCommunication(const Schedule& schedule) {
@@ -78,16 +99,26 @@ Schedule ComputeOnly(const Schedule& schedule) {
 
 const char* KindName(ActionKind kind) {
   switch (kind) {
-    case ActionKind::kForward: return "F";
-    case ActionKind::kBackward: return "B";
-    case ActionKind::kBackwardInput: return "I";
-    case ActionKind::kBackwardWeight: return "W";
-    case ActionKind::kSendF: return "SEND_F";
-    case ActionKind::kRecvF: return "RECV_F";
-    case ActionKind::kSendB: return "SEND_B";
-    case ActionKind::kRecvB: return "RECV_B";
-    case ActionKind::kReduceGrads: return "REDUCE_GRADS";
-    case ActionKind::kOptimizerStep: return "OPTIMIZER_STEP";
+    case ActionKind::kForward:
+      return "F";
+    case ActionKind::kBackward:
+      return "B";
+    case ActionKind::kBackwardInput:
+      return "I";
+    case ActionKind::kBackwardWeight:
+      return "W";
+    case ActionKind::kSendF:
+      return "SEND_F";
+    case ActionKind::kRecvF:
+      return "RECV_F";
+    case ActionKind::kSendB:
+      return "SEND_B";
+    case ActionKind::kRecvB:
+      return "RECV_B";
+    case ActionKind::kReduceGrads:
+      return "REDUCE_GRADS";
+    case ActionKind::kOptimizerStep:
+      return "OPTIMIZER_STEP";
   }
   return "?";
 }
@@ -143,11 +174,16 @@ absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs) 
   if (s.num_ranks < 1 || s.microbatches < 1 || first.num_stages() < 1 ||
       first.num_stages() % s.num_ranks != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "program sizes are inconsistent: num_ranks=", s.num_ranks, " num_stages=",
-        first.num_stages(), " microbatches=", s.microbatches,
+        "program sizes are inconsistent: num_ranks=", s.num_ranks,
+        " num_stages=", first.num_stages(), " microbatches=", s.microbatches,
         "; num_ranks and microbatches must be >= 1 and num_stages a multiple of num_ranks"));
   }
   s.virtual_stages = first.num_stages() / s.num_ranks;
+  if (int64_t{first.num_stages()} * s.microbatches > kMaxScheduleCells) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_stages * microbatches = ", int64_t{first.num_stages()} * s.microbatches,
+                     " is more than the ", kMaxScheduleCells, " supported"));
+  }
   if (static_cast<int>(programs.size()) != s.num_ranks) {
     return absl::InvalidArgumentError(absl::StrCat("got ", programs.size(),
                                                    " programs for num_ranks=", s.num_ranks,
@@ -158,14 +194,14 @@ absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs) 
   for (const v1::Program& p : programs) {
     if (p.schedule() != s.kind || p.num_ranks() != s.num_ranks ||
         p.num_stages() != first.num_stages() || p.microbatches() != s.microbatches) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the program of rank ", p.rank(), " disagrees with rank ", first.rank(),
-          " on schedule, num_ranks, num_stages or microbatches"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the program of rank ", p.rank(), " disagrees with rank ", first.rank(),
+                       " on schedule, num_ranks, num_stages or microbatches"));
     }
     if (p.rank() < 0 || p.rank() >= s.num_ranks || seen[p.rank()]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "program rank ", p.rank(), " is out of range or repeated; ranks must be 0..",
-          s.num_ranks - 1, " once each"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("program rank ", p.rank(), " is out of range or repeated; ranks must be 0..",
+                       s.num_ranks - 1, " once each"));
     }
     seen[p.rank()] = true;
     std::vector<Action>& out = s.ranks[p.rank()];
@@ -173,8 +209,8 @@ absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs) 
     for (const v1::Action& pa : p.actions()) {
       auto kind = FromProtoKind(pa.kind());
       if (!kind.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("rank ", p.rank(), " action ", out.size(),
-                                                       ": ", kind.status().message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", p.rank(), " action ", out.size(), ": ", kind.status().message()));
       }
       out.push_back(Action{*kind, pa.stage(), pa.microbatch(), pa.peer()});
     }

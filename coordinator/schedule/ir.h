@@ -19,6 +19,7 @@
 #ifndef BATON_COORDINATOR_SCHEDULE_IR_H_
 #define BATON_COORDINATOR_SCHEDULE_IR_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,10 @@ struct Schedule {
 };
 
 inline int RankOfStage(int stage, int num_ranks) { return stage % num_ranks; }
+
+// Imported schedules may hold at most this many (stage, microbatch) cells, so
+// that a hostile file cannot make the validator allocate without bound.
+inline constexpr int64_t kMaxScheduleCells = int64_t{1} << 24;
 
 bool IsCompute(ActionKind kind);        // F, B, I, W
 bool IsCommunication(ActionKind kind);  // SEND_*/RECV_*

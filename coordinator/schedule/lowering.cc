@@ -51,10 +51,9 @@ class Busy {
   void Add(double start, double end) { spans_.push_back({start, end}); }
   // The earliest time >= t at which the rank is not inside an action.
   double NextFree(double t) const {
-    auto it = std::lower_bound(spans_.begin(), spans_.end(), t,
-                               [](const std::pair<double, double>& s, double x) {
-                                 return s.first < x;
-                               });
+    auto it =
+        std::lower_bound(spans_.begin(), spans_.end(), t,
+                         [](const std::pair<double, double>& s, double x) { return s.first < x; });
     if (it == spans_.begin()) return t;
     --it;  // the last action starting before t
     return it->second > t ? it->second : t;

@@ -61,9 +61,9 @@ TEST(Lowering, AnyCostModelGivesAValidProgram) {
   uneven.backward_input = 0.7;
   uneven.backward_weight = 2.1;
   uneven.comm_latency = 0.4;
-  for (const ScheduleSpec& spec : {ScheduleSpec{"gpipe", 5, 7, 1}, ScheduleSpec{"1f1b", 5, 7, 1},
-                                   ScheduleSpec{"zb-h1", 5, 7, 1},
-                                   ScheduleSpec{"interleaved", 3, 6, 2}}) {
+  for (const ScheduleSpec& spec :
+       {ScheduleSpec{"gpipe", 5, 7, 1}, ScheduleSpec{"1f1b", 5, 7, 1},
+        ScheduleSpec{"zb-h1", 5, 7, 1}, ScheduleSpec{"interleaved", 3, 6, 2}}) {
     SCOPED_TRACE(spec.kind);
     CostModel costs = uneven;
     for (int st = 0; st < spec.num_ranks * spec.virtual_stages; ++st) {
@@ -83,8 +83,8 @@ TEST(Lowering, RejectsLoweredInputAndDeadlocks) {
 
   // Rank 1 runs microbatch 1 before 0 while rank 0 waits for B(1,0) before
   // F(0,1): a cycle.
-  Schedule cyclic = Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)},
-                                    {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
+  Schedule cyclic =
+      Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)}, {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
   auto status = Lower(cyclic).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(status.message().find("cannot lower: deadlock"), std::string::npos) << status;

@@ -83,12 +83,18 @@ absl::StatusOr<Schedule> FromPytorchCsv(absl::string_view csv) {
   if (max_stage < 0) return absl::InvalidArgumentError("the CSV holds no actions");
   const int stages = max_stage + 1;
   if (stages % s.num_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the CSV uses stages 0..", max_stage, " on ", s.num_ranks, " ranks; the number of "
-        "stages must be a multiple of the number of rows (one row per rank)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CSV uses stages 0..", max_stage, " on ", s.num_ranks,
+                     " ranks; the number of "
+                     "stages must be a multiple of the number of rows (one row per rank)"));
   }
   s.virtual_stages = stages / s.num_ranks;
   s.microbatches = max_mb + 1;
+  if (int64_t{stages} * s.microbatches > kMaxScheduleCells) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the CSV uses ", stages, " stages and ", s.microbatches, " microbatches, more than the ",
+        kMaxScheduleCells, " (stage, microbatch) cells supported"));
+  }
   return s;
 }
 

@@ -53,6 +53,9 @@ TEST(PytorchCsv, MalformedInputSaysWhereAndWhat) {
   EXPECT_EQ(FromPytorchCsv("0SEND_F0\n").status().message(),
             "row 1 (rank 0), cell 1: '0SEND_F0' has kind 'SEND_F'; the compute-only format "
             "allows F, I, W and B");
+  EXPECT_EQ(FromPytorchCsv("0F0,0B99999999\n").status().message(),
+            "the CSV uses 1 stages and 100000000 microbatches, more than the 16777216 (stage, "
+            "microbatch) cells supported");
   EXPECT_EQ(FromPytorchCsv("").status().message(),
             "the CSV is empty; expected one row of actions per rank");
   EXPECT_EQ(FromPytorchCsv("0F0,2F0\n1F0\n3F0\n").status().message(),

@@ -24,9 +24,9 @@ std::string FormatSimulationText(const Schedule& schedule, const SimulationResul
 }
 
 std::string FormatSimulationJson(const SimulationResult& result) {
-  std::string out = absl::StrCat("{\"makespan\": ", Num(result.makespan),
-                                 ", \"bubble_ratio\": ", Num(result.bubble_ratio),
-                                 ", \"stages\": [");
+  std::string out =
+      absl::StrCat("{\"makespan\": ", Num(result.makespan),
+                   ", \"bubble_ratio\": ", Num(result.bubble_ratio), ", \"stages\": [");
   for (size_t i = 0; i < result.ranks.size(); ++i) {
     const RankStats& r = result.ranks[i];
     absl::StrAppend(&out, i ? ", " : "", "{\"rank\": ", r.rank, ", \"busy\": ", Num(r.busy),
@@ -44,12 +44,14 @@ std::string FormatChromeTrace(const Schedule& schedule, const SimulationResult& 
     absl::StrAppend(&out, first ? "" : ",\n", body);
     first = false;
   };
-  event("{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {\"name\": "
-        "\"pipeline\"}}");
+  event(
+      "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {\"name\": "
+      "\"pipeline\"}}");
   for (int r = 0; r < schedule.num_ranks; ++r) {
-    event(absl::StrFormat("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                          "\"args\": {\"name\": \"rank %d\"}}",
-                          r, r));
+    event(
+        absl::StrFormat("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+                        "\"args\": {\"name\": \"rank %d\"}}",
+                        r, r));
     for (size_t i = 0; i < schedule.ranks[r].size(); ++i) {
       const Action& a = schedule.ranks[r][i];
       const ActionTiming& t = result.timings[r][i];
@@ -59,8 +61,8 @@ std::string FormatChromeTrace(const Schedule& schedule, const SimulationResult& 
           "{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, "
           "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"stage\": %d, \"microbatch\": %d}}",
           compute ? CellLabel(a, schedule.virtual_stages) : ActionToString(a),
-          compute ? KindName(a.kind) : "comm", r, t.start * 1000, (t.end - t.start) * 1000,
-          a.stage, a.microbatch));
+          compute ? KindName(a.kind) : "comm", r, t.start * 1000, (t.end - t.start) * 1000, a.stage,
+          a.microbatch));
     }
   }
   absl::StrAppend(&out, "\n]}\n");

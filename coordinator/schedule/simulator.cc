@@ -23,8 +23,8 @@ absl::Status CheckRanges(const Schedule& s) {
   if (s.num_ranks < 1 || s.virtual_stages < 1 || s.microbatches < 1 ||
       static_cast<int>(s.ranks.size()) != s.num_ranks) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "schedule sizes are inconsistent: ", s.ranks.size(), " programs, num_ranks=",
-        s.num_ranks, ", virtual_stages=", s.virtual_stages, ", microbatches=", s.microbatches));
+        "schedule sizes are inconsistent: ", s.ranks.size(), " programs, num_ranks=", s.num_ranks,
+        ", virtual_stages=", s.virtual_stages, ", microbatches=", s.microbatches));
   }
   const int S = s.num_stages();
   for (int r = 0; r < s.num_ranks; ++r) {
@@ -36,8 +36,8 @@ absl::Status CheckRanges(const Schedule& s) {
       if (a.kind == ActionKind::kRecvB) ok = ok && a.stage < S - 1;
       if (!ok) {
         return absl::InvalidArgumentError(absl::StrCat(
-            ActionToString(a), " on rank ", r, " (action ", i, ") is outside the schedule: ",
-            S, " stages, ", s.microbatches, " microbatches"));
+            ActionToString(a), " on rank ", r, " (action ", i, ") is outside the schedule: ", S,
+            " stages, ", s.microbatches, " microbatches"));
       }
     }
   }
@@ -83,9 +83,7 @@ absl::Status Stalled(const Schedule& s, const RunState& st) {
                                    st.blocked_at[r], ") waiting for ", st.waiting_for[r]));
     }
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "deadlock: ", absl::StrJoin(stuck, "; "),
-      ""));
+  return absl::FailedPreconditionError(absl::StrCat("deadlock: ", absl::StrJoin(stuck, "; ")));
 }
 
 void RunCompute(const Schedule& s, const CostModel& c, int r, RunState* st, double ready) {
@@ -118,7 +116,11 @@ absl::Status RunEager(const Schedule& s, const CostModel& c, RunState* st) {
         continue;
       }
       const size_t cell = static_cast<size_t>(a.stage) * m + a.microbatch;
-      struct Dep { size_t key; int stage; ActionKind kind; };
+      struct Dep {
+        size_t key;
+        int stage;
+        ActionKind kind;
+      };
       Dep deps[2];
       int ndeps = 0;
       if (a.kind == ActionKind::kForward) {
@@ -171,20 +173,28 @@ absl::Status RunEager(const Schedule& s, const CostModel& c, RunState* st) {
 // Identity of the message a SEND/RECV takes part in: direction and producer.
 size_t MessageId(const Action& a, int m, size_t cells) {
   switch (a.kind) {
-    case ActionKind::kSendF: return static_cast<size_t>(a.stage) * m + a.microbatch;
-    case ActionKind::kRecvF: return static_cast<size_t>(a.stage - 1) * m + a.microbatch;
-    case ActionKind::kSendB: return cells + static_cast<size_t>(a.stage) * m + a.microbatch;
-    default: return cells + static_cast<size_t>(a.stage + 1) * m + a.microbatch;  // kRecvB
+    case ActionKind::kSendF:
+      return static_cast<size_t>(a.stage) * m + a.microbatch;
+    case ActionKind::kRecvF:
+      return static_cast<size_t>(a.stage - 1) * m + a.microbatch;
+    case ActionKind::kSendB:
+      return cells + static_cast<size_t>(a.stage) * m + a.microbatch;
+    default:
+      return cells + static_cast<size_t>(a.stage + 1) * m + a.microbatch;  // kRecvB
   }
 }
 
 // The action on the peer that matches a SEND/RECV of `rank`.
 Action Partner(const Action& a, int rank) {
   switch (a.kind) {
-    case ActionKind::kSendF: return Action{ActionKind::kRecvF, a.stage + 1, a.microbatch, rank};
-    case ActionKind::kRecvF: return Action{ActionKind::kSendF, a.stage - 1, a.microbatch, rank};
-    case ActionKind::kSendB: return Action{ActionKind::kRecvB, a.stage - 1, a.microbatch, rank};
-    default: return Action{ActionKind::kSendB, a.stage + 1, a.microbatch, rank};  // kRecvB
+    case ActionKind::kSendF:
+      return Action{ActionKind::kRecvF, a.stage + 1, a.microbatch, rank};
+    case ActionKind::kRecvF:
+      return Action{ActionKind::kSendF, a.stage - 1, a.microbatch, rank};
+    case ActionKind::kSendB:
+      return Action{ActionKind::kRecvB, a.stage - 1, a.microbatch, rank};
+    default:
+      return Action{ActionKind::kSendB, a.stage + 1, a.microbatch, rank};  // kRecvB
   }
 }
 
@@ -254,10 +264,11 @@ absl::Status RunBatches(const Schedule& s, const CostModel& c, RunState* st) {
 }  // namespace
 
 absl::Status CostModel::Check(int num_stages) const {
-  const std::pair<const char*, double> values[] = {
-      {"forward cost", forward},       {"backward_input cost", backward_input},
-      {"backward_weight cost", backward_weight}, {"comm_latency", comm_latency},
-      {"activation_bytes", activation_bytes}};
+  const std::pair<const char*, double> values[] = {{"forward cost", forward},
+                                                   {"backward_input cost", backward_input},
+                                                   {"backward_weight cost", backward_weight},
+                                                   {"comm_latency", comm_latency},
+                                                   {"activation_bytes", activation_bytes}};
   for (const auto& [name, value] : values) {
     if (absl::Status st = CheckNonNegative(name, value); !st.ok()) return st;
   }
@@ -270,9 +281,9 @@ absl::Status CostModel::Check(int num_stages) const {
   }
   if (!stage_multipliers.empty()) {
     if (static_cast<int>(stage_multipliers.size()) != num_stages) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "got ", stage_multipliers.size(), " stage multipliers for ", num_stages,
-          " stages; give one per stage"));
+      return absl::InvalidArgumentError(absl::StrCat("got ", stage_multipliers.size(),
+                                                     " stage multipliers for ", num_stages,
+                                                     " stages; give one per stage"));
     }
     for (double f : stage_multipliers) {
       if (absl::Status st = CheckNonNegative("stage multiplier", f); !st.ok()) return st;
@@ -284,19 +295,26 @@ absl::Status CostModel::Check(int num_stages) const {
 double CostModel::ComputeCost(const Action& a, int virtual_stages) const {
   double base = 0;
   switch (a.kind) {
-    case ActionKind::kForward: base = forward; break;
-    case ActionKind::kBackward: base = backward.value_or(backward_input + backward_weight); break;
-    case ActionKind::kBackwardInput: base = backward_input; break;
-    case ActionKind::kBackwardWeight: base = backward_weight; break;
-    default: return 0;
+    case ActionKind::kForward:
+      base = forward;
+      break;
+    case ActionKind::kBackward:
+      base = backward.value_or(backward_input + backward_weight);
+      break;
+    case ActionKind::kBackwardInput:
+      base = backward_input;
+      break;
+    case ActionKind::kBackwardWeight:
+      base = backward_weight;
+      break;
+    default:
+      return 0;
   }
   const double factor = stage_multipliers.empty() ? 1.0 : stage_multipliers[a.stage];
   return base * factor / virtual_stages;
 }
 
-double CostModel::MessageCost() const {
-  return comm_latency + activation_bytes / comm_bandwidth;
-}
+double CostModel::MessageCost() const { return comm_latency + activation_bytes / comm_bandwidth; }
 
 namespace {
 
@@ -343,7 +361,8 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& s, const CostModel& co
       const Action& a = s.ranks[r][i];
       if (!IsCompute(a.kind)) continue;
       stats.busy += costs.ComputeCost(a, s.virtual_stages);
-      if (a.kind == ActionKind::kForward) stats.peak_activations = std::max(stats.peak_activations, ++live);
+      if (a.kind == ActionKind::kForward)
+        stats.peak_activations = std::max(stats.peak_activations, ++live);
       if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) --live;
     }
     total_busy += stats.busy;
@@ -352,8 +371,7 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& s, const CostModel& co
   for (RankStats& stats : result.ranks) {
     stats.bubble_ratio = result.makespan > 0 ? 1 - stats.busy / result.makespan : 0;
   }
-  result.bubble_ratio =
-      result.makespan > 0 ? 1 - total_busy / (s.num_ranks * result.makespan) : 0;
+  result.bubble_ratio = result.makespan > 0 ? 1 - total_busy / (s.num_ranks * result.makespan) : 0;
   result.timings = std::move(st.timings);
   return result;
 }

@@ -109,8 +109,8 @@ TEST(Simulator, RejectsBadInput) {
   EXPECT_EQ(Simulate(out_of_range, CostModel()).status().code(),
             absl::StatusCode::kInvalidArgument);
 
-  Schedule cyclic = Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)},
-                                    {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
+  Schedule cyclic =
+      Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)}, {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
   EXPECT_EQ(Simulate(cyclic, CostModel()).status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(FindDeadlock(cyclic).has_value());
   EXPECT_EQ(FindDeadlock(cyclic)->rank, 0);

@@ -16,22 +16,31 @@ enum Slot { kF, kB, kI, kW, kSendF, kRecvF, kSendB, kRecvB, kNumSlots };
 
 int SlotOf(ActionKind kind) {
   switch (kind) {
-    case ActionKind::kForward: return kF;
-    case ActionKind::kBackward: return kB;
-    case ActionKind::kBackwardInput: return kI;
-    case ActionKind::kBackwardWeight: return kW;
-    case ActionKind::kSendF: return kSendF;
-    case ActionKind::kRecvF: return kRecvF;
-    case ActionKind::kSendB: return kSendB;
-    case ActionKind::kRecvB: return kRecvB;
-    default: return -1;
+    case ActionKind::kForward:
+      return kF;
+    case ActionKind::kBackward:
+      return kB;
+    case ActionKind::kBackwardInput:
+      return kI;
+    case ActionKind::kBackwardWeight:
+      return kW;
+    case ActionKind::kSendF:
+      return kSendF;
+    case ActionKind::kRecvF:
+      return kRecvF;
+    case ActionKind::kSendB:
+      return kSendB;
+    case ActionKind::kRecvB:
+      return kRecvB;
+    default:
+      return -1;
   }
 }
 
 constexpr ActionKind kSlotKinds[kNumSlots] = {
-    ActionKind::kForward, ActionKind::kBackward, ActionKind::kBackwardInput,
-    ActionKind::kBackwardWeight, ActionKind::kSendF, ActionKind::kRecvF,
-    ActionKind::kSendB, ActionKind::kRecvB};
+    ActionKind::kForward,        ActionKind::kBackward, ActionKind::kBackwardInput,
+    ActionKind::kBackwardWeight, ActionKind::kSendF,    ActionKind::kRecvF,
+    ActionKind::kSendB,          ActionKind::kRecvB};
 
 Violation At(int rank, int action, std::string message) {
   return Violation{std::move(message), CellRef{rank, action}};
@@ -65,19 +74,18 @@ class Checker {
   }
   // "F(1,3) on rank 1 (action 4)"
   std::string Where(int slot, int stage, int mb) const {
-    return absl::StrCat(ActionToString(s_.ranks[RankOf(stage)][Pos(slot, stage, mb)]),
-                        " on rank ", RankOf(stage), " (action ", Pos(slot, stage, mb), ")");
+    return absl::StrCat(ActionToString(s_.ranks[RankOf(stage)][Pos(slot, stage, mb)]), " on rank ",
+                        RankOf(stage), " (action ", Pos(slot, stage, mb), ")");
   }
   Violation AtSlot(int slot, int stage, int mb, std::string message) const {
     return At(RankOf(stage), Pos(slot, stage, mb), std::move(message));
   }
 
   std::optional<Violation> CheckShape() const {
-    if (p_ < 1 || s_.virtual_stages < 1 || m_ < 1 ||
-        static_cast<int>(s_.ranks.size()) != p_) {
+    if (p_ < 1 || s_.virtual_stages < 1 || m_ < 1 || static_cast<int>(s_.ranks.size()) != p_) {
       return Violation{absl::StrCat("schedule sizes are inconsistent: ", s_.ranks.size(),
-                                    " programs for num_ranks=", p_, ", virtual_stages=",
-                                    s_.virtual_stages, ", microbatches=", m_),
+                                    " programs for num_ranks=", p_,
+                                    ", virtual_stages=", s_.virtual_stages, ", microbatches=", m_),
                        std::nullopt};
     }
     for (int r = 0; r < p_; ++r) {
@@ -86,46 +94,54 @@ class Checker {
       for (size_t i = 0; i < s_.ranks[r].size(); ++i) {
         const Action& a = s_.ranks[r][i];
         const int at = static_cast<int>(i);
-        const std::string name = absl::StrCat(ActionToString(a), " on rank ", r, " (action ", i, ")");
+        const std::string name =
+            absl::StrCat(ActionToString(a), " on rank ", r, " (action ", i, ")");
         if (a.kind == ActionKind::kReduceGrads || a.kind == ActionKind::kOptimizerStep) {
           int& seen = a.kind == ActionKind::kReduceGrads ? reduce : step;
           if (seen >= 0) {
             return At(r, at, absl::StrCat("duplicate ", name, "; it also is action ", seen));
           }
           if (a.kind == ActionKind::kReduceGrads && step >= 0) {
-            return At(r, at, absl::StrCat(name, " comes after OPTIMIZER_STEP (action ", step,
-                                          "); gradients must be reduced before the step"));
+            return At(r, at,
+                      absl::StrCat(name, " comes after OPTIMIZER_STEP (action ", step,
+                                   "); gradients must be reduced before the step"));
           }
           seen = at;
           finished = true;
           continue;
         }
         if (finished) {
-          return At(r, at, absl::StrCat(name, " comes after REDUCE_GRADS/OPTIMIZER_STEP; those "
-                                        "must end the program"));
+          return At(r, at,
+                    absl::StrCat(name,
+                                 " comes after REDUCE_GRADS/OPTIMIZER_STEP; those "
+                                 "must end the program"));
         }
         if (a.stage < 0 || a.stage >= S_ || a.microbatch < 0 || a.microbatch >= m_) {
-          return At(r, at, absl::StrCat(name, " is outside the schedule: stages 0..", S_ - 1,
-                                        ", microbatches 0..", m_ - 1));
+          return At(r, at,
+                    absl::StrCat(name, " is outside the schedule: stages 0..", S_ - 1,
+                                 ", microbatches 0..", m_ - 1));
         }
         if (RankOf(a.stage) != r) {
-          return At(r, at, absl::StrCat(name, " is on the wrong rank: stage ", a.stage,
-                                        " lives on rank ", RankOf(a.stage), " (stage % ", p_, ")"));
+          return At(r, at,
+                    absl::StrCat(name, " is on the wrong rank: stage ", a.stage, " lives on rank ",
+                                 RankOf(a.stage), " (stage % ", p_, ")"));
         }
         if (!IsCommunication(a.kind)) continue;
         const bool forward = a.kind == ActionKind::kSendF || a.kind == ActionKind::kRecvB;
         const int partner = forward ? a.stage + 1 : a.stage - 1;
         if (partner < 0 || partner >= S_) {
-          return At(r, at, absl::StrCat(name, " has no partner: stage ", partner,
-                                        " does not exist"));
+          return At(r, at,
+                    absl::StrCat(name, " has no partner: stage ", partner, " does not exist"));
         }
         if (RankOf(partner) == r) {
-          return At(r, at, absl::StrCat(name, " is not needed: stages ", a.stage, " and ",
-                                        partner, " are both on rank ", r));
+          return At(r, at,
+                    absl::StrCat(name, " is not needed: stages ", a.stage, " and ", partner,
+                                 " are both on rank ", r));
         }
         if (a.peer != RankOf(partner)) {
-          return At(r, at, absl::StrCat(name, " names peer ", a.peer, ", but stage ", partner,
-                                        " lives on rank ", RankOf(partner)));
+          return At(r, at,
+                    absl::StrCat(name, " names peer ", a.peer, ", but stage ", partner,
+                                 " lives on rank ", RankOf(partner)));
         }
       }
     }
@@ -143,8 +159,8 @@ class Checker {
         int& pos = pos_[slot][Cell(a.stage, a.microbatch)];
         if (pos >= 0) {
           return At(r, static_cast<int>(i),
-                    absl::StrCat("duplicate ", ActionToString(a), " on rank ", r, " (actions ",
-                                 pos, " and ", i, "); each must appear exactly once"));
+                    absl::StrCat("duplicate ", ActionToString(a), " on rank ", r, " (actions ", pos,
+                                 " and ", i, "); each must appear exactly once"));
         }
         pos = static_cast<int>(i);
       }
@@ -170,22 +186,26 @@ class Checker {
           return Violation{absl::StrCat("missing ", Name(kF, st, mb), rank), AnyOf(st, mb)};
         }
         if (b && (i || w)) {
-          return AtSlot(kB, st, mb, absl::StrCat(Where(kB, st, mb), " duplicates the split "
-                                                 "backward of the same microbatch; use B or I+W"));
+          return AtSlot(kB, st, mb,
+                        absl::StrCat(Where(kB, st, mb),
+                                     " duplicates the split "
+                                     "backward of the same microbatch; use B or I+W"));
         }
         if (b) continue;
         if (!i && !w) {
-          return AtSlot(kF, st, mb, absl::StrCat("missing ", Name(kB, st, mb), " (or ",
-                                                 Name(kI, st, mb), " and ", Name(kW, st, mb),
-                                                 ") for ", Where(kF, st, mb)));
+          return AtSlot(kF, st, mb,
+                        absl::StrCat("missing ", Name(kB, st, mb), " (or ", Name(kI, st, mb),
+                                     " and ", Name(kW, st, mb), ") for ", Where(kF, st, mb)));
         }
         if (!w) {
-          return AtSlot(kI, st, mb, absl::StrCat("missing ", Name(kW, st, mb), ": ",
-                                                 Where(kI, st, mb), " has no weight backward"));
+          return AtSlot(kI, st, mb,
+                        absl::StrCat("missing ", Name(kW, st, mb), ": ", Where(kI, st, mb),
+                                     " has no weight backward"));
         }
         if (!i) {
-          return AtSlot(kW, st, mb, absl::StrCat("missing ", Name(kI, st, mb), ": ",
-                                                 Where(kW, st, mb), " has no input backward"));
+          return AtSlot(kW, st, mb,
+                        absl::StrCat("missing ", Name(kI, st, mb), ": ", Where(kW, st, mb),
+                                     " has no input backward"));
         }
       }
     }
@@ -200,23 +220,26 @@ class Checker {
       for (int mb = 0; mb < m_; ++mb) {
         const int g = GradSlot(st, mb);
         if (Pos(g, st, mb) < Pos(kF, st, mb)) {
-          return AtSlot(g, st, mb, absl::StrCat(Where(g, st, mb), " comes before its forward ",
-                                                Where(kF, st, mb)));
+          return AtSlot(
+              g, st, mb,
+              absl::StrCat(Where(g, st, mb), " comes before its forward ", Where(kF, st, mb)));
         }
         if (g == kI && Pos(kW, st, mb) < Pos(kI, st, mb)) {
-          return AtSlot(kW, st, mb, absl::StrCat(Where(kW, st, mb), " comes before ",
-                                                 Where(kI, st, mb), "; I must precede W"));
+          return AtSlot(kW, st, mb,
+                        absl::StrCat(Where(kW, st, mb), " comes before ", Where(kI, st, mb),
+                                     "; I must precede W"));
         }
         if (st > 0 && RankOf(st - 1) == RankOf(st) && Pos(kF, st, mb) < Pos(kF, st - 1, mb)) {
-          return AtSlot(kF, st, mb, absl::StrCat(Where(kF, st, mb), " comes before the upstream ",
-                                                 Where(kF, st - 1, mb), " that feeds it"));
+          return AtSlot(kF, st, mb,
+                        absl::StrCat(Where(kF, st, mb), " comes before the upstream ",
+                                     Where(kF, st - 1, mb), " that feeds it"));
         }
         if (st < S_ - 1 && RankOf(st + 1) == RankOf(st)) {
           const int down = GradSlot(st + 1, mb);
           if (Pos(g, st, mb) < Pos(down, st + 1, mb)) {
-            return AtSlot(g, st, mb, absl::StrCat(Where(g, st, mb),
-                                                  " comes before the downstream ",
-                                                  Where(down, st + 1, mb), " that feeds it"));
+            return AtSlot(g, st, mb,
+                          absl::StrCat(Where(g, st, mb), " comes before the downstream ",
+                                       Where(down, st + 1, mb), " that feeds it"));
           }
         }
       }
@@ -229,14 +252,14 @@ class Checker {
   std::optional<Violation> CheckEdge(int from, int to, int mb, int slot, int send,
                                      int consumer_slot, int recv) const {
     if (Pos(send, from, mb) < 0) {
-      return AtSlot(slot, from, mb, absl::StrCat(Where(slot, from, mb), " has no ",
-                                                 Name(send, from, mb), " after it; rank ",
-                                                 RankOf(to), " needs its output"));
+      return AtSlot(slot, from, mb,
+                    absl::StrCat(Where(slot, from, mb), " has no ", Name(send, from, mb),
+                                 " after it; rank ", RankOf(to), " needs its output"));
     }
     if (Pos(send, from, mb) < Pos(slot, from, mb)) {
-      return AtSlot(send, from, mb, absl::StrCat(Where(send, from, mb),
-                                                 " comes before its producer ",
-                                                 Where(slot, from, mb)));
+      return AtSlot(send, from, mb,
+                    absl::StrCat(Where(send, from, mb), " comes before its producer ",
+                                 Where(slot, from, mb)));
     }
     if (Pos(recv, to, mb) < 0) {
       return AtSlot(consumer_slot, to, mb,
@@ -270,7 +293,13 @@ class Checker {
   }
 
   std::optional<Violation> CheckChannelOrder() const {
-    struct Entry { int stage; int mb; int rank; int action; bool forward; };
+    struct Entry {
+      int stage;
+      int mb;
+      int rank;
+      int action;
+      bool forward;
+    };
     // (from, to) -> messages in program order, from the sender's and the
     // receiver's side. A message is named by its producer stage.
     std::map<std::pair<int, int>, std::vector<Entry>> sends, recvs;
@@ -279,11 +308,20 @@ class Checker {
         const Action& a = s_.ranks[r][i];
         const int at = static_cast<int>(i);
         switch (a.kind) {
-          case ActionKind::kSendF: sends[{r, a.peer}].push_back({a.stage, a.microbatch, r, at, true}); break;
-          case ActionKind::kSendB: sends[{r, a.peer}].push_back({a.stage, a.microbatch, r, at, false}); break;
-          case ActionKind::kRecvF: recvs[{a.peer, r}].push_back({a.stage - 1, a.microbatch, r, at, true}); break;
-          case ActionKind::kRecvB: recvs[{a.peer, r}].push_back({a.stage + 1, a.microbatch, r, at, false}); break;
-          default: break;
+          case ActionKind::kSendF:
+            sends[{r, a.peer}].push_back({a.stage, a.microbatch, r, at, true});
+            break;
+          case ActionKind::kSendB:
+            sends[{r, a.peer}].push_back({a.stage, a.microbatch, r, at, false});
+            break;
+          case ActionKind::kRecvF:
+            recvs[{a.peer, r}].push_back({a.stage - 1, a.microbatch, r, at, true});
+            break;
+          case ActionKind::kRecvB:
+            recvs[{a.peer, r}].push_back({a.stage + 1, a.microbatch, r, at, false});
+            break;
+          default:
+            break;
         }
       }
     }
@@ -314,11 +352,11 @@ class Checker {
         const Action& a = s_.ranks[r][i];
         if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) --live;
         if (a.kind != ActionKind::kForward || ++live <= bound) continue;
-        return At(r, static_cast<int>(i),
-                  absl::StrCat("rank ", r, " stores ", live, " activations after ",
-                               ActionToString(a), " (action ", i, "), above the bound of ", bound,
-                               " for ", s_.kind.empty() ? "this" : s_.kind,
-                               " schedules on rank ", r));
+        return At(
+            r, static_cast<int>(i),
+            absl::StrCat("rank ", r, " stores ", live, " activations after ", ActionToString(a),
+                         " (action ", i, "), above the bound of ", bound, " for ",
+                         s_.kind.empty() ? "this" : s_.kind, " schedules on rank ", r));
       }
     }
     return std::nullopt;
@@ -333,9 +371,7 @@ class Checker {
 
 }  // namespace
 
-std::optional<Violation> FindViolation(const Schedule& schedule) {
-  return Checker(schedule).Run();
-}
+std::optional<Violation> FindViolation(const Schedule& schedule) { return Checker(schedule).Run(); }
 
 absl::Status Validate(const Schedule& schedule) {
   std::optional<Violation> v = FindViolation(schedule);

@@ -26,7 +26,7 @@
 namespace baton::schedule {
 
 struct Violation {
-  std::string message;        // names the actions, ranks and positions involved
+  std::string message;          // names the actions, ranks and positions involved
   std::optional<CellRef> cell;  // the offending action, when there is one
 };
 

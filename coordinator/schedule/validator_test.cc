@@ -37,9 +37,10 @@ TEST(Validator, MissingWeightBackwardIsNamedAndMarked) {
   Schedule s = Lowered({"zb-h1", 2, 2, 1});
   auto& program = s.ranks[1];
   program.erase(program.begin() + IndexOf(s, 1, {ActionKind::kBackwardWeight, 1, 1, 0}));
-  EXPECT_EQ(ViolationOf(s), "missing W(1,1): I(1,1) on rank 1 (action " +
-                                std::to_string(IndexOf(s, 1, {ActionKind::kBackwardInput, 1, 1, 0})) +
-                                ") has no weight backward");
+  EXPECT_EQ(ViolationOf(s),
+            "missing W(1,1): I(1,1) on rank 1 (action " +
+                std::to_string(IndexOf(s, 1, {ActionKind::kBackwardInput, 1, 1, 0})) +
+                ") has no weight backward");
   const absl::Status status = Validate(s);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   // The grid follows the message, with the I that lacks its W marked.
@@ -53,8 +54,9 @@ TEST(Validator, SwappedReceivesLeaveAConsumerWithoutInput) {
   Schedule s = Lowered({"gpipe", 2, 2, 1});
   const int a = IndexOf(s, 1, RecvF(1, 0, 0)), b = IndexOf(s, 1, RecvF(1, 1, 0));
   std::swap(s.ranks[1][a], s.ranks[1][b]);
-  EXPECT_EQ(ViolationOf(s), "F(1,0) on rank 1 (action 1) runs before its input arrives: "
-                            "RECV_F(1,0)<-0 on rank 1 (action 2) comes after it");
+  EXPECT_EQ(ViolationOf(s),
+            "F(1,0) on rank 1 (action 1) runs before its input arrives: "
+            "RECV_F(1,0)<-0 on rank 1 (action 2) comes after it");
   EXPECT_NE(Validate(s).message().find("rank 1 |[F0] F1  B0  B1"), std::string::npos)
       << Validate(s);
 }
@@ -63,11 +65,11 @@ TEST(Validator, SwappedReceivesLeaveAConsumerWithoutInput) {
 // microbatch 0's activations to the receive for microbatch 1.
 TEST(Validator, ReceivesOutOfSendOrderAreRejected) {
   auto program = [](Action first, Action second) {
-    return Make("gpipe", 2, 2,
-                {{F(0, 0), SendF(0, 0, 1), F(0, 1), SendF(0, 1, 1), RecvB(0, 0, 1), B(0, 0),
-                  RecvB(0, 1, 1), B(0, 1)},
-                 {first, second, F(1, 0), F(1, 1), B(1, 0), SendB(1, 0, 0), B(1, 1),
-                  SendB(1, 1, 0)}});
+    return Make(
+        "gpipe", 2, 2,
+        {{F(0, 0), SendF(0, 0, 1), F(0, 1), SendF(0, 1, 1), RecvB(0, 0, 1), B(0, 0), RecvB(0, 1, 1),
+          B(0, 1)},
+         {first, second, F(1, 0), F(1, 1), B(1, 0), SendB(1, 0, 0), B(1, 1), SendB(1, 1, 0)}});
   };
   EXPECT_FALSE(FindViolation(program(RecvF(1, 0, 0), RecvF(1, 1, 0))).has_value());
   EXPECT_EQ(ViolationOf(program(RecvF(1, 1, 0), RecvF(1, 0, 0))),
@@ -79,14 +81,14 @@ TEST(Validator, ReceivesOutOfSendOrderAreRejected) {
 TEST(Validator, ReceiveBatchedTooEarlyDeadlocks) {
   // Rank 1 posts RECV_B(1,0) together with RECV_F(1,1), before it has sent
   // F(1,0) to rank 2, which needs that forward to produce the gradient.
-  Schedule s = Make("", 3, 2,
-                    {{F(0, 0), SendF(0, 0, 1), F(0, 1), SendF(0, 1, 1), RecvB(0, 0, 1), B(0, 0),
-                      RecvB(0, 1, 1), B(0, 1)},
-                     {RecvF(1, 0, 0), F(1, 0), RecvB(1, 0, 2), RecvF(1, 1, 0), F(1, 1),
-                      SendF(1, 0, 2), SendF(1, 1, 2), B(1, 0), SendB(1, 0, 0), RecvB(1, 1, 2),
-                      B(1, 1), SendB(1, 1, 0)},
-                     {RecvF(2, 0, 1), F(2, 0), B(2, 0), SendB(2, 0, 1), RecvF(2, 1, 1), F(2, 1),
-                      B(2, 1), SendB(2, 1, 1)}});
+  Schedule s =
+      Make("", 3, 2,
+           {{F(0, 0), SendF(0, 0, 1), F(0, 1), SendF(0, 1, 1), RecvB(0, 0, 1), B(0, 0),
+             RecvB(0, 1, 1), B(0, 1)},
+            {RecvF(1, 0, 0), F(1, 0), RecvB(1, 0, 2), RecvF(1, 1, 0), F(1, 1), SendF(1, 0, 2),
+             SendF(1, 1, 2), B(1, 0), SendB(1, 0, 0), RecvB(1, 1, 2), B(1, 1), SendB(1, 1, 0)},
+            {RecvF(2, 0, 1), F(2, 0), B(2, 0), SendB(2, 0, 1), RecvF(2, 1, 1), F(2, 1), B(2, 1),
+             SendB(2, 1, 1)}});
   EXPECT_EQ(ViolationOf(s),
             "deadlock: rank 0 is stuck at RECV_B(0,0)<-1 (action 4) waiting for rank 1 to post "
             "SEND_B(1,0)->0; rank 1 is stuck at RECV_B(1,0)<-2 (action 2) waiting for rank 2 "
@@ -98,8 +100,8 @@ TEST(Validator, ReceiveBatchedTooEarlyDeadlocks) {
 }
 
 TEST(Validator, CrossRankCycleInComputeOrderDeadlocks) {
-  Schedule s = Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)},
-                               {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
+  Schedule s =
+      Make("", 2, 2, {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)}, {F(1, 1), B(1, 1), F(1, 0), B(1, 0)}});
   EXPECT_EQ(ViolationOf(s),
             "deadlock: rank 0 is stuck at B(0,0) (action 1) waiting for B/I(1,0) on rank 1; "
             "rank 1 is stuck at F(1,1) (action 0) waiting for F(0,1) on rank 0");
@@ -107,8 +109,9 @@ TEST(Validator, CrossRankCycleInComputeOrderDeadlocks) {
 
 TEST(Validator, ShapeViolations) {
   Schedule wrong_rank = Make("", 2, 1, {{F(0, 0), F(1, 0), B(1, 0), B(0, 0)}, {}});
-  EXPECT_EQ(ViolationOf(wrong_rank),
-            "F(1,0) on rank 0 (action 1) is on the wrong rank: stage 1 lives on rank 1 (stage % 2)");
+  EXPECT_EQ(
+      ViolationOf(wrong_rank),
+      "F(1,0) on rank 0 (action 1) is on the wrong rank: stage 1 lives on rank 1 (stage % 2)");
 
   Schedule s = Lowered({"1f1b", 2, 1, 1});
   s.ranks[0][1].peer = 0;  // SEND_F(0,0) to itself
@@ -120,32 +123,36 @@ TEST(Validator, ShapeViolations) {
             "duplicate F(0,0) on rank 0 (actions 0 and 1); each must appear exactly once");
 
   Schedule late = Make("", 1, 1, {{F(0, 0), {ActionKind::kReduceGrads, 0, 0, 0}, B(0, 0)}});
-  EXPECT_EQ(ViolationOf(late), "B(0,0) on rank 0 (action 2) comes after "
-                               "REDUCE_GRADS/OPTIMIZER_STEP; those must end the program");
+  EXPECT_EQ(ViolationOf(late),
+            "B(0,0) on rank 0 (action 2) comes after "
+            "REDUCE_GRADS/OPTIMIZER_STEP; those must end the program");
 }
 
 TEST(Validator, OrderOnARank) {
   Schedule backward_first = Make("", 1, 1, {{B(0, 0), F(0, 0)}});
   EXPECT_EQ(ViolationOf(backward_first),
             "B(0,0) on rank 0 (action 0) comes before its forward F(0,0) on rank 0 (action 1)");
-  Schedule w_first = Make("", 1, 1,
-                          {{F(0, 0), {ActionKind::kBackwardWeight, 0, 0, 0},
-                            {ActionKind::kBackwardInput, 0, 0, 0}}});
-  EXPECT_EQ(ViolationOf(w_first), "W(0,0) on rank 0 (action 1) comes before I(0,0) on rank 0 "
-                                  "(action 2); I must precede W");
+  Schedule w_first = Make(
+      "", 1, 1,
+      {{F(0, 0), {ActionKind::kBackwardWeight, 0, 0, 0}, {ActionKind::kBackwardInput, 0, 0, 0}}});
+  EXPECT_EQ(ViolationOf(w_first),
+            "W(0,0) on rank 0 (action 1) comes before I(0,0) on rank 0 "
+            "(action 2); I must precede W");
   // One rank holding stages 0 and 1 must run F(0,.) before F(1,.).
   Schedule chunks = Make("", 1, 1, {{F(1, 0), F(0, 0), B(1, 0), B(0, 0)}});
   chunks.virtual_stages = 2;
-  EXPECT_EQ(ViolationOf(chunks), "F(1,0) on rank 0 (action 0) comes before the upstream F(0,0) "
-                                 "on rank 0 (action 1) that feeds it");
+  EXPECT_EQ(ViolationOf(chunks),
+            "F(1,0) on rank 0 (action 0) comes before the upstream F(0,0) "
+            "on rank 0 (action 1) that feeds it");
 }
 
 TEST(Validator, LoweredScheduleNeedsEveryMessage) {
   Schedule s = Lowered({"gpipe", 2, 1, 1});
   auto& program = s.ranks[0];
   program.erase(program.begin() + IndexOf(s, 0, SendF(0, 0, 1)));
-  EXPECT_EQ(ViolationOf(s), "F(0,0) on rank 0 (action 0) has no SEND_F(0,0) after it; rank 1 "
-                            "needs its output");
+  EXPECT_EQ(ViolationOf(s),
+            "F(0,0) on rank 0 (action 0) has no SEND_F(0,0) after it; rank 1 "
+            "needs its output");
 }
 
 TEST(Validator, ActivationBoundOfTheScheduleKind) {
@@ -154,8 +161,9 @@ TEST(Validator, ActivationBoundOfTheScheduleKind) {
   EXPECT_FALSE(FindViolation(*gpipe).has_value());
   Schedule relabeled = *gpipe;
   relabeled.kind = "1f1b";
-  EXPECT_EQ(ViolationOf(relabeled), "rank 0 stores 5 activations after F(0,4) (action 4), above "
-                                    "the bound of 4 for 1f1b schedules on rank 0");
+  EXPECT_EQ(ViolationOf(relabeled),
+            "rank 0 stores 5 activations after F(0,4) (action 4), above "
+            "the bound of 4 for 1f1b schedules on rank 0");
 }
 
 TEST(Validator, LargeGridIsCutAroundTheMark) {
