@@ -1,6 +1,7 @@
 // batonctl: the operator's command line for baton.
 //
 //   batonctl [--coordinator=HOST:PORT] status [--json]
+//   batonctl schedule show|simulate|validate ...   (docs/schedules.md)
 //
 // Flags may come before or after the subcommand. Exit codes: 0 ok, 1 the
 // operation failed, 2 bad usage (the message says what to change).
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/schedule_cmd.h"
 #include "cli/status_cmd.h"
 
 namespace {
@@ -21,6 +23,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"status", "--coordinator=HOST:PORT [--json] [--timeout_ms=5000]: workers and their state",
      &baton::cli::RunStatusCommand},
+    {"schedule", "show|simulate|validate [flags]: build, show, simulate and validate pipeline schedules",
+     &baton::cli::RunScheduleCommand},
 };
 
 int Usage(std::ostream& err) {

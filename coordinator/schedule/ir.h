@@ -1,0 +1,104 @@
+// The pipeline schedule IR: for every pipeline rank an ordered list of actions
+// (compute, point-to-point communication, gradient reduction, optimizer step),
+// and its conversion to and from the baton.v1.Program messages that ship it.
+//
+// Stages are model chunks. With p ranks and v virtual stages per rank there are
+// S = p * v stages and rank r holds stages r, r + p, r + 2p, ...
+//
+// Execution model that builders, lowering, validator and simulator share:
+//  - A rank runs its actions strictly in order.
+//  - Compute actions F/B/I/W never block once reached; their inputs must have
+//    arrived by an earlier RECV (or an earlier action on the same rank).
+//  - A maximal run of consecutive SEND_*/RECV_* actions is posted as one batch
+//    (like torch's batch_isend_irecv or an NCCL group) and the rank waits for
+//    the whole batch. A send completes only once the peer has posted the
+//    matching receive (rendezvous), and messages between two ranks are matched
+//    in posting order, per direction (as NCCL does).
+//  - Activations of (stage, mb) are stored from F until B, or until W when the
+//    backward is split into I and W.
+#ifndef BATON_COORDINATOR_SCHEDULE_IR_H_
+#define BATON_COORDINATOR_SCHEDULE_IR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "baton/v1/program.pb.h"
+
+namespace baton::schedule {
+
+enum class ActionKind {
+  kForward,         // F(stage, mb)
+  kBackward,        // B(stage, mb) = I + W
+  kBackwardInput,   // I(stage, mb): gradient w.r.t. the stage input
+  kBackwardWeight,  // W(stage, mb): gradient w.r.t. the stage weights
+  kSendF,           // send activations produced by (stage, mb) to peer
+  kRecvF,           // receive the activations (stage, mb) consumes from peer
+  kSendB,           // send input-gradients produced by (stage, mb) to peer
+  kRecvB,           // receive the output-gradients (stage, mb) consumes
+  kReduceGrads,     // data-parallel gradient all-reduce
+  kOptimizerStep,
+};
+
+struct Action {
+  ActionKind kind = ActionKind::kForward;
+  int stage = 0;
+  int microbatch = 0;
+  int peer = 0;  // pipeline rank of the peer; meaningful for SEND_*/RECV_* only
+
+  bool operator==(const Action& o) const {
+    return kind == o.kind && stage == o.stage && microbatch == o.microbatch && peer == o.peer;
+  }
+  bool operator!=(const Action& o) const { return !(*this == o); }
+};
+
+struct Schedule {
+  std::string kind;  // builder name ("gpipe", "1f1b", ...); empty when imported
+  int num_ranks = 0;
+  int virtual_stages = 1;
+  int microbatches = 0;
+  std::vector<std::vector<Action>> ranks;  // ranks[r] = program of rank r
+
+  int num_stages() const { return num_ranks * virtual_stages; }
+  bool operator==(const Schedule& o) const {
+    return kind == o.kind && num_ranks == o.num_ranks && virtual_stages == o.virtual_stages &&
+           microbatches == o.microbatches && ranks == o.ranks;
+  }
+};
+
+inline int RankOfStage(int stage, int num_ranks) { return stage % num_ranks; }
+
+// Imported schedules may hold at most this many (stage, microbatch) cells, so
+// that a hostile file cannot make the validator allocate without bound.
+inline constexpr int64_t kMaxScheduleCells = int64_t{1} << 24;
+
+bool IsCompute(ActionKind kind);        // F, B, I, W
+bool IsCommunication(ActionKind kind);  // SEND_*/RECV_*
+// True when the schedule contains any SEND/RECV (it has been lowered).
+bool HasCommunication(const Schedule& schedule);
+
+// The same schedule with only its compute actions (F, B, I, W) kept.
+Schedule ComputeOnly(const Schedule& schedule);
+
+// "F", "B", "I", "W", "SEND_F", ..., "REDUCE_GRADS", "OPTIMIZER_STEP".
+const char* KindName(ActionKind kind);
+// "F(1,3)", "SEND_F(1,3)->2", "RECV_B(0,3)<-1", "REDUCE_GRADS".
+std::string ActionToString(const Action& action);
+// Short grid label: "F3", or "5F3" (stage first) when v > 1.
+std::string CellLabel(const Action& action, int virtual_stages);
+
+// One Program per rank, in rank order.
+std::vector<v1::Program> ToPrograms(const Schedule& schedule);
+// Accepts the programs in any order; they must agree on sizes and cover every
+// rank once.
+absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs);
+
+// A JSON array of Program messages (proto3 JSON mapping), one per rank.
+std::string ToProgramsJson(const Schedule& schedule);
+absl::StatusOr<Schedule> FromProgramsJson(absl::string_view json);
+
+}  // namespace baton::schedule
+
+#endif  // BATON_COORDINATOR_SCHEDULE_IR_H_
