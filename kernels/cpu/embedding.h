@@ -1,0 +1,22 @@
+// Token + position embedding.
+//   forward:  out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
+//   backward: dwte[tokens[b,t],:] += dout[b,t,:], dwpe[t,:] += dout[b,t,:]
+// Backward visits (b,t) in order, so repeated tokens accumulate in a fixed
+// order. Token ids must already be checked against the vocabulary.
+#ifndef BATON_KERNELS_CPU_EMBEDDING_H_
+#define BATON_KERNELS_CPU_EMBEDDING_H_
+
+#include <cstdint>
+
+namespace baton::kernels::cpu {
+
+void EmbeddingForward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                      int64_t batch, int64_t seq, int64_t channels);
+
+// `dwte` or `dwpe` may be null to skip that gradient.
+void EmbeddingBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                       int64_t batch, int64_t seq, int64_t channels);
+
+}  // namespace baton::kernels::cpu
+
+#endif  // BATON_KERNELS_CPU_EMBEDDING_H_
