@@ -103,6 +103,13 @@ void LinearBackwardWeight(const Tensor& dweight, const Tensor& dout, const Tenso
   cpu::MatmulBackwardWeight(dweight.f32(), dout.f32(), x.f32(), n, i, o);
 }
 
+void AddBias(const Tensor& out, const Tensor& bias) {
+  RequireCpu("AddBias", {&out, &bias});
+  const int64_t o = bias.numel(), n = out.numel() / o;
+  Require(out.numel() == n * o, "AddBias", "shape mismatch");
+  cpu::AddBias(out.f32(), bias.f32(), n, o);
+}
+
 void BiasBackward(const Tensor& dbias, const Tensor& dout) {
   RequireCpu("BiasBackward", {&dbias, &dout});
   const int64_t o = dbias.numel(), n = dout.numel() / o;

@@ -35,6 +35,8 @@ void Linear(const Tensor& out, const Tensor& x, const Tensor& weight, const Tens
 void LinearBackwardInput(const Tensor& dx, const Tensor& dout, const Tensor& weight,
                          bool accumulate);
 void LinearBackwardWeight(const Tensor& dweight, const Tensor& dout, const Tensor& x);
+// out [N,O] += bias [O] on every row.
+void AddBias(const Tensor& out, const Tensor& bias);
 void BiasBackward(const Tensor& dbias, const Tensor& dout);
 
 void Gelu(const Tensor& out, const Tensor& x);

@@ -125,6 +125,12 @@ TEST_F(KernelsTest, LinearMatchesFloat64) {
   for (size_t i = 0; i < want.size(); ++i) want[i] += dx0[i];
   EXPECT_LT(RelativeError(ToVec(dx), want), kGradTol);
 
+  // Bias added separately (after a TP reduction) matches the fused bias.
+  Tensor y2 = Tensor::Zeros({n, out});
+  Linear(y2, x, w, Tensor());
+  AddBias(y2, b);
+  EXPECT_LT(RelativeError(ToVec(y2), f(vin)), kForwardTol);
+
   Tensor dw = Tensor::Zeros({out, in}), db = Tensor::Zeros({out});
   LinearBackwardWeight(dw, dy, x);
   BiasBackward(db, dy);

@@ -29,6 +29,13 @@ void MatmulBackwardWeight(float* dweight, const float* dout, const float* inp, i
        in_features, 1.0f, dweight, in_features);
 }
 
+void AddBias(float* out, const float* bias, int64_t rows, int64_t out_features) {
+  for (int64_t n = 0; n < rows; ++n) {
+    float* o = out + n * out_features;
+    for (int64_t j = 0; j < out_features; ++j) o[j] += bias[j];
+  }
+}
+
 void BiasBackward(float* dbias, const float* dout, int64_t rows, int64_t out_features) {
   for (int64_t n = 0; n < rows; ++n) {
     const float* d = dout + n * out_features;

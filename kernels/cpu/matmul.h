@@ -22,6 +22,9 @@ void MatmulBackwardInput(float* dinp, const float* dout, const float* weight, in
 void MatmulBackwardWeight(float* dweight, const float* dout, const float* inp, int64_t rows,
                           int64_t in_features, int64_t out_features);
 
+// out[n,:] += bias, for a bias added after a tensor-parallel reduction.
+void AddBias(float* out, const float* bias, int64_t rows, int64_t out_features);
+
 void BiasBackward(float* dbias, const float* dout, int64_t rows, int64_t out_features);
 
 }  // namespace baton::kernels::cpu
