@@ -2,9 +2,11 @@
 
 #include <cmath>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace baton::kernels::cpu {
 
-void AdamWUpdate(float* param, const float* grad, float* m, float* v, int64_t n,
+BATON_ELEMENTWISE void AdamWUpdate(float* param, const float* grad, float* m, float* v, int64_t n,
                  const AdamWConfig& config, int64_t step, float grad_scale) {
   const float b1 = config.beta1;
   const float b2 = config.beta2;

@@ -2,9 +2,24 @@
 
 #include <cmath>
 
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 
 namespace baton::kernels::cpu {
+namespace {
+
+// row[0, valid) = softmax(row[0, valid)) given its maximum; row[valid, n) = 0.
+// Exponentials in a vectorizable loop, then the sum in index order.
+BATON_ELEMENTWISE void SoftmaxPrefix(float* row, int64_t valid, int64_t n, float max) {
+  for (int64_t j = 0; j < valid; ++j) row[j] = FastExp(row[j] - max);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < valid; ++j) sum += row[j];
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
+  for (int64_t j = valid; j < n; ++j) row[j] = 0.0f;
+}
+
+}  // namespace
 
 void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, int64_t seq,
                       int64_t channels, int64_t heads) {
@@ -22,14 +37,7 @@ void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, i
         float* row = p + i * seq;
         float max = row[0];
         for (int64_t j = 1; j <= i; ++j) max = row[j] > max ? row[j] : max;
-        float sum = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - max);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        for (int64_t j = i + 1; j < seq; ++j) row[j] = 0.0f;
+        SoftmaxPrefix(row, i + 1, seq, max);
       }
       Gemm(false, false, seq, hd, seq, 1.0f, p, seq, v, ld, 0.0f,
            out + b * seq * channels + h * hd, channels);

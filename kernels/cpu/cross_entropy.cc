@@ -2,7 +2,20 @@
 
 #include <cmath>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace baton::kernels::cpu {
+namespace {
+
+// z = exp(z − max) (vectorizable), returning Σ z in index order.
+BATON_ELEMENTWISE float ExpShifted(float* z, int64_t n, float max) {
+  for (int64_t v = 0; v < n; ++v) z[v] = FastExp(z[v] - max);
+  float sum = 0.0f;
+  for (int64_t v = 0; v < n; ++v) sum += z[v];
+  return sum;
+}
+
+}  // namespace
 
 double SoftmaxCrossEntropy(float* logits_to_grad, const int32_t* targets, int64_t rows,
                            int64_t vocab, float grad_scale) {
@@ -11,11 +24,7 @@ double SoftmaxCrossEntropy(float* logits_to_grad, const int32_t* targets, int64_
     float* z = logits_to_grad + n * vocab;
     float max = z[0];
     for (int64_t v = 1; v < vocab; ++v) max = z[v] > max ? z[v] : max;
-    float sum = 0.0f;
-    for (int64_t v = 0; v < vocab; ++v) {
-      z[v] = std::exp(z[v] - max);
-      sum += z[v];
-    }
+    const float sum = ExpShifted(z, vocab, max);
     const int32_t target = targets[n];
     // loss = log(sum) + max − z[target] = −log(exp(z[target] − max) / sum).
     total += -std::log(static_cast<double>(z[target]) / static_cast<double>(sum));

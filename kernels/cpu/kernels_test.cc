@@ -8,6 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/arena.h"
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/grad_norm.h"
 #include "kernels/ops.h"
@@ -318,6 +319,21 @@ TEST_F(KernelsTest, SameInputsGiveSameBits) {
       EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * sizeof(float)), 0);
     }
   }
+}
+
+TEST(FastMathTest, ExpAndTanhAreAccurateToFloatPrecision) {
+  double worst_exp = 0, worst_tanh = 0;
+  for (double x = -80.0; x <= 80.0; x += 0.001) {
+    const float xf = static_cast<float>(x);
+    worst_exp = std::max(worst_exp, std::abs(cpu::FastExp(xf) / std::exp(double{xf}) - 1.0));
+    worst_tanh = std::max(worst_tanh, std::abs(cpu::FastTanh(xf) - std::tanh(double{xf})));
+  }
+  EXPECT_LT(worst_exp, 3e-7);
+  EXPECT_LT(worst_tanh, 3e-7);
+  // Far outside the clamp: finite, saturated values rather than garbage.
+  EXPECT_LT(cpu::FastExp(-1000.0f), 1e-37f);
+  EXPECT_NEAR(cpu::FastTanh(1000.0f), 1.0f, 1e-7);
+  EXPECT_NEAR(cpu::FastTanh(-1000.0f), -1.0f, 1e-7);
 }
 
 TEST_F(KernelsTest, GemmTimeIsAccounted) {
