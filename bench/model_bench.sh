@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs baton's and PyTorch's one-thread GPT training step side by side
 # (layers=4 d_model=256 heads=8 vocab=256 seq_len=128 micro_batch=8) and prints
-# the throughput ratio. Extra arguments go to both (e.g. --steps=20).
+# the throughput ratio (fastest step of each; the median is printed too).
+# Extra arguments go to both (e.g. --steps=20).
 # PyTorch: Debian's python3-torch or PyPI's torch; set PYTHON to choose.
 set -euo pipefail
 cd "$(dirname "$0")/.."

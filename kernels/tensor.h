@@ -27,7 +27,6 @@ struct Device {
   int index = 0;  // CUDA ordinal; 0 for the CPU
 
   static Device Cpu() { return Device{}; }
-  static Device Cuda(int ordinal) { return Device{DeviceType::kCuda, ordinal}; }
   bool is_cpu() const { return type == DeviceType::kCpu; }
   bool operator==(const Device& other) const {
     return type == other.type && index == other.index;

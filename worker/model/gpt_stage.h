@@ -93,7 +93,6 @@ class GptStage {
   absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
 
   ParameterStore& parameters() { return params_; }
-  const StageConfig& config() const { return config_; }
   int64_t microbatches_in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
   // Times the activation arenas asked the system for memory; flat once the
   // arenas have grown to a step's high-water mark.

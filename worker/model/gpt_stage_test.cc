@@ -165,6 +165,23 @@ TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {
   EXPECT_EQ(stage.activation_system_allocations(), after_first);
 }
 
+TEST(GptConfigTest, ReadsTheJobSpecModel) {
+  baton::v1::ModelSpec spec;
+  spec.set_layers(4);
+  spec.set_d_model(32);
+  spec.set_heads(4);
+  spec.set_vocab(37);
+  spec.set_seq_len(16);
+  const GptConfig c = GptConfigFromSpec(spec);
+  EXPECT_TRUE(ValidateGptConfig(c).ok());
+  EXPECT_EQ(c.head_dim(), 8);
+  EXPECT_EQ(c.ffn_dim(), 128);
+  auto ranges = SplitLayers(c.layers, 3);  // 2 + 1 + 1
+  ASSERT_TRUE(ranges.ok());
+  EXPECT_EQ((*ranges)[0].count, 2);
+  EXPECT_EQ((*ranges)[2].first, 3);
+}
+
 TEST(GptConfigTest, BadConfigsNameTheField) {
   GptConfig c = SmallModel();
   c.heads = 5;  // does not divide 32

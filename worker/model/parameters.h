@@ -80,12 +80,9 @@ class ParameterStore {
   const std::vector<Parameter>& parameters() const { return params_; }
   Parameter* Find(const std::string& name);
 
-  const kernels::Tensor& values() const { return values_; }
+  // Every gradient of the stage in one buffer (for zeroing, or one
+  // data-parallel all-reduce).
   const kernels::Tensor& grads() const { return grads_; }
-  const kernels::Tensor& adam_m() const { return adam_m_; }
-  const kernels::Tensor& adam_v() const { return adam_v_; }
-  int tp_rank() const { return tp_rank_; }
-  int tp_size() const { return tp_size_; }
 
  private:
   std::vector<Parameter> params_;
