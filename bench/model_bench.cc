@@ -1,8 +1,8 @@
 // model_bench: tokens per second of one full training step (forward,
 // backward, AdamW) of baton's GPT on one CPU thread, and the share of that
-// time spent in GEMM (summed over the timed steps). Defaults: layers=4 d_model=256 heads=8 vocab=256
-// seq_len=128 micro_batch=8. Prints one "baton ..." line that
-// bench/model_bench.sh compares with PyTorch.
+// time spent in GEMM (summed over the timed steps). Defaults: layers=4 d_model=256 heads=8
+// vocab=256 seq_len=128 micro_batch=8. Prints one "baton ..." line that bench/model_bench.sh
+// compares with PyTorch.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

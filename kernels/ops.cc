@@ -59,11 +59,9 @@ void LayerNorm(const Tensor& out, const Tensor& mean, const Tensor& rstd, const 
                const Tensor& weight, const Tensor& bias) {
   RequireCpu("LayerNorm", {&out, &mean, &rstd, &x, &weight, &bias});
   const int64_t c = weight.numel(), n = x.numel() / c;
-  Require(out.numel() == x.numel() && mean.numel() == n && rstd.numel() == n &&
-              bias.numel() == c,
+  Require(out.numel() == x.numel() && mean.numel() == n && rstd.numel() == n && bias.numel() == c,
           "LayerNorm", "shape mismatch");
-  cpu::LayerNormForward(out.f32(), mean.f32(), rstd.f32(), x.f32(), weight.f32(), bias.f32(),
-                        n, c);
+  cpu::LayerNormForward(out.f32(), mean.f32(), rstd.f32(), x.f32(), weight.f32(), bias.f32(), n, c);
 }
 
 void LayerNormBackward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
@@ -74,8 +72,8 @@ void LayerNormBackward(const Tensor& dx, const Tensor& dweight, const Tensor& db
   Require(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == c &&
               dbias.numel() == c && mean.numel() == n,
           "LayerNormBackward", "shape mismatch");
-  cpu::LayerNormBackward(dx.f32(), dweight.f32(), dbias.f32(), dout.f32(), x.f32(),
-                         weight.f32(), mean.f32(), rstd.f32(), n, c);
+  cpu::LayerNormBackward(dx.f32(), dweight.f32(), dbias.f32(), dout.f32(), x.f32(), weight.f32(),
+                         mean.f32(), rstd.f32(), n, c);
 }
 
 void Linear(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
@@ -90,16 +88,14 @@ void LinearBackwardInput(const Tensor& dx, const Tensor& dout, const Tensor& wei
                          bool accumulate) {
   RequireCpu("LinearBackwardInput", {&dx, &dout, &weight});
   const int64_t o = weight.dim(0), i = weight.dim(1), n = dout.numel() / o;
-  Require(dout.numel() == n * o && dx.numel() == n * i, "LinearBackwardInput",
-          "shape mismatch");
+  Require(dout.numel() == n * o && dx.numel() == n * i, "LinearBackwardInput", "shape mismatch");
   cpu::MatmulBackwardInput(dx.f32(), dout.f32(), weight.f32(), n, i, o, accumulate);
 }
 
 void LinearBackwardWeight(const Tensor& dweight, const Tensor& dout, const Tensor& x) {
   RequireCpu("LinearBackwardWeight", {&dweight, &dout, &x});
   const int64_t o = dweight.dim(0), i = dweight.dim(1), n = x.numel() / i;
-  Require(x.numel() == n * i && dout.numel() == n * o, "LinearBackwardWeight",
-          "shape mismatch");
+  Require(x.numel() == n * i && dout.numel() == n * o, "LinearBackwardWeight", "shape mismatch");
   cpu::MatmulBackwardWeight(dweight.f32(), dout.f32(), x.f32(), n, i, o);
 }
 
@@ -125,8 +121,7 @@ void Gelu(const Tensor& out, const Tensor& x) {
 
 void GeluBackward(const Tensor& dx, const Tensor& x, const Tensor& dout) {
   RequireCpu("GeluBackward", {&dx, &x, &dout});
-  Require(dx.numel() == x.numel() && dout.numel() == x.numel(), "GeluBackward",
-          "shape mismatch");
+  Require(dx.numel() == x.numel() && dout.numel() == x.numel(), "GeluBackward", "shape mismatch");
   cpu::GeluBackward(dx.f32(), x.f32(), dout.f32(), x.numel());
 }
 
@@ -164,8 +159,7 @@ void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout) {
   cpu::ResidualBackward(F32OrNull(da), F32OrNull(db), dout.f32(), dout.numel());
 }
 
-double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets,
-                           float grad_scale) {
+double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale) {
   RequireCpu("SoftmaxCrossEntropy", {&logits_to_grad, &targets});
   const int64_t n = targets.numel(), v = logits_to_grad.numel() / n;
   Require(logits_to_grad.numel() == n * v, "SoftmaxCrossEntropy", "shape mismatch");

@@ -53,8 +53,7 @@ void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout);
 
 // logits [N,V] are overwritten by d(loss)/d(logits) · grad_scale; targets
 // int32 [N]. Returns the summed loss.
-double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets,
-                           float grad_scale);
+double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale);
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale);

@@ -23,9 +23,7 @@ int64_t NumElements(const Shape& shape) {
   return n;
 }
 
-std::string ShapeToString(const Shape& shape) {
-  return "[" + absl::StrJoin(shape, ", ") + "]";
-}
+std::string ShapeToString(const Shape& shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
 
 Tensor Tensor::Zeros(Shape shape, DType dtype) {
   Tensor t;

@@ -28,9 +28,7 @@ struct Device {
 
   static Device Cpu() { return Device{}; }
   bool is_cpu() const { return type == DeviceType::kCpu; }
-  bool operator==(const Device& other) const {
-    return type == other.type && index == other.index;
-  }
+  bool operator==(const Device& other) const { return type == other.type && index == other.index; }
 };
 
 using Shape = absl::InlinedVector<int64_t, 4>;

@@ -7,7 +7,7 @@
 namespace baton::kernels::cpu {
 
 BATON_ELEMENTWISE void AdamWUpdate(float* param, const float* grad, float* m, float* v, int64_t n,
-                 const AdamWConfig& config, int64_t step, float grad_scale) {
+                                   const AdamWConfig& config, int64_t step, float grad_scale) {
   const float b1 = config.beta1;
   const float b2 = config.beta2;
   const float correction1 = 1.0f - static_cast<float>(std::pow(b1, static_cast<double>(step)));

@@ -39,8 +39,8 @@ void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, i
         for (int64_t j = 1; j <= i; ++j) max = row[j] > max ? row[j] : max;
         SoftmaxPrefix(row, i + 1, seq, max);
       }
-      Gemm(false, false, seq, hd, seq, 1.0f, p, seq, v, ld, 0.0f,
-           out + b * seq * channels + h * hd, channels);
+      Gemm(false, false, seq, hd, seq, 1.0f, p, seq, v, ld, 0.0f, out + b * seq * channels + h * hd,
+           channels);
     }
   }
 }

@@ -12,9 +12,8 @@ namespace baton::kernels::cpu {
 
 // C[M,N] = alpha * op(A) * op(B) + beta * C, all row-major; op(X) is X or
 // X^T. `lda`, `ldb`, `ldc` are row strides in elements.
-void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-          const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-          int64_t ldc);
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // Time and work spent in Gemm on the calling thread since the last reset.
 struct GemmStats {

@@ -200,8 +200,7 @@ TEST_F(KernelsTest, CausalAttentionMatchesFloat64) {
 
   Tensor dqkv = Tensor::Zeros({b, t, 3 * c}), scratch = Tensor::Zeros({t, t});
   AttentionBackward(dqkv, scratch, dy, qkv, att, heads);
-  EXPECT_LT(RelativeError(ToVec(dqkv), FiniteDifference(f, {ToVec(qkv)}, 0, ToVec(dy))),
-            kGradTol);
+  EXPECT_LT(RelativeError(ToVec(dqkv), FiniteDifference(f, {ToVec(qkv)}, 0, ToVec(dy))), kGradTol);
 }
 
 TEST_F(KernelsTest, EmbeddingMatchesFloat64WithRepeatedTokens) {
@@ -215,7 +214,8 @@ TEST_F(KernelsTest, EmbeddingMatchesFloat64WithRepeatedTokens) {
   RefFn f = [&](const std::vector<Vec>& in) {
     Vec out(b * t * c);
     for (int64_t r = 0; r < b * t; ++r) {
-      for (int64_t j = 0; j < c; ++j) out[r * c + j] = in[0][ids[r] * c + j] + in[1][(r % t) * c + j];
+      for (int64_t j = 0; j < c; ++j)
+        out[r * c + j] = in[0][ids[r] * c + j] + in[1][(r % t) * c + j];
     }
     return out;
   };
@@ -296,8 +296,8 @@ TEST_F(KernelsTest, GradNormAndClipping) {
   EXPECT_DOUBLE_EQ(sq, 25.0);
   const float factor = cpu::ClipFactor(sq, 1.0);
   EXPECT_NEAR(factor, 0.2f, 1e-6);
-  EXPECT_EQ(cpu::ClipFactor(sq, 10.0), 1.0f);   // norm 5 is under the limit
-  EXPECT_EQ(cpu::ClipFactor(sq, 0.0), 1.0f);    // clipping off
+  EXPECT_EQ(cpu::ClipFactor(sq, 10.0), 1.0f);  // norm 5 is under the limit
+  EXPECT_EQ(cpu::ClipFactor(sq, 0.0), 1.0f);   // clipping off
   Scale(g, factor);
   EXPECT_NEAR(std::sqrt(SumOfSquares(g)), 1.0, 1e-5);
 }

@@ -4,8 +4,8 @@
 
 namespace baton::kernels::cpu {
 
-void LayerNormForward(float* out, float* mean, float* rstd, const float* inp,
-                      const float* weight, const float* bias, int64_t rows, int64_t channels) {
+void LayerNormForward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                      const float* bias, int64_t rows, int64_t channels) {
   const float inv_c = 1.0f / static_cast<float>(channels);
   for (int64_t n = 0; n < rows; ++n) {
     const float* x = inp + n * channels;
@@ -26,8 +26,8 @@ void LayerNormForward(float* out, float* mean, float* rstd, const float* inp,
 }
 
 void LayerNormBackward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, const float* mean,
-                       const float* rstd, int64_t rows, int64_t channels) {
+                       const float* inp, const float* weight, const float* mean, const float* rstd,
+                       int64_t rows, int64_t channels) {
   const float inv_c = 1.0f / static_cast<float>(channels);
   for (int64_t n = 0; n < rows; ++n) {
     const float* x = inp + n * channels;

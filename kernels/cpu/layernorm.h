@@ -14,13 +14,13 @@ namespace baton::kernels::cpu {
 inline constexpr float kLayerNormEps = 1e-5f;
 
 // `mean` and `rstd` ([rows]) are saved for the backward pass.
-void LayerNormForward(float* out, float* mean, float* rstd, const float* inp,
-                      const float* weight, const float* bias, int64_t rows, int64_t channels);
+void LayerNormForward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                      const float* bias, int64_t rows, int64_t channels);
 
 // Accumulates into `dinp`, `dweight` and `dbias`.
 void LayerNormBackward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, const float* mean,
-                       const float* rstd, int64_t rows, int64_t channels);
+                       const float* inp, const float* weight, const float* mean, const float* rstd,
+                       int64_t rows, int64_t channels);
 
 }  // namespace baton::kernels::cpu
 

@@ -13,20 +13,20 @@ void MatmulForward(float* out, const float* inp, const float* weight, const floa
       std::memcpy(out + n * out_features, bias, sizeof(float) * out_features);
     }
   }
-  Gemm(false, true, rows, out_features, in_features, 1.0f, inp, in_features, weight,
-       in_features, bias != nullptr ? 1.0f : 0.0f, out, out_features);
+  Gemm(false, true, rows, out_features, in_features, 1.0f, inp, in_features, weight, in_features,
+       bias != nullptr ? 1.0f : 0.0f, out, out_features);
 }
 
 void MatmulBackwardInput(float* dinp, const float* dout, const float* weight, int64_t rows,
                          int64_t in_features, int64_t out_features, bool accumulate) {
-  Gemm(false, false, rows, in_features, out_features, 1.0f, dout, out_features, weight,
-       in_features, accumulate ? 1.0f : 0.0f, dinp, in_features);
+  Gemm(false, false, rows, in_features, out_features, 1.0f, dout, out_features, weight, in_features,
+       accumulate ? 1.0f : 0.0f, dinp, in_features);
 }
 
 void MatmulBackwardWeight(float* dweight, const float* dout, const float* inp, int64_t rows,
                           int64_t in_features, int64_t out_features) {
-  Gemm(true, false, out_features, in_features, rows, 1.0f, dout, out_features, inp,
-       in_features, 1.0f, dweight, in_features);
+  Gemm(true, false, out_features, in_features, rows, 1.0f, dout, out_features, inp, in_features,
+       1.0f, dweight, in_features);
 }
 
 void AddBias(float* out, const float* bias, int64_t rows, int64_t out_features) {

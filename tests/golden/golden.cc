@@ -63,9 +63,9 @@ absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, 
                                                                 /*seed=*/0, /*microbatches=*/1));
   const std::vector<std::string> names = model->ParameterNames();
   if (names.size() != golden.params.size() || names.size() != golden.grads.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "golden holds ", golden.params.size(), " parameters and ", golden.grads.size(),
-        " gradients; the model has ", names.size(), " parameters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("golden holds ", golden.params.size(), " parameters and ", golden.grads.size(),
+                     " gradients; the model has ", names.size(), " parameters"));
   }
   for (const std::string& name : names) {
     auto p = golden.params.find(name);

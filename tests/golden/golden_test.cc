@@ -23,10 +23,10 @@ TEST(SafetensorsTest, ReadsTensorsAndMetadata) {
   int32_t i[3] = {7, 8, 9};
   std::string data(reinterpret_cast<char*>(f), 8);
   data += std::string(reinterpret_cast<char*>(i), 12);
-  auto file = SafetensorsFile::Parse(File(
-      R"({"__metadata__":{"layers":"3"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"( "ids" : {"dtype":"I32","shape":[1,3],"data_offsets":[8,20]}})",
-      data));
+  auto file = SafetensorsFile::Parse(
+      File(R"({"__metadata__":{"layers":"3"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+           R"( "ids" : {"dtype":"I32","shape":[1,3],"data_offsets":[8,20]}})",
+           data));
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(*file->MetadataInt("layers"), 3);
   EXPECT_EQ(*file->Floats("w"), (std::vector<double>{1.5, -2.0}));

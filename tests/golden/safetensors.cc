@@ -79,13 +79,28 @@ class JsonParser {
         if (pos_ >= text_.size()) break;
         const char e = text_[pos_++];
         switch (e) {
-          case '"': case '\\': case '/': c = e; break;
-          case 'n': c = '\n'; break;
-          case 't': c = '\t'; break;
-          case 'r': c = '\r'; break;
-          case 'b': c = '\b'; break;
-          case 'f': c = '\f'; break;
-          default: return Error("unsupported string escape");
+          case '"':
+          case '\\':
+          case '/':
+            c = e;
+            break;
+          case 'n':
+            c = '\n';
+            break;
+          case 't':
+            c = '\t';
+            break;
+          case 'r':
+            c = '\r';
+            break;
+          case 'b':
+            c = '\b';
+            break;
+          case 'f':
+            c = '\f';
+            break;
+          default:
+            return Error("unsupported string escape");
         }
       }
       out.push_back(c);
@@ -168,8 +183,7 @@ size_t DTypeBytes(const std::string& dtype) {
   return 0;
 }
 
-absl::StatusOr<TensorEntry> ParseEntry(const std::string& name, const Json& j,
-                                       size_t data_bytes) {
+absl::StatusOr<TensorEntry> ParseEntry(const std::string& name, const Json& j, size_t data_bytes) {
   auto bad = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("safetensors tensor ", name, ": ", what));
   };
@@ -198,8 +212,8 @@ absl::StatusOr<TensorEntry> ParseEntry(const std::string& name, const Json& j,
   e.begin = static_cast<size_t>(offsets->items[0].number);
   e.end = static_cast<size_t>(offsets->items[1].number);
   if (e.begin > e.end || e.end > data_bytes) {
-    return bad(absl::StrCat("data_offsets [", e.begin, ", ", e.end, ") outside the ",
-                            data_bytes, "-byte data section"));
+    return bad(absl::StrCat("data_offsets [", e.begin, ", ", e.end, ") outside the ", data_bytes,
+                            "-byte data section"));
   }
   if (e.end - e.begin != static_cast<size_t>(numel) * element) {
     return bad(absl::StrCat(e.end - e.begin, " bytes for ", numel, " elements of ", e.dtype));

@@ -108,19 +108,18 @@ class InProcGroupState : public std::enable_shared_from_this<InProcGroupState> {
 
 class InProcGroupState::InProcWork : public Work {
  public:
-  InProcWork(std::shared_ptr<InProcGroupState> group, std::shared_ptr<OpState> op,
-             std::string what)
+  InProcWork(std::shared_ptr<InProcGroupState> group, std::shared_ptr<OpState> op, std::string what)
       : group_(group), op_(std::move(op)), what_(std::move(what)) {}
 
   absl::Status Wait(absl::Duration timeout) override {
     absl::MutexLock lock(&group_->mu_);
     OpState* op = op_.get();
-    const absl::Condition done(+[](OpState* s) { return s->done; }, op);
+    const absl::Condition done(
+        +[](OpState* s) { return s->done; }, op);
     if (!group_->mu_.AwaitWithTimeout(done, timeout)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("inproc ", what_, " did not complete within ",
-                       absl::FormatDuration(timeout),
-                       "; a peer has not posted the matching op"));
+      return absl::DeadlineExceededError(absl::StrCat("inproc ", what_, " did not complete within ",
+                                                      absl::FormatDuration(timeout),
+                                                      "; a peer has not posted the matching op"));
     }
     return op->status;
   }
@@ -147,12 +146,12 @@ std::shared_ptr<Work> InProcGroupState::Failed(absl::Status status) {
 }
 
 absl::Status InProcGroupState::AbortedStatusLocked() const {
-  return absl::AbortedError(absl::StrCat("inproc group aborted by rank ", aborted_rank_, ": ",
-                                         abort_reason_));
+  return absl::AbortedError(
+      absl::StrCat("inproc group aborted by rank ", aborted_rank_, ": ", abort_reason_));
 }
 
-std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind kind,
-                                                       Buffer in, Buffer out, int root) {
+std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind kind, Buffer in,
+                                                       Buffer out, int root) {
   if (in.device >= 0 || out.device >= 0) {
     return Failed(absl::UnimplementedError("inproc communicator: host buffers only"));
   }
@@ -192,14 +191,14 @@ void InProcGroupState::RunLocked(Collective& c) {
       status = absl::InvalidArgumentError(
           absl::StrCat("inproc ", KindName(c.kind), ": ranks posted different collectives"));
     } else if (c.in[r].count != n || c.in[r].dtype != dtype) {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          "inproc ", KindName(c.kind), ": rank ", r, " posted ", c.in[r].count,
-          " elements, rank 0 posted ", n, " (or dtypes differ)"));
+      status = absl::InvalidArgumentError(
+          absl::StrCat("inproc ", KindName(c.kind), ": rank ", r, " posted ", c.in[r].count,
+                       " elements, rank 0 posted ", n, " (or dtypes differ)"));
     } else if ((c.kind == CollectiveKind::kAllGather && c.out[r].count != n * size_) ||
                (c.kind == CollectiveKind::kReduceScatterSum && c.out[r].count * size_ != n)) {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          "inproc ", KindName(c.kind), ": rank ", r, " output has ", c.out[r].count,
-          " elements for inputs of ", n));
+      status = absl::InvalidArgumentError(absl::StrCat("inproc ", KindName(c.kind), ": rank ", r,
+                                                       " output has ", c.out[r].count,
+                                                       " elements for inputs of ", n));
     }
   }
   if (status.ok()) {
@@ -225,8 +224,8 @@ void InProcGroupState::RunLocked(Collective& c) {
           std::memcpy(sums[r].data(), static_cast<char*>(c.in[0].data) + r * chunk_bytes,
                       chunk_bytes);
           for (int q = 1; q < size_; ++q) {
-            AddInto(dtype, sums[r].data(),
-                    static_cast<char*>(c.in[q].data) + r * chunk_bytes, chunk);
+            AddInto(dtype, sums[r].data(), static_cast<char*>(c.in[q].data) + r * chunk_bytes,
+                    chunk);
           }
         }
         for (int r = 0; r < size_; ++r) std::memcpy(c.out[r].data, sums[r].data(), chunk_bytes);
@@ -263,8 +262,8 @@ std::shared_ptr<Work> InProcGroupState::PostP2P(int rank, bool is_send, Buffer b
   if (aborted_[rank] || aborted_[peer]) return Failed(AbortedStatusLocked());
   const P2PKey key = is_send ? P2PKey{rank, peer, tag} : P2PKey{peer, rank, tag};
   auto op = std::make_shared<OpState>();
-  std::string what = absl::StrCat(is_send ? "Send to rank " : "Recv from rank ", peer,
-                                  " tag ", tag, " on rank ", rank);
+  std::string what = absl::StrCat(is_send ? "Send to rank " : "Recv from rank ", peer, " tag ", tag,
+                                  " on rank ", rank);
   auto& partners = is_send ? recvs_[key] : sends_[key];
   if (partners.empty()) {
     (is_send ? sends_ : recvs_)[key].push_back(P2P{buf, op});
@@ -276,9 +275,9 @@ std::shared_ptr<Work> InProcGroupState::PostP2P(int rank, bool is_send, Buffer b
   const Buffer& dst = is_send ? partner.buf : buf;
   absl::Status status;
   if (src.bytes() != dst.bytes()) {
-    status = absl::InvalidArgumentError(absl::StrCat("inproc Send/Recv tag ", tag, ": sender has ",
-                                                     src.bytes(), " bytes, receiver ",
-                                                     dst.bytes()));
+    status =
+        absl::InvalidArgumentError(absl::StrCat("inproc Send/Recv tag ", tag, ": sender has ",
+                                                src.bytes(), " bytes, receiver ", dst.bytes()));
   } else {
     std::memcpy(dst.data, src.data, src.bytes());
   }

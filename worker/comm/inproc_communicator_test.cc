@@ -49,11 +49,11 @@ TEST(InProcCommunicatorTest, AllGatherReduceScatterBroadcast) {
                     .ok());
     std::vector<float> in(2 * n);
     for (int i = 0; i < 2 * n; ++i) in[i] = static_cast<float>(i + r);
-    EXPECT_TRUE(group[r]
-                    ->ReduceScatterSum(Buffer::Host(in.data(), 2 * n),
-                                       Buffer::Host(scattered[r].data(), 2))
-                    ->Wait(kWait)
-                    .ok());
+    EXPECT_TRUE(
+        group[r]
+            ->ReduceScatterSum(Buffer::Host(in.data(), 2 * n), Buffer::Host(scattered[r].data(), 2))
+            ->Wait(kWait)
+            .ok());
     if (r == 2) bcast[r] = {7.0f, 8.0f};
     EXPECT_TRUE(group[r]->Broadcast(Buffer::Host(bcast[r].data(), 2), 2)->Wait(kWait).ok());
     EXPECT_TRUE(group[r]->Barrier()->Wait(kWait).ok());
@@ -112,8 +112,7 @@ TEST(InProcCommunicatorTest, AbortUnblocksPendingOpsAndFailsLaterOnes) {
   EXPECT_NE(waited.message().find("stage 1 crashed"), absl::string_view::npos);
   EXPECT_EQ(pending_collective->Wait(kWait).code(), absl::StatusCode::kAborted);
   // Later ops fail fast instead of hanging.
-  EXPECT_EQ(group[0]->Barrier()->Wait(absl::Milliseconds(1)).code(),
-            absl::StatusCode::kAborted);
+  EXPECT_EQ(group[0]->Barrier()->Wait(absl::Milliseconds(1)).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(group[0]->Send(Buffer::Host(x, 1), 1, 6)->Wait(absl::Milliseconds(1)).code(),
             absl::StatusCode::kAborted);
 }

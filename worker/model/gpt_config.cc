@@ -6,8 +6,7 @@
 namespace baton::model {
 namespace {
 
-absl::Status Invalid(absl::string_view field, const absl::AlphaNum& value,
-                     absl::string_view why) {
+absl::Status Invalid(absl::string_view field, const absl::AlphaNum& value, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, ": ", why));
 }
 
@@ -30,8 +29,7 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
   if (c.vocab <= 0) return Invalid("model.vocab", c.vocab, "must be positive");
   if (c.seq_len <= 0) return Invalid("model.seq_len", c.seq_len, "must be positive");
   if (c.d_model % c.heads != 0) {
-    return Invalid("model.heads", c.heads,
-                   absl::StrCat("must divide model.d_model = ", c.d_model));
+    return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
   }
   return absl::OkStatus();
 }
@@ -39,9 +37,9 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
 absl::StatusOr<std::vector<BlockRange>> SplitLayers(int layers, int pp) {
   if (pp <= 0) return Invalid("parallel.pp", pp, "must be positive");
   if (pp > layers) {
-    return Invalid("parallel.pp", pp,
-                   absl::StrCat("more stages than model.layers = ", layers,
-                                "; every stage needs a block"));
+    return Invalid(
+        "parallel.pp", pp,
+        absl::StrCat("more stages than model.layers = ", layers, "; every stage needs a block"));
   }
   std::vector<BlockRange> ranges(pp);
   int next = 0;
@@ -92,7 +90,8 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
   }
   if (c.blocks.first < 0 || c.blocks.count < 0 ||
       c.blocks.first + c.blocks.count > c.model.layers) {
-    return Invalid("blocks", absl::StrCat("[", c.blocks.first, ", ", c.blocks.first + c.blocks.count, ")"),
+    return Invalid("blocks",
+                   absl::StrCat("[", c.blocks.first, ", ", c.blocks.first + c.blocks.count, ")"),
                    absl::StrCat("outside the model's ", c.model.layers, " layers"));
   }
   if (c.is_first() != (c.blocks.first == 0) && c.blocks.count > 0) {
@@ -100,9 +99,9 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    "the first pipeline stage must start at block 0 and no other may");
   }
   if (c.is_last() && c.blocks.first + c.blocks.count != c.model.layers) {
-    return Invalid("blocks", c.blocks.first + c.blocks.count,
-                   absl::StrCat("the last pipeline stage must end at model.layers = ",
-                                c.model.layers));
+    return Invalid(
+        "blocks", c.blocks.first + c.blocks.count,
+        absl::StrCat("the last pipeline stage must end at model.layers = ", c.model.layers));
   }
   if (c.microbatches <= 0) {
     return Invalid("schedule.microbatches", c.microbatches, "must be positive");

@@ -29,10 +29,10 @@ struct GptStage::Microbatch {
   kernels::Arena arena;
   int64_t batch = 0, seq = 0;
   Tensor tokens, targets;
-  Tensor x0;                             // stage input
+  Tensor x0;  // stage input
   std::vector<BlockActivations> blocks;
-  Tensor xf, meanf, rstdf, dlogits;      // last stage
-  Tensor d_x0;                           // gradient of the stage input
+  Tensor xf, meanf, rstdf, dlogits;  // last stage
+  Tensor d_x0;                       // gradient of the stage input
   bool backward_input_done = false;
 };
 
@@ -87,18 +87,17 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     replicated(p + "ln_1.bias", {c}, InitKind::kZeros, 0, false);
     sharded(p + "attn.c_attn.weight", {3 * c, c}, ShardSpec::QkvRows(c, c), InitKind::kNormal,
             kInitStd, true);
-    sharded(p + "attn.c_attn.bias", {3 * c}, ShardSpec::QkvRows(c, 1), InitKind::kZeros, 0,
-            false);
-    sharded(p + "attn.c_proj.weight", {c, c}, ShardSpec::Columns(c, c), InitKind::kNormal,
-            proj_std, true);
+    sharded(p + "attn.c_attn.bias", {3 * c}, ShardSpec::QkvRows(c, 1), InitKind::kZeros, 0, false);
+    sharded(p + "attn.c_proj.weight", {c, c}, ShardSpec::Columns(c, c), InitKind::kNormal, proj_std,
+            true);
     replicated(p + "attn.c_proj.bias", {c}, InitKind::kZeros, 0, false);
     replicated(p + "ln_2.weight", {c}, InitKind::kOnes, 0, false);
     replicated(p + "ln_2.bias", {c}, InitKind::kZeros, 0, false);
     sharded(p + "mlp.c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd,
             true);
     sharded(p + "mlp.c_fc.bias", {f}, ShardSpec::Rows(f, 1), InitKind::kZeros, 0, false);
-    sharded(p + "mlp.c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal,
-            proj_std, true);
+    sharded(p + "mlp.c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal, proj_std,
+            true);
     replicated(p + "mlp.c_proj.bias", {c}, InitKind::kZeros, 0, false);
   }
   if (config.is_last()) {
@@ -124,8 +123,8 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
           " where this stage is rank ", config.tp_rank));
     }
   }
-  auto stage = std::unique_ptr<GptStage>(
-      new GptStage(config, tp_group, StageParameterSpecs(config)));
+  auto stage =
+      std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
   stage->params_.Initialize(config.seed);
   return stage;
 }
@@ -168,12 +167,12 @@ absl::Status GptStage::AllReduceTp(const Tensor& t, int block, const char* what)
   const absl::Status status =
       tp_->AllReduceSum(comm::Buffer::Host(t.f32(), t.numel()))->Wait(config_.comm_timeout);
   if (status.ok()) return status;
-  return WithContext(status, absl::StrCat("tensor-parallel all-reduce of ", what, " in block ",
-                                          block));
+  return WithContext(status,
+                     absl::StrCat("tensor-parallel all-reduce of ", what, " in block ", block));
 }
 
-absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output,
-                                      int64_t* batch, int64_t* seq) const {
+absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output, int64_t* batch,
+                                      int64_t* seq) const {
   const GptConfig& m = config_.model;
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
@@ -187,22 +186,20 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
     return absl::InvalidArgumentError(absl::StrCat(shaped_name, ": empty batch"));
   }
   if (*seq > m.seq_len) {
-    return absl::InvalidArgumentError(absl::StrCat(shaped_name, ": sequence of ", *seq,
-                                                   " tokens is longer than model.seq_len = ",
-                                                   m.seq_len));
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": sequence of ", *seq, " tokens is longer than model.seq_len = ", m.seq_len));
   }
   const int64_t n = *batch * *seq;
   auto check_ids = [&](const Tensor& ids, const char* name) -> absl::Status {
     if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids.i32()[i];
       if (id < 0 || id >= m.vocab) {
-        return absl::InvalidArgumentError(absl::StrCat(name, "[", i, "] = ", id,
-                                                       " is outside [0, model.vocab = ",
-                                                       m.vocab, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, "[", i, "] = ", id, " is outside [0, model.vocab = ", m.vocab, ")"));
       }
     }
     return absl::OkStatus();
@@ -330,8 +327,7 @@ absl::StatusOr<GptStage::Microbatch*> GptStage::Find(int mb, const char* op) {
   return it->second.get();
 }
 
-absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output,
-                                     const Tensor& grad_input) {
+absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Tensor& grad_input) {
   BATON_ASSIGN_OR_RETURN(Microbatch * s, Find(mb, "BackwardInput"));
   if (s->backward_input_done) {
     return absl::FailedPreconditionError(
@@ -339,12 +335,13 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output,
   }
   const int64_t n = s->batch * s->seq, c = config_.model.d_model;
   if (!config_.is_last() && (!grad_output.defined() || grad_output.numel() != n * c)) {
-    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb, "): grad_output: want float [",
-                                                   s->batch, ", ", s->seq, ", ", c, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb,
+                                                   "): grad_output: want float [", s->batch, ", ",
+                                                   s->seq, ", ", c, "]"));
   }
   if (!config_.is_first() && (!grad_input.defined() || grad_input.numel() != n * c)) {
-    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb, "): grad_input: want float [",
-                                                   s->batch, ", ", s->seq, ", ", c, "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BackwardInput(", mb, "): grad_input: want float [", s->batch, ", ", s->seq, ", ", c, "]"));
   }
   kernels::Arena& arena = s->arena;
   Tensor d;  // gradient of the current block's output
@@ -353,8 +350,8 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output,
     Tensor dxf = arena.Allocate({n, c});
     kernels::LinearBackwardInput(dxf, s->dlogits, wte_->value, /*accumulate=*/false);
     d = arena.AllocateZeroed({n, c});
-    kernels::LayerNormBackward(d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value,
-                               s->meanf, s->rstdf);
+    kernels::LayerNormBackward(d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
+                               s->rstdf);
   } else {
     d = Copy(arena, grad_output, {n, c});
   }
@@ -389,8 +386,8 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   BATON_RETURN_IF_ERROR(AllReduceTp(dln2, b.index, "the MLP input gradient"));
   a.d_mid = arena.Allocate({n, c});
   std::memcpy(a.d_mid.raw(), d_out.raw(), d_out.bytes());
-  kernels::LayerNormBackward(a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid,
-                             b.ln2_w->value, a.mean2, a.rstd2);
+  kernels::LayerNormBackward(a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
+                             a.mean2, a.rstd2);
   // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
   kernels::BiasBackward(b.proj_b->grad, a.d_mid);
   Tensor dy = arena.Allocate({n, cl});
@@ -482,10 +479,9 @@ absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
     return absl::InvalidArgumentError(
         "SyncTiedEmbeddingGrad: want a two-rank group, first stage rank 0, last stage rank 1");
   }
-  return WithContext(
-      group.AllReduceSum(comm::Buffer::Host(wte_->grad.f32(), wte_->grad.numel()))
-          ->Wait(config_.comm_timeout),
-      "all-reduce of the tied embedding gradient");
+  return WithContext(group.AllReduceSum(comm::Buffer::Host(wte_->grad.f32(), wte_->grad.numel()))
+                         ->Wait(config_.comm_timeout),
+                     "all-reduce of the tied embedding gradient");
 }
 
 absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float grad_scale) {

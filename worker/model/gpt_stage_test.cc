@@ -129,8 +129,8 @@ TEST_F(GptStageTest, TwoMicrobatchesAccumulateLikeOneBatch) {
 
 TEST_F(GptStageTest, InterleavedOrderGivesTheSameBitsAsAllForwardsFirst) {
   // Three microbatches on a two-stage pipeline, with forwards and backwards
-  // interleaved (F0 B0 F1 B1 F2 B2, several microbatches' activations never
-  // alive at once) and as GPipe runs them (all forwards, then all backwards).
+  // interleaved (F0 B0 F1 B1 F2 B2: one microbatch alive at a time) and as
+  // GPipe runs them (all forwards, then all backwards).
   std::mt19937 rng(3);
   std::vector<Tensor> tokens, targets;
   for (int mb = 0; mb < 3; ++mb) {
@@ -205,8 +205,8 @@ TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
     last = *loss;
     ASSERT_TRUE((*m)->OptimizerStep(adam, 1.0).ok());
   }
-  EXPECT_GT(first, 2.0);   // ~ln 16 before training
-  EXPECT_LT(last, 0.05);   // memorised
+  EXPECT_GT(first, 2.0);  // ~ln 16 before training
+  EXPECT_LT(last, 0.05);  // memorised
 }
 
 TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {

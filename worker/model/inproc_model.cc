@@ -4,8 +4,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/grad_norm.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/grad_norm.h"
 
 namespace baton::model {
 
@@ -80,9 +80,8 @@ absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
   }
   if (pp_ > 1) {
     absl::Status first_status;
-    std::thread first([&] {
-      first_status = stages_[0][r]->SyncTiedEmbeddingGrad(*tie_groups_[r][0]);
-    });
+    std::thread first(
+        [&] { first_status = stages_[0][r]->SyncTiedEmbeddingGrad(*tie_groups_[r][0]); });
     const absl::Status last_status = stages_[pp_ - 1][r]->SyncTiedEmbeddingGrad(*tie_groups_[r][1]);
     first.join();
     BATON_RETURN_IF_ERROR(first_status);
@@ -124,8 +123,7 @@ double InProcModel::GlobalGradSqNorm() const {
   return sum;
 }
 
-absl::Status InProcModel::OptimizerStep(const kernels::AdamWConfig& config,
-                                        double max_grad_norm) {
+absl::Status InProcModel::OptimizerStep(const kernels::AdamWConfig& config, double max_grad_norm) {
   const float clip = kernels::cpu::ClipFactor(GlobalGradSqNorm(), max_grad_norm);
   for (auto& row : stages_) {
     for (auto& stage : row) BATON_RETURN_IF_ERROR(stage->OptimizerStep(config, clip));

@@ -25,9 +25,8 @@ namespace baton::model {
 
 class InProcModel {
  public:
-  static absl::StatusOr<std::unique_ptr<InProcModel>> Create(const GptConfig& model, int pp,
-                                                             int tp, uint64_t seed,
-                                                             int microbatches);
+  static absl::StatusOr<std::unique_ptr<InProcModel>> Create(const GptConfig& model, int pp, int tp,
+                                                             uint64_t seed, int microbatches);
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);

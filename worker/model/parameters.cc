@@ -22,13 +22,13 @@ uint64_t Fnv1a(const std::string& s) {
 }
 
 // A uniform double in (0, 1) from 53 random bits.
-double Uniform(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0; }
+double Uniform(uint64_t bits) {
+  return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0;
+}
 
 }  // namespace
 
-ShardSpec ShardSpec::Rows(int64_t rows, int64_t cols) {
-  return ShardSpec{1, rows, cols, false, 0};
-}
+ShardSpec ShardSpec::Rows(int64_t rows, int64_t cols) { return ShardSpec{1, rows, cols, false, 0}; }
 ShardSpec ShardSpec::QkvRows(int64_t c, int64_t cols) { return ShardSpec{3, c, cols, false, 0}; }
 ShardSpec ShardSpec::Columns(int64_t rows, int64_t cols) {
   return ShardSpec{rows, cols, 1, false, 1};
@@ -42,8 +42,7 @@ int64_t LocalElements(const ShardSpec& s, int size) {
 namespace {
 
 // Copies shard `rank` between full and local; to_local picks the direction.
-void CopyShard(const ShardSpec& s, int rank, int size, float* full, float* local,
-               bool to_local) {
+void CopyShard(const ShardSpec& s, int rank, int size, float* full, float* local, bool to_local) {
   const int64_t parts = s.replicated ? 1 : size;
   const int64_t piece = s.split / parts;
   const int64_t begin = s.replicated ? 0 : rank * piece;
@@ -129,9 +128,9 @@ absl::Status ParameterStore::SetFull(const std::string& name, absl::Span<const f
   if (p == nullptr) return absl::NotFoundError(absl::StrCat("no parameter named ", name));
   const int64_t want = kernels::NumElements(p->spec.full_shape);
   if (static_cast<int64_t>(full.size()) != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": got ", full.size(), " values for shape ",
-        kernels::ShapeToString(p->spec.full_shape), " (", want, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": got ", full.size(), " values for shape ",
+                     kernels::ShapeToString(p->spec.full_shape), " (", want, ")"));
   }
   ExtractShard(p->spec.shard, tp_rank_, tp_size_, full.data(), p->value.f32());
   return absl::OkStatus();
@@ -145,4 +144,3 @@ Parameter* ParameterStore::Find(const std::string& name) {
 }
 
 }  // namespace baton::model
-
