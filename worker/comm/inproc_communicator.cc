@@ -81,6 +81,7 @@ class InProcGroupState : public std::enable_shared_from_this<InProcGroupState> {
     CollectiveKind kind;
     int arrived = 0;
     int root = 0;
+    bool mismatch = false;  // ranks posted different kinds or roots
     std::vector<Buffer> in, out;
     std::vector<std::shared_ptr<OpState>> ops;
   };
@@ -155,6 +156,10 @@ std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind 
   if (in.device >= 0 || out.device >= 0) {
     return Failed(absl::UnimplementedError("inproc communicator: host buffers only"));
   }
+  if (root < 0 || root >= size_) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("inproc Broadcast: root ", root, " outside a group of ", size_)));
+  }
   absl::MutexLock lock(&mu_);
   if (aborted_rank_ >= 0) return Failed(AbortedStatusLocked());
   const int64_t seq = next_seq_[rank]++;
@@ -171,9 +176,7 @@ std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind 
   c.out[rank] = out;
   c.ops[rank] = op;
   ++c.arrived;
-  if (c.kind != kind || c.root != root) {
-    c.root = -1;  // marks the mismatch for RunLocked
-  }
+  if (c.kind != kind || c.root != root) c.mismatch = true;
   std::string what = absl::StrCat(KindName(kind), " #", seq, " on rank ", rank, " of ", size_);
   if (c.arrived == size_) {
     RunLocked(c);
@@ -187,7 +190,7 @@ void InProcGroupState::RunLocked(Collective& c) {
   const int64_t n = c.in[0].count;
   const DType dtype = c.in[0].dtype;
   for (int r = 0; r < size_ && status.ok(); ++r) {
-    if (c.root < 0) {
+    if (c.mismatch) {
       status = absl::InvalidArgumentError(
           absl::StrCat("inproc ", KindName(c.kind), ": ranks posted different collectives"));
     } else if (c.in[r].count != n || c.in[r].dtype != dtype) {
@@ -232,11 +235,6 @@ void InProcGroupState::RunLocked(Collective& c) {
         break;
       }
       case CollectiveKind::kBroadcast:
-        if (c.root >= size_) {
-          status = absl::InvalidArgumentError(
-              absl::StrCat("inproc Broadcast: root ", c.root, " outside group of ", size_));
-          break;
-        }
         for (int r = 0; r < size_; ++r) {
           if (r != c.root) std::memcpy(c.in[r].data, c.in[c.root].data, bytes);
         }

@@ -117,6 +117,13 @@ TEST(InProcCommunicatorTest, AbortUnblocksPendingOpsAndFailsLaterOnes) {
             absl::StatusCode::kAborted);
 }
 
+TEST(InProcCommunicatorTest, BroadcastRootOutsideTheGroupFailsAtOnce) {
+  auto group = InProcCommunicator::CreateGroup(2);
+  float x[1] = {};
+  EXPECT_EQ(group[0]->Broadcast(Buffer::Host(x, 1), 2)->Wait(absl::Milliseconds(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(InProcCommunicatorTest, MismatchedCollectivesFailOnEveryRank) {
   auto group = InProcCommunicator::CreateGroup(2);
   float x[2] = {}, y[4] = {};
