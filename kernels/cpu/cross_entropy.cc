@@ -24,10 +24,12 @@ double SoftmaxCrossEntropy(float* logits_to_grad, const int32_t* targets, int64_
     float* z = logits_to_grad + n * vocab;
     float max = z[0];
     for (int64_t v = 1; v < vocab; ++v) max = z[v] > max ? z[v] : max;
-    const float sum = ExpShifted(z, vocab, max);
     const int32_t target = targets[n];
-    // loss = log(sum) + max − z[target] = −log(exp(z[target] − max) / sum).
-    total += -std::log(static_cast<double>(z[target]) / static_cast<double>(sum));
+    // loss = log Σ exp(z − max) − (z[target] − max), from the logit itself so
+    // that a target far below the maximum keeps its exact loss.
+    const float shifted_target = z[target] - max;
+    const float sum = ExpShifted(z, vocab, max);
+    total += std::log(static_cast<double>(sum)) - static_cast<double>(shifted_target);
     const float inv = grad_scale / sum;
     for (int64_t v = 0; v < vocab; ++v) z[v] *= inv;
     z[target] -= grad_scale;

@@ -265,6 +265,16 @@ TEST_F(KernelsTest, SoftmaxCrossEntropyMatchesFloat64) {
   EXPECT_LT(RelativeError(ToVec(logits), FiniteDifference(f, in, 0, Vec{1.0})), kGradTol);
 }
 
+TEST_F(KernelsTest, CrossEntropyOfAVeryUnlikelyTargetIsExact) {
+  // The target's logit is 200 below the others: loss ≈ 200 + log 3.
+  Tensor logits = Tensor::Zeros({1, 4}), targets = Tensor::Zeros({1}, DType::kInt32);
+  const float z[] = {100.0f, 100.0f, -100.0f, 100.0f};
+  std::memcpy(logits.f32(), z, sizeof(z));
+  targets.i32()[0] = 2;
+  EXPECT_NEAR(SoftmaxCrossEntropy(logits, targets, 1.0f), 200.0 + std::log(3.0), 1e-4);
+  EXPECT_NEAR(logits.f32()[2], -1.0f, 1e-6);  // softmax ≈ 0 minus one-hot
+}
+
 TEST_F(KernelsTest, AdamWMatchesFloat64Reference) {
   const int64_t n = 8;
   Tensor p = Random({n}), m = Tensor::Zeros({n}), v = Tensor::Zeros({n});
