@@ -176,9 +176,11 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   const GptConfig& m = config_.model;
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
-  if (!shaped.defined() || shaped.ndim() < 2 || !shaped.device().is_cpu()) {
+  const int want_dims = config_.is_first() ? 2 : 3;
+  if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(shaped_name, ": missing, or not a host tensor [batch, seq, ...]"));
+        absl::StrCat(shaped_name, ": missing, or not a host tensor [batch, seq",
+                     config_.is_first() ? "]" : ", d_model]"));
   }
   *batch = shaped.dim(0);
   *seq = shaped.dim(1);
