@@ -6,7 +6,8 @@
 //
 // Conventions: activations are [rows, channels] with rows = batch·seq, except
 // attention, which needs [batch, seq, ...]. Linear weights are [out, in].
-// Functions named *Backward accumulate into parameter gradients.
+// *Backward functions add (+=) into parameter gradients; input gradients are
+// overwritten unless the function says it accumulates.
 #ifndef BATON_KERNELS_OPS_H_
 #define BATON_KERNELS_OPS_H_
 
@@ -48,7 +49,7 @@ void AttentionBackward(const Tensor& dqkv, const Tensor& scratch, const Tensor& 
                        const Tensor& qkv, const Tensor& att, int heads);
 
 void Residual(const Tensor& out, const Tensor& a, const Tensor& b);
-// Either gradient may be undefined.
+// da and db accumulate; either may be undefined.
 void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout);
 
 // logits [N,V] are overwritten by d(loss)/d(logits) · grad_scale; targets
