@@ -38,21 +38,24 @@ float* F32OrNull(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
 }  // namespace
 
-void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe) {
+void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t vocab_begin,
+               const Tensor& wpe) {
   RequireCpu("Embedding", {&out, &tokens, &wte, &wpe});
   const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1);
-  Require(out.numel() == b * t * c && wpe.dim(0) >= t && wpe.dim(1) == c, "Embedding",
-          "shape mismatch");
-  cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), wpe.f32(), b, t, c);
+  Require(out.numel() == b * t * c && (!wpe.defined() || (wpe.dim(0) >= t && wpe.dim(1) == c)),
+          "Embedding", "shape mismatch");
+  cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), vocab_begin, wte.dim(0),
+                        F32OrNull(wpe), b, t, c);
 }
 
-void EmbeddingBackward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout,
-                       const Tensor& tokens) {
+void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
+                       const Tensor& dout, const Tensor& tokens) {
   RequireCpu("EmbeddingBackward", {&dwte, &dwpe, &dout, &tokens});
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   const int64_t c = dout.numel() / (b * t);
   Require(dout.numel() == b * t * c, "EmbeddingBackward", "shape mismatch");
-  cpu::EmbeddingBackward(F32OrNull(dwte), F32OrNull(dwpe), dout.f32(), tokens.i32(), b, t, c);
+  cpu::EmbeddingBackward(F32OrNull(dwte), vocab_begin, dwte.defined() ? dwte.dim(0) : 0,
+                         F32OrNull(dwpe), dout.f32(), tokens.i32(), b, t, c);
 }
 
 void LayerNorm(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
@@ -164,6 +167,34 @@ double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, 
   const int64_t n = targets.numel(), v = logits_to_grad.numel() / n;
   Require(logits_to_grad.numel() == n * v, "SoftmaxCrossEntropy", "shape mismatch");
   return cpu::SoftmaxCrossEntropy(logits_to_grad.f32(), targets.i32(), n, v, grad_scale);
+}
+
+void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets,
+                              int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
+                              const Tensor& target_logit) {
+  RequireCpu("ShardedCrossEntropyStats",
+             {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
+  const int64_t n = targets.numel(), v = logits_to_exp.numel() / n;
+  Require(logits_to_exp.numel() == n * v && row_max.numel() == n && lse.numel() == n &&
+              target_logit.numel() == n,
+          "ShardedCrossEntropyStats", "shape mismatch");
+  cpu::ShardedCrossEntropyStats(logits_to_exp.f32(), targets.i32(), n, vocab_begin, v,
+                                row_max.f32(), lse.f32(), target_logit.f32());
+}
+
+double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
+                                 int64_t vocab_begin, const Tensor& row_max,
+                                 const Tensor& lse_all, const Tensor& target_logit,
+                                 float grad_scale) {
+  RequireCpu("ShardedCrossEntropyFinish",
+             {&exp_to_grad, &targets, &row_max, &lse_all, &target_logit});
+  const int64_t n = targets.numel(), v = exp_to_grad.numel() / n, shards = lse_all.numel() / n;
+  Require(exp_to_grad.numel() == n * v && row_max.numel() == n && lse_all.numel() == n * shards &&
+              target_logit.numel() == n,
+          "ShardedCrossEntropyFinish", "shape mismatch");
+  return cpu::ShardedCrossEntropyFinish(exp_to_grad.f32(), targets.i32(), n, vocab_begin, v,
+                                        row_max.f32(), lse_all.f32(), shards, target_logit.f32(),
+                                        grad_scale);
 }
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -18,11 +18,14 @@ namespace baton::kernels {
 
 using cpu::AdamWConfig;
 
-// tokens int32 [B,T]; wte [V,C]; wpe [≥T,C]; out [B·T,C].
-void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe);
+// tokens int32 [B,T]; wte [V,C] or the shard of rows [vocab_begin,
+// vocab_begin + wte.dim(0)) (other tokens contribute zero); wpe [≥T,C] or
+// undefined (no position term); out [B·T,C].
+void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t vocab_begin,
+               const Tensor& wpe);
 // Either gradient may be undefined to skip it.
-void EmbeddingBackward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout,
-                       const Tensor& tokens);
+void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
+                       const Tensor& dout, const Tensor& tokens);
 
 // x, out [N,C]; mean, rstd [N]; weight, bias [C]. dx accumulates.
 void LayerNorm(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
@@ -55,6 +58,18 @@ void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout);
 // logits [N,V] are overwritten by d(loss)/d(logits) · grad_scale; targets
 // int32 [N]. Returns the summed loss.
 double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale);
+
+// Vocabulary-parallel cross-entropy in two steps around an all-gather of `lse`
+// into lse_all [shards, N] and an all-reduce-sum of `target_logit`; see
+// kernels/cpu/cross_entropy.h. logits [N, V/shards] hold columns from
+// vocab_begin; row_max, lse, target_logit [N].
+void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets,
+                              int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
+                              const Tensor& target_logit);
+double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
+                                 int64_t vocab_begin, const Tensor& row_max,
+                                 const Tensor& lse_all, const Tensor& target_logit,
+                                 float grad_scale);
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale);

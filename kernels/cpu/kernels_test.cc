@@ -210,7 +210,7 @@ TEST_F(KernelsTest, EmbeddingMatchesFloat64WithRepeatedTokens) {
   std::memcpy(tokens.i32(), ids, sizeof(ids));
   Tensor wte = Random({vocab, c}), wpe = Random({t, c}), dy = Random({b * t, c});
   Tensor y = Tensor::Zeros({b * t, c});
-  Embedding(y, tokens, wte, wpe);
+  Embedding(y, tokens, wte, 0, wpe);
   RefFn f = [&](const std::vector<Vec>& in) {
     Vec out(b * t * c);
     for (int64_t r = 0; r < b * t; ++r) {
@@ -222,9 +222,32 @@ TEST_F(KernelsTest, EmbeddingMatchesFloat64WithRepeatedTokens) {
   const std::vector<Vec> in = {ToVec(wte), ToVec(wpe)};
   EXPECT_LT(RelativeError(ToVec(y), f(in)), kForwardTol);
   Tensor dwte = Tensor::Zeros({vocab, c}), dwpe = Tensor::Zeros({t, c});
-  EmbeddingBackward(dwte, dwpe, dy, tokens);
+  EmbeddingBackward(dwte, 0, dwpe, dy, tokens);
   EXPECT_LT(RelativeError(ToVec(dwte), FiniteDifference(f, in, 0, ToVec(dy))), kGradTol);
   EXPECT_LT(RelativeError(ToVec(dwpe), FiniteDifference(f, in, 1, ToVec(dy))), kGradTol);
+}
+
+TEST_F(KernelsTest, VocabularyShardsSumToTheWholeEmbedding) {
+  const int64_t b = 2, t = 3, c = 4, vocab = 6;
+  Tensor tokens = Tensor::Zeros({b, t}, DType::kInt32);
+  const int32_t ids[] = {5, 0, 2, 3, 5, 1};
+  std::memcpy(tokens.i32(), ids, sizeof(ids));
+  Tensor wte = Random({vocab, c}), wpe = Random({t, c}), dy = Random({b * t, c});
+  Tensor whole = Tensor::Zeros({b * t, c});
+  Embedding(whole, tokens, wte, 0, wpe);
+  // Two shards of three rows; shard 1 adds the positions; the outputs summed.
+  Tensor sum = Tensor::Zeros({b * t, c}), part = Tensor::Zeros({b * t, c});
+  Tensor dwte = Tensor::Zeros({vocab, c});
+  for (int64_t shard = 0; shard < 2; ++shard) {
+    Embedding(part, tokens, wte.Rows(3 * shard, 3 * shard + 3), 3 * shard,
+              shard == 1 ? wpe : Tensor());
+    for (int64_t i = 0; i < sum.numel(); ++i) sum.f32()[i] += part.f32()[i];
+    EmbeddingBackward(dwte.Rows(3 * shard, 3 * shard + 3), 3 * shard, Tensor(), dy, tokens);
+  }
+  EXPECT_EQ(std::memcmp(sum.raw(), whole.raw(), whole.bytes()), 0);  // exact, not approximate
+  Tensor want = Tensor::Zeros({vocab, c});
+  EmbeddingBackward(want, 0, Tensor(), dy, tokens);
+  EXPECT_EQ(std::memcmp(dwte.raw(), want.raw(), want.bytes()), 0);
 }
 
 TEST_F(KernelsTest, ResidualMatchesFloat64) {
@@ -263,6 +286,53 @@ TEST_F(KernelsTest, SoftmaxCrossEntropyMatchesFloat64) {
   const double loss = SoftmaxCrossEntropy(logits, targets, 1.0f / n) / n;
   EXPECT_NEAR(loss, f(in)[0], 1e-5 * f(in)[0]);
   EXPECT_LT(RelativeError(ToVec(logits), FiniteDifference(f, in, 0, Vec{1.0})), kGradTol);
+}
+
+TEST_F(KernelsTest, VocabularyParallelCrossEntropyMatchesFloat64) {
+  const int64_t n = 4, vocab = 9, shards = 3, cols = vocab / shards;
+  Tensor logits = Random({n, vocab}, 3.0), targets = Tensor::Zeros({n}, DType::kInt32);
+  const int32_t ids[] = {0, 8, 4, 3};
+  std::memcpy(targets.i32(), ids, sizeof(ids));
+  RefFn f = [&](const std::vector<Vec>& in) {
+    double total = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      double sum = 0;
+      for (int64_t v = 0; v < vocab; ++v) sum += std::exp(in[0][r * vocab + v]);
+      total += std::log(sum) - in[0][r * vocab + ids[r]];
+    }
+    return Vec{total / n};
+  };
+  const Vec want_grad = FiniteDifference(f, {ToVec(logits)}, 0, Vec{1.0});
+  // Each shard's columns as its own [n, cols] tensor; the collectives by hand.
+  std::vector<Tensor> part, row_max, lse;
+  Tensor lse_all = Tensor::Zeros({shards, n}), target_sum = Tensor::Zeros({n});
+  for (int64_t s = 0; s < shards; ++s) {
+    part.push_back(Tensor::Zeros({n, cols}));
+    row_max.push_back(Tensor::Zeros({n}));
+    lse.push_back(Tensor::Zeros({n}));
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t v = 0; v < cols; ++v) {
+        part[s].f32()[r * cols + v] = logits.f32()[r * vocab + s * cols + v];
+      }
+    }
+    Tensor target_logit = Tensor::Zeros({n});
+    ShardedCrossEntropyStats(part[s], targets, s * cols, row_max[s], lse[s], target_logit);
+    std::memcpy(lse_all.f32() + s * n, lse[s].f32(), n * sizeof(float));
+    for (int64_t r = 0; r < n; ++r) target_sum.f32()[r] += target_logit.f32()[r];
+  }
+  Vec grad(n * vocab);
+  for (int64_t s = 0; s < shards; ++s) {
+    const double loss = ShardedCrossEntropyFinish(part[s], targets, s * cols, row_max[s], lse_all,
+                                                  target_sum, 1.0f / n) /
+                        n;
+    EXPECT_NEAR(loss, f({ToVec(logits)})[0], 1e-5 * loss);  // every shard agrees
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t v = 0; v < cols; ++v) {
+        grad[r * vocab + s * cols + v] = part[s].f32()[r * cols + v];
+      }
+    }
+  }
+  EXPECT_LT(RelativeError(grad, want_grad), kGradTol);
 }
 
 TEST_F(KernelsTest, CrossEntropyOfAVeryUnlikelyTargetIsExact) {

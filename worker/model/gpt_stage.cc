@@ -246,7 +246,7 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   if (config_.is_first()) {
     s.tokens = Copy(arena, inputs.tokens, {batch, seq});
     s.x0 = arena.Allocate({n, c});
-    kernels::Embedding(s.x0, s.tokens, wte_->value, wpe_->value);
+    kernels::Embedding(s.x0, s.tokens, wte_->value, 0, wpe_->value);
   } else {
     s.x0 = Copy(arena, inputs.activations, {n, c});
   }
@@ -417,7 +417,7 @@ absl::Status GptStage::BackwardWeight(int mb) {
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BlockBackwardWeight(blocks_[i], s->blocks[i]);
   }
-  if (config_.is_first()) kernels::EmbeddingBackward(wte_->grad, wpe_->grad, s->d_x0, s->tokens);
+  if (config_.is_first()) kernels::EmbeddingBackward(wte_->grad, 0, wpe_->grad, s->d_x0, s->tokens);
   // The microbatch is done: its activations go back to the pool.
   auto it = in_flight_.find(mb);
   it->second->arena.Reset();
