@@ -1,0 +1,82 @@
+// Tensor-level kernel entry points: check shapes and devices, then dispatch to
+// the backend for the tensors' device. The CPU backend (kernels/cpu/) is the
+// only one linked today; a CUDA backend (kernels/cuda/) adds its case to each
+// dispatch beside the CPU one, with the same signatures. Shape mismatches are
+// programming errors and abort with the op's name.
+//
+// Conventions: activations are [rows, channels] with rows = batch·seq, except
+// attention, which needs [batch, seq, ...]. Linear weights are [out, in].
+// *Backward functions add (+=) into parameter gradients; input gradients are
+// overwritten unless the function says it accumulates.
+#ifndef BATON_KERNELS_OPS_H_
+#define BATON_KERNELS_OPS_H_
+
+#include "kernels/cpu/adamw.h"
+#include "kernels/tensor.h"
+
+namespace baton::kernels {
+
+using cpu::AdamWConfig;
+
+// tokens int32 [B,T]; wte [V,C] or the shard of rows [vocab_begin,
+// vocab_begin + wte.dim(0)) (other tokens contribute zero); wpe [≥T,C] or
+// undefined (no position term); out [B·T,C].
+void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t vocab_begin,
+               const Tensor& wpe);
+// Either gradient may be undefined to skip it.
+void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
+                       const Tensor& dout, const Tensor& tokens);
+
+// x, out [N,C]; mean, rstd [N]; weight, bias [C]. dx accumulates.
+void LayerNorm(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+               const Tensor& weight, const Tensor& bias);
+void LayerNormBackward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
+                       const Tensor& dout, const Tensor& x, const Tensor& weight,
+                       const Tensor& mean, const Tensor& rstd);
+
+// out [N,O] = x [N,I] · weight[O,I]ᵀ (+ bias [O] when defined).
+void Linear(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias);
+void LinearBackwardInput(const Tensor& dx, const Tensor& dout, const Tensor& weight,
+                         bool accumulate);
+void LinearBackwardWeight(const Tensor& dweight, const Tensor& dout, const Tensor& x);
+// out [N,O] += bias [O] on every row.
+void AddBias(const Tensor& out, const Tensor& bias);
+void BiasBackward(const Tensor& dbias, const Tensor& dout);
+
+void Gelu(const Tensor& out, const Tensor& x);
+void GeluBackward(const Tensor& dx, const Tensor& x, const Tensor& dout);
+
+// qkv [B,T,3C], out [B,T,C], att [B,H,T,T]; scratch holds ≥ T·T floats.
+void Attention(const Tensor& out, const Tensor& att, const Tensor& qkv, int heads);
+void AttentionBackward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout,
+                       const Tensor& qkv, const Tensor& att, int heads);
+
+void Residual(const Tensor& out, const Tensor& a, const Tensor& b);
+// da and db accumulate; either may be undefined.
+void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout);
+
+// logits [N,V] are overwritten by d(loss)/d(logits) · grad_scale; targets
+// int32 [N]. Returns the summed loss.
+double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale);
+
+// Vocabulary-parallel cross-entropy in two steps around an all-gather of `lse`
+// into lse_all [shards, N] and an all-reduce-sum of `target_logit`; see
+// kernels/cpu/cross_entropy.h. logits [N, V/shards] hold columns from
+// vocab_begin; row_max, lse, target_logit [N].
+void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets,
+                              int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
+                              const Tensor& target_logit);
+double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
+                                 int64_t vocab_begin, const Tensor& row_max,
+                                 const Tensor& lse_all, const Tensor& target_logit,
+                                 float grad_scale);
+
+void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+           const AdamWConfig& config, int64_t step, float grad_scale);
+
+double SumOfSquares(const Tensor& x);
+void Scale(const Tensor& x, float factor);
+
+}  // namespace baton::kernels
+
+#endif  // BATON_KERNELS_OPS_H_

@@ -1,0 +1,79 @@
+#include "kernels/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/base/internal/raw_logging.h"
+#include "absl/strings/str_join.h"
+
+namespace baton::kernels {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
+  }
+  return 4;
+}
+
+int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string ShapeToString(const Shape& shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
+
+Tensor Tensor::Zeros(Shape shape, DType dtype) {
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  const size_t bytes = t.bytes();
+  // 64-byte alignment for vector loads; calloc-like zero fill.
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  ABSL_RAW_CHECK(p != nullptr, "Tensor::Zeros: out of host memory");
+  std::memset(p, 0, rounded == 0 ? 64 : rounded);
+  t.storage_ = std::shared_ptr<void>(p, std::free);
+  t.data_ = p;
+  return t;
+}
+
+Tensor Tensor::View(void* data, Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.data_ = data;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  return t;
+}
+
+float* Tensor::f32() const {
+  ABSL_RAW_CHECK(dtype_ == DType::kFloat32, "Tensor::f32 on a non-float32 tensor");
+  return static_cast<float*>(data_);
+}
+
+int32_t* Tensor::i32() const {
+  ABSL_RAW_CHECK(dtype_ == DType::kInt32, "Tensor::i32 on a non-int32 tensor");
+  return static_cast<int32_t*>(data_);
+}
+
+Tensor Tensor::Reshaped(Shape shape) const {
+  ABSL_RAW_CHECK(NumElements(shape) == numel(), "Tensor::Reshaped: element count differs");
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::Rows(int64_t begin, int64_t end) const {
+  ABSL_RAW_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0],
+                 "Tensor::Rows: range outside dimension 0");
+  Tensor t = *this;
+  const int64_t row = shape_[0] == 0 ? 0 : numel() / shape_[0];
+  t.data_ = static_cast<char*>(data_) + static_cast<size_t>(begin * row) * DTypeSize(dtype_);
+  t.shape_[0] = end - begin;
+  return t;
+}
+
+}  // namespace baton::kernels

@@ -1,0 +1,40 @@
+// Golden comparison: loads a golden file written by gen_golden.py (PyTorch's
+// loss and gradients for one batch), runs baton's model on the same
+// parameters and batch in a given TP × PP layout, and reports the relative
+// error ‖ours − golden‖ / ‖golden‖ of the loss and of every gradient.
+#ifndef BATON_TESTS_GOLDEN_GOLDEN_H_
+#define BATON_TESTS_GOLDEN_GOLDEN_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tests/golden/safetensors.h"
+#include "worker/model/gpt_config.h"
+
+namespace baton::golden {
+
+struct Golden {
+  model::GptConfig config;
+  int batch = 0;
+  std::vector<int32_t> tokens, targets;  // [batch, seq_len]
+  std::map<std::string, std::vector<float>> params;
+  std::map<std::string, std::vector<double>> grads;
+  double loss = 0;
+};
+
+absl::StatusOr<Golden> LoadGolden(const SafetensorsFile& file);
+
+struct Comparison {
+  std::string name;  // "loss" or a parameter name
+  double rel_error = 0;
+};
+
+// Runs the model at (tp, pp) and compares. Errors: a layout the config does
+// not allow, or a golden whose parameters do not match the model's.
+absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, int tp, int pp);
+
+}  // namespace baton::golden
+
+#endif  // BATON_TESTS_GOLDEN_GOLDEN_H_

@@ -1,0 +1,56 @@
+// golden_check: compares baton's GPT with a PyTorch golden file.
+//
+//   golden_check --golden=tests/golden/gpt_a.safetensors [--tp=2] [--pp=2]
+//
+// Prints the relative error of the loss and of every gradient; exits 0 only
+// when every one is within --tolerance (1e-4), 1 when one is not, 2 when the
+// golden or the layout cannot be used.
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "kernels/cpu/gemm.h"
+#include "tests/golden/golden.h"
+
+ABSL_FLAG(std::string, golden, "", "golden safetensors file from gen_golden.py");
+ABSL_FLAG(int, tp, 1, "tensor-parallel ranks");
+ABSL_FLAG(int, pp, 1, "pipeline stages");
+ABSL_FLAG(double, tolerance, 1e-4, "largest relative error accepted");
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  baton::kernels::cpu::SetBlasThreads(1);
+  const std::string path = absl::GetFlag(FLAGS_golden);
+  const int tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp);
+  auto file = baton::golden::SafetensorsFile::Read(path);
+  if (!file.ok()) {
+    std::fprintf(stderr, "golden_check: %s\n", std::string(file.status().message()).c_str());
+    return 2;
+  }
+  auto golden = baton::golden::LoadGolden(*file);
+  if (!golden.ok()) {
+    std::fprintf(stderr, "golden_check: %s: %s\n", path.c_str(),
+                 std::string(golden.status().message()).c_str());
+    return 2;
+  }
+  auto result = baton::golden::CompareWithGolden(*golden, tp, pp);
+  if (!result.ok()) {
+    std::fprintf(stderr, "golden_check: tp=%d pp=%d: %s\n", tp, pp,
+                 std::string(result.status().message()).c_str());
+    return 2;
+  }
+  const double tolerance = absl::GetFlag(FLAGS_tolerance);
+  int bad = 0;
+  double worst = 0;
+  std::printf("golden %s  tp=%d pp=%d\n", path.c_str(), tp, pp);
+  for (const auto& c : *result) {
+    const bool ok = c.rel_error <= tolerance;
+    bad += ok ? 0 : 1;
+    worst = c.rel_error > worst ? c.rel_error : worst;
+    std::printf("  %-28s rel_error %.3e%s\n", c.name.c_str(), c.rel_error, ok ? "" : "  FAIL");
+  }
+  std::printf("%s: %zu compared, worst %.3e, %d above %.0e\n", bad == 0 ? "PASS" : "FAIL",
+              result->size(), worst, bad, tolerance);
+  return bad == 0 ? 0 : 1;
+}

@@ -1,0 +1,112 @@
+#include "worker/model/gpt_config.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace baton::model {
+namespace {
+
+absl::Status Invalid(absl::string_view field, const absl::AlphaNum& value, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, ": ", why));
+}
+
+}  // namespace
+
+GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec) {
+  GptConfig config;
+  config.layers = spec.layers();
+  config.d_model = spec.d_model();
+  config.heads = spec.heads();
+  config.vocab = spec.vocab();
+  config.seq_len = spec.seq_len();
+  return config;
+}
+
+absl::Status ValidateGptConfig(const GptConfig& c) {
+  if (c.layers <= 0) return Invalid("model.layers", c.layers, "must be positive");
+  if (c.d_model <= 0) return Invalid("model.d_model", c.d_model, "must be positive");
+  if (c.heads <= 0) return Invalid("model.heads", c.heads, "must be positive");
+  if (c.vocab <= 0) return Invalid("model.vocab", c.vocab, "must be positive");
+  if (c.seq_len <= 0) return Invalid("model.seq_len", c.seq_len, "must be positive");
+  if (c.d_model % c.heads != 0) {
+    return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<BlockRange>> SplitLayers(int layers, int pp) {
+  if (pp <= 0) return Invalid("parallel.pp", pp, "must be positive");
+  if (pp > layers) {
+    return Invalid(
+        "parallel.pp", pp,
+        absl::StrCat("more stages than model.layers = ", layers, "; every stage needs a block"));
+  }
+  std::vector<BlockRange> ranges(pp);
+  int next = 0;
+  for (int s = 0; s < pp; ++s) {
+    ranges[s].first = next;
+    ranges[s].count = layers / pp + (s < layers % pp ? 1 : 0);
+    next += ranges[s].count;
+  }
+  return ranges;
+}
+
+absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank, int pp_size,
+                                            int tp_rank, int tp_size, uint64_t seed) {
+  BATON_RETURN_IF_ERROR(ValidateGptConfig(model));
+  BATON_ASSIGN_OR_RETURN(std::vector<BlockRange> ranges, SplitLayers(model.layers, pp_size));
+  if (pp_rank < 0 || pp_rank >= pp_size) {
+    return Invalid("pp_rank", pp_rank, absl::StrCat("outside [0, ", pp_size, ")"));
+  }
+  StageConfig config;
+  config.model = model;
+  config.pp_rank = pp_rank;
+  config.pp_size = pp_size;
+  config.blocks = ranges[pp_rank];
+  config.tp_rank = tp_rank;
+  config.tp_size = tp_size;
+  config.seed = seed;
+  BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  return config;
+}
+
+absl::Status ValidateStageConfig(const StageConfig& c) {
+  BATON_RETURN_IF_ERROR(ValidateGptConfig(c.model));
+  if (c.pp_size <= 0) return Invalid("parallel.pp", c.pp_size, "must be positive");
+  if (c.pp_rank < 0 || c.pp_rank >= c.pp_size) {
+    return Invalid("pp_rank", c.pp_rank, absl::StrCat("outside [0, ", c.pp_size, ")"));
+  }
+  if (c.tp_size <= 0) return Invalid("parallel.tp", c.tp_size, "must be positive");
+  if (c.model.heads % c.tp_size != 0) {
+    return Invalid("parallel.tp", c.tp_size,
+                   absl::StrCat("must divide model.heads = ", c.model.heads));
+  }
+  if (c.model.ffn_dim() % c.tp_size != 0) {
+    return Invalid("parallel.tp", c.tp_size,
+                   absl::StrCat("must divide 4 * model.d_model = ", c.model.ffn_dim()));
+  }
+  if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
+    return Invalid("tp_rank", c.tp_rank, absl::StrCat("outside [0, ", c.tp_size, ")"));
+  }
+  if (c.blocks.first < 0 || c.blocks.count < 0 ||
+      c.blocks.first + c.blocks.count > c.model.layers) {
+    return Invalid("blocks",
+                   absl::StrCat("[", c.blocks.first, ", ", c.blocks.first + c.blocks.count, ")"),
+                   absl::StrCat("outside the model's ", c.model.layers, " layers"));
+  }
+  if (c.is_first() != (c.blocks.first == 0) && c.blocks.count > 0) {
+    return Invalid("blocks.first", c.blocks.first,
+                   "the first pipeline stage must start at block 0 and no other may");
+  }
+  if (c.is_last() && c.blocks.first + c.blocks.count != c.model.layers) {
+    return Invalid(
+        "blocks", c.blocks.first + c.blocks.count,
+        absl::StrCat("the last pipeline stage must end at model.layers = ", c.model.layers));
+  }
+  if (c.microbatches <= 0) {
+    return Invalid("schedule.microbatches", c.microbatches, "must be positive");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace baton::model

@@ -1,0 +1,73 @@
+// GptConfig and StageConfig: the shape of a GPT-2 model and of one stage of
+// it (a contiguous block range on one pipeline rank, one shard of a tensor-
+// parallel group), validated into absl::Status errors that name the field.
+#ifndef BATON_WORKER_MODEL_GPT_CONFIG_H_
+#define BATON_WORKER_MODEL_GPT_CONFIG_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "baton/v1/job.pb.h"
+
+namespace baton::model {
+
+struct GptConfig {
+  int layers = 0;
+  int d_model = 0;
+  int heads = 0;
+  int vocab = 0;
+  int seq_len = 0;  // longest sequence (rows of the position embedding)
+
+  int head_dim() const { return d_model / heads; }
+  int ffn_dim() const { return 4 * d_model; }
+};
+
+// Copies the model fields of a JobSpec (no validation; see ValidateGptConfig).
+GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec);
+
+// Positive sizes and heads dividing d_model; errors name the field
+// ("model.heads"), as written in a JobSpec.
+absl::Status ValidateGptConfig(const GptConfig& config);
+
+struct BlockRange {
+  int first = 0;  // first block index
+  int count = 0;  // number of blocks
+};
+
+// Contiguous, balanced split of `layers` blocks over `pp` stages; earlier
+// stages take the remainder. Errors name "parallel.pp".
+absl::StatusOr<std::vector<BlockRange>> SplitLayers(int layers, int pp);
+
+struct StageConfig {
+  GptConfig model;
+  int pp_rank = 0;
+  int pp_size = 1;
+  BlockRange blocks;  // must lie inside [0, model.layers)
+  int tp_rank = 0;
+  int tp_size = 1;
+  // Microbatches per step: the loss is the mean over all of them, so each
+  // microbatch's gradient is scaled by 1 / (tokens · microbatches).
+  int microbatches = 1;
+  uint64_t seed = 0;  // weight initialisation
+  absl::Duration comm_timeout = absl::Minutes(5);
+
+  bool is_first() const { return pp_rank == 0; }
+  bool is_last() const { return pp_rank == pp_size - 1; }
+};
+
+// The stage config for (pp_rank, tp_rank) of a model split evenly with
+// SplitLayers; validated.
+absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank, int pp_size,
+                                            int tp_rank, int tp_size, uint64_t seed);
+
+// Everything ValidateGptConfig checks, plus: tp dividing heads and 4·d_model,
+// ranks inside their groups, the block range inside the model, a positive
+// microbatch count. Errors name the field ("parallel.tp").
+absl::Status ValidateStageConfig(const StageConfig& config);
+
+}  // namespace baton::model
+
+#endif  // BATON_WORKER_MODEL_GPT_CONFIG_H_

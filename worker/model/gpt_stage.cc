@@ -1,0 +1,504 @@
+#include "worker/model/gpt_stage.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace baton::model {
+
+using kernels::Shape;
+using kernels::Tensor;
+
+struct GptStage::Block {
+  int index = 0;
+  Parameter *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
+  Parameter *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+};
+
+// What one block keeps from forward for backward, and the output gradients
+// BackwardInput keeps for BackwardWeight. All views into the microbatch arena.
+struct GptStage::BlockActivations {
+  Tensor x_in, ln1, mean1, rstd1, qkv, att, y, x_mid, ln2, mean2, rstd2, h, g, x_out;
+  Tensor d_out, d_mid, dh, dqkv;
+};
+
+struct GptStage::Microbatch {
+  kernels::Arena arena;
+  int64_t batch = 0, seq = 0;
+  Tensor tokens, targets;
+  Tensor x0;  // stage input
+  std::vector<BlockActivations> blocks;
+  Tensor xf, meanf, rstdf, dlogits;  // last stage
+  Tensor d_x0;                       // gradient of the stage input
+  bool backward_input_done = false;
+};
+
+namespace {
+
+constexpr float kInitStd = 0.02f;
+
+Tensor Copy(kernels::Arena& arena, const Tensor& src, Shape shape) {
+  Tensor dst = arena.Allocate(std::move(shape), src.dtype());
+  std::memcpy(dst.raw(), src.raw(), src.bytes());
+  return dst;
+}
+
+}  // namespace
+
+std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
+  const GptConfig& m = config.model;
+  const int64_t c = m.d_model, f = m.ffn_dim();
+  const bool tp0 = config.tp_rank == 0;
+  std::vector<ParameterSpec> specs;
+  auto replicated = [&](std::string name, Shape shape, InitKind init, float std, bool decay) {
+    ParameterSpec s;
+    s.name = std::move(name);
+    s.shard = ShardSpec::Replicated(kernels::NumElements(shape));
+    s.full_shape = std::move(shape);
+    s.init = init;
+    s.init_std = std;
+    s.weight_decay = decay;
+    s.counts_in_norm = tp0;
+    specs.push_back(std::move(s));
+  };
+  auto sharded = [&](std::string name, Shape shape, ShardSpec shard, InitKind init, float std,
+                     bool decay) {
+    ParameterSpec s;
+    s.name = std::move(name);
+    s.full_shape = std::move(shape);
+    s.shard = shard;
+    s.init = init;
+    s.init_std = std;
+    s.weight_decay = decay;
+    specs.push_back(std::move(s));
+  };
+  if (config.is_first()) {
+    replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
+    replicated("wpe", {m.seq_len, c}, InitKind::kNormal, kInitStd, true);
+  }
+  // GPT-2 scales the init of the projections into the residual stream.
+  const float proj_std = kInitStd / std::sqrt(2.0f * static_cast<float>(m.layers));
+  for (int i = config.blocks.first; i < config.blocks.first + config.blocks.count; ++i) {
+    const std::string p = absl::StrCat("h.", i, ".");
+    replicated(p + "ln_1.weight", {c}, InitKind::kOnes, 0, false);
+    replicated(p + "ln_1.bias", {c}, InitKind::kZeros, 0, false);
+    sharded(p + "attn.c_attn.weight", {3 * c, c}, ShardSpec::QkvRows(c, c), InitKind::kNormal,
+            kInitStd, true);
+    sharded(p + "attn.c_attn.bias", {3 * c}, ShardSpec::QkvRows(c, 1), InitKind::kZeros, 0, false);
+    sharded(p + "attn.c_proj.weight", {c, c}, ShardSpec::Columns(c, c), InitKind::kNormal, proj_std,
+            true);
+    replicated(p + "attn.c_proj.bias", {c}, InitKind::kZeros, 0, false);
+    replicated(p + "ln_2.weight", {c}, InitKind::kOnes, 0, false);
+    replicated(p + "ln_2.bias", {c}, InitKind::kZeros, 0, false);
+    sharded(p + "mlp.c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd,
+            true);
+    sharded(p + "mlp.c_fc.bias", {f}, ShardSpec::Rows(f, 1), InitKind::kZeros, 0, false);
+    sharded(p + "mlp.c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal, proj_std,
+            true);
+    replicated(p + "mlp.c_proj.bias", {c}, InitKind::kZeros, 0, false);
+  }
+  if (config.is_last()) {
+    replicated("ln_f.weight", {c}, InitKind::kOnes, 0, false);
+    replicated("ln_f.bias", {c}, InitKind::kZeros, 0, false);
+    if (!config.is_first()) {
+      // The head's copy of the tied embedding; the first stage counts it.
+      replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
+      specs.back().counts_in_norm = false;
+    }
+  }
+  return specs;
+}
+
+absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& config,
+                                                           comm::Communicator* tp_group) {
+  BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  if (config.tp_size > 1) {
+    if (tp_group == nullptr || tp_group->size() != config.tp_size ||
+        tp_group->rank() != config.tp_rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parallel.tp = ", config.tp_size, " needs a tensor-parallel communicator of that size",
+          " where this stage is rank ", config.tp_rank));
+    }
+  }
+  auto stage =
+      std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
+  stage->params_.Initialize(config.seed);
+  return stage;
+}
+
+GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group,
+                   std::vector<ParameterSpec> specs)
+    : config_(config), tp_(tp_group), params_(std::move(specs), config.tp_rank, config.tp_size) {
+  BindParameters();
+}
+
+GptStage::~GptStage() = default;
+
+void GptStage::BindParameters() {
+  wte_ = params_.Find("wte");
+  wpe_ = params_.Find("wpe");
+  lnf_w_ = params_.Find("ln_f.weight");
+  lnf_b_ = params_.Find("ln_f.bias");
+  for (int i = config_.blocks.first; i < config_.blocks.first + config_.blocks.count; ++i) {
+    const std::string p = absl::StrCat("h.", i, ".");
+    Block b;
+    b.index = i;
+    b.ln1_w = params_.Find(p + "ln_1.weight");
+    b.ln1_b = params_.Find(p + "ln_1.bias");
+    b.qkv_w = params_.Find(p + "attn.c_attn.weight");
+    b.qkv_b = params_.Find(p + "attn.c_attn.bias");
+    b.proj_w = params_.Find(p + "attn.c_proj.weight");
+    b.proj_b = params_.Find(p + "attn.c_proj.bias");
+    b.ln2_w = params_.Find(p + "ln_2.weight");
+    b.ln2_b = params_.Find(p + "ln_2.bias");
+    b.fc_w = params_.Find(p + "mlp.c_fc.weight");
+    b.fc_b = params_.Find(p + "mlp.c_fc.bias");
+    b.fc2_w = params_.Find(p + "mlp.c_proj.weight");
+    b.fc2_b = params_.Find(p + "mlp.c_proj.bias");
+    blocks_.push_back(b);
+  }
+}
+
+absl::Status GptStage::AllReduceTp(const Tensor& t, int block, const char* what) {
+  if (config_.tp_size == 1) return absl::OkStatus();
+  const absl::Status status =
+      tp_->AllReduceSum(comm::Buffer::Host(t.f32(), t.numel()))->Wait(config_.comm_timeout);
+  if (status.ok()) return status;
+  return WithContext(status,
+                     absl::StrCat("tensor-parallel all-reduce of ", what, " in block ", block));
+}
+
+absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output, int64_t* batch,
+                                      int64_t* seq) const {
+  const GptConfig& m = config_.model;
+  const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
+  const char* shaped_name = config_.is_first() ? "tokens" : "activations";
+  const int want_dims = config_.is_first() ? 2 : 3;
+  if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shaped_name, ": missing, or not a host tensor [batch, seq",
+                     config_.is_first() ? "]" : ", d_model]"));
+  }
+  *batch = shaped.dim(0);
+  *seq = shaped.dim(1);
+  if (*batch <= 0 || *seq <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(shaped_name, ": empty batch"));
+  }
+  if (*seq > m.seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": sequence of ", *seq, " tokens is longer than model.seq_len = ", m.seq_len));
+  }
+  const int64_t n = *batch * *seq;
+  auto check_ids = [&](const Tensor& ids, const char* name) -> absl::Status {
+    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t id = ids.i32()[i];
+      if (id < 0 || id >= m.vocab) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, "[", i, "] = ", id, " is outside [0, model.vocab = ", m.vocab, ")"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (config_.is_first()) {
+    BATON_RETURN_IF_ERROR(check_ids(in.tokens, "tokens"));
+  } else if (in.activations.dtype() != kernels::DType::kFloat32 ||
+             in.activations.numel() != n * m.d_model) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("activations: want float [", *batch, ", ", *seq, ", ", m.d_model, "]"));
+  }
+  if (config_.is_last()) {
+    BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets"));
+  } else if (!output.defined() || output.dtype() != kernels::DType::kFloat32 ||
+             output.numel() != n * m.d_model) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output: want float [", *batch, ", ", *seq, ", ", m.d_model, "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& output) {
+  if (in_flight_.contains(mb)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Forward(", mb, "): microbatch already run forward and not yet backward"));
+  }
+  int64_t batch = 0, seq = 0;
+  BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, output, &batch, &seq), "Forward(", mb, ")");
+  std::unique_ptr<Microbatch> state;
+  if (free_.empty()) {
+    state = std::make_unique<Microbatch>();
+  } else {
+    state = std::move(free_.back());
+    free_.pop_back();
+  }
+  Microbatch& s = *state;
+  s.batch = batch;
+  s.seq = seq;
+  s.backward_input_done = false;
+  const int64_t n = batch * seq, c = config_.model.d_model;
+  kernels::Arena& arena = s.arena;
+  if (config_.is_first()) {
+    s.tokens = Copy(arena, inputs.tokens, {batch, seq});
+    s.x0 = arena.Allocate({n, c});
+    kernels::Embedding(s.x0, s.tokens, wte_->value, 0, wpe_->value);
+  } else {
+    s.x0 = Copy(arena, inputs.activations, {n, c});
+  }
+  if (config_.is_last()) s.targets = Copy(arena, inputs.targets, {n});
+  s.blocks.resize(blocks_.size());
+  Tensor x = s.x0;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    s.blocks[i].x_in = x;
+    absl::Status status = BlockForward(blocks_[i], s, s.blocks[i]);
+    if (!status.ok()) {
+      s.arena.Reset();
+      free_.push_back(std::move(state));
+      return WithContext(status, absl::StrCat("Forward(", mb, ")"));
+    }
+    x = s.blocks[i].x_out;
+  }
+  if (config_.is_last()) {
+    const int64_t v = config_.model.vocab;
+    s.xf = arena.Allocate({n, c});
+    s.meanf = arena.Allocate({n});
+    s.rstdf = arena.Allocate({n});
+    kernels::LayerNorm(s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
+    s.dlogits = arena.Allocate({n, v});
+    kernels::Linear(s.dlogits, s.xf, wte_->value, Tensor());
+    const float grad_scale = 1.0f / static_cast<float>(n * config_.microbatches);
+    loss_sum_ += kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
+    loss_tokens_ += n;
+  } else {
+    std::memcpy(output.raw(), x.raw(), x.bytes());
+  }
+  in_flight_[mb] = std::move(state);
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t tp = config_.tp_size;
+  const int64_t cl = c / tp, fl = config_.model.ffn_dim() / tp;
+  const int heads = static_cast<int>(config_.model.heads / tp);
+  kernels::Arena& arena = mb.arena;
+  a.ln1 = arena.Allocate({n, c});
+  a.mean1 = arena.Allocate({n});
+  a.rstd1 = arena.Allocate({n});
+  kernels::LayerNorm(a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
+  a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
+  kernels::Linear(a.qkv, a.ln1, b.qkv_w->value, b.qkv_b->value);
+  a.y = arena.Allocate({n, cl});
+  a.att = arena.Allocate({mb.batch, heads, mb.seq, mb.seq});
+  kernels::Attention(a.y, a.att, a.qkv, heads);
+  Tensor attn_out = arena.Allocate({n, c});
+  kernels::Linear(attn_out, a.y, b.proj_w->value, Tensor());
+  BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, b.index, "the attention output"));
+  kernels::AddBias(attn_out, b.proj_b->value);
+  a.x_mid = arena.Allocate({n, c});
+  kernels::Residual(a.x_mid, a.x_in, attn_out);
+
+  a.ln2 = arena.Allocate({n, c});
+  a.mean2 = arena.Allocate({n});
+  a.rstd2 = arena.Allocate({n});
+  kernels::LayerNorm(a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
+  a.h = arena.Allocate({n, fl});
+  kernels::Linear(a.h, a.ln2, b.fc_w->value, b.fc_b->value);
+  a.g = arena.Allocate({n, fl});
+  kernels::Gelu(a.g, a.h);
+  Tensor mlp_out = arena.Allocate({n, c});
+  kernels::Linear(mlp_out, a.g, b.fc2_w->value, Tensor());
+  BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, b.index, "the MLP output"));
+  kernels::AddBias(mlp_out, b.fc2_b->value);
+  a.x_out = arena.Allocate({n, c});
+  kernels::Residual(a.x_out, a.x_mid, mlp_out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GptStage::Microbatch*> GptStage::Find(int mb, const char* op) {
+  auto it = in_flight_.find(mb);
+  if (it == in_flight_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(op, "(", mb, "): microbatch has not run forward"));
+  }
+  return it->second.get();
+}
+
+absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Tensor& grad_input) {
+  BATON_ASSIGN_OR_RETURN(Microbatch * s, Find(mb, "BackwardInput"));
+  if (s->backward_input_done) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("BackwardInput(", mb, "): already done for this microbatch"));
+  }
+  const int64_t n = s->batch * s->seq, c = config_.model.d_model;
+  if (!config_.is_last() && (!grad_output.defined() || grad_output.numel() != n * c)) {
+    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb,
+                                                   "): grad_output: want float [", s->batch, ", ",
+                                                   s->seq, ", ", c, "]"));
+  }
+  if (!config_.is_first() && (!grad_input.defined() || grad_input.numel() != n * c)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BackwardInput(", mb, "): grad_input: want float [", s->batch, ", ", s->seq, ", ", c, "]"));
+  }
+  kernels::Arena& arena = s->arena;
+  Tensor d;  // gradient of the current block's output
+  if (config_.is_last()) {
+    const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
+    Tensor dxf = arena.Allocate({n, c});
+    kernels::LinearBackwardInput(dxf, s->dlogits, wte_->value, /*accumulate=*/false);
+    d = arena.AllocateZeroed({n, c});
+    kernels::LayerNormBackward(d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
+                               s->rstdf);
+  } else {
+    d = Copy(arena, grad_output, {n, c});
+  }
+  for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
+    Tensor d_in = arena.Allocate({n, c});
+    BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], *s, s->blocks[i], d, d_in),
+                              "BackwardInput(", mb, ")");
+    d = d_in;
+  }
+  s->d_x0 = d;
+  if (!config_.is_first()) std::memcpy(grad_input.raw(), d.raw(), d.bytes());
+  s->backward_input_done = true;
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
+                                          const Tensor& d_out, const Tensor& d_in) {
+  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t tp = config_.tp_size;
+  const int64_t cl = c / tp, fl = config_.model.ffn_dim() / tp;
+  const int heads = static_cast<int>(config_.model.heads / tp);
+  kernels::Arena& arena = mb.arena;
+  // MLP: x_out = x_mid + fc2(gelu(fc(ln2(x_mid)))).
+  a.d_out = d_out;
+  kernels::BiasBackward(b.fc2_b->grad, d_out);
+  a.dh = arena.Allocate({n, fl});
+  kernels::LinearBackwardInput(a.dh, d_out, b.fc2_w->value, /*accumulate=*/false);
+  kernels::GeluBackward(a.dh, a.h, a.dh);
+  kernels::BiasBackward(b.fc_b->grad, a.dh);
+  Tensor dln2 = arena.Allocate({n, c});
+  kernels::LinearBackwardInput(dln2, a.dh, b.fc_w->value, /*accumulate=*/false);
+  BATON_RETURN_IF_ERROR(AllReduceTp(dln2, b.index, "the MLP input gradient"));
+  a.d_mid = arena.Allocate({n, c});
+  std::memcpy(a.d_mid.raw(), d_out.raw(), d_out.bytes());
+  kernels::LayerNormBackward(a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
+                             a.mean2, a.rstd2);
+  // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
+  kernels::BiasBackward(b.proj_b->grad, a.d_mid);
+  Tensor dy = arena.Allocate({n, cl});
+  kernels::LinearBackwardInput(dy, a.d_mid, b.proj_w->value, /*accumulate=*/false);
+  a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
+  Tensor scratch = arena.Allocate({mb.seq, mb.seq});
+  kernels::AttentionBackward(a.dqkv, scratch, dy, a.qkv, a.att, heads);
+  kernels::BiasBackward(b.qkv_b->grad, a.dqkv);
+  Tensor dln1 = arena.Allocate({n, c});
+  kernels::LinearBackwardInput(dln1, a.dqkv, b.qkv_w->value, /*accumulate=*/false);
+  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, b.index, "the attention input gradient"));
+  std::memcpy(d_in.raw(), a.d_mid.raw(), a.d_mid.bytes());
+  kernels::LayerNormBackward(d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
+                             a.mean1, a.rstd1);
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::BackwardWeight(int mb) {
+  BATON_ASSIGN_OR_RETURN(Microbatch * s, Find(mb, "BackwardWeight"));
+  if (!s->backward_input_done) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("BackwardWeight(", mb, "): BackwardInput has not run"));
+  }
+  if (config_.is_last()) kernels::LinearBackwardWeight(wte_->grad, s->dlogits, s->xf);
+  for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
+    BlockBackwardWeight(blocks_[i], s->blocks[i]);
+  }
+  if (config_.is_first()) kernels::EmbeddingBackward(wte_->grad, 0, wpe_->grad, s->d_x0, s->tokens);
+  // The microbatch is done: its activations go back to the pool.
+  auto it = in_flight_.find(mb);
+  it->second->arena.Reset();
+  free_.push_back(std::move(it->second));
+  in_flight_.erase(it);
+  return absl::OkStatus();
+}
+
+void GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
+  kernels::LinearBackwardWeight(b.fc2_w->grad, a.d_out, a.g);
+  kernels::LinearBackwardWeight(b.fc_w->grad, a.dh, a.ln2);
+  kernels::LinearBackwardWeight(b.proj_w->grad, a.d_mid, a.y);
+  kernels::LinearBackwardWeight(b.qkv_w->grad, a.dqkv, a.ln1);
+}
+
+absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor& grad_input) {
+  BATON_RETURN_IF_ERROR(BackwardInput(mb, grad_output, grad_input));
+  return BackwardWeight(mb);
+}
+
+int64_t GptStage::activation_system_allocations() const {
+  int64_t total = 0;
+  for (const auto& state : free_) total += state->arena.system_allocations();
+  for (const auto& [mb, state] : in_flight_) total += state->arena.system_allocations();
+  return total;
+}
+
+double GptStage::MeanLoss() const {
+  return loss_tokens_ == 0 ? 0.0 : loss_sum_ / static_cast<double>(loss_tokens_);
+}
+
+void GptStage::ZeroGrad() {
+  std::memset(params_.grads().raw(), 0, params_.grads().bytes());
+  loss_sum_ = 0.0;
+  loss_tokens_ = 0;
+}
+
+void GptStage::DropInFlight() {
+  for (auto& [mb, state] : in_flight_) {
+    state->arena.Reset();
+    free_.push_back(std::move(state));
+  }
+  in_flight_.clear();
+}
+
+double GptStage::LocalGradSqNorm() const {
+  double sum = 0.0;
+  for (const Parameter& p : params_.parameters()) {
+    if (p.spec.counts_in_norm) sum += kernels::SumOfSquares(p.grad);
+  }
+  return sum;
+}
+
+absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
+  if (config_.pp_size == 1 || (!config_.is_first() && !config_.is_last())) {
+    return absl::FailedPreconditionError(
+        "SyncTiedEmbeddingGrad: only the first and last stage of a pipeline hold the tied "
+        "embedding");
+  }
+  if (group.size() != 2 || group.rank() != (config_.is_first() ? 0 : 1)) {
+    return absl::InvalidArgumentError(
+        "SyncTiedEmbeddingGrad: want a two-rank group, first stage rank 0, last stage rank 1");
+  }
+  return WithContext(group.AllReduceSum(comm::Buffer::Host(wte_->grad.f32(), wte_->grad.numel()))
+                         ->Wait(config_.comm_timeout),
+                     "all-reduce of the tied embedding gradient");
+}
+
+absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float grad_scale) {
+  if (!in_flight_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "OptimizerStep: ", in_flight_.size(), " microbatches still await their backward pass"));
+  }
+  ++step_;
+  kernels::AdamWConfig no_decay = config;
+  no_decay.weight_decay = 0.0f;
+  for (Parameter& p : params_.parameters()) {
+    kernels::AdamW(p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
+                   step_, grad_scale);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace baton::model

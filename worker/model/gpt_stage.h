@@ -1,0 +1,139 @@
+// GptStage: one pipeline stage of a GPT-2 model on one tensor-parallel rank.
+//
+// Layout (pre-LN): x → [LN → causal MHA → +x] → [LN → MLP(4·C, GELU) → +x],
+// repeated for the stage's contiguous block range; the first stage also holds
+// the token and position embeddings, the last the final LayerNorm, the LM
+// head (tied to the token embedding) and the cross-entropy loss.
+//
+// Tensor parallelism (Megatron): QKV and MLP fc are column-parallel (heads
+// and hidden units split over the TP group), the attention and MLP output
+// projections row-parallel; forward all-reduces after each of the two
+// row-parallel products, backward all-reduces the input gradients of the two
+// column-parallel ones. Embeddings, LayerNorms, biases of the row-parallel
+// layers and the LM head are replicated; their inputs and gradients are the
+// same on every TP rank, so their gradients agree without communication.
+//
+// Tied embedding with PP > 1: the last stage keeps its own copy of the token
+// embedding ("wte") for the head, initialised identically. The two copies'
+// gradients must be summed (SyncTiedEmbeddingGrad over a two-rank group of
+// first and last stage) before the optimizer step; both then take the same
+// AdamW step and stay equal. With PP = 1 one tensor serves both uses.
+//
+// Per microbatch: Forward(mb) stashes what backward needs in an arena from a
+// pool; BackwardInput(mb) computes the input gradient (plus the cheap bias and
+// LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
+// the embedding gradient and returns the arena; Backward(mb) does both.
+// Gradients accumulate across microbatches until ZeroGrad().
+//
+// Not thread-safe: one thread drives a stage.
+#ifndef BATON_WORKER_MODEL_GPT_STAGE_H_
+#define BATON_WORKER_MODEL_GPT_STAGE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/arena.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/gpt_config.h"
+#include "worker/model/parameters.h"
+
+namespace baton::model {
+
+struct StageInputs {
+  kernels::Tensor tokens;       // first stage: int32 [B, T]
+  kernels::Tensor activations;  // other stages: float [B, T, C] from the previous stage
+  kernels::Tensor targets;      // last stage: int32 [B, T], next-token ids
+};
+
+class GptStage {
+ public:
+  // `tp_group` has config.tp_size ranks (this one is config.tp_rank); it may be
+  // null when tp_size == 1. Parameters are initialised from config.seed.
+  static absl::StatusOr<std::unique_ptr<GptStage>> Create(const StageConfig& config,
+                                                          comm::Communicator* tp_group);
+  ~GptStage();
+  GptStage(const GptStage&) = delete;
+  GptStage& operator=(const GptStage&) = delete;
+
+  // Runs microbatch `mb` forward. Non-last stages write their output
+  // activations [B, T, C] into `output`. Last stages compute the loss.
+  absl::Status Forward(int mb, const StageInputs& inputs, const kernels::Tensor& output);
+  // `grad_output` [B, T, C] is the gradient of the output (ignored on the
+  // last stage); non-first stages write the gradient of their input
+  // activations into `grad_input`.
+  absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output,
+                             const kernels::Tensor& grad_input);
+  absl::Status BackwardWeight(int mb);
+  absl::Status Backward(int mb, const kernels::Tensor& grad_output,
+                        const kernels::Tensor& grad_input);
+
+  // Last stage: token-weighted mean loss of the microbatches run forward since
+  // ZeroGrad().
+  double MeanLoss() const;
+
+  void ZeroGrad();
+  // Releases every microbatch still in flight (after a failed or discarded
+  // step), so the next step starts clean.
+  void DropInFlight();
+  // This rank's share of the squared global gradient norm (see
+  // ParameterSpec::counts_in_norm).
+  double LocalGradSqNorm() const;
+  // Sums the two copies of the tied embedding gradient over `group`, a
+  // two-rank group of this TP rank's first (rank 0) and last (rank 1) stage.
+  // Only for PP > 1, on the first and last stage.
+  absl::Status SyncTiedEmbeddingGrad(comm::Communicator& group);
+  // One AdamW step on every parameter with gradients multiplied by
+  // `grad_scale` (the clip factor). Weight decay applies to matrices only.
+  absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
+
+  ParameterStore& parameters() { return params_; }
+  int64_t microbatches_in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
+  // Times the activation arenas asked the system for memory; flat once the
+  // arenas have grown to a step's high-water mark.
+  int64_t activation_system_allocations() const;
+
+ private:
+  struct Block;
+  struct BlockActivations;
+  struct Microbatch;
+
+  GptStage(const StageConfig& config, comm::Communicator* tp_group,
+           std::vector<ParameterSpec> specs);
+  void BindParameters();
+
+  absl::Status ValidateInputs(const StageInputs& inputs, const kernels::Tensor& output,
+                              int64_t* batch, int64_t* seq) const;
+  absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
+                                  const kernels::Tensor& d_out, const kernels::Tensor& d_in);
+  void BlockBackwardWeight(const Block& block, const BlockActivations& a);
+  absl::Status AllReduceTp(const kernels::Tensor& t, int block, const char* what);
+  absl::StatusOr<Microbatch*> Find(int mb, const char* op);
+
+  StageConfig config_;
+  comm::Communicator* tp_;
+  ParameterStore params_;
+  std::vector<Block> blocks_;
+  Parameter* wte_ = nullptr;  // first stage, and the head's copy on the last
+  Parameter* wpe_ = nullptr;
+  Parameter* lnf_w_ = nullptr;
+  Parameter* lnf_b_ = nullptr;
+  int64_t step_ = 0;
+  double loss_sum_ = 0.0;
+  int64_t loss_tokens_ = 0;
+  absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
+  std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
+};
+
+// Parameter specs of one stage, in the order the stage stores them.
+std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config);
+
+}  // namespace baton::model
+
+#endif  // BATON_WORKER_MODEL_GPT_STAGE_H_

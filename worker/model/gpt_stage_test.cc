@@ -1,0 +1,302 @@
+// GPT stage behaviour: every TP/PP layout computes the unsharded model's loss
+// and gradients, runs are bitwise repeatable, the model can learn, and bad
+// configs or inputs come back as errors naming the field.
+#include "worker/model/gpt_stage.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/gemm.h"
+#include "worker/model/inproc_model.h"
+
+namespace baton::model {
+namespace {
+
+using kernels::Tensor;
+
+GptConfig SmallModel() {
+  GptConfig c;
+  c.layers = 4;
+  c.d_model = 32;
+  c.heads = 4;
+  c.vocab = 37;
+  c.seq_len = 16;
+  return c;
+}
+
+Tensor RandomIds(std::mt19937& rng, int64_t b, int64_t t, int vocab) {
+  Tensor ids = Tensor::Zeros({b, t}, kernels::DType::kInt32);
+  std::uniform_int_distribution<int> dist(0, vocab - 1);
+  for (int64_t i = 0; i < ids.numel(); ++i) ids.i32()[i] = dist(rng);
+  return ids;
+}
+
+double RelError(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
+    norm += double{want[i]} * want[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+class GptStageTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { kernels::cpu::SetBlasThreads(1); }
+
+  void SetUp() override {
+    std::mt19937 rng(7);
+    for (int mb = 0; mb < 2; ++mb) {
+      tokens_.push_back(RandomIds(rng, 2, 12, model_.vocab));  // T < seq_len
+      targets_.push_back(RandomIds(rng, 2, 12, model_.vocab));
+    }
+  }
+
+  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss) {
+    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2);
+    EXPECT_TRUE(m.ok()) << m.status();
+    auto l = (*m)->ForwardBackward(tokens_, targets_);
+    EXPECT_TRUE(l.ok()) << l.status();
+    *loss = *l;
+    return std::move(*m);
+  }
+
+  GptConfig model_ = SmallModel();
+  std::vector<Tensor> tokens_, targets_;
+};
+
+TEST_F(GptStageTest, EveryLayoutMatchesTheUnshardedModel) {
+  double base_loss = 0;
+  auto base = Run(1, 1, &base_loss);
+  EXPECT_NEAR(base_loss, std::log(static_cast<double>(model_.vocab)), 0.5);  // fresh model
+  const struct { int pp, tp; } layouts[] = {{1, 2}, {1, 4}, {2, 1}, {3, 1}, {2, 2}, {4, 4}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << layout.pp << " tp=" << layout.tp);
+    double loss = 0;
+    auto m = Run(layout.pp, layout.tp, &loss);
+    EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    for (const std::string& name : base->ParameterNames()) {
+      EXPECT_EQ(m->FullValue(name), base->FullValue(name)) << name << " initialised differently";
+      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+    }
+  }
+}
+
+TEST_F(GptStageTest, SameLayoutTwiceGivesIdenticalBits) {
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 2; ++run) {
+    double loss = 0;
+    auto m = Run(2, 2, &loss);
+    ASSERT_TRUE(m->OptimizerStep(kernels::AdamWConfig{}, 1.0).ok());
+    ASSERT_TRUE(m->ForwardBackward(tokens_, targets_).ok());
+    std::vector<std::vector<float>> got;
+    for (const std::string& name : m->ParameterNames()) {
+      got.push_back(m->FullValue(name));
+      got.push_back(m->FullGrad(name));
+    }
+    if (run == 0) {
+      first = got;
+    } else {
+      ASSERT_EQ(first.size(), got.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(std::memcmp(first[i].data(), got[i].data(), got[i].size() * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
+TEST_F(GptStageTest, TwoMicrobatchesAccumulateLikeOneBatch) {
+  auto split = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/2);
+  auto whole = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/1);
+  ASSERT_TRUE(split.ok() && whole.ok());
+  // The two [2, 12] microbatches stacked into one [4, 12] batch.
+  auto stack = [](const std::vector<Tensor>& parts) {
+    Tensor out = Tensor::Zeros({4, 12}, kernels::DType::kInt32);
+    std::memcpy(out.i32(), parts[0].i32(), parts[0].bytes());
+    std::memcpy(out.i32() + parts[0].numel(), parts[1].i32(), parts[1].bytes());
+    return out;
+  };
+  auto split_loss = (*split)->ForwardBackward(tokens_, targets_);
+  auto whole_loss = (*whole)->ForwardBackward({stack(tokens_)}, {stack(targets_)});
+  ASSERT_TRUE(split_loss.ok() && whole_loss.ok());
+  EXPECT_NEAR(*split_loss, *whole_loss, 1e-6);
+  for (const std::string& name : (*whole)->ParameterNames()) {
+    EXPECT_LT(RelError((*split)->FullGrad(name), (*whole)->FullGrad(name)), 1e-5) << name;
+  }
+}
+
+TEST_F(GptStageTest, InterleavedOrderGivesTheSameBitsAsAllForwardsFirst) {
+  // Three microbatches on a two-stage pipeline, with forwards and backwards
+  // interleaved (F0 B0 F1 B1 F2 B2: one microbatch alive at a time) and as
+  // GPipe runs them (all forwards, then all backwards).
+  std::mt19937 rng(3);
+  std::vector<Tensor> tokens, targets;
+  for (int mb = 0; mb < 3; ++mb) {
+    tokens.push_back(RandomIds(rng, 2, 12, model_.vocab));
+    targets.push_back(RandomIds(rng, 2, 12, model_.vocab));
+  }
+  auto run = [&](bool one_f_one_b) {
+    std::vector<std::unique_ptr<GptStage>> stages;
+    for (int s = 0; s < 2; ++s) {
+      auto config = MakeStageConfig(model_, s, 2, 0, 1, /*seed=*/9);
+      EXPECT_TRUE(config.ok());
+      config->microbatches = 3;
+      stages.push_back(*GptStage::Create(*config, nullptr));
+    }
+    std::vector<Tensor> acts, grads;
+    for (int mb = 0; mb < 3; ++mb) {
+      acts.push_back(Tensor::Zeros({2, 12, model_.d_model}));
+      grads.push_back(Tensor::Zeros({2, 12, model_.d_model}));
+    }
+    auto forward = [&](int mb) {
+      StageInputs first, last;
+      first.tokens = tokens[mb];
+      last.activations = acts[mb];
+      last.targets = targets[mb];
+      EXPECT_TRUE(stages[0]->Forward(mb, first, acts[mb]).ok());
+      EXPECT_TRUE(stages[1]->Forward(mb, last, Tensor()).ok());
+    };
+    auto backward = [&](int mb) {
+      EXPECT_TRUE(stages[1]->Backward(mb, Tensor(), grads[mb]).ok());
+      EXPECT_TRUE(stages[0]->Backward(mb, grads[mb], Tensor()).ok());
+    };
+    for (int mb = 0; mb < 3; ++mb) {
+      forward(mb);
+      if (one_f_one_b) backward(mb);
+    }
+    EXPECT_EQ(stages[1]->microbatches_in_flight(), one_f_one_b ? 0 : 3);
+    if (!one_f_one_b) {
+      for (int mb = 0; mb < 3; ++mb) backward(mb);
+    }
+    std::vector<float> out;
+    for (auto& stage : stages) {
+      const Tensor& g = stage->parameters().grads();
+      out.insert(out.end(), g.f32(), g.f32() + g.numel());
+    }
+    out.push_back(static_cast<float>(stages[1]->MeanLoss()));
+    return out;
+  };
+  const std::vector<float> gpipe = run(false), one_f_one_b = run(true);
+  ASSERT_EQ(gpipe.size(), one_f_one_b.size());
+  EXPECT_EQ(std::memcmp(gpipe.data(), one_f_one_b.data(), gpipe.size() * sizeof(float)), 0);
+}
+
+TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
+  GptConfig tiny;
+  tiny.layers = 2;
+  tiny.d_model = 32;
+  tiny.heads = 2;
+  tiny.vocab = 16;
+  tiny.seq_len = 8;
+  auto m = InProcModel::Create(tiny, 1, 1, 3, 1);
+  ASSERT_TRUE(m.ok());
+  std::mt19937 rng(11);
+  const std::vector<Tensor> tokens = {RandomIds(rng, 4, 8, tiny.vocab)};
+  const std::vector<Tensor> targets = {RandomIds(rng, 4, 8, tiny.vocab)};
+  kernels::AdamWConfig adam;
+  adam.lr = 1e-2f;
+  double first = 0, last = 0;
+  for (int step = 0; step < 300; ++step) {
+    auto loss = (*m)->ForwardBackward(tokens, targets);
+    ASSERT_TRUE(loss.ok());
+    if (step == 0) first = *loss;
+    last = *loss;
+    ASSERT_TRUE((*m)->OptimizerStep(adam, 1.0).ok());
+  }
+  EXPECT_GT(first, 2.0);  // ~ln 16 before training
+  EXPECT_LT(last, 0.05);  // memorised
+}
+
+TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {
+  auto m = InProcModel::Create(model_, 1, 1, 42, 2);
+  ASSERT_TRUE(m.ok());
+  GptStage& stage = (*m)->stage(0, 0);
+  ASSERT_TRUE((*m)->ForwardBackward(tokens_, targets_).ok());
+  EXPECT_EQ(stage.microbatches_in_flight(), 0);
+  const int64_t after_first = stage.activation_system_allocations();
+  ASSERT_TRUE((*m)->ForwardBackward(tokens_, targets_).ok());
+  ASSERT_TRUE((*m)->ForwardBackward(tokens_, targets_).ok());
+  EXPECT_EQ(stage.activation_system_allocations(), after_first);
+}
+
+TEST(GptConfigTest, ReadsTheJobSpecModel) {
+  baton::v1::ModelSpec spec;
+  spec.set_layers(4);
+  spec.set_d_model(32);
+  spec.set_heads(4);
+  spec.set_vocab(37);
+  spec.set_seq_len(16);
+  const GptConfig c = GptConfigFromSpec(spec);
+  EXPECT_TRUE(ValidateGptConfig(c).ok());
+  EXPECT_EQ(c.head_dim(), 8);
+  EXPECT_EQ(c.ffn_dim(), 128);
+  auto ranges = SplitLayers(c.layers, 3);  // 2 + 1 + 1
+  ASSERT_TRUE(ranges.ok());
+  EXPECT_EQ((*ranges)[0].count, 2);
+  EXPECT_EQ((*ranges)[2].first, 3);
+}
+
+TEST(GptConfigTest, BadConfigsNameTheField) {
+  GptConfig c = SmallModel();
+  c.heads = 5;  // does not divide 32
+  auto s = MakeStageConfig(c, 0, 1, 0, 1, 0);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("model.heads"), absl::string_view::npos) << s.status();
+
+  c = SmallModel();
+  s = MakeStageConfig(c, 0, 1, 0, /*tp_size=*/3, 0);  // 3 does not divide 4 heads
+  EXPECT_NE(s.status().message().find("parallel.tp"), absl::string_view::npos) << s.status();
+
+  s = MakeStageConfig(c, 0, /*pp_size=*/5, 0, 1, 0);  // 5 stages for 4 layers
+  EXPECT_NE(s.status().message().find("parallel.pp"), absl::string_view::npos) << s.status();
+
+  c.vocab = 0;
+  s = MakeStageConfig(c, 0, 1, 0, 1, 0);
+  EXPECT_NE(s.status().message().find("model.vocab"), absl::string_view::npos) << s.status();
+
+  auto stage_config = MakeStageConfig(SmallModel(), 0, 1, 0, 2, 0);
+  ASSERT_TRUE(stage_config.ok());
+  auto stage = GptStage::Create(*stage_config, /*tp_group=*/nullptr);
+  EXPECT_NE(stage.status().message().find("parallel.tp"), absl::string_view::npos);
+}
+
+TEST_F(GptStageTest, BadInputsAreErrorsNotCrashes) {
+  auto config = MakeStageConfig(model_, 0, 1, 0, 1, 0);
+  ASSERT_TRUE(config.ok());
+  auto stage = GptStage::Create(*config, nullptr);
+  ASSERT_TRUE(stage.ok());
+  std::mt19937 rng(1);
+  StageInputs in;
+  in.tokens = RandomIds(rng, 1, 4, model_.vocab);
+  in.targets = RandomIds(rng, 1, 4, model_.vocab);
+
+  in.tokens.i32()[2] = model_.vocab;  // one past the vocabulary
+  absl::Status st = (*stage)->Forward(0, in, Tensor());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("tokens[2]"), absl::string_view::npos) << st;
+  in.tokens.i32()[2] = 0;
+
+  in.targets.i32()[0] = -1;
+  st = (*stage)->Forward(0, in, Tensor());
+  EXPECT_NE(st.message().find("targets[0]"), absl::string_view::npos) << st;
+  in.targets.i32()[0] = 0;
+
+  StageInputs longer;
+  longer.tokens = RandomIds(rng, 1, model_.seq_len + 1, model_.vocab);
+  longer.targets = RandomIds(rng, 1, model_.seq_len + 1, model_.vocab);
+  st = (*stage)->Forward(0, longer, Tensor());
+  EXPECT_NE(st.message().find("model.seq_len"), absl::string_view::npos) << st;
+
+  EXPECT_EQ((*stage)->BackwardWeight(0).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*stage)->Forward(0, in, Tensor()).ok());
+  EXPECT_EQ((*stage)->Forward(0, in, Tensor()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*stage)->BackwardWeight(0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*stage)->OptimizerStep({}, 1.0f).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*stage)->Backward(0, Tensor(), Tensor()).ok());
+  EXPECT_TRUE((*stage)->OptimizerStep({}, 1.0f).ok());
+}
+
+}  // namespace
+}  // namespace baton::model

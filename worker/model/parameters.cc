@@ -1,0 +1,146 @@
+#include "worker/model/parameters.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace baton::model {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+// A uniform double in (0, 1) from 53 random bits.
+double Uniform(uint64_t bits) {
+  return (static_cast<double>(bits >> 11) + 0.5) / 9007199254740992.0;
+}
+
+}  // namespace
+
+ShardSpec ShardSpec::Rows(int64_t rows, int64_t cols) { return ShardSpec{1, rows, cols, false, 0}; }
+ShardSpec ShardSpec::QkvRows(int64_t c, int64_t cols) { return ShardSpec{3, c, cols, false, 0}; }
+ShardSpec ShardSpec::Columns(int64_t rows, int64_t cols) {
+  return ShardSpec{rows, cols, 1, false, 1};
+}
+ShardSpec ShardSpec::Replicated(int64_t numel) { return ShardSpec{1, numel, 1, true, 0}; }
+
+int64_t LocalElements(const ShardSpec& s, int size) {
+  return s.outer * (s.replicated ? s.split : s.split / size) * s.inner;
+}
+
+namespace {
+
+// Copies shard `rank` between full and local; to_local picks the direction.
+void CopyShard(const ShardSpec& s, int rank, int size, float* full, float* local, bool to_local) {
+  const int64_t parts = s.replicated ? 1 : size;
+  const int64_t piece = s.split / parts;
+  const int64_t begin = s.replicated ? 0 : rank * piece;
+  const size_t run = sizeof(float) * piece * s.inner;
+  for (int64_t o = 0; o < s.outer; ++o) {
+    float* f = full + (o * s.split + begin) * s.inner;
+    float* l = local + o * piece * s.inner;
+    if (to_local) {
+      std::memcpy(l, f, run);
+    } else {
+      std::memcpy(f, l, run);
+    }
+  }
+}
+
+}  // namespace
+
+void ExtractShard(const ShardSpec& shard, int rank, int size, const float* full, float* local) {
+  CopyShard(shard, rank, size, const_cast<float*>(full), local, /*to_local=*/true);
+}
+
+void InsertShard(const ShardSpec& shard, int rank, int size, const float* local, float* full) {
+  CopyShard(shard, rank, size, full, const_cast<float*>(local), /*to_local=*/false);
+}
+
+void FillNormal(uint64_t seed, const std::string& name, float std, float* out, int64_t n) {
+  const uint64_t key = SplitMix64(seed ^ Fnv1a(name));
+  for (int64_t i = 0; i < n; ++i) {
+    // Box–Muller on two counter-derived uniforms.
+    const double u1 = Uniform(SplitMix64(key + 2 * static_cast<uint64_t>(i)));
+    const double u2 = Uniform(SplitMix64(key + 2 * static_cast<uint64_t>(i) + 1));
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+    out[i] = static_cast<float>(z * std);
+  }
+}
+
+ParameterStore::ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size)
+    : tp_rank_(tp_rank), tp_size_(tp_size) {
+  int64_t total = 0;
+  for (const ParameterSpec& spec : specs) total += LocalElements(spec.shard, tp_size);
+  values_ = kernels::Tensor::Zeros({total});
+  grads_ = kernels::Tensor::Zeros({total});
+  adam_m_ = kernels::Tensor::Zeros({total});
+  adam_v_ = kernels::Tensor::Zeros({total});
+  int64_t offset = 0;
+  for (ParameterSpec& spec : specs) {
+    const int64_t n = LocalElements(spec.shard, tp_size);
+    Parameter p;
+    // The local shape: the full shape with the split dimension divided.
+    kernels::Shape local = spec.full_shape;
+    if (!spec.shard.replicated) local[spec.shard.dim] /= tp_size;
+    p.value = values_.Rows(offset, offset + n).Reshaped(local);
+    p.grad = grads_.Rows(offset, offset + n).Reshaped(local);
+    p.adam_m = adam_m_.Rows(offset, offset + n).Reshaped(local);
+    p.adam_v = adam_v_.Rows(offset, offset + n).Reshaped(local);
+    p.spec = std::move(spec);
+    params_.push_back(std::move(p));
+    offset += n;
+  }
+}
+
+void ParameterStore::Initialize(uint64_t seed) {
+  std::vector<float> full;
+  for (Parameter& p : params_) {
+    const int64_t n = kernels::NumElements(p.spec.full_shape);
+    full.assign(n, 0.0f);
+    switch (p.spec.init) {
+      case InitKind::kNormal:
+        FillNormal(seed, p.spec.name, p.spec.init_std, full.data(), n);
+        break;
+      case InitKind::kOnes:
+        full.assign(n, 1.0f);
+        break;
+      case InitKind::kZeros:
+        break;
+    }
+    ExtractShard(p.spec.shard, tp_rank_, tp_size_, full.data(), p.value.f32());
+  }
+}
+
+absl::Status ParameterStore::SetFull(const std::string& name, absl::Span<const float> full) {
+  Parameter* p = Find(name);
+  if (p == nullptr) return absl::NotFoundError(absl::StrCat("no parameter named ", name));
+  const int64_t want = kernels::NumElements(p->spec.full_shape);
+  if (static_cast<int64_t>(full.size()) != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": got ", full.size(), " values for shape ",
+                     kernels::ShapeToString(p->spec.full_shape), " (", want, ")"));
+  }
+  ExtractShard(p->spec.shard, tp_rank_, tp_size_, full.data(), p->value.f32());
+  return absl::OkStatus();
+}
+
+Parameter* ParameterStore::Find(const std::string& name) {
+  for (Parameter& p : params_) {
+    if (p.spec.name == name) return &p;
+  }
+  return nullptr;
+}
+
+}  // namespace baton::model

@@ -1,0 +1,95 @@
+// Parameters of one stage: names, full (unsharded) shapes, how each is split
+// over the tensor-parallel group, seeded initialisation, and one flat buffer
+// each for values, gradients and the two AdamW moments (so a data-parallel
+// all-reduce or a checkpoint can move a stage's state in one piece).
+//
+// Initialisation is a pure function of (seed, name, element index of the full
+// tensor): each rank draws the full tensor and keeps its shard, so every
+// TP/PP layout starts from the same model.
+#ifndef BATON_WORKER_MODEL_PARAMETERS_H_
+#define BATON_WORKER_MODEL_PARAMETERS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/tensor.h"
+
+namespace baton::model {
+
+// The full tensor viewed as [outer, split, inner]; TP rank r holds
+// [outer, split / tp, inner] starting at r · split / tp along the middle, and
+// its local shape is the full shape with dimension `dim` divided by tp.
+// Replicated tensors are whole on every rank.
+struct ShardSpec {
+  int64_t outer = 1;
+  int64_t split = 1;
+  int64_t inner = 1;
+  bool replicated = true;
+  int dim = 0;
+
+  // Column-parallel weight [out, in] or bias [out]: rows split.
+  static ShardSpec Rows(int64_t rows, int64_t cols);
+  // QKV weight [3C, C] or bias [3C]: each of q, k, v split by heads.
+  static ShardSpec QkvRows(int64_t c, int64_t cols);
+  // Row-parallel weight [out, in]: columns split.
+  static ShardSpec Columns(int64_t rows, int64_t cols);
+  static ShardSpec Replicated(int64_t numel);
+};
+
+enum class InitKind { kNormal, kZeros, kOnes };
+
+struct ParameterSpec {
+  std::string name;  // e.g. "h.3.attn.c_attn.weight"
+  kernels::Shape full_shape;
+  ShardSpec shard;
+  InitKind init = InitKind::kZeros;
+  float init_std = 0.0f;
+  bool weight_decay = false;  // matrices decay; biases and LayerNorm do not
+  // Counted in this rank's share of the global grad norm. False for
+  // replicated tensors on TP ranks > 0 and for the tied embedding copy on
+  // the last pipeline stage, so every gradient is counted once.
+  bool counts_in_norm = true;
+};
+
+struct Parameter {
+  ParameterSpec spec;
+  kernels::Tensor value, grad, adam_m, adam_v;  // local shard, views into the store
+};
+
+// Copies between a full tensor and rank `rank`'s shard (of `size` ranks).
+void ExtractShard(const ShardSpec& shard, int rank, int size, const float* full, float* local);
+void InsertShard(const ShardSpec& shard, int rank, int size, const float* local, float* full);
+int64_t LocalElements(const ShardSpec& shard, int size);
+
+// Deterministic N(0, std) values for element indices [0, n) of `name`.
+void FillNormal(uint64_t seed, const std::string& name, float std, float* out, int64_t n);
+
+class ParameterStore {
+ public:
+  ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size);
+
+  // Draws every parameter from `seed` (full tensors, then this rank's shard).
+  void Initialize(uint64_t seed);
+  // Sets parameter `name` from its full (unsharded) values.
+  absl::Status SetFull(const std::string& name, absl::Span<const float> full);
+
+  std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
+  Parameter* Find(const std::string& name);
+
+  // Every gradient of the stage in one buffer (for zeroing, or one
+  // data-parallel all-reduce).
+  const kernels::Tensor& grads() const { return grads_; }
+
+ private:
+  std::vector<Parameter> params_;
+  kernels::Tensor values_, grads_, adam_m_, adam_v_;
+  int tp_rank_, tp_size_;
+};
+
+}  // namespace baton::model
+
+#endif  // BATON_WORKER_MODEL_PARAMETERS_H_
