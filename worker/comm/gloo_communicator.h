@@ -1,0 +1,124 @@
+// GlooCommunicator: the CPU backend of Communicator over Gloo's TCP
+// transport (host memory only).
+//
+// Rendezvous: every rank announces itself in the Store (so a rank that never
+// comes is named), then Gloo's connectFullMesh exchanges pair addresses
+// through the same Store.
+//
+// Point-to-point ops are posted to Gloo at once from the caller's thread
+// (many may be in flight; the tag is Gloo's slot) and a pool thread waits
+// for each. Collectives (ring all-reduce, all-gather, reduce-scatter; direct
+// broadcast; all-to-all barrier) run one at a time, in call order, on an
+// executor thread over Gloo's unbound buffers, so every step knows which
+// peer it waits on.
+//
+// Failure semantics:
+//  - Work::Wait(timeout) that expires returns DEADLINE_EXCEEDED naming the
+//    op and the rank it waits on; the op stays pending (wait again or Abort).
+//  - An op pending longer than `op_timeout` trips the watchdog: that op gets
+//    DEADLINE_EXCEEDED, the communicator is aborted.
+//  - A Gloo error (peer died, connection reset) fails the op with
+//    UNAVAILABLE and Gloo's own message; a failed collective also aborts the
+//    communicator (the group is out of step).
+//  - Abort() closes every connection, completes every pending op with
+//    ABORTED at once, and makes later ops fail fast. Once Abort() returns,
+//    no buffer is touched by Gloo again, so callers may free them.
+//
+// Thread-safe: ops, Wait and Abort may be called from any thread.
+#ifndef BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_
+#define BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/store.h"
+
+namespace gloo::rendezvous {
+class Context;
+}  // namespace gloo::rendezvous
+
+namespace baton::comm {
+
+struct GlooOptions {
+  int rank = 0;
+  int size = 1;
+  std::string label = "gloo";           // names the group in errors
+  std::string hostname = "127.0.0.1";   // address this rank listens on
+  absl::Duration rendezvous_timeout = absl::Seconds(60);
+  absl::Duration op_timeout = absl::Minutes(5);
+};
+
+class GlooWork;
+class WaiterPool;
+class SerialExecutor;
+
+class GlooCommunicator : public Communicator {
+ public:
+  // `store` is scoped to this group and generation (see rendezvous.h) and
+  // is only used during Create.
+  static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Create(
+      Store& store, const GlooOptions& options);
+  ~GlooCommunicator() override;
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+  std::string backend() const override { return "gloo"; }
+
+  std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override;
+  std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override;
+  std::shared_ptr<Work> AllReduceSum(Buffer buf) override;
+  std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override;
+  std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
+  std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
+  std::shared_ptr<Work> Barrier() override;
+  void Abort(absl::string_view reason) override;
+
+ private:
+  using Collective = std::function<absl::Status(GlooWork&, uint64_t seq)>;
+
+  GlooCommunicator(const GlooOptions& options,
+                   std::shared_ptr<gloo::rendezvous::Context> context);
+
+  // Registers a new pending op, or returns it already failed (aborted).
+  std::shared_ptr<GlooWork> Start(std::string what);
+  std::shared_ptr<Work> PointToPoint(bool send, Buffer buf, int peer, uint64_t tag);
+  std::shared_ptr<Work> EnqueueCollective(std::string what, Collective run);
+  void Finish(const std::shared_ptr<GlooWork>& work, absl::Status status);
+  // Closes every connection and fails every pending op with `status`;
+  // `culprit` (if any) gets `culprit_status` instead.
+  void AbortWith(absl::Status status, const GlooWork* culprit,
+                 absl::Status culprit_status);
+  void WatchdogLoop();
+
+  absl::Status RingAllReduce(GlooWork& w, uint64_t seq, Buffer buf);
+  absl::Status RingAllGather(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
+  absl::Status RingReduceScatter(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
+  absl::Status DirectBroadcast(GlooWork& w, uint64_t seq, Buffer buf, int root);
+  absl::Status AllToAllBarrier(GlooWork& w, uint64_t seq);
+
+  const GlooOptions options_;
+  const std::shared_ptr<gloo::rendezvous::Context> context_;
+
+  absl::Mutex mu_;
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_collective_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<const GlooWork*, std::shared_ptr<GlooWork>> pending_ ABSL_GUARDED_BY(mu_);
+
+  std::unique_ptr<WaiterPool> waiters_;
+  std::unique_ptr<SerialExecutor> collectives_;
+  std::thread watchdog_;
+};
+
+}  // namespace baton::comm
+
+#endif  // BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_
