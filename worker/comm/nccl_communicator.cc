@@ -203,6 +203,9 @@ NcclCommunicator::~NcclCommunicator() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                  [](const std::shared_ptr<NcclWork>& w) { return w->Poll(); }),
+                   pending_.end());
     clean = !aborted_ && pending_.empty();
   }
   watchdog_.join();
@@ -260,9 +263,11 @@ std::shared_ptr<Work> NcclCommunicator::Issue(std::string what, int peer,
     }
     cudaSetDevice(options_.device);
     ncclResult_t r = AwaitReady(launch(), deadline);
-    if (r == ncclInProgress) {
+    if (r == ncclInProgress && abort_requested_.load()) {
+      failure = absl::AbortedError(absl::StrCat(what, ": aborted while NCCL was accepting it"));
+    } else if (r == ncclInProgress) {
       failure = absl::DeadlineExceededError(absl::StrCat(
-          what, ": NCCL did not accept the op within op_timeout or the communicator is aborting",
+          what, ": NCCL did not accept the op within op_timeout",
           peer >= 0 ? absl::StrCat("; waiting for rank ", peer) : ""));
     } else if (r != ncclSuccess) {
       failure = NcclError(r, comm_, what);
