@@ -4,10 +4,13 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <atomic>
 #include <exception>
+#include <map>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gloo/common/error.h"
@@ -27,6 +30,10 @@ namespace {
 // so Gloo waits are unbounded and our deadlines are enforced elsewhere
 // (Work::Wait, the watchdog); Abort interrupts them.
 constexpr std::chrono::milliseconds kNoGlooDeadline = std::chrono::hours(24 * 365);
+
+// How long a posted point-to-point op waits for a caller to claim its Gloo
+// wait before a pool thread takes it.
+constexpr absl::Duration kClaimWindow = absl::Milliseconds(2);
 
 // Gloo slots: point-to-point uses the tag itself; collectives set the top
 // bit and encode (collective sequence number, step).
@@ -106,92 +113,67 @@ class GlooStoreAdapter : public ::gloo::rendezvous::Store {
 
 }  // namespace
 
-// One op. Owns the Gloo buffers (and scratch memory) it posted, so they live
-// as long as anyone may still touch them.
-class GlooWork : public Work {
+// Runs callbacks at given times, on one thread that ticks every
+// kTimerTick while callbacks are queued (so scheduling never wakes it, which
+// would cost a context switch per op). Callbacks run under the timer's lock,
+// so they must be short and take only leaf locks; once Cancel() returns, its
+// callback is not running and never will. After Shutdown() nothing runs.
+class Timer {
  public:
-  GlooWork(std::string what, absl::Time deadline)
-      : what_(std::move(what)), deadline_(deadline) {}
+  using Token = std::pair<absl::Time, uint64_t>;
 
-  absl::Status Wait(absl::Duration timeout) override {
+  Timer() : thread_([this] { Loop(); }) {}
+  ~Timer() { Shutdown(); }
+
+  Token Schedule(absl::Time when, std::function<void()> fn) {
     absl::MutexLock lock(&mu_);
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          what_, ": not complete after ", absl::FormatDuration(timeout),
-          waiting_for_ >= 0 ? absl::StrCat("; waiting for rank ", waiting_for_) : "",
-          " (the op is still pending: wait again or Abort the communicator)"));
+    Token token(when, next_id_++);
+    if (!stop_) queue_.emplace(token, std::move(fn));
+    return token;
+  }
+
+  void Cancel(const Token& token) {
+    absl::MutexLock lock(&mu_);
+    queue_.erase(token);
+  }
+
+  void Shutdown() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      stop_ = true;
+      queue_.clear();
     }
-    return status_;
+    thread_.join();
   }
-
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mu_);
-    return done_;
-  }
-
-  // First completion wins.
-  void Complete(absl::Status status) {
-    absl::MutexLock lock(&mu_);
-    if (done_) return;
-    done_ = true;
-    status_ = std::move(status);
-  }
-
-  void SetWaitingFor(int rank) {
-    absl::MutexLock lock(&mu_);
-    waiting_for_ = rank;
-  }
-
-  int waiting_for() {
-    absl::MutexLock lock(&mu_);
-    return waiting_for_;
-  }
-
-  // A Gloo buffer over `data` that this op keeps alive and Interrupt()
-  // reaches; nullptr once interrupted (the communicator is aborting).
-  UnboundBuffer* NewBuffer(::gloo::Context& ctx, void* data, size_t bytes) {
-    std::unique_ptr<UnboundBuffer> ub = ctx.createUnboundBuffer(data, bytes);
-    absl::MutexLock lock(&mu_);
-    if (interrupted_) return nullptr;
-    buffers_.push_back(std::move(ub));
-    return buffers_.back().get();
-  }
-
-  // Zeroed scratch memory that lives as long as this op.
-  char* Scratch(size_t bytes) {
-    absl::MutexLock lock(&mu_);
-    scratch_.emplace_back(bytes, 0);
-    return scratch_.back().data();
-  }
-
-  // Releases every Gloo wait of this op (they return "aborted").
-  void Interrupt() {
-    absl::MutexLock lock(&mu_);
-    interrupted_ = true;
-    for (auto& ub : buffers_) {
-      ub->abortWaitRecv();
-      ub->abortWaitSend();
-    }
-  }
-
-  const std::string& what() const { return what_; }
-  absl::Time deadline() const { return deadline_; }
 
  private:
-  const std::string what_;
-  const absl::Time deadline_;
+  static constexpr absl::Duration kTimerTick = absl::Milliseconds(1);
+
+  void Loop() {
+    absl::MutexLock lock(&mu_);
+    auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+    while (!stop_) {
+      mu_.Await(absl::Condition(&busy));
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kTimerTick)) return;
+      const absl::Time now = absl::Now();
+      while (!queue_.empty() && queue_.begin()->first.first <= now) {
+        queue_.begin()->second();
+        queue_.erase(queue_.begin());
+      }
+    }
+  }
+
   absl::Mutex mu_;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  int waiting_for_ ABSL_GUARDED_BY(mu_) = -1;
-  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::vector<char>> scratch_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<Token, std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
 };
 
 // Runs each task on an idle thread, starting a new one when none is idle:
-// every pending point-to-point op blocks one thread in a Gloo wait. Threads
-// are kept until the pool is destroyed.
+// a point-to-point op nobody waits for blocks one thread in a Gloo wait.
+// Threads are kept until the pool is destroyed.
 class WaiterPool {
  public:
   ~WaiterPool() {
@@ -237,6 +219,216 @@ class WaiterPool {
   int idle_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// Waits for one posted Gloo send or recv with `peer`; `*interrupted` when
+// Gloo reports the wait aborted (by Abort or a Wait deadline).
+absl::Status WaitGloo(absl::string_view what, UnboundBuffer* ub, bool recv, int peer,
+                      bool* interrupted) {
+  *interrupted = false;
+  try {
+    const bool done = recv ? ub->waitRecv(nullptr, kNoGlooDeadline)
+                           : ub->waitSend(nullptr, kNoGlooDeadline);
+    if (!done) {
+      *interrupted = true;
+      return absl::AbortedError(absl::StrCat(what, ": interrupted"));
+    }
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", recv ? "receiving from" : "sending to",
+                                               " rank ", peer, " failed: Gloo: ", e.what()));
+  }
+}
+
+}  // namespace
+
+// One op. Owns the Gloo buffers (and scratch memory) it posted, so they live
+// as long as anyone may still touch them.
+//
+// Who waits in Gloo for a point-to-point op: a thread that calls Wait()
+// while nobody else does claims the op and waits in Gloo itself (no hand-off
+// between threads; the timer interrupts it at the Wait deadline). An op not
+// claimed within a short window after posting, or asked IsCompleted(), is
+// handed to a pool thread, so that it completes (and the watchdog sees it
+// complete) even if nobody waits. A collective is completed by the executor.
+class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
+ public:
+  GlooWork(std::string what, absl::Time deadline)
+      : what_(std::move(what)), deadline_(deadline) {}
+
+  // Makes this a point-to-point op on `ub` (owned by this op) with `peer`.
+  void StartPointToPoint(UnboundBuffer* ub, bool recv, int peer, std::shared_ptr<Timer> timer,
+                         WaiterPool* pool, absl::Duration claim_window) {
+    {
+      absl::MutexLock lock(&mu_);
+      waiting_for_ = peer;
+    }
+    p2p_ub_ = ub;
+    p2p_recv_ = recv;
+    peer_ = peer;
+    pool_ = pool;
+    timer_ = std::move(timer);
+    timer_->Schedule(absl::Now() + claim_window, [self = shared_from_this()] {
+      if (self->Claim(kPool)) self->HandToPool();
+    });
+  }
+
+  absl::Status Wait(absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (done_) return status_;
+      }
+      if (p2p_ub_ != nullptr && Claim(kCaller)) {
+        UnboundBuffer* ub = p2p_ub_;
+        const bool recv = p2p_recv_;
+        const Timer::Token token = timer_->Schedule(deadline, [ub, recv] {
+          if (recv) {
+            ub->abortWaitRecv();
+          } else {
+            ub->abortWaitSend();
+          }
+        });
+        bool interrupted = false;
+        absl::Status s = WaitGloo(what_, ub, recv, peer_, &interrupted);
+        timer_->Cancel(token);
+        if (!interrupted) {
+          Complete(std::move(s));
+          continue;
+        }
+        // Interrupted by Abort (then done) or by our deadline: let go.
+        {
+          absl::MutexLock lock(&mu_);
+          watcher_.store(kNone);
+          if (done_) return status_;
+        }
+        if (absl::Now() >= deadline) {
+          ClaimForPool();
+          absl::MutexLock lock(&mu_);
+          return TimedOut(timeout);
+        }
+        continue;
+      }
+      absl::MutexLock lock(&mu_);
+      auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return done_ || (p2p_ub_ != nullptr && watcher_.load() == kNone);
+      };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&settled), deadline)) return TimedOut(timeout);
+    }
+  }
+
+  bool IsCompleted() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (done_) return true;
+    }
+    if (p2p_ub_ != nullptr) ClaimForPool();
+    return false;
+  }
+
+  // First completion wins.
+  void Complete(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (done_) return;
+    done_ = true;
+    status_ = std::move(status);
+  }
+
+  void SetWaitingFor(int rank) {
+    absl::MutexLock lock(&mu_);
+    waiting_for_ = rank;
+  }
+
+  int waiting_for() {
+    absl::MutexLock lock(&mu_);
+    return waiting_for_;
+  }
+
+  // A Gloo buffer over `data` that this op keeps alive and Interrupt()
+  // reaches; nullptr once interrupted (the communicator is aborting).
+  UnboundBuffer* NewBuffer(::gloo::Context& ctx, void* data, size_t bytes) {
+    std::unique_ptr<UnboundBuffer> ub = ctx.createUnboundBuffer(data, bytes);
+    absl::MutexLock lock(&mu_);
+    if (interrupted_) return nullptr;
+    buffers_.push_back(std::move(ub));
+    return buffers_.back().get();
+  }
+
+  // Zeroed scratch memory that lives as long as this op.
+  char* Scratch(size_t bytes) {
+    absl::MutexLock lock(&mu_);
+    scratch_.emplace_back(bytes, 0);
+    return scratch_.back().data();
+  }
+
+  // Releases every Gloo wait of this op for good (the communicator aborts).
+  void Interrupt() {
+    absl::MutexLock lock(&mu_);
+    interrupted_ = true;
+    for (auto& ub : buffers_) {
+      ub->abortWaitRecv();
+      ub->abortWaitSend();
+    }
+  }
+
+  const std::string& what() const { return what_; }
+  absl::Time deadline() const { return deadline_; }
+
+ private:
+  enum Watcher { kNone, kCaller, kPool };
+
+  bool Claim(Watcher who) {
+    int expected = kNone;
+    return watcher_.compare_exchange_strong(expected, who);
+  }
+
+  // Hands the Gloo wait to a pool thread unless someone waits already (not
+  // on the timer thread). The hand-off itself runs on the timer thread: the
+  // pool lives as long as the timer runs.
+  void ClaimForPool() {
+    if (!Claim(kPool)) return;
+    timer_->Schedule(absl::Now(), [self = shared_from_this()] { self->HandToPool(); });
+  }
+
+  // On the timer thread, after claiming for the pool.
+  void HandToPool() {
+    pool_->Run([self = shared_from_this()] { self->PoolWait(); });
+  }
+
+  void PoolWait() {
+    bool interrupted = false;
+    absl::Status s = WaitGloo(what_, p2p_ub_, p2p_recv_, peer_, &interrupted);
+    // Interrupted only by Abort here, which completed the op already.
+    if (!interrupted) Complete(std::move(s));
+  }
+
+  absl::Status TimedOut(absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        what_, ": not complete after ", absl::FormatDuration(timeout),
+        waiting_for_ >= 0 ? absl::StrCat("; waiting for rank ", waiting_for_) : "",
+        " (the op is still pending: wait again or Abort the communicator)"));
+  }
+
+  const std::string what_;
+  const absl::Time deadline_;
+  // Point-to-point only; set once before the op is shared.
+  UnboundBuffer* p2p_ub_ = nullptr;
+  bool p2p_recv_ = false;
+  int peer_ = -1;
+  WaiterPool* pool_ = nullptr;
+  std::shared_ptr<Timer> timer_;
+  std::atomic<int> watcher_{kNone};
+
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  int waiting_for_ ABSL_GUARDED_BY(mu_) = -1;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::vector<char>> scratch_ ABSL_GUARDED_BY(mu_);
 };
 
 // One thread running tasks in submission order (collectives must be issued
@@ -285,18 +477,13 @@ namespace {
 
 std::string Bytes(size_t n) { return absl::StrCat(n, " B"); }
 
-// Waits for one posted Gloo send or recv of `w` with `peer`.
+// Waits for a posted send or recv of collective `w` with `peer`.
 absl::Status WaitGloo(GlooWork& w, UnboundBuffer* ub, bool recv, int peer) {
   w.SetWaitingFor(peer);
-  try {
-    const bool done = recv ? ub->waitRecv(nullptr, kNoGlooDeadline)
-                           : ub->waitSend(nullptr, kNoGlooDeadline);
-    if (!done) return absl::AbortedError(absl::StrCat(w.what(), ": interrupted by Abort"));
-    return absl::OkStatus();
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat(w.what(), ": ", recv ? "receiving from" : "sending to",
-                                               " rank ", peer, " failed: Gloo: ", e.what()));
-  }
+  bool interrupted = false;
+  absl::Status s = WaitGloo(w.what(), ub, recv, peer, &interrupted);
+  if (interrupted) return absl::AbortedError(absl::StrCat(w.what(), ": interrupted by Abort"));
+  return s;
 }
 
 absl::Status GlooError(GlooWork& w, const std::exception& e) {
@@ -373,6 +560,7 @@ GlooCommunicator::GlooCommunicator(const GlooOptions& options,
                                    std::shared_ptr<::gloo::rendezvous::Context> context)
     : options_(options),
       context_(std::move(context)),
+      timer_(std::make_shared<Timer>()),
       waiters_(std::make_unique<WaiterPool>()),
       collectives_(std::make_unique<SerialExecutor>()),
       watchdog_([this] { WatchdogLoop(); }) {}
@@ -385,6 +573,7 @@ GlooCommunicator::~GlooCommunicator() {
   }
   watchdog_.join();
   collectives_.reset();  // drains: queued collectives fail fast (aborted)
+  timer_->Shutdown();    // no more hand-offs to the pool
   waiters_.reset();      // every Gloo wait was interrupted by Abort
 }
 
@@ -398,8 +587,14 @@ std::shared_ptr<GlooWork> GlooCommunicator::Start(std::string what) {
         absl::StrCat(work->what(), ": communicator was aborted (", abort_status_.message(), ")")));
     return work;
   }
+  if (pending_.size() >= prune_at_) PruneLocked();
   pending_[work.get()] = work;
   return work;
+}
+
+void GlooCommunicator::PruneLocked() {
+  absl::erase_if(pending_, [](const auto& entry) { return entry.second->IsCompleted(); });
+  prune_at_ = std::max<size_t>(64, 2 * pending_.size());
 }
 
 void GlooCommunicator::Finish(const std::shared_ptr<GlooWork>& work, absl::Status status) {
@@ -448,9 +643,7 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
     Finish(work, GlooError(*work, e));
     return work;
   }
-  waiters_->Run([this, work, ub, send, peer] {
-    Finish(work, WaitGloo(*work, ub, /*recv=*/!send, peer));
-  });
+  work->StartPointToPoint(ub, /*recv=*/!send, peer, timer_, waiters_.get(), kClaimWindow);
   return work;
 }
 
@@ -712,9 +905,10 @@ void GlooCommunicator::WatchdogLoop() {
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
+      PruneLocked();
       const absl::Time now = absl::Now();
       for (auto& [ptr, work] : pending_) {
-        if (work->deadline() < now && !work->IsCompleted()) {
+        if (work->deadline() < now) {
           expired = work;
           break;
         }

@@ -6,8 +6,9 @@
 // through the same Store.
 //
 // Point-to-point ops are posted to Gloo at once from the caller's thread
-// (many may be in flight; the tag is Gloo's slot) and a pool thread waits
-// for each. Collectives (ring all-reduce, all-gather, reduce-scatter; direct
+// (many may be in flight; the tag is Gloo's slot). The thread that calls
+// Work::Wait soon after posting waits in Gloo itself (no hand-off between
+// threads); ops nobody waits for are waited for by a pool thread. Collectives (ring all-reduce, all-gather, reduce-scatter; direct
 // broadcast; all-to-all barrier) run one at a time, in call order, on an
 // executor thread over Gloo's unbound buffers, so every step knows which
 // peer it waits on.
@@ -57,6 +58,7 @@ struct GlooOptions {
 };
 
 class GlooWork;
+class Timer;
 class WaiterPool;
 class SerialExecutor;
 
@@ -92,6 +94,8 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> PointToPoint(bool send, Buffer buf, int peer, uint64_t tag);
   std::shared_ptr<Work> EnqueueCollective(std::string what, Collective run);
   void Finish(const std::shared_ptr<GlooWork>& work, absl::Status status);
+  // Forgets completed ops (point-to-point ops complete in Work::Wait).
+  void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes every connection and fails every pending op with `status`;
   // `culprit` (if any) gets `culprit_status` instead.
   void AbortWith(absl::Status status, const GlooWork* culprit,
@@ -112,8 +116,10 @@ class GlooCommunicator : public Communicator {
   absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_collective_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t prune_at_ ABSL_GUARDED_BY(mu_) = 64;
   absl::flat_hash_map<const GlooWork*, std::shared_ptr<GlooWork>> pending_ ABSL_GUARDED_BY(mu_);
 
+  std::shared_ptr<Timer> timer_;  // Wait deadlines and hand-offs to waiters_
   std::unique_ptr<WaiterPool> waiters_;
   std::unique_ptr<SerialExecutor> collectives_;
   std::thread watchdog_;

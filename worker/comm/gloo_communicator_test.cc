@@ -127,6 +127,22 @@ TEST(GlooRingTest, ManyConcurrentTagsMatchByTagNotByOrder) {
   }
 }
 
+TEST(GlooRingTest, PolledOpsCompleteWithoutAnyoneWaiting) {
+  InMemoryStore store;
+  auto comms = Group(store, "poll", 2);
+  std::vector<int64_t> out(333, 77), in(333, 0);
+  auto recv = comms[1]->Recv(Buffer{in.data(), 333, DType::kInt64, -1}, 0, 4);
+  auto send = comms[0]->Send(Buffer{out.data(), 333, DType::kInt64, -1}, 1, 4);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!(recv->IsCompleted() && send->IsCompleted()) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(recv->IsCompleted());
+  ASSERT_TRUE(send->IsCompleted());
+  EXPECT_TRUE(recv->Wait(absl::ZeroDuration()).ok());
+  EXPECT_EQ(in[332], 77);
+}
+
 class GlooCollectivesTest : public TestWithParam<int> {};
 
 TEST_P(GlooCollectivesTest, MatchASequentialReference) {
