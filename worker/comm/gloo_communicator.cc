@@ -40,6 +40,10 @@ constexpr absl::Duration kClaimWindow = absl::Milliseconds(2);
 constexpr uint64_t kCollectiveSlotBit = uint64_t{1} << 63;
 constexpr int kStepBits = 20;
 
+// Slot of the standing receives that detect broken connections; nothing is
+// ever sent on it (collective sequence numbers stay far below).
+constexpr uint64_t kSentinelSlot = ~uint64_t{0};
+
 uint64_t CollectiveSlot(uint64_t seq, uint64_t step) {
   return kCollectiveSlotBit | (seq << kStepBits) | step;
 }
@@ -563,7 +567,45 @@ GlooCommunicator::GlooCommunicator(const GlooOptions& options,
       timer_(std::make_shared<Timer>()),
       waiters_(std::make_unique<WaiterPool>()),
       collectives_(std::make_unique<SerialExecutor>()),
-      watchdog_([this] { WatchdogLoop(); }) {}
+      sentinel_bytes_(options.size),
+      watchdog_([this] { WatchdogLoop(); }) {
+  // All sentinels exist before any can fire (AbortWith walks them).
+  sentinels_.resize(options_.size);
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer != options_.rank) {
+      sentinels_[peer] = context_->createUnboundBuffer(&sentinel_bytes_[peer], 1);
+    }
+  }
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer != options_.rank) WatchPeer(peer);
+  }
+}
+
+void GlooCommunicator::WatchPeer(int peer) {
+  UnboundBuffer* sentinel = sentinels_[peer].get();
+  const std::string what = absl::StrCat("connection to rank ", peer);
+  absl::Status broken;
+  try {
+    sentinel->recv(peer, kSentinelSlot);
+  } catch (const std::exception& e) {
+    broken = absl::UnavailableError(absl::StrCat(what, ": Gloo: ", e.what()));
+  }
+  auto on_break = [this, peer](const absl::Status& s) {
+    AbortWith(absl::UnavailableError(absl::StrCat(
+                  "rank ", peer, " is unreachable (its connection broke; the process died or "
+                  "aborted), ", options_.label, " aborted: ", s.message())),
+              nullptr, absl::OkStatus());
+  };
+  if (!broken.ok()) {
+    on_break(broken);
+    return;
+  }
+  waiters_->Run([sentinel, peer, what, on_break] {
+    bool interrupted = false;
+    absl::Status s = WaitGloo(what, sentinel, /*recv=*/true, peer, &interrupted);
+    if (!interrupted) on_break(s);  // never completes normally: nothing is sent there
+  });
+}
 
 GlooCommunicator::~GlooCommunicator() {
   Abort("communicator destroyed");
@@ -888,6 +930,9 @@ void GlooCommunicator::AbortWith(absl::Status status, const GlooWork* culprit,
   // After this no Gloo I/O touches any buffer; peers see the connections
   // reset and fail their own pending ops at once.
   context_->closeConnections();
+  for (auto& sentinel : sentinels_) {
+    if (sentinel != nullptr) sentinel->abortWaitRecv();
+  }
   for (const std::shared_ptr<GlooWork>& work : pending) {
     work->Complete(work.get() == culprit ? culprit_status
                                          : absl::Status(status.code(), absl::StrCat(

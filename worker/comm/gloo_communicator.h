@@ -18,9 +18,14 @@
 //    op and the rank it waits on; the op stays pending (wait again or Abort).
 //  - An op pending longer than `op_timeout` trips the watchdog: that op gets
 //    DEADLINE_EXCEEDED, the communicator is aborted.
-//  - A Gloo error (peer died, connection reset) fails the op with
-//    UNAVAILABLE and Gloo's own message; a failed collective also aborts the
-//    communicator (the group is out of step).
+//  - A peer whose connection breaks (process died, peer aborted) fails every
+//    pending op with UNAVAILABLE naming that rank and carrying Gloo's own
+//    message, and aborts the communicator. A standing receive on a reserved
+//    slot per peer notices the break even when Gloo would not tell the op
+//    in flight (Gloo does not signal a receive whose payload it is reading).
+//  - Any other Gloo error fails the op with UNAVAILABLE and Gloo's message;
+//    a failed collective also aborts the communicator (the group is out of
+//    step).
 //  - Abort() closes every connection, completes every pending op with
 //    ABORTED at once, and makes later ops fail fast. Once Abort() returns,
 //    no buffer is touched by Gloo again, so callers may free them.
@@ -34,6 +39,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -45,6 +51,9 @@
 namespace gloo::rendezvous {
 class Context;
 }  // namespace gloo::rendezvous
+namespace gloo::transport {
+class UnboundBuffer;
+}  // namespace gloo::transport
 
 namespace baton::comm {
 
@@ -101,6 +110,9 @@ class GlooCommunicator : public Communicator {
   void AbortWith(absl::Status status, const GlooWork* culprit,
                  absl::Status culprit_status);
   void WatchdogLoop();
+  // Posts the standing receive from `peer` that fails when its connection
+  // breaks, and waits for it on a pool thread.
+  void WatchPeer(int peer);
 
   absl::Status RingAllReduce(GlooWork& w, uint64_t seq, Buffer buf);
   absl::Status RingAllGather(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
@@ -122,6 +134,9 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Timer> timer_;  // Wait deadlines and hand-offs to waiters_
   std::unique_ptr<WaiterPool> waiters_;
   std::unique_ptr<SerialExecutor> collectives_;
+  // Standing receives, indexed by peer (see WatchPeer), and their target.
+  std::vector<char> sentinel_bytes_;
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sentinels_;
   std::thread watchdog_;
 };
 

@@ -75,6 +75,10 @@ class GlooMultiProcessTest : public ::testing::Test {
     return spec;
   }
 
+  // Streams 16 MiB messages from a peer process, kills it mid-stream and
+  // checks that every op of the survivor ends within the timeout.
+  void KillPeerMidStream(const std::string& group);
+
   std::unique_ptr<FakeCoordinatorKvServer> server_;
 };
 
@@ -103,10 +107,22 @@ TEST_F(GlooMultiProcessTest, ThreeProcessesAllReduceThroughTheCoordinatorKv) {
   EXPECT_TRUE(saw_address_keys) << "Gloo's addresses go through the coordinator KV";
 }
 
+// Three rounds: the kill lands at a different point of the stream each time.
 TEST_F(GlooMultiProcessTest, PeerKilledMidTransferFailsTheSurvivorWithinTheTimeout) {
-  pid_t peer = Spawn({server_->address(), "job", "1", "kill", "1", "2", "stream"});
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    KillPeerMidStream(absl::StrCat("kill", round));
+  }
+}
+
+void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
+  pid_t peer = Spawn({server_->address(), "job", "1", group, "1", "2", "stream"});
+  struct KillOnReturn {  // also when an ASSERT returns early
+    pid_t pid;
+    ~KillOnReturn() { kill(pid, SIGKILL); }
+  } killer{peer};
   CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
-  auto comm = CreateCommunicator(store, Spec("kill", 0, 2));
+  auto comm = CreateCommunicator(store, Spec(group, 0, 2));
   ASSERT_TRUE(comm.ok()) << comm.status();
   const int64_t bytes = 16 << 20;
   std::vector<std::vector<uint8_t>> in(6, std::vector<uint8_t>(bytes));
@@ -132,6 +148,13 @@ TEST_F(GlooMultiProcessTest, PeerKilledMidTransferFailsTheSurvivorWithinTheTimeo
     absl::Status ws = w->Wait(absl::Seconds(5));
     EXPECT_TRUE(ws.ok() || absl::IsUnavailable(ws)) << ws;
   }
+  EXPECT_LT(absl::Now() - killed_at, absl::Seconds(5));
+  // The group is broken: later ops fail fast (ABORTED once the broken
+  // connection has aborted the communicator, UNAVAILABLE from Gloo if first).
+  const absl::Time before = absl::Now();
+  absl::Status later = (*comm)->Barrier()->Wait(absl::Seconds(5));
+  EXPECT_TRUE(absl::IsAborted(later) || absl::IsUnavailable(later)) << later;
+  EXPECT_LT(absl::Now() - before, absl::Seconds(1));
   EXPECT_EQ(Reap(peer, absl::Seconds(5)), -2) << "peer died by signal";
 }
 
