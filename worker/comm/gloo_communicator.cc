@@ -333,6 +333,13 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     return false;
   }
 
+  // Whether the op has its final status (no side effects, unlike
+  // IsCompleted, which hands an unwatched op to the pool).
+  bool Done() {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+
   // First completion wins.
   void Complete(absl::Status status) {
     absl::MutexLock lock(&mu_);
@@ -635,7 +642,7 @@ std::shared_ptr<GlooWork> GlooCommunicator::Start(std::string what) {
 }
 
 void GlooCommunicator::PruneLocked() {
-  absl::erase_if(pending_, [](const auto& entry) { return entry.second->IsCompleted(); });
+  absl::erase_if(pending_, [](const auto& entry) { return entry.second->Done(); });
   prune_at_ = std::max<size_t>(64, 2 * pending_.size());
 }
 
@@ -668,7 +675,7 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
   if (!valid.ok()) return Failed(std::move(what), valid);
 
   std::shared_ptr<GlooWork> work = Start(std::move(what));
-  if (work->IsCompleted()) return work;
+  if (work->Done()) return work;
   if (buf.bytes() == 0) {
     Finish(work, absl::OkStatus());
     return work;
@@ -691,7 +698,7 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
 
 std::shared_ptr<Work> GlooCommunicator::EnqueueCollective(std::string what, Collective run) {
   std::shared_ptr<GlooWork> work = Start(std::move(what));
-  if (work->IsCompleted()) return work;
+  if (work->Done()) return work;
   // Sequence numbers (and so Gloo slots) agree across ranks because every
   // rank issues collectives in the same order; the executor keeps it.
   absl::MutexLock lock(&mu_);
