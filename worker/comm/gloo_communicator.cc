@@ -785,7 +785,7 @@ absl::Status GlooCommunicator::RingAllReduce(GlooWork& w, uint64_t seq, Buffer b
   const size_t es = DTypeSize(buf.dtype);
   const Chunks chunks(buf.count, n);
   char* data = static_cast<char*>(buf.data);
-  char* scratch = w.Scratch(static_cast<size_t>(chunks.len(0)) * es);
+  char* scratch = ExecutorScratch(0, static_cast<size_t>(chunks.len(0)) * es);
   UnboundBuffer* send_ub = w.NewBuffer(*context_, data, buf.bytes());
   UnboundBuffer* recv_ub = w.NewBuffer(*context_, data, buf.bytes());
   UnboundBuffer* scratch_ub = w.NewBuffer(*context_, scratch, chunks.len(0) * es);
@@ -839,9 +839,9 @@ absl::Status GlooCommunicator::RingReduceScatter(GlooWork& w, uint64_t seq, Buff
     return absl::OkStatus();
   }
   // Accumulate in a copy so that `in` is left as the caller gave it.
-  char* acc = w.Scratch(in.bytes());
+  char* acc = ExecutorScratch(0, in.bytes());
   std::memcpy(acc, in.data, in.bytes());
-  char* scratch = w.Scratch(block);
+  char* scratch = ExecutorScratch(1, block);
   UnboundBuffer* send_ub = w.NewBuffer(*context_, acc, in.bytes());
   UnboundBuffer* scratch_ub = w.NewBuffer(*context_, scratch, block);
   if (send_ub == nullptr || scratch_ub == nullptr) {
@@ -915,6 +915,12 @@ absl::Status GlooCommunicator::AllToAllBarrier(GlooWork& w, uint64_t seq) {
   for (auto& [peer, ub] : recvs) BATON_RETURN_IF_ERROR(WaitGloo(w, ub, /*recv=*/true, peer));
   for (auto& [peer, ub] : sends) BATON_RETURN_IF_ERROR(WaitGloo(w, ub, /*recv=*/false, peer));
   return absl::OkStatus();
+}
+
+char* GlooCommunicator::ExecutorScratch(int which, size_t bytes) {
+  std::vector<char>& scratch = executor_scratch_[which];
+  if (scratch.size() < bytes) scratch.resize(bytes);
+  return scratch.data();
 }
 
 void GlooCommunicator::Abort(absl::string_view reason) {

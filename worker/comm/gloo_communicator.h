@@ -114,6 +114,12 @@ class GlooCommunicator : public Communicator {
   // breaks, and waits for it on a pool thread.
   void WatchPeer(int peer);
 
+  // Scratch memory of the running collective, reused across collectives to
+  // spare allocation and page faults. Executor thread only; a collective
+  // that fails aborts the communicator before the next one starts, so Gloo
+  // never writes into it late.
+  char* ExecutorScratch(int which, size_t bytes);
+
   absl::Status RingAllReduce(GlooWork& w, uint64_t seq, Buffer buf);
   absl::Status RingAllGather(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
   absl::Status RingReduceScatter(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
@@ -134,6 +140,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Timer> timer_;  // Wait deadlines and hand-offs to waiters_
   std::unique_ptr<WaiterPool> waiters_;
   std::unique_ptr<SerialExecutor> collectives_;
+  std::vector<char> executor_scratch_[2];
   // Standing receives, indexed by peer (see WatchPeer), and their target.
   std::vector<char> sentinel_bytes_;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sentinels_;
