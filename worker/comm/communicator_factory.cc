@@ -3,7 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/rendezvous.h"
-#ifdef BATON_WITH_NCCL
+#ifdef BATON_WITH_CUDA
+#include "worker/comm/device_staging_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 #endif
 
@@ -22,13 +23,28 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(
       options.hostname = spec.hostname;
       options.rendezvous_timeout = spec.rendezvous_timeout;
       options.op_timeout = spec.op_timeout;
+#ifndef BATON_WITH_CUDA
+      if (spec.device >= 0) {
+        return absl::UnimplementedError(absl::StrCat(
+            label, ": this build has no CUDA; cannot stage tensors of device ", spec.device));
+      }
+#endif
       absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm =
           GlooCommunicator::Create(scoped, options);
       if (!comm.ok()) return comm.status();
+#ifdef BATON_WITH_CUDA
+      if (spec.device >= 0) {
+        return std::unique_ptr<Communicator>(new DeviceStagingCommunicator(std::move(*comm)));
+      }
+#endif
       return std::unique_ptr<Communicator>(std::move(*comm));
     }
     case Backend::kNccl: {
-#ifdef BATON_WITH_NCCL
+#ifdef BATON_WITH_CUDA
+      if (spec.device < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(label, ": the NCCL backend needs a CUDA device (spec.device)"));
+      }
       NcclOptions options;
       options.rank = spec.rank;
       options.size = spec.size;

@@ -27,12 +27,14 @@ struct CommunicatorSpec {
   absl::Duration rendezvous_timeout = absl::Seconds(60);
   absl::Duration op_timeout = absl::Minutes(5);  // watchdog: longer aborts the group
   std::string hostname = "127.0.0.1";            // Gloo: address to listen on
-  int device = 0;                                // NCCL: CUDA device ordinal
+  // CUDA device ordinal of this rank's tensors; -1 = host memory. NCCL needs
+  // one; Gloo then stages device tensors through pinned host memory.
+  int device = -1;
 };
 
 // Rendezvous with the other `size - 1` ranks of `spec.group` and connect.
 // DEADLINE_EXCEEDED names ranks that did not arrive; UNIMPLEMENTED for NCCL
-// in a build without CUDA.
+// or device tensors in a build without CUDA.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(
     Store& store, const CommunicatorSpec& spec);
 

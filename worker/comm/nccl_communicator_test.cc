@@ -112,6 +112,7 @@ TEST_F(NcclCommunicatorTest, MissingRankIsNamedBeforeNcclInit) {
   CommunicatorSpec spec;
   spec.group = "absent";
   spec.backend = Backend::kNccl;
+  spec.device = 0;
   spec.size = 2;
   spec.rendezvous_timeout = absl::Milliseconds(500);
   auto c = CreateCommunicator(store, spec);
