@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <atomic>
+#include <deque>
 #include <exception>
 #include <map>
 #include <utility>
@@ -615,7 +615,25 @@ void GlooCommunicator::WatchPeer(int peer) {
 }
 
 GlooCommunicator::~GlooCommunicator() {
-  Abort("communicator destroyed");
+  bool idle;
+  {
+    absl::MutexLock lock(&mu_);
+    PruneLocked();
+    idle = !aborted_ && pending_.empty();
+    if (idle) {
+      aborted_ = true;
+      abort_status_ = absl::AbortedError(absl::StrCat(options_.label, ": communicator destroyed"));
+    }
+  }
+  if (idle) {
+    // Close gently (data already sent still reaches the peers): the sockets
+    // close with the Gloo context, once no Work holds its buffers.
+    for (auto& sentinel : sentinels_) {
+      if (sentinel != nullptr) sentinel->abortWaitRecv();
+    }
+  } else {
+    Abort("communicator destroyed with ops pending");
+  }
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;

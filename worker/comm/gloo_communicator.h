@@ -26,9 +26,13 @@
 //  - Any other Gloo error fails the op with UNAVAILABLE and Gloo's message;
 //    a failed collective also aborts the communicator (the group is out of
 //    step).
-//  - Abort() closes every connection, completes every pending op with
-//    ABORTED at once, and makes later ops fail fast. Once Abort() returns,
-//    no buffer is touched by Gloo again, so callers may free them.
+//  - Abort() closes every connection (peers' ops fail at once), completes
+//    every pending op with ABORTED at once, and makes later ops fail fast.
+//    Once Abort() returns, no buffer is touched by Gloo again, so callers
+//    may free them.
+//  - Destroying a communicator with ops pending aborts it. Destroying an
+//    idle one closes its connections gracefully (data already sent is still
+//    delivered) once no Work holds its Gloo buffers.
 //
 // Thread-safe: ops, Wait and Abort may be called from any thread.
 #ifndef BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_

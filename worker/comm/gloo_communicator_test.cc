@@ -316,6 +316,24 @@ TEST(GlooFailureTest, DestroyingACommunicatorAbortsItsPendingOps) {
   EXPECT_EQ(pending->Wait(absl::Seconds(5)).code(), absl::StatusCode::kAborted);
 }
 
+TEST(GlooFailureTest, DestroyingAnIdleCommunicatorStillDeliversWhatItSent) {
+  InMemoryStore store;
+  auto comms = Group(store, "linger", 2);
+  const int64_t bytes = 16 << 20;
+  std::vector<uint8_t> out(bytes, 0xab), in(bytes, 0);
+  auto recv = comms[1]->Recv(Buffer{in.data(), bytes, DType::kUInt8, -1}, 0, 1);
+  {
+    auto send = comms[0]->Send(Buffer{out.data(), bytes, DType::kUInt8, -1}, 1, 1);
+    ASSERT_TRUE(send->Wait(kWait).ok());
+  }
+  comms[0].reset();  // right after the send completed locally
+  ASSERT_TRUE(recv->Wait(kWait).ok()) << recv->Wait(absl::ZeroDuration());
+  EXPECT_EQ(in[bytes - 1], 0xab);
+  // The departed rank is noticed: the survivor's next op fails fast.
+  EXPECT_FALSE(comms[1]->Send(Buffer{out.data(), 8, DType::kUInt8, -1}, 0, 2)
+                   ->Wait(absl::Seconds(5)).ok());
+}
+
 TEST(GlooFailureTest, DeviceBuffersAndBadPeersAreRejectedUpFront) {
   InMemoryStore store;
   auto comms = Group(store, "reject", 2);
