@@ -158,6 +158,21 @@ void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
   EXPECT_EQ(Reap(peer, absl::Seconds(5)), -2) << "peer died by signal";
 }
 
+TEST_F(GlooMultiProcessTest, StragglerOfAnOlderGenerationIsRejectedByTheKv) {
+  CoordinatorStore current(ConnectCoordinator(server_->address()), "job", 2);
+  CommunicatorSpec spec = Spec("dp", 0, 1);
+  spec.generation = 2;
+  ASSERT_TRUE(CreateCommunicator(current, spec).ok());
+  CoordinatorStore stale(ConnectCoordinator(server_->address()), "job", 1);
+  spec.generation = 1;
+  auto straggler = CreateCommunicator(stale, spec);
+  ASSERT_FALSE(straggler.ok());
+  EXPECT_EQ(straggler.status().code(), absl::StatusCode::kFailedPrecondition) << straggler.status();
+  EXPECT_NE(straggler.status().message().find("older than the current generation 2"),
+            absl::string_view::npos)
+      << straggler.status();
+}
+
 TEST_F(GlooMultiProcessTest, RankMissingFromTheCoordinatorKvIsNamed) {
   CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
   CommunicatorSpec spec = Spec("lonely", 0, 2);

@@ -410,6 +410,7 @@ void NcclCommunicator::AbortWith(absl::Status status, const NcclWork* culprit,
 void NcclCommunicator::WatchdogLoop() {
   const absl::Duration period =
       std::clamp(options_.op_timeout / 10, absl::Milliseconds(1), absl::Milliseconds(10));
+  cudaSetDevice(options_.device);  // events and NCCL calls of this thread
   for (;;) {
     absl::Status error;
     std::shared_ptr<NcclWork> culprit;
