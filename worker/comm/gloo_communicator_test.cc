@@ -1,0 +1,388 @@
+// Gloo backend, ranks as threads of this process over loopback TCP, through
+// the factory and an InMemoryStore. Multi-process cases (a killed peer, the
+// coordinator KV) are in gloo_multiprocess_test.cc.
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "worker/comm/communicator_factory.h"
+#include "worker/comm/store.h"
+
+namespace baton::comm {
+namespace {
+
+using ::testing::TestWithParam;
+
+constexpr absl::Duration kWait = absl::Seconds(60);
+
+CommunicatorSpec Spec(const std::string& group, int64_t generation, int rank, int size) {
+  CommunicatorSpec spec;
+  spec.group = group;
+  spec.generation = generation;
+  spec.rank = rank;
+  spec.size = size;
+  spec.rendezvous_timeout = absl::Seconds(30);
+  return spec;
+}
+
+// Creates `size` communicators concurrently (one thread per rank).
+std::vector<std::unique_ptr<Communicator>> Group(Store& store, const std::string& group,
+                                                 int size, int64_t generation = 1) {
+  std::vector<std::unique_ptr<Communicator>> comms(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto c = CreateCommunicator(store, Spec(group, generation, r, size));
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return comms;
+}
+
+// Runs fn(rank) on one thread per rank.
+void OnEachRank(int size, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+}
+
+uint8_t Pattern(int sender, size_t i) { return static_cast<uint8_t>(sender * 131 + i * 7 + i / 251); }
+
+TEST(GlooRingTest, SendRecvAroundARingFromOneByteToAMebibyteIncludingOddSizes) {
+  InMemoryStore store;
+  const int n = 4;
+  auto comms = Group(store, "ring", n);
+  ASSERT_EQ(comms.size(), 4u);
+  const std::vector<size_t> sizes = {1, 3, 8, 4093, 65536 + 5, (1 << 20) + 3};
+  OnEachRank(n, [&](int r) {
+    Communicator& c = *comms[r];
+    EXPECT_EQ(c.backend(), "gloo");
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<std::vector<uint8_t>> out(sizes.size()), in(sizes.size());
+    std::vector<std::shared_ptr<Work>> works;
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      out[k].resize(sizes[k]);
+      in[k].assign(sizes[k], 0);
+      for (size_t i = 0; i < sizes[k]; ++i) out[k][i] = Pattern(r, i + k);
+      works.push_back(c.Recv(Buffer{in[k].data(), static_cast<int64_t>(sizes[k]), DType::kUInt8, -1},
+                             prev, k));
+      works.push_back(c.Send(Buffer{out[k].data(), static_cast<int64_t>(sizes[k]), DType::kUInt8, -1},
+                             next, k));
+    }
+    for (auto& w : works) ASSERT_TRUE(w->Wait(kWait).ok()) << w->Wait(absl::ZeroDuration());
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      for (size_t i = 0; i < sizes[k]; ++i) {
+        ASSERT_EQ(in[k][i], Pattern(prev, i + k)) << "rank " << r << " size " << sizes[k] << " byte " << i;
+      }
+    }
+  });
+}
+
+TEST(GlooRingTest, SixtyFourMebibytesBothWaysArriveIntact) {
+  InMemoryStore store;
+  auto comms = Group(store, "big", 2);
+  const size_t bytes = size_t{64} << 20;
+  OnEachRank(2, [&](int r) {
+    std::vector<uint8_t> out(bytes), in(bytes, 0);
+    for (size_t i = 0; i < bytes; ++i) out[i] = Pattern(r, i);
+    auto recv = comms[r]->Recv(Buffer{in.data(), static_cast<int64_t>(bytes), DType::kUInt8, -1}, 1 - r, 9);
+    auto send = comms[r]->Send(Buffer{out.data(), static_cast<int64_t>(bytes), DType::kUInt8, -1}, 1 - r, 9);
+    ASSERT_TRUE(send->Wait(kWait).ok());
+    ASSERT_TRUE(recv->Wait(kWait).ok());
+    for (size_t i = 0; i < bytes; i += 4099) ASSERT_EQ(in[i], Pattern(1 - r, i)) << i;
+    EXPECT_EQ(in[bytes - 1], Pattern(1 - r, bytes - 1));
+  });
+}
+
+TEST(GlooRingTest, ManyConcurrentTagsMatchByTagNotByOrder) {
+  InMemoryStore store;
+  auto comms = Group(store, "tags", 2);
+  const int kTags = 64;
+  const int64_t count = 1001;
+  std::vector<std::vector<float>> out(kTags, std::vector<float>(count));
+  std::vector<std::vector<float>> in(kTags, std::vector<float>(count, -1));
+  std::vector<std::shared_ptr<Work>> works;
+  // Receiver posts in reverse tag order, sender in forward order.
+  for (int t = kTags - 1; t >= 0; --t) {
+    works.push_back(comms[1]->Recv(Buffer::Host(in[t].data(), count), 0, 1000 + t));
+  }
+  for (int t = 0; t < kTags; ++t) {
+    std::iota(out[t].begin(), out[t].end(), static_cast<float>(t * 10000));
+    works.push_back(comms[0]->Send(Buffer::Host(out[t].data(), count), 1, 1000 + t));
+  }
+  for (auto& w : works) ASSERT_TRUE(w->Wait(kWait).ok());
+  for (int t = 0; t < kTags; ++t) {
+    EXPECT_EQ(in[t].front(), t * 10000.0f) << "tag " << t;
+    EXPECT_EQ(in[t].back(), t * 10000.0f + count - 1) << "tag " << t;
+  }
+}
+
+TEST(GlooRingTest, PolledOpsCompleteWithoutAnyoneWaiting) {
+  InMemoryStore store;
+  auto comms = Group(store, "poll", 2);
+  std::vector<int64_t> out(333, 77), in(333, 0);
+  auto recv = comms[1]->Recv(Buffer{in.data(), 333, DType::kInt64, -1}, 0, 4);
+  auto send = comms[0]->Send(Buffer{out.data(), 333, DType::kInt64, -1}, 1, 4);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!(recv->IsCompleted() && send->IsCompleted()) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(recv->IsCompleted());
+  ASSERT_TRUE(send->IsCompleted());
+  EXPECT_TRUE(recv->Wait(absl::ZeroDuration()).ok());
+  EXPECT_EQ(in[332], 77);
+}
+
+class GlooCollectivesTest : public TestWithParam<int> {};
+
+TEST_P(GlooCollectivesTest, MatchASequentialReference) {
+  const int n = GetParam();
+  InMemoryStore store;
+  auto comms = Group(store, absl::StrCat("coll", n), n);
+  const int64_t count = 1000 + 3 * n + 1;  // not a multiple of n
+  auto value = [](int rank, int64_t i) { return static_cast<float>((rank + 1) * 1000 + i % 97); };
+  auto big = [](int rank, int64_t i) { return (int64_t{1} << 40) * (rank + 1) + i; };
+  // Sequential references.
+  std::vector<float> sum(count, 0);
+  std::vector<int64_t> sum64(count, 0);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < count; ++i) {
+      sum[i] += value(r, i);
+      sum64[i] += big(r, i);
+    }
+  }
+  OnEachRank(n, [&](int r) {
+    Communicator& c = *comms[r];
+    std::vector<float> x(count);
+    for (int64_t i = 0; i < count; ++i) x[i] = value(r, i);
+    ASSERT_TRUE(c.AllReduceSum(Buffer::Host(x.data(), count))->Wait(kWait).ok());
+    EXPECT_EQ(x, sum) << "all-reduce on rank " << r;
+
+    std::vector<int64_t> y(count);
+    for (int64_t i = 0; i < count; ++i) y[i] = big(r, i);
+    ASSERT_TRUE(c.AllReduceSum(Buffer{y.data(), count, DType::kInt64, -1})->Wait(kWait).ok());
+    EXPECT_EQ(y, sum64) << "int64 all-reduce on rank " << r;
+
+    std::vector<float> mine(count), all(count * n, -1);
+    for (int64_t i = 0; i < count; ++i) mine[i] = value(r, i);
+    ASSERT_TRUE(c.AllGather(Buffer::Host(mine.data(), count), Buffer::Host(all.data(), count * n))
+                    ->Wait(kWait).ok());
+    for (int q = 0; q < n; ++q) {
+      for (int64_t i = 0; i < count; i += 37) {
+        ASSERT_EQ(all[q * count + i], value(q, i)) << "all-gather on rank " << r;
+      }
+    }
+
+    std::vector<float> full(count * n), part(count, -1);
+    for (int64_t i = 0; i < count * n; ++i) full[i] = value(r, i);
+    ASSERT_TRUE(c.ReduceScatterSum(Buffer::Host(full.data(), count * n), Buffer::Host(part.data(), count))
+                    ->Wait(kWait).ok());
+    for (int64_t i = 0; i < count; ++i) {
+      float want = 0;
+      for (int q = 0; q < n; ++q) want += value(q, r * count + i);
+      ASSERT_EQ(part[i], want) << "reduce-scatter on rank " << r << " element " << i;
+    }
+    EXPECT_EQ(full[5], value(r, 5)) << "reduce-scatter must leave its input alone";
+
+    const int root = n - 1;
+    std::vector<float> b(count, r == root ? 0.0f : -7.0f);
+    if (r == root) std::iota(b.begin(), b.end(), 0.5f);
+    ASSERT_TRUE(c.Broadcast(Buffer::Host(b.data(), count), root)->Wait(kWait).ok());
+    EXPECT_EQ(b[0], 0.5f);
+    EXPECT_EQ(b[count - 1], count - 0.5f);
+
+    EXPECT_TRUE(c.Barrier()->Wait(kWait).ok());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GlooCollectivesTest, ::testing::Range(2, 9));
+
+TEST(GlooCollectivesTest, BarrierHoldsEveryRankUntilTheLastArrives) {
+  InMemoryStore store;
+  const int n = 3;
+  auto comms = Group(store, "barrier", n);
+  std::atomic<int> arrived{0};
+  OnEachRank(n, [&](int r) {
+    if (r == 2) absl::SleepFor(absl::Milliseconds(300));
+    arrived.fetch_add(1);
+    ASSERT_TRUE(comms[r]->Barrier()->Wait(kWait).ok());
+    EXPECT_EQ(arrived.load(), n) << "rank " << r << " left the barrier early";
+  });
+}
+
+TEST(GlooFailureTest, PeerThatNeverArrivesIsNamedWithinTheTimeout) {
+  InMemoryStore store;
+  const absl::Duration timeout = absl::Milliseconds(800);
+  OnEachRank(2, [&](int r) {  // ranks 0 and 1 of 3; rank 2 never comes
+    CommunicatorSpec spec = Spec("absent", 1, r, 3);
+    spec.rendezvous_timeout = timeout;
+    const absl::Time start = absl::Now();
+    auto c = CreateCommunicator(store, spec);
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_NE(c.status().message().find("rank(s) 2 of 3 did not arrive"), absl::string_view::npos)
+        << c.status();
+    EXPECT_LT(took, timeout + absl::Seconds(2));
+  });
+}
+
+TEST(GlooFailureTest, WaitTimeoutNamesOpAndPeerAndTheOpStaysPending) {
+  InMemoryStore store;
+  auto comms = Group(store, "slow", 2);
+  std::vector<int32_t> in(10, 0), out(10, 42);
+  auto recv = comms[0]->Recv(Buffer{in.data(), 10, DType::kInt32, -1}, 1, 5);
+  absl::Status s = recv->Wait(absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(s.message().find("Recv from rank 1 (tag 5"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("waiting for rank 1"), absl::string_view::npos) << s;
+  EXPECT_FALSE(recv->IsCompleted());
+  ASSERT_TRUE(comms[1]->Send(Buffer{out.data(), 10, DType::kInt32, -1}, 0, 5)->Wait(kWait).ok());
+  ASSERT_TRUE(recv->Wait(kWait).ok());
+  EXPECT_EQ(in[9], 42);
+}
+
+TEST(GlooFailureTest, AbortFromAnotherThreadReleasesABlockedRecvAtOnce) {
+  InMemoryStore store;
+  auto comms = Group(store, "abort", 2);
+  std::vector<float> in(1 << 16), peer_in(1 << 16);
+  auto blocked = comms[0]->Recv(Buffer::Host(in.data(), in.size()), 1, 1);
+  auto peer_blocked = comms[1]->Recv(Buffer::Host(peer_in.data(), peer_in.size()), 0, 2);
+  absl::Time aborted_at;
+  std::thread aborter([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    aborted_at = absl::Now();
+    comms[0]->Abort("test says stop");
+  });
+  absl::Status s = blocked->Wait(absl::Seconds(30));
+  const absl::Time released_at = absl::Now();
+  aborter.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("test says stop"), absl::string_view::npos) << s;
+  EXPECT_LT(released_at - aborted_at, absl::Milliseconds(500));
+
+  // Later ops fail fast.
+  const absl::Time before = absl::Now();
+  auto late = comms[0]->Send(Buffer::Host(in.data(), 4), 1, 3);
+  EXPECT_TRUE(late->IsCompleted());
+  EXPECT_EQ(late->Wait(absl::ZeroDuration()).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(comms[0]->AllReduceSum(Buffer::Host(in.data(), 4))->Wait(absl::Seconds(1)).code(),
+            absl::StatusCode::kAborted);
+  EXPECT_LT(absl::Now() - before, absl::Milliseconds(500));
+
+  // The peer's pending op fails too (its connection was reset), not hangs.
+  absl::Status peer = peer_blocked->Wait(absl::Seconds(10));
+  EXPECT_EQ(peer.code(), absl::StatusCode::kUnavailable) << peer;
+  EXPECT_NE(peer.message().find("rank 0"), absl::string_view::npos) << peer;
+}
+
+TEST(GlooFailureTest, WatchdogFailsAHungCollectiveNamingThePeerAndAbortsTheGroup) {
+  InMemoryStore store;
+  std::vector<std::unique_ptr<Communicator>> comms(2);
+  OnEachRank(2, [&](int r) {
+    CommunicatorSpec spec = Spec("hung", 1, r, 2);
+    spec.op_timeout = absl::Milliseconds(300);
+    auto c = CreateCommunicator(store, spec);
+    ASSERT_TRUE(c.ok()) << c.status();
+    comms[r] = std::move(*c);
+  });
+  std::vector<float> x(100, 1);
+  const absl::Time start = absl::Now();
+  auto w = comms[0]->AllReduceSum(Buffer::Host(x.data(), x.size()));  // rank 1 never joins
+  absl::Status s = w->Wait(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("AllReduceSum"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("waiting for rank 1"), absl::string_view::npos) << s;
+  EXPECT_EQ(comms[0]->Barrier()->Wait(absl::Seconds(1)).code(), absl::StatusCode::kAborted);
+}
+
+TEST(GlooFailureTest, DestroyingACommunicatorAbortsItsPendingOps) {
+  InMemoryStore store;
+  auto comms = Group(store, "destroy", 2);
+  std::vector<float> in(8);
+  auto pending = comms[0]->Recv(Buffer::Host(in.data(), in.size()), 1, 1);
+  comms[0].reset();
+  EXPECT_EQ(pending->Wait(absl::Seconds(5)).code(), absl::StatusCode::kAborted);
+}
+
+TEST(GlooFailureTest, DestroyingAnIdleCommunicatorStillDeliversWhatItSent) {
+  InMemoryStore store;
+  auto comms = Group(store, "linger", 2);
+  const int64_t bytes = 16 << 20;
+  std::vector<uint8_t> out(bytes, 0xab), in(bytes, 0);
+  auto recv = comms[1]->Recv(Buffer{in.data(), bytes, DType::kUInt8, -1}, 0, 1);
+  {
+    auto send = comms[0]->Send(Buffer{out.data(), bytes, DType::kUInt8, -1}, 1, 1);
+    ASSERT_TRUE(send->Wait(kWait).ok());
+  }
+  comms[0].reset();  // right after the send completed locally
+  ASSERT_TRUE(recv->Wait(kWait).ok()) << recv->Wait(absl::ZeroDuration());
+  EXPECT_EQ(in[bytes - 1], 0xab);
+  // The departed rank is noticed: the survivor's next op fails fast.
+  EXPECT_FALSE(comms[1]->Send(Buffer{out.data(), 8, DType::kUInt8, -1}, 0, 2)
+                   ->Wait(absl::Seconds(5)).ok());
+}
+
+TEST(GlooFailureTest, DeviceBuffersAndBadPeersAreRejectedUpFront) {
+  InMemoryStore store;
+  auto comms = Group(store, "reject", 2);
+  float x = 0;
+  absl::Status dev = comms[0]->AllReduceSum(Buffer{&x, 1, DType::kFloat32, 0})->Wait(absl::ZeroDuration());
+  EXPECT_EQ(dev.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dev.message().find("CUDA device 0"), absl::string_view::npos) << dev;
+  EXPECT_EQ(comms[0]->Send(Buffer::Host(&x, 1), 0, 1)->Wait(absl::ZeroDuration()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(comms[0]->Recv(Buffer::Host(&x, 1), 7, 1)->Wait(absl::ZeroDuration()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GlooGenerationTest, NewGenerationAfterAbortRendezvousesWithoutOldKeys) {
+  InMemoryStore store;
+  {
+    auto gen1 = Group(store, "dp0", 2, /*generation=*/1);
+    std::vector<float> a(16, 1), b(16, 2);
+    auto w0 = gen1[0]->AllReduceSum(Buffer::Host(a.data(), 16));
+    auto w1 = gen1[1]->AllReduceSum(Buffer::Host(b.data(), 16));
+    ASSERT_TRUE(w0->Wait(kWait).ok());
+    ASSERT_TRUE(w1->Wait(kWait).ok());
+    gen1[0]->Abort("membership change");
+    gen1[1]->Abort("membership change");
+  }
+  // Generation 2: a complete group works.
+  auto gen2 = Group(store, "dp0", 2, /*generation=*/2);
+  std::vector<float> a(16, 3), b(16, 4);
+  auto w0 = gen2[0]->AllReduceSum(Buffer::Host(a.data(), 16));
+  auto w1 = gen2[1]->AllReduceSum(Buffer::Host(b.data(), 16));
+  ASSERT_TRUE(w0->Wait(kWait).ok());
+  ASSERT_TRUE(w1->Wait(kWait).ok());
+  EXPECT_EQ(a[0], 7.0f);
+  // Generation 3 with rank 1 missing must not pick up rank 1's keys (and
+  // stale addresses) of generations 1 and 2: it times out naming rank 1.
+  CommunicatorSpec spec = Spec("dp0", 3, 0, 2);
+  spec.rendezvous_timeout = absl::Milliseconds(300);
+  auto alone = CreateCommunicator(store, spec);
+  ASSERT_FALSE(alone.ok());
+  EXPECT_NE(alone.status().message().find("rank(s) 1 of 2"), absl::string_view::npos)
+      << alone.status();
+  int gen1_keys = 0, gen2_keys = 0;
+  for (const std::string& k : store.Keys()) {
+    gen1_keys += k.rfind("comm/dp0/gen1/", 0) == 0;
+    gen2_keys += k.rfind("comm/dp0/gen2/", 0) == 0;
+  }
+  EXPECT_GT(gen1_keys, 0);
+  EXPECT_EQ(gen1_keys, gen2_keys) << "each generation writes its own full set of keys";
+}
+
+}  // namespace
+}  // namespace baton::comm

@@ -1,0 +1,188 @@
+// Gloo backend with ranks in separate processes (comm_test_peer), rendezvous
+// through CoordinatorStore and a FakeCoordinatorKv on a loopback port.
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "worker/comm/communicator_factory.h"
+#include "worker/comm/coordinator_store.h"
+#include "worker/comm/fake_coordinator_kv.h"
+
+namespace baton::comm {
+namespace {
+
+std::string PeerBinary() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  return absl::StrCat(srcdir ? srcdir : ".", "/", workspace ? workspace : "baton",
+                      "/worker/comm/comm_test_peer");
+}
+
+// Starts comm_test_peer with `args`; returns its pid.
+pid_t Spawn(const std::vector<std::string>& args) {
+  const std::string binary = PeerBinary();
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(binary.c_str()));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(binary.c_str(), argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Exit code of `pid`, or -1 if it is still running after `timeout` (then it
+// is killed).
+int Reap(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (absl::Now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+}
+
+class GlooMultiProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(access(PeerBinary().c_str(), X_OK), 0) << "missing helper " << PeerBinary();
+    auto server = FakeCoordinatorKvServer::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  CommunicatorSpec Spec(const std::string& group, int rank, int size) {
+    CommunicatorSpec spec;
+    spec.group = group;
+    spec.generation = 1;
+    spec.rank = rank;
+    spec.size = size;
+    spec.rendezvous_timeout = absl::Seconds(20);
+    return spec;
+  }
+
+  // Streams 16 MiB messages from a peer process, kills it mid-stream and
+  // checks that every op of the survivor ends within the timeout.
+  void KillPeerMidStream(const std::string& group);
+
+  std::unique_ptr<FakeCoordinatorKvServer> server_;
+};
+
+TEST_F(GlooMultiProcessTest, ThreeProcessesAllReduceThroughTheCoordinatorKv) {
+  const int n = 3;
+  std::vector<pid_t> peers;
+  for (int r = 1; r < n; ++r) {
+    peers.push_back(Spawn({server_->address(), "job", "1", "mp", absl::StrCat(r),
+                           absl::StrCat(n), "allreduce"}));
+  }
+  CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
+  auto comm = CreateCommunicator(store, Spec("mp", 0, n));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  const int64_t count = 4099;
+  std::vector<float> x(count);
+  for (int64_t i = 0; i < count; ++i) x[i] = static_cast<float>(100 + i % 13);
+  ASSERT_TRUE((*comm)->AllReduceSum(Buffer::Host(x.data(), count))->Wait(absl::Seconds(20)).ok());
+  for (int64_t i = 0; i < count; i += 101) {
+    EXPECT_EQ(x[i], static_cast<float>(600 + 3 * (i % 13))) << i;
+  }
+  for (pid_t pid : peers) EXPECT_EQ(Reap(pid, absl::Seconds(20)), 0) << "a peer saw a wrong sum";
+  bool saw_address_keys = false;
+  for (const std::string& k : server_->service().Keys()) {
+    saw_address_keys |= k.rfind("job/1/comm/mp/gen1/gloo/", 0) == 0;
+  }
+  EXPECT_TRUE(saw_address_keys) << "Gloo's addresses go through the coordinator KV";
+}
+
+// Three rounds: the kill lands at a different point of the stream each time.
+TEST_F(GlooMultiProcessTest, PeerKilledMidTransferFailsTheSurvivorWithinTheTimeout) {
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    KillPeerMidStream(absl::StrCat("kill", round));
+  }
+}
+
+void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
+  pid_t peer = Spawn({server_->address(), "job", "1", group, "1", "2", "stream"});
+  struct KillOnReturn {  // also when an ASSERT returns early
+    pid_t pid;
+    ~KillOnReturn() { kill(pid, SIGKILL); }
+  } killer{peer};
+  CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
+  auto comm = CreateCommunicator(store, Spec(group, 0, 2));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  const int64_t bytes = 16 << 20;
+  std::vector<std::vector<uint8_t>> in(6, std::vector<uint8_t>(bytes));
+  for (int t = 0; t < 2; ++t) {  // the stream is flowing
+    ASSERT_TRUE((*comm)->Recv(Buffer{in[t].data(), bytes, DType::kUInt8, -1}, 1, t)
+                    ->Wait(absl::Seconds(20)).ok());
+    EXPECT_EQ(in[t][bytes - 1], 0x5a);
+  }
+  std::vector<std::shared_ptr<Work>> posted;
+  for (int t = 2; t < 6; ++t) {
+    posted.push_back((*comm)->Recv(Buffer{in[t].data(), bytes, DType::kUInt8, -1}, 1, t));
+  }
+  std::vector<uint8_t> never(64);
+  auto orphan = (*comm)->Recv(Buffer{never.data(), 64, DType::kUInt8, -1}, 1, 999);
+  kill(peer, SIGKILL);
+  const absl::Time killed_at = absl::Now();
+  absl::Status s = orphan->Wait(absl::Seconds(5));
+  EXPECT_LT(absl::Now() - killed_at, absl::Seconds(5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("Gloo: "), absl::string_view::npos) << "carries Gloo's message: " << s;
+  for (auto& w : posted) {  // each ends (delivered before the kill, or failed); none hangs
+    absl::Status ws = w->Wait(absl::Seconds(5));
+    EXPECT_TRUE(ws.ok() || absl::IsUnavailable(ws)) << ws;
+  }
+  EXPECT_LT(absl::Now() - killed_at, absl::Seconds(5));
+  // The group is broken: later ops fail fast (ABORTED once the broken
+  // connection has aborted the communicator, UNAVAILABLE from Gloo if first).
+  const absl::Time before = absl::Now();
+  absl::Status later = (*comm)->Barrier()->Wait(absl::Seconds(5));
+  EXPECT_TRUE(absl::IsAborted(later) || absl::IsUnavailable(later)) << later;
+  EXPECT_LT(absl::Now() - before, absl::Seconds(1));
+  EXPECT_EQ(Reap(peer, absl::Seconds(5)), -2) << "peer died by signal";
+}
+
+TEST_F(GlooMultiProcessTest, StragglerOfAnOlderGenerationIsRejectedByTheKv) {
+  CoordinatorStore current(ConnectCoordinator(server_->address()), "job", 2);
+  CommunicatorSpec spec = Spec("dp", 0, 1);
+  spec.generation = 2;
+  ASSERT_TRUE(CreateCommunicator(current, spec).ok());
+  CoordinatorStore stale(ConnectCoordinator(server_->address()), "job", 1);
+  spec.generation = 1;
+  auto straggler = CreateCommunicator(stale, spec);
+  ASSERT_FALSE(straggler.ok());
+  EXPECT_EQ(straggler.status().code(), absl::StatusCode::kFailedPrecondition) << straggler.status();
+  EXPECT_NE(straggler.status().message().find("older than the current generation 2"),
+            absl::string_view::npos)
+      << straggler.status();
+}
+
+TEST_F(GlooMultiProcessTest, RankMissingFromTheCoordinatorKvIsNamed) {
+  CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
+  CommunicatorSpec spec = Spec("lonely", 0, 2);
+  spec.rendezvous_timeout = absl::Milliseconds(500);
+  auto comm = CreateCommunicator(store, spec);
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(comm.status().message().find("rank(s) 1 of 2 did not arrive"), absl::string_view::npos)
+      << comm.status();
+}
+
+}  // namespace
+}  // namespace baton::comm

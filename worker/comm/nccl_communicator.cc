@@ -1,0 +1,449 @@
+#include "worker/comm/nccl_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/cuda_status.h"
+#include "worker/comm/rendezvous.h"
+
+namespace baton::comm {
+namespace {
+
+constexpr char kUniqueIdKey[] = "nccl/unique_id";
+constexpr absl::Duration kPollInterval = absl::Microseconds(50);
+
+absl::Status NcclError(ncclResult_t r, ncclComm_t comm, absl::string_view what) {
+  absl::StatusCode code = absl::StatusCode::kInternal;
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) code = absl::StatusCode::kInvalidArgument;
+  if (r == ncclRemoteError || r == ncclSystemError) code = absl::StatusCode::kUnavailable;
+  const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+  return absl::Status(code, absl::StrCat(what, ": NCCL: ", ncclGetErrorString(r),
+                                         last != nullptr && last[0] != '\0'
+                                             ? absl::StrCat(" (", last, ")")
+                                             : ""));
+}
+
+ncclDataType_t NcclType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
+    case DType::kUInt8:
+      return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+}  // namespace
+
+// One op: a CUDA event recorded after its NCCL kernels on the stream.
+class NcclWork : public Work {
+ public:
+  NcclWork(std::string what, int peer, absl::Time deadline)
+      : what_(std::move(what)), peer_(peer), deadline_(deadline) {}
+  ~NcclWork() override {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+
+  absl::Status CreateEvent() {
+    return cuda::CudaStatus(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
+                            "cudaEventCreateWithFlags", __FILE__, __LINE__);
+  }
+  cudaEvent_t event() const { return event_; }
+
+  // Polls the event: true once the op finished (successfully or not).
+  bool Poll() {
+    if (IsCompleted()) return true;
+    cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return false;
+    Complete(cuda::CudaStatus(e, "cudaEventQuery", __FILE__, __LINE__));
+    return true;
+  }
+
+  absl::Status Wait(absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      if (Poll()) break;
+      absl::MutexLock lock(&mu_);
+      // Abort or the watchdog may complete the op while we sleep.
+      if (mu_.AwaitWithDeadline(absl::Condition(&done_),
+                                std::min(deadline, absl::Now() + kPollInterval))) {
+        break;
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            what_, ": not complete after ", absl::FormatDuration(timeout),
+            peer_ >= 0 ? absl::StrCat("; waiting for rank ", peer_) : "",
+            " (the op is still pending: wait again or Abort the communicator)"));
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+  bool IsCompleted() override {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+
+  void Complete(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (done_) return;
+    done_ = true;
+    status_ = std::move(status);
+  }
+
+  const std::string& what() const { return what_; }
+  int peer() const { return peer_; }
+  absl::Time deadline() const { return deadline_; }
+
+ private:
+  const std::string what_;
+  const int peer_;
+  const absl::Time deadline_;
+  cudaEvent_t event_ = nullptr;
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+std::shared_ptr<Work> Failed(std::string what, absl::Status status) {
+  auto w = std::make_shared<NcclWork>(std::move(what), -1, absl::InfiniteFuture());
+  w->Complete(std::move(status));
+  return w;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    Store& store, const NcclOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        options.label, ": rank ", options.rank, " is not in a group of size ", options.size));
+  }
+  const absl::Time deadline = absl::Now() + options.rendezvous_timeout;
+  BATON_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  BATON_RETURN_IF_ERROR(ArriveAll(store, options.rank, options.size, deadline, options.label));
+
+  ncclUniqueId id;
+  if (options.rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) return NcclError(r, nullptr, options.label + ": ncclGetUniqueId");
+    BATON_RETURN_IF_ERROR(store.Set(kUniqueIdKey, absl::string_view(id.internal, sizeof(id))));
+  } else {
+    absl::StatusOr<std::string> bytes =
+        store.Get(kUniqueIdKey, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!bytes.ok()) {
+      return absl::Status(bytes.status().code(),
+                          absl::StrCat(options.label, ": no NCCL unique id from rank 0: ",
+                                       bytes.status().message()));
+    }
+    if (bytes->size() != sizeof(id)) {
+      return absl::DataLossError(absl::StrCat(options.label, ": NCCL unique id has ",
+                                              bytes->size(), " bytes, want ", sizeof(id)));
+    }
+    std::memcpy(id.internal, bytes->data(), sizeof(id));
+  }
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, options.size, id, options.rank, &config);
+  while (r == ncclInProgress) {
+    if (absl::Now() > deadline) {
+      ncclCommAbort(comm);
+      return absl::DeadlineExceededError(absl::StrCat(
+          options.label, ": NCCL communicator of ", options.size,
+          " ranks not ready within the rendezvous timeout (all ranks had arrived; check the "
+          "network between them and NCCL_DEBUG=WARN output)"));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+    if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) break;
+  }
+  if (r != ncclSuccess) {
+    absl::Status s = NcclError(r, comm, absl::StrCat(options.label, ": ncclCommInitRankConfig"));
+    if (comm != nullptr) ncclCommAbort(comm);
+    return s;
+  }
+  cudaStream_t stream = nullptr;
+  void* barrier_word = nullptr;
+  absl::Status ready = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                        "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+  if (ready.ok()) {
+    ready = cuda::CudaStatus(cudaMalloc(&barrier_word, sizeof(float)), "cudaMalloc", __FILE__,
+                             __LINE__);
+  }
+  if (!ready.ok()) {
+    ncclCommAbort(comm);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    return ready;
+  }
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(options, comm, stream, barrier_word));
+}
+
+NcclCommunicator::NcclCommunicator(const NcclOptions& options, ncclComm_t comm,
+                                   cudaStream_t stream, void* barrier_word)
+    : options_(options),
+      barrier_word_(barrier_word),
+      comm_(comm),
+      stream_(stream),
+      watchdog_([this] { WatchdogLoop(); }) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  bool clean;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                  [](const std::shared_ptr<NcclWork>& w) { return w->Poll(); }),
+                   pending_.end());
+    clean = !aborted_ && pending_.empty();
+  }
+  watchdog_.join();
+  if (clean) {
+    // Flush and free a healthy communicator; abort it if that hangs.
+    absl::MutexLock lock(&mu_);
+    cudaSetDevice(options_.device);
+    ncclResult_t r = AwaitReady(ncclCommFinalize(comm_), absl::Now() + absl::Seconds(10));
+    if (r == ncclSuccess) {
+      ncclCommDestroy(comm_);
+      aborted_ = true;  // the handle is gone
+    }
+  }
+  Abort("communicator destroyed");
+  absl::MutexLock lock(&mu_);
+  cudaStreamDestroy(stream_);
+  cudaFree(barrier_word_);
+}
+
+ncclResult_t NcclCommunicator::AwaitReady(ncclResult_t result, absl::Time deadline) {
+  while (result == ncclInProgress) {
+    if (abort_requested_.load() || absl::Now() > deadline) return ncclInProgress;
+    absl::SleepFor(kPollInterval);
+    if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) return ncclInternalError;
+  }
+  return result;
+}
+
+absl::Status NcclCommunicator::CheckDevice(const Buffer& b, absl::string_view what) const {
+  if (b.device != options_.device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the NCCL backend takes memory on CUDA device ", options_.device, ", buffer is ",
+        b.device < 0 ? std::string("host memory") : absl::StrCat("on device ", b.device)));
+  }
+  if (b.count < 0 || (b.count > 0 && b.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": invalid buffer (count ", b.count, ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<Work> NcclCommunicator::Issue(std::string what, int peer,
+                                              const std::function<ncclResult_t()>& launch) {
+  what = absl::StrCat(what, " on rank ", options_.rank, " of ", options_.label);
+  const absl::Time deadline = absl::Now() + options_.op_timeout;
+  auto work = std::make_shared<NcclWork>(what, peer, deadline);
+  absl::Status created = work->CreateEvent();
+  if (!created.ok()) return Failed(what, created);
+  absl::Status failure;
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_) {
+      work->Complete(absl::AbortedError(
+          absl::StrCat(what, ": communicator was aborted (", abort_status_.message(), ")")));
+      return work;
+    }
+    cudaSetDevice(options_.device);
+    ncclResult_t r = AwaitReady(launch(), deadline);
+    if (r == ncclInProgress && abort_requested_.load()) {
+      failure = absl::AbortedError(absl::StrCat(what, ": aborted while NCCL was accepting it"));
+    } else if (r == ncclInProgress) {
+      failure = absl::DeadlineExceededError(absl::StrCat(
+          what, ": NCCL did not accept the op within op_timeout",
+          peer >= 0 ? absl::StrCat("; waiting for rank ", peer) : ""));
+    } else if (r != ncclSuccess) {
+      failure = NcclError(r, comm_, what);
+    } else {
+      failure = cuda::CudaStatus(cudaEventRecord(work->event(), stream_), "cudaEventRecord",
+                                 __FILE__, __LINE__);
+    }
+    if (failure.ok()) {
+      pending_.push_back(work);
+      return work;
+    }
+  }
+  // An NCCL error leaves the communicator unusable.
+  AbortWith(absl::AbortedError(absl::StrCat(options_.label, ": aborted because ", what,
+                                            " failed: ", failure.message())),
+            work.get(), failure);
+  work->Complete(failure);
+  return work;
+}
+
+std::shared_ptr<Work> NcclCommunicator::Send(Buffer buf, int peer, uint64_t tag) {
+  std::string what = absl::StrCat("Send to rank ", peer, " (tag ", tag, ", ", buf.bytes(), " B)");
+  absl::Status valid = CheckDevice(buf, what);
+  if (valid.ok() && (peer < 0 || peer >= options_.size || peer == options_.rank)) {
+    valid = absl::InvalidArgumentError(absl::StrCat(what, ": peer must be another rank"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), peer, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    r = ncclSend(buf.data, buf.count, NcclType(buf.dtype), peer, comm_, stream_);
+    ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::Recv(Buffer buf, int peer, uint64_t tag) {
+  std::string what =
+      absl::StrCat("Recv from rank ", peer, " (tag ", tag, ", ", buf.bytes(), " B)");
+  absl::Status valid = CheckDevice(buf, what);
+  if (valid.ok() && (peer < 0 || peer >= options_.size || peer == options_.rank)) {
+    valid = absl::InvalidArgumentError(absl::StrCat(what, ": peer must be another rank"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), peer, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    r = ncclRecv(buf.data, buf.count, NcclType(buf.dtype), peer, comm_, stream_);
+    ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::AllReduceSum(Buffer buf) {
+  std::string what = absl::StrCat("AllReduceSum(", buf.count, " elements)");
+  absl::Status valid = CheckDevice(buf, what);
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return ncclAllReduce(buf.data, buf.data, buf.count, NcclType(buf.dtype), ncclSum, comm_,
+                         stream_);
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::AllGather(Buffer in, Buffer out) {
+  std::string what = absl::StrCat("AllGather(", in.count, " elements per rank)");
+  absl::Status valid = CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  if (valid.ok() && (out.count != in.count * options_.size || out.dtype != in.dtype)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return ncclAllGather(in.data, out.data, in.count, NcclType(in.dtype), comm_, stream_);
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::ReduceScatterSum(Buffer in, Buffer out) {
+  std::string what = absl::StrCat("ReduceScatterSum(", out.count, " elements per rank)");
+  absl::Status valid = CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  if (valid.ok() && (in.count != out.count * options_.size || out.dtype != in.dtype)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return ncclReduceScatter(in.data, out.data, out.count, NcclType(in.dtype), ncclSum, comm_,
+                             stream_);
+  });
+}
+
+std::shared_ptr<Work> NcclCommunicator::Broadcast(Buffer buf, int root) {
+  std::string what = absl::StrCat("Broadcast(", buf.count, " elements from rank ", root, ")");
+  absl::Status valid = CheckDevice(buf, what);
+  if (valid.ok() && (root < 0 || root >= options_.size)) {
+    valid = absl::InvalidArgumentError(absl::StrCat(what, ": no such root"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return Issue(std::move(what), root == options_.rank ? -1 : root,
+               [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                 return ncclBroadcast(buf.data, buf.data, buf.count, NcclType(buf.dtype), root,
+                                      comm_, stream_);
+               });
+}
+
+std::shared_ptr<Work> NcclCommunicator::Barrier() {
+  return Issue("Barrier", -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, stream_);
+  });
+}
+
+void NcclCommunicator::Abort(absl::string_view reason) {
+  const absl::Status status =
+      absl::AbortedError(absl::StrCat(options_.label, ": aborted: ", reason));
+  AbortWith(status, nullptr, status);
+}
+
+void NcclCommunicator::AbortWith(absl::Status status, const NcclWork* culprit,
+                                 absl::Status culprit_status) {
+  abort_requested_.store(true);  // an Issue polling under mu_ lets go
+  std::vector<std::shared_ptr<NcclWork>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_) return;
+    aborted_ = true;
+    abort_status_ = status;
+    pending.swap(pending_);
+    cudaSetDevice(options_.device);
+    ncclCommAbort(comm_);  // kills in-flight kernels; no buffer is touched after
+  }
+  for (const std::shared_ptr<NcclWork>& work : pending) {
+    work->Complete(work.get() == culprit
+                       ? culprit_status
+                       : absl::Status(status.code(),
+                                      absl::StrCat(work->what(), ": ", status.message())));
+  }
+}
+
+void NcclCommunicator::WatchdogLoop() {
+  const absl::Duration period =
+      std::clamp(options_.op_timeout / 10, absl::Milliseconds(1), absl::Milliseconds(10));
+  cudaSetDevice(options_.device);  // events and NCCL calls of this thread
+  for (;;) {
+    absl::Status error;
+    std::shared_ptr<NcclWork> culprit;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
+      if (aborted_) continue;
+      ncclResult_t async = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+      if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+        error = NcclError(r != ncclSuccess ? r : async, comm_,
+                          absl::StrCat(options_.label, ": asynchronous NCCL error"));
+      }
+      const absl::Time now = absl::Now();
+      std::vector<std::shared_ptr<NcclWork>> still;
+      for (std::shared_ptr<NcclWork>& work : pending_) {
+        if (work->Poll()) continue;  // done: drop it
+        if (error.ok() && culprit == nullptr && work->deadline() < now) culprit = work;
+        still.push_back(std::move(work));
+      }
+      pending_.swap(still);
+    }
+    if (!error.ok()) {
+      AbortWith(absl::UnavailableError(error.message()), nullptr, absl::OkStatus());
+    } else if (culprit != nullptr) {
+      std::string why = absl::StrCat(
+          culprit->what(), " did not complete within op_timeout ",
+          absl::FormatDuration(options_.op_timeout),
+          culprit->peer() >= 0 ? absl::StrCat("; waiting for rank ", culprit->peer()) : "");
+      AbortWith(absl::AbortedError(absl::StrCat(options_.label, ": aborted by the watchdog: ", why)),
+                culprit.get(), absl::DeadlineExceededError(absl::StrCat(why, "; communicator aborted")));
+    }
+  }
+}
+
+}  // namespace baton::comm

@@ -1,0 +1,109 @@
+// NcclCommunicator: the GPU backend of Communicator over NCCL. Buffers are
+// device memory on `device`; every op runs on one CUDA stream owned by the
+// communicator, in call order.
+//
+// Rendezvous: all ranks announce themselves in the Store (so a missing rank
+// is named), rank 0 creates the NCCL unique id and publishes it under
+// "nccl/unique_id", and every rank joins with ncclCommInitRankConfig in
+// non-blocking mode (blocking = 0), polled until ready or the rendezvous
+// deadline.
+//
+// Point-to-point ops each run in a ncclGroupStart/End; NCCL matches them by
+// issue order per peer, not by tag, so both sides must post their sends and
+// receives to one peer in the same order (the schedule's lowering does).
+//
+// Failure semantics (as in gloo_communicator.h): Wait(timeout) that expires
+// returns DEADLINE_EXCEEDED naming the op (and peer); a watchdog thread
+// polls ncclCommGetAsyncError and each op's age, and on an NCCL error or an
+// op older than `op_timeout` it calls ncclCommAbort and fails every pending
+// op. Abort() does the same at once; later ops fail fast.
+//
+// Thread-safe.
+#ifndef BATON_WORKER_COMM_NCCL_COMMUNICATOR_H_
+#define BATON_WORKER_COMM_NCCL_COMMUNICATOR_H_
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/store.h"
+
+namespace baton::comm {
+
+struct NcclOptions {
+  int rank = 0;
+  int size = 1;
+  int device = 0;  // CUDA device ordinal this rank's buffers live on
+  std::string label = "nccl";
+  absl::Duration rendezvous_timeout = absl::Seconds(60);
+  absl::Duration op_timeout = absl::Minutes(5);
+};
+
+class NcclWork;
+
+class NcclCommunicator : public Communicator {
+ public:
+  // `store` is scoped to this group and generation; only used during Create.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(Store& store,
+                                                                  const NcclOptions& options);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+  std::string backend() const override { return "nccl"; }
+
+  std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override;
+  std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override;
+  std::shared_ptr<Work> AllReduceSum(Buffer buf) override;
+  std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override;
+  std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
+  std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
+  std::shared_ptr<Work> Barrier() override;
+  void Abort(absl::string_view reason) override;
+
+ private:
+  NcclCommunicator(const NcclOptions& options, ncclComm_t comm, cudaStream_t stream,
+                   void* barrier_word);
+
+  // Runs `launch` (NCCL calls on stream_) and records the op's completion
+  // event; `peer` is -1 for collectives.
+  std::shared_ptr<Work> Issue(std::string what, int peer,
+                              const std::function<ncclResult_t()>& launch);
+  // Polls a non-blocking communicator until it leaves ncclInProgress, an
+  // abort is requested or `deadline` passes.
+  ncclResult_t AwaitReady(ncclResult_t result, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckDevice(const Buffer& b, absl::string_view what) const;
+  void AbortWith(absl::Status status, const NcclWork* culprit, absl::Status culprit_status);
+  void WatchdogLoop();
+
+  const NcclOptions options_;
+  void* const barrier_word_;  // one device float Barrier all-reduces
+
+  // Serializes NCCL calls on comm_ and its teardown.
+  absl::Mutex mu_;
+  ncclComm_t comm_ ABSL_GUARDED_BY(mu_);
+  cudaStream_t stream_ ABSL_GUARDED_BY(mu_);
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::shared_ptr<NcclWork>> pending_ ABSL_GUARDED_BY(mu_);
+  // Lets Abort() and the watchdog cut short a poll that holds mu_.
+  std::atomic<bool> abort_requested_{false};
+  std::thread watchdog_;
+};
+
+}  // namespace baton::comm
+
+#endif  // BATON_WORKER_COMM_NCCL_COMMUNICATOR_H_

@@ -1,0 +1,158 @@
+// GPU tests (tag `gpu`) of the NCCL backend: a one-rank communicator and the
+// device paths on one GPU; send/recv and multi-rank collectives when the
+// machine has two or more GPUs. Run with: bazel test //worker/comm:nccl_communicator_test
+#include "worker/comm/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_status.h"
+#include "worker/comm/communicator_factory.h"
+#include "worker/comm/store.h"
+
+namespace baton::comm {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(60);
+
+class NcclCommunicatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::Status s = cuda::CudaDeviceCount(&gpus_);
+    ASSERT_TRUE(s.ok()) << "this test needs a GPU: " << s;
+  }
+
+  // Device copy of `host`; freed at TearDown.
+  float* ToDevice(const std::vector<float>& host) {
+    float* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, host.size() * sizeof(float)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    allocations_.push_back(d);
+    return d;
+  }
+  std::vector<float> ToHost(const float* d, size_t n) {
+    std::vector<float> host(n);
+    EXPECT_EQ(cudaMemcpy(host.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+  void TearDown() override {
+    for (float* d : allocations_) cudaFree(d);
+  }
+
+  int gpus_ = 0;
+  std::vector<float*> allocations_;
+};
+
+std::unique_ptr<Communicator> OneRank(Store& store, const std::string& group) {
+  CommunicatorSpec spec;
+  spec.group = group;
+  spec.generation = 1;
+  spec.backend = Backend::kNccl;
+  spec.device = 0;
+  spec.rendezvous_timeout = absl::Seconds(30);
+  auto c = CreateCommunicator(store, spec);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+TEST_F(NcclCommunicatorTest, OneRankCollectivesOnDeviceMemory) {
+  InMemoryStore store;
+  auto comm = OneRank(store, "one");
+  ASSERT_NE(comm, nullptr);
+  EXPECT_EQ(comm->backend(), "nccl");
+  const int64_t n = 1000003;
+  std::vector<float> x(n);
+  std::iota(x.begin(), x.end(), 0.25f);
+  float* d = ToDevice(x);
+  ASSERT_TRUE(comm->AllReduceSum(Buffer{d, n, DType::kFloat32, 0})->Wait(kWait).ok());
+  EXPECT_EQ(ToHost(d, n), x) << "a one-rank sum is the input";
+
+  float* out = ToDevice(std::vector<float>(n, -1));
+  ASSERT_TRUE(comm->AllGather(Buffer{d, n, DType::kFloat32, 0}, Buffer{out, n, DType::kFloat32, 0})
+                  ->Wait(kWait).ok());
+  EXPECT_EQ(ToHost(out, n), x);
+  float* rs = ToDevice(std::vector<float>(n, -1));
+  ASSERT_TRUE(comm->ReduceScatterSum(Buffer{d, n, DType::kFloat32, 0}, Buffer{rs, n, DType::kFloat32, 0})
+                  ->Wait(kWait).ok());
+  EXPECT_EQ(ToHost(rs, n), x);
+  ASSERT_TRUE(comm->Broadcast(Buffer{d, n, DType::kFloat32, 0}, 0)->Wait(kWait).ok());
+  EXPECT_TRUE(comm->Barrier()->Wait(kWait).ok());
+  EXPECT_EQ(store.Keys().size(), 2u) << "arrived/0 and nccl/unique_id";
+}
+
+TEST_F(NcclCommunicatorTest, HostBuffersAndOtherDevicesAreRejected) {
+  InMemoryStore store;
+  auto comm = OneRank(store, "reject");
+  ASSERT_NE(comm, nullptr);
+  std::vector<float> host(4);
+  absl::Status s = comm->AllReduceSum(Buffer::Host(host.data(), 4))->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("host memory"), absl::string_view::npos) << s;
+}
+
+TEST_F(NcclCommunicatorTest, AbortMakesLaterOpsFailFast) {
+  InMemoryStore store;
+  auto comm = OneRank(store, "abort");
+  ASSERT_NE(comm, nullptr);
+  float* d = ToDevice(std::vector<float>(16, 1));
+  comm->Abort("test");
+  const absl::Time start = absl::Now();
+  absl::Status s = comm->AllReduceSum(Buffer{d, 16, DType::kFloat32, 0})->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST_F(NcclCommunicatorTest, MissingRankIsNamedBeforeNcclInit) {
+  InMemoryStore store;
+  CommunicatorSpec spec;
+  spec.group = "absent";
+  spec.backend = Backend::kNccl;
+  spec.device = 0;
+  spec.size = 2;
+  spec.rendezvous_timeout = absl::Milliseconds(500);
+  auto c = CreateCommunicator(store, spec);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(c.status().message().find("rank(s) 1 of 2"), absl::string_view::npos) << c.status();
+}
+
+TEST_F(NcclCommunicatorTest, TwoGpusSendRecvAndAllReduce) {
+  if (gpus_ < 2) GTEST_SKIP() << "needs two GPUs";
+  InMemoryStore store;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      CommunicatorSpec spec;
+      spec.group = "pair";
+      spec.backend = Backend::kNccl;
+      spec.rank = r;
+      spec.size = 2;
+      spec.device = r;
+      auto c = CreateCommunicator(store, spec);
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      const int64_t n = (1 << 20) + 3;
+      float* d = nullptr;
+      ASSERT_EQ(cudaMalloc(&d, n * sizeof(float)), cudaSuccess);
+      std::vector<float> x(n, static_cast<float>(r + 1));
+      ASSERT_EQ(cudaMemcpy(d, x.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE((*c)->AllReduceSum(Buffer{d, n, DType::kFloat32, r})->Wait(kWait).ok());
+      std::vector<float> got(n);
+      ASSERT_EQ(cudaMemcpy(got.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(got[n - 1], 3.0f);
+      auto w = r == 0 ? (*c)->Send(Buffer{d, n, DType::kFloat32, 0}, 1, 0)
+                      : (*c)->Recv(Buffer{d, n, DType::kFloat32, 1}, 0, 0);
+      ASSERT_TRUE(w->Wait(kWait).ok());
+      cudaFree(d);
+    });
+  }
+  for (auto& t : ranks) t.join();
+}
+
+}  // namespace
+}  // namespace baton::comm
