@@ -44,8 +44,8 @@ void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64
   const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1);
   Require(out.numel() == b * t * c && (!wpe.defined() || (wpe.dim(0) >= t && wpe.dim(1) == c)),
           "Embedding", "shape mismatch");
-  cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), vocab_begin, wte.dim(0),
-                        F32OrNull(wpe), b, t, c);
+  cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), vocab_begin, wte.dim(0), F32OrNull(wpe),
+                        b, t, c);
 }
 
 void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
@@ -172,8 +172,7 @@ double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, 
 void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets,
                               int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
                               const Tensor& target_logit) {
-  RequireCpu("ShardedCrossEntropyStats",
-             {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
+  RequireCpu("ShardedCrossEntropyStats", {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
   const int64_t n = targets.numel(), v = logits_to_exp.numel() / n;
   Require(logits_to_exp.numel() == n * v && row_max.numel() == n && lse.numel() == n &&
               target_logit.numel() == n,
@@ -183,9 +182,8 @@ void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets
 }
 
 double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
-                                 int64_t vocab_begin, const Tensor& row_max,
-                                 const Tensor& lse_all, const Tensor& target_logit,
-                                 float grad_scale) {
+                                 int64_t vocab_begin, const Tensor& row_max, const Tensor& lse_all,
+                                 const Tensor& target_logit, float grad_scale) {
   RequireCpu("ShardedCrossEntropyFinish",
              {&exp_to_grad, &targets, &row_max, &lse_all, &target_logit});
   const int64_t n = targets.numel(), v = exp_to_grad.numel() / n, shards = lse_all.numel() / n;

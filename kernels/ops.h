@@ -67,9 +67,8 @@ void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets
                               int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
                               const Tensor& target_logit);
 double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
-                                 int64_t vocab_begin, const Tensor& row_max,
-                                 const Tensor& lse_all, const Tensor& target_logit,
-                                 float grad_scale);
+                                 int64_t vocab_begin, const Tensor& row_max, const Tensor& lse_all,
+                                 const Tensor& target_logit, float grad_scale);
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale);

@@ -39,8 +39,8 @@ double SoftmaxCrossEntropy(float* logits_to_grad, const int32_t* targets, int64_
 }
 
 void ShardedCrossEntropyStats(float* logits_to_exp, const int32_t* targets, int64_t rows,
-                              int64_t vocab_begin, int64_t vocab_cols, float* row_max,
-                              float* lse, float* target_logit) {
+                              int64_t vocab_begin, int64_t vocab_cols, float* row_max, float* lse,
+                              float* target_logit) {
   for (int64_t n = 0; n < rows; ++n) {
     float* z = logits_to_exp + n * vocab_cols;
     const int64_t col = targets[n] - vocab_begin;
@@ -55,8 +55,8 @@ void ShardedCrossEntropyStats(float* logits_to_exp, const int32_t* targets, int6
 
 double ShardedCrossEntropyFinish(float* exp_to_grad, const int32_t* targets, int64_t rows,
                                  int64_t vocab_begin, int64_t vocab_cols, const float* row_max,
-                                 const float* lse_all, int64_t shards,
-                                 const float* target_logit, float grad_scale) {
+                                 const float* lse_all, int64_t shards, const float* target_logit,
+                                 float grad_scale) {
   double total = 0.0;
   for (int64_t n = 0; n < rows; ++n) {
     double max = lse_all[n];

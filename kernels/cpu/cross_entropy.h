@@ -22,8 +22,8 @@ double SoftmaxCrossEntropy(float* logits_to_grad, const int32_t* targets, int64_
 // row_max[n] = m, lse[n] = m + log Σ exp(z − m) (the shard's log-sum-exp),
 // target_logit[n] = z[target] if this shard holds the target, else 0.
 void ShardedCrossEntropyStats(float* logits_to_exp, const int32_t* targets, int64_t rows,
-                              int64_t vocab_begin, int64_t vocab_cols, float* row_max,
-                              float* lse, float* target_logit);
+                              int64_t vocab_begin, int64_t vocab_cols, float* row_max, float* lse,
+                              float* target_logit);
 
 // Between the steps the ranks all-gather `lse` into lse_all [shards, rows]
 // (rank-major) and all-reduce-sum `target_logit` (one rank holds each).
@@ -35,8 +35,8 @@ void ShardedCrossEntropyStats(float* logits_to_exp, const int32_t* targets, int6
 // Returns Σ_n loss[n] in row order.
 double ShardedCrossEntropyFinish(float* exp_to_grad, const int32_t* targets, int64_t rows,
                                  int64_t vocab_begin, int64_t vocab_cols, const float* row_max,
-                                 const float* lse_all, int64_t shards,
-                                 const float* target_logit, float grad_scale);
+                                 const float* lse_all, int64_t shards, const float* target_logit,
+                                 float grad_scale);
 
 }  // namespace baton::kernels::cpu
 

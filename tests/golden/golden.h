@@ -31,9 +31,11 @@ struct Comparison {
   double rel_error = 0;
 };
 
-// Runs the model at (tp, pp) and compares. Errors: a layout the config does
-// not allow, or a golden whose parameters do not match the model's.
-absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, int tp, int pp);
+// Runs the model at (tp, pp), optionally with the vocabulary-parallel
+// embedding and head, and compares. Errors: a layout the config does not
+// allow, or a golden whose parameters do not match the model's.
+absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, int tp, int pp,
+                                                          bool vocab_parallel);
 
 }  // namespace baton::golden
 

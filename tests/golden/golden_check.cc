@@ -1,6 +1,7 @@
 // golden_check: compares baton's GPT with a PyTorch golden file.
 //
 //   golden_check --golden=tests/golden/gpt_a.safetensors [--tp=2] [--pp=2]
+//                [--vocab_parallel]
 //
 // Prints the relative error of the loss and of every gradient; exits 0 only
 // when every one is within --tolerance (1e-4), 1 when one is not, 2 when the
@@ -16,6 +17,7 @@
 ABSL_FLAG(std::string, golden, "", "golden safetensors file from gen_golden.py");
 ABSL_FLAG(int, tp, 1, "tensor-parallel ranks");
 ABSL_FLAG(int, pp, 1, "pipeline stages");
+ABSL_FLAG(bool, vocab_parallel, false, "split the embedding and LM head by vocabulary over tp");
 ABSL_FLAG(double, tolerance, 1e-4, "largest relative error accepted");
 
 int main(int argc, char** argv) {
@@ -34,7 +36,8 @@ int main(int argc, char** argv) {
                  std::string(golden.status().message()).c_str());
     return 2;
   }
-  auto result = baton::golden::CompareWithGolden(*golden, tp, pp);
+  const bool vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
+  auto result = baton::golden::CompareWithGolden(*golden, tp, pp, vocab_parallel);
   if (!result.ok()) {
     std::fprintf(stderr, "golden_check: tp=%d pp=%d: %s\n", tp, pp,
                  std::string(result.status().message()).c_str());
@@ -43,7 +46,8 @@ int main(int argc, char** argv) {
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   int bad = 0;
   double worst = 0;
-  std::printf("golden %s  tp=%d pp=%d\n", path.c_str(), tp, pp);
+  std::printf("golden %s  tp=%d pp=%d%s\n", path.c_str(), tp, pp,
+              vocab_parallel ? " vocab_parallel" : "");
   for (const auto& c : *result) {
     const bool ok = c.rel_error <= tolerance;
     bad += ok ? 0 : 1;

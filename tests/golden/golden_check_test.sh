@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# Runs golden_check on every golden at TP 1/2 × PP 1/2; fails if any layout
-# differs from PyTorch by more than 1e-4.
+# Runs golden_check on every golden at TP 1/2 × PP 1/2, and on the goldens
+# listed after --vocab_parallel also at TP 2 × PP 1/2 with the vocabulary-
+# parallel embedding and head; fails if any run differs from PyTorch by more
+# than 1e-4.
+#   golden_check_test.sh CHECK GOLDEN... [--vocab_parallel GOLDEN...]
 set -u
 check=$1
 shift
 failed=0
+run() {
+  if ! "$check" "$@" | tail -1; then
+    echo "FAILED: $*"
+    failed=1
+  fi
+}
+vocab_parallel=0
 for golden in "$@"; do
-  for tp in 1 2; do
-    for pp in 1 2; do
-      if ! "$check" --golden="$golden" --tp="$tp" --pp="$pp" | tail -1; then
-        echo "FAILED: $golden tp=$tp pp=$pp"
-        failed=1
-      fi
+  if [[ "$golden" == --vocab_parallel ]]; then
+    vocab_parallel=1
+    continue
+  fi
+  if ((vocab_parallel)); then
+    for pp in 1 2; do run --golden="$golden" --tp=2 --pp="$pp" --vocab_parallel; done
+  else
+    for tp in 1 2; do
+      for pp in 1 2; do run --golden="$golden" --tp="$tp" --pp="$pp"; done
     done
-  done
+  fi
 done
 exit "$failed"

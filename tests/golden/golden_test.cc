@@ -75,7 +75,7 @@ class GoldenTest : public ::testing::Test {
 TEST_F(GoldenTest, AWrongGradientIsReportedAgainstItsName) {
   Golden golden = Load();
   golden.grads["h.1.mlp.c_fc.weight"][5] += 1e-3;
-  auto result = CompareWithGolden(golden, /*tp=*/2, /*pp=*/2);
+  auto result = CompareWithGolden(golden, /*tp=*/2, /*pp=*/2, /*vocab_parallel=*/true);
   ASSERT_TRUE(result.ok()) << result.status();
   for (const Comparison& c : *result) {
     if (c.name == "h.1.mlp.c_fc.weight") {
@@ -89,10 +89,11 @@ TEST_F(GoldenTest, AWrongGradientIsReportedAgainstItsName) {
 TEST_F(GoldenTest, AGoldenForAnotherModelIsAnError) {
   Golden golden = Load();
   golden.params.erase("ln_f.bias");
-  EXPECT_EQ(CompareWithGolden(golden, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CompareWithGolden(golden, 1, 1, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
   golden = Load();
   // 4 heads cannot be split over 3 ranks.
-  auto result = CompareWithGolden(golden, /*tp=*/3, 1);
+  auto result = CompareWithGolden(golden, /*tp=*/3, 1, false);
   EXPECT_NE(result.status().message().find("parallel.tp"), absl::string_view::npos)
       << result.status();
 }

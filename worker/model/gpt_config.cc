@@ -85,6 +85,11 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
     return Invalid("parallel.tp", c.tp_size,
                    absl::StrCat("must divide 4 * model.d_model = ", c.model.ffn_dim()));
   }
+  if (c.vocab_parallel && c.model.vocab % c.tp_size != 0) {
+    return Invalid("model.vocab", c.model.vocab,
+                   absl::StrCat("must be divisible by parallel.tp = ", c.tp_size,
+                                " for a vocabulary-parallel embedding"));
+  }
   if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
     return Invalid("tp_rank", c.tp_rank, absl::StrCat("outside [0, ", c.tp_size, ")"));
   }

@@ -51,6 +51,10 @@ struct StageConfig {
   // Microbatches per step: the loss is the mean over all of them, so each
   // microbatch's gradient is scaled by 1 / (tokens · microbatches).
   int microbatches = 1;
+  // Shards the token embedding and the tied LM head by vocabulary rows over
+  // the TP group (needs model.vocab divisible by tp) instead of replicating
+  // them; the loss then takes a two-step sharded cross-entropy.
+  bool vocab_parallel = false;
   uint64_t seed = 0;  // weight initialisation
   absl::Duration comm_timeout = absl::Minutes(5);
 

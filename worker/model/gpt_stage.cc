@@ -75,8 +75,15 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     s.weight_decay = decay;
     specs.push_back(std::move(s));
   };
+  auto token_embedding = [&] {
+    if (config.vocab_parallel) {
+      sharded("wte", {m.vocab, c}, ShardSpec::Rows(m.vocab, c), InitKind::kNormal, kInitStd, true);
+    } else {
+      replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
+    }
+  };
   if (config.is_first()) {
-    replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
+    token_embedding();
     replicated("wpe", {m.seq_len, c}, InitKind::kNormal, kInitStd, true);
   }
   // GPT-2 scales the init of the projections into the residual stream.
@@ -105,7 +112,7 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     replicated("ln_f.bias", {c}, InitKind::kZeros, 0, false);
     if (!config.is_first()) {
       // The head's copy of the tied embedding; the first stage counts it.
-      replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
+      token_embedding();
       specs.back().counts_in_norm = false;
     }
   }
@@ -131,7 +138,11 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
 
 GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group,
                    std::vector<ParameterSpec> specs)
-    : config_(config), tp_(tp_group), params_(std::move(specs), config.tp_rank, config.tp_size) {
+    : config_(config),
+      tp_(tp_group),
+      params_(std::move(specs), config.tp_rank, config.tp_size),
+      vocab_parallel_(config.vocab_parallel && config.tp_size > 1),
+      vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0) {
   BindParameters();
 }
 
@@ -162,13 +173,20 @@ void GptStage::BindParameters() {
   }
 }
 
-absl::Status GptStage::AllReduceTp(const Tensor& t, int block, const char* what) {
+absl::Status GptStage::AllReduceTp(const Tensor& t, const char* what, int block) {
   if (config_.tp_size == 1) return absl::OkStatus();
   const absl::Status status =
       tp_->AllReduceSum(comm::Buffer::Host(t.f32(), t.numel()))->Wait(config_.comm_timeout);
   if (status.ok()) return status;
-  return WithContext(status,
-                     absl::StrCat("tensor-parallel all-reduce of ", what, " in block ", block));
+  return WithContext(status, absl::StrCat("tensor-parallel all-reduce of ", what,
+                                          block >= 0 ? absl::StrCat(" in block ", block) : ""));
+}
+
+absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const char* what) {
+  const absl::Status status = tp_->AllGather(comm::Buffer::Host(in.f32(), in.numel()),
+                                             comm::Buffer::Host(out.f32(), out.numel()))
+                                  ->Wait(config_.comm_timeout);
+  return WithContext(status, absl::StrCat("tensor-parallel all-gather of ", what));
 }
 
 absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output, int64_t* batch,
@@ -178,9 +196,9 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
   const int want_dims = config_.is_first() ? 2 : 3;
   if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(shaped_name, ": missing, or not a host tensor [batch, seq",
-                     config_.is_first() ? "]" : ", d_model]"));
+    return absl::InvalidArgumentError(absl::StrCat(shaped_name,
+                                                   ": missing, or not a host tensor [batch, seq",
+                                                   config_.is_first() ? "]" : ", d_model]"));
   }
   *batch = shaped.dim(0);
   *seq = shaped.dim(1);
@@ -237,16 +255,39 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
     state = std::move(free_.back());
     free_.pop_back();
   }
-  Microbatch& s = *state;
-  s.batch = batch;
-  s.seq = seq;
-  s.backward_input_done = false;
-  const int64_t n = batch * seq, c = config_.model.d_model;
+  state->batch = batch;
+  state->seq = seq;
+  state->backward_input_done = false;
+  double loss_sum = 0.0;
+  const absl::Status status = RunForward(*state, inputs, output, &loss_sum);
+  if (!status.ok()) {
+    state->arena.Reset();
+    free_.push_back(std::move(state));
+    return WithContext(status, absl::StrCat("Forward(", mb, ")"));
+  }
+  if (config_.is_last()) {
+    loss_sum_ += loss_sum;
+    loss_tokens_ += batch * seq;
+  }
+  in_flight_[mb] = std::move(state);
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, const Tensor& output,
+                                  double* loss_sum) {
+  const int64_t n = s.batch * s.seq, c = config_.model.d_model;
   kernels::Arena& arena = s.arena;
   if (config_.is_first()) {
-    s.tokens = Copy(arena, inputs.tokens, {batch, seq});
+    s.tokens = Copy(arena, inputs.tokens, {s.batch, s.seq});
     s.x0 = arena.Allocate({n, c});
-    kernels::Embedding(s.x0, s.tokens, wte_->value, 0, wpe_->value);
+    // With a vocabulary-parallel table each rank embeds the tokens it holds,
+    // rank 0 adds the positions, and the all-reduce assembles the whole.
+    const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
+    kernels::Embedding(s.x0, s.tokens, wte_->value, vocab_begin_,
+                       add_positions ? wpe_->value : Tensor());
+    if (vocab_parallel_) {
+      BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
+    }
   } else {
     s.x0 = Copy(arena, inputs.activations, {n, c});
   }
@@ -255,29 +296,32 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   Tensor x = s.x0;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     s.blocks[i].x_in = x;
-    absl::Status status = BlockForward(blocks_[i], s, s.blocks[i]);
-    if (!status.ok()) {
-      s.arena.Reset();
-      free_.push_back(std::move(state));
-      return WithContext(status, absl::StrCat("Forward(", mb, ")"));
-    }
+    BATON_RETURN_IF_ERROR(BlockForward(blocks_[i], s, s.blocks[i]));
     x = s.blocks[i].x_out;
   }
-  if (config_.is_last()) {
-    const int64_t v = config_.model.vocab;
-    s.xf = arena.Allocate({n, c});
-    s.meanf = arena.Allocate({n});
-    s.rstdf = arena.Allocate({n});
-    kernels::LayerNorm(s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
-    s.dlogits = arena.Allocate({n, v});
-    kernels::Linear(s.dlogits, s.xf, wte_->value, Tensor());
-    const float grad_scale = 1.0f / static_cast<float>(n * config_.microbatches);
-    loss_sum_ += kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
-    loss_tokens_ += n;
-  } else {
+  if (!config_.is_last()) {
     std::memcpy(output.raw(), x.raw(), x.bytes());
+    return absl::OkStatus();
   }
-  in_flight_[mb] = std::move(state);
+  s.xf = arena.Allocate({n, c});
+  s.meanf = arena.Allocate({n});
+  s.rstdf = arena.Allocate({n});
+  kernels::LayerNorm(s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
+  s.dlogits = arena.Allocate({n, wte_->value.dim(0)});  // this rank's vocabulary columns
+  kernels::Linear(s.dlogits, s.xf, wte_->value, Tensor());
+  const float grad_scale = 1.0f / static_cast<float>(n * config_.microbatches);
+  if (!vocab_parallel_) {
+    *loss_sum = kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
+    return absl::OkStatus();
+  }
+  Tensor row_max = arena.Allocate({n}), lse = arena.Allocate({n});
+  Tensor target_logit = arena.Allocate({n});
+  Tensor lse_all = arena.Allocate({config_.tp_size, n});
+  kernels::ShardedCrossEntropyStats(s.dlogits, s.targets, vocab_begin_, row_max, lse, target_logit);
+  BATON_RETURN_IF_ERROR(AllGatherTp(lse, lse_all, "the vocabulary-shard log-sum-exps"));
+  BATON_RETURN_IF_ERROR(AllReduceTp(target_logit, "the target logits", -1));
+  *loss_sum = kernels::ShardedCrossEntropyFinish(s.dlogits, s.targets, vocab_begin_, row_max,
+                                                 lse_all, target_logit, grad_scale);
   return absl::OkStatus();
 }
 
@@ -298,7 +342,7 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   kernels::Attention(a.y, a.att, a.qkv, heads);
   Tensor attn_out = arena.Allocate({n, c});
   kernels::Linear(attn_out, a.y, b.proj_w->value, Tensor());
-  BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, b.index, "the attention output"));
+  BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
   kernels::AddBias(attn_out, b.proj_b->value);
   a.x_mid = arena.Allocate({n, c});
   kernels::Residual(a.x_mid, a.x_in, attn_out);
@@ -313,7 +357,7 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   kernels::Gelu(a.g, a.h);
   Tensor mlp_out = arena.Allocate({n, c});
   kernels::Linear(mlp_out, a.g, b.fc2_w->value, Tensor());
-  BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, b.index, "the MLP output"));
+  BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
   kernels::AddBias(mlp_out, b.fc2_b->value);
   a.x_out = arena.Allocate({n, c});
   kernels::Residual(a.x_out, a.x_mid, mlp_out);
@@ -351,6 +395,10 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
     const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
     Tensor dxf = arena.Allocate({n, c});
     kernels::LinearBackwardInput(dxf, s->dlogits, wte_->value, /*accumulate=*/false);
+    if (vocab_parallel_) {
+      BATON_RETURN_IF_ERROR_CTX(AllReduceTp(dxf, "the LM head input gradient", -1),
+                                "BackwardInput(", mb, ")");
+    }
     d = arena.AllocateZeroed({n, c});
     kernels::LayerNormBackward(d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
                                s->rstdf);
@@ -385,7 +433,7 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   kernels::BiasBackward(b.fc_b->grad, a.dh);
   Tensor dln2 = arena.Allocate({n, c});
   kernels::LinearBackwardInput(dln2, a.dh, b.fc_w->value, /*accumulate=*/false);
-  BATON_RETURN_IF_ERROR(AllReduceTp(dln2, b.index, "the MLP input gradient"));
+  BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
   a.d_mid = arena.Allocate({n, c});
   std::memcpy(a.d_mid.raw(), d_out.raw(), d_out.bytes());
   kernels::LayerNormBackward(a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
@@ -400,7 +448,7 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   kernels::BiasBackward(b.qkv_b->grad, a.dqkv);
   Tensor dln1 = arena.Allocate({n, c});
   kernels::LinearBackwardInput(dln1, a.dqkv, b.qkv_w->value, /*accumulate=*/false);
-  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, b.index, "the attention input gradient"));
+  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
   std::memcpy(d_in.raw(), a.d_mid.raw(), a.d_mid.bytes());
   kernels::LayerNormBackward(d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
                              a.mean1, a.rstd1);
@@ -417,7 +465,8 @@ absl::Status GptStage::BackwardWeight(int mb) {
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BlockBackwardWeight(blocks_[i], s->blocks[i]);
   }
-  if (config_.is_first()) kernels::EmbeddingBackward(wte_->grad, 0, wpe_->grad, s->d_x0, s->tokens);
+  if (config_.is_first())
+    kernels::EmbeddingBackward(wte_->grad, vocab_begin_, wpe_->grad, s->d_x0, s->tokens);
   // The microbatch is done: its activations go back to the pool.
   auto it = in_flight_.find(mb);
   it->second->arena.Reset();

@@ -12,6 +12,11 @@
 // column-parallel ones. Embeddings, LayerNorms, biases of the row-parallel
 // layers and the LM head are replicated; their inputs and gradients are the
 // same on every TP rank, so their gradients agree without communication.
+// With StageConfig::vocab_parallel the token embedding and the tied head are
+// instead split by vocabulary rows: the embedding output is all-reduced, the
+// loss is a sharded cross-entropy (an all-gather of per-shard log-sum-exps and
+// an all-reduce of target logits), and the head's input gradient is
+// all-reduced.
 //
 // Tied embedding with PP > 1: the last stage keeps its own copy of the token
 // embedding ("wte") for the head, initialised identically. The two copies'
@@ -109,16 +114,22 @@ class GptStage {
 
   absl::Status ValidateInputs(const StageInputs& inputs, const kernels::Tensor& output,
                               int64_t* batch, int64_t* seq) const;
+  absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
+                          double* loss_sum);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
   void BlockBackwardWeight(const Block& block, const BlockActivations& a);
-  absl::Status AllReduceTp(const kernels::Tensor& t, int block, const char* what);
+  // `block` names the block in errors; -1 for none.
+  absl::Status AllReduceTp(const kernels::Tensor& t, const char* what, int block);
+  absl::Status AllGatherTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what);
   absl::StatusOr<Microbatch*> Find(int mb, const char* op);
 
   StageConfig config_;
   comm::Communicator* tp_;
   ParameterStore params_;
+  const bool vocab_parallel_;  // config.vocab_parallel with tp > 1
+  const int64_t vocab_begin_;  // first vocabulary row of this rank's wte
   std::vector<Block> blocks_;
   Parameter* wte_ = nullptr;  // first stage, and the head's copy on the last
   Parameter* wpe_ = nullptr;

@@ -54,8 +54,8 @@ class GptStageTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss) {
-    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2);
+  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false) {
+    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel);
     EXPECT_TRUE(m.ok()) << m.status();
     auto l = (*m)->ForwardBackward(tokens_, targets_);
     EXPECT_TRUE(l.ok()) << l.status();
@@ -77,11 +77,41 @@ TEST_F(GptStageTest, EveryLayoutMatchesTheUnshardedModel) {
     double loss = 0;
     auto m = Run(layout.pp, layout.tp, &loss);
     EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    // Every gradient counted once in the global norm, whatever the layout.
+    EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
     for (const std::string& name : base->ParameterNames()) {
       EXPECT_EQ(m->FullValue(name), base->FullValue(name)) << name << " initialised differently";
       EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
     }
   }
+}
+
+TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
+  model_.vocab = 40;  // divisible by 2 and 4
+  tokens_.clear();
+  targets_.clear();
+  SetUp();
+  double base_loss = 0;
+  auto base = Run(1, 1, &base_loss);
+  const struct { int pp, tp; } layouts[] = {{1, 2}, {2, 4}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << layout.pp << " tp=" << layout.tp);
+    double loss = 0, again = 0;
+    auto m = Run(layout.pp, layout.tp, &loss, /*vocab_parallel=*/true);
+    EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
+    for (const std::string& name : base->ParameterNames()) {
+      EXPECT_EQ(m->FullValue(name), base->FullValue(name)) << name << " initialised differently";
+      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+    }
+    auto m2 = Run(layout.pp, layout.tp, &again, /*vocab_parallel=*/true);
+    EXPECT_EQ(loss, again);
+    EXPECT_EQ(m->FullGrad("wte"), m2->FullGrad("wte"));  // bitwise repeatable
+  }
+  // A vocabulary the group cannot split is an error naming the field.
+  model_.vocab = 37;
+  auto bad = InProcModel::Create(model_, 1, 2, 42, 1, /*vocab_parallel=*/true);
+  EXPECT_NE(bad.status().message().find("model.vocab"), absl::string_view::npos) << bad.status();
 }
 
 TEST_F(GptStageTest, SameLayoutTwiceGivesIdenticalBits) {
@@ -108,8 +138,8 @@ TEST_F(GptStageTest, SameLayoutTwiceGivesIdenticalBits) {
 }
 
 TEST_F(GptStageTest, TwoMicrobatchesAccumulateLikeOneBatch) {
-  auto split = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/2);
-  auto whole = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/1);
+  auto split = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/2, false);
+  auto whole = InProcModel::Create(model_, 1, 1, 42, /*microbatches=*/1, false);
   ASSERT_TRUE(split.ok() && whole.ok());
   // The two [2, 12] microbatches stacked into one [4, 12] batch.
   auto stack = [](const std::vector<Tensor>& parts) {
@@ -190,7 +220,7 @@ TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
   tiny.heads = 2;
   tiny.vocab = 16;
   tiny.seq_len = 8;
-  auto m = InProcModel::Create(tiny, 1, 1, 3, 1);
+  auto m = InProcModel::Create(tiny, 1, 1, 3, 1, false);
   ASSERT_TRUE(m.ok());
   std::mt19937 rng(11);
   const std::vector<Tensor> tokens = {RandomIds(rng, 4, 8, tiny.vocab)};
@@ -210,7 +240,7 @@ TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
 }
 
 TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {
-  auto m = InProcModel::Create(model_, 1, 1, 42, 2);
+  auto m = InProcModel::Create(model_, 1, 1, 42, 2, false);
   ASSERT_TRUE(m.ok());
   GptStage& stage = (*m)->stage(0, 0);
   ASSERT_TRUE((*m)->ForwardBackward(tokens_, targets_).ok());

@@ -13,7 +13,8 @@ using kernels::Tensor;
 
 absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig& model, int pp,
                                                                  int tp, uint64_t seed,
-                                                                 int microbatches) {
+                                                                 int microbatches,
+                                                                 bool vocab_parallel) {
   auto m = std::unique_ptr<InProcModel>(new InProcModel());
   m->pp_ = pp;
   m->tp_ = tp;
@@ -24,6 +25,7 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
     for (int r = 0; r < tp; ++r) {
       BATON_ASSIGN_OR_RETURN(StageConfig config, MakeStageConfig(model, s, pp, r, tp, seed));
       config.microbatches = microbatches;
+      config.vocab_parallel = vocab_parallel;
       config.comm_timeout = absl::Seconds(60);
       BATON_ASSIGN_OR_RETURN(auto stage, GptStage::Create(config, m->tp_groups_[s][r].get()));
       m->stages_[s].push_back(std::move(stage));

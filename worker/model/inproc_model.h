@@ -25,8 +25,10 @@ namespace baton::model {
 
 class InProcModel {
  public:
+  // `vocab_parallel`: see StageConfig::vocab_parallel.
   static absl::StatusOr<std::unique_ptr<InProcModel>> Create(const GptConfig& model, int pp, int tp,
-                                                             uint64_t seed, int microbatches);
+                                                             uint64_t seed, int microbatches,
+                                                             bool vocab_parallel);
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);
