@@ -1,0 +1,78 @@
+// StageModel: what the step executor needs from the model chunk(s) a worker
+// holds, so the real GPT stage (worker/model/gpt_stage.h) and the synthetic
+// cost model (ops that busy-wait for configured times and pass tensors of a
+// configured size) plug in alike.
+//
+// One StageModel is one pipeline chunk (stage) on one TP rank. Activations
+// passed between stages are float32 buffers of activation_elements() per
+// microbatch. Not thread-safe: one thread drives a worker's stages.
+#ifndef BATON_WORKER_STAGE_MODEL_H_
+#define BATON_WORKER_STAGE_MODEL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/tensor.h"
+
+namespace baton {
+
+// One microbatch of data (first and last stages): int32 [batch, seq] each.
+// A target of -1 is ignored (no loss, no gradient, not counted).
+struct MicrobatchData {
+  kernels::Tensor tokens;
+  kernels::Tensor targets;
+};
+
+// What the last stage saw in the step's microbatches so far.
+struct LossStats {
+  double loss_sum = 0;   // summed over scored tokens
+  int64_t tokens = 0;    // scored tokens
+  int64_t correct = 0;   // scored tokens whose argmax logit is the target
+};
+
+// A named local tensor and how it fits into the full tensor (for checkpoints).
+struct NamedShard {
+  std::string name;
+  kernels::Tensor value;     // this rank's shard
+  kernels::Shape full_shape;
+  int split_dim = -1;        // -1: replicated; else split evenly over tp ranks along this dim
+  bool qkv = false;          // split per q, k, v block along dim 0 (see ShardSpec::QkvRows)
+};
+
+class StageModel {
+ public:
+  virtual ~StageModel() = default;
+
+  virtual int64_t activation_elements() const = 0;
+
+  // `input` is the previous stage's activations (empty on the first stage,
+  // which reads data.tokens); `output` receives this stage's activations
+  // (empty on the last stage, which scores data.targets).
+  virtual absl::Status Forward(int mb, const MicrobatchData& data, const kernels::Tensor& input,
+                               const kernels::Tensor& output) = 0;
+  // `grad_output` is empty on the last stage; `grad_input` empty on the first.
+  virtual absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output,
+                                     const kernels::Tensor& grad_input) = 0;
+  virtual absl::Status BackwardWeight(int mb) = 0;
+
+  virtual void ZeroGrad() = 0;
+  virtual void DropInFlight() = 0;  // after a failed or discarded step
+
+  // The flat gradient buffer (all parameters of this stage), for the DP
+  // all-reduce; and this rank's share of the squared global norm.
+  virtual kernels::Tensor Gradients() = 0;
+  virtual double LocalGradSqNorm() const = 0;
+  // Sums the tied embedding gradient copies (PP > 1, first/last stage only;
+  // others return OK without communicating).
+  virtual absl::Status SyncTiedGradients() = 0;
+  virtual absl::Status OptimizerStep(float grad_scale) = 0;
+
+  virtual LossStats loss_stats() const = 0;  // last stage; zero elsewhere
+  virtual std::vector<NamedShard> Shards() = 0;
+};
+
+}  // namespace baton
+
+#endif  // BATON_WORKER_STAGE_MODEL_H_
