@@ -1,0 +1,46 @@
+// TimedCommunicator: wraps a Communicator and adds up the time its callers
+// spend blocked in Work::Wait, so code that communicates inside a compute op
+// (Megatron's TP all-reduces inside a stage's forward) can report that time
+// as communication rather than compute. Thread-safe.
+#ifndef BATON_WORKER_COMM_TIMED_COMMUNICATOR_H_
+#define BATON_WORKER_COMM_TIMED_COMMUNICATOR_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "worker/comm/communicator.h"
+
+namespace baton::comm {
+
+class TimedCommunicator : public Communicator {
+ public:
+  explicit TimedCommunicator(Communicator* inner) : inner_(inner) {}
+
+  // Seconds spent in Wait() since construction.
+  double waited_seconds() const { return waited_ns_.load() * 1e-9; }
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Send(buf, peer, tag)); }
+  std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Recv(buf, peer, tag)); }
+  std::shared_ptr<Work> AllReduceSum(Buffer buf) override { return Wrap(inner_->AllReduceSum(buf)); }
+  std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override { return Wrap(inner_->AllGather(in, out)); }
+  std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override {
+    return Wrap(inner_->ReduceScatterSum(in, out));
+  }
+  std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner_->Broadcast(buf, root)); }
+  std::shared_ptr<Work> Barrier() override { return Wrap(inner_->Barrier()); }
+  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
+
+ private:
+  std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work);
+
+  Communicator* const inner_;
+  std::atomic<int64_t> waited_ns_{0};
+};
+
+}  // namespace baton::comm
+
+#endif  // BATON_WORKER_COMM_TIMED_COMMUNICATOR_H_

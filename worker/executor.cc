@@ -1,0 +1,311 @@
+#include "worker/executor.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+
+namespace baton {
+namespace {
+
+using v1::Action;
+
+constexpr int kStampFloats = 2;  // an int64 post time rides behind the payload
+
+bool IsComm(Action::Kind k) {
+  return k == Action::SEND_F || k == Action::RECV_F || k == Action::SEND_B || k == Action::RECV_B;
+}
+
+uint64_t Tag(bool forward, int stage, int mb, int num_stages, int microbatches) {
+  return (static_cast<uint64_t>(forward ? 0 : 1) * num_stages + stage) * microbatches + mb;
+}
+
+const char* Name(Action::Kind k) {
+  switch (k) {
+    case Action::FORWARD: return "F";
+    case Action::BACKWARD: return "B";
+    case Action::BACKWARD_INPUT: return "I";
+    case Action::BACKWARD_WEIGHT: return "W";
+    case Action::SEND_F: return "SEND_F";
+    case Action::RECV_F: return "RECV_F";
+    case Action::SEND_B: return "SEND_B";
+    case Action::RECV_B: return "RECV_B";
+    case Action::REDUCE_GRADS: return "REDUCE_GRADS";
+    case Action::OPTIMIZER_STEP: return "OPTIMIZER_STEP";
+    default: return "?";
+  }
+}
+
+}  // namespace
+
+StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks,
+                           BatchFn batch, comm::Communicator* pipeline, comm::TimedCommunicator* tp,
+                           comm::Communicator* dp)
+    : program_(std::move(program)),
+      options_(std::move(options)),
+      chunks_(std::move(chunks)),
+      batch_(std::move(batch)),
+      pipeline_(pipeline),
+      tp_(tp),
+      dp_(dp) {}
+
+kernels::Tensor StepExecutor::Payload(Message& m, int64_t elements) {
+  return kernels::Tensor::View(m.data.data(), {elements});
+}
+
+StepExecutor::Message& StepExecutor::Buffer(std::map<Key, Message>& map, int stage, int mb, int64_t elements) {
+  Message& m = map[{stage, mb}];
+  if (m.data.size() != static_cast<size_t>(elements + kStampFloats)) m.data.assign(elements + kStampFloats, 0.0f);
+  return m;
+}
+
+void StepExecutor::Record(const std::string& name, const char* cat, absl::Time start, absl::Time end) {
+  if (!trace_) return;
+  v1::TraceEvent& e = events_.emplace_back();
+  e.set_name(name);
+  e.set_cat(cat);
+  // Local wall time -> coordinator clock: shift by the current offset.
+  const int64_t offset = options_.clock_us() - absl::ToUnixMicros(absl::Now());
+  e.set_start_us(absl::ToUnixMicros(start) + offset);
+  e.set_duration_us(absl::ToInt64Microseconds(end - start));
+}
+
+absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
+  step_start_ = absl::Now();
+  compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
+  trace_ = trace;
+  events_.clear();
+  data_.clear();
+  for (auto& [stage, model] : chunks_) model->ZeroGrad();
+
+  const auto& actions = program_.actions();
+  for (int i = 0; i < actions.size();) {
+    const Action& a = actions[i];
+    if (IsComm(a.kind())) {
+      std::vector<const Action*> batch;
+      while (i < actions.size() && IsComm(actions[i].kind())) batch.push_back(&actions[i++]);
+      BATON_RETURN_IF_ERROR(RunCommBatch(batch));
+      continue;
+    }
+    ++i;
+    if (a.kind() == Action::REDUCE_GRADS) {
+      BATON_RETURN_IF_ERROR(ReduceGrads());
+    } else if (a.kind() != Action::OPTIMIZER_STEP) {  // the optimizer waits for Commit
+      BATON_RETURN_IF_ERROR_CTX(RunCompute(a, step),
+                                absl::StrCat(Name(a.kind()), "(stage ", a.stage(), ", mb ", a.microbatch(), ")"));
+    }
+  }
+  if (std::none_of(actions.begin(), actions.end(),
+                   [](const Action& a) { return a.kind() == Action::REDUCE_GRADS; })) {
+    BATON_RETURN_IF_ERROR(ReduceGrads());
+  }
+
+  v1::StepReport report;
+  report.set_step(step);
+  LossStats loss;
+  double sq = 0;
+  for (auto& [stage, model] : chunks_) {
+    LossStats s = model->loss_stats();
+    loss.loss_sum += s.loss_sum;
+    loss.tokens += s.tokens;
+    loss.correct += s.correct;
+    sq += model->LocalGradSqNorm();
+    if (stage == options_.num_stages - 1) report.set_has_loss(true);
+  }
+  report.set_grad_sq_norm(sq);
+  if (report.has_loss()) {
+    report.set_loss(loss.tokens > 0 ? loss.loss_sum / loss.tokens : 0.0);
+    report.set_correct(loss.correct);
+    report.set_predicted(loss.tokens);
+  }
+  report.set_tokens(options_.tokens_per_microbatch * options_.microbatches);
+  report.set_finite(std::isfinite(sq) && std::isfinite(report.loss()));
+  // Activations and messages of this step are no longer needed.
+  act_out_.clear();
+  act_in_.clear();
+  grad_out_.clear();
+  grad_in_.clear();
+  return report;
+}
+
+absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
+  auto it = chunks_.find(a.stage());
+  if (it == chunks_.end()) return absl::InternalError("this rank does not hold that stage");
+  StageModel* model = it->second;
+  const int s = a.stage(), mb = a.microbatch();
+  const bool first = s == 0, last = s == options_.num_stages - 1;
+  const int64_t n = model->activation_elements();
+  const absl::Time start = absl::Now();
+  const double tp_before = tp_ ? tp_->waited_seconds() : 0;
+
+  absl::Status status;
+  if (a.kind() == Action::FORWARD) {
+    MicrobatchData* data = nullptr;
+    if (first || last) {
+      data = &data_[mb];
+      if (!data->tokens.defined()) {
+        BATON_RETURN_IF_ERROR(batch_(step, options_.dp_rank * options_.microbatches + mb, data));
+      }
+    }
+    kernels::Tensor input, output;
+    if (!first) {
+      // The previous stage is on this rank only when pp == 1 (chunks stay local).
+      auto local = act_out_.find({s - 1, mb});
+      input = local != act_out_.end() ? Payload(local->second, n) : Payload(Buffer(act_in_, s, mb, n), n);
+    }
+    if (!last) output = Payload(Buffer(act_out_, s, mb, n), n);
+    status = model->Forward(mb, data ? *data : MicrobatchData(), input, output);
+    if (last) data_.erase(mb);  // targets were consumed
+  } else if (a.kind() == Action::BACKWARD || a.kind() == Action::BACKWARD_INPUT) {
+    kernels::Tensor grad_output, grad_input;
+    if (!last) {
+      auto local = grad_out_.find({s + 1, mb});
+      grad_output = local != grad_out_.end() ? Payload(local->second, n) : Payload(Buffer(grad_in_, s, mb, n), n);
+    }
+    if (!first) grad_input = Payload(Buffer(grad_out_, s, mb, n), n);
+    status = model->BackwardInput(mb, grad_output, grad_input);
+    if (status.ok() && a.kind() == Action::BACKWARD) status = model->BackwardWeight(mb);
+    act_in_.erase({s, mb});
+    grad_in_.erase({s, mb});
+  } else if (a.kind() == Action::BACKWARD_WEIGHT) {
+    status = model->BackwardWeight(mb);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unexpected action kind ", a.kind()));
+  }
+  const absl::Time end = absl::Now();
+  const double tp_wait = tp_ ? tp_->waited_seconds() - tp_before : 0;
+  tp_comm_ += tp_wait;
+  compute_ += absl::ToDoubleSeconds(end - start) - tp_wait;
+  Record(absl::StrCat(Name(a.kind()), s, " mb", mb), "compute", start, end);
+  return status;
+}
+
+absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {
+  if (pipeline_ == nullptr) return absl::InternalError("program sends or receives, but pp == 1");
+  const absl::Time start = absl::Now();
+  const int64_t posted_us = options_.clock_us();
+  struct Pending {
+    std::shared_ptr<comm::Work> work;
+    Message* recv = nullptr;
+    const Action* action;
+  };
+  std::vector<Pending> pending;
+  for (const Action* a : batch) {
+    const int s = a->stage(), mb = a->microbatch();
+    auto it = chunks_.find(s);
+    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", s));
+    const int64_t n = it->second->activation_elements();
+    Message* m = nullptr;
+    uint64_t tag = 0;
+    switch (a->kind()) {
+      case Action::SEND_F:  // activations of s, consumed by s + 1
+        m = &Buffer(act_out_, s, mb, n);
+        tag = Tag(true, s + 1, mb, options_.num_stages, options_.microbatches);
+        break;
+      case Action::RECV_F:
+        m = &Buffer(act_in_, s, mb, n);
+        tag = Tag(true, s, mb, options_.num_stages, options_.microbatches);
+        break;
+      case Action::SEND_B:  // input gradient of s, consumed by s - 1
+        m = &Buffer(grad_out_, s, mb, n);
+        tag = Tag(false, s - 1, mb, options_.num_stages, options_.microbatches);
+        break;
+      default:  // RECV_B
+        m = &Buffer(grad_in_, s, mb, n);
+        tag = Tag(false, s, mb, options_.num_stages, options_.microbatches);
+        break;
+    }
+    comm::Buffer buf = comm::Buffer::Host(m->data.data(), static_cast<int64_t>(m->data.size()));
+    const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
+    if (send) {
+      std::memcpy(&m->data[n], &posted_us, sizeof(posted_us));
+      pending.push_back({pipeline_->Send(buf, a->peer(), tag), nullptr, a});
+    } else {
+      pending.push_back({pipeline_->Recv(buf, a->peer(), tag), m, a});
+    }
+  }
+  int64_t ready_us = posted_us;  // when the last awaited peer posted its send
+  for (Pending& p : pending) {
+    absl::Status s = p.work->Wait(options_.op_timeout);
+    if (!s.ok()) {
+      return WithContext(s, absl::StrCat(Name(p.action->kind()), "(stage ", p.action->stage(), ", mb ",
+                                         p.action->microbatch(), ") with pipeline rank ", p.action->peer()));
+    }
+    if (p.recv != nullptr) {
+      int64_t sent_us;
+      std::memcpy(&sent_us, &p.recv->data[p.recv->data.size() - kStampFloats], sizeof(sent_us));
+      ready_us = std::max(ready_us, sent_us);
+    }
+  }
+  const absl::Time end = absl::Now();
+  const double total = absl::ToDoubleSeconds(end - start);
+  const double waiting = std::clamp((ready_us - posted_us) * 1e-6, 0.0, total);
+  p2p_ += total - waiting;  // the rest is bubble: wall - compute - comm
+  if (trace_) {
+    std::string name;
+    for (const Action* a : batch) {
+      absl::StrAppend(&name, name.empty() ? "" : " ", Name(a->kind()), a->stage(), ".", a->microbatch());
+    }
+    const absl::Time data_ready = start + absl::Seconds(waiting);
+    if (waiting > 0) Record("wait " + name, "bubble", start, data_ready);
+    Record(name, "p2p", data_ready, end);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::ReduceGrads() {
+  const absl::Time start = absl::Now();
+  for (auto& [stage, model] : chunks_) {
+    BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+    if (dp_ == nullptr) continue;
+    kernels::Tensor g = model->Gradients();
+    BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(comm::Buffer::Host(g.f32(), g.numel()))->Wait(options_.op_timeout),
+                              "data-parallel gradient all-reduce");
+    const float inv = 1.0f / static_cast<float>(options_.dp_size);
+    float* p = g.f32();
+    for (int64_t i = 0; i < g.numel(); ++i) p[i] *= inv;
+  }
+  const absl::Time end = absl::Now();
+  dp_comm_ += absl::ToDoubleSeconds(end - start);
+  Record("reduce grads", "dp", start, end);
+  return absl::OkStatus();
+}
+
+v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
+  const double wall = absl::ToDoubleSeconds(absl::Now() - step_start_);
+  v1::StepDone done;
+  done.set_step(step);
+  done.set_committed(committed);
+  done.set_wall_seconds(wall);
+  done.set_compute_seconds(compute_);
+  done.set_comm_p2p_seconds(p2p_);
+  done.set_comm_tp_seconds(tp_comm_);
+  done.set_comm_dp_seconds(dp_comm_);
+  done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_));
+  for (v1::TraceEvent& e : events_) *done.add_events() = std::move(e);
+  events_.clear();
+  return done;
+}
+
+absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_factor) {
+  const absl::Time start = absl::Now();
+  for (auto& [stage, model] : chunks_) {
+    BATON_RETURN_IF_ERROR_CTX(model->OptimizerStep(clip_factor), "optimizer step of stage ", stage);
+  }
+  const absl::Time end = absl::Now();
+  compute_ += absl::ToDoubleSeconds(end - start);
+  Record("optimizer", "compute", start, end);
+  return Finish(step, true);
+}
+
+v1::StepDone StepExecutor::Discard(int64_t step) {
+  for (auto& [stage, model] : chunks_) {
+    model->DropInFlight();
+    model->ZeroGrad();
+  }
+  return Finish(step, false);
+}
+
+}  // namespace baton

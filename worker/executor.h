@@ -1,0 +1,104 @@
+// StepExecutor: runs one worker's schedule Program for a training step and
+// accounts for every second of it.
+//
+// RunStep(n) executes the program's actions in order up to the optimizer:
+// F/B/I/W on the StageModel chunks this rank holds, SEND_*/RECV_* on the
+// pipeline group (a maximal run of consecutive communication actions is
+// posted as one batch and waited for together, the execution model of
+// coordinator/schedule/ir.h), REDUCE_GRADS as the tied-embedding sum and the
+// data-parallel all-reduce (gradients are averaged over DP replicas). It
+// returns the GradsReady report. Commit(n, clip) applies the optimizer with
+// the coordinator's clip factor; Discard(n) drops the step's gradients.
+//
+// Time accounting (DESIGN.md section 7), per step:
+//   compute = time in F/B/I/W and the optimizer, minus TP communication inside them
+//   comm    = p2p transfers after the peer posted its send, TP all-reduces, DP all-reduce
+//   bubble  = wall - compute - comm (waiting for a peer, or for the coordinator)
+// Every pipeline message carries the sender's post time on the coordinator
+// clock, so a receive that waited splits into bubble (before the peer posted)
+// and comm (after).
+//
+// Data: replica d runs global microbatches d*m .. d*m+m-1 of the step, so a
+// DP=k run consumes the same global batch as one replica with k*m microbatches.
+//
+// Not thread-safe: one thread runs a worker's steps.
+#ifndef BATON_WORKER_EXECUTOR_H_
+#define BATON_WORKER_EXECUTOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "baton/v1/coordinator.pb.h"
+#include "baton/v1/program.pb.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/timed_communicator.h"
+#include "worker/stage_model.h"
+
+namespace baton {
+
+struct ExecutorOptions {
+  int num_stages = 1;  // pp * virtual_stages
+  int microbatches = 1;
+  int dp_rank = 0;
+  int dp_size = 1;
+  int64_t tokens_per_microbatch = 0;  // micro_batch_size * seq_len
+  absl::Duration op_timeout = absl::Minutes(5);
+  // Now on the coordinator's clock, in microseconds.
+  std::function<int64_t()> clock_us;
+};
+
+// Fills one global microbatch of a step (tokens and targets).
+using BatchFn = std::function<absl::Status(int64_t step, int global_microbatch, MicrobatchData* out)>;
+
+class StepExecutor {
+ public:
+  // `chunks`: stage index -> model, for the stages this rank holds. `pipeline`
+  // has one rank per pipeline rank (null when pp == 1); `tp` wraps the TP
+  // group the chunks use (null when tp == 1); `dp` the replicas of this
+  // (pp, tp) rank (null when dp == 1).
+  StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks, BatchFn batch,
+               comm::Communicator* pipeline, comm::TimedCommunicator* tp, comm::Communicator* dp);
+
+  absl::StatusOr<v1::StepReport> RunStep(int64_t step, bool trace);
+  absl::StatusOr<v1::StepDone> Commit(int64_t step, float clip_factor);
+  v1::StepDone Discard(int64_t step);
+
+ private:
+  struct Message {
+    std::vector<float> data;  // payload + 2 floats carrying the sender's post time
+  };
+  using Key = std::pair<int, int>;  // (stage, microbatch)
+
+  absl::Status RunCompute(const v1::Action& a, int64_t step);
+  absl::Status RunCommBatch(const std::vector<const v1::Action*>& batch);
+  absl::Status ReduceGrads();
+  void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
+  v1::StepDone Finish(int64_t step, bool committed);
+  kernels::Tensor Payload(Message& m, int64_t elements);
+  Message& Buffer(std::map<Key, Message>& map, int stage, int mb, int64_t elements);
+
+  const v1::Program program_;
+  const ExecutorOptions options_;
+  std::map<int, StageModel*> chunks_;
+  BatchFn batch_;
+  comm::Communicator* pipeline_;
+  comm::TimedCommunicator* tp_;
+  comm::Communicator* dp_;
+
+  // Per step.
+  std::map<Key, Message> act_out_, act_in_, grad_out_, grad_in_;
+  std::map<int, MicrobatchData> data_;
+  absl::Time step_start_;
+  double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
+  bool trace_ = false;
+  std::vector<v1::TraceEvent> events_;
+};
+
+}  // namespace baton
+
+#endif  // BATON_WORKER_EXECUTOR_H_
