@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "common/ops_server.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
+#include "coordinator/job_runner.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
@@ -39,6 +41,8 @@ ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here onc
 ABSL_FLAG(std::string, job, "", "JobSpec file (textproto, or JSON starting with '{'); validated at start");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
+ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
+ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
 
 namespace baton {
 namespace {
@@ -62,12 +66,14 @@ int Main() {
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
-  std::string job_name;
+  std::optional<v1::JobSpec> job;
   if (!absl::GetFlag(FLAGS_job).empty()) {
-    absl::StatusOr<v1::JobSpec> job = LoadJobSpec(absl::GetFlag(FLAGS_job));
-    if (!job.ok()) return Fail(2, std::string(job.status().message()));
-    job_name = job->name();
-    BATON_LOG(INFO) << "job '" << job_name << "' is valid";
+    absl::StatusOr<v1::JobSpec> loaded = LoadJobSpec(absl::GetFlag(FLAGS_job));
+    if (!loaded.ok()) return Fail(2, std::string(loaded.status().message()));
+    job = *loaded;
+    BATON_LOG(INFO) << "job '" << job->name() << "' is valid";
+  } else if (!absl::GetFlag(FLAGS_out).empty()) {
+    return Fail(2, "--out needs --job");
   }
 
   // Signals are handled by sigwait in this thread; block them before any
@@ -80,9 +86,18 @@ int Main() {
 
   WorkerRegistry registry(RealClock::Get(), lease, absl::ToUnixMicros(absl::Now()));
   KvStore kv;
+  auto metrics = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<JobRunner> runner;
+  if (job) {
+    JobRunner::Options job_options;
+    job_options.out_dir = absl::GetFlag(FLAGS_out);
+    job_options.ready_timeout = absl::Seconds(absl::GetFlag(FLAGS_ready_timeout_s));
+    runner = std::make_unique<JobRunner>(*job, &registry, &kv, job_options, *metrics);
+  }
   CoordinatorService::Options options;
   options.heartbeat = heartbeat;
-  options.job_name = job_name;
+  options.job_name = job ? job->name() : "";
+  options.job = runner.get();
   CoordinatorService service(&registry, &kv, options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -97,7 +112,6 @@ int Main() {
                                 ": address in use or not available; pick another --listen"));
   }
 
-  auto metrics = std::make_shared<prometheus::Registry>();
   prometheus::BuildGauge()
       .Name("baton_build_info")
       .Help("baton build; the value is always 1")
@@ -128,12 +142,15 @@ int Main() {
   BATON_LOG(INFO) << "baton-coordinator " << kVersion << " serving gRPC on port " << grpc_port << ", HTTP on port "
                   << (*ops)->port() << "; lease " << lease << ", heartbeat " << heartbeat;
 
+  if (runner) runner->Start();
   absl::Notification stop_sweeper;
   std::thread sweeper([&]() {
     const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
     while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
-      for (auto& session : registry.ExpireLeases()) {
-        session->Close(absl::DeadlineExceededError("lease expired"));
+      for (auto& expired : registry.ExpireLeases()) {
+        BATON_LOG(WARNING) << "worker '" << expired.name << "' lost: no heartbeat within the lease";
+        if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
+        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease");
       }
     }
   });
@@ -143,6 +160,7 @@ int Main() {
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
   serving = false;
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (runner) runner->Stop();
   for (auto& session : registry.Sessions()) {
     session->Close(absl::UnavailableError("coordinator shutting down"));
   }

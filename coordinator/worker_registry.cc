@@ -120,22 +120,35 @@ absl::Status WorkerRegistry::Goodbye(int64_t worker_id, int64_t incarnation) {
   return absl::OkStatus();
 }
 
-void WorkerRegistry::SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session) {
+std::string WorkerRegistry::SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session) {
   absl::MutexLock lock(&mu_);
   auto it = name_of_id_.find(worker_id);
-  if (it == name_of_id_.end()) return;
+  if (it == name_of_id_.end()) return "";
   Worker& w = by_name_[it->second];
-  if (w.info.incarnation() != incarnation || w.session.get() != session) return;
+  if (w.info.incarnation() != incarnation || w.session.get() != session) return "";
   w.session.reset();
   if (w.info.state() == v1::DRAINING) {
     w.info.set_state(v1::LEFT);
   } else if (w.info.state() != v1::LEFT) {
     w.info.set_state(v1::LOST);
   }
+  return it->second;
 }
 
-std::vector<std::shared_ptr<SessionHandle>> WorkerRegistry::ExpireLeases() {
-  std::vector<std::shared_ptr<SessionHandle>> expired;
+std::string WorkerRegistry::NameOf(int64_t worker_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = name_of_id_.find(worker_id);
+  return it == name_of_id_.end() ? "" : it->second;
+}
+
+std::shared_ptr<SessionHandle> WorkerRegistry::SessionOf(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second.session;
+}
+
+std::vector<WorkerRegistry::Expired> WorkerRegistry::ExpireLeases() {
+  std::vector<Expired> expired;
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   for (auto& [name, w] : by_name_) {
@@ -143,7 +156,7 @@ std::vector<std::shared_ptr<SessionHandle>> WorkerRegistry::ExpireLeases() {
     if (s != v1::JOINING && s != v1::READY && s != v1::DRAINING) continue;
     if (now - w.last_heartbeat <= lease_) continue;
     w.info.set_state(v1::LOST);
-    if (w.session != nullptr) expired.push_back(std::move(w.session));
+    expired.push_back({name, std::move(w.session)});
   }
   return expired;
 }

@@ -65,11 +65,22 @@ class WorkerRegistry {
   absl::Status Goodbye(int64_t worker_id, int64_t incarnation);
 
   // The stream of `session` ended: READY/JOINING -> LOST, DRAINING -> LEFT.
-  // Ignored when `session` is no longer the worker's current one.
-  void SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session);
+  // Ignored when `session` is no longer the worker's current one. Returns the
+  // worker's name when it became LOST or LEFT, else "".
+  std::string SessionEnded(int64_t worker_id, int64_t incarnation, const SessionHandle* session);
 
-  // Marks workers whose lease ran out LOST and returns their sessions to close.
-  std::vector<std::shared_ptr<SessionHandle>> ExpireLeases();
+  struct Expired {
+    std::string name;
+    std::shared_ptr<SessionHandle> session;  // to close; may be null
+  };
+  // Marks workers whose lease ran out LOST and returns them.
+  std::vector<Expired> ExpireLeases();
+
+  // Name of a worker id ("" if unknown).
+  std::string NameOf(int64_t worker_id) const;
+
+  // The current session of worker `name` (null when it has none).
+  std::shared_ptr<SessionHandle> SessionOf(const std::string& name) const;
 
   // Every session (to tell all peers on shutdown).
   std::vector<std::shared_ptr<SessionHandle>> Sessions() const;

@@ -63,7 +63,8 @@ TEST_F(WorkerRegistryTest, HeartbeatsKeepTheLeaseAndSilenceLosesIt) {
   clock_.Advance(absl::Milliseconds(2));
   auto expired = registry_.ExpireLeases();
   ASSERT_EQ(expired.size(), 1u);
-  EXPECT_EQ(expired[0].get(), session.get());
+  EXPECT_EQ(expired[0].name, "w1");
+  EXPECT_EQ(expired[0].session.get(), session.get());
   EXPECT_EQ(StateOf("w1"), v1::LOST);
   // A LOST incarnation is fenced: its heartbeats are refused and it must re-register.
   absl::Status late = registry_.Heartbeat(r.worker_id(), r.incarnation(), {});
@@ -74,8 +75,9 @@ TEST_F(WorkerRegistryTest, HeartbeatsKeepTheLeaseAndSilenceLosesIt) {
 TEST_F(WorkerRegistryTest, BrokenStreamIsLostAndSameNameComesBackReady) {
   auto s1 = std::make_shared<FakeSession>();
   v1::RegisterResponse r1 = Join("w1", s1);
-  registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get());
+  EXPECT_EQ(registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get()), "w1");
   EXPECT_EQ(StateOf("w1"), v1::LOST);
+  EXPECT_EQ(registry_.SessionOf("w1"), nullptr);
   auto s2 = std::make_shared<FakeSession>();
   v1::RegisterResponse r2 = Join("w1", s2);
   EXPECT_NE(r2.incarnation(), r1.incarnation());
@@ -90,7 +92,7 @@ TEST_F(WorkerRegistryTest, ReRegisteringReplacesTheOldIncarnation) {
   ASSERT_TRUE(reg.ok());
   EXPECT_EQ(reg->replaced.get(), s1.get());  // the caller closes it
   // The old session's end must not mark the new incarnation LOST.
-  registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get());
+  EXPECT_EQ(registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get()), "");
   EXPECT_EQ(StateOf("w1"), v1::JOINING);
   EXPECT_EQ(registry_.Heartbeat(r1.worker_id(), r1.incarnation(), {}).code(),
             absl::StatusCode::kFailedPrecondition);
@@ -114,7 +116,9 @@ TEST_F(WorkerRegistryTest, GoodbyeDrainsThenLeaves) {
 TEST_F(WorkerRegistryTest, JoiningWithoutSessionExpires) {
   ASSERT_TRUE(registry_.Register(Request("w1"), absl::Milliseconds(500)).ok());
   clock_.Advance(absl::Seconds(4));
-  EXPECT_TRUE(registry_.ExpireLeases().empty());  // no session to close
+  auto expired = registry_.ExpireLeases();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].session, nullptr);  // no session to close
   EXPECT_EQ(StateOf("w1"), v1::LOST);
 }
 

@@ -20,8 +20,11 @@ int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
 }  // namespace
 
 WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel, prometheus::Registry& metrics,
-                         CommandHandler on_command)
-    : options_(std::move(options)), stub_(v1::Coordinator::NewStub(channel)), on_command_(std::move(on_command)) {
+                         CommandHandler on_command, std::function<void()> on_session_end)
+    : options_(std::move(options)),
+      stub_(v1::Coordinator::NewStub(channel)),
+      on_command_(std::move(on_command)),
+      on_session_end_(std::move(on_session_end)) {
   heartbeats_ = &prometheus::BuildCounter()
                      .Name("baton_heartbeats_total")
                      .Help("Heartbeats sent to the coordinator")
@@ -52,6 +55,7 @@ void WorkerAgent::Run() {
   for (;;) {
     bool opened = false;
     absl::Status ended = RunSession(&opened);
+    if (opened && on_session_end_) on_session_end_();
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     session_open_ = false;
@@ -127,6 +131,14 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   while (stream->Read(&msg)) {
     if (msg.has_ack()) {
       absl::MutexLock lock(&mu_);
+      const int64_t now = NowMicros(), sent = msg.ack().worker_send_time_us();
+      const int64_t rtt = now - sent;
+      // Prefer the fastest round trip (least asymmetric delay); forget it after a minute.
+      if (sent > 0 && rtt >= 0 && (rtt <= best_rtt_us_ || absl::Now() - best_rtt_at_ > absl::Minutes(1))) {
+        best_rtt_us_ = rtt;
+        best_rtt_at_ = absl::Now();
+        clock_offset_us_ = msg.ack().coordinator_time_us() - (sent + now) / 2;
+      }
       if (!session_open_) {
         session_open_ = true;
         *opened = true;
@@ -153,6 +165,19 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   grpc::Status status = stream->Finish();
   if (status.ok()) return absl::UnavailableError("coordinator closed the session");
   return FromGrpcStatus(status, "session");
+}
+
+int64_t WorkerAgent::CoordinatorNowMicros() const {
+  absl::MutexLock lock(&mu_);
+  return NowMicros() + clock_offset_us_;
+}
+
+bool WorkerAgent::Send(v1::WorkerMessage message) {
+  absl::MutexLock lock(&stream_mu_);
+  if (stream_ == nullptr) return false;
+  message.set_worker_id(registration_.worker_id());
+  message.set_incarnation(registration_.incarnation());
+  return stream_->Write(message);
 }
 
 void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, absl::Duration period) {

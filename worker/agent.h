@@ -11,6 +11,7 @@
 #define BATON_WORKER_AGENT_H_
 
 #include <functional>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -40,11 +41,14 @@ class WorkerAgent {
     absl::Duration backoff_min = absl::Milliseconds(100);
     absl::Duration backoff_max = absl::Seconds(2);
   };
+  // Runs on the session's reader thread: it must not block.
   using CommandHandler = std::function<void(const v1::CoordinatorMessage&)>;
 
-  // Metrics are registered in `metrics`; `on_command` may be null.
+  // Metrics are registered in `metrics`; `on_command` (commands pushed by
+  // the coordinator) and `on_session_end` (after a session that was open
+  // ended) may be null.
   WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel, prometheus::Registry& metrics,
-              CommandHandler on_command = nullptr);
+              CommandHandler on_command = nullptr, std::function<void()> on_session_end = nullptr);
 
   // Runs sessions until Stop(). Returns when stopped.
   void Run();
@@ -56,6 +60,14 @@ class WorkerAgent {
   // OK while a session is open; otherwise why not (e.g. coordinator unreachable).
   absl::Status Readiness() const;
 
+  // Sends `message` on the open session (ids filled in); false when none is open.
+  bool Send(v1::WorkerMessage message);
+
+  // Now on the coordinator's clock (microseconds since the Unix epoch), from
+  // the heartbeat round trip with the smallest delay seen recently (NTP-style
+  // offset = coordinator_time - (send + receive) / 2).
+  int64_t CoordinatorNowMicros() const;
+
  private:
   // One Register + Session; returns why it ended.
   absl::Status RunSession(bool* opened);
@@ -65,6 +77,7 @@ class WorkerAgent {
   const Options options_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   CommandHandler on_command_;
+  std::function<void()> on_session_end_;
   prometheus::Counter* heartbeats_;
   prometheus::Counter* reconnects_;
   prometheus::Gauge* connected_;
@@ -77,6 +90,10 @@ class WorkerAgent {
   absl::Status not_ready_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("not registered yet");
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
+  // Clock offset to the coordinator, from the best recent round trip.
+  int64_t clock_offset_us_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t best_rtt_us_ ABSL_GUARDED_BY(mu_) = INT64_MAX;
+  absl::Time best_rtt_at_ ABSL_GUARDED_BY(mu_);
 
   // The open stream; writes are serialised under this lock (gRPC allows one
   // writer and one reader at a time).

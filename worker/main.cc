@@ -26,6 +26,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "worker/agent.h"
+#include "worker/worker_job.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (required)");
 ABSL_FLAG(std::string, name, "", "stable worker name (default: hostname); re-registering replaces the old one");
@@ -33,6 +34,8 @@ ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
+ABSL_FLAG(std::string, comm_host, "127.0.0.1", "address other workers reach this one at for activations (Gloo)");
+ABSL_FLAG(int64_t, op_timeout_s, 300, "a communication op that takes longer fails the step (no hang)");
 
 namespace baton {
 namespace {
@@ -102,8 +105,16 @@ int Main() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  auto channel = grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args);
+  WorkerJob::Options job_options;
+  job_options.name = name;
+  job_options.comm_host = absl::GetFlag(FLAGS_comm_host);
+  job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
+  std::unique_ptr<WorkerJob> job;
   agent = std::make_unique<WorkerAgent>(
-      options, grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args), *metrics);
+      options, channel, *metrics, [&job](const v1::CoordinatorMessage& m) { job->Handle(m); },
+      [&job]() { job->SessionLost(); });
+  job = std::make_unique<WorkerJob>(job_options, v1::Coordinator::NewStub(channel), agent.get(), *metrics);
 
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     if (absl::Status s = WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, (*ops)->port()); !s.ok()) {
@@ -120,6 +131,7 @@ int Main() {
   server->GetHealthCheckService()->SetServingStatus(false);
   agent->Stop(absl::Seconds(2));
   session.join();
+  job.reset();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   BATON_LOG(INFO) << "stopped";
   return 0;

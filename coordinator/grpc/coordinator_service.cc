@@ -106,7 +106,9 @@ grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* strea
       }
     } else if (msg.has_goodbye()) {
       s = registry_->Goodbye(id, incarnation);
-      BATON_LOG(INFO) << "worker id " << id << " says goodbye: " << msg.goodbye().reason();
+      BATON_LOG(INFO) << "worker '" << registry_->NameOf(id) << "' says goodbye: " << msg.goodbye().reason();
+    } else if (options_.job != nullptr) {
+      options_.job->OnWorkerMessage(registry_->NameOf(id), msg);
     }
     if (!s.ok()) {
       result = ToGrpcStatus(s);
@@ -114,7 +116,12 @@ grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* strea
     }
   } while (stream->Read(&msg));
   session->Finish();
-  registry_->SessionEnded(id, incarnation, session.get());
+  const std::string gone = registry_->SessionEnded(id, incarnation, session.get());
+  if (!gone.empty()) {
+    BATON_LOG(WARNING) << "worker '" << gone << "' session ended (" << (result.ok() ? "stream closed" : result.error_message())
+                       << ")";
+    if (options_.job != nullptr) options_.job->OnWorkerLost(gone, "its session ended");
+  }
   return result;
 }
 
@@ -163,6 +170,17 @@ grpc::Status CoordinatorService::GetStatus(grpc::ServerContext*, const v1::GetSt
   resp->set_job(options_.job_name);
   if (!options_.job_name.empty()) resp->set_generation(kv_->CurrentGeneration(options_.job_name));
   for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
+  if (options_.job != nullptr) options_.job->FillStatus(resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::GetTrace(grpc::ServerContext*, const v1::GetTraceRequest* req,
+                                          v1::GetTraceResponse* resp) {
+  if (options_.job == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this coordinator runs no job (start it with --job)");
+  }
+  if (req->steps() < 1) return Invalid("GetTrace: steps must be >= 1");
+  resp->set_chrome_trace_json(options_.job->TraceJson(req->steps()));
   return grpc::Status::OK;
 }
 

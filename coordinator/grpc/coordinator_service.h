@@ -12,12 +12,23 @@
 
 namespace baton {
 
+// What the service tells the job (JobRunner) and asks of it.
+class JobObserver {
+ public:
+  virtual ~JobObserver() = default;
+  virtual void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) = 0;
+  virtual void OnWorkerLost(const std::string& worker, const std::string& why) = 0;
+  virtual void FillStatus(v1::GetStatusResponse* status) const = 0;
+  virtual std::string TraceJson(int steps) const = 0;
+};
+
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
   struct Options {
     absl::Duration heartbeat = absl::Milliseconds(500);
     absl::Duration max_kv_wait = absl::Minutes(10);
     std::string job_name;  // empty when no job was given
+    JobObserver* job = nullptr;  // null when no job was given
   };
   CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options);
 
@@ -32,6 +43,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
                          v1::GetStatusResponse* resp) override;
   grpc::Status ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest* req,
                            v1::ListWorkersResponse* resp) override;
+  grpc::Status GetTrace(grpc::ServerContext* ctx, const v1::GetTraceRequest* req,
+                        v1::GetTraceResponse* resp) override;
 
  private:
   WorkerRegistry* const registry_;
