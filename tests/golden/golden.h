@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "tests/golden/safetensors.h"
+#include "common/safetensors.h"
 #include "worker/model/gpt_config.h"
 
 namespace baton::golden {

@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
   baton::kernels::cpu::SetBlasThreads(1);
   const std::string path = absl::GetFlag(FLAGS_golden);
   const int tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp);
-  auto file = baton::golden::SafetensorsFile::Read(path);
+  auto file = baton::SafetensorsFile::Read(path);
   if (!file.ok()) {
     std::fprintf(stderr, "golden_check: %s\n", std::string(file.status().message()).c_str());
     return 2;
