@@ -9,6 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/chrome_trace.h"
+#include "common/file_io.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "coordinator/job_spec.h"
@@ -19,6 +22,7 @@
 #include "coordinator/schedule/simulator.h"
 #include "coordinator/schedule/validator.h"
 #include "prometheus/counter.h"
+#include "worker/checkpoint/checkpoint.h"
 #include "prometheus/gauge.h"
 
 namespace baton {
@@ -37,33 +41,7 @@ absl::Status MakeDirs(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    if (!out.good()) return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) return absl::UnavailableError("cannot rename " + tmp);
-  return absl::OkStatus();
-}
-
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
-
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 // Simulator costs for the live plan: the synthetic model's own times, or
 // F = I = W = 1 per block with per-stage multipliers from the partition.
@@ -449,11 +427,7 @@ absl::Status JobRunner::Save() {
     for (const std::string& f : msg.saved().files()) files.push_back(f);
   }
   std::sort(files.begin(), files.end());
-  std::string manifest = absl::StrCat("{\"job\": \"", JsonEscape(job_.name()), "\", \"step\": ",
-                                      job_.train().steps(), ", \"files\": [");
-  for (size_t i = 0; i < files.size(); ++i) absl::StrAppend(&manifest, i ? ", " : "", "\"", JsonEscape(files[i]), "\"");
-  absl::StrAppend(&manifest, "]}\n");
-  return WriteFileAtomically(dir + "/manifest.json", manifest);
+  return checkpoint::WriteManifest(dir, files, job_.name(), job_.train().steps());
 }
 
 absl::Status JobRunner::RunJob() {
@@ -484,8 +458,8 @@ absl::Status JobRunner::WriteOutputs() {
     absl::MutexLock lock(&mu_);
     const StepRecord last = steps_.empty() ? StepRecord() : steps_.back();
     summary = absl::StrCat(
-        "{\"job\": \"", JsonEscape(job_.name()), "\", \"state\": \"", state_ == "saving" ? "done" : state_,
-        "\", \"steps\": ", steps_.size(), ", \"final_loss\": ", Num(last.loss),
+        "{\"job\": ", JsonQuote(job_.name()), ", \"state\": ", JsonQuote(state_ == "saving" ? "done" : state_),
+        ", \"steps\": ", steps_.size(), ", \"final_loss\": ", Num(last.loss),
         ", \"final_accuracy\": ", Num(last.accuracy),
         ", \"tokens_per_second\": ", Num(total_wall_ > 0 ? total_tokens_ / total_wall_ : 0),
         ", \"bubble_ratio\": ", Num(sum_worker_wall_ > 0 ? sum_bubble_ / sum_worker_wall_ : 0),
@@ -494,7 +468,7 @@ absl::Status JobRunner::WriteOutputs() {
         ", \"discarded_steps\": ", std::count_if(steps_.begin(), steps_.end(), [](const StepRecord& r) {
           return !r.committed;
         }),
-        ", \"error\": \"", JsonEscape(std::string(error_.message())), "\"}\n");
+        ", \"error\": ", JsonQuote(error_.message()), "}\n");
   }
   BATON_RETURN_IF_ERROR(WriteFileAtomically(options_.out_dir + "/trace.json", TraceJson(options_.traced_steps)));
   return WriteFileAtomically(options_.out_dir + "/summary.json", summary);
@@ -520,35 +494,20 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
 
 std::string JobRunner::TraceJson(int steps) const {
   absl::MutexLock lock(&mu_);
-  std::string out = "{\"traceEvents\": [";
-  bool first = true;
-  auto add = [&](const std::string& event) {
-    absl::StrAppend(&out, first ? "\n" : ",\n", event);
-    first = false;
-  };
-  std::map<std::string, int> pid;
-  for (const auto& [name, a] : assigned_) {
-    const int id = a.rank.global_rank();
-    pid[name] = id;
-    add(absl::StrCat("{\"ph\": \"M\", \"name\": \"process_name\", \"pid\": ", id, ", \"args\": {\"name\": \"",
-                     JsonEscape(absl::StrCat(name, " ", StageOf(name))), "\"}}"));
-    add(absl::StrCat("{\"ph\": \"M\", \"name\": \"process_sort_index\", \"pid\": ", id,
-                     ", \"args\": {\"sort_index\": ", id, "}}"));
-  }
+  std::vector<TraceSpan> spans;
   const int skip = std::max(0, static_cast<int>(traces_.size()) - std::max(0, steps));
   int index = 0;
   for (const auto& [step, workers] : traces_) {
     if (index++ < skip) continue;
     for (const auto& [name, done] : workers) {
+      const std::string process = absl::StrCat(StageOf(name), " / ", name);
       for (const v1::TraceEvent& e : done.events()) {
-        add(absl::StrCat("{\"ph\": \"X\", \"pid\": ", pid[name], ", \"tid\": 0, \"name\": \"", JsonEscape(e.name()),
-                         "\", \"cat\": \"", JsonEscape(e.cat()), "\", \"ts\": ", e.start_us(), ", \"dur\": ",
-                         e.duration_us(), ", \"args\": {\"step\": ", step, "}}"));
+        const bool compute = e.cat() == "compute";
+        spans.push_back({process, compute ? "compute" : "comm", e.name(), e.cat(), e.start_us(), e.duration_us()});
       }
     }
   }
-  absl::StrAppend(&out, "\n], \"displayTimeUnit\": \"ms\"}\n");
-  return out;
+  return ChromeTraceJson(spans);
 }
 
 }  // namespace baton
