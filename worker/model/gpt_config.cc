@@ -28,6 +28,9 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
   if (c.heads <= 0) return Invalid("model.heads", c.heads, "must be positive");
   if (c.vocab <= 0) return Invalid("model.vocab", c.vocab, "must be positive");
   if (c.seq_len <= 0) return Invalid("model.seq_len", c.seq_len, "must be positive");
+  if (c.vocab > kMaxVocab) {
+    return Invalid("model.vocab", c.vocab, absl::StrCat("must be at most ", kMaxVocab));
+  }
   if (c.d_model % c.heads != 0) {
     return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
   }

@@ -25,11 +25,15 @@ struct GptConfig {
   int ffn_dim() const { return 4 * d_model; }
 };
 
+// The largest vocabulary: the accuracy count passes token ids as floats
+// (kernels::kMaxArgmaxVocab), exact up to 2^24.
+inline constexpr int kMaxVocab = 1 << 24;
+
 // Copies the model fields of a JobSpec (no validation; see ValidateGptConfig).
 GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec);
 
-// Positive sizes and heads dividing d_model; errors name the field
-// ("model.heads"), as written in a JobSpec.
+// Positive sizes, heads dividing d_model, vocab at most kMaxVocab; errors
+// name the field ("model.heads"), as written in a JobSpec.
 absl::Status ValidateGptConfig(const GptConfig& config);
 
 struct BlockRange {
@@ -48,8 +52,10 @@ struct StageConfig {
   BlockRange blocks;  // must lie inside [0, model.layers)
   int tp_rank = 0;
   int tp_size = 1;
-  // Microbatches per step: the loss is the mean over all of them, so each
-  // microbatch's gradient is scaled by 1 / (tokens · microbatches).
+  // Microbatches per step. The step's objective is the mean over them of each
+  // microbatch's mean loss over its scored tokens (targets other than -1), so
+  // each microbatch's gradient is scaled by 1 / (scored tokens · microbatches)
+  // (see GptStage).
   int microbatches = 1;
   // Shards the token embedding and the tied LM head by vocabulary rows over
   // the TP group (needs model.vocab divisible by tp) instead of replicating
