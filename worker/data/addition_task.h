@@ -7,9 +7,11 @@
 //   47 + 85 = 132  →  "4 7 + 8 5 = 2 3 1 ;"
 //
 // Reversing the answer lets the model produce each digit from the operand
-// digits and the carry it has just written, which a small transformer learns
-// in a few hundred steps; most-significant first would need the whole carry
-// chain before the first answer digit.
+// digits and the carry it has just written; most-significant first would need
+// the whole carry chain before the first answer digit. Measured with a 2-layer,
+// d_model 64 GPT, 32 rows of 20 tokens per step, AdamW lr 3e-3: answer-digit
+// accuracy plateaus near 40% for the first 200-300 steps, then climbs to
+// 70-98% by step 600 (addition_training_test.cc). Plan demos for 500+ steps.
 //
 // Token ids: digits 0–9 are ids 0–9, '+' is 10, '=' is 11, ';' (end of
 // problem) is 12, so model.vocab must be at least kAdditionVocab = 13.
