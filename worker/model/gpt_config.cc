@@ -73,6 +73,22 @@ absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank,
   return config;
 }
 
+absl::StatusOr<StageConfig> MakeChunkConfig(const GptConfig& model, int chunk, int num_chunks,
+                                            BlockRange blocks, int tp_rank, int tp_size,
+                                            uint64_t seed) {
+  StageConfig config;
+  config.model = model;
+  config.pp_rank = chunk;
+  config.pp_size = num_chunks;
+  config.blocks = blocks;
+  config.tp_rank = tp_rank;
+  config.tp_size = tp_size;
+  config.seed = seed;
+  BATON_RETURN_IF_ERROR_CTX(ValidateStageConfig(config), "model chunk ", chunk, " of ",
+                            num_chunks);
+  return config;
+}
+
 absl::Status ValidateStageConfig(const StageConfig& c) {
   BATON_RETURN_IF_ERROR(ValidateGptConfig(c.model));
   if (c.pp_size <= 0) return Invalid("parallel.pp", c.pp_size, "must be positive");

@@ -47,6 +47,10 @@ absl::StatusOr<std::vector<BlockRange>> SplitLayers(int layers, int pp);
 
 struct StageConfig {
   GptConfig model;
+  // The stage's position in the pipeline of model chunks. Without virtual
+  // stages a chunk is a pipeline rank; with v virtual stages per rank the
+  // pipeline has pp · v chunks and these are the chunk's index and count
+  // (see MakeChunkConfig). Chunk 0 holds the embeddings, the last the head.
   int pp_rank = 0;
   int pp_size = 1;
   BlockRange blocks;  // must lie inside [0, model.layers)
@@ -72,6 +76,14 @@ struct StageConfig {
 // SplitLayers; validated.
 absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank, int pp_size,
                                             int tp_rank, int tp_size, uint64_t seed);
+
+// The stage config of model chunk `chunk` of `num_chunks` holding `blocks`, as
+// the planner assigns them (any contiguous ranges that tile the model, uneven
+// and in chunk order); validated. For interleaved schedules num_chunks =
+// pp · virtual_stages. The caller sets microbatches and vocab_parallel.
+absl::StatusOr<StageConfig> MakeChunkConfig(const GptConfig& model, int chunk, int num_chunks,
+                                            BlockRange blocks, int tp_rank, int tp_size,
+                                            uint64_t seed);
 
 // Everything ValidateGptConfig checks, plus: tp dividing heads and 4·d_model,
 // ranks inside their groups, the block range inside the model, a positive
