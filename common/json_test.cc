@@ -28,7 +28,9 @@ TEST(JsonTest, RejectsMalformedInputNamingTheOffset) {
                           "{\"a\":1,\"a\":2}", "\"\\ud800\"", "\"\\q\"", "tru", "{1:2}"}) {
     auto v = JsonValue::Parse(bad);
     EXPECT_FALSE(v.ok()) << bad;
-    if (!v.ok()) EXPECT_NE(v.status().message().find("at byte"), absl::string_view::npos) << bad;
+    if (!v.ok()) {
+      EXPECT_NE(v.status().message().find("at byte"), absl::string_view::npos) << bad;
+    }
   }
   EXPECT_FALSE(JsonValue::Parse(std::string(100, '[') + std::string(100, ']')).ok());  // too deep
 }

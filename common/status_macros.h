@@ -44,6 +44,6 @@ inline absl::Status WithContext(const absl::Status& status, absl::string_view co
   lhs = std::move(*tmp)
 
 #define BATON_ASSIGN_OR_RETURN(lhs, expr) \
-  BATON_ASSIGN_OR_RETURN_IMPL_(BATON_STATUS_CONCAT_(baton_statusor_, __LINE__), lhs, expr)
+  BATON_ASSIGN_OR_RETURN_IMPL_(BATON_STATUS_CONCAT_(baton_statusor_, __COUNTER__), lhs, expr)
 
 #endif  // BATON_COMMON_STATUS_MACROS_H_

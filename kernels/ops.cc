@@ -195,6 +195,24 @@ double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& target
                                         grad_scale);
 }
 
+void ShardArgmax(const Tensor& logits, int64_t vocab_begin, const Tensor& max,
+                 const Tensor& index) {
+  RequireCpu("ShardArgmax", {&logits, &max, &index});
+  const int64_t n = max.numel(), v = logits.numel() / n;
+  Require(logits.numel() == n * v && index.numel() == n, "ShardArgmax", "shape mismatch");
+  Require(vocab_begin + v <= kMaxArgmaxVocab, "ShardArgmax",
+          "vocabulary indices past 2^24 do not fit a float exactly");
+  cpu::ShardArgmax(logits.f32(), n, v, vocab_begin, max.f32(), index.f32());
+}
+
+int64_t CountArgmaxHits(const Tensor& max_all, const Tensor& index_all, const Tensor& targets) {
+  RequireCpu("CountArgmaxHits", {&max_all, &index_all, &targets});
+  const int64_t n = targets.numel(), shards = max_all.numel() / n;
+  Require(max_all.numel() == n * shards && index_all.numel() == n * shards, "CountArgmaxHits",
+          "shape mismatch");
+  return cpu::CountArgmaxHits(max_all.f32(), index_all.f32(), shards, targets.i32(), n);
+}
+
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale) {
   RequireCpu("AdamW", {&param, &grad, &m, &v});

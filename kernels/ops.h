@@ -12,11 +12,14 @@
 #define BATON_KERNELS_OPS_H_
 
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/cross_entropy.h"
 #include "kernels/tensor.h"
 
 namespace baton::kernels {
 
 using cpu::AdamWConfig;
+using cpu::kIgnoreTarget;
+using cpu::kMaxArgmaxVocab;
 
 // tokens int32 [B,T]; wte [V,C] or the shard of rows [vocab_begin,
 // vocab_begin + wte.dim(0)) (other tokens contribute zero); wpe [≥T,C] or
@@ -56,7 +59,8 @@ void Residual(const Tensor& out, const Tensor& a, const Tensor& b);
 void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout);
 
 // logits [N,V] are overwritten by d(loss)/d(logits) · grad_scale; targets
-// int32 [N]. Returns the summed loss.
+// int32 [N], each in [0, V) or kIgnoreTarget (no loss, zero gradient).
+// Returns the loss summed over scored rows.
 double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale);
 
 // Vocabulary-parallel cross-entropy in two steps around an all-gather of `lse`
@@ -69,6 +73,16 @@ void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets
 double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
                                  int64_t vocab_begin, const Tensor& row_max, const Tensor& lse_all,
                                  const Tensor& target_logit, float grad_scale);
+
+// Accuracy (see kernels/cpu/cross_entropy.h): logits [N, V'] holding
+// vocabulary columns from vocab_begin → per row the largest logit and the
+// vocabulary index of its first occurrence, max and index float [N]. Run it
+// before the cross-entropy overwrites the logits.
+void ShardArgmax(const Tensor& logits, int64_t vocab_begin, const Tensor& max,
+                 const Tensor& index);
+// Scored rows whose first maximum over every shard is the target, from
+// max_all and index_all [shards, N] (rank-major) and targets int32 [N].
+int64_t CountArgmaxHits(const Tensor& max_all, const Tensor& index_all, const Tensor& targets);
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale);

@@ -39,6 +39,10 @@ struct NamedShard {
   kernels::Shape full_shape;
   int split_dim = -1;        // -1: replicated; else split evenly over tp ranks along this dim
   bool qkv = false;          // split per q, k, v block along dim 0 (see ShardSpec::QkvRows)
+  // A copy of a tensor another stage also holds under the same name and
+  // keeps equal (the last stage's "wte" for the tied LM head): a checkpoint
+  // stores the other one and restores both from it.
+  bool tied_copy = false;
 };
 
 class StageModel {

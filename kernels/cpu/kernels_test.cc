@@ -335,6 +335,106 @@ TEST_F(KernelsTest, VocabularyParallelCrossEntropyMatchesFloat64) {
   EXPECT_LT(RelativeError(grad, want_grad), kGradTol);
 }
 
+// The float64 mean cross-entropy over the rows whose target is not ignored.
+RefFn MaskedCrossEntropy(int64_t n, int64_t vocab, std::vector<int32_t> ids) {
+  return [=](const std::vector<Vec>& in) {
+    double total = 0;
+    int scored = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      if (ids[r] == kIgnoreTarget) continue;
+      double sum = 0;
+      for (int64_t v = 0; v < vocab; ++v) sum += std::exp(in[0][r * vocab + v]);
+      total += std::log(sum) - in[0][r * vocab + ids[r]];
+      ++scored;
+    }
+    return Vec{total / scored};
+  };
+}
+
+TEST_F(KernelsTest, IgnoredTargetsAddNoLossAndNoGradient) {
+  const int64_t n = 5, vocab = 9, scored = 3;
+  const std::vector<int32_t> ids = {0, -1, 3, -1, 8};
+  Tensor logits = Random({n, vocab}, 3.0), targets = Tensor::Zeros({n}, DType::kInt32);
+  std::memcpy(targets.i32(), ids.data(), n * sizeof(int32_t));
+  const RefFn f = MaskedCrossEntropy(n, vocab, ids);
+  const std::vector<Vec> in = {ToVec(logits)};
+  const double loss = SoftmaxCrossEntropy(logits, targets, 1.0f / scored) / scored;
+  EXPECT_NEAR(loss, f(in)[0], 1e-5 * f(in)[0]);
+  EXPECT_LT(RelativeError(ToVec(logits), FiniteDifference(f, in, 0, Vec{1.0})), kGradTol);
+  for (int64_t v = 0; v < vocab; ++v) {
+    EXPECT_EQ(logits.f32()[1 * vocab + v], 0.0f);  // ignored rows: exactly zero
+    EXPECT_EQ(logits.f32()[3 * vocab + v], 0.0f);
+  }
+}
+
+TEST_F(KernelsTest, VocabularyParallelCrossEntropyIgnoresTargets) {
+  const int64_t n = 5, vocab = 9, shards = 3, cols = vocab / shards, scored = 3;
+  const std::vector<int32_t> ids = {-1, 8, 4, -1, 3};
+  Tensor logits = Random({n, vocab}, 3.0), targets = Tensor::Zeros({n}, DType::kInt32);
+  std::memcpy(targets.i32(), ids.data(), n * sizeof(int32_t));
+  const RefFn f = MaskedCrossEntropy(n, vocab, ids);
+  const Vec want_grad = FiniteDifference(f, {ToVec(logits)}, 0, Vec{1.0});
+  std::vector<Tensor> part, row_max;
+  Tensor lse_all = Tensor::Zeros({shards, n}), target_sum = Tensor::Zeros({n});
+  for (int64_t s = 0; s < shards; ++s) {
+    part.push_back(Tensor::Zeros({n, cols}));
+    row_max.push_back(Tensor::Zeros({n}));
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t v = 0; v < cols; ++v) {
+        part[s].f32()[r * cols + v] = logits.f32()[r * vocab + s * cols + v];
+      }
+    }
+    Tensor lse = Tensor::Zeros({n}), target_logit = Tensor::Zeros({n});
+    ShardedCrossEntropyStats(part[s], targets, s * cols, row_max[s], lse, target_logit);
+    std::memcpy(lse_all.f32() + s * n, lse.f32(), n * sizeof(float));
+    for (int64_t r = 0; r < n; ++r) target_sum.f32()[r] += target_logit.f32()[r];
+  }
+  Vec grad(n * vocab);
+  for (int64_t s = 0; s < shards; ++s) {
+    const double loss = ShardedCrossEntropyFinish(part[s], targets, s * cols, row_max[s], lse_all,
+                                                  target_sum, 1.0f / scored) /
+                        scored;
+    EXPECT_NEAR(loss, f({ToVec(logits)})[0], 1e-5 * loss);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t v = 0; v < cols; ++v) {
+        grad[r * vocab + s * cols + v] = part[s].f32()[r * cols + v];
+      }
+    }
+  }
+  EXPECT_LT(RelativeError(grad, want_grad), kGradTol);
+  for (int64_t v = 0; v < vocab; ++v) EXPECT_EQ(grad[0 * vocab + v], 0.0);
+}
+
+TEST_F(KernelsTest, ArgmaxHitsTakeTheLowestIndexOnTiesInEveryShardLayout) {
+  const int64_t n = 7, vocab = 6;
+  const float z[n][vocab] = {
+      {1, 5, 5, 0, 0, 0},  // target 1: tie inside a shard, lowest wins → hit
+      {1, 5, 5, 0, 0, 0},  // target 2: same tie → miss
+      {0, 0, 7, 7, 0, 0},  // target 2: tie across the halves → hit
+      {0, 0, 7, 7, 0, 0},  // target 3 → miss
+      {0, 0, 0, 0, 0, 9},  // target 5 → hit
+      {9, 0, 0, 0, 0, 0},  // ignored (a hit if it counted)
+      {0, 1, 0, 0, 0, 2},  // target 1 → miss
+  };
+  const int32_t ids[n] = {1, 2, 2, 3, 5, -1, 1};
+  Tensor targets = Tensor::Zeros({n}, DType::kInt32);
+  std::memcpy(targets.i32(), ids, sizeof(ids));
+  for (const int64_t shards : {1, 2, 3}) {
+    SCOPED_TRACE(::testing::Message() << shards << " shards");
+    const int64_t cols = vocab / shards;
+    Tensor max_all = Tensor::Zeros({shards, n}), index_all = Tensor::Zeros({shards, n});
+    for (int64_t s = 0; s < shards; ++s) {
+      Tensor part = Tensor::Zeros({n, cols});
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t v = 0; v < cols; ++v) part.f32()[r * cols + v] = z[r][s * cols + v];
+      }
+      ShardArgmax(part, s * cols, max_all.Rows(s, s + 1).Reshaped({n}),
+                  index_all.Rows(s, s + 1).Reshaped({n}));
+    }
+    EXPECT_EQ(CountArgmaxHits(max_all, index_all, targets), 3);
+  }
+}
+
 TEST_F(KernelsTest, CrossEntropyOfAVeryUnlikelyTargetIsExact) {
   // The target's logit is 200 below the others: loss ≈ 200 + log 3.
   Tensor logits = Tensor::Zeros({1, 4}), targets = Tensor::Zeros({1}, DType::kInt32);

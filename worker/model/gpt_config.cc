@@ -28,6 +28,9 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
   if (c.heads <= 0) return Invalid("model.heads", c.heads, "must be positive");
   if (c.vocab <= 0) return Invalid("model.vocab", c.vocab, "must be positive");
   if (c.seq_len <= 0) return Invalid("model.seq_len", c.seq_len, "must be positive");
+  if (c.vocab > kMaxVocab) {
+    return Invalid("model.vocab", c.vocab, absl::StrCat("must be at most ", kMaxVocab));
+  }
   if (c.d_model % c.heads != 0) {
     return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
   }
@@ -67,6 +70,22 @@ absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank,
   config.tp_size = tp_size;
   config.seed = seed;
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  return config;
+}
+
+absl::StatusOr<StageConfig> MakeChunkConfig(const GptConfig& model, int chunk, int num_chunks,
+                                            BlockRange blocks, int tp_rank, int tp_size,
+                                            uint64_t seed) {
+  StageConfig config;
+  config.model = model;
+  config.pp_rank = chunk;
+  config.pp_size = num_chunks;
+  config.blocks = blocks;
+  config.tp_rank = tp_rank;
+  config.tp_size = tp_size;
+  config.seed = seed;
+  BATON_RETURN_IF_ERROR_CTX(ValidateStageConfig(config), "model chunk ", chunk, " of ",
+                            num_chunks);
   return config;
 }
 

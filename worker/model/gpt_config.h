@@ -25,11 +25,15 @@ struct GptConfig {
   int ffn_dim() const { return 4 * d_model; }
 };
 
+// The largest vocabulary: the accuracy count passes token ids as floats
+// (kernels::kMaxArgmaxVocab), exact up to 2^24.
+inline constexpr int kMaxVocab = 1 << 24;
+
 // Copies the model fields of a JobSpec (no validation; see ValidateGptConfig).
 GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec);
 
-// Positive sizes and heads dividing d_model; errors name the field
-// ("model.heads"), as written in a JobSpec.
+// Positive sizes, heads dividing d_model, vocab at most kMaxVocab; errors
+// name the field ("model.heads"), as written in a JobSpec.
 absl::Status ValidateGptConfig(const GptConfig& config);
 
 struct BlockRange {
@@ -43,13 +47,19 @@ absl::StatusOr<std::vector<BlockRange>> SplitLayers(int layers, int pp);
 
 struct StageConfig {
   GptConfig model;
+  // The stage's position in the pipeline of model chunks. Without virtual
+  // stages a chunk is a pipeline rank; with v virtual stages per rank the
+  // pipeline has pp · v chunks and these are the chunk's index and count
+  // (see MakeChunkConfig). Chunk 0 holds the embeddings, the last the head.
   int pp_rank = 0;
   int pp_size = 1;
   BlockRange blocks;  // must lie inside [0, model.layers)
   int tp_rank = 0;
   int tp_size = 1;
-  // Microbatches per step: the loss is the mean over all of them, so each
-  // microbatch's gradient is scaled by 1 / (tokens · microbatches).
+  // Microbatches per step. The step's objective is the mean over them of each
+  // microbatch's mean loss over its scored tokens (targets other than -1), so
+  // each microbatch's gradient is scaled by 1 / (scored tokens · microbatches)
+  // (see GptStage).
   int microbatches = 1;
   // Shards the token embedding and the tied LM head by vocabulary rows over
   // the TP group (needs model.vocab divisible by tp) instead of replicating
@@ -66,6 +76,14 @@ struct StageConfig {
 // SplitLayers; validated.
 absl::StatusOr<StageConfig> MakeStageConfig(const GptConfig& model, int pp_rank, int pp_size,
                                             int tp_rank, int tp_size, uint64_t seed);
+
+// The stage config of model chunk `chunk` of `num_chunks` holding `blocks`, as
+// the planner assigns them (any contiguous ranges that tile the model, uneven
+// and in chunk order); validated. For interleaved schedules num_chunks =
+// pp · virtual_stages. The caller sets microbatches and vocab_parallel.
+absl::StatusOr<StageConfig> MakeChunkConfig(const GptConfig& model, int chunk, int num_chunks,
+                                            BlockRange blocks, int tp_rank, int tp_size,
+                                            uint64_t seed);
 
 // Everything ValidateGptConfig checks, plus: tp dividing heads and 4·d_model,
 // ranks inside their groups, the block range inside the model, a positive

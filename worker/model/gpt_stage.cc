@@ -39,6 +39,7 @@ struct GptStage::Microbatch {
 namespace {
 
 constexpr float kInitStd = 0.02f;
+static_assert(kMaxVocab <= kernels::kMaxArgmaxVocab, "token ids must pass exactly as floats");
 
 Tensor Copy(kernels::Arena& arena, const Tensor& src, Shape shape) {
   Tensor dst = arena.Allocate(std::move(shape), src.dtype());
@@ -210,29 +211,30 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
         shaped_name, ": sequence of ", *seq, " tokens is longer than model.seq_len = ", m.seq_len));
   }
   const int64_t n = *batch * *seq;
-  auto check_ids = [&](const Tensor& ids, const char* name) -> absl::Status {
+  auto check_ids = [&](const Tensor& ids, const char* name, bool allow_ignore) -> absl::Status {
     if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids.i32()[i];
-      if (id < 0 || id >= m.vocab) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, "[", i, "] = ", id, " is outside [0, model.vocab = ", m.vocab, ")"));
+      if ((id < 0 || id >= m.vocab) && !(allow_ignore && id == kernels::kIgnoreTarget)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "[", i, "] = ", id, " is outside [0, model.vocab = ", m.vocab, ")",
+            allow_ignore ? " and is not -1 (ignored)" : ""));
       }
     }
     return absl::OkStatus();
   };
   if (config_.is_first()) {
-    BATON_RETURN_IF_ERROR(check_ids(in.tokens, "tokens"));
+    BATON_RETURN_IF_ERROR(check_ids(in.tokens, "tokens", /*allow_ignore=*/false));
   } else if (in.activations.dtype() != kernels::DType::kFloat32 ||
              in.activations.numel() != n * m.d_model) {
     return absl::InvalidArgumentError(
         absl::StrCat("activations: want float [", *batch, ", ", *seq, ", ", m.d_model, "]"));
   }
   if (config_.is_last()) {
-    BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets"));
+    BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets", /*allow_ignore=*/true));
   } else if (!output.defined() || output.dtype() != kernels::DType::kFloat32 ||
              output.numel() != n * m.d_model) {
     return absl::InvalidArgumentError(
@@ -258,23 +260,22 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   state->batch = batch;
   state->seq = seq;
   state->backward_input_done = false;
-  double loss_sum = 0.0;
-  const absl::Status status = RunForward(*state, inputs, output, &loss_sum);
+  StepScore score;
+  const absl::Status status = RunForward(*state, inputs, output, &score);
   if (!status.ok()) {
     state->arena.Reset();
     free_.push_back(std::move(state));
     return WithContext(status, absl::StrCat("Forward(", mb, ")"));
   }
-  if (config_.is_last()) {
-    loss_sum_ += loss_sum;
-    loss_tokens_ += batch * seq;
-  }
+  score_.loss_sum += score.loss_sum;
+  score_.tokens += score.tokens;
+  score_.correct += score.correct;
   in_flight_[mb] = std::move(state);
   return absl::OkStatus();
 }
 
 absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, const Tensor& output,
-                                  double* loss_sum) {
+                                  StepScore* score) {
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
   kernels::Arena& arena = s.arena;
   if (config_.is_first()) {
@@ -309,19 +310,44 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   kernels::LayerNorm(s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
   s.dlogits = arena.Allocate({n, wte_->value.dim(0)});  // this rank's vocabulary columns
   kernels::Linear(s.dlogits, s.xf, wte_->value, Tensor());
-  const float grad_scale = 1.0f / static_cast<float>(n * config_.microbatches);
-  if (!vocab_parallel_) {
-    *loss_sum = kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
-    return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s.targets.i32()[i] != kernels::kIgnoreTarget) ++score->tokens;
   }
-  Tensor row_max = arena.Allocate({n}), lse = arena.Allocate({n});
-  Tensor target_logit = arena.Allocate({n});
-  Tensor lse_all = arena.Allocate({config_.tp_size, n});
+  const float grad_scale =
+      score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
+  if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale, score);
+  Tensor max = arena.Allocate({n}), index = arena.Allocate({n});
+  kernels::ShardArgmax(s.dlogits, 0, max, index);
+  score->correct = kernels::CountArgmaxHits(max, index, s.targets);
+  score->loss_sum = kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale, StepScore* score) {
+  const int64_t n = s.batch * s.seq, tp = config_.tp_size;
+  kernels::Arena& arena = s.arena;
+  // Each rank's log-sum-exps, largest logits and their indices travel in one
+  // all-gather: stats [3, n] → stats_all [tp, 3, n].
+  Tensor stats = arena.Allocate({3, n}), stats_all = arena.Allocate({tp, 3, n});
+  Tensor lse = stats.Rows(0, 1).Reshaped({n});
+  Tensor max = stats.Rows(1, 2).Reshaped({n});
+  Tensor index = stats.Rows(2, 3).Reshaped({n});
+  Tensor row_max = arena.Allocate({n}), target_logit = arena.Allocate({n});
+  kernels::ShardArgmax(s.dlogits, vocab_begin_, max, index);
   kernels::ShardedCrossEntropyStats(s.dlogits, s.targets, vocab_begin_, row_max, lse, target_logit);
-  BATON_RETURN_IF_ERROR(AllGatherTp(lse, lse_all, "the vocabulary-shard log-sum-exps"));
+  BATON_RETURN_IF_ERROR(AllGatherTp(stats, stats_all, "the vocabulary-shard loss statistics"));
   BATON_RETURN_IF_ERROR(AllReduceTp(target_logit, "the target logits", -1));
-  *loss_sum = kernels::ShardedCrossEntropyFinish(s.dlogits, s.targets, vocab_begin_, row_max,
-                                                 lse_all, target_logit, grad_scale);
+  Tensor lse_all = arena.Allocate({tp, n}), max_all = arena.Allocate({tp, n});
+  Tensor index_all = arena.Allocate({tp, n});
+  for (int64_t r = 0; r < tp; ++r) {
+    const float* src = stats_all.f32() + r * 3 * n;
+    std::memcpy(lse_all.f32() + r * n, src, n * sizeof(float));
+    std::memcpy(max_all.f32() + r * n, src + n, n * sizeof(float));
+    std::memcpy(index_all.f32() + r * n, src + 2 * n, n * sizeof(float));
+  }
+  score->correct = kernels::CountArgmaxHits(max_all, index_all, s.targets);
+  score->loss_sum = kernels::ShardedCrossEntropyFinish(s.dlogits, s.targets, vocab_begin_, row_max,
+                                                       lse_all, target_logit, grad_scale);
   return absl::OkStatus();
 }
 
@@ -495,13 +521,12 @@ int64_t GptStage::activation_system_allocations() const {
 }
 
 double GptStage::MeanLoss() const {
-  return loss_tokens_ == 0 ? 0.0 : loss_sum_ / static_cast<double>(loss_tokens_);
+  return score_.tokens == 0 ? 0.0 : score_.loss_sum / static_cast<double>(score_.tokens);
 }
 
 void GptStage::ZeroGrad() {
   std::memset(params_.grads().raw(), 0, params_.grads().bytes());
-  loss_sum_ = 0.0;
-  loss_tokens_ = 0;
+  score_ = StepScore();
 }
 
 void GptStage::DropInFlight() {

@@ -24,6 +24,19 @@
 // first and last stage) before the optimizer step; both then take the same
 // AdamW step and stay equal. With PP = 1 one tensor serves both uses.
 //
+// Loss: next-token cross-entropy over the scored positions, those whose
+// target is not kernels::kIgnoreTarget (-1); ignored positions contribute no
+// loss and no gradient. The step's objective is the mean over its
+// StageConfig::microbatches microbatches of each microbatch's mean loss over
+// its scored tokens, so microbatch mb's loss gradient is scaled by
+// 1 / (scored_mb · microbatches). The scale depends only on the microbatch's
+// targets, never on the layout, so every TP/PP layout computes exactly the
+// unsharded model's gradient; with data parallelism the replicas' gradients
+// are averaged (each replica runs the same number of microbatches). When
+// every microbatch scores the same number of tokens (all of baton's data
+// sources do) the objective is the plain mean over the step's scored tokens,
+// which is what score() reports as loss_sum / tokens.
+//
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool; BackwardInput(mb) computes the input gradient (plus the cheap bias and
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
@@ -53,7 +66,14 @@ namespace baton::model {
 struct StageInputs {
   kernels::Tensor tokens;       // first stage: int32 [B, T]
   kernels::Tensor activations;  // other stages: float [B, T, C] from the previous stage
-  kernels::Tensor targets;      // last stage: int32 [B, T], next-token ids
+  kernels::Tensor targets;      // last stage: int32 [B, T], next-token ids or -1 (ignored)
+};
+
+// What the last stage scored in the microbatches run forward since ZeroGrad().
+struct StepScore {
+  double loss_sum = 0.0;  // cross-entropy summed over scored tokens
+  int64_t tokens = 0;     // scored tokens (targets other than -1)
+  int64_t correct = 0;    // scored tokens whose first (lowest-index) maximum logit is the target
 };
 
 class GptStage {
@@ -78,9 +98,12 @@ class GptStage {
   absl::Status Backward(int mb, const kernels::Tensor& grad_output,
                         const kernels::Tensor& grad_input);
 
-  // Last stage: token-weighted mean loss of the microbatches run forward since
-  // ZeroGrad().
+  // Last stage: mean loss over the scored tokens of the microbatches run
+  // forward since ZeroGrad() (0 when none was scored).
   double MeanLoss() const;
+  // Last stage: loss, scored tokens and argmax hits since ZeroGrad(); the same
+  // on every TP rank. Zero on other stages.
+  const StepScore& score() const { return score_; }
 
   void ZeroGrad();
   // Releases every microbatch still in flight (after a failed or discarded
@@ -114,8 +137,10 @@ class GptStage {
 
   absl::Status ValidateInputs(const StageInputs& inputs, const kernels::Tensor& output,
                               int64_t* batch, int64_t* seq) const;
+  // Adds the last stage's loss, scored tokens and hits to `score`.
   absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
-                          double* loss_sum);
+                          StepScore* score);
+  absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale, StepScore* score);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
@@ -136,8 +161,7 @@ class GptStage {
   Parameter* lnf_w_ = nullptr;
   Parameter* lnf_b_ = nullptr;
   int64_t step_ = 0;
-  double loss_sum_ = 0.0;
-  int64_t loss_tokens_ = 0;
+  StepScore score_;
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
 };

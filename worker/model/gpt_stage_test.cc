@@ -114,6 +114,117 @@ TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
   EXPECT_NE(bad.status().message().find("model.vocab"), absl::string_view::npos) << bad.status();
 }
 
+// Marks about a third of the targets ignored (-1).
+void IgnoreSomeTargets(std::vector<Tensor>& targets) {
+  for (Tensor& t : targets) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (i % 3 == 1) t.i32()[i] = -1;
+    }
+  }
+}
+
+TEST_F(GptStageTest, IgnoredTargetsGiveTheUnshardedModelInEveryLayout) {
+  model_.vocab = 40;  // divisible by 2 for the vocabulary-parallel head
+  tokens_.clear();
+  targets_.clear();
+  SetUp();
+  IgnoreSomeTargets(targets_);
+  double base_loss = 0;
+  auto base = Run(1, 1, &base_loss);
+  const StepScore want = base->stage(0, 0).score();
+  EXPECT_EQ(want.tokens, 2 * 2 * 8);  // 2 microbatches of [2, 12], 8 of 12 scored per row
+  const struct { int pp, tp; bool vocab_parallel; } layouts[] = {
+      {1, 2, false}, {2, 1, false}, {2, 2, false}, {1, 2, true}, {2, 2, true}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << layout.pp << " tp=" << layout.tp
+                                      << " vocab_parallel=" << layout.vocab_parallel);
+    double loss = 0;
+    auto m = Run(layout.pp, layout.tp, &loss, layout.vocab_parallel);
+    EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
+    for (const std::string& name : base->ParameterNames()) {
+      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+    }
+    for (int r = 0; r < layout.tp; ++r) {
+      const StepScore got = m->stage(layout.pp - 1, r).score();
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.correct, want.correct);
+      EXPECT_NEAR(got.loss_sum, want.loss_sum, 1e-5 * want.loss_sum);
+    }
+  }
+}
+
+TEST_F(GptStageTest, IgnoredTrailingTargetsEqualAShorterSequence) {
+  // Attention is causal, so ignoring the last 4 of 12 targets must give the
+  // loss and gradients of the 8-token prefix (the wpe rows past it get none).
+  auto prefix = [](const std::vector<Tensor>& full, int64_t t) {
+    std::vector<Tensor> out;
+    for (const Tensor& f : full) {
+      Tensor p = Tensor::Zeros({f.dim(0), t}, kernels::DType::kInt32);
+      for (int64_t b = 0; b < f.dim(0); ++b) {
+        std::memcpy(p.i32() + b * t, f.i32() + b * f.dim(1), t * sizeof(int32_t));
+      }
+      out.push_back(p);
+    }
+    return out;
+  };
+  const std::vector<Tensor> short_tokens = prefix(tokens_, 8), short_targets = prefix(targets_, 8);
+  for (Tensor& t : targets_) {
+    for (int64_t b = 0; b < t.dim(0); ++b) {
+      for (int64_t i = 8; i < 12; ++i) t.i32()[b * 12 + i] = -1;
+    }
+  }
+  double masked_loss = 0;
+  auto masked = Run(2, 2, &masked_loss);
+  auto shorter = InProcModel::Create(model_, 1, 1, /*seed=*/42, /*microbatches=*/2, false);
+  ASSERT_TRUE(shorter.ok());
+  auto short_loss = (*shorter)->ForwardBackward(short_tokens, short_targets);
+  ASSERT_TRUE(short_loss.ok());
+  EXPECT_NEAR(masked_loss, *short_loss, 1e-5 * *short_loss);
+  EXPECT_EQ(masked->stage(1, 0).score().tokens, (*shorter)->stage(0, 0).score().tokens);
+  EXPECT_EQ(masked->stage(1, 0).score().correct, (*shorter)->stage(0, 0).score().correct);
+  for (const std::string& name : masked->ParameterNames()) {
+    EXPECT_LT(RelError(masked->FullGrad(name), (*shorter)->FullGrad(name)), 1e-5) << name;
+  }
+}
+
+TEST_F(GptStageTest, AccuracyCountsTheLowestIndexOfTiedLogits) {
+  // A zero final LayerNorm makes every logit 0: each scored position is then
+  // "predicted" as token 0 (ties go to the lowest id), in every layout, and
+  // the loss is exactly log(vocab) per scored token.
+  model_.vocab = 40;
+  std::mt19937 rng(5);
+  std::vector<Tensor> targets;
+  int64_t zeros = 0, scored = 0;
+  for (int mb = 0; mb < 2; ++mb) {
+    targets.push_back(RandomIds(rng, 2, 12, 3));  // ids 0, 1, 2
+    Tensor& t = targets.back();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (i % 4 == 3) t.i32()[i] = -1;
+      scored += t.i32()[i] >= 0;
+      zeros += t.i32()[i] == 0;
+    }
+  }
+  ASSERT_GT(zeros, 0);
+  ASSERT_LT(zeros, scored);
+  const std::vector<float> zero(model_.d_model, 0.0f);
+  const struct { int pp, tp; bool vocab_parallel; } layouts[] = {
+      {1, 1, false}, {2, 2, false}, {1, 4, true}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << layout.pp << " tp=" << layout.tp
+                                      << " vocab_parallel=" << layout.vocab_parallel);
+    auto m = InProcModel::Create(model_, layout.pp, layout.tp, 42, 2, layout.vocab_parallel);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->SetParameter("ln_f.weight", zero).ok());
+    auto loss = (*m)->ForwardBackward(tokens_, targets);
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    EXPECT_NEAR(*loss, std::log(40.0), 1e-6);
+    const StepScore got = (*m)->stage(layout.pp - 1, 0).score();
+    EXPECT_EQ(got.tokens, scored);
+    EXPECT_EQ(got.correct, zeros);
+  }
+}
+
 TEST_F(GptStageTest, SameLayoutTwiceGivesIdenticalBits) {
   std::vector<std::vector<float>> first;
   for (int run = 0; run < 2; ++run) {
@@ -237,6 +348,9 @@ TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
   }
   EXPECT_GT(first, 2.0);  // ~ln 16 before training
   EXPECT_LT(last, 0.05);  // memorised
+  const StepScore score = (*m)->stage(0, 0).score();
+  EXPECT_EQ(score.tokens, 4 * 8);
+  EXPECT_EQ(score.correct, score.tokens);  // every argmax is the target
 }
 
 TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {
@@ -308,7 +422,7 @@ TEST_F(GptStageTest, BadInputsAreErrorsNotCrashes) {
   EXPECT_NE(st.message().find("tokens[2]"), absl::string_view::npos) << st;
   in.tokens.i32()[2] = 0;
 
-  in.targets.i32()[0] = -1;
+  in.targets.i32()[0] = -2;  // -1 means "ignored"; other negative ids are errors
   st = (*stage)->Forward(0, in, Tensor());
   EXPECT_NE(st.message().find("targets[0]"), absl::string_view::npos) << st;
   in.targets.i32()[0] = 0;

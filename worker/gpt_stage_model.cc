@@ -1,0 +1,115 @@
+#include "worker/gpt_stage_model.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace baton {
+
+using kernels::Tensor;
+
+kernels::AdamWConfig AdamWFromTrainSpec(const v1::TrainSpec& train) {
+  kernels::AdamWConfig config;
+  config.lr = static_cast<float>(train.lr());
+  config.weight_decay = static_cast<float>(train.weight_decay());
+  config.beta1 = 0.9f;
+  config.beta2 = 0.95f;
+  config.eps = 1e-8f;
+  return config;
+}
+
+absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
+    const model::StageConfig& config, int64_t micro_batch_size, comm::Communicator* tp_group,
+    comm::Communicator* tie_group, const kernels::AdamWConfig& adamw) {
+  if (micro_batch_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.micro_batch_size = ", micro_batch_size, ": must be positive"));
+  }
+  const bool needs_tie = config.pp_size > 1 && (config.is_first() || config.is_last());
+  if (needs_tie && (tie_group == nullptr || tie_group->size() != 2 ||
+                    tie_group->rank() != (config.is_first() ? 0 : 1))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model chunk ", config.pp_rank, " of ", config.pp_size,
+        " holds the tied embedding and needs a two-rank tie group where the first chunk is "
+        "rank 0 and the last rank 1"));
+  }
+  BATON_ASSIGN_OR_RETURN(std::unique_ptr<model::GptStage> stage,
+                         model::GptStage::Create(config, tp_group));
+  return std::unique_ptr<GptStageModel>(
+      new GptStageModel(config, micro_batch_size, std::move(stage), tie_group, adamw));
+}
+
+int64_t GptStageModel::activation_elements() const {
+  return batch_ * config_.model.seq_len * config_.model.d_model;
+}
+
+absl::Status GptStageModel::Forward(int mb, const MicrobatchData& data, const Tensor& input,
+                                    const Tensor& output) {
+  model::StageInputs in;
+  if (config_.is_first()) {
+    in.tokens = data.tokens;
+  } else {
+    if (!input.defined() || input.numel() != activation_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Forward(", mb, "): input: want ", activation_elements(),
+                       " activations (micro_batch_size × seq_len × d_model), got ",
+                       input.defined() ? input.numel() : 0));
+    }
+    in.activations = input.Reshaped({batch_, config_.model.seq_len, config_.model.d_model});
+  }
+  if (config_.is_last()) in.targets = data.targets;
+  return stage_->Forward(mb, in, output);
+}
+
+absl::Status GptStageModel::BackwardInput(int mb, const Tensor& grad_output,
+                                          const Tensor& grad_input) {
+  return stage_->BackwardInput(mb, grad_output, grad_input);
+}
+
+absl::Status GptStageModel::BackwardWeight(int mb) { return stage_->BackwardWeight(mb); }
+
+void GptStageModel::ZeroGrad() { stage_->ZeroGrad(); }
+
+void GptStageModel::DropInFlight() { stage_->DropInFlight(); }
+
+Tensor GptStageModel::Gradients() { return stage_->parameters().grads(); }
+
+double GptStageModel::LocalGradSqNorm() const { return stage_->LocalGradSqNorm(); }
+
+absl::Status GptStageModel::SyncTiedGradients() {
+  if (!holds_tied_embedding()) return absl::OkStatus();
+  return stage_->SyncTiedEmbeddingGrad(*tie_);
+}
+
+absl::Status GptStageModel::OptimizerStep(float grad_scale) {
+  return stage_->OptimizerStep(adamw_, grad_scale);
+}
+
+LossStats GptStageModel::loss_stats() const {
+  const model::StepScore& score = stage_->score();
+  LossStats stats;
+  stats.loss_sum = score.loss_sum;
+  stats.tokens = score.tokens;
+  stats.correct = score.correct;
+  return stats;
+}
+
+std::vector<NamedShard> GptStageModel::Shards() {
+  std::vector<NamedShard> shards;
+  for (model::Parameter& p : stage_->parameters().parameters()) {
+    NamedShard shard;
+    shard.name = p.spec.name;
+    shard.value = p.value;
+    shard.full_shape = p.spec.full_shape;
+    if (!p.spec.shard.replicated) {
+      shard.split_dim = p.spec.shard.dim;
+      shard.qkv = p.spec.shard.outer == 3 && p.spec.shard.dim == 0;  // ShardSpec::QkvRows
+    }
+    shard.tied_copy = p.spec.name == "wte" && !config_.is_first();
+    shards.push_back(std::move(shard));
+  }
+  return shards;
+}
+
+}  // namespace baton

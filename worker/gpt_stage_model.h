@@ -1,0 +1,94 @@
+// GptStageModel: the real GPT math behind the StageModel interface — one
+// model::GptStage (one pipeline chunk on one TP rank) plus its AdamW settings
+// and the communicator pairing its tied embedding with the other end of the
+// pipeline.
+//
+// Activations are float [micro_batch_size, model.seq_len, d_model] per
+// microbatch; data rows are model.seq_len tokens long.
+//
+// Shards() lists every parameter of the chunk under its model name
+// (docs/model.md) with its full shape and TP split. The tied embedding: the
+// first chunk's token embedding and the last chunk's LM head are one tensor,
+// "wte" [vocab, d_model]. With more than one chunk both hold a copy named
+// "wte"; the last chunk's is marked tied_copy (equal to the first's after
+// every optimizer step), so a checkpoint writes "wte" once, from the first
+// chunk, and restores both copies from it. Shard values are views into the
+// parameter store: writing one sets the parameter.
+//
+// Not thread-safe: one thread drives a worker's stages.
+#ifndef BATON_WORKER_GPT_STAGE_MODEL_H_
+#define BATON_WORKER_GPT_STAGE_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "baton/v1/job.pb.h"
+#include "kernels/ops.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/gpt_config.h"
+#include "worker/model/gpt_stage.h"
+#include "worker/stage_model.h"
+
+namespace baton {
+
+// AdamW for a job: lr and weight_decay from train, betas 0.9 / 0.95, eps 1e-8.
+kernels::AdamWConfig AdamWFromTrainSpec(const v1::TrainSpec& train);
+
+class GptStageModel : public StageModel {
+ public:
+  // `config`: see model::MakeChunkConfig (set microbatches to the schedule's
+  // microbatches per step). `tp_group`: config.tp_size ranks, this one
+  // config.tp_rank; may be null when tp_size is 1. `tie_group`: for the first
+  // and last chunk of a pipeline of more than one chunk, a two-rank group of
+  // this TP rank's first chunk (rank 0) and last chunk (rank 1); null
+  // elsewhere. Both communicators must outlive the model.
+  static absl::StatusOr<std::unique_ptr<GptStageModel>> Create(const model::StageConfig& config,
+                                                               int64_t micro_batch_size,
+                                                               comm::Communicator* tp_group,
+                                                               comm::Communicator* tie_group,
+                                                               const kernels::AdamWConfig& adamw);
+
+  int64_t activation_elements() const override;
+  absl::Status Forward(int mb, const MicrobatchData& data, const kernels::Tensor& input,
+                       const kernels::Tensor& output) override;
+  absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output,
+                             const kernels::Tensor& grad_input) override;
+  absl::Status BackwardWeight(int mb) override;
+  void ZeroGrad() override;
+  void DropInFlight() override;
+  kernels::Tensor Gradients() override;
+  double LocalGradSqNorm() const override;
+  absl::Status SyncTiedGradients() override;
+  absl::Status OptimizerStep(float grad_scale) override;
+  LossStats loss_stats() const override;
+  std::vector<NamedShard> Shards() override;
+
+  model::GptStage& stage() { return *stage_; }
+
+ private:
+  GptStageModel(const model::StageConfig& config, int64_t micro_batch_size,
+                std::unique_ptr<model::GptStage> stage, comm::Communicator* tie_group,
+                const kernels::AdamWConfig& adamw)
+      : config_(config),
+        batch_(micro_batch_size),
+        stage_(std::move(stage)),
+        tie_(tie_group),
+        adamw_(adamw) {}
+
+  bool holds_tied_embedding() const {
+    return config_.pp_size > 1 && (config_.is_first() || config_.is_last());
+  }
+
+  model::StageConfig config_;
+  int64_t batch_;
+  std::unique_ptr<model::GptStage> stage_;
+  comm::Communicator* tie_;
+  kernels::AdamWConfig adamw_;
+};
+
+}  // namespace baton
+
+#endif  // BATON_WORKER_GPT_STAGE_MODEL_H_
