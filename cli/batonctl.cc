@@ -1,5 +1,6 @@
 // batonctl: the operator's command line for baton.
 //
+//   batonctl local --job=FILE --out=DIR [--workers=N]   (docs/cli.md)
 //   batonctl [--coordinator=HOST:PORT] status [--json]
 //   batonctl schedule show|simulate|validate ...   (docs/schedules.md)
 //   batonctl trace --coordinator=HOST:PORT --out=FILE [--steps=N]
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cli/checkpoint_cmd.h"
+#include "cli/local_cmd.h"
 #include "cli/schedule_cmd.h"
 #include "cli/status_cmd.h"
 #include "cli/trace_cmd.h"
@@ -25,6 +27,8 @@ struct Subcommand {
 };
 
 constexpr Subcommand kSubcommands[] = {
+    {"local", "--job=FILE --out=DIR [--workers=N] [--timeout_s=3600]: run a job on this machine with live progress",
+     &baton::cli::RunLocalCommand},
     {"status", "--coordinator=HOST:PORT [--json] [--timeout_ms=5000]: workers and their state",
      &baton::cli::RunStatusCommand},
     {"schedule", "show|simulate|validate [flags]: build, show, simulate and validate pipeline schedules",
