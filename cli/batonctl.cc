@@ -1,7 +1,10 @@
 // batonctl: the operator's command line for baton.
 //
+//   batonctl local --job=FILE --out=DIR [--workers=N]   (docs/cli.md)
 //   batonctl [--coordinator=HOST:PORT] status [--json]
 //   batonctl schedule show|simulate|validate ...   (docs/schedules.md)
+//   batonctl trace --coordinator=HOST:PORT --out=FILE [--steps=N]
+//   batonctl checkpoint diff DIR_A DIR_B [--json]   (docs/cli.md)
 //
 // Flags may come before or after the subcommand. Exit codes: 0 ok, 1 the
 // operation failed, 2 bad usage (the message says what to change).
@@ -9,8 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "cli/checkpoint_cmd.h"
+#include "cli/local_cmd.h"
 #include "cli/schedule_cmd.h"
 #include "cli/status_cmd.h"
+#include "cli/trace_cmd.h"
 
 namespace {
 
@@ -21,10 +27,18 @@ struct Subcommand {
 };
 
 constexpr Subcommand kSubcommands[] = {
+    {"local", "--job=FILE --out=DIR [--workers=N] [--timeout_s=3600]: run a job on this machine with live progress",
+     &baton::cli::RunLocalCommand},
     {"status", "--coordinator=HOST:PORT [--json] [--timeout_ms=5000]: workers and their state",
      &baton::cli::RunStatusCommand},
     {"schedule", "show|simulate|validate [flags]: build, show, simulate and validate pipeline schedules",
      &baton::cli::RunScheduleCommand},
+    {"trace", "--coordinator=HOST:PORT --out=FILE [--steps=1]: Chrome/Perfetto trace of the last steps",
+     &baton::cli::RunTraceCommand},
+    {"checkpoint",
+     "diff DIR_A DIR_B [--json]: compare two checkpoints of any layouts (max |a-b|; rel = ||a-b||/||b|| per "
+     "tensor)",
+     &baton::cli::RunCheckpointCommand},
 };
 
 int Usage(std::ostream& err) {

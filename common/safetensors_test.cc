@@ -51,6 +51,8 @@ TEST(SafetensorsTest, MalformedFilesAreErrorsThatSayWhy) {
       {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
        R"("v":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", "overlap"},
       {R"({"__metadata__":{"k":1}})", "not a string"},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "duplicate member \"w\""},
       {R"([1,2])", "not a JSON object"},
   };
   for (const auto& [header, why] : bad_headers) {

@@ -1,0 +1,432 @@
+#include "cli/local_cmd.h"
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "baton/v1/coordinator.grpc.pb.h"
+#include "cli/args.h"
+#include "cli/child_process.h"
+#include "common/file_io.h"
+#include "common/json.h"
+#include "coordinator/job_spec.h"
+
+namespace baton::cli {
+namespace {
+
+constexpr absl::Duration kTick = absl::Milliseconds(100);
+constexpr absl::Duration kPollPeriod = absl::Milliseconds(500);
+constexpr absl::Duration kRpcTimeout = absl::Seconds(1);
+constexpr absl::Duration kPortFileTimeout = absl::Seconds(30);
+constexpr absl::Duration kSilentCoordinatorLimit = absl::Seconds(60);
+constexpr absl::Duration kStopGrace = absl::Seconds(5);
+constexpr int kLogTailLines = 20;
+
+// The signal that asked batonctl local to stop (0: none yet).
+volatile sig_atomic_t g_stop_signal = 0;
+
+void OnStopSignal(int sig) { g_stop_signal = sig; }
+
+// Routes SIGINT and SIGTERM to g_stop_signal while in scope. No SA_RESTART,
+// so sleeps end early.
+class ScopedStopSignals {
+ public:
+  ScopedStopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action = {};
+    action.sa_handler = OnStopSignal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &old_int_);
+    sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~ScopedStopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+
+ private:
+  struct sigaction old_int_ = {}, old_term_ = {};
+};
+
+bool IsExecutable(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;
+}
+
+std::string Dirname(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+absl::StatusOr<std::string> Locate(const std::string& subdir, const std::string& name, const std::string& bin_dir,
+                                   const std::string& self_exe) {
+  std::vector<std::string> candidates;
+  if (!bin_dir.empty()) {
+    candidates = {absl::StrCat(bin_dir, "/", subdir, "/", name), absl::StrCat(bin_dir, "/", name)};
+  } else {
+    const std::string exe_dir = Dirname(self_exe);
+    candidates = {absl::StrCat(Dirname(exe_dir), "/", subdir, "/", name), absl::StrCat(exe_dir, "/", name),
+                  absl::StrCat(self_exe, ".runfiles/baton/", subdir, "/", name)};
+  }
+  for (const std::string& c : candidates) {
+    if (IsExecutable(c)) return c;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "cannot find ", name, " (looked for ", absl::StrJoin(candidates, ", "), "); build it with `bazel build //",
+      subdir, ":", name, "` or pass --bin_dir=DIR"));
+}
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+}
+
+absl::Status MakeDirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrCat("cannot create ", prefix, ": ", std::strerror(errno)));
+    }
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InternalError(absl::StrCat(path, " is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+// The gRPC port from a --port_file ({"grpc": N, "http": M}), once written.
+std::optional<int> ReadGrpcPort(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return std::nullopt;
+  absl::StatusOr<JsonValue> j = JsonValue::Parse(*text);
+  if (!j.ok() || j->Find("grpc") == nullptr || !j->Find("grpc")->integer()) return std::nullopt;
+  const int64_t port = *j->Find("grpc")->integer();
+  if (port <= 0 || port > 65535) return std::nullopt;
+  return static_cast<int>(port);
+}
+
+std::string Percent(double ratio) { return absl::StrFormat("%.1f%%", 100 * ratio); }
+
+// One progress line, e.g.
+// step 12/200  loss 1.234  acc 45.6%  tok/s 12345  bubble 12.3%  comm 4.5%
+std::string ProgressLine(const v1::GetStatusResponse& s) {
+  return absl::StrFormat("step %d/%d  loss %.3f  acc %s  tok/s %.0f  bubble %s  comm %s", s.step(), s.total_steps(),
+                         s.loss(), Percent(s.accuracy()), s.tokens_per_second(), Percent(s.bubble_ratio()),
+                         Percent(s.comm_ratio()));
+}
+
+// Prints progress lines: rewritten in place on a terminal, one per line
+// otherwise; other messages first end a pending in-place line.
+class ProgressPrinter {
+ public:
+  ProgressPrinter(std::ostream& out, bool tty) : out_(out), tty_(tty) {}
+
+  void Progress(const std::string& line) {
+    if (tty_) {
+      out_ << "\r" << line << "\033[K" << std::flush;
+      pending_ = true;
+    } else {
+      out_ << line << std::endl;
+    }
+  }
+  std::ostream& Line() {
+    EndLine();
+    return out_;
+  }
+  void EndLine() {
+    if (pending_) out_ << "\n" << std::flush;
+    pending_ = false;
+  }
+
+ private:
+  std::ostream& out_;
+  const bool tty_;
+  bool pending_ = false;
+};
+
+std::string FormatSummaryValue(const std::string& key, const JsonValue& v) {
+  if (v.is_number()) {
+    if (absl::EndsWith(key, "_ratio") || key == "accuracy" || absl::EndsWith(key, "_accuracy")) {
+      return absl::StrCat(Percent(v.number()), " (", JsonNumber(v.number()), ")");
+    }
+    if (v.integer()) return absl::StrCat(*v.integer());
+    return absl::StrFormat("%.6g", v.number());
+  }
+  if (v.is_string()) return v.str();
+  if (v.kind() == JsonValue::Kind::kBool) return v.bool_value() ? "true" : "false";
+  if (v.kind() == JsonValue::Kind::kNull) return "null";
+  return "(see summary.json)";
+}
+
+// `name` appears in `text` as a whole name ("worker-1" not inside "worker-12").
+bool MentionsName(const std::string& text, const std::string& name) {
+  for (size_t at = text.find(name); at != std::string::npos; at = text.find(name, at + 1)) {
+    const size_t end = at + name.size();
+    const bool left_ok = at == 0 || !(absl::ascii_isalnum(text[at - 1]) || text[at - 1] == '-');
+    const bool right_ok = end == text.size() || !(absl::ascii_isalnum(text[end]) || text[end] == '-');
+    if (left_ok && right_ok) return true;
+  }
+  return false;
+}
+
+// Runs one job; the children live as long as this object.
+class LocalRun {
+ public:
+  LocalRun(std::ostream& out, std::ostream& err, bool tty) : err_(err), printer_(out, tty) {}
+
+  int Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
+          absl::Duration timeout);
+
+ private:
+  // Stops every child and returns `code`.
+  int Stop(int code) {
+    std::vector<ChildProcess*> all;
+    for (auto& w : workers_) all.push_back(w.get());
+    if (coordinator_) all.push_back(coordinator_.get());
+    StopAll(all, kStopGrace);
+    return code;
+  }
+  int Fail(const std::string& message) {
+    printer_.EndLine();
+    err_ << "batonctl local: " << message << "\n";
+    return Stop(1);
+  }
+  void PrintLogTail(const ChildProcess& child) {
+    const std::string tail = TailOfFile(child.log_path(), kLogTailLines);
+    err_ << "--- last lines of " << child.log_path() << " ---\n" << (tail.empty() ? "(empty)\n" : tail);
+  }
+  // "worker-2 (pipeline stage 1)", from the last status.
+  std::string Describe(const ChildProcess& child) const {
+    for (const v1::StageStatus& stage : last_status_.stages()) {
+      for (const std::string& w : stage.workers()) {
+        if (w == child.name()) return absl::StrCat(child.name(), " (pipeline stage ", stage.pp_rank(), ")");
+      }
+    }
+    return child.name();
+  }
+  int ChildExited(ChildProcess& child, int status) {
+    printer_.EndLine();
+    err_ << "batonctl local: " << Describe(child) << " " << DescribeWaitStatus(status)
+         << " unexpectedly; stopping the run\n";
+    PrintLogTail(child);
+    return Stop(1);
+  }
+  int JobFailed(const v1::GetStatusResponse& s);
+  int JobDone(const std::string& out_dir);
+  // Prints state changes and progress; returns an exit code once the job ended.
+  std::optional<int> OnStatus(const v1::GetStatusResponse& s, const std::string& out_dir);
+
+  std::ostream& err_;
+  ProgressPrinter printer_;
+  std::unique_ptr<ChildProcess> coordinator_;
+  std::vector<std::unique_ptr<ChildProcess>> workers_;
+  v1::GetStatusResponse last_status_;
+  std::string last_state_;
+  int last_ready_ = -1;
+  int64_t last_step_ = 0;
+};
+
+int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
+                  absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  const std::string port_file = absl::StrCat(out_dir, "/coordinator.ports");
+  unlink(port_file.c_str());  // a stale one would name a dead coordinator
+  coordinator_ = std::make_unique<ChildProcess>(
+      "the coordinator", bins.coordinator,
+      std::vector<std::string>{"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0", "--port_file=" + port_file,
+                               "--job=" + job_path, "--out=" + out_dir},
+      absl::StrCat(out_dir, "/logs/coordinator.log"));
+  if (absl::Status s = coordinator_->Start(); !s.ok()) return Fail(std::string(s.message()));
+
+  std::optional<int> port;
+  const absl::Time port_deadline = std::min(deadline, absl::Now() + kPortFileTimeout);
+  while (!(port = ReadGrpcPort(port_file))) {
+    if (g_stop_signal != 0) return Stop(130);
+    if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
+    if (absl::Now() > port_deadline) {
+      PrintLogTail(*coordinator_);
+      return Fail(absl::StrCat("the coordinator did not write ", port_file, " in time"));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const std::string target = absl::StrCat("127.0.0.1:", *port);
+  for (int i = 0; i < workers; ++i) {
+    const std::string name = absl::StrCat("worker-", i);
+    workers_.push_back(std::make_unique<ChildProcess>(
+        name, bins.worker,
+        std::vector<std::string>{"--coordinator=" + target, "--name=" + name,
+                                 absl::StrCat("--port_file=", out_dir, "/", name, ".ports")},
+        absl::StrCat(out_dir, "/logs/", name, ".log")));
+    if (absl::Status s = workers_.back()->Start(); !s.ok()) return Fail(std::string(s.message()));
+  }
+  printer_.Line() << "coordinator on " << target << ", " << workers << " worker" << (workers == 1 ? "" : "s")
+                  << "; logs in " << out_dir << "/logs/" << std::endl;
+
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  absl::Time next_poll = absl::Now();
+  absl::Time last_answer = absl::Now();
+  for (;;) {
+    if (g_stop_signal != 0) {
+      printer_.EndLine();
+      err_ << "batonctl local: " << strsignal(g_stop_signal) << "; stopping the coordinator and " << workers
+           << " workers\n";
+      return Stop(130);
+    }
+    if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
+    for (auto& w : workers_) {
+      if (std::optional<int> status = w->Poll()) return ChildExited(*w, *status);
+    }
+    const absl::Time now = absl::Now();
+    if (now > deadline) {
+      return Fail(absl::StrCat("no result within --timeout_s=", absl::ToInt64Seconds(timeout), " (job state '",
+                               last_state_, "', step ", last_step_, "); see the logs in ", out_dir, "/logs/"));
+    }
+    if (now >= next_poll) {
+      next_poll = now + kPollPeriod;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(now + kRpcTimeout));
+      v1::GetStatusResponse status;
+      if (stub->GetStatus(&ctx, {}, &status).ok()) {
+        last_answer = now;
+        if (std::optional<int> code = OnStatus(status, out_dir)) return *code;
+      } else if (now - last_answer > kSilentCoordinatorLimit) {
+        PrintLogTail(*coordinator_);
+        return Fail(absl::StrCat("the coordinator has not answered for ",
+                                 absl::ToInt64Seconds(kSilentCoordinatorLimit), " s"));
+      }
+    }
+    absl::SleepFor(kTick);
+  }
+}
+
+std::optional<int> LocalRun::OnStatus(const v1::GetStatusResponse& s, const std::string& out_dir) {
+  last_status_ = s;
+  if (s.job_state() == "waiting") {
+    int ready = 0;
+    for (const v1::WorkerInfo& w : s.workers()) ready += w.state() == v1::READY;
+    if (ready != last_ready_) {
+      printer_.Line() << "waiting for workers: " << ready << " of " << workers_.size() << " ready" << std::endl;
+    }
+    last_ready_ = ready;
+  } else if (s.job_state() != last_state_ && s.job_state() != "done" && s.job_state() != "failed") {
+    printer_.Line() << "job " << (s.job().empty() ? "" : s.job() + " ") << s.job_state() << std::endl;
+  }
+  last_state_ = s.job_state();
+  if (s.step() != last_step_ && s.step() > 0) printer_.Progress(ProgressLine(s));
+  last_step_ = s.step();
+  if (s.job_state() == "failed") return JobFailed(s);
+  if (s.job_state() == "done") return JobDone(out_dir);
+  return std::nullopt;
+}
+
+int LocalRun::JobFailed(const v1::GetStatusResponse& s) {
+  printer_.EndLine();
+  err_ << "batonctl local: job failed: " << (s.job_error().empty() ? "(no reason given)" : s.job_error()) << "\n";
+  // The workers the error names, else those the coordinator lost, else the
+  // coordinator's own log.
+  std::vector<const ChildProcess*> culprits;
+  for (const auto& w : workers_) {
+    if (MentionsName(s.job_error(), w->name())) culprits.push_back(w.get());
+  }
+  if (culprits.empty()) {
+    for (const v1::WorkerInfo& info : s.workers()) {
+      for (const auto& w : workers_) {
+        if (info.state() == v1::LOST && info.name() == w->name()) culprits.push_back(w.get());
+      }
+    }
+  }
+  if (culprits.empty()) culprits.push_back(coordinator_.get());
+  for (size_t i = 0; i < culprits.size() && i < 3; ++i) PrintLogTail(*culprits[i]);
+  return Stop(1);
+}
+
+int LocalRun::JobDone(const std::string& out_dir) {
+  printer_.EndLine();
+  const std::string path = absl::StrCat(out_dir, "/summary.json");
+  absl::StatusOr<std::string> text = ReadFile(path);
+  absl::StatusOr<JsonValue> summary = text.ok() ? JsonValue::Parse(*text) : text.status();
+  if (!summary.ok() || !summary->is_object()) {
+    err_ << "batonctl local: the job is done but " << path << " is unreadable ("
+         << (summary.ok() ? "not a JSON object" : summary.status().message()) << ")\n";
+  } else {
+    std::ostream& out = printer_.Line();
+    out << "done" << (last_status_.job().empty() ? "" : absl::StrCat(": job ", last_status_.job())) << "\n";
+    for (const auto& [key, value] : summary->members()) {
+      out << absl::StrFormat("  %-24s %s\n", key, FormatSummaryValue(key, value));
+    }
+    out << "results in " << out_dir << "/" << std::endl;
+  }
+  return Stop(0);
+}
+
+}  // namespace
+
+absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const std::string& self_exe) {
+  LocalBinaries bins;
+  absl::StatusOr<std::string> coordinator = Locate("coordinator", "baton-coordinator", bin_dir, self_exe);
+  if (!coordinator.ok()) return coordinator.status();
+  absl::StatusOr<std::string> worker = Locate("worker", "baton-worker", bin_dir, self_exe);
+  if (!worker.ok()) return worker.status();
+  bins.coordinator = *coordinator;
+  bins.worker = *worker;
+  return bins;
+}
+
+int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
+  absl::StatusOr<Args> args = Args::Parse(argv, {"job", "out", "workers", "bin_dir", "timeout_s"});
+  if (!args.ok()) {
+    err << "batonctl local: " << args.status().message() << "\n";
+    return 2;
+  }
+  const std::string job_path = args->GetString("job", "");
+  const std::string out_dir = args->GetString("out", "");
+  absl::StatusOr<int64_t> timeout_s = args->GetInt("timeout_s", 3600);
+  if (job_path.empty() || out_dir.empty() || !args->positionals().empty() || !timeout_s.ok() || *timeout_s <= 0) {
+    err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--bin_dir=DIR] [--timeout_s=3600]\n";
+    return 2;
+  }
+  absl::StatusOr<v1::JobSpec> job = LoadJobSpec(job_path);
+  if (!job.ok()) {
+    err << "batonctl local: " << job.status().message() << "\n";
+    return 2;
+  }
+  const ParallelDims dims = DimsOf(*job);
+  absl::StatusOr<int64_t> workers = args->GetInt("workers", dims.world_size());
+  if (!workers.ok() || *workers < 1 || *workers > 1024) {
+    err << "batonctl local: --workers must be between 1 and 1024 (default pp·tp·dp = " << dims.world_size()
+        << ")\n";
+    return 2;
+  }
+  absl::StatusOr<LocalBinaries> bins = LocateBinaries(args->GetString("bin_dir", ""), SelfExe());
+  if (!bins.ok()) {
+    err << "batonctl local: " << bins.status().message() << "\n";
+    return 2;
+  }
+  if (absl::Status s = MakeDirs(absl::StrCat(out_dir, "/logs")); !s.ok()) {
+    err << "batonctl local: " << s.message() << "; pick another --out\n";
+    return 2;
+  }
+  ScopedStopSignals signals;
+  LocalRun run(out, err, &out == &std::cout && isatty(STDOUT_FILENO));
+  return run.Run(job_path, out_dir, static_cast<int>(*workers), *bins, absl::Seconds(*timeout_s));
+}
+
+}  // namespace baton::cli
