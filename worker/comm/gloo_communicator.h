@@ -7,11 +7,11 @@
 //
 // Point-to-point ops are posted to Gloo at once from the caller's thread
 // (many may be in flight; the tag is Gloo's slot). The thread that calls
-// Work::Wait soon after posting waits in Gloo itself (no hand-off between
-// threads); ops nobody waits for are waited for by a pool thread. Collectives (ring all-reduce, all-gather, reduce-scatter; direct
-// broadcast; all-to-all barrier) run one at a time, in call order, on an
-// executor thread over Gloo's unbound buffers, so every step knows which
-// peer it waits on.
+// Work::Wait waits in Gloo itself (no hand-off between threads); ops nobody
+// waits for are waited for by a pool thread. Collectives (ring all-reduce,
+// all-gather, reduce-scatter; direct broadcast; all-to-all barrier) run one
+// at a time, in call order, on an executor thread over Gloo's unbound
+// buffers, so every step knows which peer it waits on.
 //
 // Failure semantics:
 //  - Work::Wait(timeout) that expires returns DEADLINE_EXCEEDED naming the
