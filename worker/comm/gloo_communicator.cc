@@ -31,8 +31,13 @@ namespace {
 // (Work::Wait, the watchdog); Abort interrupts them.
 constexpr std::chrono::milliseconds kNoGlooDeadline = std::chrono::hours(24 * 365);
 
-// How long a posted point-to-point op waits for a caller to claim its Gloo
-// wait before a pool thread takes it.
+// After a peer's connection breaks, how long its ops get to finish what Gloo
+// already delivered before they fail (Gloo never signals a receive whose
+// payload it was reading when the connection broke).
+constexpr absl::Duration kBrokenPeerGrace = absl::Milliseconds(500);
+
+// How long a posted point-to-point op may wait for a caller to claim its
+// Gloo wait before the watchdog's sweep gives it to a pool thread.
 constexpr absl::Duration kClaimWindow = absl::Milliseconds(2);
 
 // Gloo slots: point-to-point uses the tag itself; collectives set the top
@@ -117,11 +122,12 @@ class GlooStoreAdapter : public ::gloo::rendezvous::Store {
 
 }  // namespace
 
-// Runs callbacks at given times, on one thread that ticks every
-// kTimerTick while callbacks are queued (so scheduling never wakes it, which
-// would cost a context switch per op). Callbacks run under the timer's lock,
-// so they must be short and take only leaf locks; once Cancel() returns, its
-// callback is not running and never will. After Shutdown() nothing runs.
+// Runs callbacks at given times on one thread. The thread sleeps at most
+// kTimerNap at a time and is woken only for a callback due before it would
+// wake anyway, so scheduling the usual far-off deadline costs no context
+// switch. Callbacks run under the timer's lock, so they must be short and
+// take only leaf locks; once Cancel() returns, its callback is not running
+// and never will. After Shutdown() nothing runs.
 class Timer {
  public:
   using Token = std::pair<absl::Time, uint64_t>;
@@ -132,7 +138,9 @@ class Timer {
   Token Schedule(absl::Time when, std::function<void()> fn) {
     absl::MutexLock lock(&mu_);
     Token token(when, next_id_++);
-    if (!stop_) queue_.emplace(token, std::move(fn));
+    if (stop_) return token;
+    queue_.emplace(token, std::move(fn));
+    if (when < wake_at_) ++version_;
     return token;
   }
 
@@ -152,16 +160,20 @@ class Timer {
   }
 
  private:
-  static constexpr absl::Duration kTimerTick = absl::Milliseconds(1);
+  static constexpr absl::Duration kTimerNap = absl::Milliseconds(100);
 
   void Loop() {
     absl::MutexLock lock(&mu_);
-    auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
     while (!stop_) {
-      mu_.Await(absl::Condition(&busy));
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), kTimerTick)) return;
+      wake_at_ = absl::Now() + kTimerNap;
+      if (!queue_.empty()) wake_at_ = std::min(wake_at_, queue_.begin()->first.first);
+      const uint64_t seen = version_;
+      auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || version_ != seen;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&changed), wake_at_);
       const absl::Time now = absl::Now();
-      while (!queue_.empty() && queue_.begin()->first.first <= now) {
+      while (!stop_ && !queue_.empty() && queue_.begin()->first.first <= now) {
         queue_.begin()->second();
         queue_.erase(queue_.begin());
       }
@@ -171,6 +183,8 @@ class Timer {
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time wake_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::map<Token, std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
@@ -253,30 +267,61 @@ absl::Status WaitGloo(absl::string_view what, UnboundBuffer* ub, bool recv, int 
 //
 // Who waits in Gloo for a point-to-point op: a thread that calls Wait()
 // while nobody else does claims the op and waits in Gloo itself (no hand-off
-// between threads; the timer interrupts it at the Wait deadline). An op not
-// claimed within a short window after posting, or asked IsCompleted(), is
-// handed to a pool thread, so that it completes (and the watchdog sees it
-// complete) even if nobody waits. A collective is completed by the executor.
+// between threads; the timer interrupts it at the Wait deadline). An op
+// asked IsCompleted(), or found unclaimed by the watchdog's sweep, is handed
+// to a pool thread, so that it completes (and the watchdog sees it complete)
+// even if nobody waits. A collective is completed by the executor.
 class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
  public:
-  GlooWork(std::string what, absl::Time deadline)
-      : what_(std::move(what)), deadline_(deadline) {}
+  GlooWork(std::string what, absl::Time deadline, std::shared_ptr<Timer> timer)
+      : what_(std::move(what)), deadline_(deadline), timer_(std::move(timer)) {}
 
   // Makes this a point-to-point op on `ub` (owned by this op) with `peer`.
-  void StartPointToPoint(UnboundBuffer* ub, bool recv, int peer, std::shared_ptr<Timer> timer,
-                         WaiterPool* pool, absl::Duration claim_window) {
-    {
-      absl::MutexLock lock(&mu_);
-      waiting_for_ = peer;
-    }
+  void StartPointToPoint(UnboundBuffer* ub, bool recv, int peer, WaiterPool* pool) {
+    absl::MutexLock lock(&mu_);
+    waiting_for_ = peer;
     p2p_ub_ = ub;
     p2p_recv_ = recv;
     peer_ = peer;
     pool_ = pool;
-    timer_ = std::move(timer);
-    timer_->Schedule(absl::Now() + claim_window, [self = shared_from_this()] {
-      if (self->Claim(kPool)) self->HandToPool();
+    posted_ = absl::Now();
+  }
+
+  // `peer`'s connection broke (`why`). If this op involves it (a
+  // point-to-point op with it, or any collective) and has not finished
+  // within `grace`, it fails with `why`.
+  void PeerBroken(int peer, const absl::Status& why, absl::Duration grace) {
+    bool p2p;
+    {
+      absl::MutexLock lock(&mu_);
+      p2p = p2p_ub_ != nullptr;
+      if (done_ || (p2p && peer_ != peer)) return;
+      broken_ = absl::Status(why.code(), absl::StrCat(what_, ": ", why.message()));
+    }
+    timer_->Schedule(absl::Now() + grace, [self = shared_from_this()] {
+      absl::MutexLock lock(&self->mu_);
+      for (auto& ub : self->buffers_) {
+        ub->abortWaitRecv();
+        ub->abortWaitSend();
+      }
     });
+    if (p2p) ClaimForPool();  // resolves it even if nobody waits
+  }
+
+  // OK, or why a peer this op involves is gone.
+  absl::Status Broken() {
+    absl::MutexLock lock(&mu_);
+    return broken_;
+  }
+
+  // Hands an unclaimed point-to-point op posted more than `window` ago to
+  // the pool, so it completes even if nobody waits for it.
+  void ClaimForPoolIfOlderThan(absl::Duration window) {
+    {
+      absl::MutexLock lock(&mu_);  // the watchdog may see the op before it is set up
+      if (done_ || p2p_ub_ == nullptr || absl::Now() - posted_ <= window) return;
+    }
+    ClaimForPool();
   }
 
   absl::Status Wait(absl::Duration timeout) override {
@@ -303,10 +348,11 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
           Complete(std::move(s));
           continue;
         }
-        // Interrupted by Abort (then done) or by our deadline: let go.
+        // Interrupted by Abort (then done), a broken peer or our deadline.
         {
           absl::MutexLock lock(&mu_);
           watcher_.store(kNone);
+          if (!done_ && !broken_.ok()) CompleteLocked(broken_);
           if (done_) return status_;
         }
         if (absl::Now() >= deadline) {
@@ -343,9 +389,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   // First completion wins.
   void Complete(absl::Status status) {
     absl::MutexLock lock(&mu_);
-    if (done_) return;
-    done_ = true;
-    status_ = std::move(status);
+    CompleteLocked(std::move(status));
   }
 
   void SetWaitingFor(int rank) {
@@ -396,9 +440,8 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     return watcher_.compare_exchange_strong(expected, who);
   }
 
-  // Hands the Gloo wait to a pool thread unless someone waits already (not
-  // on the timer thread). The hand-off itself runs on the timer thread: the
-  // pool lives as long as the timer runs.
+  // Hands the Gloo wait to a pool thread unless someone waits already. The
+  // hand-off runs on the timer thread: the pool lives as long as it runs.
   void ClaimForPool() {
     if (!Claim(kPool)) return;
     timer_->Schedule(absl::Now(), [self = shared_from_this()] { self->HandToPool(); });
@@ -410,10 +453,21 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   }
 
   void PoolWait() {
-    bool interrupted = false;
-    absl::Status s = WaitGloo(what_, p2p_ub_, p2p_recv_, peer_, &interrupted);
-    // Interrupted only by Abort here, which completed the op already.
-    if (!interrupted) Complete(std::move(s));
+    for (;;) {
+      bool interrupted = false;
+      absl::Status s = WaitGloo(what_, p2p_ub_, p2p_recv_, peer_, &interrupted);
+      if (!interrupted) return Complete(std::move(s));
+      // By Abort (done), a broken peer, or late by a caller's deadline.
+      absl::MutexLock lock(&mu_);
+      if (!done_ && !broken_.ok()) CompleteLocked(broken_);
+      if (done_) return;
+    }
+  }
+
+  void CompleteLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (done_) return;
+    done_ = true;
+    status_ = std::move(status);
   }
 
   absl::Status TimedOut(absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -425,17 +479,20 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
 
   const std::string what_;
   const absl::Time deadline_;
-  // Point-to-point only; set once before the op is shared.
+  const std::shared_ptr<Timer> timer_;
+  // Point-to-point only; set once under mu_ by StartPointToPoint, before the
+  // op reaches the caller, and read without the lock after that.
   UnboundBuffer* p2p_ub_ = nullptr;
   bool p2p_recv_ = false;
   int peer_ = -1;
   WaiterPool* pool_ = nullptr;
-  std::shared_ptr<Timer> timer_;
+  absl::Time posted_;
   std::atomic<int> watcher_{kNone};
 
   absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
   int waiting_for_ ABSL_GUARDED_BY(mu_) = -1;
   bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
@@ -490,10 +547,14 @@ std::string Bytes(size_t n) { return absl::StrCat(n, " B"); }
 
 // Waits for a posted send or recv of collective `w` with `peer`.
 absl::Status WaitGloo(GlooWork& w, UnboundBuffer* ub, bool recv, int peer) {
+  BATON_RETURN_IF_ERROR(w.Broken());
   w.SetWaitingFor(peer);
   bool interrupted = false;
   absl::Status s = WaitGloo(w.what(), ub, recv, peer, &interrupted);
-  if (interrupted) return absl::AbortedError(absl::StrCat(w.what(), ": interrupted by Abort"));
+  if (interrupted) {
+    BATON_RETURN_IF_ERROR(w.Broken());
+    return absl::AbortedError(absl::StrCat(w.what(), ": interrupted by Abort"));
+  }
   return s;
 }
 
@@ -532,7 +593,7 @@ absl::Status CheckHost(const Buffer& b, absl::string_view what) {
 }
 
 std::shared_ptr<Work> Failed(std::string what, absl::Status status) {
-  auto w = std::make_shared<GlooWork>(std::move(what), absl::InfiniteFuture());
+  auto w = std::make_shared<GlooWork>(std::move(what), absl::InfiniteFuture(), nullptr);
   w->Complete(std::move(status));
   return w;
 }
@@ -597,12 +658,7 @@ void GlooCommunicator::WatchPeer(int peer) {
   } catch (const std::exception& e) {
     broken = absl::UnavailableError(absl::StrCat(what, ": Gloo: ", e.what()));
   }
-  auto on_break = [this, peer](const absl::Status& s) {
-    AbortWith(absl::UnavailableError(absl::StrCat(
-                  "rank ", peer, " is unreachable (its connection broke; the process died or "
-                  "aborted), ", options_.label, " aborted: ", s.message())),
-              nullptr, absl::OkStatus());
-  };
+  auto on_break = [this, peer](const absl::Status& s) { PeerBroken(peer, s); };
   if (!broken.ok()) {
     on_break(broken);
     return;
@@ -612,6 +668,23 @@ void GlooCommunicator::WatchPeer(int peer) {
     absl::Status s = WaitGloo(what, sentinel, /*recv=*/true, peer, &interrupted);
     if (!interrupted) on_break(s);  // never completes normally: nothing is sent there
   });
+}
+
+void GlooCommunicator::PeerBroken(int peer, const absl::Status& cause) {
+  const absl::Status why = absl::UnavailableError(
+      absl::StrCat("rank ", peer, " of ", options_.label,
+                   " is unreachable (its connection broke: the process died, left or aborted): ",
+                   cause.message()));
+  std::vector<std::shared_ptr<GlooWork>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    if (aborted_ || broken_peers_.contains(peer)) return;
+    broken_peers_.emplace(peer, why);
+    for (auto& [ptr, work] : pending_) pending.push_back(work);
+  }
+  for (const std::shared_ptr<GlooWork>& work : pending) {
+    work->PeerBroken(peer, why, kBrokenPeerGrace);
+  }
 }
 
 GlooCommunicator::~GlooCommunicator() {
@@ -644,14 +717,20 @@ GlooCommunicator::~GlooCommunicator() {
   waiters_.reset();      // every Gloo wait was interrupted by Abort
 }
 
-std::shared_ptr<GlooWork> GlooCommunicator::Start(std::string what) {
+std::shared_ptr<GlooWork> GlooCommunicator::Start(std::string what, int peer) {
   auto work = std::make_shared<GlooWork>(
       absl::StrCat(what, " on rank ", options_.rank, " of ", options_.label),
-      absl::Now() + options_.op_timeout);
+      absl::Now() + options_.op_timeout, timer_);
   absl::MutexLock lock(&mu_);
   if (aborted_) {
     work->Complete(absl::AbortedError(
         absl::StrCat(work->what(), ": communicator was aborted (", abort_status_.message(), ")")));
+    return work;
+  }
+  auto broken = peer >= 0 ? broken_peers_.find(peer) : broken_peers_.begin();
+  if (broken != broken_peers_.end()) {
+    work->Complete(absl::UnavailableError(
+        absl::StrCat(work->what(), ": ", broken->second.message())));
     return work;
   }
   if (pending_.size() >= prune_at_) PruneLocked();
@@ -692,7 +771,7 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
 
-  std::shared_ptr<GlooWork> work = Start(std::move(what));
+  std::shared_ptr<GlooWork> work = Start(std::move(what), peer);
   if (work->Done()) return work;
   if (buf.bytes() == 0) {
     Finish(work, absl::OkStatus());
@@ -710,12 +789,12 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
     Finish(work, GlooError(*work, e));
     return work;
   }
-  work->StartPointToPoint(ub, /*recv=*/!send, peer, timer_, waiters_.get(), kClaimWindow);
+  work->StartPointToPoint(ub, /*recv=*/!send, peer, waiters_.get());
   return work;
 }
 
 std::shared_ptr<Work> GlooCommunicator::EnqueueCollective(std::string what, Collective run) {
-  std::shared_ptr<GlooWork> work = Start(std::move(what));
+  std::shared_ptr<GlooWork> work = Start(std::move(what), /*peer=*/-1);
   if (work->Done()) return work;
   // Sequence numbers (and so Gloo slots) agree across ranks because every
   // rank issues collectives in the same order; the executor keeps it.
@@ -725,9 +804,18 @@ std::shared_ptr<Work> GlooCommunicator::EnqueueCollective(std::string what, Coll
     absl::Status status;
     {
       absl::MutexLock lock(&mu_);
-      if (aborted_) status = abort_status_;
+      if (aborted_) {
+        status = abort_status_;
+      } else if (!broken_peers_.empty()) {
+        status = absl::UnavailableError(
+            absl::StrCat(work->what(), ": ", broken_peers_.begin()->second.message()));
+      }
     }
-    if (status.ok()) status = run(*work, seq);
+    if (!status.ok()) {
+      Finish(work, std::move(status));
+      return;
+    }
+    status = run(*work, seq);
     if (!status.ok() && !absl::IsAborted(status)) {
       // A failed collective leaves the group out of step and Gloo may still
       // hold this op's buffers on other pairs: abort, so none is touched.
@@ -978,18 +1066,18 @@ void GlooCommunicator::WatchdogLoop() {
       std::clamp(options_.op_timeout / 10, absl::Milliseconds(1), absl::Milliseconds(100));
   for (;;) {
     std::shared_ptr<GlooWork> expired;
+    std::vector<std::shared_ptr<GlooWork>> open;
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), period)) return;
       PruneLocked();
       const absl::Time now = absl::Now();
       for (auto& [ptr, work] : pending_) {
-        if (work->deadline() < now) {
-          expired = work;
-          break;
-        }
+        open.push_back(work);
+        if (expired == nullptr && work->deadline() < now) expired = work;
       }
     }
+    for (auto& work : open) work->ClaimForPoolIfOlderThan(kClaimWindow);
     if (expired == nullptr) continue;
     const int peer = expired->waiting_for();
     std::string why = absl::StrCat(expired->what(), " did not complete within op_timeout ",

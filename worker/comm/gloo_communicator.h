@@ -7,22 +7,24 @@
 //
 // Point-to-point ops are posted to Gloo at once from the caller's thread
 // (many may be in flight; the tag is Gloo's slot). The thread that calls
-// Work::Wait soon after posting waits in Gloo itself (no hand-off between
-// threads); ops nobody waits for are waited for by a pool thread. Collectives (ring all-reduce, all-gather, reduce-scatter; direct
-// broadcast; all-to-all barrier) run one at a time, in call order, on an
-// executor thread over Gloo's unbound buffers, so every step knows which
-// peer it waits on.
+// Work::Wait waits in Gloo itself (no hand-off between threads); ops nobody
+// waits for are waited for by a pool thread. Collectives (ring all-reduce,
+// all-gather, reduce-scatter; direct broadcast; all-to-all barrier) run one
+// at a time, in call order, on an executor thread over Gloo's unbound
+// buffers, so every step knows which peer it waits on.
 //
 // Failure semantics:
 //  - Work::Wait(timeout) that expires returns DEADLINE_EXCEEDED naming the
 //    op and the rank it waits on; the op stays pending (wait again or Abort).
 //  - An op pending longer than `op_timeout` trips the watchdog: that op gets
 //    DEADLINE_EXCEEDED, the communicator is aborted.
-//  - A peer whose connection breaks (process died, peer aborted) fails every
-//    pending op with UNAVAILABLE naming that rank and carrying Gloo's own
-//    message, and aborts the communicator. A standing receive on a reserved
-//    slot per peer notices the break even when Gloo would not tell the op
-//    in flight (Gloo does not signal a receive whose payload it is reading).
+//  - A peer whose connection breaks (process died, left or aborted) fails
+//    the unfinished ops that need it (point-to-point ops with it, every
+//    collective) with UNAVAILABLE naming that rank and carrying Gloo's own
+//    message; later ops that need it fail fast; ops with other peers go on.
+//    A standing receive on a reserved slot per peer notices the break even
+//    when Gloo would not tell the op in flight (Gloo never signals a receive
+//    whose payload it was reading); such an op fails after a short grace.
 //  - Any other Gloo error fails the op with UNAVAILABLE and Gloo's message;
 //    a failed collective also aborts the communicator (the group is out of
 //    step).
@@ -102,8 +104,9 @@ class GlooCommunicator : public Communicator {
   GlooCommunicator(const GlooOptions& options,
                    std::shared_ptr<gloo::rendezvous::Context> context);
 
-  // Registers a new pending op, or returns it already failed (aborted).
-  std::shared_ptr<GlooWork> Start(std::string what);
+  // Registers a new pending op with `peer` (-1: a collective), or returns it
+  // already failed (aborted, or a peer it needs is gone).
+  std::shared_ptr<GlooWork> Start(std::string what, int peer);
   std::shared_ptr<Work> PointToPoint(bool send, Buffer buf, int peer, uint64_t tag);
   std::shared_ptr<Work> EnqueueCollective(std::string what, Collective run);
   void Finish(const std::shared_ptr<GlooWork>& work, absl::Status status);
@@ -117,6 +120,9 @@ class GlooCommunicator : public Communicator {
   // Posts the standing receive from `peer` that fails when its connection
   // breaks, and waits for it on a pool thread.
   void WatchPeer(int peer);
+  // `peer`'s connection broke: ops that need it fail (after a grace for what
+  // Gloo already delivered) and later ones fail fast.
+  void PeerBroken(int peer, const absl::Status& cause);
 
   // Scratch memory of the running collective, reused across collectives to
   // spare allocation and page faults. Executor thread only; a collective
@@ -140,6 +146,7 @@ class GlooCommunicator : public Communicator {
   uint64_t next_collective_ ABSL_GUARDED_BY(mu_) = 0;
   size_t prune_at_ ABSL_GUARDED_BY(mu_) = 64;
   absl::flat_hash_map<const GlooWork*, std::shared_ptr<GlooWork>> pending_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int, absl::Status> broken_peers_ ABSL_GUARDED_BY(mu_);
 
   std::shared_ptr<Timer> timer_;  // Wait deadlines and hand-offs to waiters_
   std::unique_ptr<WaiterPool> waiters_;

@@ -334,6 +334,28 @@ TEST(GlooFailureTest, DestroyingAnIdleCommunicatorStillDeliversWhatItSent) {
                    ->Wait(absl::Seconds(5)).ok());
 }
 
+TEST(GlooFailureTest, APeerThatLeavesFailsOnlyWhatNeedsIt) {
+  InMemoryStore store;
+  auto comms = Group(store, "leave", 3);
+  std::vector<float> x(64, 1), y(64, 0);
+  auto from_leaver = comms[0]->Recv(Buffer::Host(y.data(), 64), 2, 1);
+  comms[2].reset();  // rank 2 leaves
+  absl::Status s = from_leaver->Wait(absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 2"), absl::string_view::npos) << s;
+  // Ranks 0 and 1 still talk to each other.
+  auto recv = comms[1]->Recv(Buffer::Host(y.data(), 64), 0, 7);
+  ASSERT_TRUE(comms[0]->Send(Buffer::Host(x.data(), 64), 1, 7)->Wait(kWait).ok());
+  ASSERT_TRUE(recv->Wait(kWait).ok());
+  EXPECT_EQ(y[63], 1.0f);
+  // Anything that needs rank 2 fails fast and says so.
+  absl::Status to_leaver = comms[0]->Send(Buffer::Host(x.data(), 64), 2, 8)->Wait(absl::Seconds(1));
+  EXPECT_EQ(to_leaver.code(), absl::StatusCode::kUnavailable) << to_leaver;
+  absl::Status coll = comms[0]->AllReduceSum(Buffer::Host(x.data(), 64))->Wait(absl::Seconds(1));
+  EXPECT_EQ(coll.code(), absl::StatusCode::kUnavailable) << coll;
+  EXPECT_NE(coll.message().find("rank 2"), absl::string_view::npos) << coll;
+}
+
 TEST(GlooFailureTest, DeviceBuffersAndBadPeersAreRejectedUpFront) {
   InMemoryStore store;
   auto comms = Group(store, "reject", 2);
