@@ -56,10 +56,18 @@ absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::Start(const std::string& l
   server->before_scrape_ = std::move(before_scrape);
   const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "4", nullptr};
   struct mg_callbacks callbacks = {};
-  server->ctx_ = mg_start(&callbacks, server.get(), options);
+  struct mg_init_data init = {};
+  init.callbacks = &callbacks;
+  init.user_data = server.get();
+  init.configuration_options = options;
+  char error_text[256] = {};
+  struct mg_error_data error = {};
+  error.text = error_text;
+  error.text_buffer_size = sizeof(error_text);
+  server->ctx_ = mg_start2(&init, &error);
   if (server->ctx_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve HTTP on ", listen, ": address in use or not available; pick another --http_listen"));
+    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen, ": ", error_text,
+                                               "; pick another --http_listen"));
   }
   struct mg_server_port bound[4];
   int n = mg_get_server_ports(server->ctx_, 4, bound);

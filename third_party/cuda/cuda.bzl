@@ -18,7 +18,10 @@ NVCC_FLAGS = [
 ]
 
 def cuda_library(name, srcs, hdrs = [], deps = [], **kwargs):
-    """A cc_library whose .cu sources are compiled by nvcc into a static archive."""
+    """A cc_library whose .cu sources are compiled by nvcc into a static archive.
+
+    Links cudart; add "@local_cuda//:cublas" or ":nccl" to `deps` when needed.
+    """
     if not CUDA_AVAILABLE:
         return
     archive = "lib%s_cu.a" % name
@@ -41,17 +44,18 @@ def cuda_library(name, srcs, hdrs = [], deps = [], **kwargs):
         name = name,
         srcs = [archive],
         hdrs = hdrs,
-        deps = deps + ["@local_cuda//:cuda"],
+        deps = deps + ["@local_cuda//:cudart"],
         alwayslink = True,
         **kwargs
     )
 
 def cuda_cc_library(name, **kwargs):
-    """A plain C++ library that calls CUDA host APIs; absent without CUDA."""
+    """A plain C++ library that calls CUDA host APIs (cudart; add
+    "@local_cuda//:nccl" or "@local_cuda//:cublas" to deps); absent without CUDA."""
     if not CUDA_AVAILABLE:
         return
     deps = kwargs.pop("deps", [])
-    native.cc_library(name = name, deps = deps + ["@local_cuda//:cuda"], **kwargs)
+    native.cc_library(name = name, deps = deps + ["@local_cuda//:cudart"], **kwargs)
 
 def cuda_test(name, tags = [], **kwargs):
     """A cc_test that needs a GPU: tagged `gpu` and `exclusive`; absent without CUDA."""

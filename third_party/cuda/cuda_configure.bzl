@@ -21,18 +21,26 @@ def _cuda_configure_impl(ctx):
         ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
+# Link only what a target needs: cuBLAS brings a large static TLS block that
+# breaks libraries creating threads with small fixed stacks (civetweb in the
+# daemons' ops server), so daemons link cudart and NCCL only.
 cc_library(
-    name = "cuda",
+    name = "cudart",
     hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl", "include/**/*.cuh"]),
     includes = ["include"],
-    linkopts = [
-        "-L{p}/lib64",
-        "-Wl,-rpath,{p}/lib64",
-        "-lcublas",
-        "-lcublasLt",
-        "-lnccl",
-        "-lcudart",
-    ],
+    linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lcudart"],
+)
+
+cc_library(
+    name = "nccl",
+    linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lnccl"],
+    deps = [":cudart"],
+)
+
+cc_library(
+    name = "cublas",
+    linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lcublas", "-lcublasLt"],
+    deps = [":cudart"],
 )
 """.format(p = cuda_path))
     else:
