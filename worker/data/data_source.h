@@ -4,6 +4,11 @@
 // stage for tokens, the last for targets, on every TP rank) generates the same
 // bits for it, whatever the layout, and a replayed step sees the same data.
 //
+// With data parallelism replica r of dp runs microbatches (step, mb, r) for
+// mb < M. The same global batch on one replica of M · dp microbatches is
+// microbatch k = Fill(step, k % M, k / M): that is how a dp = 1 run reproduces
+// a dp > 1 run (same objective when the replicas' gradients are averaged).
+//
 // Also SampleRng, the counter-based generator the sources draw from.
 //
 // Implementations are immutable after construction, so Fill is thread-safe.
