@@ -287,7 +287,7 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
     if (g_stop_signal != 0) {
       printer_.EndLine();
       err_ << "batonctl local: " << strsignal(g_stop_signal) << "; stopping the coordinator and " << workers
-           << " workers\n";
+           << (workers == 1 ? " worker\n" : " workers\n");
       return Stop(130);
     }
     if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
