@@ -204,10 +204,18 @@ class LocalRun {
     StopAll(all, kStopGrace);
     return code;
   }
-  int Fail(const std::string& message) {
+  // Prints `message` (and the end of `log_of`'s log) and stops with 1.
+  int Fail(const std::string& message, const ChildProcess* log_of = nullptr) {
     printer_.EndLine();
     err_ << "batonctl local: " << message << "\n";
+    if (log_of != nullptr) PrintLogTail(*log_of);
     return Stop(1);
+  }
+  int Interrupted() {
+    printer_.EndLine();
+    err_ << "batonctl local: " << strsignal(g_stop_signal) << "; stopping the coordinator and " << workers_.size()
+         << (workers_.size() == 1 ? " worker\n" : " workers\n");
+    return Stop(130);
   }
   void PrintLogTail(const ChildProcess& child) {
     const std::string tail = TailOfFile(child.log_path(), kLogTailLines);
@@ -259,11 +267,10 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
   std::optional<int> port;
   const absl::Time port_deadline = std::min(deadline, absl::Now() + kPortFileTimeout);
   while (!(port = ReadGrpcPort(port_file))) {
-    if (g_stop_signal != 0) return Stop(130);
+    if (g_stop_signal != 0) return Interrupted();
     if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
     if (absl::Now() > port_deadline) {
-      PrintLogTail(*coordinator_);
-      return Fail(absl::StrCat("the coordinator did not write ", port_file, " in time"));
+      return Fail(absl::StrCat("the coordinator did not write ", port_file, " in time"), coordinator_.get());
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
@@ -284,12 +291,7 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
   absl::Time next_poll = absl::Now();
   absl::Time last_answer = absl::Now();
   for (;;) {
-    if (g_stop_signal != 0) {
-      printer_.EndLine();
-      err_ << "batonctl local: " << strsignal(g_stop_signal) << "; stopping the coordinator and " << workers
-           << " workers\n";
-      return Stop(130);
-    }
+    if (g_stop_signal != 0) return Interrupted();
     if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
     for (auto& w : workers_) {
       if (std::optional<int> status = w->Poll()) return ChildExited(*w, *status);
@@ -308,9 +310,9 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
         last_answer = now;
         if (std::optional<int> code = OnStatus(status, out_dir)) return *code;
       } else if (now - last_answer > kSilentCoordinatorLimit) {
-        PrintLogTail(*coordinator_);
         return Fail(absl::StrCat("the coordinator has not answered for ",
-                                 absl::ToInt64Seconds(kSilentCoordinatorLimit), " s"));
+                                 absl::ToInt64Seconds(kSilentCoordinatorLimit), " s"),
+                    coordinator_.get());
       }
     }
     absl::SleepFor(kTick);

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -192,6 +193,21 @@ TEST_F(BrokenCheckpointTest, TensorMissingOnOneTpRank) {
   shards.pop_back();
   ASSERT_TRUE(WriteShardFile(dir_, 0, 1, 2, shards).ok());
   EXPECT_THAT(LoadError(), HasSubstr("missing from chunk0-tp1.safetensors"));
+}
+
+TEST_F(BrokenCheckpointTest, RandomlyCorruptedHeadersAreErrorsNotCrashes) {
+  const std::string path = Path("chunk1-tp1.safetensors");
+  const std::string good = *ReadFile(path);
+  const size_t header_end = 8 + static_cast<uint8_t>(good[0]) + 256 * static_cast<uint8_t>(good[1]);
+  std::mt19937 rng(7);
+  int failed = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string bytes = good;
+    for (int f = 0; f < 3; ++f) bytes[rng() % header_end] = static_cast<char>(rng());
+    ASSERT_TRUE(WriteFileAtomically(path, bytes).ok());
+    failed += !LoadFullWeights(dir_).ok();
+  }
+  EXPECT_GT(failed, 250);
 }
 
 TEST(WeightsDiffTest, ReportsAbsoluteAndRelativeDifferencePerTensor) {
