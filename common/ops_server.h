@@ -4,21 +4,24 @@
 //   /healthz  200 "ok" while the process is alive and serving
 //   /readyz   200 "ready" when the readiness probe says so, else 503 with the reason
 //
-// prometheus-cpp 1.0.1's Exposer cannot serve extra paths, hence civetweb here.
-// Thread-safe: handlers run on civetweb's threads.
+// prometheus-cpp 1.0.1's Exposer cannot serve extra paths, so this is a small
+// HTTP/1.1 server of our own: one thread (with a normal-sized stack) accepts
+// connections and answers one GET per connection. Scrapes and probes are
+// small and rare, so one thread is plenty; a slow client is cut off after 2 s.
+// (civetweb was used first; its worker threads have a fixed small stack that
+// the large static TLS of CUDA libraries leaves too little of.)
 #ifndef BATON_COMMON_OPS_SERVER_H_
 #define BATON_COMMON_OPS_SERVER_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "prometheus/registry.h"
-
-struct mg_context;
-struct mg_connection;
 
 namespace baton {
 
@@ -39,11 +42,14 @@ class OpsServer {
 
  private:
   OpsServer() = default;
-  static int HandleMetrics(::mg_connection* conn, void* self);
-  static int HandleHealthz(::mg_connection* conn, void* self);
-  static int HandleReadyz(::mg_connection* conn, void* self);
+  void Serve();
+  void HandleConnection(int fd);
+  // Status code, content type and body for a GET of `path`.
+  void Respond(const std::string& path, int* code, std::string* content_type, std::string* body);
 
-  mg_context* ctx_ = nullptr;
+  int listen_fd_ = -1;
+  int wake_fds_[2] = {-1, -1};  // written to stop the serving thread
+  std::thread thread_;
   int port_ = 0;
   std::shared_ptr<prometheus::Registry> registry_;
   ReadinessProbe readiness_;

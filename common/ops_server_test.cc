@@ -56,6 +56,22 @@ TEST(OpsServerTest, BadListenAddressesAreRejectedWithTheFlagNamed) {
   }
 }
 
+TEST(OpsServerTest, UnknownPathsAndMethodsGetClearAnswers) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  auto server = OpsServer::Start("127.0.0.1:0", registry, nullptr);
+  ASSERT_TRUE(server.ok());
+  auto missing = HttpGet("127.0.0.1", (*server)->port(), "/nope");
+  ASSERT_TRUE(missing.ok());
+  EXPECT_EQ(missing->code, 404);
+  EXPECT_NE(missing->body.find("/metrics"), std::string::npos);
+  // Many scrapes in a row: the server keeps answering.
+  for (int i = 0; i < 50; ++i) {
+    auto r = HttpGet("127.0.0.1", (*server)->port(), "/metrics");
+    ASSERT_TRUE(r.ok()) << i;
+    EXPECT_EQ(r->code, 200);
+  }
+}
+
 TEST(OpsServerTest, PortInUseIsAnErrorNotACrash) {
   auto registry = std::make_shared<prometheus::Registry>();
   auto first = OpsServer::Start("127.0.0.1:0", registry, nullptr);

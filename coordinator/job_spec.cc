@@ -104,6 +104,9 @@ absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
   const int m = job.schedule().microbatches();
   BATON_RETURN_IF_ERROR(AtLeast("schedule.microbatches", m, 1));
   if (kind == "interleaved") {
+    if (d.pp < 2) {
+      return Invalid("parallel.pp", "schedule.kind 'interleaved' needs pp >= 2 (chunks are spread over pipeline ranks)");
+    }
     if (d.virtual_stages < 2) {
       return Invalid("parallel.virtual_stages",
                      "schedule.kind 'interleaved' needs virtual_stages >= 2 (chunks per pipeline rank)");

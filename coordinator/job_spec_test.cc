@@ -87,6 +87,13 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
          j->mutable_schedule()->set_microbatches(3);
        },
        "schedule.microbatches", "multiple of parallel.pp"},
+      {"interleaved on one rank",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("interleaved");
+         j->mutable_parallel()->set_pp(1);
+         j->mutable_parallel()->set_virtual_stages(2);
+       },
+       "parallel.pp", "pp >= 2"},
       {"chunks without interleaved", [](v1::JobSpec* j) { j->mutable_parallel()->set_virtual_stages(2); },
        "parallel.virtual_stages", "interleaved"},
       {"negative lr", [](v1::JobSpec* j) { j->mutable_train()->set_lr(-1); }, "train.lr", ">= 0"},

@@ -25,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/shutdown_signal.h"
 #include "common/ops_server.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
@@ -76,13 +77,7 @@ int Main() {
     return Fail(2, "--out needs --job");
   }
 
-  // Signals are handled by sigwait in this thread; block them before any
-  // other thread starts so they inherit the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  InstallShutdownSignalHandlers();
 
   WorkerRegistry registry(RealClock::Get(), lease, absl::ToUnixMicros(absl::Now()));
   KvStore kv;
@@ -155,8 +150,7 @@ int Main() {
     }
   });
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForShutdownSignal();
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
   serving = false;
   server->GetHealthCheckService()->SetServingStatus(false);

@@ -20,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/shutdown_signal.h"
 #include "common/ops_server.h"
 #include "common/version.h"
 #include "coordinator/worker_registry.h"
@@ -66,11 +67,7 @@ int Main() {
   std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
   SetLogComponent(absl::StrCat("worker ", name));
 
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  InstallShutdownSignalHandlers();
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -125,8 +122,7 @@ int Main() {
                   << ", HTTP port " << (*ops)->port() << "; coordinator " << coordinator;
   std::thread session([&]() { agent->Run(); });
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForShutdownSignal();
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; leaving";
   server->GetHealthCheckService()->SetServingStatus(false);
   agent->Stop(absl::Seconds(2));

@@ -227,7 +227,7 @@ TEST(ClusterTest, WorkerWithoutCoordinatorKeepsRetryingAndSaysSoInReadyz) {
   EXPECT_EQ(ready->code, 503);
   EXPECT_NE(ready->body.find("coordinator unreachable"), std::string::npos) << ready->body;
   auto health = HttpGet("127.0.0.1", c.worker_http_["lonely"], "/healthz");
-  ASSERT_TRUE(health.ok());
+  ASSERT_TRUE(health.ok()) << health.status() << "\n" << c.Logs();
   EXPECT_EQ(health->code, 200);
   EXPECT_NE(c.workers_["lonely"]->Log().find("cannot register with coordinator"), std::string::npos);
 }

@@ -1,0 +1,46 @@
+#include "common/shutdown_signal.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace baton {
+namespace {
+
+int pipe_fds[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  const int saved = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  // Async-signal-safe; a full pipe means a signal is already pending.
+  [[maybe_unused]] ssize_t n = write(pipe_fds[1], &byte, 1);
+  errno = saved;
+}
+
+}  // namespace
+
+void InstallShutdownSignalHandlers() {
+  if (pipe_fds[0] >= 0) return;
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) return;
+  fcntl(pipe_fds[1], F_SETFL, O_NONBLOCK);
+  struct sigaction action = {};
+  action.sa_handler = &OnSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+}
+
+int WaitForShutdownSignal() {
+  unsigned char byte = 0;
+  for (;;) {
+    ssize_t n = read(pipe_fds[0], &byte, 1);
+    if (n == 1) return byte;
+    if (n < 0 && errno == EINTR) continue;
+    return SIGTERM;  // the pipe broke: treat as a request to stop
+  }
+}
+
+}  // namespace baton
