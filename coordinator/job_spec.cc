@@ -131,7 +131,8 @@ absl::Status ValidateTrain(const v1::TrainSpec& t) {
   return NonNegativeFinite("train.grad_clip", t.grad_clip());
 }
 
-absl::Status ValidateData(const v1::DataSpec& data) {
+absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) {
+  if (model.has_synthetic()) return absl::OkStatus();  // the cost model reads no data
   std::string path, field;
   if (data.source_case() == v1::DataSpec::kTextFile) {
     path = data.text_file();
@@ -144,10 +145,20 @@ absl::Status ValidateData(const v1::DataSpec& data) {
     if (!task.empty() && task != "addition") {
       return Invalid("data.synthetic.task", absl::StrCat("'", task, "' is unknown; use \"addition\""));
     }
+    if (model.vocab() < 13) {
+      return Invalid("model.vocab", absl::StrCat("is ", model.vocab(),
+                                                 "; the addition task needs 13 token ids (digits, '+', '=', ';')"));
+    }
+    if (model.seq_len() < 8) {
+      return Invalid("model.seq_len", absl::StrCat("is ", model.seq_len(), "; the addition task needs at least 8"));
+    }
     return absl::OkStatus();
   }
   std::ifstream in(path);
   if (path.empty() || !in.good()) return Invalid(field, absl::StrCat("cannot read '", path, "'"));
+  if (data.source_case() == v1::DataSpec::kTextFile && model.vocab() < 256) {
+    return Invalid("model.vocab", absl::StrCat("is ", model.vocab(), "; data.text_file is byte-level and needs 256"));
+  }
   return absl::OkStatus();
 }
 
@@ -205,7 +216,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));
-  BATON_RETURN_IF_ERROR(ValidateData(job.data()));
+  BATON_RETURN_IF_ERROR(ValidateData(job.data(), job.model()));
   BATON_RETURN_IF_ERROR(AtLeast("checkpoint.every_steps", job.checkpoint().every_steps(), 0));
   if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");

@@ -1,6 +1,7 @@
 #include "worker/synthetic_stage.h"
 
 #include <chrono>
+#include <thread>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -10,9 +11,14 @@ namespace {
 
 using kernels::Tensor;
 
-// Spins until `budget` has passed since `start` (steady clock).
-void SpinUntil(std::chrono::steady_clock::time_point start, absl::Duration budget) {
+// Waits until `budget` has passed since `start` (steady clock): sleeps until
+// shortly before the deadline, then spins the rest. Sleeping keeps many
+// worker processes on few cores from competing for CPU (which would delay the
+// ones whose op has ended); the short spin absorbs the sleep's wake-up latency.
+void WaitUntil(std::chrono::steady_clock::time_point start, absl::Duration budget) {
   const auto deadline = start + absl::ToChronoNanoseconds(budget);
+  const auto spin_from = deadline - std::chrono::microseconds(300);
+  if (std::chrono::steady_clock::now() < spin_from) std::this_thread::sleep_until(spin_from);
   while (std::chrono::steady_clock::now() < deadline) {
   }
 }
@@ -97,7 +103,7 @@ absl::Status SyntheticStage::Forward(int mb, const MicrobatchData& /*data*/, con
     FillWith(output, base + chunk_ + 1);
   }
   in_flight_[mb] = Phase::kForwardDone;
-  SpinUntil(start, forward_);
+  WaitUntil(start, forward_);
   return absl::OkStatus();
 }
 
@@ -125,7 +131,7 @@ absl::Status SyntheticStage::BackwardInput(int mb, const Tensor& grad_output,
     FillWith(grad_input, base + (num_chunks_ - chunk_));
   }
   it->second = Phase::kBackwardInputDone;
-  SpinUntil(start, backward_input_);
+  WaitUntil(start, backward_input_);
   return absl::OkStatus();
 }
 
@@ -139,7 +145,7 @@ absl::Status SyntheticStage::BackwardWeight(int mb) {
   in_flight_.erase(it);
   float* g = grad_.f32();
   for (int64_t i = 0; i < kSyntheticGradElements; ++i) g[i] += 1e-3f * static_cast<float>(i % 7 + 1);
-  SpinUntil(start, backward_weight_);
+  WaitUntil(start, backward_weight_);
   return absl::OkStatus();
 }
 

@@ -3,9 +3,10 @@
 // StageModel interface, so schedules and the runtime can be measured at any
 // scale without the math.
 //
-// Each op busy-waits on a steady clock for its configured time (spinning, not
-// sleeping, so that scheduler wake-up latency does not blur bubble
-// measurements) and passes float activations and gradients of
+// Each op waits on a steady clock for its configured time (sleeping, then
+// spinning the last 300 us, so that many workers on few cores do not compete
+// for CPU and wake-up latency does not blur bubble measurements) and passes
+// float activations and gradients of
 // activation_bytes / 4 elements. Their contents check the transfers end to
 // end, per microbatch mb of a pipeline of S chunks:
 //   - chunk c's output activations all hold mb·S + c + 1 (chunk 0 writes

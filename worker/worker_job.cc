@@ -216,6 +216,20 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   }
   job_.reset();
   auto job = std::make_unique<Job>();
+  absl::Status s = Build(configure, job.get());
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    live_comms_.clear();  // the half-built job's communicators die with it
+    return s;
+  }
+  BATON_LOG(INFO) << "configured for job '" << job->plan.job() << "' generation " << job->plan.generation()
+                  << ": stage " << job->rank.pp_rank() << ", tp " << job->rank.tp_rank() << ", dp "
+                  << job->rank.dp_rank() << ", " << job->chunks.size() << " chunk(s)";
+  job_ = std::move(job);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   job->plan = configure.plan();
   job->spec = configure.job();
   const v1::Plan& plan = job->plan;
@@ -289,7 +303,9 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
                                                                  AdamWFromTrainSpec(job->spec.train())));
   }
-  BATON_ASSIGN_OR_RETURN(job->data, data::MakeDataSource(job->spec));
+  if (!job->spec.model().has_synthetic()) {  // the synthetic cost model reads no data
+    BATON_ASSIGN_OR_RETURN(job->data, data::MakeDataSource(job->spec));
+  }
 
   ExecutorOptions eo;
   eo.num_stages = stages;
@@ -305,11 +321,10 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   const data::DataSource* data = job->data.get();
   job->executor = std::make_unique<StepExecutor>(
       configure.program(), eo, chunks,
-      [data](int64_t step, int global_mb, MicrobatchData* out) { return data->Fill(step, global_mb, 0, out); },
+      [data](int64_t step, int global_mb, MicrobatchData* out) {
+        return data ? data->Fill(step, global_mb, 0, out) : absl::OkStatus();
+      },
       job->pipeline.get(), job->timed_tp.get(), job->dp.get());
-  BATON_LOG(INFO) << "configured for job '" << plan.job() << "' generation " << plan.generation() << ": stage " << p
-                  << ", tp " << t << ", dp " << d << ", " << job->chunks.size() << " chunk(s)";
-  job_ = std::move(job);
   return absl::OkStatus();
 }
 

@@ -66,6 +66,7 @@ class WorkerJob {
   void Loop();
   void Process(const v1::CoordinatorMessage& message);
   absl::Status Configure(const v1::Configure& configure);
+  absl::Status Build(const v1::Configure& configure, Job* job);
   void AbortJob(const std::string& reason);
   void Reply(v1::WorkerMessage message);
   void RecordMetrics(const v1::StepDone& done, const v1::StepReport& report);
