@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
 
@@ -68,9 +69,26 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     return 0;
   }
   out << "coordinator " << target << " (baton " << status.version() << ")";
-  if (!status.job().empty()) out << ", job " << status.job() << " generation " << status.generation();
+  if (!status.job().empty()) {
+    out << ", job " << status.job() << " (" << status.job_state() << ") generation " << status.generation();
+  }
   out << "\n";
   if (!status.job_error().empty()) out << "job error: " << status.job_error() << "\n";
+  if (status.step() > 0) {
+    out << absl::StrFormat(
+        "step %d/%d  loss %.4f  acc %.1f%%  tok/s %.0f  bubble %.1f%% (expected %.1f%%)  comm %.1f%%\n",
+        status.step(), status.total_steps(), status.loss(), 100 * status.accuracy(), status.tokens_per_second(),
+        100 * status.bubble_ratio(), 100 * status.expected_bubble_ratio(), 100 * status.comm_ratio());
+    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE", "COMM",
+                           "TOK/S", "WORKERS");
+    for (const v1::StageStatus& st : status.stages()) {
+      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %s\n", st.pp_rank(), st.step(),
+                             st.pp_rank() + 1 == status.stages_size() ? absl::StrFormat("%.4f", st.loss()) : "-",
+                             absl::StrFormat("%.1f%%", 100 * st.bubble_ratio()),
+                             absl::StrFormat("%.1f%%", 100 * st.comm_ratio()), st.tokens_per_second(),
+                             absl::StrJoin(st.workers(), ","));
+    }
+  }
   out << absl::StrFormat("%-20s %-9s %-8s %-20s %s\n", "WORKER", "STATE", "DEVICE", "HOST", "LAST HEARTBEAT");
   for (const v1::WorkerInfo& w : status.workers()) {
     out << absl::StrFormat("%-20s %-9s %-8s %-20s %.1fs ago\n", w.name(), StateName(w.state()), w.device(),

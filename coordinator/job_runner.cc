@@ -304,7 +304,12 @@ absl::Status JobRunner::RunStep(int64_t step) {
   const absl::Time start = absl::Now();
   v1::CoordinatorMessage run;
   run.mutable_run_step()->set_step(step);
-  run.mutable_run_step()->set_trace(step > job_.train().steps() - options_.traced_steps);
+  {
+    absl::MutexLock lock(&mu_);
+    const bool requested = trace_requested_ > 0;
+    if (requested) --trace_requested_;
+    run.mutable_run_step()->set_trace(requested || step > job_.train().steps() - options_.traced_steps);
+  }
   SendAll(run);
   BATON_ASSIGN_OR_RETURN(auto reports, Collect(&reports_, options_.step_timeout, "GradsReady"));
 
@@ -396,7 +401,7 @@ absl::Status JobRunner::RunStep(int64_t step) {
       std::map<std::string, v1::StepDone> events;
       for (const auto& [name, msg] : done) events[name] = msg.step_done();
       traces_.emplace_back(step, std::move(events));
-      while (static_cast<int>(traces_.size()) > std::max(1, options_.traced_steps)) traces_.pop_front();
+      while (static_cast<int>(traces_.size()) > std::max(1, options_.max_kept_traces)) traces_.pop_front();
     }
   }
   step_metric_->Set(static_cast<double>(step));
@@ -470,7 +475,8 @@ absl::Status JobRunner::WriteOutputs() {
         }),
         ", \"error\": ", JsonQuote(error_.message()), "}\n");
   }
-  BATON_RETURN_IF_ERROR(WriteFileAtomically(options_.out_dir + "/trace.json", TraceJson(options_.traced_steps)));
+  BATON_RETURN_IF_ERROR(
+      WriteFileAtomically(options_.out_dir + "/trace.json", TraceJson(options_.traced_steps, absl::ZeroDuration())));
   return WriteFileAtomically(options_.out_dir + "/summary.json", summary);
 }
 
@@ -492,8 +498,19 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
   for (const v1::StageStatus& s : stage_status_) *status->add_stages() = s;
 }
 
-std::string JobRunner::TraceJson(int steps) const {
+std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
+  steps = std::min(steps, options_.max_kept_traces);
+  if (state_ == "running" && wait > absl::ZeroDuration()) {
+    const int64_t after = static_cast<int64_t>(steps_.size());
+    trace_requested_ = std::max(trace_requested_, steps);
+    auto traced = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      int n = 0;
+      for (const auto& t : traces_) n += t.first > after;
+      return n >= steps || state_ != "running" || stopping_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&traced), wait);
+  }
   std::vector<TraceSpan> spans;
   const int skip = std::max(0, static_cast<int>(traces_.size()) - std::max(0, steps));
   int index = 0;

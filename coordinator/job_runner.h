@@ -48,6 +48,7 @@ class JobRunner : public JobObserver {
     absl::Duration configure_timeout = absl::Minutes(3);
     absl::Duration step_timeout = absl::Minutes(30);
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
+    int max_kept_traces = 16;
   };
 
   JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Options options,
@@ -61,8 +62,9 @@ class JobRunner : public JobObserver {
   void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) override;
   void OnWorkerLost(const std::string& worker, const std::string& why) override;
   void FillStatus(v1::GetStatusResponse* status) const override;
-  // Chrome trace of the last `steps` traced steps (all workers).
-  std::string TraceJson(int steps) const override;
+  // Chrome trace of the last `steps` traced steps (all workers). While the
+  // job runs, the next `steps` steps are traced and waited for (up to `wait`).
+  std::string TraceJson(int steps, absl::Duration wait) override;
 
  private:
   struct Assigned {
@@ -117,6 +119,7 @@ class JobRunner : public JobObserver {
   std::vector<v1::StageStatus> stage_status_ ABSL_GUARDED_BY(mu_);
   // Traced steps: per step, per worker, its events.
   std::deque<std::pair<int64_t, std::map<std::string, v1::StepDone>>> traces_ ABSL_GUARDED_BY(mu_);
+  int trace_requested_ ABSL_GUARDED_BY(mu_) = 0;  // steps still to trace for GetTrace
   double total_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   double total_wall_ ABSL_GUARDED_BY(mu_) = 0;
   double sum_bubble_ ABSL_GUARDED_BY(mu_) = 0, sum_comm_ ABSL_GUARDED_BY(mu_) = 0,

@@ -174,13 +174,14 @@ grpc::Status CoordinatorService::GetStatus(grpc::ServerContext*, const v1::GetSt
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::GetTrace(grpc::ServerContext*, const v1::GetTraceRequest* req,
+grpc::Status CoordinatorService::GetTrace(grpc::ServerContext* ctx, const v1::GetTraceRequest* req,
                                           v1::GetTraceResponse* resp) {
   if (options_.job == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this coordinator runs no job (start it with --job)");
   }
   if (req->steps() < 1) return Invalid("GetTrace: steps must be >= 1");
-  resp->set_chrome_trace_json(options_.job->TraceJson(req->steps()));
+  const absl::Duration wait = std::min(absl::Minutes(5), absl::FromChrono(ctx->deadline()) - absl::Now() - absl::Seconds(1));
+  resp->set_chrome_trace_json(options_.job->TraceJson(req->steps(), wait));
   return grpc::Status::OK;
 }
 

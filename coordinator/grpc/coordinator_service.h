@@ -19,7 +19,9 @@ class JobObserver {
   virtual void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) = 0;
   virtual void OnWorkerLost(const std::string& worker, const std::string& why) = 0;
   virtual void FillStatus(v1::GetStatusResponse* status) const = 0;
-  virtual std::string TraceJson(int steps) const = 0;
+  // Chrome trace of `steps` steps; while the job runs, traces the next ones
+  // (waiting up to `wait` for them).
+  virtual std::string TraceJson(int steps, absl::Duration wait) = 0;
 };
 
 class CoordinatorService final : public v1::Coordinator::Service {

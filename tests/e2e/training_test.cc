@@ -13,6 +13,7 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/http_get.h"
 #include "common/json.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"
@@ -217,6 +219,54 @@ TEST(TrainingTest, AKilledWorkerFailsTheRunFastNamingItsStage) {
     ASSERT_LT(absl::Now(), deadline) << "training never started:\n" << local.Log();
     absl::SleepFor(absl::Milliseconds(100));
   }
+  // While it trains: the operator's views.
+  auto coordinator = testing::ReadPortFile(dir + "/out/coordinator.ports", absl::Seconds(5));
+  auto worker0 = testing::ReadPortFile(dir + "/out/worker-0.ports", absl::Seconds(5));
+  ASSERT_TRUE(coordinator.ok() && worker0.ok());
+  auto wmetrics = HttpGet("127.0.0.1", worker0->second, "/metrics");
+  ASSERT_TRUE(wmetrics.ok());
+  for (const char* series : {"baton_step_wall_seconds_total{", "baton_compute_seconds_total{",
+                             "baton_comm_seconds_total{", "baton_bubble_seconds_total{", "baton_tokens_total{",
+                             "baton_step{"}) {
+    EXPECT_NE(wmetrics->body.find(series), std::string::npos) << series << "\n" << wmetrics->body;
+  }
+  EXPECT_NE(wmetrics->body.find("stage=\"0\""), std::string::npos);
+  EXPECT_NE(wmetrics->body.find("kind=\"p2p\""), std::string::npos);
+  auto promtool = RunCommand("promtool", {"check", "metrics"}, absl::Seconds(30), wmetrics->body);
+  EXPECT_EQ(promtool.exit_code, 0) << promtool.output;
+  auto cmetrics = HttpGet("127.0.0.1", coordinator->second, "/metrics");
+  ASSERT_TRUE(cmetrics.ok());
+  EXPECT_NE(cmetrics->body.find("baton_expected_bubble_ratio{job=\"long\"}"), std::string::npos) << cmetrics->body;
+  const std::string target = absl::StrCat("--coordinator=127.0.0.1:", coordinator->first);
+  auto status = RunCommand(RunfilePath("cli/batonctl"), {"status", target});
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("(running)"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("STAGE"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("worker-1"), std::string::npos) << status.output;
+  const std::string trace_file = dir + "/trace.json";
+  auto trace = RunCommand(RunfilePath("cli/batonctl"), {"trace", target, "--out=" + trace_file, "--steps=2"});
+  EXPECT_EQ(trace.exit_code, 0) << trace.output;
+  {
+    std::ifstream in(trace_file);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto parsed = JsonValue::Parse(text.str());
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const JsonValue* events = parsed->Find("traceEvents");
+    ASSERT_NE(events, nullptr);
+    int forwards = 0;
+    std::set<double> pids;
+    for (const JsonValue& e : events->items()) {
+      const JsonValue* name = e.Find("name");
+      if (name != nullptr && name->is_string() && name->str().rfind("F", 0) == 0) {
+        ++forwards;
+        pids.insert(e.Find("pid")->number());
+      }
+    }
+    EXPECT_EQ(forwards, 2 * 2 * 4) << "2 steps x 2 stages x 4 microbatches";
+    EXPECT_EQ(pids.size(), 2u);
+  }
+
   auto pids = RunCommand("pgrep", {"-f", "--", "--port_file=" + dir + "/out/worker-1.ports"});
   ASSERT_EQ(pids.exit_code, 0) << "cannot find worker-1's process:\n" << pids.output;
   const absl::Time killed = absl::Now();
