@@ -39,9 +39,8 @@ class Cluster {
     std::remove(port_file.c_str());
     coordinator_ = std::make_unique<Subprocess>(
         RunfilePath("coordinator/baton-coordinator"),
-        std::vector<std::string>{absl::StrCat("--listen=127.0.0.1:", port), "--http_listen=127.0.0.1:0",
-                                 "--port_file=" + port_file, absl::StrCat("--lease_ms=", kLeaseMs),
-                                 absl::StrCat("--heartbeat_ms=", kHeartbeatMs)},
+        Flags({absl::StrCat("--listen=127.0.0.1:", port), "--http_listen=127.0.0.1:0", "--port_file=" + port_file,
+               absl::StrCat("--lease_ms=", kLeaseMs), absl::StrCat("--heartbeat_ms=", kHeartbeatMs)}),
         dir_ + "/coordinator.log");
     ASSERT_TRUE(coordinator_->Start().ok());
     auto ports = ReadPortFile(port_file, absl::Seconds(10));
@@ -105,7 +104,13 @@ class Cluster {
     return out;
   }
 
+  std::vector<std::string> Flags(std::vector<std::string> flags) {
+    flags.insert(flags.end(), extra_coordinator_flags_.begin(), extra_coordinator_flags_.end());
+    return flags;
+  }
+
   std::string dir_;
+  std::vector<std::string> extra_coordinator_flags_;
   std::unique_ptr<Subprocess> coordinator_;
   std::map<std::string, std::unique_ptr<Subprocess>> workers_;
   std::map<std::string, int> worker_grpc_, worker_http_;
@@ -230,6 +235,30 @@ TEST(ClusterTest, WorkerWithoutCoordinatorKeepsRetryingAndSaysSoInReadyz) {
   ASSERT_TRUE(health.ok()) << health.status() << "\n" << c.Logs();
   EXPECT_EQ(health->code, 200);
   EXPECT_NE(c.workers_["lonely"]->Log().find("cannot register with coordinator"), std::string::npos);
+}
+
+TEST(ClusterTest, AJobNeedingMoreWorkersSaysSoInStatusInsteadOfHanging) {
+  Cluster c("shortfall");
+  const std::string job = c.dir_ + "/job.textproto";
+  std::ofstream(job) << "name: \"big\"\nmodel { layers: 4 d_model: 32 heads: 4 vocab: 16 seq_len: 16 }\n"
+                        "parallel { pp: 2 tp: 2 }\nschedule { kind: \"1f1b\" microbatches: 4 }\n"
+                        "train { steps: 5 micro_batch_size: 1 }\n";
+  c.extra_coordinator_flags_ = {"--job=" + job, "--ready_timeout_s=1"};
+  c.StartCoordinator();
+  c.StartWorker("only");
+  ASSERT_GE(c.AwaitState("only", v1::READY, absl::Seconds(10)), 0) << c.Logs();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string out;
+  while (absl::Now() < deadline) {
+    auto r = RunCommand(RunfilePath("cli/batonctl"), {"status", absl::StrCat("--coordinator=127.0.0.1:", c.grpc_port_)});
+    out = r.output;
+    if (out.find("job error") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_NE(out.find("(waiting)"), std::string::npos) << out;
+  EXPECT_NE(out.find("needs pp*tp*dp = 4 ready workers, 1 are ready"), std::string::npos) << out;
+  EXPECT_NE(out.find("start 3 more"), std::string::npos) << out;
+  EXPECT_NE(c.coordinator_->Log().find("start 3 more"), std::string::npos);
 }
 
 TEST(ClusterTest, BadFlagsAndJobSpecsExitTwoNamingTheFix) {
