@@ -23,6 +23,7 @@
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
 #include "common/version.h"
+#include "kernels/cpu/gemm.h"
 #include "coordinator/worker_registry.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -37,6 +38,8 @@ ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /h
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, comm_host, "127.0.0.1", "address other workers reach this one at for activations (Gloo)");
 ABSL_FLAG(int64_t, op_timeout_s, 300, "a communication op that takes longer fails the step (no hang)");
+ABSL_FLAG(int32_t, blas_threads, 1, "OpenBLAS threads for this worker's matrix products (set explicitly: "
+                                    "several workers share a host)");
 
 namespace baton {
 namespace {
@@ -64,6 +67,8 @@ int Main() {
   if (!IsValidDevice(device)) {
     return Fail(2, absl::StrCat("--device='", device, "' must be \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
   }
+  if (absl::GetFlag(FLAGS_blas_threads) < 1) return Fail(2, "--blas_threads must be >= 1");
+  kernels::cpu::SetBlasThreads(absl::GetFlag(FLAGS_blas_threads));
   std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
   SetLogComponent(absl::StrCat("worker ", name));
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runtime overhead of the real system (coordinator + worker daemons on
+# loopback, driven by batonctl local), each number a ratio to a baseline
+# measured in the same run:
+#   1. synthetic model, p=4, m=16, F=10 ms, B=20 ms (I=W=10 ms), 1f1b:
+#      measured step time / simulated makespan (target <= 1.03)
+#   2. coordinator round trip per step: a one-worker job whose ops cost 0 ms
+#      (RunStep -> GradsReady -> Commit -> StepDone)
+#   3. real GPT (layers=4 d_model=256 heads=8 vocab=256 seq_len=128,
+#      micro_batch=8, m=8, one BLAS thread per worker): tokens/s at PP=2
+#      against one worker (ideal 2m/(m+1) = 1.78)
+# Usage: bash bench/runtime_bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bazel build //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
+ctl=bazel-bin/cli/batonctl
+tmp=$(mktemp -d /tmp/baton-bench.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+run() {  # run NAME JOB_TEXT -> prints summary fields
+  printf '%s\n' "$2" > "$tmp/$1.textproto"
+  "$ctl" local --job="$tmp/$1.textproto" --out="$tmp/$1" > "$tmp/$1.log" 2>&1 || { cat "$tmp/$1.log"; exit 1; }
+  python3 - "$tmp/$1/summary.json" "$tmp/$1/steps.jsonl" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+steps = [json.loads(l) for l in open(sys.argv[2])]
+walls = sorted(x["wall_seconds"] for x in steps[1:])  # skip the first (warm-up) step
+print(json.dumps({"median_step_s": walls[len(walls) // 2], "tokens_per_second": s["tokens_per_second"],
+                  "bubble_ratio": s["bubble_ratio"], "expected_bubble_ratio": s["expected_bubble_ratio"]}))
+PY
+}
+
+syn=$(run synthetic 'name: "overhead"
+model { layers: 4 synthetic { forward_ms: 10 backward_input_ms: 10 backward_weight_ms: 10 activation_bytes: 65536 } }
+parallel { pp: 4 }
+schedule { kind: "1f1b" microbatches: 16 }
+train { steps: 6 micro_batch_size: 1 lr: 0.001 }')
+rtt=$(run roundtrip 'name: "roundtrip"
+model { layers: 1 synthetic { forward_ms: 0 backward_input_ms: 0 backward_weight_ms: 0 activation_bytes: 4 } }
+schedule { kind: "1f1b" microbatches: 1 }
+train { steps: 101 micro_batch_size: 1 lr: 0.001 }')
+gpt='model { layers: 4 d_model: 256 heads: 8 vocab: 256 seq_len: 128 }
+schedule { kind: "1f1b" microbatches: 8 }
+train { steps: 6 micro_batch_size: 8 lr: 0.0003 seed: 1 }
+data { synthetic { task: "addition" } }'
+one=$(run gpt1 "name: \"gpt-pp1\"
+$gpt")
+two=$(run gpt2 "name: \"gpt-pp2\"
+parallel { pp: 2 }
+$gpt")
+
+python3 - "$syn" "$rtt" "$one" "$two" <<'PY'
+import json, sys
+syn, rtt, one, two = (json.loads(a) for a in sys.argv[1:])
+makespan = (16 + 4 - 1) * (0.010 + 0.020)
+print(f"synthetic p=4 m=16 F=10ms B=20ms: step {syn['median_step_s']*1e3:.1f} ms, simulated makespan {makespan*1e3:.1f} ms,"
+      f" ratio {syn['median_step_s']/makespan:.3f}; bubble {syn['bubble_ratio']:.3f} (simulator {syn['expected_bubble_ratio']:.3f})")
+print(f"coordinator round trip per step (0 ms ops, 1 worker): {rtt['median_step_s']*1e3:.2f} ms")
+print(f"GPT tokens/s: 1 worker {one['tokens_per_second']:.0f}, PP=2 {two['tokens_per_second']:.0f},"
+      f" ratio {two['tokens_per_second']/one['tokens_per_second']:.2f} (ideal {2*8/9:.2f})")
+PY
