@@ -10,24 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
+#include "common/json.h"
 
 namespace baton::cli {
 namespace {
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::WorkerState_Name(s)); }
 
@@ -60,9 +46,9 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     out << "{\"workers\":[";
     for (int i = 0; i < status.workers_size(); ++i) {
       const v1::WorkerInfo& w = status.workers(i);
-      out << (i ? "," : "") << "{\"name\":" << JsonString(w.name()) << ",\"state\":"
-          << JsonString(StateName(w.state())) << ",\"device\":" << JsonString(w.device())
-          << ",\"host\":" << JsonString(w.host())
+      out << (i ? "," : "") << "{\"name\":" << JsonQuote(w.name()) << ",\"state\":"
+          << JsonQuote(StateName(w.state())) << ",\"device\":" << JsonQuote(w.device())
+          << ",\"host\":" << JsonQuote(w.host())
           << ",\"last_heartbeat_age_seconds\":" << absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()) << "}";
     }
     out << "]}\n";

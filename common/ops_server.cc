@@ -10,11 +10,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_io.h"
 #include "prometheus/text_serializer.h"
 
 namespace baton {
@@ -182,15 +182,9 @@ void OpsServer::Respond(const std::string& path, int* code, std::string* content
 }
 
 absl::Status WritePortFile(const std::string& path, int grpc_port, int http_port) {
-  std::string tmp = absl::StrCat(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << "{\"grpc\": " << grpc_port << ", \"http\": " << http_port << "}\n";
-    if (!out.good()) return absl::UnavailableError(absl::StrCat("cannot write --port_file ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path));
-  }
+  absl::Status s =
+      WriteFileAtomically(path, absl::StrCat("{\"grpc\": ", grpc_port, ", \"http\": ", http_port, "}\n"));
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("cannot write --port_file: ", s.message()));
   return absl::OkStatus();
 }
 
