@@ -97,21 +97,6 @@ std::string SelfExe() {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
 }
 
-absl::Status MakeDirs(const std::string& path) {
-  for (size_t i = 1; i <= path.size(); ++i) {
-    if (i < path.size() && path[i] != '/') continue;
-    const std::string prefix = path.substr(0, i);
-    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::InternalError(absl::StrCat("cannot create ", prefix, ": ", std::strerror(errno)));
-    }
-  }
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InternalError(absl::StrCat(path, " is not a directory"));
-  }
-  return absl::OkStatus();
-}
-
 // The gRPC port from a --port_file ({"grpc": N, "http": M}), once written.
 std::optional<int> ReadGrpcPort(const std::string& path) {
   absl::StatusOr<std::string> text = ReadFile(path);
@@ -422,7 +407,7 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
     err << "batonctl local: " << bins.status().message() << "\n";
     return 2;
   }
-  if (absl::Status s = MakeDirs(absl::StrCat(out_dir, "/logs")); !s.ok()) {
+  if (absl::Status s = MakeDirectories(absl::StrCat(out_dir, "/logs")); !s.ok()) {
     err << "batonctl local: " << s.message() << "; pick another --out\n";
     return 2;
   }

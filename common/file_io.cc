@@ -1,6 +1,7 @@
 #include "common/file_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -67,6 +68,21 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
     absl::Status s = ErrnoError("cannot rename the temporary file onto", path);
     unlink(tmp.c_str());
     return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MakeDirectories(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i) {
+    if (i < path.size() && path[i] != '/') continue;
+    const std::string prefix = path.substr(0, i);
+    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrCat("cannot create ", prefix, ": ", std::strerror(errno)));
+    }
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InternalError(absl::StrCat(path, " is not a directory"));
   }
   return absl::OkStatus();
 }

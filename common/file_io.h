@@ -18,6 +18,10 @@ absl::StatusOr<std::string> ReadFile(const std::string& path);
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
 
+// mkdir -p: creates `path` and its missing parents (0755); an error names
+// the part that could not be created, or a part that is not a directory.
+absl::Status MakeDirectories(const std::string& path);
+
 }  // namespace baton
 
 #endif  // BATON_COMMON_FILE_IO_H_

@@ -28,19 +28,6 @@
 namespace baton {
 namespace {
 
-absl::Status MakeDirs(const std::string& path) {
-  std::string partial;
-  for (size_t i = 0; i <= path.size(); ++i) {
-    if (i == path.size() || path[i] == '/') {
-      if (!partial.empty() && mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-        return absl::PermissionDeniedError(absl::StrCat("cannot create directory ", partial));
-      }
-    }
-    if (i < path.size()) partial += path[i];
-  }
-  return absl::OkStatus();
-}
-
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
 
 // Simulator costs for the live plan: the synthetic model's own times, or
@@ -422,7 +409,7 @@ absl::Status JobRunner::Save() {
     state_ = "saving";
   }
   const std::string dir = options_.out_dir + "/final";
-  BATON_RETURN_IF_ERROR(MakeDirs(dir));
+  BATON_RETURN_IF_ERROR(MakeDirectories(dir));
   v1::CoordinatorMessage save;
   save.mutable_save_weights()->set_dir(dir);
   SendAll(save);
@@ -437,7 +424,7 @@ absl::Status JobRunner::Save() {
 
 absl::Status JobRunner::RunJob() {
   if (!options_.out_dir.empty()) {
-    BATON_RETURN_IF_ERROR(MakeDirs(options_.out_dir));
+    BATON_RETURN_IF_ERROR(MakeDirectories(options_.out_dir));
     std::remove((options_.out_dir + "/steps.jsonl").c_str());
   }
   std::vector<v1::WorkerInfo> ready;
