@@ -128,7 +128,12 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kRunStep: {
-      if (!job_) return;
+      if (!job_) {
+        reply.mutable_report()->set_step(message.run_step().step());
+        reply.mutable_report()->set_error("no job is configured on this worker (it was aborted or never configured)");
+        Reply(reply);
+        return;
+      }
       absl::StatusOr<v1::StepReport> report = job_->executor->RunStep(message.run_step().step(),
                                                                        message.run_step().trace());
       if (report.ok()) {
