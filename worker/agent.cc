@@ -167,6 +167,11 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   return FromGrpcStatus(status, "session");
 }
 
+void WorkerAgent::SetStep(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  step_ = step;
+}
+
 int64_t WorkerAgent::CoordinatorNowMicros() const {
   absl::MutexLock lock(&mu_);
   return NowMicros() + clock_offset_us_;

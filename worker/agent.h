@@ -60,6 +60,9 @@ class WorkerAgent {
   // OK while a session is open; otherwise why not (e.g. coordinator unreachable).
   absl::Status Readiness() const;
 
+  // The training step heartbeats report (the last one this worker ran).
+  void SetStep(int64_t step);
+
   // Sends `message` on the open session (ids filled in); false when none is open.
   bool Send(v1::WorkerMessage message);
 

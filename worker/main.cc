@@ -111,6 +111,7 @@ int Main() {
   WorkerJob::Options job_options;
   job_options.name = name;
   job_options.comm_host = absl::GetFlag(FLAGS_comm_host);
+  job_options.device = device;
   job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
   std::unique_ptr<WorkerJob> job;
   agent = std::make_unique<WorkerAgent>(

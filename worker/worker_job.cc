@@ -137,6 +137,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       absl::StatusOr<v1::StepReport> report = job_->executor->RunStep(message.run_step().step(),
                                                                        message.run_step().trace());
       if (report.ok()) {
+        agent_->SetStep(message.run_step().step());
         job_->last_report = *report;
         *reply.mutable_report() = *report;
       } else {
@@ -226,6 +227,11 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     absl::MutexLock lock(&mu_);
     live_comms_.clear();  // the half-built job's communicators die with it
     return s;
+  }
+  if (options_.device != "cpu") {
+    BATON_LOG(WARNING) << "--device=" << options_.device
+                       << ": the model and its activations run on the CPU in this version (GPU kernels and "
+                          "NCCL transfers are not wired into the step executor yet)";
   }
   BATON_LOG(INFO) << "configured for job '" << job->plan.job() << "' generation " << job->plan.generation()
                   << ": stage " << job->rank.pp_rank() << ", tp " << job->rank.tp_rank() << ", dp "

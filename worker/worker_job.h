@@ -47,6 +47,7 @@ class WorkerJob {
   struct Options {
     std::string name;                      // this worker's name (as in the plan)
     std::string comm_host = "127.0.0.1";   // address peers reach this worker's Gloo pairs at
+    std::string device = "cpu";            // --device
     absl::Duration op_timeout = absl::Minutes(5);
     absl::Duration rendezvous_timeout = absl::Minutes(2);
   };
