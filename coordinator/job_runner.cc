@@ -139,7 +139,7 @@ void JobRunner::OnWorkerLost(const std::string& worker, const std::string& why) 
 std::string JobRunner::StageOf(const std::string& worker) const {
   auto it = assigned_.find(worker);
   if (it == assigned_.end()) return "a spare";
-  const v1::RankAssignment& r = it->second.rank;
+  const v1::RankAssignment& r = it->second;
   return absl::StrCat("stage ", r.pp_rank(), " (tp ", r.tp_rank(), ", dp ", r.dp_rank(), ")");
 }
 
@@ -264,7 +264,7 @@ absl::Status JobRunner::Configure(const std::vector<v1::WorkerInfo>& ready) {
     plan_ = plan;
     expected_bubble_ = sim.bubble_ratio;
     assigned_.clear();
-    for (const v1::RankAssignment& r : plan.ranks()) assigned_[r.worker_name()] = Assigned{r};
+    for (const v1::RankAssignment& r : plan.ranks()) assigned_[r.worker_name()] = r;
     state_ = "configuring";
   }
   expected_bubble_metric_->Set(sim.bubble_ratio);
@@ -308,7 +308,7 @@ absl::Status JobRunner::RunStep(int64_t step) {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, msg] : reports) {
       const v1::StepReport& r = msg.report();
-      const v1::RankAssignment& rank = assigned_[name].rank;
+      const v1::RankAssignment& rank = assigned_[name];
       finite &= r.finite();
       if (rank.dp_rank() == 0) sq += r.grad_sq_norm();  // DP replicas hold the same averaged gradients
       if (r.has_loss() && rank.tp_rank() == 0) {
@@ -360,8 +360,8 @@ absl::Status JobRunner::RunStep(int64_t step) {
       bubble += s.bubble_seconds();
       comm += c;
       worker_wall += s.wall_seconds();
-      v1::StageStatus& st = stages[assigned_[name].rank.pp_rank()];
-      st.set_pp_rank(assigned_[name].rank.pp_rank());
+      v1::StageStatus& st = stages[assigned_[name].pp_rank()];
+      st.set_pp_rank(assigned_[name].pp_rank());
       st.set_step(step);
       st.set_bubble_ratio(st.bubble_ratio() + s.bubble_seconds() / std::max(1e-9, s.wall_seconds()));
       st.set_comm_ratio(st.comm_ratio() + c / std::max(1e-9, s.wall_seconds()));

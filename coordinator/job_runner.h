@@ -67,9 +67,6 @@ class JobRunner : public JobObserver {
   std::string TraceJson(int steps, absl::Duration wait) override;
 
  private:
-  struct Assigned {
-    v1::RankAssignment rank;
-  };
   struct StepRecord {
     int64_t step = 0;
     bool committed = false;
@@ -109,7 +106,7 @@ class JobRunner : public JobObserver {
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   v1::Plan plan_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Assigned> assigned_ ABSL_GUARDED_BY(mu_);  // by worker name
+  std::map<std::string, v1::RankAssignment> assigned_ ABSL_GUARDED_BY(mu_);  // by worker name
   double expected_bubble_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, v1::WorkerMessage> configured_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::WorkerMessage> reports_ ABSL_GUARDED_BY(mu_);
