@@ -1,11 +1,8 @@
 // Gloo backend with ranks in separate processes (comm_test_peer), rendezvous
 // through CoordinatorStore and a FakeCoordinatorKv on a loopback port.
 #include <signal.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -13,53 +10,27 @@
 #include "gtest/gtest.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
+#include "tests/testing/process.h"
 #include "worker/comm/fake_coordinator_kv.h"
 
 namespace baton::comm {
 namespace {
 
-std::string PeerBinary() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const char* workspace = std::getenv("TEST_WORKSPACE");
-  return absl::StrCat(srcdir ? srcdir : ".", "/", workspace ? workspace : "baton",
-                      "/worker/comm/comm_test_peer");
-}
-
-// Starts comm_test_peer with `args`; returns its pid.
-pid_t Spawn(const std::vector<std::string>& args) {
-  const std::string binary = PeerBinary();
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(binary.c_str()));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execv(binary.c_str(), argv.data());
-    _exit(127);
-  }
-  return pid;
-}
-
-// Exit code of `pid`, or -1 if it is still running after `timeout` (then it
-// is killed).
-int Reap(pid_t pid, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (absl::Now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      return -1;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+// Starts comm_test_peer with `args` (its output goes to a log under TEST_TMPDIR).
+std::unique_ptr<testing::Subprocess> Spawn(const std::vector<std::string>& args) {
+  static int spawned = 0;
+  auto peer = std::make_unique<testing::Subprocess>(
+      testing::RunfilePath("worker/comm/comm_test_peer"), args,
+      absl::StrCat(testing::TempDir("peers"), "/peer", ++spawned, ".log"));
+  EXPECT_TRUE(peer->Start().ok());
+  return peer;
 }
 
 class GlooMultiProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_EQ(access(PeerBinary().c_str(), X_OK), 0) << "missing helper " << PeerBinary();
+    ASSERT_EQ(access(testing::RunfilePath("worker/comm/comm_test_peer").c_str(), X_OK), 0)
+        << "missing helper comm_test_peer";
     auto server = FakeCoordinatorKvServer::Start();
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
@@ -84,7 +55,7 @@ class GlooMultiProcessTest : public ::testing::Test {
 
 TEST_F(GlooMultiProcessTest, ThreeProcessesAllReduceThroughTheCoordinatorKv) {
   const int n = 3;
-  std::vector<pid_t> peers;
+  std::vector<std::unique_ptr<testing::Subprocess>> peers;
   for (int r = 1; r < n; ++r) {
     peers.push_back(Spawn({server_->address(), "job", "1", "mp", absl::StrCat(r),
                            absl::StrCat(n), "allreduce"}));
@@ -99,7 +70,7 @@ TEST_F(GlooMultiProcessTest, ThreeProcessesAllReduceThroughTheCoordinatorKv) {
   for (int64_t i = 0; i < count; i += 101) {
     EXPECT_EQ(x[i], static_cast<float>(600 + 3 * (i % 13))) << i;
   }
-  for (pid_t pid : peers) EXPECT_EQ(Reap(pid, absl::Seconds(20)), 0) << "a peer saw a wrong sum";
+  for (auto& peer : peers) EXPECT_EQ(peer->Wait(absl::Seconds(20)), 0) << "a peer saw a wrong sum: " << peer->Log();
   bool saw_address_keys = false;
   for (const std::string& k : server_->service().Keys()) {
     saw_address_keys |= k.rfind("job/1/comm/mp/gen1/gloo/", 0) == 0;
@@ -116,11 +87,9 @@ TEST_F(GlooMultiProcessTest, PeerKilledMidTransferFailsTheSurvivorWithinTheTimeo
 }
 
 void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
-  pid_t peer = Spawn({server_->address(), "job", "1", group, "1", "2", "stream"});
-  struct KillOnReturn {  // also when an ASSERT returns early
-    pid_t pid;
-    ~KillOnReturn() { kill(pid, SIGKILL); }
-  } killer{peer};
+  // Killed by its destructor also when an ASSERT returns early.
+  std::unique_ptr<testing::Subprocess> peer =
+      Spawn({server_->address(), "job", "1", group, "1", "2", "stream"});
   CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
   auto comm = CreateCommunicator(store, Spec(group, 0, 2));
   ASSERT_TRUE(comm.ok()) << comm.status();
@@ -137,7 +106,7 @@ void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
   }
   std::vector<uint8_t> never(64);
   auto orphan = (*comm)->Recv(Buffer{never.data(), 64, DType::kUInt8, -1}, 1, 999);
-  kill(peer, SIGKILL);
+  peer->Signal(SIGKILL);
   const absl::Time killed_at = absl::Now();
   absl::Status s = orphan->Wait(absl::Seconds(5));
   EXPECT_LT(absl::Now() - killed_at, absl::Seconds(5));
@@ -155,7 +124,7 @@ void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
   absl::Status later = (*comm)->Barrier()->Wait(absl::Seconds(5));
   EXPECT_TRUE(absl::IsAborted(later) || absl::IsUnavailable(later)) << later;
   EXPECT_LT(absl::Now() - before, absl::Seconds(1));
-  EXPECT_EQ(Reap(peer, absl::Seconds(5)), -2) << "peer died by signal";
+  EXPECT_EQ(peer->Wait(absl::Seconds(5)), 128 + SIGKILL) << "peer died by signal";
 }
 
 TEST_F(GlooMultiProcessTest, StragglerOfAnOlderGenerationIsRejectedByTheKv) {
