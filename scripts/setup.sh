@@ -2,6 +2,9 @@
 # Installs the Debian 12 packages baton builds and tests with. Idempotent: a
 # fast no-op when everything is present. Needs root (or sudo) only to install.
 set -euo pipefail
+# clang-14 + libclang-rt-14-dev: the clang -Wthread-safety build, ASan/UBSan/
+# TSan and libFuzzer (scripts/test.sh stages clang, asan, fuzz); llvm-14 has
+# llvm-symbolizer for readable sanitizer stacks.
 
 PACKAGES=(
   bazel-bootstrap g++ git python3 curl
@@ -9,6 +12,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev
   prometheus
+  clang-14 libclang-rt-14-dev llvm-14
 )
 
 missing=()
