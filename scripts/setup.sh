@@ -8,7 +8,7 @@ PACKAGES=(
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev
-  prometheus
+  prometheus openssl
 )
 
 missing=()
