@@ -47,9 +47,18 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     err << "batonctl status: the coordinator at " << target << " refused: " << s.error_message() << "\n";
     return 1;
   }
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    // wait_for_ready hides why the channel never became ready (refused
+    // connection, failed TLS handshake): one quick call without it says.
+    grpc::ClientContext probe;
+    probe.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::GetStatusResponse ignored;
+    grpc::Status why = stub->GetStatus(&probe, {}, &ignored);
+    if (why.error_code() == grpc::StatusCode::UNAVAILABLE) s = why;
+  }
   if (!s.ok()) {
     err << "batonctl status: cannot reach the coordinator at " << target << " within " << *timeout_ms
-        << " ms (" << s.error_message() << "); is it running, and is --coordinator right?\n";
+        << " ms (" << s.error_message() << "); is it running, is --coordinator right, and (if it requires TLS) are --tls_cert/--tls_key an operator certificate signed by its CA and --tls_ca that CA (docs/security.md)?\n";
     return 1;
   }
   if (args->GetBool("json")) {
