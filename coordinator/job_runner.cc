@@ -802,7 +802,7 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
         if (snap.owner() != worker || snap.step() <= 0) return;
         PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
         auto buddy = buddy_.find(worker);
-        if (buddy == buddy_.end()) return;
+        if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
         if (snap.data().size() > kMaxRelayedSnapshotBytes) {
           BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
                              << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
