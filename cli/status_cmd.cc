@@ -51,7 +51,11 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
           << ",\"host\":" << JsonQuote(w.host())
           << ",\"last_heartbeat_age_seconds\":" << absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()) << "}";
     }
-    out << "]}\n";
+    out << "]";
+    // Recovery (owner: recovery): the job state and what the last recovery did.
+    out << ",\"job_state\":" << JsonQuote(status.job_state()) << ",\"recovery\":" << JsonQuote(status.recovery())
+        << ",\"recoveries\":" << status.recoveries();
+    out << "}\n";
     return 0;
   }
   out << "coordinator " << target << " (baton " << status.version() << ")";
@@ -60,6 +64,8 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
   }
   out << "\n";
   if (!status.job_error().empty()) out << "job error: " << status.job_error() << "\n";
+  if (!status.recovery().empty()) out << (status.job_state() == "recovering" ? "recovering: " : "last recovery: ")
+                                      << status.recovery() << "\n";
   if (status.step() > 0) {
     out << absl::StrFormat(
         "step %d/%d  loss %.4f  acc %.1f%%  tok/s %.0f  bubble %.1f%% (expected %.1f%%)  comm %.1f%%\n",

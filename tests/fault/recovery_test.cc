@@ -212,8 +212,20 @@ void RunWithFault(const std::string& name, const Layout& layout, const Fault& fa
   ASSERT_GT(victim_pid, 0);
   kill(victim_pid, fault.sig);
   run.WaitForRecoveries(1);
-  // While the job goes on: the survivors are the same processes.
+  // While the job goes on: the survivors are the same processes, and the
+  // operator's view says what happened.
   for (const auto& [w, pid] : survivors) EXPECT_EQ(run.Pid(w), pid) << w << " was restarted";
+  auto ports = testing::ReadPortFile(run.out() + "/coordinator.ports", absl::Seconds(5));
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string target = absl::StrCat("--coordinator=127.0.0.1:", ports->first);
+  auto status = RunCommand(RunfilePath("cli/batonctl"), {"status", target});
+  EXPECT_NE(status.output.find("recover"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("(worker " + victim + ")"), std::string::npos) << status.output;
+  auto json = RunCommand(RunfilePath("cli/batonctl"), {"status", target, "--json"});
+  auto parsed = JsonValue::Parse(json.output);
+  ASSERT_TRUE(parsed.ok()) << json.output;
+  ASSERT_NE(parsed->Find("recoveries"), nullptr) << json.output;
+  EXPECT_EQ(parsed->Find("recoveries")->number(), 1) << json.output;
   if (fault.sig == SIGSTOP) kill(victim_pid, SIGCONT);  // the thawed old incarnation must not disturb anything
   ASSERT_EQ(run.Finish(), 0) << run.Log();
   ExpectBitwiseEqual(reference, run);
