@@ -114,6 +114,9 @@ int Main() {
   job_options.device = device;
   job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
   std::unique_ptr<WorkerJob> job;
+  options.describe = [&job](v1::RegisterRequest* r) {  // job adoption (owner: recovery)
+    if (job) job->Describe(r->mutable_held());
+  };
   agent = std::make_unique<WorkerAgent>(
       options, channel, *metrics, [&job](const v1::CoordinatorMessage& m) { job->Handle(m); },
       [&job]() { job->SessionLost(); });

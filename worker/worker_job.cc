@@ -92,6 +92,17 @@ void WorkerJob::SessionLost() {
   queue_.push_back(drop);
 }
 
+void WorkerJob::Describe(v1::HeldJob* held) {
+  absl::MutexLock lock(&snap_mu_);
+  if (own_.empty() || held_job_.empty()) return;
+  held->set_job(held_job_);
+  held->set_generation(generation_);
+  held->set_pp_rank(held_rank_.pp_rank());
+  held->set_tp_rank(held_rank_.tp_rank());
+  held->set_dp_rank(held_rank_.dp_rank());
+  for (const auto& [step, state] : own_) held->add_steps(step);
+}
+
 void WorkerJob::AbortJob(const std::string& reason) {
   absl::MutexLock lock(&mu_);
   for (comm::Communicator* c : live_comms_) c->Abort(reason);
@@ -266,6 +277,8 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     if (own_key_ != key) own_.clear();  // another job or shard: the old snapshots are of no use
     own_key_ = key;
     generation_ = job->plan.generation();
+    held_job_ = job->plan.job();
+    held_rank_ = job->rank;
   }
   job_ = std::move(job);
   const int64_t resume = configure.resume_step();
