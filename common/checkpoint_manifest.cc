@@ -214,6 +214,10 @@ ParallelLayout ParallelLayoutOf(const v1::JobSpec& job) {
   return l;
 }
 
+int CheckpointKeep(const v1::JobSpec& job) {
+  return job.checkpoint().has_keep() ? job.checkpoint().keep() : 2;
+}
+
 ModelShape ModelShapeOf(const v1::JobSpec& job) {
   ModelShape m;
   const v1::ModelSpec& s = job.model();
@@ -767,9 +771,12 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
                                                      "-layer model"));
     }
     blocks.insert(block);
-    if (std::find(t.shape.begin(), t.shape.end(), want.d_model) == t.shape.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(where(name), " has shape ", ShapeString(t.shape),
-                                                     ", no dimension of d_model ", want.d_model));
+    // Every dimension of a block tensor is 1, 3 or 4 times d_model.
+    for (int64_t d : t.shape) {
+      if (want.d_model <= 0 || d % want.d_model != 0 || d / want.d_model > 4) {
+        return absl::InvalidArgumentError(absl::StrCat(where(name), " has shape ", ShapeString(t.shape),
+                                                       ", which does not fit d_model ", want.d_model));
+      }
     }
   }
   if (static_cast<int>(blocks.size()) != want.layers) {

@@ -74,6 +74,8 @@ struct ParallelLayout {
   std::string schedule;
 };
 ModelShape ModelShapeOf(const v1::JobSpec& job);
+// checkpoint.keep, 2 when unset.
+int CheckpointKeep(const v1::JobSpec& job);
 ParallelLayout ParallelLayoutOf(const v1::JobSpec& job);
 std::string DescribeModel(const ModelShape& m);
 

@@ -102,6 +102,8 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "data.text_file", "cannot read"},
       {"checkpoint without dir", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_every_steps(5); },
        "checkpoint.dir", "must be set"},
+      {"keeping no checkpoint", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_keep(0); },
+       "checkpoint.keep", ">= 1"},
   };
   for (const Case& c : cases) {
     v1::JobSpec job = Good();
