@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/checkpoint_manifest.h"
 #include "common/chrome_trace.h"
 #include "common/file_io.h"
 #include "common/json.h"
@@ -22,7 +23,6 @@
 #include "coordinator/schedule/simulator.h"
 #include "coordinator/schedule/validator.h"
 #include "prometheus/counter.h"
-#include "worker/checkpoint/checkpoint.h"
 #include "prometheus/gauge.h"
 
 namespace baton {
