@@ -241,6 +241,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
   }
   BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
+  if (job.checkpoint().has_keep()) {
+    BATON_RETURN_IF_ERROR(AtLeast("checkpoint.keep", job.checkpoint().keep(), 1));
+  }
   return absl::OkStatus();
 }
 
