@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev
   prometheus
+  patchelf  # scripts/package.sh: RUNPATH of the release bundle
 )
 
 missing=()
