@@ -18,6 +18,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_credentials.h"
 #include "common/log.h"
@@ -208,6 +210,11 @@ int Main() {
 }  // namespace baton
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl matches flag files to the program's
+  // name by default, which main.cc never matches).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "worker/main.cc"); };
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("baton worker: baton-worker --coordinator=HOST:PORT [--name=NAME] [--device=cpu]");
   absl::ParseCommandLine(argc, argv);
   return baton::Main();
