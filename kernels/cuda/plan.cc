@@ -10,11 +10,6 @@
 namespace baton::cuda {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int ClampGrid(int64_t blocks) {
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), kMaxGridX));
-}
 
 absl::StatusOr<size_t> BoundedBytes(int64_t count, size_t elem, absl::string_view what) {
   if (count <= 0) {
@@ -29,35 +24,6 @@ absl::StatusOr<size_t> BoundedBytes(int64_t count, size_t elem, absl::string_vie
 }
 
 }  // namespace
-
-LaunchShape ElementwiseLaunch(int64_t n, int vector_width) {
-  const int64_t vectors = CeilDiv(std::max<int64_t>(n, 1), std::max(vector_width, 1));
-  return LaunchShape{ClampGrid(CeilDiv(vectors, kThreadsPerBlock)), kThreadsPerBlock, 0};
-}
-
-LaunchShape WarpPerRowLaunch(int64_t rows) {
-  const int rows_per_block = kThreadsPerBlock / kWarpSize;
-  return LaunchShape{ClampGrid(CeilDiv(std::max<int64_t>(rows, 1), rows_per_block)),
-                     kThreadsPerBlock, rows_per_block};
-}
-
-LaunchShape BlockPerRowLaunch(int64_t rows) {
-  return LaunchShape{ClampGrid(rows), kThreadsPerBlock, 1};
-}
-
-ColumnReducePlan PlanColumnReduce(int64_t rows, int64_t cols) {
-  rows = std::max<int64_t>(rows, 1);
-  cols = std::max<int64_t>(cols, 1);
-  ColumnReducePlan p;
-  p.threads = kThreadsPerBlock;
-  p.column_blocks = ClampGrid(CeilDiv(cols, p.threads));
-  // About 64 rows per chunk, at most 256 chunks: enough blocks to fill a GPU
-  // for C = 768 and a short second pass.
-  const int64_t chunks = std::min<int64_t>(256, CeilDiv(rows, 64));
-  p.rows_per_chunk = CeilDiv(rows, chunks);
-  p.chunks = static_cast<int>(CeilDiv(rows, p.rows_per_chunk));
-  return p;
-}
 
 absl::StatusOr<LtGemm> MapRowMajorGemm(const RowMajorGemm& g) {
   if (g.m <= 0 || g.n <= 0 || g.k <= 0 || g.batch <= 0) {
@@ -240,7 +206,8 @@ bool GemmKey::operator==(const GemmKey& o) const {
          a.k == b.k && a.lda == b.lda && a.ldb == b.ldb && a.ldc == b.ldc && a.batch == b.batch &&
          a.stride_a == b.stride_a && a.stride_b == b.stride_b && a.stride_c == b.stride_c &&
          ab_type == o.ab_type && c_type == o.c_type && epilogue == o.epilogue &&
-         accumulate == o.accumulate && alignment == o.alignment && aux_ld == o.aux_ld;
+         accumulate == o.accumulate && alignment == o.alignment && aux_ld == o.aux_ld &&
+         aux_type == o.aux_type;
 }
 
 uint8_t CommonAlignment(std::initializer_list<uintptr_t> addresses) {
@@ -260,6 +227,54 @@ std::string GemmKeyToString(const GemmKey& k) {
                       " c=", k.c_type == GemmDType::kBF16 ? "bf16" : "f32",
                       " epilogue=", static_cast<int>(k.epilogue), " beta=", k.accumulate ? 1 : 0,
                       " align=", static_cast<int>(k.alignment));
+}
+
+absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
+  absl::StatusOr<LtGemm> lt = MapRowMajorGemm(args.shape);
+  if (!lt.ok()) return lt.status();
+  if (args.a == nullptr || args.b == nullptr || args.c == nullptr) {
+    return absl::InvalidArgumentError("GEMM operand A, B or C is null");
+  }
+  if (args.ab_type == GemmDType::kF32 && args.c_type == GemmDType::kBF16) {
+    return absl::InvalidArgumentError(
+        "GEMM with fp32 inputs and a bf16 output: cast the inputs to bf16 or keep C in fp32");
+  }
+  const bool wants_bias = args.epilogue == GemmEpilogue::kBias ||
+                          args.epilogue == GemmEpilogue::kGeluAuxBias;
+  const bool wants_aux = args.epilogue == GemmEpilogue::kGeluAux ||
+                         args.epilogue == GemmEpilogue::kGeluAuxBias ||
+                         args.epilogue == GemmEpilogue::kDGelu;
+  if (wants_bias != (args.bias != nullptr)) {
+    return absl::InvalidArgumentError(wants_bias ? "GEMM bias epilogue without a bias pointer"
+                                                 : "GEMM bias pointer given without a bias epilogue");
+  }
+  if (wants_aux) {
+    if (args.aux == nullptr) return absl::InvalidArgumentError("GELU epilogue without an aux buffer");
+    if (args.aux_ld < args.shape.n || args.aux_ld % 8 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GELU aux leading dimension ", args.aux_ld, " must be >= n (", args.shape.n,
+          ") and a multiple of 8 (cuBLASLt)"));
+    }
+    if (args.shape.batch != 1) {
+      return absl::InvalidArgumentError("GELU epilogues are not supported on batched GEMMs here");
+    }
+  } else if (args.aux != nullptr) {
+    return absl::InvalidArgumentError("GEMM aux buffer given without a GELU epilogue");
+  }
+  GemmKey key;
+  key.shape = *lt;
+  key.ab_type = args.ab_type;
+  key.c_type = args.c_type;
+  key.epilogue = args.epilogue;
+  key.accumulate = args.beta != 0.0f;
+  key.alignment = CommonAlignment({reinterpret_cast<uintptr_t>(args.a),
+                                   reinterpret_cast<uintptr_t>(args.b),
+                                   reinterpret_cast<uintptr_t>(args.c),
+                                   reinterpret_cast<uintptr_t>(args.bias),
+                                   reinterpret_cast<uintptr_t>(args.aux)});
+  key.aux_ld = wants_aux ? args.aux_ld : 0;
+  key.aux_type = wants_aux ? args.aux_type : GemmDType::kF32;
+  return key;
 }
 
 uint16_t FloatToBf16Bits(float x) {

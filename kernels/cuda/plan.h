@@ -22,53 +22,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cuda/launch_math.h"
 
 namespace baton::cuda {
 
-// ---------------------------------------------------------------- launches
-
-struct LaunchShape {
-  int blocks = 0;
-  int threads = 0;
-  int64_t items_per_block = 0;  // rows or chunk length, as the kernel defines
-};
-
-inline constexpr int kThreadsPerBlock = 256;
-inline constexpr int kWarpSize = 32;
-inline constexpr int kMaxGridX = 65535 * 16;  // well under CUDA's 2^31-1
-
-// Grid-stride elementwise launch over n items handled `vector_width` at a time.
-// n must be positive.
-LaunchShape ElementwiseLaunch(int64_t n, int vector_width);
-
-// One warp per row, kThreadsPerBlock/32 rows per block.
-LaunchShape WarpPerRowLaunch(int64_t rows);
-
-// One block per row (long rows: cross-entropy over the vocabulary).
-LaunchShape BlockPerRowLaunch(int64_t rows);
-
-// Deterministic column sums of a [rows, cols] matrix in two passes: pass one
-// has chunks × ceil(cols/threads) blocks, block (chunk, j) summing rows
-// [chunk·rows_per_chunk, ...) of its columns in row order into a partial
-// [chunks, cols]; pass two adds the chunks in chunk order. The shape depends
-// only on (rows, cols), never on the GPU, so the bits do not either.
-struct ColumnReducePlan {
-  int chunks = 0;
-  int64_t rows_per_chunk = 0;
-  int column_blocks = 0;
-  int threads = 0;
-};
-ColumnReducePlan PlanColumnReduce(int64_t rows, int64_t cols);
-
-// Fixed grid for the squared-norm reduction: the partial of block b covers a
-// grid-stride set of indices that depends only on n.
-inline constexpr int kNormBlocks = 512;
+// Launch shapes: kernels/cuda/launch_math.h (shared with the .cu files).
 
 // ------------------------------------------------------------ GEMM mapping
 
@@ -191,6 +156,7 @@ struct GemmKey {
   bool accumulate = false;
   uint8_t alignment = 16;
   int64_t aux_ld = 0;
+  GemmDType aux_type = GemmDType::kF32;
 
   bool operator==(const GemmKey& o) const;
   template <typename H>
@@ -198,7 +164,7 @@ struct GemmKey {
     const LtGemm& s = k.shape;
     return H::combine(std::move(h), s.trans_a, s.trans_b, s.m, s.n, s.k, s.lda, s.ldb, s.ldc,
                       s.batch, s.stride_a, s.stride_b, s.stride_c, k.ab_type, k.c_type, k.epilogue,
-                      k.accumulate, k.alignment, k.aux_ld);
+                      k.accumulate, k.alignment, k.aux_ld, k.aux_type);
   }
 };
 
@@ -241,6 +207,29 @@ class GemmAlgoCache {
   int64_t hits_ = 0;
   int64_t misses_ = 0;
 };
+
+// One GEMM as the CUDA backend asks for it (kernels/cuda/gemm.h runs it).
+struct GemmArgs {
+  RowMajorGemm shape;
+  GemmDType ab_type = GemmDType::kF32;
+  GemmDType c_type = GemmDType::kF32;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+  GemmEpilogue epilogue = GemmEpilogue::kNone;
+  const void* bias = nullptr;  // c_type, length = shape.n (one per output column)
+  void* aux = nullptr;         // [m, aux_ld] row-major, aux_type
+  int64_t aux_ld = 0;          // elements; a multiple of 8
+  GemmDType aux_type = GemmDType::kF32;
+};
+
+// Checks GemmArgs for what cuBLASLt would reject or silently misread (null
+// operands, epilogue without its bias/aux, aux_ld not a multiple of 8, fp32
+// inputs with bf16 output) and returns the key; host-only.
+absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args);
+
 
 // ----------------------------------------------------------------- bfloat16
 
