@@ -387,3 +387,51 @@ TEST(Bf16Test, RoundsToNearestEvenAndKeepsSpecials) {
 
 }  // namespace
 }  // namespace baton::cuda
+
+namespace baton::cuda {
+namespace {
+
+TEST(MakeGemmKeyTest, RejectsWhatCublasLtWouldMisreadAndKeysTheRest) {
+  alignas(16) static float buf[64];
+  GemmArgs g;
+  g.shape = LinearForwardGemm(4, 8, 8);
+  g.a = buf;
+  g.b = buf;
+  g.c = buf;
+  absl::StatusOr<GemmKey> key = MakeGemmKey(g);
+  ASSERT_TRUE(key.ok()) << key.status();
+  EXPECT_EQ(key->alignment, 16);
+  EXPECT_FALSE(key->accumulate);
+
+  GemmArgs bad = g;
+  bad.epilogue = GemmEpilogue::kBias;  // no bias
+  EXPECT_EQ(MakeGemmKey(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = g;
+  bad.bias = buf;  // bias without the epilogue: it would be ignored silently
+  EXPECT_FALSE(MakeGemmKey(bad).ok());
+  bad = g;
+  bad.epilogue = GemmEpilogue::kGeluAux;
+  bad.aux = buf;
+  bad.aux_ld = 12;  // not a multiple of 8
+  EXPECT_NE(MakeGemmKey(bad).status().message().find("multiple of 8"), absl::string_view::npos);
+  bad.aux_ld = 8;
+  EXPECT_TRUE(MakeGemmKey(bad).ok());
+  bad = g;
+  bad.c_type = GemmDType::kBF16;  // fp32 inputs, bf16 output
+  EXPECT_FALSE(MakeGemmKey(bad).ok());
+  bad = g;
+  bad.b = nullptr;
+  EXPECT_FALSE(MakeGemmKey(bad).ok());
+
+  GemmArgs odd = g;
+  odd.a = buf + 1;  // 4-byte aligned: a different algorithm class
+  odd.beta = 1.0f;
+  absl::StatusOr<GemmKey> odd_key = MakeGemmKey(odd);
+  ASSERT_TRUE(odd_key.ok());
+  EXPECT_EQ(odd_key->alignment, 4);
+  EXPECT_TRUE(odd_key->accumulate);
+  EXPECT_FALSE(*odd_key == *key);
+}
+
+}  // namespace
+}  // namespace baton::cuda
