@@ -12,7 +12,9 @@
 //   `scratch`, dS bf16 after them. (cuDNN's fused flash attention is not used:
 //   the cuDNN frontend headers are not part of this build; see docs/gpu.md.)
 // The full T×T scores are materialised (O(T²) memory per head) — the price of
-// the unfused path.
+// the unfused path. Heads go through the GEMMs in groups as large as
+// `scratch` allows (all heads of a batch row with AttentionScratchBytes; one
+// head with T·T floats, the CPU kernel's scratch).
 #ifndef BATON_KERNELS_CUDA_ATTENTION_H_
 #define BATON_KERNELS_CUDA_ATTENTION_H_
 
@@ -24,20 +26,26 @@
 
 namespace baton::cuda {
 
-// Bytes of `scratch` for both passes: H'·T·T floats (S or dP for one batch
-// row), plus H'·T·T bf16 (dS) for bf16.
+// Bytes of `scratch` for both passes to run all heads of a batch row at once:
+// H'·T·T floats (S or dP), plus H'·T·T bf16 (dS) for bf16.
 absl::StatusOr<size_t> AttentionScratchBytes(const AttentionShard& shard, GemmDType dtype);
+
+// Heads per GEMM launch that `scratch_bytes` holds (≤ H'); 0 when not even
+// one head fits. The fp32 forward needs no scratch (S lives in att).
+int64_t AttentionHeadsPerLaunch(const AttentionShard& shard, GemmDType dtype, bool backward,
+                                size_t scratch_bytes);
 
 // qkv [B,T,3C'] → out [B,T,C'], att [B,H',T,T] keeps P. Pointers of `dtype`
 // (att: fp32 or bf16 likewise).
 absl::Status AttentionForward(CublasLtGemm& gemm, const AttentionPlan& plan, GemmDType dtype,
                               void* out, void* att, const void* qkv, void* scratch,
-                              cudaStream_t stream);
+                              size_t scratch_bytes, cudaStream_t stream);
 
 // Writes dqkv [B,T,3C'] (overwrites).
 absl::Status AttentionBackward(CublasLtGemm& gemm, const AttentionPlan& plan, GemmDType dtype,
-                               void* dqkv, void* scratch, const void* dout, const void* qkv,
-                               const void* att, cudaStream_t stream);
+                               void* dqkv, void* scratch, size_t scratch_bytes,
+                               const void* dout, const void* qkv, const void* att,
+                               cudaStream_t stream);
 
 }  // namespace baton::cuda
 

@@ -39,14 +39,14 @@ __global__ void CrossEntropyKernel(float* __restrict__ z_all, const int32_t* __r
   }
 }
 
-// One block: loss_sum[0] = Σ row_loss in a fixed order.
+// One block: loss_sum[0] += Σ row_loss in a fixed order.
 __global__ void SumLossKernel(const double* __restrict__ row_loss, int64_t rows,
                               double* __restrict__ loss_sum) {
   __shared__ double shared[32];
   double acc = 0.0;
   for (int64_t n = threadIdx.x; n < rows; n += blockDim.x) acc += row_loss[n];
   acc = BlockSum(acc, shared);
-  if (threadIdx.x == 0) *loss_sum = acc;
+  if (threadIdx.x == 0) *loss_sum += acc;
 }
 
 __global__ void ShardedStatsKernel(float* __restrict__ z_all, const int32_t* __restrict__ targets,
@@ -158,7 +158,7 @@ __global__ void CountHitsKernel(const float* __restrict__ max_all,
     if (index_all[best * rows + n] == static_cast<float>(targets[n])) ++count;
   }
   count = BlockSum(count, shared);
-  if (threadIdx.x == 0) *hits = count;
+  if (threadIdx.x == 0) *hits += count;
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 //   dz[n,v] = (softmax(z[n])[v] − [v = target]) · grad_scale        (in place)
 // Rows whose target is kIgnoreTarget (−1) get no loss and a zero gradient.
 // Per-row losses go to `row_loss` [rows] (double, 0 for ignored rows); their
-// sum in a fixed order (one block, fixed tree) to `loss_sum` [1], so the
-// host can fetch one double per step.
+// sum in a fixed order (one block, fixed tree) is ADDED to `loss_sum` [1]
+// (when not null), so a step accumulates its loss on the device and the host
+// fetches one double per step.
 //
 // Vocabulary-parallel form, around an all-gather of lse and an all-reduce of
 // target_logit between the two steps (see the CPU header for the algebra):
@@ -46,7 +47,7 @@ cudaError_t LaunchShardedCrossEntropyFinish(float* exp_to_grad, const int32_t* t
 cudaError_t LaunchShardArgmax(const float* logits, int64_t rows, int64_t cols, int64_t col_begin,
                               float* max, float* index, cudaStream_t stream);
 
-// hits[0] = number of scored rows whose first maximum over shards is the target.
+// hits[0] += number of scored rows whose first maximum over shards is the target.
 cudaError_t LaunchCountArgmaxHits(const float* max_all, const float* index_all, int64_t shards,
                                   const int32_t* targets, int64_t rows, int64_t* hits,
                                   cudaStream_t stream);

@@ -364,7 +364,7 @@ TEST_F(CudaOpsTest, GemmRejectsBadArgumentsWithAClearError) {
 
 void RunAttention(CublasLtGemm& gemm, cudaStream_t stream, int64_t B, int64_t T, int64_t C,
                   int64_t heads, GemmDType dtype, double fwd_bound, double bwd_bound,
-                  std::vector<float>* bits) {
+                  std::vector<float>* bits, bool one_head_scratch = false) {
   const std::vector<float> qkv = Random(B * T * 3 * C, 40), dout = Random(B * T * C, 41);
   const bool bf16 = dtype == GemmDType::kBF16;
   const std::vector<float> qkv_in = bf16 ? RoundBf16(qkv) : qkv;
@@ -379,15 +379,17 @@ void RunAttention(CublasLtGemm& gemm, cudaStream_t stream, int64_t B, int64_t T,
   const AttentionPlan plan = PlanAttention(*shard);
   absl::StatusOr<size_t> bytes = AttentionScratchBytes(*shard, dtype);
   ASSERT_TRUE(bytes.ok());
+  if (one_head_scratch) *bytes /= static_cast<size_t>(heads);  // heads go one at a time
+  ASSERT_EQ(AttentionHeadsPerLaunch(*shard, dtype, true, *bytes), one_head_scratch ? 1 : heads);
   Dev<char> d_scratch(*bytes);
   std::vector<float> got_out, got_dqkv;
   if (bf16) {
     Dev<__nv_bfloat16> d_qkv(ToBf16(qkv_in)), d_dout(ToBf16(dout_in)), d_out(out.size()),
         d_att(att.size()), d_dqkv(qkv.size());
     ASSERT_TRUE(AttentionForward(gemm, plan, dtype, d_out.get(), d_att.get(), d_qkv.get(),
-                                 d_scratch.get(), stream)
+                                 d_scratch.get(), *bytes, stream)
                     .ok());
-    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), d_dout.get(),
+    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), *bytes, d_dout.get(),
                                   d_qkv.get(), d_att.get(), stream)
                     .ok());
     got_out = FromBf16(d_out.Download());
@@ -396,9 +398,9 @@ void RunAttention(CublasLtGemm& gemm, cudaStream_t stream, int64_t B, int64_t T,
     Dev<float> d_qkv(qkv_in), d_dout(dout_in), d_out(out.size()), d_att(att.size()),
         d_dqkv(qkv.size());
     ASSERT_TRUE(AttentionForward(gemm, plan, dtype, d_out.get(), d_att.get(), d_qkv.get(),
-                                 d_scratch.get(), stream)
+                                 d_scratch.get(), *bytes, stream)
                     .ok());
-    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), d_dout.get(),
+    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), *bytes, d_dout.get(),
                                   d_qkv.get(), d_att.get(), stream)
                     .ok());
     got_out = d_out.Download();
@@ -416,6 +418,8 @@ TEST_F(CudaOpsTest, Fp32AttentionMatchesTheCpuAndRepeatsBitwise) {
   RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &first);
   RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &second);
   EXPECT_TRUE(Bitwise(first, second));
+  std::vector<float> grouped;  // scratch for one head at a time: same bounds
+  RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &grouped, true);
 }
 
 TEST_F(CudaOpsTest, Bf16AttentionStaysWithinItsBound) {
@@ -423,6 +427,8 @@ TEST_F(CudaOpsTest, Bf16AttentionStaysWithinItsBound) {
   RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &first);
   RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &second);
   EXPECT_TRUE(Bitwise(first, second));
+  std::vector<float> grouped;
+  RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &grouped, true);
 }
 
 // -------------------------------------------------------------- cross-entropy
@@ -441,12 +447,12 @@ TEST_F(CudaOpsTest, CrossEntropyWithIgnoredTargetsAndItsVocabParallelFormMatchTh
   const double loss = cpu::SoftmaxCrossEntropy(grad.data(), targets.data(), N, V, scale);
   Dev<float> d_z(logits);
   Dev<int32_t> d_t(targets);
-  Dev<double> d_rows(N), d_sum(1);
+  Dev<double> d_rows(N), d_sum(std::vector<double>{0.5});  // the sum is added to 0.5
   ASSERT_EQ(LaunchSoftmaxCrossEntropy(d_z.get(), d_t.get(), N, V, scale, d_rows.get(),
                                       d_sum.get(), stream_),
             cudaSuccess);
   EXPECT_LE(MaxRelError(d_z.Download(), grad), 1e-5);
-  const double got_loss = d_sum.Download()[0];
+  const double got_loss = d_sum.Download()[0] - 0.5;
   EXPECT_NEAR(got_loss, loss, 1e-5 * std::fabs(loss));
   EXPECT_EQ(d_rows.Download()[3], 0.0);
 
@@ -486,6 +492,7 @@ TEST_F(CudaOpsTest, CrossEntropyWithIgnoredTargetsAndItsVocabParallelFormMatchTh
   for (int64_t r = 0; r < shards; ++r) {
     const int64_t begin = r * Vs, cols = r + 1 == shards ? V - begin : Vs;
     Dev<float> d_exp(exps[r]), d_max(row_max[r]), d_lse_all(lse_all), d_tl(tl_sum);
+    d_sum.Upload({0.0});
     ASSERT_EQ(LaunchShardedCrossEntropyFinish(d_exp.get(), d_t.get(), N, begin, cols, d_max.get(),
                                               d_lse_all.get(), shards, d_tl.get(), scale,
                                               d_rows.get(), d_sum.get(), stream_),
@@ -502,7 +509,7 @@ TEST_F(CudaOpsTest, CrossEntropyWithIgnoredTargetsAndItsVocabParallelFormMatchTh
   EXPECT_NEAR(sharded_loss, loss, 1e-5 * std::fabs(loss));
 
   Dev<float> d_amax_all(argmax_max), d_aidx_all(argmax_idx);
-  Dev<int64_t> d_hits(1);
+  Dev<int64_t> d_hits(std::vector<int64_t>{0});
   ASSERT_EQ(LaunchCountArgmaxHits(d_amax_all.get(), d_aidx_all.get(), shards, d_t.get(), N,
                                   d_hits.get(), stream_),
             cudaSuccess);

@@ -75,6 +75,15 @@ absl::Status MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::CreateWithWorkspace(
+    void* workspace, size_t workspace_bytes) {
+  cublasLtHandle_t handle = nullptr;
+  BATON_LT_RETURN_IF_ERROR(cublasLtCreate(&handle), nullptr);
+  auto gemm = std::unique_ptr<CublasLtGemm>(new CublasLtGemm(handle, workspace, workspace_bytes));
+  gemm->owns_workspace_ = false;
+  return gemm;
+}
+
 absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::Create(size_t workspace_bytes) {
   cublasLtHandle_t handle = nullptr;
   BATON_LT_RETURN_IF_ERROR(cublasLtCreate(&handle), nullptr);
@@ -90,7 +99,7 @@ absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::Create(size_t worksp
 }
 
 CublasLtGemm::~CublasLtGemm() {
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (owns_workspace_ && workspace_ != nullptr) cudaFree(workspace_);
   cublasLtDestroy(handle_);
 }
 
@@ -116,6 +125,11 @@ absl::Status CublasLtGemm::Run(const GemmArgs& args, cudaStream_t stream) {
     BATON_LT_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                             &args.bias, sizeof(args.bias)),
                              &key);
+    const int32_t bias_type = CudaType(args.bias_type);
+    BATON_LT_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                       sizeof(bias_type)),
+        &key);
   }
   if (args.aux != nullptr) {
     BATON_LT_RETURN_IF_ERROR(

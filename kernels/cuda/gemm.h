@@ -37,6 +37,10 @@ class CublasLtGemm {
   // Creates the handle and allocates the workspace on the current device.
   static absl::StatusOr<std::unique_ptr<CublasLtGemm>> Create(
       size_t workspace_bytes = kLtWorkspaceBytes);
+  // Uses `workspace` (device memory of `workspace_bytes`, owned by the
+  // caller and outliving this object) instead of allocating one.
+  static absl::StatusOr<std::unique_ptr<CublasLtGemm>> CreateWithWorkspace(void* workspace,
+                                                                           size_t workspace_bytes);
   ~CublasLtGemm();
   CublasLtGemm(const CublasLtGemm&) = delete;
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
@@ -54,6 +58,7 @@ class CublasLtGemm {
   cublasLtHandle_t handle_;
   void* workspace_;
   size_t workspace_bytes_;
+  bool owns_workspace_ = true;
   GemmAlgoCache<cublasLtMatmulAlgo_t> cache_;
 };
 

@@ -207,7 +207,7 @@ bool GemmKey::operator==(const GemmKey& o) const {
          a.stride_a == b.stride_a && a.stride_b == b.stride_b && a.stride_c == b.stride_c &&
          ab_type == o.ab_type && c_type == o.c_type && epilogue == o.epilogue &&
          accumulate == o.accumulate && alignment == o.alignment && aux_ld == o.aux_ld &&
-         aux_type == o.aux_type;
+         aux_type == o.aux_type && bias_type == o.bias_type;
 }
 
 uint8_t CommonAlignment(std::initializer_list<uintptr_t> addresses) {
@@ -274,6 +274,7 @@ absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
                                    reinterpret_cast<uintptr_t>(args.aux)});
   key.aux_ld = wants_aux ? args.aux_ld : 0;
   key.aux_type = wants_aux ? args.aux_type : GemmDType::kF32;
+  key.bias_type = wants_bias ? args.bias_type : GemmDType::kF32;
   return key;
 }
 

@@ -157,6 +157,7 @@ struct GemmKey {
   uint8_t alignment = 16;
   int64_t aux_ld = 0;
   GemmDType aux_type = GemmDType::kF32;
+  GemmDType bias_type = GemmDType::kF32;
 
   bool operator==(const GemmKey& o) const;
   template <typename H>
@@ -164,7 +165,7 @@ struct GemmKey {
     const LtGemm& s = k.shape;
     return H::combine(std::move(h), s.trans_a, s.trans_b, s.m, s.n, s.k, s.lda, s.ldb, s.ldc,
                       s.batch, s.stride_a, s.stride_b, s.stride_c, k.ab_type, k.c_type, k.epilogue,
-                      k.accumulate, k.alignment, k.aux_ld, k.aux_type);
+                      k.accumulate, k.alignment, k.aux_ld, k.aux_type, k.bias_type);
   }
 };
 
@@ -219,7 +220,8 @@ struct GemmArgs {
   float alpha = 1.0f;
   float beta = 0.0f;
   GemmEpilogue epilogue = GemmEpilogue::kNone;
-  const void* bias = nullptr;  // c_type, length = shape.n (one per output column)
+  const void* bias = nullptr;  // bias_type, length = shape.n (one per output column)
+  GemmDType bias_type = GemmDType::kF32;
   void* aux = nullptr;         // [m, aux_ld] row-major, aux_type
   int64_t aux_ld = 0;          // elements; a multiple of 8
   GemmDType aux_type = GemmDType::kF32;
