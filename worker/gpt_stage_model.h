@@ -65,6 +65,8 @@ class GptStageModel : public StageModel {
   absl::Status OptimizerStep(float grad_scale) override;
   LossStats loss_stats() const override;
   std::vector<NamedShard> Shards() override;
+  const kernels::ExecContext& context() const override { return stage_->context(); }
+  absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 
   model::GptStage& stage() { return *stage_; }
 
