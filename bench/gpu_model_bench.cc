@@ -108,7 +108,6 @@ int main(int argc, char** argv) {
       const baton::model::StepScore score = (*stage)->score();  // waits for the stream
       loss = score.tokens > 0 ? score.loss_sum / score.tokens : 0;
     }
-    if (s.ok()) s = (*stage)->stream().Synchronize();
     return s;
   };
   const int warmup = absl::GetFlag(FLAGS_warmup), steps = absl::GetFlag(FLAGS_steps);
