@@ -66,12 +66,12 @@ StreamState* FindState(cudaStream_t stream) {
   return it == s.map.end() ? nullptr : it->second.get();
 }
 
-// Makes `index` the calling thread's current device (cheap when it already is).
+// Makes `index` the calling thread's current device. Asks the runtime each
+// time (a thread-local read) rather than caching: NCCL and other code set it too.
 absl::Status UseDevice(int index) {
-  thread_local int current = -1;
-  if (current == index) return absl::OkStatus();
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == index) return absl::OkStatus();
   BATON_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
-  current = index;
   return absl::OkStatus();
 }
 

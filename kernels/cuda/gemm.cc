@@ -167,6 +167,14 @@ absl::Status CublasLtGemm::Run(const GemmArgs& args, cudaStream_t stream) {
         cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                              sizeof(ws)),
         &key);
+    // The operands' real alignment (plan.h GemmKey), not cuBLASLt's default 256.
+    const uint32_t align = key.alignment;
+    for (cublasLtMatmulPreferenceAttributes_t attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      BATON_LT_RETURN_IF_ERROR(
+          cublasLtMatmulPreferenceSetAttribute(d.pref, attr, &align, sizeof(align)), &key);
+    }
     const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     BATON_LT_RETURN_IF_ERROR(
         cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,

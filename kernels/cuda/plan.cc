@@ -210,8 +210,8 @@ bool GemmKey::operator==(const GemmKey& o) const {
          aux_type == o.aux_type && bias_type == o.bias_type;
 }
 
-uint8_t CommonAlignment(std::initializer_list<uintptr_t> addresses) {
-  uint8_t align = 16;
+uint16_t CommonAlignment(std::initializer_list<uintptr_t> addresses) {
+  uint16_t align = 256;
   for (uintptr_t a : addresses) {
     if (a == 0) continue;
     while (align > 1 && a % align != 0) align /= 2;
@@ -267,11 +267,16 @@ absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
   key.c_type = args.c_type;
   key.epilogue = args.epilogue;
   key.accumulate = args.beta != 0.0f;
-  key.alignment = CommonAlignment({reinterpret_cast<uintptr_t>(args.a),
-                                   reinterpret_cast<uintptr_t>(args.b),
-                                   reinterpret_cast<uintptr_t>(args.c),
-                                   reinterpret_cast<uintptr_t>(args.bias),
-                                   reinterpret_cast<uintptr_t>(args.aux)});
+  const uintptr_t ab = args.ab_type == GemmDType::kBF16 ? 2 : 4;
+  const uintptr_t cb = args.c_type == GemmDType::kBF16 ? 2 : 4;
+  const bool batched = args.shape.batch > 1;
+  key.alignment = CommonAlignment(
+      {reinterpret_cast<uintptr_t>(args.a), reinterpret_cast<uintptr_t>(args.b),
+       reinterpret_cast<uintptr_t>(args.c), reinterpret_cast<uintptr_t>(args.bias),
+       reinterpret_cast<uintptr_t>(args.aux),
+       batched ? static_cast<uintptr_t>(args.shape.stride_a) * ab : 0,
+       batched ? static_cast<uintptr_t>(args.shape.stride_b) * ab : 0,
+       batched ? static_cast<uintptr_t>(args.shape.stride_c) * cb : 0});
   key.aux_ld = wants_aux ? args.aux_ld : 0;
   key.aux_type = wants_aux ? args.aux_type : GemmDType::kF32;
   key.bias_type = wants_bias ? args.bias_type : GemmDType::kF32;

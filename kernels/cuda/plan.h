@@ -146,7 +146,10 @@ enum class GemmEpilogue : uint8_t {
 };
 
 // Everything cuBLASLt's heuristic looks at: shape, types, epilogue, whether
-// β ≠ 0 and the pointers' alignment (4, 8 or 16 bytes, the smallest of all
+// β ≠ 0 and the operands' alignment in bytes (a power of two up to 256, the
+// smallest over the pointers and, when batched, the batch strides; cuBLASLt
+// is told it through its MIN_ALIGNMENT preferences, whose default of 256 would
+// let the heuristic pick a kernel that misreads less aligned operands: the
 // operands). Equal keys may share an algorithm; different keys never do.
 struct GemmKey {
   LtGemm shape;
@@ -154,7 +157,7 @@ struct GemmKey {
   GemmDType c_type = GemmDType::kF32;
   GemmEpilogue epilogue = GemmEpilogue::kNone;
   bool accumulate = false;
-  uint8_t alignment = 16;
+  uint16_t alignment = 256;
   int64_t aux_ld = 0;
   GemmDType aux_type = GemmDType::kF32;
   GemmDType bias_type = GemmDType::kF32;
@@ -169,8 +172,9 @@ struct GemmKey {
   }
 };
 
-// The largest power of two ≤ 16 dividing every address (0 = null is ignored).
-uint8_t CommonAlignment(std::initializer_list<uintptr_t> addresses);
+// The largest power of two ≤ 256 dividing every value (addresses or byte
+// strides; 0 is ignored).
+uint16_t CommonAlignment(std::initializer_list<uintptr_t> addresses);
 
 std::string GemmKeyToString(const GemmKey& key);
 

@@ -358,7 +358,8 @@ TEST(GemmAlgoCacheTest, IsBoundedAndSaysWhichShapeOverflowed) {
 }
 
 TEST(AlignmentTest, SmallestPowerOfTwoDividingAllNonNullPointers) {
-  EXPECT_EQ(CommonAlignment({256, 1024, 0}), 16);
+  EXPECT_EQ(CommonAlignment({256, 1024, 0}), 256);
+  EXPECT_EQ(CommonAlignment({4096, 1024 + 64}), 64);
   EXPECT_EQ(CommonAlignment({256, 1028}), 4);
   EXPECT_EQ(CommonAlignment({256, 1030}), 2);
   EXPECT_EQ(CommonAlignment({8, 24}), 8);
@@ -392,7 +393,7 @@ namespace baton::cuda {
 namespace {
 
 TEST(MakeGemmKeyTest, RejectsWhatCublasLtWouldMisreadAndKeysTheRest) {
-  alignas(16) static float buf[64];
+  alignas(256) static float buf[64];
   GemmArgs g;
   g.shape = LinearForwardGemm(4, 8, 8);
   g.a = buf;
@@ -400,7 +401,7 @@ TEST(MakeGemmKeyTest, RejectsWhatCublasLtWouldMisreadAndKeysTheRest) {
   g.c = buf;
   absl::StatusOr<GemmKey> key = MakeGemmKey(g);
   ASSERT_TRUE(key.ok()) << key.status();
-  EXPECT_EQ(key->alignment, 16);
+  EXPECT_EQ(key->alignment, 256);
   EXPECT_FALSE(key->accumulate);
 
   GemmArgs bad = g;
@@ -431,6 +432,18 @@ TEST(MakeGemmKeyTest, RejectsWhatCublasLtWouldMisreadAndKeysTheRest) {
   EXPECT_EQ(odd_key->alignment, 4);
   EXPECT_TRUE(odd_key->accumulate);
   EXPECT_FALSE(*odd_key == *key);
+
+  // Batched: the batch strides count too (head h of a bf16 qkv starts
+  // h·hd·2 bytes in: 128 for hd = 64).
+  GemmArgs heads = g;
+  heads.shape.batch = 4;
+  heads.shape.stride_a = 64;
+  heads.shape.stride_b = 64;
+  heads.shape.stride_c = 64;
+  heads.ab_type = GemmDType::kBF16;
+  absl::StatusOr<GemmKey> heads_key = MakeGemmKey(heads);
+  ASSERT_TRUE(heads_key.ok()) << heads_key.status();
+  EXPECT_EQ(heads_key->alignment, 128);
 }
 
 }  // namespace
