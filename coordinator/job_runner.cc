@@ -59,7 +59,7 @@ schedule::CostModel CostsFor(const v1::JobSpec& job, const v1::Plan& plan) {
 JobRunner::JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Options options,
                      prometheus::Registry& metrics)
     : job_(std::move(job)), registry_(registry), kv_(kv), options_(std::move(options)) {
-  const prometheus::Labels labels = {{"job", job_.name()}};
+  const prometheus::Labels labels = {{"training_job", job_.name()}};
   expected_bubble_metric_ = &prometheus::BuildGauge()
                                  .Name("baton_expected_bubble_ratio")
                                  .Help("Bubble ratio the simulator expects for the live plan (0-1)")

@@ -256,7 +256,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
   const int stages = pp * v;
   if (plan.stages_size() != stages) return absl::InvalidArgumentError("plan stages do not match pp * virtual_stages");
-  job->labels = {{"job", plan.job()},
+  job->labels = {{"training_job", plan.job()},
                  {"stage", std::to_string(p)},
                  {"tp_rank", std::to_string(t)},
                  {"dp_rank", std::to_string(d)},
