@@ -27,6 +27,7 @@
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
+#include "common/sd_notify.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
 #include "coordinator/job_runner.h"
@@ -65,6 +66,10 @@ int Main() {
   std::string host;
   int port = 0;
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  int http_port = 0;
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &host, &http_port); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
   std::optional<v1::JobSpec> job;
@@ -138,14 +143,27 @@ int Main() {
                   << (*ops)->port() << "; lease " << lease << ", heartbeat " << heartbeat;
 
   if (runner) runner->Start();
+  // systemd (Type=notify): serving; the sweeper below feeds the watchdog.
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving gRPC on port ", grpc_port, ", HTTP on port ",
+                                             (*ops)->port()));
+      !s.ok()) {
+    BATON_LOG(WARNING) << s.message();
+  }
+  const absl::Duration watchdog = WatchdogPeriod();
   absl::Notification stop_sweeper;
   std::thread sweeper([&]() {
     const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
+    absl::Time last_fed = absl::InfinitePast();
     while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
       for (auto& expired : registry.ExpireLeases()) {
         BATON_LOG(WARNING) << "worker '" << expired.name << "' lost: no heartbeat within the lease";
         if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
         if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease");
+      }
+      // Fed only while leases are being swept: a wedged registry stops it.
+      if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {
+        (void)SdNotify("WATCHDOG=1");
+        last_fed = absl::Now();
       }
     }
   });
@@ -153,6 +171,7 @@ int Main() {
   const int sig = WaitForShutdownSignal();
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
   serving = false;
+  (void)SdNotify("STOPPING=1");
   server->GetHealthCheckService()->SetServingStatus(false);
   if (runner) runner->Stop();
   for (auto& session : registry.Sessions()) {

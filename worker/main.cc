@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
+#include "common/sd_notify.h"
 #include "common/version.h"
 #include "kernels/cpu/gemm.h"
 #include "coordinator/worker_registry.h"
@@ -38,6 +39,9 @@ ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /h
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, comm_host, "127.0.0.1", "address other workers reach this one at for activations (Gloo)");
 ABSL_FLAG(int64_t, op_timeout_s, 300, "a communication op that takes longer fails the step (no hang)");
+ABSL_FLAG(int32_t, port_offset, 0,
+          "added to the non-zero ports of --listen and --http_listen: one worker per GPU N on a host runs with "
+          "--port_offset=N (deploy/systemd/baton-worker@.service)");
 ABSL_FLAG(int32_t, blas_threads, 1, "OpenBLAS threads for this worker's matrix products (set explicitly: "
                                     "several workers share a host)");
 
@@ -47,6 +51,21 @@ namespace {
 int Fail(int code, const std::string& message) {
   std::fprintf(stderr, "baton-worker: %s\n", message.c_str());
   return code;
+}
+
+// `listen` (HOST:PORT) with `offset` added to a non-zero port; INVALID_ARGUMENT
+// naming the flag when the result is not a port.
+absl::StatusOr<std::string> OffsetListen(const std::string& listen, const std::string& flag, int offset) {
+  std::string host;
+  int port = 0;
+  if (absl::Status s = ParseHostPort(listen, flag, &host, &port); !s.ok()) return s;
+  if (port == 0 || offset == 0) return listen;
+  if (offset < 0 || port + offset > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "='", listen, "' with --port_offset=", offset,
+                                                   " gives port ", port + offset, ", outside 1..65535"));
+  }
+  if (host.find(':') != std::string::npos) host = absl::StrCat("[", host, "]");
+  return absl::StrCat(host, ":", port + offset);
 }
 
 std::string Hostname() {
@@ -68,6 +87,13 @@ int Main() {
     return Fail(2, absl::StrCat("--device='", device, "' must be \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
   }
   if (absl::GetFlag(FLAGS_blas_threads) < 1) return Fail(2, "--blas_threads must be >= 1");
+  if (absl::GetFlag(FLAGS_port_offset) < 0) return Fail(2, "--port_offset must be >= 0 (the GPU index)");
+  absl::StatusOr<std::string> listen =
+      OffsetListen(absl::GetFlag(FLAGS_listen), "listen", absl::GetFlag(FLAGS_port_offset));
+  if (!listen.ok()) return Fail(2, std::string(listen.status().message()));
+  absl::StatusOr<std::string> http_listen =
+      OffsetListen(absl::GetFlag(FLAGS_http_listen), "http_listen", absl::GetFlag(FLAGS_port_offset));
+  if (!http_listen.ok()) return Fail(2, std::string(http_listen.status().message()));
   kernels::cpu::SetBlasThreads(absl::GetFlag(FLAGS_blas_threads));
   std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
   SetLogComponent(absl::StrCat("worker ", name));
@@ -78,11 +104,16 @@ int Main() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  builder.AddListeningPort(*listen, grpc::InsecureServerCredentials(), &grpc_port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
-    return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen), "; pick another --listen"));
+    return Fail(1, absl::StrCat("cannot serve gRPC on ", *listen, "; pick another --listen"));
   }
+  // grpc.health.v1 reflects readiness (service ""): NOT_SERVING until a
+  // session with the coordinator is open, and whenever it is not (the main
+  // loop below). Service "liveness" is SERVING while the process serves.
+  server->GetHealthCheckService()->SetServingStatus("", false);
+  server->GetHealthCheckService()->SetServingStatus("liveness", true);
 
   auto metrics = std::make_shared<prometheus::Registry>();
   prometheus::BuildGauge()
@@ -99,7 +130,7 @@ int Main() {
   options.device = device;
   options.memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   std::unique_ptr<WorkerAgent> agent;
-  auto ops = OpsServer::Start(absl::GetFlag(FLAGS_http_listen), metrics, [&agent]() {
+  auto ops = OpsServer::Start(*http_listen, metrics, [&agent]() {
     return agent ? agent->Readiness() : absl::UnavailableError("starting");
   });
   if (!ops.ok()) return Fail(1, std::string(ops.status().message()));
@@ -128,7 +159,31 @@ int Main() {
                   << ", HTTP port " << (*ops)->port() << "; coordinator " << coordinator;
   std::thread session([&]() { agent->Run(); });
 
-  const int sig = WaitForShutdownSignal();
+  // Main loop: health and systemd state follow the session; the watchdog is
+  // fed only while the agent answers (a wedged agent stops feeding it).
+  const absl::Duration watchdog = WatchdogPeriod();
+  absl::Time last_fed = absl::InfinitePast();
+  bool was_ready = false, notified_ready = false;
+  int sig = 0;
+  while ((sig = WaitForShutdownSignalFor(100)) == 0) {
+    const absl::Status readiness = agent->Readiness();
+    if (readiness.ok() != was_ready) {
+      was_ready = readiness.ok();
+      server->GetHealthCheckService()->SetServingStatus("", was_ready);
+      std::string state = absl::StrCat("STATUS=", was_ready ? "registered with " : "cannot reach ", coordinator,
+                                       was_ready ? absl::StrCat(" as ", name) : absl::StrCat(": ", readiness.message()));
+      if (was_ready && !notified_ready) {
+        state = absl::StrCat("READY=1\n", state);
+        notified_ready = true;
+      }
+      if (absl::Status s = SdNotify(state); !s.ok()) BATON_LOG(WARNING) << s.message();
+    }
+    if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {
+      (void)SdNotify("WATCHDOG=1");
+      last_fed = absl::Now();
+    }
+  }
+  (void)SdNotify("STOPPING=1");
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; leaving";
   server->GetHealthCheckService()->SetServingStatus(false);
   agent->Stop(absl::Seconds(2));
