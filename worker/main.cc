@@ -165,7 +165,7 @@ int Main() {
   absl::Time last_fed = absl::InfinitePast();
   bool was_ready = false, notified_ready = false;
   int sig = 0;
-  while ((sig = WaitForShutdownSignalFor(100)) == 0) {
+  while ((sig = WaitForShutdownSignalFor(20)) == 0) {
     const absl::Status readiness = agent->Readiness();
     if (readiness.ok() != was_ready) {
       was_ready = readiness.ok();
