@@ -58,6 +58,9 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
       ",\"bubble_ratio\":", JsonNumber(status.bubble_ratio()),
       ",\"expected_bubble_ratio\":", JsonNumber(status.expected_bubble_ratio()),
       ",\"comm_ratio\":", JsonNumber(status.comm_ratio()),
+      // Recovery (owner: recovery): what the last recovery did, and how many.
+      ",\"recovery\":", JsonQuote(status.recovery()),
+      ",\"recoveries\":", status.recoveries(),
       ",\"stages\":[", absl::StrJoin(stages, ","), "]",
       ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
 }
@@ -97,6 +100,8 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
   }
   out << "\n";
   if (!status.job_error().empty()) out << "job error: " << status.job_error() << "\n";
+  if (!status.recovery().empty()) out << (status.job_state() == "recovering" ? "recovering: " : "last recovery: ")
+                                      << status.recovery() << "\n";
   if (status.step() > 0) {
     out << absl::StrFormat(
         "step %d/%d  loss %.4f  acc %.1f%%  tok/s %.0f  bubble %.1f%% (expected %.1f%%)  comm %.1f%%\n",

@@ -158,7 +158,7 @@ int Main() {
       for (auto& expired : registry.ExpireLeases()) {
         BATON_LOG(WARNING) << "worker '" << expired.name << "' lost: no heartbeat within the lease";
         if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
-        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease");
+        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease", /*hung=*/true);
       }
       // Fed only while leases are being swept: a wedged registry stops it.
       if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {

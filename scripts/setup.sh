@@ -7,7 +7,7 @@ PACKAGES=(
   bazel-bootstrap g++ git python3 curl
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libgloo-dev libopenblas-dev
+  libgtest-dev libgmock-dev libgloo-dev libopenblas-dev zlib1g-dev
   prometheus
 )
 # Test-only tools (not needed to build, e.g. in deploy/docker/Dockerfile):

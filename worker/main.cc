@@ -99,6 +99,9 @@ int Main() {
   SetLogComponent(absl::StrCat("worker ", name));
 
   InstallShutdownSignalHandlers();
+  // A peer that dies mid-send must not kill this worker: writes to its broken
+  // sockets fail with EPIPE instead (Gloo's transport would otherwise raise SIGPIPE).
+  signal(SIGPIPE, SIG_IGN);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

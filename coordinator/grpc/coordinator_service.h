@@ -7,22 +7,11 @@
 #include <string>
 
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "coordinator/grpc/job_observer.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
 
 namespace baton {
-
-// What the service tells the job (JobRunner) and asks of it.
-class JobObserver {
- public:
-  virtual ~JobObserver() = default;
-  virtual void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) = 0;
-  virtual void OnWorkerLost(const std::string& worker, const std::string& why) = 0;
-  virtual void FillStatus(v1::GetStatusResponse* status) const = 0;
-  // Chrome trace of `steps` steps; while the job runs, traces the next ones
-  // (waiting up to `wait` for them).
-  virtual std::string TraceJson(int steps, absl::Duration wait) = 0;
-};
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:

@@ -121,6 +121,11 @@ class GptStage {
   absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
 
   ParameterStore& parameters() { return params_; }
+  const ParameterStore& parameters() const { return params_; }
+  // AdamW steps taken (the bias-correction step of the next one minus 1);
+  // set when restoring a captured state.
+  int64_t optimizer_step() const { return step_; }
+  void set_optimizer_step(int64_t step) { step_ = step; }
   int64_t microbatches_in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
   // Times the activation arenas asked the system for memory; flat once the
   // arenas have grown to a step's high-water mark.
