@@ -4,7 +4,8 @@
 //    watchdog (WATCHDOG=1) when $WATCHDOG_USEC asks, and say STOPPING=1.
 //  - The worker's grpc.health.v1 status follows readiness: NOT_SERVING while
 //    it cannot reach its coordinator, SERVING once registered, NOT_SERVING
-//    again when the coordinator goes away.
+//    again when the coordinator goes away; --health_listen (plaintext, for
+//    Kubernetes probes) mirrors it.
 //  - Bad listen addresses and port offsets exit 2 (the units' RestartPreventExitStatus).
 #include <signal.h>
 #include <arpa/inet.h>
@@ -153,9 +154,11 @@ TEST(DaemonTest, WorkerIsReadyAndServingOnlyWhileRegistered) {
   const int coordinator_port = FreePort();  // nothing listens there yet
   setenv("NOTIFY_SOCKET", notify.name().c_str(), 1);
   setenv("WATCHDOG_USEC", "400000", 1);
+  const int health_port = FreePort();  // plaintext health for probes, mirroring the main port
   Subprocess worker(RunfilePath("worker/baton-worker"),
                     {absl::StrCat("--coordinator=127.0.0.1:", coordinator_port), "--name=w0",
-                     "--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0", "--port_file=" + dir + "/w.json"},
+                     "--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0", "--port_file=" + dir + "/w.json",
+                     absl::StrCat("--health_listen=127.0.0.1:", health_port)},
                     dir + "/worker.log");
   ASSERT_TRUE(worker.Start().ok());
   unsetenv("NOTIFY_SOCKET");
@@ -170,6 +173,8 @@ TEST(DaemonTest, WorkerIsReadyAndServingOnlyWhileRegistered) {
   EXPECT_EQ(HealthOf(ports->first), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   // The liveness probe's service stays SERVING: a coordinator outage must not restart workers.
   EXPECT_EQ(HealthOf(ports->first, "liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(HealthOf(health_port), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(HealthOf(health_port, "liveness"), grpc::health::v1::HealthCheckResponse::SERVING);
   auto readyz = HttpGet("127.0.0.1", ports->second, "/readyz");
   ASSERT_TRUE(readyz.ok());
   EXPECT_EQ(readyz->code, 503);
@@ -185,12 +190,14 @@ TEST(DaemonTest, WorkerIsReadyAndServingOnlyWhileRegistered) {
   ASSERT_TRUE(Contains(registered, "READY=1")) << worker.Log() << coordinator->Log();
   EXPECT_TRUE(Contains(registered, "STATUS=registered with"));
   EXPECT_TRUE(AwaitHealth(ports->first, grpc::health::v1::HealthCheckResponse::SERVING, absl::Seconds(5)));
+  EXPECT_TRUE(AwaitHealth(health_port, grpc::health::v1::HealthCheckResponse::SERVING, absl::Seconds(5)));
 
   // The coordinator goes away: NOT_SERVING again (the process lives on).
   coordinator->Signal(SIGTERM);
   EXPECT_EQ(coordinator->Wait(absl::Seconds(10)), 0);
   EXPECT_TRUE(AwaitHealth(ports->first, grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(10)))
       << worker.Log();
+  EXPECT_TRUE(AwaitHealth(health_port, grpc::health::v1::HealthCheckResponse::NOT_SERVING, absl::Seconds(5)));
   EXPECT_TRUE(Contains(notify.Until("STATUS=cannot reach", absl::Seconds(5)), "STATUS=cannot reach"));
   worker.Signal(SIGTERM);
   EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0) << worker.Log();
