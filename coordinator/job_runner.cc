@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/checkpoint_manifest.h"
 #include "common/chrome_trace.h"
 #include "common/file_io.h"
 #include "common/json.h"
@@ -24,7 +25,8 @@
 #include "coordinator/schedule/lowering.h"
 #include "coordinator/schedule/simulator.h"
 #include "coordinator/schedule/validator.h"
-#include "worker/checkpoint/checkpoint.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
 
 namespace baton {
 namespace {
