@@ -70,6 +70,8 @@ class GptStageModel : public StageModel {
   // embedding copy of the last chunk is included like any parameter.
   ChunkState CaptureState() const override;
   absl::Status RestoreState(const ChunkState& state) override;
+  const kernels::ExecContext& context() const override { return stage_->context(); }
+  absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 
   model::GptStage& stage() { return *stage_; }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/backend.h"
 #include "kernels/tensor.h"
 
 namespace baton {
@@ -84,6 +85,14 @@ class StageModel {
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
   virtual LossStats loss_stats() const = 0;  // last stage; zero elsewhere
+
+  // Where the chunk's ops run: the device of the activations and gradients
+  // passed in and out, and the context for ops on its buffers (the gradient
+  // average). Host by default.
+  virtual const kernels::ExecContext& context() const { return kernels::ExecContext::Host(); }
+  // Blocks until every op the chunk has enqueued is done, so its outputs can
+  // be read by a communicator. Immediate on the host.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
   virtual std::vector<NamedShard> Shards() = 0;
 
   // A host copy of the chunk's state. Call between steps only (after the

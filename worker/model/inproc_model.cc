@@ -152,7 +152,8 @@ std::vector<float> InProcModel::Gather(const std::string& name, bool grad) const
     for (int r = 0; r < tp_; ++r) {
       const Parameter* p = row[r]->parameters().Find(name);
       if (full.empty()) full.resize(kernels::NumElements(p->spec.full_shape));
-      InsertShard(p->spec.shard, r, tp_, (grad ? p->grad : p->value).f32(), full.data());
+      const std::vector<float> local = ParameterStore::ToHost(grad ? p->grad : p->value);
+      InsertShard(p->spec.shard, r, tp_, local.data(), full.data());
     }
     return full;
   }
