@@ -514,6 +514,42 @@ TEST_F(ValidateTest, AnotherModelByItsTensorsUnderAnEditedManifest) {
   EXPECT_THAT(std::string(s.status().message()), HasSubstr("tensor wte has shape [48, 32]"));
 }
 
+TEST_F(ValidateTest, RandomlyCorruptedShardsAreRefusedNeverCrash) {
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const char* name : {"chunk0-tp0.safetensors", "chunk0-tp1.safetensors", "chunk1-tp0.safetensors",
+                           "chunk1-tp1.safetensors"}) {
+    files.emplace_back(name, *ReadFile(good_ + "/" + name));
+  }
+  std::mt19937 rng(11);
+  int refused = 0, trials = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto& [name, good] = files[rng() % files.size()];
+    std::string bytes = good;
+    if (trial % 4 == 3) {
+      bytes.resize(rng() % bytes.size());  // cut anywhere, header included
+    } else {
+      // Flips biased to the header (the first KiB), where structure lives.
+      for (int f = 1 + static_cast<int>(rng() % 3); f > 0; --f) {
+        const size_t at = rng() % 2 == 0 ? rng() % std::min<size_t>(1024, bytes.size()) : rng() % bytes.size();
+        bytes[at] = static_cast<char>(bytes[at] ^ (1 + rng() % 255));
+      }
+    }
+    if (bytes == good) continue;
+    ++trials;
+    ASSERT_TRUE(WriteFileAtomically(good_ + "/" + name, bytes).ok());
+    absl::StatusOr<FullState> s = ValidateCheckpointForJob(good_, JobFor(Model(), kTwoByTwo));
+    if (!s.ok()) {
+      ++refused;
+      EXPECT_THAT(std::string(s.status().message()), HasSubstr(good_)) << "the message names the checkpoint";
+    }
+    ASSERT_TRUE(WriteFileAtomically(good_ + "/" + name, good).ok());
+  }
+  // A flip can land where it changes nothing the format defines (JSON
+  // whitespace padding of the header); everything else is refused.
+  EXPECT_GE(refused, trials * 95 / 100) << refused << " of " << trials;
+  EXPECT_EQ(Error(), "");  // restored
+}
+
 TEST_F(ValidateTest, WeightsOnlyCheckpointCannotResume) {
   const std::string v1dir = NewDir("validate/v1");
   Pipeline run(kTwoByTwo, Model());
