@@ -234,6 +234,7 @@ class LocalRun {
   v1::GetStatusResponse last_status_;
   std::string last_state_;
   int last_ready_ = -1;
+  std::string last_job_error_;
   int64_t last_step_ = 0;
 };
 
@@ -313,6 +314,11 @@ std::optional<int> LocalRun::OnStatus(const v1::GetStatusResponse& s, const std:
       printer_.Line() << "waiting for workers: " << ready << " of " << workers_.size() << " ready" << std::endl;
     }
     last_ready_ = ready;
+    // The coordinator says why it still waits (e.g. "start 3 more workers").
+    if (!s.job_error().empty() && s.job_error() != last_job_error_) {
+      printer_.Line() << "coordinator: " << s.job_error() << std::endl;
+    }
+    last_job_error_ = s.job_error();
   } else if (s.job_state() != last_state_ && s.job_state() != "done" && s.job_state() != "failed") {
     printer_.Line() << "job " << (s.job().empty() ? "" : s.job() + " ") << s.job_state() << std::endl;
   }

@@ -189,6 +189,19 @@ TEST_F(LocalCommandTest, AFailedJobExitsOneWithTheErrorAndTheWorkersLog) {
   ExpectNoChildrenLeft();
 }
 
+TEST_F(LocalCommandTest, TooFewWorkersShowsTheCoordinatorsReasonWhileWaiting) {
+  std::vector<std::string> args = Args(Job(2, 10));
+  args.push_back("--workers=1");
+  auto batonctl = StartBatonctl(args);
+  ASSERT_TRUE(WaitForOutput(*batonctl, "coordinator: needs pp*tp*dp = 2 ready workers, 1 are ready; start 1 more"))
+      << batonctl->Log();
+  batonctl->Signal(SIGINT);
+  std::optional<int> code = batonctl->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 130) << batonctl->Log();
+  ExpectNoChildrenLeft();
+}
+
 TEST_F(LocalCommandTest, InterruptStopsEverythingAndExits130) {
   auto batonctl = StartBatonctl(Args(Job(1, 100000)));
   ASSERT_TRUE(WaitForOutput(*batonctl, "step ")) << batonctl->Log();

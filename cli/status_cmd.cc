@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
+#include "cli/dial.h"
 #include "common/json.h"
 
 namespace baton::cli {
@@ -20,7 +21,7 @@ std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::Work
 }  // namespace
 
 int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
-  absl::StatusOr<Args> args = Args::Parse(argv, {"coordinator", "timeout_ms"}, {"json"});
+  absl::StatusOr<Args> args = Args::Parse(argv, WithTlsFlags({"coordinator", "timeout_ms"}), {"json", "insecure"});
   if (!args.ok()) {
     err << "batonctl status: " << args.status().message() << "\n";
     return 2;
@@ -31,15 +32,33 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     err << "batonctl status: needs --coordinator=HOST:PORT and a positive --timeout_ms\n";
     return 2;
   }
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = DialCoordinator(*args, target);
+  if (!channel.ok()) {
+    err << "batonctl status: " << channel.status().message() << "\n";
+    return 2;
+  }
+  auto stub = v1::Coordinator::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(*timeout_ms));
   ctx.set_wait_for_ready(true);  // keep trying to connect until the deadline
   v1::GetStatusResponse status;
   grpc::Status s = stub->GetStatus(&ctx, {}, &status);
+  if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED || s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    err << "batonctl status: the coordinator at " << target << " refused: " << s.error_message() << "\n";
+    return 1;
+  }
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    // wait_for_ready hides why the channel never became ready (refused
+    // connection, failed TLS handshake): one quick call without it says.
+    grpc::ClientContext probe;
+    probe.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::GetStatusResponse ignored;
+    grpc::Status why = stub->GetStatus(&probe, {}, &ignored);
+    if (why.error_code() == grpc::StatusCode::UNAVAILABLE) s = why;
+  }
   if (!s.ok()) {
     err << "batonctl status: cannot reach the coordinator at " << target << " within " << *timeout_ms
-        << " ms (" << s.error_message() << "); is it running, and is --coordinator right?\n";
+        << " ms (" << s.error_message() << "); is it running, is --coordinator right, and (if it requires TLS) are --tls_cert/--tls_key an operator certificate signed by its CA and --tls_ca that CA (docs/security.md)?\n";
     return 1;
   }
   if (args->GetBool("json")) {

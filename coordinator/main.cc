@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
+#include "common/grpc_credentials.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
@@ -33,6 +34,7 @@
 #include "coordinator/job_spec.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 
@@ -44,6 +46,15 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this coordinator (mTLS; with --tls_key and --tls_ca)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed every worker and operator certificate");
+ABSL_FLAG(std::string, join_token_file, "",
+          "file holding the token workers must present to join (first line; never pass a token on the command "
+          "line)");
+ABSL_FLAG(bool, insecure, false,
+          "allow plaintext gRPC on a non-loopback --listen (anyone who reaches it controls the job)");
+ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
 
 namespace baton {
 namespace {
@@ -66,6 +77,27 @@ int Main() {
   int port = 0;
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
+  }
+  absl::StatusOr<TlsConfig> tls =
+      LoadTlsConfig(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
+  if (!tls.ok()) return Fail(2, std::string(tls.status().message()));
+  const bool insecure = absl::GetFlag(FLAGS_insecure) && !tls->enabled;
+  if (absl::Status s = CheckPlaintextAddress(absl::GetFlag(FLAGS_listen), "listen", tls->enabled, insecure);
+      !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  std::string join_token;
+  if (!absl::GetFlag(FLAGS_join_token_file).empty()) {
+    std::string warning;
+    absl::StatusOr<std::string> token = ReadJoinTokenFile(absl::GetFlag(FLAGS_join_token_file), &warning);
+    if (!token.ok()) return Fail(2, std::string(token.status().message()));
+    if (!warning.empty()) BATON_LOG(WARNING) << warning;
+    join_token = *std::move(token);
+  }
+  if (insecure && !IsLoopbackHost(host)) {
+    BATON_LOG(WARNING) << "*** INSECURE: serving plaintext gRPC on " << absl::GetFlag(FLAGS_listen)
+                       << " (--insecure): anyone who can reach it can join the job, read the rendezvous "
+                          "addresses and stop workers. Use --tls_cert/--tls_key/--tls_ca (docs/security.md) ***";
   }
   std::optional<v1::JobSpec> job;
   if (!absl::GetFlag(FLAGS_job).empty()) {
@@ -93,13 +125,21 @@ int Main() {
   options.heartbeat = heartbeat;
   options.job_name = job ? job->name() : "";
   options.job = runner.get();
+  options.tls = tls->enabled;
+  options.join_token = join_token;
+  options.metrics = metrics.get();
   CoordinatorService service(&registry, &kv, options);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), MakeServerCredentials(*tls), &grpc_port);
+  // Workers ping the coordinator (keepalive) to notice when it stops
+  // answering; allow their pings.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
@@ -113,6 +153,25 @@ int Main() {
       .Register(*metrics)
       .Add({{"version", kVersion}, {"component", "coordinator"}})
       .Set(1);
+  prometheus::BuildGauge()
+      .Name("baton_insecure")
+      .Help("1 when gRPC is served in plaintext beyond loopback (--insecure), else 0")
+      .Register(*metrics)
+      .Add({})
+      .Set(insecure && !IsLoopbackHost(host) ? 1 : 0);
+  prometheus::Gauge& tls_gauge = prometheus::BuildGauge()
+                                     .Name("baton_tls")
+                                     .Help("1 when gRPC is served with mutual TLS, else 0")
+                                     .Register(*metrics)
+                                     .Add({});
+  tls_gauge.Set(tls->enabled ? 1 : 0);
+  prometheus::Counter& lease_extensions =
+      prometheus::BuildCounter()
+          .Name("baton_lease_extensions_total")
+          .Help("Times the coordinator found itself paused longer than the lease and extended every lease "
+                "instead of marking the workers lost")
+          .Register(*metrics)
+          .Add({});
   auto& workers_family =
       prometheus::BuildGauge().Name("baton_workers").Help("Registered workers by state").Register(*metrics);
   std::map<v1::WorkerState, prometheus::Gauge*> by_state;
@@ -142,10 +201,17 @@ int Main() {
   std::thread sweeper([&]() {
     const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
     while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
-      for (auto& expired : registry.ExpireLeases()) {
+      absl::Duration stalled = absl::ZeroDuration();
+      std::vector<WorkerRegistry::Expired> lost = registry.ExpireLeases(&stalled);
+      if (stalled > absl::ZeroDuration()) {
+        lease_extensions.Increment();
+        BATON_LOG(WARNING) << "the coordinator was paused for " << stalled << " (longer than the lease " << lease
+                           << "); extended every lease instead of marking workers lost";
+      }
+      for (auto& expired : lost) {
         BATON_LOG(WARNING) << "worker '" << expired.name << "' lost: no heartbeat within the lease";
         if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
-        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease");
+        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease", /*hung=*/true);
       }
     }
   });

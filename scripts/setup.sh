@@ -6,9 +6,9 @@ set -euo pipefail
 PACKAGES=(
   bazel-bootstrap g++ git python3 curl
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
-  libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libgloo-dev libopenblas-dev
-  prometheus
+  libabsl-dev prometheus-cpp-dev libmicrohttpd-dev
+  libgtest-dev libgmock-dev libgloo-dev libopenblas-dev zlib1g-dev
+  prometheus openssl
   patchelf  # scripts/package.sh: RUNPATH of the release bundle
 )
 

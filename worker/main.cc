@@ -21,6 +21,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_credentials.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
@@ -40,6 +41,17 @@ ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /h
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, comm_host, "127.0.0.1", "address other workers reach this one at for activations (Gloo)");
 ABSL_FLAG(int64_t, op_timeout_s, 300, "a communication op that takes longer fails the step (no hang)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this worker, role URI baton://role/worker (mTLS; with "
+                                     "--tls_key and --tls_ca)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the coordinator's certificate");
+ABSL_FLAG(std::string, join_token_file, "", "file holding the coordinator's join token (first line)");
+ABSL_FLAG(bool, insecure, false,
+          "allow plaintext gRPC to or on a non-loopback address (anyone on the path controls this worker)");
+ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
+ABSL_FLAG(int64_t, keepalive_ms, 15000,
+          "gRPC keepalive: ping the coordinator after this long and drop the connection when a ping goes "
+          "unanswered for as long again");
 ABSL_FLAG(int32_t, blas_threads, 1, "OpenBLAS threads for this worker's matrix products (set explicitly: "
                                     "several workers share a host)");
 
@@ -70,17 +82,55 @@ int Main() {
     return Fail(2, absl::StrCat("--device='", device, "' must be \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
   }
   if (absl::GetFlag(FLAGS_blas_threads) < 1) return Fail(2, "--blas_threads must be >= 1");
+  if (absl::GetFlag(FLAGS_keepalive_ms) < 1000) return Fail(2, "--keepalive_ms must be >= 1000");
+  if (!absl::GetFlag(FLAGS_name).empty()) {
+    if (absl::Status s = ValidateWorkerName(absl::GetFlag(FLAGS_name)); !s.ok()) {
+      return Fail(2, absl::StrCat("--name: ", s.message()));
+    }
+  }
+  absl::StatusOr<TlsConfig> tls =
+      LoadTlsConfig(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
+  if (!tls.ok()) return Fail(2, std::string(tls.status().message()));
+  const bool insecure = absl::GetFlag(FLAGS_insecure) && !tls->enabled;
+  for (const auto& [flag, address] : {std::pair<std::string, std::string>{"listen", absl::GetFlag(FLAGS_listen)},
+                                      {"coordinator", coordinator}}) {
+    if (absl::Status s = CheckPlaintextAddress(address, flag, tls->enabled, insecure); !s.ok()) {
+      return Fail(2, std::string(s.message()));
+    }
+  }
+  std::string join_token;
+  if (!absl::GetFlag(FLAGS_join_token_file).empty()) {
+    std::string warning;
+    absl::StatusOr<std::string> token = ReadJoinTokenFile(absl::GetFlag(FLAGS_join_token_file), &warning);
+    if (!token.ok()) return Fail(2, std::string(token.status().message()));
+    if (!warning.empty()) BATON_LOG(WARNING) << warning;
+    join_token = *std::move(token);
+  }
   kernels::cpu::SetBlasThreads(absl::GetFlag(FLAGS_blas_threads));
   std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
+  if (absl::Status s = ValidateWorkerName(name); !s.ok()) {
+    return Fail(2, absl::StrCat("the hostname is not a valid worker name (", s.message(), "); give --name"));
+  }
   SetLogComponent(absl::StrCat("worker ", name));
+  std::string listen_host;
+  int listen_port = 0;
+  const bool beyond_loopback =
+      insecure && (!IsLoopbackHost(host) ||
+                   (ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &listen_host, &listen_port).ok() &&
+                    !IsLoopbackHost(listen_host)));
+  if (beyond_loopback) {
+    BATON_LOG(WARNING) << "*** INSECURE: plaintext gRPC beyond loopback (--insecure): anyone on the path can "
+                          "impersonate the coordinator to this worker. Use --tls_cert/--tls_key/--tls_ca "
+                          "(docs/security.md) ***";
+  }
 
   InstallShutdownSignalHandlers();
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), MakeServerCredentials(*tls), &grpc_port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
     return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen), "; pick another --listen"));
@@ -93,6 +143,12 @@ int Main() {
       .Register(*metrics)
       .Add({{"version", kVersion}, {"component", "worker"}})
       .Set(1);
+  prometheus::BuildGauge()
+      .Name("baton_insecure")
+      .Help("1 when gRPC runs in plaintext beyond loopback (--insecure), else 0")
+      .Register(*metrics)
+      .Add({})
+      .Set(beyond_loopback ? 1 : 0);
 
   WorkerAgent::Options options;
   options.coordinator = coordinator;
@@ -109,7 +165,13 @@ int Main() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  auto channel = grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args);
+  // Keepalive: a coordinator that is gone (host down, partition) ends the
+  // connection instead of leaving the session hanging.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(absl::GetFlag(FLAGS_keepalive_ms)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(absl::GetFlag(FLAGS_keepalive_ms)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  auto channel = MakeChannel(coordinator, *tls, join_token, args);
   WorkerJob::Options job_options;
   job_options.name = name;
   job_options.comm_host = absl::GetFlag(FLAGS_comm_host);

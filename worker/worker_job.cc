@@ -124,6 +124,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       }
       reply.mutable_configured()->set_ok(s.ok());
       reply.mutable_configured()->set_error(std::string(s.message()));
+      reply.mutable_configured()->set_code(static_cast<int>(s.code()));
       reply.mutable_configured()->set_generation(message.configure().plan().generation());
       Reply(reply);
       return;
@@ -132,6 +133,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (!job_) {
         reply.mutable_report()->set_step(message.run_step().step());
         reply.mutable_report()->set_error("no job is configured on this worker (it was aborted or never configured)");
+        reply.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kFailedPrecondition));
         Reply(reply);
         return;
       }
@@ -145,7 +147,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         BATON_LOG(ERROR) << "step " << message.run_step().step() << " failed: " << report.status();
         reply.mutable_report()->set_step(message.run_step().step());
         reply.mutable_report()->set_error(std::string(report.status().message()));
+        reply.mutable_report()->set_code(static_cast<int>(report.status().code()));
       }
+      reply.mutable_report()->set_generation(job_->plan.generation());
       Reply(reply);
       return;
     }
@@ -161,13 +165,16 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         *reply.mutable_step_done() = *done;
       } else {
         reply.mutable_step_done()->set_error(std::string(done.status().message()));
+        reply.mutable_step_done()->set_code(static_cast<int>(done.status().code()));
       }
+      reply.mutable_step_done()->set_generation(job_->plan.generation());
       Reply(reply);
       return;
     }
     case v1::CoordinatorMessage::kSaveWeights: {
       if (!job_) return;
       reply.mutable_saved()->set_ok(true);
+      reply.mutable_saved()->set_generation(job_->plan.generation());
       if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
         const int tp_size = job_->plan.tp();
         for (auto& [chunk, model] : job_->chunks) {
@@ -176,6 +183,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
           if (!file.ok()) {
             reply.mutable_saved()->set_ok(false);
             reply.mutable_saved()->set_error(std::string(file.status().message()));
+            reply.mutable_saved()->set_code(static_cast<int>(file.status().code()));
             break;
           }
           reply.mutable_saved()->add_files(*file);
@@ -217,6 +225,10 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
 }
 
 absl::Status WorkerJob::Configure(const v1::Configure& configure) {
+  if (configure.resume_step() > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot resume at step ", configure.resume_step(), ": this worker cannot restore model state yet"));
+  }
   {
     absl::MutexLock lock(&mu_);
     live_comms_.clear();
@@ -275,7 +287,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
   const int stages = pp * v;
   if (plan.stages_size() != stages) return absl::InvalidArgumentError("plan stages do not match pp * virtual_stages");
-  job->labels = {{"job", plan.job()},
+  job->labels = {{"training_job", plan.job()},
                  {"stage", std::to_string(p)},
                  {"tp_rank", std::to_string(t)},
                  {"dp_rank", std::to_string(d)},

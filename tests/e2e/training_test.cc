@@ -236,7 +236,12 @@ TEST(TrainingTest, AKilledWorkerFailsTheRunFastNamingItsStage) {
   EXPECT_EQ(promtool.exit_code, 0) << promtool.output;
   auto cmetrics = HttpGet("127.0.0.1", coordinator->second, "/metrics");
   ASSERT_TRUE(cmetrics.ok());
-  EXPECT_NE(cmetrics->body.find("baton_expected_bubble_ratio{job=\"long\"}"), std::string::npos) << cmetrics->body;
+  EXPECT_NE(cmetrics->body.find("baton_expected_bubble_ratio{stage=\"1\",training_job=\"long\"}"), std::string::npos)
+      << cmetrics->body;
+  EXPECT_NE(cmetrics->body.find("baton_job_state{state=\"running\",training_job=\"long\"} 1"), std::string::npos)
+      << cmetrics->body;
+  EXPECT_EQ(cmetrics->body.find("{job="), std::string::npos) << "no label named job:\n" << cmetrics->body;
+  EXPECT_NE(wmetrics->body.find("training_job=\"long\""), std::string::npos) << wmetrics->body;
   const std::string target = absl::StrCat("--coordinator=127.0.0.1:", coordinator->first);
   auto status = RunCommand(RunfilePath("cli/batonctl"), {"status", target});
   EXPECT_EQ(status.exit_code, 0) << status.output;

@@ -128,6 +128,11 @@ class GptStage {
   absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
 
   ParameterStore& parameters() { return params_; }
+  const ParameterStore& parameters() const { return params_; }
+  // AdamW steps taken (the bias-correction step of the next one minus 1);
+  // set when restoring a captured state.
+  int64_t optimizer_step() const { return step_; }
+  void set_optimizer_step(int64_t step) { step_ = step; }
   // The stream the stage's ops run on (config.device). Outputs written by
   // Forward / BackwardInput are complete once it has passed them.
   kernels::Stream& stream() { return *stream_; }

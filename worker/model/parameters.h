@@ -91,6 +91,11 @@ class ParameterStore {
   // Every gradient of the stage in one buffer (for zeroing, or one
   // data-parallel all-reduce).
   const kernels::Tensor& grads() const { return grads_; }
+  // The flat values and AdamW moments (same order as grads()), for
+  // capturing and restoring a stage's state.
+  const kernels::Tensor& values() const { return values_; }
+  const kernels::Tensor& adam_m() const { return adam_m_; }
+  const kernels::Tensor& adam_v() const { return adam_v_; }
 
  private:
   std::vector<Parameter> params_;
