@@ -176,7 +176,12 @@ step() {
   elif (( rc == 124 || rc == 137 )); then
     record "$name" "timeout after ${limit}s" "$took"; FAILED=1
   else
-    record "$name" "fail (exit $rc)" "$took"; FAILED=1
+    # Why, in a line: the failed gtest cases, else the output's last line.
+    local why
+    why=$(grep -m 4 '^\[  FAILED  \] [A-Za-z]' "$OUT/$name.out" | sed 's/^\[  FAILED  \] //' |
+          sed 's/ (.*//' | paste -sd, -)
+    [[ -z "$why" ]] && why=$(grep -v '^[[:space:]]*$' "$OUT/$name.out" | tail -n 1)
+    record "$name" "fail (exit $rc): ${why:0:300}" "$took"; FAILED=1
   fi
   return $rc
 }
