@@ -17,6 +17,9 @@ absl::StatusOr<Device> ParseDevice(absl::string_view name) {
   if (absl::StartsWith(name, "cuda:") && absl::SimpleAtoi(name.substr(5), &index) && index >= 0) {
     return Device::Cuda(index);
   }
+  if (absl::StartsWith(name, "sim:") && absl::SimpleAtoi(name.substr(4), &index) && index >= 0) {
+    return Device::Sim(index);  // the test-only simulated device (kernels/sim)
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("device '", name, "': want \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
 }

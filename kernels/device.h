@@ -22,7 +22,8 @@
 
 namespace baton::kernels {
 
-// "cpu" or "cuda:N" (N a non-negative ordinal); INVALID_ARGUMENT otherwise.
+// "cpu", "cuda:N" or "sim:N" (N a non-negative ordinal; sim is the test-only
+// simulated device); INVALID_ARGUMENT otherwise.
 absl::StatusOr<Device> ParseDevice(absl::string_view name);
 
 absl::Status ProbeCudaDevice(int index);
