@@ -128,6 +128,10 @@ absl::Status ValidateTrain(const v1::TrainSpec& t) {
   BATON_RETURN_IF_ERROR(AtLeast("train.micro_batch_size", t.micro_batch_size(), 1));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.lr", t.lr()));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.weight_decay", t.weight_decay()));
+  if (!t.precision().empty() && t.precision() != "fp32" && t.precision() != "bf16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.precision: is \"", t.precision(), "\"; want \"fp32\" or \"bf16\""));
+  }
   return NonNegativeFinite("train.grad_clip", t.grad_clip());
 }
 
@@ -241,6 +245,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
   }
   BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
+  if (job.checkpoint().has_keep()) {
+    BATON_RETURN_IF_ERROR(AtLeast("checkpoint.keep", job.checkpoint().keep(), 1));
+  }
   return absl::OkStatus();
 }
 

@@ -110,6 +110,8 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
       {"negative snapshot period",
        [](v1::JobSpec* j) { j->mutable_fault_tolerance()->set_snapshot_every_steps(-2); },
        "fault_tolerance.snapshot_every_steps", ">= 0"},
+      {"keeping no checkpoint", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_keep(0); },
+       "checkpoint.keep", ">= 1"},
   };
   for (const Case& c : cases) {
     v1::JobSpec job = Good();

@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev libmicrohttpd-dev
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev zlib1g-dev
   prometheus openssl
+  patchelf  # scripts/package.sh: RUNPATH of the release bundle
 )
 # Test-only tools (not needed to build, e.g. in deploy/docker/Dockerfile):
 #  python3-yaml, python3-venv: tests/ops (PyYAML; a venv for kubernetes-validate)

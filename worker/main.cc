@@ -18,6 +18,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_credentials.h"
 #include "common/log.h"
@@ -232,6 +234,9 @@ int Main() {
   job_options.device = device;
   job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
   std::unique_ptr<WorkerJob> job;
+  options.describe = [&job](v1::RegisterRequest* r) {  // job adoption (owner: recovery)
+    if (job) job->Describe(r->mutable_held());
+  };
   agent = std::make_unique<WorkerAgent>(
       options, channel, *metrics, [&job](const v1::CoordinatorMessage& m) { job->Handle(m); },
       [&job]() { job->SessionLost(); });
@@ -287,6 +292,11 @@ int Main() {
 }  // namespace baton
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl matches flag files to the program's
+  // name by default, which main.cc never matches).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "worker/main.cc"); };
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("baton worker: baton-worker --coordinator=HOST:PORT [--name=NAME] [--device=cpu]");
   absl::ParseCommandLine(argc, argv);
   return baton::Main();

@@ -76,8 +76,12 @@ class WorkerJob {
 
   // Called on the session's reader thread.
   void Handle(const v1::CoordinatorMessage& message);
-  // The session ended: the job (if any) cannot go on.
+  // The session ended: the job's communicators are aborted and the live job
+  // dropped; the snapshots stay, so a restarted coordinator can adopt it.
   void SessionLost();
+  // What this worker holds (job, generation, rank, restorable steps); empty
+  // when nothing. Thread-safe.
+  void Describe(v1::HeldJob* held);
 
  private:
 
@@ -122,6 +126,8 @@ class WorkerJob {
   std::map<int64_t, std::string> own_ ABSL_GUARDED_BY(snap_mu_);  // step -> ShardState
   std::map<std::string, std::map<int64_t, std::string>> held_ ABSL_GUARDED_BY(snap_mu_);  // owner -> step -> ShardState
   int64_t generation_ ABSL_GUARDED_BY(snap_mu_) = 0;  // of the live job, for FetchState answers
+  std::string held_job_ ABSL_GUARDED_BY(snap_mu_);
+  v1::RankAssignment held_rank_ ABSL_GUARDED_BY(snap_mu_);
 
   std::unique_ptr<Job> job_;  // owned by the Loop thread
   std::thread thread_;

@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <sys/types.h>
 
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -342,6 +343,82 @@ TEST(RecoveryTest, ASecondFaultDuringRecoveryStillEndsInTheSameWeights) {
   ASSERT_EQ(run.Finish(), 0) << run.Log();
   ExpectBitwiseEqual(reference, run);
   EXPECT_EQ(CountLines(run.out() + "/steps.jsonl", "\"recovery\": "), 2) << ReadAll(run.out() + "/steps.jsonl");
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// kill -9 of the coordinator mid-run, restarted with the same flags: the
+// workers (never restarted) register again and report what they hold; the
+// new coordinator adopts the job and continues from the newest step every
+// shard holds. steps.jsonl holds every step exactly once, and the final
+// weights equal the fault-free run's.
+TEST(RecoveryTest, AKilledCoordinatorRestartedWithTheSameFlagsAdoptsTheRunningJob) {
+  const Layout layout;
+  const LocalRun& reference = Reference(layout);
+  const std::string dir = TempDir("coordinator_restart");
+  const std::string out = dir + "/out";
+  std::ofstream(dir + "/job.textproto") << Job(layout);
+  auto coordinator_args = [&](const std::string& listen) {
+    return std::vector<std::string>{"--listen=" + listen, "--http_listen=127.0.0.1:0",
+                                    "--port_file=" + dir + "/coordinator.ports", "--job=" + dir + "/job.textproto",
+                                    "--out=" + out};
+  };
+  auto first = std::make_unique<testing::Subprocess>(RunfilePath("coordinator/baton-coordinator"),
+                                                     coordinator_args("127.0.0.1:0"), dir + "/coordinator.1.log");
+  ASSERT_TRUE(first->Start().ok());
+  auto ports = testing::ReadPortFile(dir + "/coordinator.ports", absl::Seconds(30));
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string address = absl::StrCat("127.0.0.1:", ports->first);
+  std::vector<std::unique_ptr<testing::Subprocess>> workers;
+  for (int i = 0; i < layout.pp; ++i) {
+    workers.push_back(std::make_unique<testing::Subprocess>(
+        RunfilePath("worker/baton-worker"),
+        std::vector<std::string>{"--coordinator=" + address, absl::StrCat("--name=w-", i)},
+        absl::StrCat(dir, "/w-", i, ".log")));
+    ASSERT_TRUE(workers.back()->Start().ok());
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(90);
+  while (CountLines(out + "/steps.jsonl", "\"step\": ") < 30) {
+    ASSERT_LT(absl::Now(), deadline) << first->Log();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(absl::Seconds(10)).has_value());
+  std::remove((dir + "/coordinator.ports").c_str());
+  testing::Subprocess second(RunfilePath("coordinator/baton-coordinator"), coordinator_args(address),
+                             dir + "/coordinator.2.log");
+  ASSERT_TRUE(second.Start().ok());
+  const absl::Time done_by = absl::Now() + absl::Seconds(120);
+  while (ReadAll(out + "/summary.json").find("\"state\": \"") == std::string::npos) {
+    ASSERT_LT(absl::Now(), done_by) << "the adopted job did not finish:\n" << second.Log();
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(ReadAll(out + "/summary.json").find("\"state\": \"done\""), std::string::npos)
+      << ReadAll(out + "/summary.json") << second.Log();
+  // Every step exactly once, the same as without the fault.
+  EXPECT_EQ(LossTexts(out), LossTexts(reference.out()));
+  auto wa = checkpoint::LoadFullWeights(reference.out() + "/final");
+  auto wb = checkpoint::LoadFullWeights(out + "/final");
+  ASSERT_TRUE(wa.ok() && wb.ok()) << wb.status();
+  auto diff = checkpoint::CompareWeights(*wa, *wb);
+  ASSERT_TRUE(diff.ok()) << diff.status();
+  EXPECT_EQ(diff->max_abs_diff, 0.0);
+  const std::string steps = ReadAll(out + "/steps.jsonl");
+  EXPECT_EQ(CountLines(out + "/steps.jsonl", "\"cause\": \"coordinator_restart\""), 1) << steps;
+  EXPECT_NE(second.Log().find("adopted the running job"), std::string::npos) << second.Log();
+  // The workers were never restarted.
+  for (auto& w : workers) {
+    EXPECT_FALSE(w->Wait(absl::ZeroDuration()).has_value()) << w->Log();
+    EXPECT_NE(w->Log().find("from its own snapshot"), std::string::npos) << w->Log();
+    w->Signal(SIGTERM);
+  }
+  second.Signal(SIGTERM);
+  for (auto& w : workers) EXPECT_TRUE(w->Wait(absl::Seconds(20)).has_value());
+  EXPECT_TRUE(second.Wait(absl::Seconds(20)).has_value());
 }
 
 }  // namespace

@@ -219,10 +219,12 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
   const int want_dims = config_.is_first() ? 2 : 3;
-  if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(shaped_name,
-                                                   ": missing, or not a host tensor [batch, seq",
-                                                   config_.is_first() ? "]" : ", d_model]"));
+  // Tokens are host tensors; activations live on the stage's device.
+  const kernels::Device want_device = config_.is_first() ? kernels::Device::Cpu() : config_.device;
+  if (!shaped.defined() || shaped.ndim() != want_dims || shaped.device() != want_device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": missing, or not a tensor [batch, seq", config_.is_first() ? "]" : ", d_model]",
+        " on ", kernels::DeviceToString(want_device)));
   }
   *batch = shaped.dim(0);
   *seq = shaped.dim(1);
@@ -235,9 +237,10 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   }
   const int64_t n = *batch * *seq;
   auto check_ids = [&](const Tensor& ids, const char* name, bool allow_ignore) -> absl::Status {
-    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
+    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n ||
+        !ids.device().is_cpu()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": want int32 [", *batch, ", ", *seq, "] in host memory to match the microbatch"));
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids.i32()[i];
