@@ -134,8 +134,9 @@ def check_objects(where, objs, overlay):
                     continue
                 if "grpc" not in p:
                     fail(cw, f"{probe} must be a gRPC health (grpc.health.v1) probe")
-                elif p["grpc"]["port"] != ports.get("grpc"):
-                    fail(cw, f"{probe} checks port {p['grpc']['port']}, not the grpc port {ports.get('grpc')}")
+                elif p["grpc"]["port"] != ports.get("health"):
+                    fail(cw, f"{probe} checks port {p['grpc']['port']}, not the plaintext health port "
+                             f"{ports.get('health')} (kubelet cannot present a client certificate)")
             # Flags exist, listen ports are the declared ones, $(VARS) are defined.
             binary = BINARIES.get((c.get("command") or [""])[0])
             if binary is None:
@@ -154,10 +155,22 @@ def check_objects(where, objs, overlay):
                 for var in re.findall(r"\$\((\w+)\)", m.group(2)):
                     if var not in env:
                         fail(cw, f"{a} uses $({var}), which is not in env")
-            for flag, port_name in (("listen", "grpc"), ("http_listen", "http")):
+            for flag, port_name in (("listen", "grpc"), ("http_listen", "http"), ("health_listen", "health")):
                 port = flags.get(flag, ":").rsplit(":", 1)[1]
                 if port != str(ports.get(port_name)):
                     fail(cw, f"--{flag} port {port} is not containerPort {port_name}={ports.get(port_name)}")
+            # gRPC beyond loopback: mutual TLS and the join token (docs/security.md), files on Secrets.
+            if flags.get("insecure", "false") != "false":
+                fail(cw, "--insecure: plaintext gRPC beyond loopback (use the TLS flags)")
+            for flag in ("tls_cert", "tls_key", "tls_ca", "join_token_file"):
+                path = flags.get(flag)
+                mount = next((m for m in c.get("volumeMounts", []) if path and path.startswith(m["mountPath"] + "/")),
+                             None)
+                secret = volumes.get(mount["name"], {}).get("secret", {}).get("secretName") if mount else None
+                if secret is None:
+                    fail(cw, f"--{flag}={path} is not on a Secret volume")
+                elif secret not in documented_secrets():
+                    fail(cw, f"Secret {secret} is not described in docs/operations.md (operators create it)")
             for mount in c.get("volumeMounts", []):
                 if mount["mountPath"] == "/var/lib/baton/checkpoints" and \
                         "persistentVolumeClaim" not in volumes.get(mount["name"], {}):
@@ -254,6 +267,18 @@ def check_objects(where, objs, overlay):
                     fail(where, f"PodMonitor {name}: {n} has no port {ep['port']}")
             if not any(r.get("targetLabel") == "baton_component" for r in ep.get("relabelings", [])):
                 fail(where, f"PodMonitor {name}: no baton_component label (the alerts select on it)")
+
+
+def documented_secrets(cache=[]):  # noqa: B006 - memo
+    if not cache:
+        kustomization = os.path.realpath(opslib.runfile("deploy/k8s/base/kustomization.yaml"))
+        root = kustomization
+        for _ in range(4):  # deploy/k8s/base/kustomization.yaml
+            root = os.path.dirname(root)
+        docs = os.path.join(root, "docs/operations.md")
+        with open(docs) as f:
+            cache.append(set(re.findall(r"\b(baton-[a-z-]+)\b", f.read())))
+    return cache[0]
 
 
 def check_job(where, text, objs):

@@ -59,6 +59,8 @@ for u in baton-coordinator.service baton-worker@.service; do
   need "$u" '^PrivateTmp=yes$' "PrivateTmp"
   need "$u" '^NoNewPrivileges=yes$' "NoNewPrivileges"
   need "$u" '^RestartPreventExitStatus=2$' "no restart into a bad configuration (exit 2)"
+  need "$u" '^  --tls_cert=/etc/baton/tls/' "mutual TLS beyond loopback (docs/security.md)"
+  need "$u" '^  --join_token_file=/etc/baton/join_token' "the join token"
 done
 need baton.sysusers.conf '^u baton ' "a sysusers.d entry for user baton"
 need baton-worker@.service '^DevicePolicy=closed$' "DevicePolicy=closed"
