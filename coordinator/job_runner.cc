@@ -190,9 +190,9 @@ void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, a] : assigned_) names.push_back(name);
   }
-  for (const std::string& name : names) {
-    if (auto session = registry_->SessionOf(name)) session->Send(message);
-  }
+  fan_out_.Run(names.size(), [&](size_t i) {
+    if (auto session = registry_->SessionOf(names[i])) session->Send(message);
+  });
 }
 
 absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(
@@ -278,7 +278,10 @@ absl::Status JobRunner::Configure(const std::vector<v1::WorkerInfo>& ready) {
   v1::Plan shared = plan;
   shared.clear_ranks();
   shared.clear_spares();
-  for (const v1::RankAssignment& r : plan.ranks()) {
+  absl::Mutex gone_mu;
+  std::string gone;
+  fan_out_.Run(plan.ranks_size(), [&](size_t i) {
+    const v1::RankAssignment& r = plan.ranks(static_cast<int>(i));
     v1::CoordinatorMessage msg;
     *msg.mutable_configure()->mutable_plan() = shared;
     *msg.mutable_configure()->mutable_plan()->add_ranks() = r;
@@ -286,8 +289,12 @@ absl::Status JobRunner::Configure(const std::vector<v1::WorkerInfo>& ready) {
     *msg.mutable_configure()->mutable_job() = job_;
     auto session = registry_->SessionOf(r.worker_name());
     if (session == nullptr || !session->Send(msg)) {
-      return absl::UnavailableError(absl::StrCat("worker ", r.worker_name(), " went away before it was configured"));
+      absl::MutexLock lock(&gone_mu);
+      if (gone.empty()) gone = r.worker_name();
     }
+  });
+  if (!gone.empty()) {
+    return absl::UnavailableError(absl::StrCat("worker ", gone, " went away before it was configured"));
   }
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> configured =
       Collect(&configured_, options_.configure_timeout, "Configured");

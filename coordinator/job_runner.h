@@ -33,6 +33,7 @@
 #include "baton/v1/coordinator.pb.h"
 #include "baton/v1/job.pb.h"
 #include "baton/v1/plan.pb.h"
+#include "coordinator/fan_out.h"
 #include "coordinator/grpc/coordinator_service.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
@@ -122,6 +123,8 @@ class JobRunner : public JobObserver {
   double sum_bubble_ ABSL_GUARDED_BY(mu_) = 0, sum_comm_ ABSL_GUARDED_BY(mu_) = 0,
          sum_worker_wall_ ABSL_GUARDED_BY(mu_) = 0;
 
+  // Sends a command to every worker at once (see fan_out.h).
+  FanOut fan_out_{16};
   std::thread thread_;
 };
 
