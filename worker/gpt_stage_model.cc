@@ -1,5 +1,6 @@
 #include "worker/gpt_stage_model.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +111,59 @@ std::vector<NamedShard> GptStageModel::Shards() {
     shards.push_back(std::move(shard));
   }
   return shards;
+}
+
+namespace {
+
+std::vector<float> HostCopy(const Tensor& t) {
+  return std::vector<float>(t.f32(), t.f32() + t.numel());
+}
+
+void CopyInto(const std::vector<float>& from, const Tensor& to) {
+  if (!from.empty()) std::memcpy(to.f32(), from.data(), sizeof(float) * from.size());
+}
+
+}  // namespace
+
+ChunkState GptStageModel::CaptureState() const {
+  const model::ParameterStore& params = stage_->parameters();
+  ChunkState state;
+  state.optimizer_step = stage_->optimizer_step();
+  state.values = HostCopy(params.values());
+  state.adam_m = HostCopy(params.adam_m());
+  state.adam_v = HostCopy(params.adam_v());
+  return state;
+}
+
+absl::Status GptStageModel::RestoreState(const ChunkState& state) {
+  const model::ParameterStore& params = stage_->parameters();
+  const int64_t n = params.values().numel();
+  const struct {
+    const char* what;
+    size_t size;
+  } parts[] = {{"values", state.values.size()},
+               {"adam_m", state.adam_m.size()},
+               {"adam_v", state.adam_v.size()}};
+  for (const auto& part : parts) {
+    if (part.size != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "restoring model chunk ", config_.pp_rank, " tp rank ", config_.tp_rank, " of ",
+          config_.tp_size, ": state has ", part.size, " ", part.what, ", the chunk holds ", n,
+          "; the state was captured from another layout or model"));
+    }
+  }
+  if (state.optimizer_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restoring model chunk ", config_.pp_rank, ": optimizer_step ", state.optimizer_step,
+        " is negative"));
+  }
+  stage_->DropInFlight();
+  stage_->ZeroGrad();
+  CopyInto(state.values, params.values());
+  CopyInto(state.adam_m, params.adam_m());
+  CopyInto(state.adam_v, params.adam_v());
+  stage_->set_optimizer_step(state.optimizer_step);
+  return absl::OkStatus();
 }
 
 }  // namespace baton

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <atomic>
 #include <deque>
@@ -97,6 +98,28 @@ struct Chunks {
   std::vector<int64_t> offset;
 };
 
+// Gloo's rendezvous record is its tcp::Address per pair: a sockaddr_storage
+// (filled by getsockname, so only the address's own bytes are set) and a
+// sequence number. Zero the rest of each sockaddr_storage so that what goes
+// to the coordinator's KV holds only defined bytes (no stack contents).
+void ZeroAddressPadding(std::vector<char>* record) {
+  constexpr size_t kRecord = sizeof(sockaddr_storage) + sizeof(ssize_t);
+  if (record->empty() || record->size() % kRecord != 0) return;
+  for (size_t off = 0; off < record->size(); off += kRecord) {
+    sa_family_t family;
+    std::memcpy(&family, record->data() + off, sizeof(family));
+    size_t used;
+    if (family == AF_INET) {
+      used = offsetof(sockaddr_in, sin_zero);
+    } else if (family == AF_INET6) {
+      used = sizeof(sockaddr_in6);
+    } else {
+      return;  // not an address record: leave it alone
+    }
+    std::memset(record->data() + off + used, 0, sizeof(sockaddr_storage) - used);
+  }
+}
+
 // Adapts our Store to the one Gloo's connectFullMesh uses. Gloo expects
 // exceptions; ours carry the Store's message. Waits end at `deadline`.
 class GlooStoreAdapter : public ::gloo::rendezvous::Store {
@@ -105,7 +128,9 @@ class GlooStoreAdapter : public ::gloo::rendezvous::Store {
       : store_(store), deadline_(deadline) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    Check(store_.Set(key, absl::string_view(data.data(), data.size())));
+    std::vector<char> defined = data;
+    ZeroAddressPadding(&defined);
+    Check(store_.Set(key, absl::string_view(defined.data(), defined.size())));
   }
   std::vector<char> get(const std::string& key) override {
     absl::StatusOr<std::string> v = store_.Get(key, Remaining());
