@@ -168,9 +168,12 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
         it->second[1] = std::max(it->second[1], sent);
         it->second[2] = std::max(it->second[2], own_);
       }
-    } else if (m.has_save_weights()) {
+    } else if (m.has_save_weights()) {  // an empty shard file, so the manifest has something to list
       v1::WorkerMessage reply;
+      const std::string file = absl::StrCat(name_, ".bench");
+      std::ofstream(absl::StrCat(m.save_weights().dir(), "/", file)).flush();
       reply.mutable_saved()->set_ok(true);
+      reply.mutable_saved()->add_files(file);
       Send(std::move(reply));
     } else if (m.has_abort()) {
       Error(absl::StrCat("abort: ", m.abort().reason()));
