@@ -29,11 +29,15 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"local", "--job=FILE --out=DIR [--workers=N] [--timeout_s=3600]: run a job on this machine with live progress",
      &baton::cli::RunLocalCommand},
-    {"status", "--coordinator=HOST:PORT [--json] [--timeout_ms=5000]: workers and their state",
+    {"status",
+     "--coordinator=HOST:PORT [--json] [--timeout_ms=5000] [--tls_cert=F --tls_key=F --tls_ca=F]: workers and "
+     "their state",
      &baton::cli::RunStatusCommand},
     {"schedule", "show|simulate|validate [flags]: build, show, simulate and validate pipeline schedules",
      &baton::cli::RunScheduleCommand},
-    {"trace", "--coordinator=HOST:PORT --out=FILE [--steps=1]: Chrome/Perfetto trace of the last steps",
+    {"trace",
+     "--coordinator=HOST:PORT --out=FILE [--steps=1] [--tls_cert=F --tls_key=F --tls_ca=F]: Chrome/Perfetto "
+     "trace of the last steps",
      &baton::cli::RunTraceCommand},
     {"checkpoint",
      "diff DIR_A DIR_B [--json]: compare two checkpoints of any layouts (max |a-b|; rel = ||a-b||/||b|| per "

@@ -102,7 +102,15 @@ class FakeLocalCoordinator final : public v1::Coordinator::Service {
     if (state_ == "waiting") {
       int ready = 0;
       for (const auto& [name, state] : states_) ready += state == v1::READY;
-      if (ready >= DimsOf(job_).world_size()) state_ = "running";
+      const int world = DimsOf(job_).world_size();
+      if (ready >= world) {
+        state_ = "running";
+        error_.clear();
+      } else {
+        // Like the real coordinator after --ready_timeout_s.
+        error_ = absl::StrCat("needs pp*tp*dp = ", world, " ready workers, ", ready, " are ready; start ",
+                              world - ready, " more");
+      }
     } else if (state_ == "running") {
       ++step_;
       if (step_ == fail_at_step_) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
+#include "cli/dial.h"
 #include "common/json.h"
 
 namespace baton::cli {
@@ -17,10 +18,58 @@ namespace {
 
 std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::WorkerState_Name(s)); }
 
+// Every field the text output shows, for scripts and probes. One field per
+// line here so that additions merge cleanly.
+std::string StatusJson(const std::string& target, const v1::GetStatusResponse& status) {
+  std::vector<std::string> stages;
+  for (const v1::StageStatus& st : status.stages()) {
+    std::vector<std::string> workers;
+    for (const std::string& w : st.workers()) workers.push_back(JsonQuote(w));
+    const bool last = st.pp_rank() + 1 == status.stages_size();
+    stages.push_back(absl::StrCat(
+        "{\"stage\":", st.pp_rank(),
+        ",\"step\":", st.step(),
+        ",\"loss\":", last ? JsonNumber(st.loss()) : "null",  // the last stage computes the loss
+        ",\"bubble_ratio\":", JsonNumber(st.bubble_ratio()),
+        ",\"comm_ratio\":", JsonNumber(st.comm_ratio()),
+        ",\"tokens_per_second\":", JsonNumber(st.tokens_per_second()),
+        ",\"workers\":[", absl::StrJoin(workers, ","), "]}"));
+  }
+  std::vector<std::string> workers;
+  for (const v1::WorkerInfo& w : status.workers()) {
+    workers.push_back(absl::StrCat(
+        "{\"name\":", JsonQuote(w.name()),
+        ",\"state\":", JsonQuote(StateName(w.state())),
+        ",\"device\":", JsonQuote(w.device()),
+        ",\"host\":", JsonQuote(w.host()),
+        ",\"last_heartbeat_age_seconds\":", absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()), "}"));
+  }
+  return absl::StrCat(
+      "{\"coordinator\":", JsonQuote(target),
+      ",\"version\":", JsonQuote(status.version()),
+      ",\"job\":", JsonQuote(status.job()),
+      ",\"job_state\":", JsonQuote(status.job_state()),
+      ",\"generation\":", status.generation(),
+      ",\"job_error\":", JsonQuote(status.job_error()),
+      ",\"step\":", status.step(),
+      ",\"total_steps\":", status.total_steps(),
+      ",\"loss\":", JsonNumber(status.loss()),
+      ",\"accuracy\":", JsonNumber(status.accuracy()),
+      ",\"tokens_per_second\":", JsonNumber(status.tokens_per_second()),
+      ",\"bubble_ratio\":", JsonNumber(status.bubble_ratio()),
+      ",\"expected_bubble_ratio\":", JsonNumber(status.expected_bubble_ratio()),
+      ",\"comm_ratio\":", JsonNumber(status.comm_ratio()),
+      // Recovery (owner: recovery): what the last recovery did, and how many.
+      ",\"recovery\":", JsonQuote(status.recovery()),
+      ",\"recoveries\":", status.recoveries(),
+      ",\"stages\":[", absl::StrJoin(stages, ","), "]",
+      ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
+}
+
 }  // namespace
 
 int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
-  absl::StatusOr<Args> args = Args::Parse(argv, {"coordinator", "timeout_ms"}, {"json"});
+  absl::StatusOr<Args> args = Args::Parse(argv, WithTlsFlags({"coordinator", "timeout_ms"}), {"json", "insecure"});
   if (!args.ok()) {
     err << "batonctl status: " << args.status().message() << "\n";
     return 2;
@@ -31,27 +80,37 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     err << "batonctl status: needs --coordinator=HOST:PORT and a positive --timeout_ms\n";
     return 2;
   }
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = DialCoordinator(*args, target);
+  if (!channel.ok()) {
+    err << "batonctl status: " << channel.status().message() << "\n";
+    return 2;
+  }
+  auto stub = v1::Coordinator::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(*timeout_ms));
   ctx.set_wait_for_ready(true);  // keep trying to connect until the deadline
   v1::GetStatusResponse status;
   grpc::Status s = stub->GetStatus(&ctx, {}, &status);
+  if (s.error_code() == grpc::StatusCode::PERMISSION_DENIED || s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+    err << "batonctl status: the coordinator at " << target << " refused: " << s.error_message() << "\n";
+    return 1;
+  }
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    // wait_for_ready hides why the channel never became ready (refused
+    // connection, failed TLS handshake): one quick call without it says.
+    grpc::ClientContext probe;
+    probe.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    v1::GetStatusResponse ignored;
+    grpc::Status why = stub->GetStatus(&probe, {}, &ignored);
+    if (why.error_code() == grpc::StatusCode::UNAVAILABLE) s = why;
+  }
   if (!s.ok()) {
     err << "batonctl status: cannot reach the coordinator at " << target << " within " << *timeout_ms
-        << " ms (" << s.error_message() << "); is it running, and is --coordinator right?\n";
+        << " ms (" << s.error_message() << "); is it running, is --coordinator right, and (if it requires TLS) are --tls_cert/--tls_key an operator certificate signed by its CA and --tls_ca that CA (docs/security.md)?\n";
     return 1;
   }
   if (args->GetBool("json")) {
-    out << "{\"workers\":[";
-    for (int i = 0; i < status.workers_size(); ++i) {
-      const v1::WorkerInfo& w = status.workers(i);
-      out << (i ? "," : "") << "{\"name\":" << JsonQuote(w.name()) << ",\"state\":"
-          << JsonQuote(StateName(w.state())) << ",\"device\":" << JsonQuote(w.device())
-          << ",\"host\":" << JsonQuote(w.host())
-          << ",\"last_heartbeat_age_seconds\":" << absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()) << "}";
-    }
-    out << "]}\n";
+    out << StatusJson(target, status) << "\n";
     return 0;
   }
   out << "coordinator " << target << " (baton " << status.version() << ")";
@@ -60,6 +119,8 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
   }
   out << "\n";
   if (!status.job_error().empty()) out << "job error: " << status.job_error() << "\n";
+  if (!status.recovery().empty()) out << (status.job_state() == "recovering" ? "recovering: " : "last recovery: ")
+                                      << status.recovery() << "\n";
   if (status.step() > 0) {
     out << absl::StrFormat(
         "step %d/%d  loss %.4f  acc %.1f%%  tok/s %.0f  bubble %.1f%% (expected %.1f%%)  comm %.1f%%\n",

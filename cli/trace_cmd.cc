@@ -6,12 +6,13 @@
 
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
+#include "cli/dial.h"
 #include "common/file_io.h"
 
 namespace baton::cli {
 
 int RunTraceCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
-  absl::StatusOr<Args> args = Args::Parse(argv, {"coordinator", "steps", "out", "timeout_ms"});
+  absl::StatusOr<Args> args = Args::Parse(argv, WithTlsFlags({"coordinator", "steps", "out", "timeout_ms"}), {"insecure"});
   if (!args.ok()) {
     err << "batonctl trace: " << args.status().message() << "\n";
     return 2;
@@ -26,7 +27,12 @@ int RunTraceCommand(const std::vector<std::string>& argv, std::ostream& out, std
            "positive --timeout_ms\n";
     return 2;
   }
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = DialCoordinator(*args, target);
+  if (!channel.ok()) {
+    err << "batonctl trace: " << channel.status().message() << "\n";
+    return 2;
+  }
+  auto stub = v1::Coordinator::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(*timeout_ms));
   ctx.set_wait_for_ready(true);  // keep trying to connect until the deadline

@@ -1,10 +1,9 @@
 #include "common/ops_server.h"
 
-#include <fcntl.h>
+#include <microhttpd.h>
 #include <netdb.h>
-#include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,25 +19,53 @@
 namespace baton {
 namespace {
 
-const char* Reason(int code) {
-  switch (code) {
-    case 200: return "OK";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 503: return "Service Unavailable";
-    default: return "Bad Request";
-  }
+constexpr size_t kThreadStackBytes = 8 << 20;   // room for CUDA's / OpenBLAS's static TLS
+constexpr size_t kConnectionMemoryBytes = 32 << 10;  // request line + headers; more gets 431
+
+int g_request_marker;  // *req_cls after the first call of a request
+
+enum MHD_Result Queue(MHD_Connection* connection, int code, const std::string& content_type,
+                      const std::string& body, const char* allow = nullptr) {
+  MHD_Response* response =
+      MHD_create_response_from_buffer(body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, "Content-Type", content_type.c_str());
+  MHD_add_response_header(response, "Cache-Control", "no-store");
+  if (allow != nullptr) MHD_add_response_header(response, "Allow", allow);
+  enum MHD_Result queued = MHD_queue_response(connection, static_cast<unsigned>(code), response);
+  MHD_destroy_response(response);
+  return queued;
 }
 
-void WriteAll(int fd, const std::string& data) {
-  size_t off = 0;
-  while (off < data.size()) {
-    ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return;
-    }
-    off += static_cast<size_t>(n);
+enum MHD_Result HandleRequest(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                              const char* /*version*/, const char* /*upload_data*/, size_t* upload_data_size,
+                              void** req_cls) {
+  if (*req_cls == nullptr) {  // headers are in; answer on the next call
+    *req_cls = &g_request_marker;
+    return MHD_YES;
+  }
+  if (*upload_data_size != 0) {  // a body: ignore it
+    *upload_data_size = 0;
+    return MHD_YES;
+  }
+  const std::string m = method;
+  if (m != MHD_HTTP_METHOD_GET && m != MHD_HTTP_METHOD_HEAD) {
+    return Queue(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", "only GET and HEAD\n", "GET, HEAD");
+  }
+  int code = 500;
+  std::string content_type = "text/plain", body;
+  static_cast<OpsServer*>(cls)->Respond(url, &code, &content_type, &body);
+  // libmicrohttpd sends the headers of a HEAD answer without its body.
+  return Queue(connection, code, content_type, body);
+}
+
+void NotifyConnection(void* cls, MHD_Connection* connection, void** /*socket_context*/,
+                      enum MHD_ConnectionNotificationCode code) {
+  auto* server = static_cast<OpsServer*>(cls);
+  if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+    server->ConnectionStarted(connection);
+  } else {
+    server->ConnectionClosed(connection);
   }
 }
 
@@ -63,8 +90,8 @@ absl::Status ParseHostPort(const std::string& value, const std::string& flag, st
 
 absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::Start(const std::string& listen,
                                                              std::shared_ptr<prometheus::Registry> registry,
-                                                             ReadinessProbe readiness,
-                                                             ScrapeHook before_scrape) {
+                                                             ReadinessProbe readiness, ScrapeHook before_scrape,
+                                                             OpsServerLimits limits) {
   std::string host;
   int port = 0;
   if (absl::Status s = ParseHostPort(listen, "http_listen", &host, &port); !s.ok()) return s;
@@ -80,7 +107,7 @@ absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::Start(const std::string& l
   const int one = 1;
   setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   const bool bound = server->listen_fd_ >= 0 && bind(server->listen_fd_, res->ai_addr, res->ai_addrlen) == 0 &&
-                     ::listen(server->listen_fd_, 64) == 0;
+                     ::listen(server->listen_fd_, 1024) == 0;
   const int err = errno;
   freeaddrinfo(res);
   if (!bound) {
@@ -92,72 +119,74 @@ absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::Start(const std::string& l
   getsockname(server->listen_fd_, reinterpret_cast<struct sockaddr*>(&addr), &len);
   server->port_ = addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<struct sockaddr_in6*>(&addr)->sin6_port)
                                              : ntohs(reinterpret_cast<struct sockaddr_in*>(&addr)->sin_port);
-  if (pipe2(server->wake_fds_, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   server->registry_ = std::move(registry);
   server->readiness_ = std::move(readiness);
   server->before_scrape_ = std::move(before_scrape);
-  server->thread_ = std::thread([s = server.get()] { s->Serve(); });
+  server->limits_ = limits;
+  // Each connection is a descriptor: make room for the cap on top of what the
+  // process already uses (gRPC, Gloo), within the hard limit.
+  struct rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    const rlim_t want = static_cast<rlim_t>(limits.max_connections) + 1024;
+    if (files.rlim_cur < want) {
+      files.rlim_cur = std::min(want, files.rlim_max);
+      setrlimit(RLIMIT_NOFILE, &files);
+    }
+  }
+  const unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | (addr.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
+  server->daemon_ = MHD_start_daemon(
+      flags, 0, nullptr, nullptr, &HandleRequest, server.get(),                                     //
+      MHD_OPTION_LISTEN_SOCKET, static_cast<MHD_socket>(server->listen_fd_),                          //
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, limits.threads)),               //
+      MHD_OPTION_THREAD_STACK_SIZE, kThreadStackBytes,                                               //
+      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, limits.max_connections)),       //
+      MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned>(std::max<int64_t>(1, absl::ToInt64Seconds(limits.idle_timeout))),  //
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemoryBytes,                                    //
+      MHD_OPTION_NOTIFY_CONNECTION, &NotifyConnection, server.get(),                                 //
+      MHD_OPTION_END);
+  if (server->daemon_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen,
+                                               ": libmicrohttpd did not start (out of threads or memory?)"));
+  }
+  server->deadline_thread_ = std::thread([s = server.get()] { s->EnforceDeadlines(); });
   return server;
 }
 
 OpsServer::~OpsServer() {
-  if (thread_.joinable()) {
-    const char byte = 1;
-    [[maybe_unused]] ssize_t n = write(wake_fds_[1], &byte, 1);
-    thread_.join();
-  }
-  for (int fd : {listen_fd_, wake_fds_[0], wake_fds_[1]}) {
-    if (fd >= 0) close(fd);
-  }
-}
-
-void OpsServer::Serve() {
-  for (;;) {
-    struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fds_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      HandleConnection(fd);
-      close(fd);
-    }
+  stop_.Notify();
+  if (deadline_thread_.joinable()) deadline_thread_.join();
+  if (daemon_ != nullptr) {
+    MHD_stop_daemon(daemon_);  // closes the listening socket too
+  } else if (listen_fd_ >= 0) {
+    close(listen_fd_);
   }
 }
 
-void OpsServer::HandleConnection(int fd) {
-  struct timeval tv = {2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  std::string request;
-  char buf[2048];
-  while (request.find("\r\n\r\n") == std::string::npos && request.find("\n\n") == std::string::npos) {
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // closed or too slow
-    request.append(buf, static_cast<size_t>(n));
-    if (request.size() > 16384) break;  // no legitimate probe sends this much
-  }
-  int code = 400;
-  std::string content_type = "text/plain", body = "bad request\n";
-  const size_t sp1 = request.find(' '), sp2 = sp1 == std::string::npos ? sp1 : request.find(' ', sp1 + 1);
-  if (sp2 != std::string::npos) {
-    const std::string method = request.substr(0, sp1);
-    std::string path = request.substr(sp1 + 1, sp2 - sp1 - 1);
-    path = path.substr(0, path.find('?'));
-    if (method != "GET" && method != "HEAD") {
-      code = 405;
-      body = "only GET\n";
-    } else {
-      Respond(path, &code, &content_type, &body);
+void OpsServer::ConnectionStarted(MHD_Connection* connection) {
+  const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+  if (info == nullptr) return;
+  absl::MutexLock lock(&mu_);
+  open_[connection] = {info->connect_fd, absl::Now()};
+}
+
+void OpsServer::ConnectionClosed(MHD_Connection* connection) {
+  // Called before libmicrohttpd closes the socket, so under mu_ a listed
+  // socket is still this connection's.
+  absl::MutexLock lock(&mu_);
+  open_.erase(connection);
+}
+
+void OpsServer::EnforceDeadlines() {
+  const absl::Duration period = std::min(absl::Milliseconds(250), limits_.request_deadline / 4);
+  while (!stop_.WaitForNotificationWithTimeout(period)) {
+    const absl::Time cutoff = absl::Now() - limits_.request_deadline;
+    absl::MutexLock lock(&mu_);
+    for (auto& [connection, fd_since] : open_) {
+      // The poller sees the connection end and closes it.
+      if (fd_since.second < cutoff) shutdown(fd_since.first, SHUT_RDWR);
     }
   }
-  WriteAll(fd, absl::StrCat("HTTP/1.1 ", code, " ", Reason(code), "\r\nContent-Type: ", content_type,
-                            "\r\nContent-Length: ", body.size(), "\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n",
-                            body));
 }
 
 void OpsServer::Respond(const std::string& path, int* code, std::string* content_type, std::string* body) {

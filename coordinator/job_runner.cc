@@ -1,14 +1,18 @@
 #include "coordinator/job_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/checkpoint_manifest.h"
 #include "common/chrome_trace.h"
 #include "common/file_io.h"
 #include "common/json.h"
@@ -22,11 +26,15 @@
 #include "coordinator/schedule/simulator.h"
 #include "coordinator/schedule/validator.h"
 #include "prometheus/counter.h"
-#include "worker/checkpoint/checkpoint.h"
 #include "prometheus/gauge.h"
 
 namespace baton {
 namespace {
+
+// A relayed snapshot larger than this is dropped (the buddy keeps none of
+// that step; recovery then falls back to a DP replica or an older step).
+// Below gRPC's default 4 MiB message limit on both ends.
+constexpr size_t kMaxRelayedSnapshotBytes = (4 << 20) - (64 << 10);
 
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
 
@@ -54,17 +62,110 @@ schedule::CostModel CostsFor(const v1::JobSpec& job, const v1::Plan& plan) {
   return costs;
 }
 
+bool Holds(const std::deque<int64_t>& steps, int64_t step) {
+  return std::find(steps.begin(), steps.end(), step) != steps.end();
+}
+
+void PushBounded(std::deque<int64_t>* steps, int64_t step, size_t max) {
+  if (Holds(*steps, step)) return;
+  steps->push_back(step);
+  while (steps->size() > max) steps->pop_front();
+}
+
+void TrimAbove(std::deque<int64_t>* steps, int64_t step) {
+  steps->erase(std::remove_if(steps->begin(), steps->end(), [&](int64_t s) { return s > step; }), steps->end());
+}
+
+class RegistryJobWorkers : public JobWorkers {
+ public:
+  RegistryJobWorkers(WorkerRegistry* registry, KvStore* kv, std::string job)
+      : registry_(registry), kv_(kv), job_(std::move(job)) {}
+  std::vector<v1::WorkerInfo> List() const override { return registry_->List(); }
+  bool Send(const std::string& worker, const v1::CoordinatorMessage& message) override {
+    std::shared_ptr<SessionHandle> session = registry_->SessionOf(worker);
+    return session != nullptr && session->Send(message);
+  }
+  int64_t NextGeneration() override {
+    const int64_t generation = kv_->CurrentGeneration(job_) + 1;
+    kv_->AdvanceGeneration(job_, generation);
+    return generation;
+  }
+
+ private:
+  WorkerRegistry* const registry_;
+  KvStore* const kv_;
+  const std::string job_;
+};
+
+// The generation a worker's reply was made in (0: not stamped).
+int64_t GenerationOf(const v1::WorkerMessage& m) {
+  switch (m.body_case()) {
+    case v1::WorkerMessage::kConfigured: return m.configured().generation();
+    case v1::WorkerMessage::kReport: return m.report().generation();
+    case v1::WorkerMessage::kStepDone: return m.step_done().generation();
+    case v1::WorkerMessage::kSaved: return m.saved().generation();
+    case v1::WorkerMessage::kSnapshot: return m.snapshot().generation();
+    case v1::WorkerMessage::kFetchedState: return m.fetched_state().generation();
+    default: return 0;
+  }
+}
+
+int64_t StepOf(const v1::WorkerMessage& m) {
+  switch (m.body_case()) {
+    case v1::WorkerMessage::kReport: return m.report().step();
+    case v1::WorkerMessage::kStepDone: return m.step_done().step();
+    case v1::WorkerMessage::kFetchedState: return m.fetched_state().step();
+    default: return 0;
+  }
+}
+
+absl::StatusCode CodeOr(int32_t code, absl::StatusCode fallback) {
+  return code > 0 && code <= static_cast<int>(absl::StatusCode::kUnauthenticated) ? static_cast<absl::StatusCode>(code)
+                                                                                 : fallback;
+}
+
 }  // namespace
+
+std::unique_ptr<JobWorkers> MakeRegistryJobWorkers(WorkerRegistry* registry, KvStore* kv, std::string job) {
+  return std::make_unique<RegistryJobWorkers>(registry, kv, std::move(job));
+}
+
+FaultTolerance FaultToleranceOf(const v1::JobSpec& job) {
+  FaultTolerance ft;
+  const v1::FaultToleranceSpec& f = job.fault_tolerance();
+  if (f.has_max_restarts()) ft.max_restarts = f.max_restarts();
+  if (f.has_replacement_timeout_s()) ft.replacement_timeout = absl::Seconds(f.replacement_timeout_s());
+  if (f.has_snapshot_every_steps()) ft.snapshot_every_steps = f.snapshot_every_steps();
+  return ft;
+}
 
 JobRunner::JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Options options,
                      prometheus::Registry& metrics)
-    : job_(std::move(job)), registry_(registry), kv_(kv), options_(std::move(options)) {
-  const prometheus::Labels labels = {{"job", job_.name()}};
-  expected_bubble_metric_ = &prometheus::BuildGauge()
+    : JobRunner(job, nullptr, RealClock::Get(), std::move(options), metrics) {
+  owned_workers_ = MakeRegistryJobWorkers(registry, kv, job_.name());
+  workers_ = owned_workers_.get();
+}
+
+JobRunner::JobRunner(v1::JobSpec job, JobWorkers* workers, Clock* clock, Options options,
+                     prometheus::Registry& metrics)
+    : job_(std::move(job)),
+      ft_(FaultToleranceOf(job_)),
+      workers_(workers),
+      clock_(clock),
+      options_(std::move(options)) {
+  const prometheus::Labels labels = {{"training_job", job_.name()}};
+  auto& states = prometheus::BuildGauge()
+                     .Name("baton_job_state")
+                     .Help("1 for the job's current state, 0 for the others")
+                     .Register(metrics);
+  for (JobState s : kAllJobStates) {
+    state_metric_[s] = &states.Add({{"training_job", job_.name()}, {"state", JobStateName(s)}});
+  }
+  state_metric_[JobState::kWaiting]->Set(1);
+  expected_bubble_family_ = &prometheus::BuildGauge()
                                  .Name("baton_expected_bubble_ratio")
-                                 .Help("Bubble ratio the simulator expects for the live plan (0-1)")
-                                 .Register(metrics)
-                                 .Add(labels);
+                                 .Help("Bubble ratio the simulator expects for the live plan, per pipeline stage (0-1)")
+                                 .Register(metrics);
   step_metric_ = &prometheus::BuildGauge()
                       .Name("baton_job_step")
                       .Help("Last committed step of the job")
@@ -80,6 +181,24 @@ JobRunner::JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Opt
                            .Help("Steps discarded for non-finite loss or gradients")
                            .Register(metrics)
                            .Add(labels);
+  auto& recoveries = prometheus::BuildCounter()
+                         .Name("baton_recoveries_total")
+                         .Help("Recoveries started, by cause")
+                         .Register(metrics);
+  for (FaultCause c : kAllFaultCauses) {
+    recoveries_metric_[c] = &recoveries.Add({{"training_job", job_.name()}, {"cause", FaultCauseName(c)}});
+  }
+  recovery_seconds_metric_ = &prometheus::BuildHistogram()
+                                  .Name("baton_recovery_seconds")
+                                  .Help("Fault detected to the first step completed after the recovery")
+                                  .Register(metrics)
+                                  .Add(labels, prometheus::Histogram::BucketBoundaries{0.5, 1, 2, 5, 10, 30, 60, 120,
+                                                                                       300});
+  replayed_metric_ = &prometheus::BuildCounter()
+                          .Name("baton_replayed_steps_total")
+                          .Help("Committed steps run again after a recovery rolled back to an older step")
+                          .Register(metrics)
+                          .Add(labels);
 }
 
 JobRunner::~JobRunner() { Stop(); }
@@ -96,161 +215,243 @@ void JobRunner::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void JobRunner::Run() {
-  absl::Status s = RunJob();
-  if (!s.ok()) {
-    Fail(s);
-    return;
-  }
+JobState JobRunner::state() const {
   absl::MutexLock lock(&mu_);
-  state_ = "done";
-  BATON_LOG(INFO) << "job '" << job_.name() << "' done after " << steps_.size() << " steps";
+  return state_;
+}
+
+absl::Status JobRunner::error() const {
+  absl::MutexLock lock(&mu_);
+  return error_;
+}
+
+// ---------------------------------------------------------------------------
+// The state machine.
+
+void JobRunner::Run() {
+  if (!options_.out_dir.empty()) {
+    if (absl::Status s = MakeDirectories(options_.out_dir); !s.ok()) return Fail(s);
+  }
+  for (;;) {
+    const JobState now = state();
+    if (IsFinal(now)) return;
+    absl::StatusOr<JobState> next;
+    switch (now) {
+      case JobState::kWaiting: next = Waiting(); break;
+      case JobState::kConfiguring: next = Configuring(); break;
+      case JobState::kRunning: next = Running(); break;
+      case JobState::kRecovering: next = Recovering(); break;
+      case JobState::kSaving: next = Saving(); break;
+      default: return;
+    }
+    if (!next.ok()) return Fail(next.status());
+    if (*next == JobState::kDone && !options_.out_dir.empty()) {
+      if (absl::Status s = WriteOutputs(); !s.ok()) return Fail(s);
+    }
+    if (*next != now) Transition(*next);
+    if (*next == JobState::kDone) {
+      absl::MutexLock lock(&mu_);
+      BATON_LOG(INFO) << "job '" << job_.name() << "' done after " << steps_.size() << " steps";
+    }
+  }
+}
+
+void JobRunner::Transition(JobState to) {
+  JobState from;
+  {
+    absl::MutexLock lock(&mu_);
+    from = state_;
+    state_ = to;
+  }
+  for (auto& [s, gauge] : state_metric_) gauge->Set(s == to ? 1 : 0);
+  if (from != to) BATON_LOG(INFO) << "job '" << job_.name() << "': " << JobStateName(from) << " -> " << JobStateName(to);
 }
 
 void JobRunner::Fail(const absl::Status& why) {
   {
     absl::MutexLock lock(&mu_);
-    if (state_ == "failed") return;
-    state_ = "failed";
-    failed_ = true;
+    if (state_ == JobState::kFailed) return;
+    // A fault already recorded is the first cause; `why` may be its consequence.
     error_ = why;
+    if (!faults_.empty() && why.code() != absl::StatusCode::kCancelled) {
+      const absl::Status first = FaultsToStatus();
+      if (!absl::StrContains(why.message(), first.message())) {
+        error_ = absl::Status(first.code(), absl::StrCat(first.message(), "; then: ", why.message()));
+      }
+    }
   }
-  BATON_LOG(ERROR) << "job '" << job_.name() << "' failed: " << why.message();
+  Transition(JobState::kFailed);
+  const absl::Status err = error();
+  BATON_LOG(ERROR) << "job '" << job_.name() << "' failed: " << err.message();
   v1::CoordinatorMessage abort;
-  abort.mutable_abort()->set_reason(std::string(why.message()));
+  abort.mutable_abort()->set_reason(std::string(err.message()));
   SendAll(abort);
   if (!options_.out_dir.empty()) WriteOutputs().IgnoreError();
 }
 
-void JobRunner::OnWorkerLost(const std::string& worker, const std::string& why) {
-  absl::Status failure;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!assigned_.count(worker) || state_ == "done" || state_ == "failed") return;
-    failure = absl::UnavailableError(
-        absl::StrCat(StageOf(worker), " (worker ", worker, ") was lost: ", why, "; step ", steps_.size() + 1,
-                     " did not finish (replace the worker and run the job again)"));
-    failed_ = true;
-    error_ = failure;
-  }
-  BATON_LOG(ERROR) << failure.message();
-}
-
-std::string JobRunner::StageOf(const std::string& worker) const {
-  auto it = assigned_.find(worker);
-  if (it == assigned_.end()) return "a spare";
-  const v1::RankAssignment& r = it->second;
-  return absl::StrCat("stage ", r.pp_rank(), " (tp ", r.tp_rank(), ", dp ", r.dp_rank(), ")");
-}
-
-void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) {
-  absl::MutexLock lock(&mu_);
-  if (!assigned_.count(worker)) return;
-  switch (message.body_case()) {
-    case v1::WorkerMessage::kConfigured:
-      configured_[worker] = message;
-      if (!message.configured().ok()) {
-        failed_ = true;
-        error_ = absl::FailedPreconditionError(
-            absl::StrCat(StageOf(worker), " (worker ", worker, ") cannot start: ", message.configured().error()));
-      }
-      break;
-    case v1::WorkerMessage::kReport:
-      reports_[worker] = message;
-      if (!message.report().error().empty()) {
-        failed_ = true;
-        error_ = absl::InternalError(absl::StrCat(StageOf(worker), " (worker ", worker, ") failed step ",
-                                                  message.report().step(), ": ", message.report().error()));
-      }
-      break;
-    case v1::WorkerMessage::kStepDone:
-      done_[worker] = message;
-      if (!message.step_done().error().empty()) {
-        failed_ = true;
-        error_ = absl::InternalError(absl::StrCat(StageOf(worker), " (worker ", worker, ") failed step ",
-                                                  message.step_done().step(), ": ", message.step_done().error()));
-      }
-      break;
-    case v1::WorkerMessage::kSaved:
-      saved_[worker] = message;
-      if (!message.saved().ok()) {
-        failed_ = true;
-        error_ = absl::InternalError(
-            absl::StrCat(StageOf(worker), " (worker ", worker, ") could not save: ", message.saved().error()));
-      }
-      break;
-    default:
-      break;
-  }
-}
-
-void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
-  std::vector<std::string> names;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [name, a] : assigned_) names.push_back(name);
-  }
-  for (const std::string& name : names) {
-    if (auto session = registry_->SessionOf(name)) session->Send(message);
-  }
-}
-
-absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(
-    std::map<std::string, v1::WorkerMessage>* inbox, absl::Duration timeout, const char* what) {
-  absl::MutexLock lock(&mu_);
-  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return failed_ || stopping_ || inbox->size() >= assigned_.size();
-  };
-  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-  if (failed_) return error_;
-  if (stopping_) return absl::CancelledError("coordinator shutting down");
-  if (inbox->size() < assigned_.size()) {
-    std::vector<std::string> missing;
-    for (const auto& [name, a] : assigned_) {
-      if (!inbox->count(name)) missing.push_back(absl::StrCat(name, " (", StageOf(name), ")"));
-    }
-    return absl::DeadlineExceededError(absl::StrCat("no ", what, " within ", absl::FormatDuration(timeout),
-                                                    " from ", absl::StrJoin(missing, ", ")));
-  }
-  std::map<std::string, v1::WorkerMessage> out;
-  out.swap(*inbox);
-  return out;
-}
-
-absl::Status JobRunner::WaitForWorkers(std::vector<v1::WorkerInfo>* ready) {
-  const int world = DimsOf(job_).world_size();
-  const absl::Time start = absl::Now();
+absl::StatusOr<JobState> JobRunner::Waiting() {
+  const ParallelDims d = DimsOf(job_);
+  const int world = d.world_size();
+  const absl::Time start = clock_->Now();
   bool reported = false;
   for (;;) {
-    ready->clear();
-    for (v1::WorkerInfo& w : registry_->List()) {
-      if (w.state() == v1::READY) ready->push_back(std::move(w));
+    std::vector<v1::WorkerInfo> ready;
+    for (v1::WorkerInfo& w : workers_->List()) {
+      if (w.state() == v1::READY) ready.push_back(std::move(w));
     }
-    if (static_cast<int>(ready->size()) >= world) {
+    // Workers that hold this job from an earlier coordinator: the newest
+    // generation's reports, one per slot.
+    int64_t held_generation = 0;
+    for (const v1::WorkerInfo& w : ready) {
+      if (w.held().job() == job_.name() && w.held().steps_size() > 0) {
+        held_generation = std::max(held_generation, w.held().generation());
+      }
+    }
+    std::map<std::vector<int>, v1::WorkerInfo> slots;
+    bool conflict = false;
+    for (const v1::WorkerInfo& w : ready) {
+      const v1::HeldJob& h = w.held();
+      if (h.job() != job_.name() || h.generation() != held_generation || h.steps_size() == 0) continue;
+      if (h.pp_rank() >= d.pp || h.tp_rank() >= d.tp || h.dp_rank() >= d.dp) continue;
+      conflict |= !slots.emplace(std::vector<int>{h.pp_rank(), h.tp_rank(), h.dp_rank()}, w).second;
+    }
+    if (held_generation > 0 && !conflict && static_cast<int>(slots.size()) == world) {
+      return Adopt(ready, slots, held_generation);
+    }
+    const bool adopting = held_generation > 0 && clock_->Now() - start < options_.adopt_grace;
+    if (static_cast<int>(ready.size()) >= world && !adopting) {
+      if (held_generation > 0) {
+        BATON_LOG(WARNING) << "job '" << job_.name() << "': " << slots.size() << " of " << world
+                           << " shards reported by workers of generation " << held_generation
+                           << (conflict ? " (two workers claim one shard)" : "") << " after "
+                           << absl::FormatDuration(options_.adopt_grace) << "; starting the job over";
+      }
+      if (!options_.out_dir.empty()) std::remove((options_.out_dir + "/steps.jsonl").c_str());
+      BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, workers_->NextGeneration()));
       absl::MutexLock lock(&mu_);
       error_ = absl::OkStatus();
-      return absl::OkStatus();
+      setup_ = Setup{std::move(plan), 0, {}};
+      return JobState::kConfiguring;
     }
     absl::MutexLock lock(&mu_);
-    if (!reported && absl::Now() - start > options_.ready_timeout) {
+    if (!reported && clock_->Now() - start > options_.ready_timeout) {
       reported = true;
       error_ = absl::FailedPreconditionError(
-          absl::StrCat("job '", job_.name(), "' needs pp*tp*dp = ", world, " ready workers, ", ready->size(),
+          absl::StrCat("job '", job_.name(), "' needs pp*tp*dp = ", world, " ready workers, ", ready.size(),
                        " are ready after ", absl::FormatDuration(options_.ready_timeout), "; start ",
-                       world - static_cast<int>(ready->size()), " more workers (still waiting)"));
+                       world - static_cast<int>(ready.size()), " more workers (still waiting)"));
       BATON_LOG(WARNING) << error_.message();
     }
-    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-    if (mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100))) {
+    if (WaitUntil([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; },
+                  clock_->Now() + absl::Milliseconds(100))) {
       return absl::CancelledError("coordinator shutting down");
     }
   }
 }
 
-absl::Status JobRunner::Configure(const std::vector<v1::WorkerInfo>& ready) {
-  const int64_t generation = kv_->CurrentGeneration(job_.name()) + 1;
-  kv_->AdvanceGeneration(job_.name(), generation);
+absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& ready,
+                                          const std::map<std::vector<int>, v1::WorkerInfo>& slots,
+                                          int64_t held_generation) {
+  int64_t generation = workers_->NextGeneration();
+  while (generation <= held_generation) generation = workers_->NextGeneration();
   BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, generation));
+  std::set<std::string> taken;
+  for (v1::RankAssignment& r : *plan.mutable_ranks()) {
+    const v1::WorkerInfo& w = slots.at({r.pp_rank(), r.tp_rank(), r.dp_rank()});
+    r.set_worker_name(w.name());
+    r.set_worker_id(w.worker_id());
+    r.set_host(w.host());
+    taken.insert(w.name());
+  }
+  plan.clear_spares();
+  for (const v1::WorkerInfo& w : ready) {
+    if (!taken.count(w.name())) plan.add_spares(w.name());
+  }
+  // The newest step every shard can restore.
+  int64_t resume = 0;
+  for (int64_t s : slots.begin()->second.held().steps()) {
+    bool everywhere = true;
+    for (const auto& [slot, w] : slots) {
+      const auto& steps = w.held().steps();
+      everywhere &= std::find(steps.begin(), steps.end(), s) != steps.end();
+    }
+    if (everywhere) resume = std::max(resume, s);
+  }
+  LoadSteps();
+  absl::MutexLock lock(&mu_);
+  for (const auto& [slot, w] : slots) {
+    std::deque<int64_t>& own = own_snapshots_[w.name()];
+    for (int64_t s : w.held().steps()) {
+      if (s <= resume) PushBounded(&own, s, kOwnSnapshots);
+    }
+    std::sort(own.begin(), own.end());
+  }
+  ++restarts_;
+  recoveries_metric_[FaultCause::kCoordinatorRestart]->Increment();
+  const int64_t replayed = std::max<int64_t>(0, recorded_ - resume);
+  replayed_ += replayed;
+  replayed_metric_->Increment(static_cast<double>(replayed));
+  recovery_ = absl::StrCat("adopted the running job from ", slots.size(), " workers of generation ",
+                           held_generation, " after a coordinator restart; resuming after step ", resume, " (",
+                           replayed, " steps replayed)");
+  BATON_LOG(WARNING) << "job '" << job_.name() << "': " << recovery_;
+  AppendStepsLine(absl::StrCat("{\"recovery\": ", restarts_, ", \"cause\": \"coordinator_restart\", \"worker\": \"\"",
+                               ", \"resume_step\": ", resume, ", \"replayed_steps\": ", replayed,
+                               ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_), "}"));
+  committed_ = resume;
+  next_step_ = resume + 1;
+  recovery_started_ = clock_->Now();
+  error_ = absl::OkStatus();
+  setup_ = Setup{std::move(plan), resume, {}};
+  return JobState::kConfiguring;
+}
+
+void JobRunner::LoadSteps() {
+  if (options_.out_dir.empty()) return;
+  const std::string path = options_.out_dir + "/steps.jsonl";
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return;
+  std::string kept;
+  std::vector<StepRecord> records;
+  for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
+    if (!v.ok() || !v->is_object()) continue;  // a line torn by the crash
+    absl::StrAppend(&kept, line, "\n");
+    const JsonValue* step = v->Find("step");
+    if (step == nullptr || !step->is_number()) continue;
+    auto num = [&](const char* key) {
+      const JsonValue* x = v->Find(key);
+      return x != nullptr && x->is_number() ? x->number() : 0.0;
+    };
+    StepRecord r;
+    r.step = static_cast<int64_t>(step->number());
+    const JsonValue* committed = v->Find("committed");
+    r.committed = committed != nullptr && committed->kind() == JsonValue::Kind::kBool && committed->bool_value();
+    r.loss = num("loss");
+    r.accuracy = num("accuracy");
+    r.grad_norm = num("grad_norm");
+    r.clip = num("clip");
+    r.wall = num("wall_seconds");
+    r.tokens_per_second = num("tokens_per_second");
+    r.bubble_ratio = num("bubble_ratio");
+    r.comm_ratio = num("comm_ratio");
+    records.push_back(r);
+  }
+  if (absl::Status s = WriteFileAtomically(path, kept); !s.ok()) {
+    BATON_LOG(WARNING) << "cannot rewrite " << path << ": " << s;
+  }
+  absl::MutexLock lock(&mu_);
+  steps_ = std::move(records);
+  recorded_ = steps_.empty() ? 0 : steps_.back().step;
+}
+
+absl::StatusOr<JobState> JobRunner::Configuring() {
+  Setup setup;
+  {
+    absl::MutexLock lock(&mu_);
+    setup = setup_;
+  }
+  const v1::Plan& plan = setup.plan;
   const ParallelDims d = DimsOf(job_);
   schedule::ScheduleSpec spec{job_.schedule().kind(), d.pp, job_.schedule().microbatches(), d.virtual_stages};
   BATON_ASSIGN_OR_RETURN(schedule::Schedule compute, schedule::BuildSchedule(spec));
@@ -259,69 +460,87 @@ absl::Status JobRunner::Configure(const std::vector<v1::WorkerInfo>& ready) {
   BATON_RETURN_IF_ERROR_CTX(schedule::Validate(lowered), "the schedule failed validation");
   BATON_ASSIGN_OR_RETURN(schedule::SimulationResult sim, schedule::Simulate(lowered, costs));
   std::vector<v1::Program> programs = schedule::ToPrograms(lowered);
+  for (const schedule::RankStats& r : sim.ranks) {
+    expected_bubble_family_->Add({{"training_job", job_.name()}, {"stage", std::to_string(r.rank)}})
+        .Set(r.bubble_ratio);
+  }
+  std::map<std::string, int64_t> incarnations;
+  for (const v1::WorkerInfo& w : workers_->List()) incarnations[w.name()] = w.incarnation();
+  std::set<std::string> names;
+  std::map<std::string, std::string> buddies = Buddies(plan);
   {
     absl::MutexLock lock(&mu_);
     plan_ = plan;
+    programs_ = programs;
+    generation_ = plan.generation();
     expected_bubble_ = sim.bubble_ratio;
     assigned_.clear();
-    for (const v1::RankAssignment& r : plan.ranks()) assigned_[r.worker_name()] = r;
-    state_ = "configuring";
+    incarnation_.clear();
+    for (const v1::RankAssignment& r : plan.ranks()) {
+      assigned_[r.worker_name()] = r;
+      incarnation_[r.worker_name()] = incarnations[r.worker_name()];
+      names.insert(r.worker_name());
+    }
+    buddy_ = buddies;
   }
-  expected_bubble_metric_->Set(sim.bubble_ratio);
-  BATON_LOG(INFO) << "job '" << job_.name() << "' generation " << generation << ": " << plan.ranks_size()
+  Expect(v1::WorkerMessage::kConfigured, 0, names);
+  BATON_LOG(INFO) << "job '" << job_.name() << "' generation " << plan.generation() << ": " << plan.ranks_size()
                   << " workers, schedule " << spec.kind << " (expected bubble "
-                  << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size()
-                  << " spares";
+                  << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
+                  << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "");
+  // Each worker gets the plan with its own rank only (a worker reads nothing
+  // else of plan.ranks): the full list in every Configure would make
+  // configuring quadratic in the workers (547 MB of messages at 4096).
+  v1::Plan shared = plan;
+  shared.clear_ranks();
+  shared.clear_spares();
   for (const v1::RankAssignment& r : plan.ranks()) {
     v1::CoordinatorMessage msg;
-    *msg.mutable_configure()->mutable_plan() = plan;
-    *msg.mutable_configure()->mutable_program() = programs[r.pp_rank()];
-    *msg.mutable_configure()->mutable_job() = job_;
-    auto session = registry_->SessionOf(r.worker_name());
-    if (session == nullptr || !session->Send(msg)) {
-      return absl::UnavailableError(absl::StrCat("worker ", r.worker_name(), " went away before it was configured"));
+    v1::Configure* c = msg.mutable_configure();
+    *c->mutable_plan() = shared;
+    *c->mutable_plan()->add_ranks() = r;
+    *c->mutable_program() = programs[r.pp_rank()];
+    *c->mutable_job() = job_;
+    c->set_resume_step(setup.resume_step);
+    if (auto it = setup.state.find(r.worker_name()); it != setup.state.end()) c->set_state(it->second);
+    c->set_buddy(buddies[r.worker_name()]);
+    if (!workers_->Send(r.worker_name(), msg)) {
+      OnWorkerLost(r.worker_name(), "its session was gone when it was to be configured");
     }
   }
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> configured =
-      Collect(&configured_, options_.configure_timeout, "Configured");
-  return configured.status();
+      Collect(options_.configure_timeout, "Configured");
+  if (configured.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+  if (!configured.ok()) return WithContext(configured.status(), "configuring the job");
+  return JobState::kRunning;
 }
 
-absl::Status JobRunner::RunStep(int64_t step) {
-  const absl::Time start = absl::Now();
+absl::StatusOr<JobState> JobRunner::Running() {
+  int64_t step;
+  std::set<std::string> names;
   v1::CoordinatorMessage run;
-  run.mutable_run_step()->set_step(step);
   {
     absl::MutexLock lock(&mu_);
+    step = next_step_;
+    for (const auto& [name, a] : assigned_) names.insert(name);
     const bool requested = trace_requested_ > 0;
     if (requested) --trace_requested_;
     run.mutable_run_step()->set_trace(requested || step > job_.train().steps() - options_.traced_steps);
   }
+  if (step > job_.train().steps()) return options_.out_dir.empty() ? JobState::kDone : JobState::kSaving;
+  const absl::Time start = absl::Now();
+  run.mutable_run_step()->set_step(step);
+  Expect(v1::WorkerMessage::kReport, step, names);
   SendAll(run);
-  BATON_ASSIGN_OR_RETURN(auto reports, Collect(&reports_, options_.step_timeout, "GradsReady"));
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> reports =
+      Collect(options_.step_timeout, "GradsReady");
+  if (reports.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+  if (!reports.ok()) return WithContext(reports.status(), absl::StrCat("step ", step));
 
-  double sq = 0, loss = 0;
-  int losses = 0;
+  double loss = 0;
   int64_t correct = 0, predicted = 0;
   bool finite = true;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [name, msg] : reports) {
-      const v1::StepReport& r = msg.report();
-      const v1::RankAssignment& rank = assigned_[name];
-      finite &= r.finite();
-      if (rank.dp_rank() == 0) sq += r.grad_sq_norm();  // DP replicas hold the same averaged gradients
-      if (r.has_loss() && rank.tp_rank() == 0) {
-        loss += r.loss();
-        ++losses;
-        correct += r.correct();
-        predicted += r.predicted();
-      }
-    }
-  }
-  loss = losses > 0 ? loss / losses : 0;
-  const double norm = std::sqrt(sq);
-  finite &= std::isfinite(norm) && std::isfinite(loss);
+  const double norm = Aggregate(*reports, &loss, &correct, &predicted, &finite);
   const double max_norm = job_.train().grad_clip();
   const double clip = max_norm > 0 && norm > max_norm ? max_norm / norm : 1.0;
   v1::CoordinatorMessage verdict;
@@ -331,29 +550,549 @@ absl::Status JobRunner::RunStep(int64_t step) {
   } else {
     verdict.mutable_discard()->set_step(step);
     verdict.mutable_discard()->set_reason("non-finite loss or gradient");
-    discarded_metric_->Increment();
-    BATON_LOG(WARNING) << "step " << step << " discarded: non-finite loss or gradient norm";
   }
+  Expect(v1::WorkerMessage::kStepDone, step, names);
   SendAll(verdict);
-  BATON_ASSIGN_OR_RETURN(auto done, Collect(&done_, options_.step_timeout, "StepDone"));
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> done = Collect(options_.step_timeout, "StepDone");
+  if (done.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+  if (!done.ok()) return WithContext(done.status(), absl::StrCat("step ", step));
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+  RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
+             norm, clip, wall, *done);
+  return JobState::kRunning;
+}
 
+absl::StatusOr<JobState> JobRunner::Saving() {
+  const std::string dir = options_.out_dir + "/final";
+  BATON_RETURN_IF_ERROR(MakeDirectories(dir));
+  std::set<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, a] : assigned_) names.insert(name);
+  }
+  Expect(v1::WorkerMessage::kSaved, 0, names);
+  v1::CoordinatorMessage save;
+  save.mutable_save_weights()->set_dir(dir);
+  SendAll(save);
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> saved = Collect(options_.configure_timeout, "Saved");
+  if (saved.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+  if (!saved.ok()) return WithContext(saved.status(), "saving the final weights");
+  std::vector<std::string> files;
+  for (const auto& [name, msg] : *saved) {
+    for (const std::string& f : msg.saved().files()) files.push_back(f);
+  }
+  std::sort(files.begin(), files.end());
+  BATON_RETURN_IF_ERROR_CTX(checkpoint::WriteManifest(dir, files, job_.name(), job_.train().steps()),
+                            "saving the final weights");
+  return JobState::kDone;
+}
+
+// ---------------------------------------------------------------------------
+// Recovery.
+
+absl::StatusOr<JobState> JobRunner::Recovering() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!recovery_started_) recovery_started_ = clock_->Now();
+  }
+  // Release the survivors' collectives at once; their processes and
+  // snapshots stay.
+  v1::CoordinatorMessage abort;
+  abort.mutable_abort()->set_reason("a worker of the plan failed; recovering");
+  SendAll(abort);
+  // Gather the other consequences of the same fault before judging it.
+  absl::MutexLock lock(&mu_);
+  WaitUntil([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; }, clock_->Now() + options_.settle);
+  if (stopping_) return absl::CancelledError("coordinator shutting down");
+  const Fault* first = FirstCause();
+  if (first == nullptr) return absl::InternalError("recovering without a fault");
+  const absl::Status cause = FaultsToStatus();
+  const Fault first_fault = *first;
+  if (first_fault.code == absl::StatusCode::kInvalidArgument ||
+      first_fault.code == absl::StatusCode::kFailedPrecondition) {
+    return cause;  // a configuration or disk problem: replaying would fail the same way
+  }
+  if (restarts_ >= ft_.max_restarts) {
+    return absl::Status(cause.code(), absl::StrCat(cause.message(), "; not recovering: ", restarts_,
+                                                   " recoveries already (fault_tolerance.max_restarts = ",
+                                                   ft_.max_restarts, "); run the job again"));
+  }
+  ++restarts_;
+  recoveries_metric_[first_fault.cause]->Increment();
+  BATON_LOG(WARNING) << "job '" << job_.name() << "': recovery " << restarts_ << " of at most " << ft_.max_restarts
+                     << ": " << cause.message();
+
+  // Find a replacement for every lost worker: the same name registering
+  // again, else a spare READY worker.
+  const absl::Time deadline = clock_->Now() + ft_.replacement_timeout;
+  std::set<std::string> lost;
+  std::map<std::string, v1::WorkerInfo> replacement;  // lost name -> replacement
+  for (;;) {
+    std::vector<v1::WorkerInfo> list;
+    mu_.Unlock();
+    list = workers_->List();
+    mu_.Lock();
+    if (stopping_) return absl::CancelledError("coordinator shutting down");
+    lost = LostWorkers(list);
+    replacement.clear();
+    std::set<std::string> taken;
+    for (const std::string& name : lost) {
+      for (const v1::WorkerInfo& w : list) {
+        if (w.name() == name && w.state() == v1::READY) {
+          replacement[name] = w;
+          taken.insert(name);
+        }
+      }
+    }
+    for (const std::string& name : lost) {
+      if (replacement.count(name)) continue;
+      for (const v1::WorkerInfo& w : list) {
+        if (w.state() == v1::READY && !assigned_.count(w.name()) && !taken.count(w.name())) {
+          replacement[name] = w;
+          taken.insert(w.name());
+          break;
+        }
+      }
+    }
+    if (replacement.size() == lost.size()) break;
+    if (clock_->Now() >= deadline) {
+      std::vector<std::string> missing;
+      for (const std::string& name : lost) {
+        if (!replacement.count(name)) missing.push_back(Who(name));
+      }
+      return absl::Status(
+          cause.code(),
+          absl::StrCat(cause.message(), "; no replacement for ", absl::StrJoin(missing, ", "), " within ",
+                       absl::FormatDuration(ft_.replacement_timeout),
+                       " (fault_tolerance.replacement_timeout_s): no spare READY worker, and the lost worker did "
+                       "not register again. Start a spare worker (batonctl local --spares=N) or restart the lost "
+                       "one; no checkpoint can be resumed from yet in this version, so run the job again"));
+    }
+    recovery_ = absl::StrCat("waiting for a replacement of ",
+                             absl::StrJoin(lost, ", ", [&](std::string* out, const std::string& n) {
+                               absl::StrAppend(out, Who(n));
+                             }));
+    WaitUntil([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; },
+              clock_->Now() + std::max(options_.poll, absl::Milliseconds(50)));
+  }
+
+  // From here on, a fault is a new one (a second fault during recovery);
+  // replies of the old world are dropped.
+  faults_.clear();
+  generation_ = 0;
+
+  // The recovery step and where each lost shard's state comes from.
+  std::map<std::string, std::pair<std::string, std::string>> sources;
+  const int64_t resume = ChooseResumeStep(lost, &sources);
+  std::map<std::string, std::string> states;  // replacement name -> ShardState
+  std::vector<std::string> described;
+  for (const std::string& name : lost) {
+    const auto src = sources.find(name);
+    const std::string from =
+        resume == 0 ? "the initial state (seed)"
+        : src->second.first == src->second.second ? absl::StrCat("DP replica ", src->second.first)
+                                                  : absl::StrCat(src->second.first, "'s snapshot");
+    described.push_back(absl::StrCat(Who(name), " -> ", replacement[name].name(), ", state of step ", resume,
+                                     " from ", from));
+  }
+  recovery_ = absl::StrCat("recovery ", restarts_, ": ", lost.empty() ? "all workers kept, " : "",
+                           absl::StrJoin(described, "; "), lost.empty() ? "" : "; ", "rolling back to step ",
+                           resume, " (", committed_ - resume, " steps replayed)");
+  BATON_LOG(WARNING) << "job '" << job_.name() << "': " << recovery_;
+  for (const auto& [name, src] : sources) {
+    if (resume == 0) break;
+    const std::string source = src.first, owner = src.second;
+    mu_.Unlock();
+    Expect(v1::WorkerMessage::kFetchedState, resume, {source});
+    v1::CoordinatorMessage fetch;
+    fetch.mutable_fetch_state()->set_owner(owner);
+    fetch.mutable_fetch_state()->set_step(resume);
+    if (!workers_->Send(source, fetch)) OnWorkerLost(source, "its session was gone when its state was fetched");
+    absl::StatusOr<std::map<std::string, v1::WorkerMessage>> got = Collect(options_.fetch_timeout, "state");
+    mu_.Lock();
+    if (got.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;  // another fault
+    if (!got.ok()) return WithContext(got.status(), absl::StrCat("fetching the state of ", Who(name), " from ", source));
+    const v1::ShardSnapshot& snap = got->at(source).fetched_state();
+    if (!snap.error().empty()) {
+      return absl::InternalError(absl::StrCat("recovering ", Who(name), ": ", source, " has no state of step ",
+                                              resume, ": ", snap.error()));
+    }
+    states[replacement[name].name()] = snap.data();
+  }
+
+  // The new world: the same plan with the replacements in the lost slots.
+  v1::Plan plan = plan_;
+  mu_.Unlock();
+  const int64_t generation = workers_->NextGeneration();
+  mu_.Lock();
+  plan.set_generation(generation);
+  std::set<std::string> taken;
+  for (v1::RankAssignment& r : *plan.mutable_ranks()) {
+    auto it = replacement.find(r.worker_name());
+    if (it == replacement.end()) continue;
+    r.set_worker_name(it->second.name());
+    r.set_worker_id(it->second.worker_id());
+    r.set_host(it->second.host());
+    taken.insert(it->second.name());
+  }
+  plan.clear_spares();
+  for (const std::string& s : plan_.spares()) {
+    if (!taken.count(s)) plan.add_spares(s);
+  }
+  const std::map<std::string, std::string> buddies = Buddies(plan);
+  for (const std::string& name : lost) own_snapshots_.erase(name);
+  for (auto& [w, steps] : own_snapshots_) TrimAbove(&steps, resume);
+  for (auto it = held_snapshots_.begin(); it != held_snapshots_.end();) {
+    TrimAbove(&it->second.steps, resume);
+    it = lost.count(it->second.holder) ? held_snapshots_.erase(it) : std::next(it);
+  }
+  for (const auto& [name, w] : replacement) {
+    if (resume > 0) own_snapshots_[w.name()] = {resume};
+  }
+  const int64_t replayed = committed_ - resume;
+  replayed_ += replayed;
+  replayed_metric_->Increment(static_cast<double>(replayed));
+  AppendStepsLine(absl::StrCat("{\"recovery\": ", restarts_, ", \"cause\": ", JsonQuote(FaultCauseName(first_fault.cause)),
+                               ", \"worker\": ", JsonQuote(first_fault.worker), ", \"error\": ",
+                               JsonQuote(cause.message()), ", \"resume_step\": ", resume, ", \"replayed_steps\": ",
+                               replayed, ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_),
+                               "}"));
+  committed_ = resume;
+  next_step_ = resume + 1;
+  setup_ = Setup{std::move(plan), resume, std::move(states)};
+  return JobState::kConfiguring;
+}
+
+const JobRunner::Fault* JobRunner::FirstCause() const {
+  for (const Fault& f : faults_) {
+    if (f.cause == FaultCause::kWorkerLost || f.cause == FaultCause::kWorkerHung) return &f;
+  }
+  return faults_.empty() ? nullptr : &faults_.front();
+}
+
+absl::Status JobRunner::FaultsToStatus() {
+  const Fault* f = FirstCause();
+  if (f == nullptr) return absl::OkStatus();
+  return absl::Status(f->code, f->why);
+}
+
+std::set<std::string> JobRunner::LostWorkers(const std::vector<v1::WorkerInfo>& list) {
+  std::set<std::string> lost;
+  for (const auto& [name, a] : assigned_) {
+    bool alive = false;
+    for (const v1::WorkerInfo& w : list) {
+      if (w.name() == name && w.state() == v1::READY && w.incarnation() == incarnation_[name]) alive = true;
+    }
+    if (!alive) lost.insert(name);
+  }
+  for (const Fault& f : faults_) {
+    if ((f.cause == FaultCause::kWorkerLost || f.cause == FaultCause::kWorkerHung) && assigned_.count(f.worker)) {
+      lost.insert(f.worker);
+    }
+  }
+  return lost;
+}
+
+int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
+                                    std::map<std::string, std::pair<std::string, std::string>>* sources) {
+  std::vector<std::string> survivors;
+  for (const auto& [name, a] : assigned_) {
+    if (!lost.count(name)) survivors.push_back(name);
+  }
+  for (int64_t s = committed_; s > 0; --s) {
+    bool ok = true;
+    for (const std::string& w : survivors) ok &= Holds(own_snapshots_[w], s);
+    if (!ok) continue;
+    sources->clear();
+    for (const std::string& name : lost) {
+      const v1::RankAssignment& a = assigned_[name];
+      for (const std::string& w : survivors) {  // a DP replica of the same shard
+        const v1::RankAssignment& b = assigned_[w];
+        if (b.pp_rank() == a.pp_rank() && b.tp_rank() == a.tp_rank() && Holds(own_snapshots_[w], s)) {
+          (*sources)[name] = {w, w};
+          break;
+        }
+      }
+      if (sources->count(name)) continue;
+      auto held = held_snapshots_.find(SlotOf(name));
+      if (held != held_snapshots_.end() && !lost.count(held->second.holder) && assigned_.count(held->second.holder) &&
+          Holds(held->second.steps, s)) {
+        (*sources)[name] = {held->second.holder, held->second.owner};
+        continue;
+      }
+      ok = false;
+      break;
+    }
+    if (ok) return s;
+  }
+  sources->clear();
+  for (const std::string& name : lost) (*sources)[name] = {"", ""};
+  return 0;
+}
+
+std::map<std::string, std::string> JobRunner::Buddies(const v1::Plan& plan) const {
+  std::vector<const v1::RankAssignment*> ranks;
+  for (const v1::RankAssignment& r : plan.ranks()) ranks.push_back(&r);
+  std::sort(ranks.begin(), ranks.end(), [](auto* a, auto* b) { return a->global_rank() < b->global_rank(); });
+  std::map<std::string, std::string> buddies;
+  const size_t n = ranks.size();
+  if (n < 2) return buddies;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::RankAssignment* pick = ranks[(i + 1) % n];
+    for (size_t k = 1; k < n; ++k) {  // prefer another host
+      const v1::RankAssignment* c = ranks[(i + k) % n];
+      if (c->host() != ranks[i]->host()) {
+        pick = c;
+        break;
+      }
+    }
+    buddies[ranks[i]->worker_name()] = pick->worker_name();
+  }
+  return buddies;
+}
+
+// ---------------------------------------------------------------------------
+// Worker messages.
+
+void JobRunner::OnWorkerLost(const std::string& worker, const std::string& why, bool hung) {
+  absl::MutexLock lock(&mu_);
+  if (!assigned_.count(worker) || IsFinal(state_)) return;
+  for (const Fault& f : faults_) {
+    if (f.worker == worker && f.cause != FaultCause::kWorkerError) return;
+  }
+  Fault f;
+  f.worker = worker;
+  f.cause = hung ? FaultCause::kWorkerHung : FaultCause::kWorkerLost;
+  f.code = absl::StatusCode::kUnavailable;
+  f.generation = generation_;
+  f.why = absl::StrCat(Who(worker), " was lost: ", why, "; step ", next_step_, " did not finish");
+  BATON_LOG(ERROR) << f.why;
+  faults_.push_back(std::move(f));
+}
+
+std::string JobRunner::StageOf(const std::string& worker) const {
+  auto it = assigned_.find(worker);
+  if (it == assigned_.end()) return "a spare";
+  const v1::RankAssignment& r = it->second;
+  return absl::StrCat("stage ", r.pp_rank(), " (tp ", r.tp_rank(), ", dp ", r.dp_rank(), ")");
+}
+
+std::string JobRunner::SlotOf(const std::string& worker) const {
+  auto it = assigned_.find(worker);
+  if (it == assigned_.end()) return "";
+  return absl::StrCat(it->second.pp_rank(), ".", it->second.tp_rank(), ".", it->second.dp_rank());
+}
+
+std::string JobRunner::Who(const std::string& worker) const {
+  return absl::StrCat(StageOf(worker), " (worker ", worker, ")");
+}
+
+void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) {
+  std::string relay_to;
+  v1::CoordinatorMessage relay;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!assigned_.count(worker)) return;
+    const int64_t generation = GenerationOf(message);
+    // From a world that no longer exists (a fetched state is matched by its request instead).
+    if (generation != 0 && generation != generation_ && !message.has_fetched_state()) return;
+    auto error_fault = [&](const std::string& what, const std::string& error, int32_t code) {
+      if (error.empty()) return;
+      Fault f;
+      f.worker = worker;
+      f.cause = FaultCause::kWorkerError;
+      f.code = CodeOr(code, absl::StatusCode::kInternal);
+      f.generation = generation_;
+      f.why = absl::StrCat(Who(worker), " ", what, ": ", error);
+      BATON_LOG(ERROR) << f.why;
+      faults_.push_back(std::move(f));
+    };
+    switch (message.body_case()) {
+      case v1::WorkerMessage::kConfigured:
+        if (!message.configured().ok()) {
+          error_fault("cannot start", message.configured().error(),
+                      message.configured().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
+                                                       : message.configured().code());
+        }
+        break;
+      case v1::WorkerMessage::kReport:
+        error_fault(absl::StrCat("failed step ", message.report().step()), message.report().error(),
+                    message.report().code());
+        break;
+      case v1::WorkerMessage::kStepDone:
+        error_fault(absl::StrCat("failed step ", message.step_done().step()), message.step_done().error(),
+                    message.step_done().code());
+        break;
+      case v1::WorkerMessage::kSaved:
+        if (!message.saved().ok()) {
+          error_fault("could not save", message.saved().error(),
+                      message.saved().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
+                                                  : message.saved().code());
+        }
+        break;
+      case v1::WorkerMessage::kSnapshot: {
+        const v1::ShardSnapshot& snap = message.snapshot();
+        if (snap.owner() != worker || snap.step() <= 0) return;
+        PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
+        auto buddy = buddy_.find(worker);
+        if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
+        if (snap.data().size() > kMaxRelayedSnapshotBytes) {
+          BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
+                             << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
+                             << "; its buddy keeps none";
+          return;
+        }
+        Held& held = held_snapshots_[SlotOf(worker)];
+        if (held.holder != buddy->second || held.owner != worker) held = Held{buddy->second, worker, {}};
+        PushBounded(&held.steps, snap.step(), kHeldSnapshots);
+        relay_to = buddy->second;
+        *relay.mutable_hold_snapshot() = snap;
+        break;
+      }
+      default:
+        break;
+    }
+    if (message.body_case() == expect_case_ && expect_from_.count(worker) &&
+        (expect_step_ == 0 || StepOf(message) == expect_step_)) {
+      inbox_[worker] = message;
+    }
+  }
+  if (!relay_to.empty()) workers_->Send(relay_to, relay);
+}
+
+void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, a] : assigned_) names.push_back(name);
+  }
+  if (names.size() < kParallelSendFrom) {
+    for (const std::string& name : names) workers_->Send(name, message);
+    return;
+  }
+  // A Session write blocks for a gRPC thread hand-off: in parallel the
+  // waits overlap (see fan_out.h).
+  FanOut* fan_out;
+  {
+    absl::MutexLock lock(&fan_out_mu_);
+    if (fan_out_ == nullptr) fan_out_ = std::make_unique<FanOut>(16);  // big jobs only
+    fan_out = fan_out_.get();
+  }
+  fan_out->Run(names.size(), [&](size_t i) { workers_->Send(names[i], message); });
+}
+
+void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) {
+  absl::MutexLock lock(&mu_);
+  expect_case_ = what;
+  expect_step_ = step;
+  expect_from_ = std::move(from);
+  inbox_.clear();
+}
+
+bool JobRunner::WaitUntil(const std::function<bool()>& cond, absl::Time deadline) {
+  for (;;) {
+    if (cond()) return true;
+    const absl::Time now = clock_->Now();
+    if (now >= deadline) return false;
+    mu_.AwaitWithTimeout(absl::Condition(&cond), std::min(deadline - now, options_.poll));
+  }
+}
+
+absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(absl::Duration timeout,
+                                                                          const char* what) {
+  absl::MutexLock lock(&mu_);
+  WaitUntil(
+      [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !faults_.empty() || stopping_ || inbox_.size() >= expect_from_.size();
+      },
+      clock_->Now() + timeout);
+  expect_case_ = v1::WorkerMessage::BODY_NOT_SET;
+  if (stopping_) return absl::CancelledError("coordinator shutting down");
+  if (!faults_.empty()) return absl::AbortedError("a worker failed");
+  if (inbox_.size() < expect_from_.size()) {
+    std::vector<std::string> missing;
+    for (const std::string& name : expect_from_) {
+      if (!inbox_.count(name)) missing.push_back(absl::StrCat(name, " (", StageOf(name), ")"));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("no ", what, " within ", absl::FormatDuration(timeout),
+                                                    " from ", absl::StrJoin(missing, ", ")));
+  }
+  std::map<std::string, v1::WorkerMessage> out;
+  out.swap(inbox_);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Step results.
+
+double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& reports, double* loss, int64_t* correct,
+                            int64_t* predicted, bool* finite) {
+  double sq = 0, loss_sum = 0;
+  int losses = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, msg] : reports) {
+      const v1::StepReport& r = msg.report();
+      const v1::RankAssignment& rank = assigned_[name];
+      *finite &= r.finite();
+      if (rank.dp_rank() == 0) sq += r.grad_sq_norm();  // DP replicas hold the same averaged gradients
+      if (r.has_loss() && rank.tp_rank() == 0) {
+        loss_sum += r.loss();
+        ++losses;
+        *correct += r.correct();
+        *predicted += r.predicted();
+      }
+    }
+  }
+  *loss = losses > 0 ? loss_sum / losses : 0;
+  const double norm = std::sqrt(sq);
+  *finite &= std::isfinite(norm) && std::isfinite(*loss);
+  return norm;
+}
+
+void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,
+                           double clip, double wall, const std::map<std::string, v1::WorkerMessage>& done) {
   const ParallelDims d = DimsOf(job_);
   const double tokens = static_cast<double>(job_.schedule().microbatches()) * job_.train().micro_batch_size() *
                         std::max(1, job_.model().seq_len()) * d.dp;
   StepRecord rec;
   rec.step = step;
-  rec.committed = finite;
+  rec.committed = committed;
   rec.loss = loss;
-  rec.accuracy = predicted > 0 ? static_cast<double>(correct) / predicted : 0;
+  rec.accuracy = accuracy;
   rec.grad_norm = norm;
   rec.clip = clip;
   rec.wall = wall;
   rec.tokens_per_second = tokens / wall;
   double bubble = 0, comm = 0, worker_wall = 0;
   std::map<int, v1::StageStatus> stages;
+  bool replay = false;
+  std::optional<absl::Duration> recovered_in;
   {
     absl::MutexLock lock(&mu_);
+    committed_ = step;
+    next_step_ = step + 1;
+    replay = step <= recorded_;
+    if (recovery_started_) {
+      recovered_in = clock_->Now() - *recovery_started_;
+      recovery_started_.reset();
+    }
+    if (replay) {
+      // The replay must reproduce the record bit for bit (data and state are
+      // pure functions of the seed and the step).
+      for (const StepRecord& old : steps_) {
+        if (old.step == step && (Num(old.loss) != Num(loss) || Num(old.grad_norm) != Num(norm))) {
+          BATON_LOG(ERROR) << "replayed step " << step << " differs from its first run: loss " << Num(loss)
+                           << " vs " << Num(old.loss) << ", grad norm " << Num(norm) << " vs " << Num(old.grad_norm);
+        }
+      }
+    }
+  }
+  if (recovered_in) recovery_seconds_metric_->Observe(absl::ToDoubleSeconds(*recovered_in));
+  if (replay) return;
+  {
+    absl::MutexLock lock(&mu_);
+    recorded_ = step;
     for (const auto& [name, msg] : done) {
       const v1::StepDone& s = msg.step_done();
       const double c = s.comm_p2p_seconds() + s.comm_tp_seconds() + s.comm_dp_seconds();
@@ -384,7 +1123,7 @@ absl::Status JobRunner::RunStep(int64_t step) {
     sum_bubble_ += bubble;
     sum_comm_ += comm;
     sum_worker_wall_ += worker_wall;
-    if (run.run_step().trace()) {
+    if (traced) {
       std::map<std::string, v1::StepDone> events;
       for (const auto& [name, msg] : done) events[name] = msg.step_done();
       traces_.emplace_back(step, std::move(events));
@@ -392,56 +1131,23 @@ absl::Status JobRunner::RunStep(int64_t step) {
     }
   }
   step_metric_->Set(static_cast<double>(step));
-  if (finite) loss_metric_->Set(loss);
-  if (!options_.out_dir.empty()) {
-    std::ofstream out(options_.out_dir + "/steps.jsonl", std::ios::app);
-    out << "{\"step\": " << step << ", \"committed\": " << (finite ? "true" : "false") << ", \"loss\": " << Num(loss)
-        << ", \"accuracy\": " << Num(rec.accuracy) << ", \"grad_norm\": " << Num(norm) << ", \"clip\": " << Num(clip)
-        << ", \"wall_seconds\": " << Num(wall) << ", \"tokens_per_second\": " << Num(rec.tokens_per_second)
-        << ", \"bubble_ratio\": " << Num(rec.bubble_ratio) << ", \"comm_ratio\": " << Num(rec.comm_ratio) << "}\n";
+  if (committed) {
+    loss_metric_->Set(loss);
+  } else {
+    discarded_metric_->Increment();
+    BATON_LOG(WARNING) << "step " << step << " discarded: non-finite loss or gradient norm";
   }
-  return absl::OkStatus();
+  AppendStepsLine(absl::StrCat(
+      "{\"step\": ", step, ", \"committed\": ", committed ? "true" : "false", ", \"loss\": ", Num(loss),
+      ", \"accuracy\": ", Num(rec.accuracy), ", \"grad_norm\": ", Num(norm), ", \"clip\": ", Num(clip),
+      ", \"wall_seconds\": ", Num(wall), ", \"tokens_per_second\": ", Num(rec.tokens_per_second),
+      ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio), "}"));
 }
 
-absl::Status JobRunner::Save() {
-  {
-    absl::MutexLock lock(&mu_);
-    state_ = "saving";
-  }
-  const std::string dir = options_.out_dir + "/final";
-  BATON_RETURN_IF_ERROR(MakeDirectories(dir));
-  v1::CoordinatorMessage save;
-  save.mutable_save_weights()->set_dir(dir);
-  SendAll(save);
-  BATON_ASSIGN_OR_RETURN(auto saved, Collect(&saved_, options_.configure_timeout, "Saved"));
-  std::vector<std::string> files;
-  for (const auto& [name, msg] : saved) {
-    for (const std::string& f : msg.saved().files()) files.push_back(f);
-  }
-  std::sort(files.begin(), files.end());
-  return checkpoint::WriteManifest(dir, files, job_.name(), job_.train().steps());
-}
-
-absl::Status JobRunner::RunJob() {
-  if (!options_.out_dir.empty()) {
-    BATON_RETURN_IF_ERROR(MakeDirectories(options_.out_dir));
-    std::remove((options_.out_dir + "/steps.jsonl").c_str());
-  }
-  std::vector<v1::WorkerInfo> ready;
-  BATON_RETURN_IF_ERROR(WaitForWorkers(&ready));
-  BATON_RETURN_IF_ERROR_CTX(Configure(ready), "configuring the job");
-  {
-    absl::MutexLock lock(&mu_);
-    state_ = "running";
-  }
-  for (int64_t step = 1; step <= job_.train().steps(); ++step) {
-    BATON_RETURN_IF_ERROR_CTX(RunStep(step), "step ", step);
-  }
-  if (!options_.out_dir.empty()) {
-    BATON_RETURN_IF_ERROR_CTX(Save(), "saving the final weights");
-    BATON_RETURN_IF_ERROR(WriteOutputs());
-  }
-  return absl::OkStatus();
+void JobRunner::AppendStepsLine(const std::string& line) {
+  if (options_.out_dir.empty()) return;
+  std::ofstream out(options_.out_dir + "/steps.jsonl", std::ios::app);
+  out << line << "\n";
 }
 
 absl::Status JobRunner::WriteOutputs() {
@@ -450,7 +1156,7 @@ absl::Status JobRunner::WriteOutputs() {
     absl::MutexLock lock(&mu_);
     const StepRecord last = steps_.empty() ? StepRecord() : steps_.back();
     summary = absl::StrCat(
-        "{\"job\": ", JsonQuote(job_.name()), ", \"state\": ", JsonQuote(state_ == "saving" ? "done" : state_),
+        "{\"job\": ", JsonQuote(job_.name()), ", \"state\": ", JsonQuote(JobStateName(state_ == JobState::kSaving ? JobState::kDone : state_)),
         ", \"steps\": ", steps_.size(), ", \"final_loss\": ", Num(last.loss),
         ", \"final_accuracy\": ", Num(last.accuracy),
         ", \"tokens_per_second\": ", Num(total_wall_ > 0 ? total_tokens_ / total_wall_ : 0),
@@ -460,6 +1166,7 @@ absl::Status JobRunner::WriteOutputs() {
         ", \"discarded_steps\": ", std::count_if(steps_.begin(), steps_.end(), [](const StepRecord& r) {
           return !r.committed;
         }),
+        ", \"recoveries\": ", restarts_, ", \"replayed_steps\": ", replayed_,
         ", \"error\": ", JsonQuote(error_.message()), "}\n");
   }
   BATON_RETURN_IF_ERROR(
@@ -469,7 +1176,7 @@ absl::Status JobRunner::WriteOutputs() {
 
 void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
   absl::MutexLock lock(&mu_);
-  status->set_job_state(state_);
+  status->set_job_state(JobStateName(state_));
   if (!error_.ok()) status->set_job_error(std::string(error_.message()));
   status->set_total_steps(job_.train().steps());
   status->set_expected_bubble_ratio(expected_bubble_);
@@ -483,18 +1190,21 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
     status->set_comm_ratio(r.comm_ratio);
   }
   for (const v1::StageStatus& s : stage_status_) *status->add_stages() = s;
+  status->set_recovery(recovery_);
+  status->set_recoveries(restarts_);
+  status->set_replayed_steps(replayed_);
 }
 
 std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   steps = std::min(steps, options_.max_kept_traces);
-  if (state_ == "running" && wait > absl::ZeroDuration()) {
+  if (state_ == JobState::kRunning && wait > absl::ZeroDuration()) {
     const int64_t after = static_cast<int64_t>(steps_.size());
     trace_requested_ = std::max(trace_requested_, steps);
     auto traced = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       int n = 0;
       for (const auto& t : traces_) n += t.first > after;
-      return n >= steps || state_ != "running" || stopping_;
+      return n >= steps || state_ != JobState::kRunning || stopping_;
     };
     mu_.AwaitWithTimeout(absl::Condition(&traced), wait);
   }

@@ -1,44 +1,98 @@
-// JobRunner: runs one training job on the registered workers.
+// JobRunner: drives one training job on the registered workers, as an
+// explicit state machine (coordinator/job_state.h). Each state is one small
+// transition function that returns the next state:
 //
 //   waiting      until pp*tp*dp workers are READY (after --ready_timeout the
 //                shortfall is reported as the job error, and waiting goes on)
+//                -> configuring
 //   configuring  plan (planner.h), schedule built, lowered and validated
-//                (coordinator/schedule), Configure{plan, program, job} to
-//                every assigned worker, which rendezvous through the KV
-//   running      per step: RunStep(n) -> GradsReady from every worker ->
+//                (coordinator/schedule), Configure{plan, program, job,
+//                resume_step, state} to every assigned worker, which
+//                rendezvous through the KV at the plan's generation
+//                -> running, or recovering on a fault
+//   running      one step: RunStep(n) -> GradsReady from every worker ->
 //                global grad norm, clip factor, finite check -> Commit(n, clip)
-//                or Discard(n) -> StepDone (timings) from every worker
-//   saving       SaveWeights(out/final) and the manifest (with --out)
+//                or Discard(n) -> StepDone from every worker
+//                -> running (next step), saving / done after the last step,
+//                or recovering on a fault
+//   recovering   (docs/protocol.md "Recovery") a worker of the plan was lost
+//                or reported an error: survivors get Abort (their processes
+//                and in-memory snapshots stay), a replacement is found (a
+//                spare READY worker, or the lost name registering again,
+//                waited for up to fault_tolerance.replacement_timeout_s),
+//                the recovery step R is chosen (the newest step whose state
+//                exists for every shard), the lost shard's state is fetched
+//                from a DP replica or the buddy holding its snapshot
+//                -> configuring (new generation, resume at R; steps after R
+//                are replayed), or failed
+//   saving       SaveWeights(out/final) and the manifest (with --out) -> done
 //   done | failed
 //
-// A worker of the plan that is lost, or reports an error, fails the job at
-// once (the rest get Abort) with a message naming its stage; recovery is a
-// later issue. Thread-safe: a thread of its own drives the job; worker
-// messages arrive from gRPC threads; commands go out through the registry's
-// sessions, never under this class's lock.
+// The first cause wins: a job error names the worker that was lost (or, when
+// none was, failed) first, with its stage, not a peer's consequential error.
+//
+// Thread-safe: a thread of its own drives the job; worker messages arrive
+// from gRPC threads; commands go out through JobWorkers, never under this
+// class's lock. Time comes from the injected Clock (waits poll it), so the
+// transitions are unit-tested against fake workers and a fake clock.
 #ifndef BATON_COORDINATOR_JOB_RUNNER_H_
 #define BATON_COORDINATOR_JOB_RUNNER_H_
 
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "baton/v1/coordinator.pb.h"
 #include "baton/v1/job.pb.h"
 #include "baton/v1/plan.pb.h"
-#include "coordinator/grpc/coordinator_service.h"
+#include "baton/v1/program.pb.h"
+#include "common/clock.h"
+#include "coordinator/fan_out.h"
+#include "coordinator/grpc/job_observer.h"
+#include "coordinator/job_state.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
 namespace baton {
+
+// The worker-facing side of the job driver: the registry and KV in the
+// coordinator, fakes in unit tests.
+class JobWorkers {
+ public:
+  virtual ~JobWorkers() = default;
+  // Every registered worker (state, incarnation, host).
+  virtual std::vector<v1::WorkerInfo> List() const = 0;
+  // Pushes `message` to `worker`'s session; false when it has none. Called
+  // from several threads at once for jobs of kParallelSendFrom+ workers.
+  virtual bool Send(const std::string& worker, const v1::CoordinatorMessage& message) = 0;
+  // Starts the next generation of the job's world (rendezvous scope) and returns it.
+  virtual int64_t NextGeneration() = 0;
+};
+
+std::unique_ptr<JobWorkers> MakeRegistryJobWorkers(WorkerRegistry* registry, KvStore* kv, std::string job);
+
+// Defaults of JobSpec.fault_tolerance.
+struct FaultTolerance {
+  int max_restarts = 10;
+  absl::Duration replacement_timeout = absl::Seconds(60);
+  int snapshot_every_steps = 1;
+};
+FaultTolerance FaultToleranceOf(const v1::JobSpec& job);
 
 class JobRunner : public JobObserver {
  public:
@@ -47,10 +101,23 @@ class JobRunner : public JobObserver {
     absl::Duration ready_timeout = absl::Seconds(60);
     absl::Duration configure_timeout = absl::Minutes(3);
     absl::Duration step_timeout = absl::Minutes(30);
+    // After the first fault, how long to gather others before deciding who is
+    // lost (a killed worker's peers report connection errors at about the
+    // time its session breaks).
+    absl::Duration settle = absl::Milliseconds(500);
+    // Fetching a lost shard's state from its source.
+    absl::Duration fetch_timeout = absl::Seconds(60);
+    // Waits re-check the clock this often.
+    absl::Duration poll = absl::Milliseconds(10);
+    // How long waiting holds on for the rest of the workers once some report
+    // holding this job (a coordinator restart), before starting it over.
+    absl::Duration adopt_grace = absl::Seconds(15);
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
     int max_kept_traces = 16;
   };
 
+  JobRunner(v1::JobSpec job, JobWorkers* workers, Clock* clock, Options options, prometheus::Registry& metrics);
+  // Production: the registry and KV, the real clock.
   JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Options options,
             prometheus::Registry& metrics);
   ~JobRunner();
@@ -60,11 +127,14 @@ class JobRunner : public JobObserver {
   void Stop();
 
   void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) override;
-  void OnWorkerLost(const std::string& worker, const std::string& why) override;
+  void OnWorkerLost(const std::string& worker, const std::string& why, bool hung = false) override;
   void FillStatus(v1::GetStatusResponse* status) const override;
   // Chrome trace of the last `steps` traced steps (all workers). While the
   // job runs, the next `steps` steps are traced and waited for (up to `wait`).
   std::string TraceJson(int steps, absl::Duration wait) override;
+
+  JobState state() const;
+  absl::Status error() const;
 
  private:
   struct StepRecord {
@@ -73,45 +143,132 @@ class JobRunner : public JobObserver {
     double loss = 0, accuracy = 0, grad_norm = 0, clip = 1;
     double wall = 0, tokens_per_second = 0, bubble_ratio = 0, comm_ratio = 0;
   };
+  struct Fault {
+    std::string worker;
+    FaultCause cause = FaultCause::kWorkerLost;
+    std::string why;
+    absl::StatusCode code = absl::StatusCode::kUnavailable;
+    int64_t generation = 0;
+  };
+  // What the next `configuring` sends.
+  struct Setup {
+    v1::Plan plan;
+    int64_t resume_step = 0;
+    std::map<std::string, std::string> state;  // worker -> ShardState bytes (replacements)
+  };
+  // What a worker's own snapshots and its buddy copies cover (mirrors the
+  // workers' bounded stores: kOwnSnapshots / kHeldSnapshots).
+  static constexpr int kOwnSnapshots = 3;
+  static constexpr int kHeldSnapshots = 2;
 
   void Run();
-  absl::Status RunJob();
-  absl::Status WaitForWorkers(std::vector<v1::WorkerInfo>* ready);
-  absl::Status Configure(const std::vector<v1::WorkerInfo>& ready);
-  absl::Status RunStep(int64_t step);
-  absl::Status Save();
+  // The transitions: each does one state's work and returns the next state.
+  absl::StatusOr<JobState> Waiting();
+  // Waiting found workers holding this job (a restarted coordinator): take
+  // their plan and continue from the newest step every shard holds.
+  absl::StatusOr<JobState> Adopt(const std::vector<v1::WorkerInfo>& ready,
+                                 const std::map<std::vector<int>, v1::WorkerInfo>& slots, int64_t generation);
+  // Restores steps_ from an earlier life's steps.jsonl (rewritten without a torn last line).
+  void LoadSteps();
+  absl::StatusOr<JobState> Configuring();
+  absl::StatusOr<JobState> Running();
+  absl::StatusOr<JobState> Recovering();
+  absl::StatusOr<JobState> Saving();
+  void Transition(JobState to);
   void Fail(const absl::Status& why);
+
+  // Step pieces.
+  double Aggregate(const std::map<std::string, v1::WorkerMessage>& reports, double* loss, int64_t* correct,
+                   int64_t* predicted, bool* finite);
+  void RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,
+                  double clip, double wall, const std::map<std::string, v1::WorkerMessage>& done);
+
+  // Recovery pieces.
+  absl::Status FaultsToStatus() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Fault* FirstCause() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Plan workers that lost their process (not READY, or a new incarnation).
+  std::set<std::string> LostWorkers(const std::vector<v1::WorkerInfo>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Newest step every survivor holds and every lost slot can be sourced at;
+  // fills `sources` (lost worker -> {source worker, owner to fetch}).
+  int64_t ChooseResumeStep(const std::set<std::string>& lost,
+                           std::map<std::string, std::pair<std::string, std::string>>* sources)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::map<std::string, std::string> Buddies(const v1::Plan& plan) const;
+
+  // Messaging.
   void SendAll(const v1::CoordinatorMessage& message);
-  // Waits until every assigned worker has put a message in `inbox` (or the
-  // job failed / timed out); returns the messages by worker name.
-  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> Collect(
-      std::map<std::string, v1::WorkerMessage>* inbox, absl::Duration timeout, const char* what)
+  // Starts collecting `what` (a WorkerMessage body case) for `step` from `from`.
+  void Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until every expected worker answered (or a fault, stop, timeout).
+  // ABORTED when a fault arrived (see faults_).
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> Collect(absl::Duration timeout, const char* what)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until `cond` holds (true) or the clock passes `deadline` (false).
+  bool WaitUntil(const std::function<bool()>& cond, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StageOf(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string SlotOf(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string Who(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteOutputs() ABSL_LOCKS_EXCLUDED(mu_);
+  void AppendStepsLine(const std::string& line);
 
   const v1::JobSpec job_;
-  WorkerRegistry* const registry_;
-  KvStore* const kv_;
+  const FaultTolerance ft_;
+  std::unique_ptr<JobWorkers> owned_workers_;
+  JobWorkers* workers_;  // owned_workers_ or the caller's
+  Clock* const clock_;
   const Options options_;
 
-  prometheus::Gauge* expected_bubble_metric_;
+  std::map<JobState, prometheus::Gauge*> state_metric_;
+  prometheus::Family<prometheus::Gauge>* expected_bubble_family_;
   prometheus::Gauge* step_metric_;
   prometheus::Gauge* loss_metric_;
   prometheus::Counter* discarded_metric_;
+  std::map<FaultCause, prometheus::Counter*> recoveries_metric_;
+  prometheus::Histogram* recovery_seconds_metric_;
+  prometheus::Counter* replayed_metric_;
 
   mutable absl::Mutex mu_;
-  std::string state_ ABSL_GUARDED_BY(mu_) = "waiting";
+  JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kWaiting;
   absl::Status error_ ABSL_GUARDED_BY(mu_);  // why the job is failing / cannot start
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+
+  // The live world.
+  Setup setup_ ABSL_GUARDED_BY(mu_);  // next configuring
   v1::Plan plan_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::Program> programs_ ABSL_GUARDED_BY(mu_);  // by pp rank
   std::map<std::string, v1::RankAssignment> assigned_ ABSL_GUARDED_BY(mu_);  // by worker name
+  std::map<std::string, int64_t> incarnation_ ABSL_GUARDED_BY(mu_);         // at configure time
+  std::map<std::string, std::string> buddy_ ABSL_GUARDED_BY(mu_);           // worker -> holder of its snapshots
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   double expected_bubble_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, v1::WorkerMessage> configured_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, v1::WorkerMessage> reports_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, v1::WorkerMessage> done_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, v1::WorkerMessage> saved_ ABSL_GUARDED_BY(mu_);
+
+  // What the transition in progress waits for.
+  v1::WorkerMessage::BodyCase expect_case_ ABSL_GUARDED_BY(mu_) = v1::WorkerMessage::BODY_NOT_SET;
+  int64_t expect_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> expect_from_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::WorkerMessage> inbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<Fault> faults_ ABSL_GUARDED_BY(mu_);  // since the last recovery, in arrival order
+
+  // Progress.
+  int64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t committed_ ABSL_GUARDED_BY(mu_) = 0;  // newest step every worker finished
+  int64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;   // newest step in steps_ / steps.jsonl
+  std::map<std::string, std::deque<int64_t>> own_snapshots_ ABSL_GUARDED_BY(mu_);   // worker -> steps
+  // Buddy copies by shard slot ("pp.tp.dp"): which worker holds them, under
+  // which owner name (the slot's worker when it was sent), and their steps.
+  struct Held {
+    std::string holder, owner;
+    std::deque<int64_t> steps;
+  };
+  std::map<std::string, Held> held_snapshots_ ABSL_GUARDED_BY(mu_);
+
+  // Recovery bookkeeping.
+  int restarts_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t replayed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string recovery_ ABSL_GUARDED_BY(mu_);  // what the last recovery did (GetStatus)
+  std::optional<absl::Time> recovery_started_ ABSL_GUARDED_BY(mu_);
+
+  // Outputs.
   std::vector<StepRecord> steps_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::StageStatus> stage_status_ ABSL_GUARDED_BY(mu_);
   // Traced steps: per step, per worker, its events.
@@ -122,6 +279,10 @@ class JobRunner : public JobObserver {
   double sum_bubble_ ABSL_GUARDED_BY(mu_) = 0, sum_comm_ ABSL_GUARDED_BY(mu_) = 0,
          sum_worker_wall_ ABSL_GUARDED_BY(mu_) = 0;
 
+  // Commands to kParallelSendFrom or more workers go out in parallel.
+  static constexpr size_t kParallelSendFrom = 32;
+  absl::Mutex fan_out_mu_;
+  std::unique_ptr<FanOut> fan_out_ ABSL_GUARDED_BY(fan_out_mu_);  // made on first use
   std::thread thread_;
 };
 

@@ -24,19 +24,25 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
+#include "common/grpc_credentials.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
+#include "common/sd_notify.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
 #include "coordinator/job_runner.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC address HOST:PORT (port 0 picks a free one)");
+ABSL_FLAG(std::string, health_listen, "",
+          "plaintext gRPC address serving only grpc.health.v1, mirroring the main port's health (for "
+          "Kubernetes gRPC probes, which cannot present a client certificate); empty: none");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, job, "", "JobSpec file (textproto, or JSON starting with '{'); validated at start");
@@ -44,6 +50,15 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this coordinator (mTLS; with --tls_key and --tls_ca)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed every worker and operator certificate");
+ABSL_FLAG(std::string, join_token_file, "",
+          "file holding the token workers must present to join (first line; never pass a token on the command "
+          "line)");
+ABSL_FLAG(bool, insecure, false,
+          "allow plaintext gRPC on a non-loopback --listen (anyone who reaches it controls the job)");
+ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
 
 namespace baton {
 namespace {
@@ -66,6 +81,33 @@ int Main() {
   int port = 0;
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
+  }
+  std::string http_host;  // not `host`: that one decides whether gRPC is beyond loopback
+  int http_port = 0;
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &http_host, &http_port);
+      !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  absl::StatusOr<TlsConfig> tls =
+      LoadTlsConfig(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
+  if (!tls.ok()) return Fail(2, std::string(tls.status().message()));
+  const bool insecure = absl::GetFlag(FLAGS_insecure) && !tls->enabled;
+  if (absl::Status s = CheckPlaintextAddress(absl::GetFlag(FLAGS_listen), "listen", tls->enabled, insecure);
+      !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  std::string join_token;
+  if (!absl::GetFlag(FLAGS_join_token_file).empty()) {
+    std::string warning;
+    absl::StatusOr<std::string> token = ReadJoinTokenFile(absl::GetFlag(FLAGS_join_token_file), &warning);
+    if (!token.ok()) return Fail(2, std::string(token.status().message()));
+    if (!warning.empty()) BATON_LOG(WARNING) << warning;
+    join_token = *std::move(token);
+  }
+  if (insecure && !IsLoopbackHost(host)) {
+    BATON_LOG(WARNING) << "*** INSECURE: serving plaintext gRPC on " << absl::GetFlag(FLAGS_listen)
+                       << " (--insecure): anyone who can reach it can join the job, read the rendezvous "
+                          "addresses and stop workers. Use --tls_cert/--tls_key/--tls_ca (docs/security.md) ***";
   }
   std::optional<v1::JobSpec> job;
   if (!absl::GetFlag(FLAGS_job).empty()) {
@@ -93,18 +135,47 @@ int Main() {
   options.heartbeat = heartbeat;
   options.job_name = job ? job->name() : "";
   options.job = runner.get();
+  options.tls = tls->enabled;
+  options.join_token = join_token;
+  options.metrics = metrics.get();
   CoordinatorService service(&registry, &kv, options);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &grpc_port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), MakeServerCredentials(*tls), &grpc_port);
+  // Workers ping the coordinator (keepalive) to notice when it stops
+  // answering; allow their pings.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // Bounded: each open RPC of the synchronous server holds a thread (Session
+  // streams, pending waits); beyond this, new RPCs are RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("baton-coordinator");
+  quota.SetMaxThreads(2048);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
     return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen),
                                 ": address in use or not available; pick another --listen"));
+  }
+
+  // Health only, in plaintext, for probes: the same statuses as `server`.
+  std::unique_ptr<grpc::Server> health_server;
+  if (!absl::GetFlag(FLAGS_health_listen).empty()) {
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(absl::GetFlag(FLAGS_health_listen), grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      return Fail(1, absl::StrCat("cannot serve gRPC health on ", absl::GetFlag(FLAGS_health_listen),
+                                  "; pick another --health_listen"));
+    }
+    BATON_LOG(INFO) << "gRPC health (plaintext, for probes) on port " << health_port;
   }
 
   prometheus::BuildGauge()
@@ -113,6 +184,25 @@ int Main() {
       .Register(*metrics)
       .Add({{"version", kVersion}, {"component", "coordinator"}})
       .Set(1);
+  prometheus::BuildGauge()
+      .Name("baton_insecure")
+      .Help("1 when gRPC is served in plaintext beyond loopback (--insecure), else 0")
+      .Register(*metrics)
+      .Add({})
+      .Set(insecure && !IsLoopbackHost(host) ? 1 : 0);
+  prometheus::Gauge& tls_gauge = prometheus::BuildGauge()
+                                     .Name("baton_tls")
+                                     .Help("1 when gRPC is served with mutual TLS, else 0")
+                                     .Register(*metrics)
+                                     .Add({});
+  tls_gauge.Set(tls->enabled ? 1 : 0);
+  prometheus::Counter& lease_extensions =
+      prometheus::BuildCounter()
+          .Name("baton_lease_extensions_total")
+          .Help("Times the coordinator found itself paused longer than the lease and extended every lease "
+                "instead of marking the workers lost")
+          .Register(*metrics)
+          .Add({});
   auto& workers_family =
       prometheus::BuildGauge().Name("baton_workers").Help("Registered workers by state").Register(*metrics);
   std::map<v1::WorkerState, prometheus::Gauge*> by_state;
@@ -138,14 +228,34 @@ int Main() {
                   << (*ops)->port() << "; lease " << lease << ", heartbeat " << heartbeat;
 
   if (runner) runner->Start();
+  // systemd (Type=notify): serving; the sweeper below feeds the watchdog.
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving gRPC on port ", grpc_port, ", HTTP on port ",
+                                             (*ops)->port()));
+      !s.ok()) {
+    BATON_LOG(WARNING) << s.message();
+  }
+  const absl::Duration watchdog = WatchdogPeriod();
   absl::Notification stop_sweeper;
   std::thread sweeper([&]() {
     const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
+    absl::Time last_fed = absl::InfinitePast();
     while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
-      for (auto& expired : registry.ExpireLeases()) {
+      absl::Duration stalled = absl::ZeroDuration();
+      std::vector<WorkerRegistry::Expired> lost = registry.ExpireLeases(&stalled);
+      if (stalled > absl::ZeroDuration()) {
+        lease_extensions.Increment();
+        BATON_LOG(WARNING) << "the coordinator was paused for " << stalled << " (longer than the lease " << lease
+                           << "); extended every lease instead of marking workers lost";
+      }
+      for (auto& expired : lost) {
         BATON_LOG(WARNING) << "worker '" << expired.name << "' lost: no heartbeat within the lease";
         if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
-        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease");
+        if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease", /*hung=*/true);
+      }
+      // Fed only while leases are being swept: a wedged registry stops it.
+      if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {
+        (void)SdNotify("WATCHDOG=1");
+        last_fed = absl::Now();
       }
     }
   });
@@ -153,12 +263,15 @@ int Main() {
   const int sig = WaitForShutdownSignal();
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
   serving = false;
+  (void)SdNotify("STOPPING=1");
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
   if (runner) runner->Stop();
   for (auto& session : registry.Sessions()) {
     session->Close(absl::UnavailableError("coordinator shutting down"));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   stop_sweeper.Notify();
   sweeper.join();
   BATON_LOG(INFO) << "stopped";

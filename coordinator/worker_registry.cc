@@ -3,20 +3,15 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/match.h"
 
 namespace baton {
 namespace {
 
 absl::Status ValidateRequest(const v1::RegisterRequest& r) {
-  if (r.name().empty() || r.name().size() > 128) {
-    return absl::InvalidArgumentError("Register: name must be 1..128 characters");
-  }
-  for (char c : r.name()) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Register: name '", r.name(), "' may only hold letters, digits, '-', '_' and '.'"));
-    }
+  if (absl::Status s = ValidateWorkerName(r.name()); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("Register: ", s.message()));
   }
   if (!IsValidDevice(r.device())) {
     return absl::InvalidArgumentError(
@@ -26,10 +21,26 @@ absl::Status ValidateRequest(const v1::RegisterRequest& r) {
     return absl::InvalidArgumentError(absl::StrCat("Register: http_port ", r.http_port(), " is not a port"));
   }
   if (r.memory_bytes() < 0) return absl::InvalidArgumentError("Register: memory_bytes must be >= 0");
+  if (r.held().job().size() > 256 || r.held().steps_size() > 16 || r.held().pp_rank() < 0 || r.held().tp_rank() < 0 ||
+      r.held().dp_rank() < 0 || r.held().generation() < 0) {
+    return absl::InvalidArgumentError(
+        "Register: held must name a job of at most 256 characters, ranks and generation >= 0, at most 16 steps");
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+absl::Status ValidateWorkerName(const std::string& name) {
+  if (name.empty() || name.size() > 128) return absl::InvalidArgumentError("name must be 1..128 characters");
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("name '", name, "' may only hold letters, digits, '-', '_' and '.'"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 bool IsValidDevice(const std::string& device) {
   if (device == "cpu") return true;
@@ -38,21 +49,42 @@ bool IsValidDevice(const std::string& device) {
          device.size() > 5 && absl::ascii_isdigit(device[5]);
 }
 
-WorkerRegistry::WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id)
-    : clock_(clock), lease_(lease), next_id_(first_id) {}
+WorkerRegistry::WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id, Limits limits)
+    : clock_(clock), lease_(lease), limits_(limits), next_id_(first_id), last_sweep_(clock->Now()) {}
 
 absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::RegisterRequest& request,
                                                                       absl::Duration heartbeat) {
   if (absl::Status s = ValidateRequest(request); !s.ok()) return s;
+  const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   Registration result;
+  auto it = by_name_.find(request.name());
+  if (it == by_name_.end() && static_cast<int>(by_name_.size()) >= limits_.max_workers) {
+    return absl::ResourceExhaustedError(absl::StrCat("Register: this coordinator already holds ", by_name_.size(),
+                                                     " worker names (the limit); '", request.name(),
+                                                     "' is refused until lost workers are forgotten"));
+  }
   Worker& w = by_name_[request.name()];
   if (w.info.worker_id() != 0) {
+    const v1::WorkerState state = w.info.state();
+    const bool live = (state == v1::JOINING || state == v1::READY || state == v1::DRAINING) &&
+                      now - w.last_heartbeat <= lease_;
+    if (live) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "Register: worker name '", request.name(), "' is held by a live worker on host '", w.info.host(),
+          "' pid ", w.pid, " (", absl::AsciiStrToLower(v1::WorkerState_Name(state)), ", last heartbeat ",
+          absl::FormatDuration(absl::Trunc(now - w.last_heartbeat, absl::Milliseconds(1))),
+          " ago); stop that worker or give this one another --name. It is taken over once the holder's "
+          "session ends or its lease (",
+          absl::FormatDuration(lease_), ") expires"));
+    }
+    result.replaced_previous = true;
     result.replaced = std::move(w.session);
     name_of_id_.erase(w.info.worker_id());
   }
   const int64_t id = next_id_++;
   w = Worker();
+  w.pid = request.pid();
   w.info.set_worker_id(id);
   w.info.set_incarnation(id);
   w.info.set_name(request.name());
@@ -60,8 +92,9 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   w.info.set_device(request.device());
   w.info.set_memory_bytes(request.memory_bytes());
   w.info.set_http_port(request.http_port());
+  if (request.has_held()) *w.info.mutable_held() = request.held();  // job adoption (owner: recovery)
   w.info.set_state(v1::JOINING);
-  w.last_heartbeat = clock_->Now();
+  w.last_heartbeat = now;
   name_of_id_[id] = request.name();
   result.response.set_worker_id(id);
   result.response.set_incarnation(id);
@@ -128,6 +161,7 @@ std::string WorkerRegistry::SessionEnded(int64_t worker_id, int64_t incarnation,
   Worker& w = by_name_[it->second];
   if (w.info.incarnation() != incarnation || w.session.get() != session) return "";
   w.session.reset();
+  w.ended = clock_->Now();
   if (w.info.state() == v1::DRAINING) {
     w.info.set_state(v1::LEFT);
   } else if (w.info.state() != v1::LEFT) {
@@ -148,16 +182,32 @@ std::shared_ptr<SessionHandle> WorkerRegistry::SessionOf(const std::string& name
   return it == by_name_.end() ? nullptr : it->second.session;
 }
 
-std::vector<WorkerRegistry::Expired> WorkerRegistry::ExpireLeases() {
+std::vector<WorkerRegistry::Expired> WorkerRegistry::ExpireLeases(absl::Duration* stalled) {
   std::vector<Expired> expired;
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
-  for (auto& [name, w] : by_name_) {
+  const absl::Duration gap = now - last_sweep_;
+  last_sweep_ = now;
+  if (gap > lease_) {
+    // We were not running: the silence is ours, not the workers'.
+    for (auto& [name, w] : by_name_) w.last_heartbeat = std::max(w.last_heartbeat, now);
+    if (stalled != nullptr) *stalled = gap;
+    return expired;
+  }
+  for (auto it = by_name_.begin(); it != by_name_.end();) {
+    Worker& w = it->second;
     const v1::WorkerState s = w.info.state();
+    if ((s == v1::LOST || s == v1::LEFT) && now - w.ended > limits_.forget_after) {
+      name_of_id_.erase(w.info.worker_id());
+      by_name_.erase(it++);
+      continue;
+    }
+    ++it;
     if (s != v1::JOINING && s != v1::READY && s != v1::DRAINING) continue;
     if (now - w.last_heartbeat <= lease_) continue;
     w.info.set_state(v1::LOST);
-    expired.push_back({name, std::move(w.session)});
+    w.ended = now;
+    expired.push_back({w.info.name(), std::move(w.session)});
   }
   return expired;
 }

@@ -4,8 +4,18 @@
 // stream is open and heartbeats arrive within the lease, LOST when the stream
 // breaks or the lease expires, DRAINING after a goodbye, LEFT when a drained
 // session closes. A LOST incarnation never comes back: the worker registers
-// again (same name, new incarnation) and becomes READY. Registering a name
-// that is held replaces the old incarnation, whose session is closed.
+// again (same name, new incarnation) and becomes READY.
+//
+// A name held by a live incarnation (JOINING, READY or DRAINING within its
+// lease) is not taken over: Register is ALREADY_EXISTS naming the holder's
+// host and pid. Once the holder's stream broke or its lease ran out, a new
+// registration replaces it (so restarted workers come back by themselves).
+// LOST and LEFT entries are forgotten `forget_after` after they ended, and
+// at most `max_workers` names are held.
+//
+// Pause tolerance: if ExpireLeases runs after a gap longer than the lease
+// (the coordinator itself was stopped: SIGSTOP, a VM migration, a long
+// stall), every lease is extended instead of every worker being evicted.
 //
 // Thread-safe. Time comes from the injected Clock; sessions are closed by the
 // caller (outside the lock) from the handles this class returns.
@@ -39,18 +49,29 @@ class SessionHandle {
   virtual bool Send(const v1::CoordinatorMessage& message) = 0;
 };
 
+struct RegistryLimits {
+  int max_workers = 4096;                           // names held at once, live or not
+  absl::Duration forget_after = absl::Minutes(10);  // LOST/LEFT entries are dropped after this
+};
+
 class WorkerRegistry {
  public:
   // Ids and incarnations start at `first_id` (pass something time-based so a
   // restarted coordinator never reuses the ids of its previous life).
-  WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id = 1);
+  using Limits = RegistryLimits;
+  WorkerRegistry(Clock* clock, absl::Duration lease, int64_t first_id = 1, Limits limits = Limits());
 
   struct Registration {
     v1::RegisterResponse response;
-    std::shared_ptr<SessionHandle> replaced;  // old incarnation's session, to close
+    // The name's previous incarnation (its stream broke or its lease ran
+    // out) was replaced; `replaced` is its session to close, if any.
+    bool replaced_previous = false;
+    std::shared_ptr<SessionHandle> replaced;
   };
 
-  // INVALID_ARGUMENT for a malformed request (the field is named).
+  // INVALID_ARGUMENT for a malformed request (the field is named),
+  // ALREADY_EXISTS when a live incarnation holds the name (the message names
+  // its host and pid), RESOURCE_EXHAUSTED when `max_workers` names are held.
   absl::StatusOr<Registration> Register(const v1::RegisterRequest& request, absl::Duration heartbeat);
 
   // Binds a session to (worker_id, incarnation): JOINING -> READY.
@@ -73,8 +94,11 @@ class WorkerRegistry {
     std::string name;
     std::shared_ptr<SessionHandle> session;  // to close; may be null
   };
-  // Marks workers whose lease ran out LOST and returns them.
-  std::vector<Expired> ExpireLeases();
+  // Marks workers whose lease ran out LOST and returns them; forgets LOST
+  // and LEFT entries older than `forget_after`. When the previous call was
+  // longer than the lease ago (this process was paused), extends every lease
+  // instead, returns nothing and sets *stalled to the gap.
+  std::vector<Expired> ExpireLeases(absl::Duration* stalled = nullptr);
 
   // Name of a worker id ("" if unknown).
   std::string NameOf(int64_t worker_id) const;
@@ -92,7 +116,9 @@ class WorkerRegistry {
  private:
   struct Worker {
     v1::WorkerInfo info;  // state, ids, host, device, step; age computed on List()
+    int64_t pid = 0;
     absl::Time last_heartbeat;
+    absl::Time ended;  // when it became LOST or LEFT
     std::shared_ptr<SessionHandle> session;
   };
 
@@ -100,14 +126,19 @@ class WorkerRegistry {
 
   Clock* const clock_;
   const absl::Duration lease_;
+  const Limits limits_;
   mutable absl::Mutex mu_;
   int64_t next_id_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Worker> by_name_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int64_t, std::string> name_of_id_ ABSL_GUARDED_BY(mu_);
 };
 
 // "cpu" or "cuda:N".
 bool IsValidDevice(const std::string& device);
+
+// 1..128 of [A-Za-z0-9._-]; INVALID_ARGUMENT saying so otherwise.
+absl::Status ValidateWorkerName(const std::string& name);
 
 }  // namespace baton
 

@@ -85,9 +85,52 @@ TEST_F(WorkerRegistryTest, BrokenStreamIsLostAndSameNameComesBackReady) {
   EXPECT_EQ(registry_.List().size(), 1u);
 }
 
-TEST_F(WorkerRegistryTest, ReRegisteringReplacesTheOldIncarnation) {
+TEST_F(WorkerRegistryTest, ANameHeldByALiveWorkerIsNotTakenOver) {
+  auto s1 = std::make_shared<FakeSession>();
+  v1::RegisterRequest first = Request("w1");
+  first.set_pid(4242);
+  auto reg1 = registry_.Register(first, absl::Milliseconds(500));
+  ASSERT_TRUE(reg1.ok());
+  EXPECT_FALSE(reg1->replaced_previous);
+  ASSERT_TRUE(registry_.OpenSession(reg1->response.worker_id(), reg1->response.incarnation(), s1).ok());
+  v1::RegisterRequest dup = Request("w1");
+  dup.set_host("h2");
+  dup.set_pid(7);
+  for (int i = 0; i < 5; ++i) {  // heartbeating: refused every time
+    auto reg = registry_.Register(dup, absl::Milliseconds(500));
+    ASSERT_EQ(reg.status().code(), absl::StatusCode::kAlreadyExists) << reg.status();
+    EXPECT_NE(reg.status().message().find("host 'h1' pid 4242"), std::string::npos) << reg.status();
+    EXPECT_NE(reg.status().message().find("--name"), std::string::npos) << reg.status();
+    clock_.Advance(absl::Seconds(2));
+    ASSERT_TRUE(registry_.Heartbeat(reg1->response.worker_id(), reg1->response.incarnation(), {}).ok());
+    EXPECT_TRUE(registry_.ExpireLeases().empty());
+  }
+  EXPECT_EQ(StateOf("w1"), v1::READY);
+  EXPECT_EQ(s1->closed_with, absl::OkStatus());
+  // The holder goes silent: once its lease is over, the replacement gets in.
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(registry_.Register(dup, absl::Milliseconds(500)).status().code(), absl::StatusCode::kAlreadyExists);
+  clock_.Advance(absl::Milliseconds(1001));
+  auto reg = registry_.Register(dup, absl::Milliseconds(500));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_TRUE(reg->replaced_previous);
+  EXPECT_EQ(reg->replaced.get(), s1.get());  // the caller closes it
+}
+
+TEST_F(WorkerRegistryTest, AReplacementAfterTheStreamBrokeIsAccepted) {
   auto s1 = std::make_shared<FakeSession>();
   v1::RegisterResponse r1 = Join("w1", s1);
+  registry_.SessionEnded(r1.worker_id(), r1.incarnation(), s1.get());
+  auto reg = registry_.Register(Request("w1"), absl::Milliseconds(500));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_TRUE(reg->replaced_previous);
+  EXPECT_EQ(StateOf("w1"), v1::JOINING);
+}
+
+TEST_F(WorkerRegistryTest, AnExpiredButUnsweptHolderIsReplaced) {
+  auto s1 = std::make_shared<FakeSession>();
+  v1::RegisterResponse r1 = Join("w1", s1);
+  clock_.Advance(absl::Milliseconds(3001));  // lease over, sweeper not run yet
   auto reg = registry_.Register(Request("w1"), absl::Milliseconds(500));
   ASSERT_TRUE(reg.ok());
   EXPECT_EQ(reg->replaced.get(), s1.get());  // the caller closes it
@@ -115,7 +158,9 @@ TEST_F(WorkerRegistryTest, GoodbyeDrainsThenLeaves) {
 
 TEST_F(WorkerRegistryTest, JoiningWithoutSessionExpires) {
   ASSERT_TRUE(registry_.Register(Request("w1"), absl::Milliseconds(500)).ok());
-  clock_.Advance(absl::Seconds(4));
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_TRUE(registry_.ExpireLeases().empty());
+  clock_.Advance(absl::Seconds(2));
   auto expired = registry_.ExpireLeases();
   ASSERT_EQ(expired.size(), 1u);
   EXPECT_EQ(expired[0].session, nullptr);  // no session to close
@@ -155,6 +200,54 @@ TEST_F(WorkerRegistryTest, CountByStateCountsEachWorkerOnce) {
   EXPECT_EQ(counts[v1::READY], 1);
   EXPECT_EQ(counts[v1::LOST], 1);
   EXPECT_EQ(counts[v1::JOINING], 1);
+}
+
+TEST_F(WorkerRegistryTest, ACoordinatorPauseLongerThanTheLeaseExtendsLeasesInsteadOfEvicting) {
+  auto a = std::make_shared<FakeSession>(), b = std::make_shared<FakeSession>();
+  v1::RegisterResponse ra = Join("a", a);
+  Join("b", b);
+  clock_.Advance(absl::Milliseconds(100));
+  EXPECT_TRUE(registry_.ExpireLeases().empty());
+  // The sweeper (the whole coordinator) was stopped for 10 s.
+  clock_.Advance(absl::Seconds(10));
+  absl::Duration stalled;
+  EXPECT_TRUE(registry_.ExpireLeases(&stalled).empty());
+  EXPECT_EQ(stalled, absl::Seconds(10));
+  EXPECT_EQ(StateOf("a"), v1::READY);
+  EXPECT_EQ(StateOf("b"), v1::READY);
+  // Leases run from the resume: a worker that still says nothing is lost one
+  // lease later; one that heartbeats stays.
+  for (int i = 0; i < 31; ++i) {
+    clock_.Advance(absl::Milliseconds(100));
+    ASSERT_TRUE(registry_.Heartbeat(ra.worker_id(), ra.incarnation(), {}).ok());
+    auto expired = registry_.ExpireLeases();
+    if (i < 29) {
+      EXPECT_TRUE(expired.empty()) << i;
+    }
+    if (!expired.empty()) {
+      ASSERT_EQ(expired.size(), 1u);
+      EXPECT_EQ(expired[0].name, "b");
+    }
+  }
+  EXPECT_EQ(StateOf("a"), v1::READY);
+  EXPECT_EQ(StateOf("b"), v1::LOST);
+}
+
+TEST_F(WorkerRegistryTest, RegistrationsAreCappedAndLostEntriesForgotten) {
+  RegistryLimits limits;
+  limits.max_workers = 3;
+  limits.forget_after = absl::Seconds(60);
+  WorkerRegistry registry(&clock_, absl::Seconds(3), 1, limits);
+  for (const char* n : {"a", "b", "c"}) ASSERT_TRUE(registry.Register(Request(n), absl::Milliseconds(500)).ok());
+  auto full = registry.Register(Request("d"), absl::Milliseconds(500));
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+  // They never open a session: lost after the lease, forgotten a minute later.
+  for (int i = 0; i < 70; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    registry.ExpireLeases();
+  }
+  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.Register(Request("d"), absl::Milliseconds(500)).ok());
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
 #include "kernels/arena.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <cstring>
 
 #include "absl/base/internal/raw_logging.h"
+#include "kernels/backend.h"
 
 namespace baton::kernels {
 namespace {
@@ -16,13 +19,28 @@ size_t RoundUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment
 
 }  // namespace
 
+Arena::~Arena() {
+  if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));
+}
+
 void Arena::AddBlock(size_t min_bytes) {
   const size_t size = RoundUp(std::max(min_bytes, kMinBlockBytes));
-  void* p = std::aligned_alloc(kAlignment, size);
-  ABSL_RAW_CHECK(p != nullptr, "Arena: out of host memory");
-  ++system_allocations_;
   Block block;
-  block.data = std::unique_ptr<char, void (*)(void*)>(static_cast<char*>(p), std::free);
+  if (device_.is_cpu()) {
+    void* p = std::aligned_alloc(kAlignment, size);
+    ABSL_RAW_CHECK(p != nullptr, "Arena: out of host memory");
+    block.data = std::shared_ptr<char>(static_cast<char*>(p), std::free);
+  } else {
+    absl::StatusOr<void*> p = AllocateDevice(device_, size);
+    if (!p.ok()) {
+      std::fprintf(stderr, "baton::kernels::Arena: %s\n", std::string(p.status().message()).c_str());
+      std::abort();
+    }
+    const Device device = device_;
+    block.data = std::shared_ptr<char>(static_cast<char*>(*p),
+                                       [device, size](char* q) { FreeDevice(device, q, size); });
+  }
+  ++system_allocations_;
   block.size = size;
   blocks_.push_back(std::move(block));
 }
@@ -36,10 +54,12 @@ Tensor Arena::Allocate(Shape shape, DType dtype) {
   char* p = block.data.get() + block.offset;
   block.offset += bytes;
   used_ += bytes;
-  return Tensor::View(p, std::move(shape), dtype);
+  if (!device_.is_cpu()) CountInUse(device_, static_cast<int64_t>(bytes));
+  return Tensor::View(p, std::move(shape), dtype, device_);
 }
 
 Tensor Arena::AllocateZeroed(Shape shape, DType dtype) {
+  ABSL_RAW_CHECK(device_.is_cpu(), "Arena::AllocateZeroed on a device arena");
   Tensor t = Allocate(std::move(shape), dtype);
   std::memset(t.raw(), 0, t.bytes());
   return t;
@@ -52,6 +72,7 @@ void Arena::Reset() {
     AddBlock(total);
   }
   for (Block& block : blocks_) block.offset = 0;
+  if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));
   used_ = 0;
 }
 

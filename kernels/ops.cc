@@ -2,22 +2,15 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <initializer_list>
-
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/cross_entropy.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/gelu.h"
-#include "kernels/cpu/grad_norm.h"
-#include "kernels/cpu/layernorm.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/residual.h"
 
 namespace baton::kernels {
 namespace {
 
-[[noreturn]] void Fail(const char* op, const char* what) {
-  std::fprintf(stderr, "baton::kernels::%s: %s\n", op, what);
+[[noreturn]] void Fail(const char* op, const std::string& what) {
+  std::fprintf(stderr, "baton::kernels::%s: %s\n", op, what.c_str());
   std::abort();
 }
 
@@ -25,212 +18,369 @@ void Require(bool ok, const char* op, const char* what) {
   if (!ok) Fail(op, what);
 }
 
-// Only the CPU backend is linked; every defined tensor must live there.
-void RequireCpu(const char* op, std::initializer_list<const Tensor*> tensors) {
+// Every defined tensor must live on the context's device; returns its backend.
+const Backend& On(const ExecContext& ctx, const char* op,
+                  std::initializer_list<const Tensor*> tensors) {
+  if (ctx.backend == nullptr || ctx.backend->type != ctx.device.type) {
+    Fail(op, "execution context without the backend of its device");
+  }
   for (const Tensor* t : tensors) {
-    if (t->defined() && !t->device().is_cpu()) {
-      Fail(op, "tensor on a CUDA device, but no CUDA kernel backend is linked");
+    if (t->defined() && t->device() != ctx.device) {
+      Fail(op, "tensor on " + DeviceToString(t->device()) + ", but the op runs on " +
+                   DeviceToString(ctx.device));
     }
   }
+  return *ctx.backend;
 }
 
-float* F32OrNull(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
+void RequireScalar(const Tensor& t, DType dtype, const char* op) {
+  Require(t.numel() == 1 && t.dtype() == dtype, op, "accumulator must be a one-element tensor "
+                                                    "of float64 (loss, sums) or int64 (hits)");
+}
+
+}  // namespace
+
+// ---- On an execution context ----
+
+void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  Require(dst.bytes() == src.bytes(), "Copy", "byte counts differ");
+  for (const Tensor* t : {&dst, &src}) {
+    if (!t->device().is_cpu() && t->device() != ctx.device) {
+      Fail("Copy", "tensor on " + DeviceToString(t->device()) + ", but the copy runs on " +
+                       DeviceToString(ctx.device));
+    }
+  }
+  On(ctx, "Copy", {}).copy(ctx, dst, src);
+}
+
+void FillZero(const ExecContext& ctx, const Tensor& dst) {
+  On(ctx, "FillZero", {&dst}).fill_zero(ctx, dst);
+}
+
+void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  Require(dst.numel() == src.numel(), "Cast", "element counts differ");
+  On(ctx, "Cast", {&dst, &src}).cast(ctx, dst, src);
+}
+
+void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+               int64_t vocab_begin, const Tensor& wpe) {
+  const Backend& be = On(ctx, "Embedding", {&out, &tokens, &wte, &wpe});
+  const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1);
+  Require(out.numel() == b * t * c && (!wpe.defined() || (wpe.dim(0) >= t && wpe.dim(1) == c)),
+          "Embedding", "shape mismatch");
+  be.embedding(ctx, out, tokens, wte, vocab_begin, wpe);
+}
+
+void EmbeddingBackward(const ExecContext& ctx, const Tensor& dwte, int64_t vocab_begin,
+                       const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {
+  const Backend& be = On(ctx, "EmbeddingBackward", {&dwte, &dwpe, &dout, &tokens});
+  const int64_t b = tokens.dim(0), t = tokens.dim(1);
+  const int64_t c = dout.numel() / (b * t);
+  Require(dout.numel() == b * t * c, "EmbeddingBackward", "shape mismatch");
+  be.embedding_backward(ctx, dwte, vocab_begin, dwpe, dout, tokens);
+}
+
+void LayerNorm(const ExecContext& ctx, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+               const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const Backend& be = On(ctx, "LayerNorm", {&out, &mean, &rstd, &x, &weight, &bias});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  Require(out.numel() == x.numel() && mean.numel() == n && rstd.numel() == n && bias.numel() == c,
+          "LayerNorm", "shape mismatch");
+  be.layernorm(ctx, out, mean, rstd, x, weight, bias);
+}
+
+void LayerNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias, const Tensor& dout, const Tensor& x,
+                       const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  const Backend& be =
+      On(ctx, "LayerNormBackward", {&dx, &dweight, &dbias, &dout, &x, &weight, &mean, &rstd});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  Require(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == c &&
+              dbias.numel() == c && mean.numel() == n,
+          "LayerNormBackward", "shape mismatch");
+  be.layernorm_backward(ctx, dx, dweight, dbias, dout, x, weight, mean, rstd);
+}
+
+void Linear(const ExecContext& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+            const Tensor& bias) {
+  const Backend& be = On(ctx, "Linear", {&out, &x, &weight, &bias});
+  const int64_t o = weight.dim(0), i = weight.dim(1), n = x.numel() / i;
+  Require(x.numel() == n * i && out.numel() == n * o && (!bias.defined() || bias.numel() == o),
+          "Linear", "shape mismatch");
+  be.linear(ctx, out, x, weight, bias);
+}
+
+void LinearBackwardInput(const ExecContext& ctx, const Tensor& dx, const Tensor& dout,
+                         const Tensor& weight, bool accumulate) {
+  const Backend& be = On(ctx, "LinearBackwardInput", {&dx, &dout, &weight});
+  const int64_t o = weight.dim(0), i = weight.dim(1), n = dout.numel() / o;
+  Require(dout.numel() == n * o && dx.numel() == n * i, "LinearBackwardInput", "shape mismatch");
+  be.linear_backward_input(ctx, dx, dout, weight, accumulate);
+}
+
+void LinearBackwardWeight(const ExecContext& ctx, const Tensor& dweight, const Tensor& dout,
+                          const Tensor& x) {
+  const Backend& be = On(ctx, "LinearBackwardWeight", {&dweight, &dout, &x});
+  const int64_t o = dweight.dim(0), i = dweight.dim(1), n = x.numel() / i;
+  Require(x.numel() == n * i && dout.numel() == n * o, "LinearBackwardWeight", "shape mismatch");
+  be.linear_backward_weight(ctx, dweight, dout, x);
+}
+
+void AddBias(const ExecContext& ctx, const Tensor& out, const Tensor& bias) {
+  const Backend& be = On(ctx, "AddBias", {&out, &bias});
+  const int64_t o = bias.numel(), n = out.numel() / o;
+  Require(out.numel() == n * o, "AddBias", "shape mismatch");
+  be.add_bias(ctx, out, bias);
+}
+
+void BiasBackward(const ExecContext& ctx, const Tensor& dbias, const Tensor& dout) {
+  const Backend& be = On(ctx, "BiasBackward", {&dbias, &dout});
+  const int64_t o = dbias.numel(), n = dout.numel() / o;
+  Require(dout.numel() == n * o, "BiasBackward", "shape mismatch");
+  be.bias_backward(ctx, dbias, dout);
+}
+
+void Gelu(const ExecContext& ctx, const Tensor& out, const Tensor& x) {
+  const Backend& be = On(ctx, "Gelu", {&out, &x});
+  Require(out.numel() == x.numel(), "Gelu", "shape mismatch");
+  be.gelu(ctx, out, x);
+}
+
+void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, const Tensor& dout) {
+  const Backend& be = On(ctx, "GeluBackward", {&dx, &x, &dout});
+  Require(dx.numel() == x.numel() && dout.numel() == x.numel(), "GeluBackward", "shape mismatch");
+  be.gelu_backward(ctx, dx, x, dout);
+}
+
+void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
+               int heads) {
+  const Backend& be = On(ctx, "Attention", {&out, &att, &qkv});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  Require(qkv.ndim() == 3 && c % heads == 0 && out.numel() == b * t * c &&
+              att.numel() == b * heads * t * t,
+          "Attention", "shape mismatch");
+  be.attention(ctx, out, att, qkv, heads);
+}
+
+void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& scratch,
+                       const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads) {
+  const Backend& be = On(ctx, "AttentionBackward", {&dqkv, &scratch, &dout, &qkv, &att});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  Require(qkv.ndim() == 3 && dqkv.numel() == qkv.numel() && dout.numel() == b * t * c &&
+              att.numel() == b * heads * t * t && scratch.numel() >= t * t,
+          "AttentionBackward", "shape mismatch");
+  be.attention_backward(ctx, dqkv, scratch, dout, qkv, att, heads);
+}
+
+void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const Backend& be = On(ctx, "Residual", {&out, &a, &b});
+  Require(out.numel() == a.numel() && b.numel() == a.numel(), "Residual", "shape mismatch");
+  be.residual(ctx, out, a, b);
+}
+
+void ResidualBackward(const ExecContext& ctx, const Tensor& da, const Tensor& db,
+                      const Tensor& dout) {
+  const Backend& be = On(ctx, "ResidualBackward", {&da, &db, &dout});
+  Require((!da.defined() || da.numel() == dout.numel()) &&
+              (!db.defined() || db.numel() == dout.numel()),
+          "ResidualBackward", "shape mismatch");
+  be.residual_backward(ctx, da, db, dout);
+}
+
+void SoftmaxCrossEntropy(const ExecContext& ctx, const Tensor& logits_to_grad,
+                         const Tensor& targets, float grad_scale, const Tensor& loss_sum) {
+  const Backend& be = On(ctx, "SoftmaxCrossEntropy", {&logits_to_grad, &targets, &loss_sum});
+  const int64_t n = targets.numel(), v = logits_to_grad.numel() / n;
+  Require(logits_to_grad.numel() == n * v, "SoftmaxCrossEntropy", "shape mismatch");
+  RequireScalar(loss_sum, DType::kFloat64, "SoftmaxCrossEntropy");
+  be.softmax_cross_entropy(ctx, logits_to_grad, targets, grad_scale, loss_sum);
+}
+
+void ShardedCrossEntropyStats(const ExecContext& ctx, const Tensor& logits_to_exp,
+                              const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                              const Tensor& lse, const Tensor& target_logit) {
+  const Backend& be = On(ctx, "ShardedCrossEntropyStats",
+                         {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
+  const int64_t n = targets.numel(), v = logits_to_exp.numel() / n;
+  Require(logits_to_exp.numel() == n * v && row_max.numel() == n && lse.numel() == n &&
+              target_logit.numel() == n,
+          "ShardedCrossEntropyStats", "shape mismatch");
+  be.sharded_cross_entropy_stats(ctx, logits_to_exp, targets, vocab_begin, row_max, lse,
+                                 target_logit);
+}
+
+void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad,
+                               const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                               const Tensor& lse_all, const Tensor& target_logit, float grad_scale,
+                               const Tensor& loss_sum) {
+  const Backend& be =
+      On(ctx, "ShardedCrossEntropyFinish",
+         {&exp_to_grad, &targets, &row_max, &lse_all, &target_logit, &loss_sum});
+  const int64_t n = targets.numel(), v = exp_to_grad.numel() / n, shards = lse_all.numel() / n;
+  Require(exp_to_grad.numel() == n * v && row_max.numel() == n && lse_all.numel() == n * shards &&
+              target_logit.numel() == n,
+          "ShardedCrossEntropyFinish", "shape mismatch");
+  RequireScalar(loss_sum, DType::kFloat64, "ShardedCrossEntropyFinish");
+  be.sharded_cross_entropy_finish(ctx, exp_to_grad, targets, vocab_begin, row_max, lse_all,
+                                  target_logit, grad_scale, loss_sum);
+}
+
+void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_begin,
+                 const Tensor& max, const Tensor& index) {
+  const Backend& be = On(ctx, "ShardArgmax", {&logits, &max, &index});
+  const int64_t n = max.numel(), v = logits.numel() / n;
+  Require(logits.numel() == n * v && index.numel() == n, "ShardArgmax", "shape mismatch");
+  Require(vocab_begin + v <= kMaxArgmaxVocab, "ShardArgmax",
+          "vocabulary indices past 2^24 do not fit a float exactly");
+  be.shard_argmax(ctx, logits, vocab_begin, max, index);
+}
+
+void CountArgmaxHits(const ExecContext& ctx, const Tensor& max_all, const Tensor& index_all,
+                     const Tensor& targets, const Tensor& hits) {
+  const Backend& be = On(ctx, "CountArgmaxHits", {&max_all, &index_all, &targets, &hits});
+  const int64_t n = targets.numel(), shards = max_all.numel() / n;
+  Require(max_all.numel() == n * shards && index_all.numel() == n * shards, "CountArgmaxHits",
+          "shape mismatch");
+  RequireScalar(hits, DType::kInt64, "CountArgmaxHits");
+  be.count_argmax_hits(ctx, max_all, index_all, targets, hits);
+}
+
+void AdamW(const ExecContext& ctx, const Tensor& param, const Tensor& grad, const Tensor& m,
+           const Tensor& v, const AdamWConfig& config, int64_t step, float grad_scale,
+           const Tensor& param_bf16) {
+  const Backend& be = On(ctx, "AdamW", {&param, &grad, &m, &v, &param_bf16});
+  Require(grad.numel() == param.numel() && m.numel() == param.numel() &&
+              v.numel() == param.numel() && step >= 1,
+          "AdamW", "shape mismatch or step < 1");
+  Require(!param_bf16.defined() ||
+              (param_bf16.numel() == param.numel() && param_bf16.dtype() == DType::kBFloat16),
+          "AdamW", "the bf16 copy must be bf16 of the parameter's size");
+  be.adamw(ctx, param, grad, m, v, config, step, grad_scale, param_bf16);
+}
+
+void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& sum) {
+  const Backend& be = On(ctx, "SumOfSquares", {&x, &sum});
+  RequireScalar(sum, DType::kFloat64, "SumOfSquares");
+  be.sum_of_squares(ctx, x, sum);
+}
+
+void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
+  On(ctx, "Scale", {&x}).scale(ctx, x, factor);
+}
+
+// ---- On the CPU ----
+
+namespace {
+
+const ExecContext& H() { return ExecContext::Host(); }
+
+// A host float64 / int64 accumulator starting at zero.
+struct HostScalar {
+  explicit HostScalar(DType dtype) : t(Tensor::View(storage, {1}, dtype)) {}
+  alignas(8) unsigned char storage[8] = {};  // 0.0 as a double, 0 as an int64
+  Tensor t;
+  double f64() const {
+    double v;
+    std::memcpy(&v, storage, sizeof(v));
+    return v;
+  }
+  int64_t i64() const {
+    int64_t v;
+    std::memcpy(&v, storage, sizeof(v));
+    return v;
+  }
+};
 
 }  // namespace
 
 void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t vocab_begin,
                const Tensor& wpe) {
-  RequireCpu("Embedding", {&out, &tokens, &wte, &wpe});
-  const int64_t b = tokens.dim(0), t = tokens.dim(1), c = wte.dim(1);
-  Require(out.numel() == b * t * c && (!wpe.defined() || (wpe.dim(0) >= t && wpe.dim(1) == c)),
-          "Embedding", "shape mismatch");
-  cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), vocab_begin, wte.dim(0), F32OrNull(wpe),
-                        b, t, c);
+  Embedding(H(), out, tokens, wte, vocab_begin, wpe);
 }
-
 void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
                        const Tensor& dout, const Tensor& tokens) {
-  RequireCpu("EmbeddingBackward", {&dwte, &dwpe, &dout, &tokens});
-  const int64_t b = tokens.dim(0), t = tokens.dim(1);
-  const int64_t c = dout.numel() / (b * t);
-  Require(dout.numel() == b * t * c, "EmbeddingBackward", "shape mismatch");
-  cpu::EmbeddingBackward(F32OrNull(dwte), vocab_begin, dwte.defined() ? dwte.dim(0) : 0,
-                         F32OrNull(dwpe), dout.f32(), tokens.i32(), b, t, c);
+  EmbeddingBackward(H(), dwte, vocab_begin, dwpe, dout, tokens);
 }
-
 void LayerNorm(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                const Tensor& weight, const Tensor& bias) {
-  RequireCpu("LayerNorm", {&out, &mean, &rstd, &x, &weight, &bias});
-  const int64_t c = weight.numel(), n = x.numel() / c;
-  Require(out.numel() == x.numel() && mean.numel() == n && rstd.numel() == n && bias.numel() == c,
-          "LayerNorm", "shape mismatch");
-  cpu::LayerNormForward(out.f32(), mean.f32(), rstd.f32(), x.f32(), weight.f32(), bias.f32(), n, c);
+  LayerNorm(H(), out, mean, rstd, x, weight, bias);
 }
-
 void LayerNormBackward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
                        const Tensor& dout, const Tensor& x, const Tensor& weight,
                        const Tensor& mean, const Tensor& rstd) {
-  RequireCpu("LayerNormBackward", {&dx, &dweight, &dbias, &dout, &x, &weight, &mean, &rstd});
-  const int64_t c = weight.numel(), n = x.numel() / c;
-  Require(dx.numel() == x.numel() && dout.numel() == x.numel() && dweight.numel() == c &&
-              dbias.numel() == c && mean.numel() == n,
-          "LayerNormBackward", "shape mismatch");
-  cpu::LayerNormBackward(dx.f32(), dweight.f32(), dbias.f32(), dout.f32(), x.f32(), weight.f32(),
-                         mean.f32(), rstd.f32(), n, c);
+  LayerNormBackward(H(), dx, dweight, dbias, dout, x, weight, mean, rstd);
 }
-
 void Linear(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  RequireCpu("Linear", {&out, &x, &weight, &bias});
-  const int64_t o = weight.dim(0), i = weight.dim(1), n = x.numel() / i;
-  Require(x.numel() == n * i && out.numel() == n * o && (!bias.defined() || bias.numel() == o),
-          "Linear", "shape mismatch");
-  cpu::MatmulForward(out.f32(), x.f32(), weight.f32(), F32OrNull(bias), n, i, o);
+  Linear(H(), out, x, weight, bias);
 }
-
 void LinearBackwardInput(const Tensor& dx, const Tensor& dout, const Tensor& weight,
                          bool accumulate) {
-  RequireCpu("LinearBackwardInput", {&dx, &dout, &weight});
-  const int64_t o = weight.dim(0), i = weight.dim(1), n = dout.numel() / o;
-  Require(dout.numel() == n * o && dx.numel() == n * i, "LinearBackwardInput", "shape mismatch");
-  cpu::MatmulBackwardInput(dx.f32(), dout.f32(), weight.f32(), n, i, o, accumulate);
+  LinearBackwardInput(H(), dx, dout, weight, accumulate);
 }
-
 void LinearBackwardWeight(const Tensor& dweight, const Tensor& dout, const Tensor& x) {
-  RequireCpu("LinearBackwardWeight", {&dweight, &dout, &x});
-  const int64_t o = dweight.dim(0), i = dweight.dim(1), n = x.numel() / i;
-  Require(x.numel() == n * i && dout.numel() == n * o, "LinearBackwardWeight", "shape mismatch");
-  cpu::MatmulBackwardWeight(dweight.f32(), dout.f32(), x.f32(), n, i, o);
+  LinearBackwardWeight(H(), dweight, dout, x);
 }
-
-void AddBias(const Tensor& out, const Tensor& bias) {
-  RequireCpu("AddBias", {&out, &bias});
-  const int64_t o = bias.numel(), n = out.numel() / o;
-  Require(out.numel() == n * o, "AddBias", "shape mismatch");
-  cpu::AddBias(out.f32(), bias.f32(), n, o);
-}
-
-void BiasBackward(const Tensor& dbias, const Tensor& dout) {
-  RequireCpu("BiasBackward", {&dbias, &dout});
-  const int64_t o = dbias.numel(), n = dout.numel() / o;
-  Require(dout.numel() == n * o, "BiasBackward", "shape mismatch");
-  cpu::BiasBackward(dbias.f32(), dout.f32(), n, o);
-}
-
-void Gelu(const Tensor& out, const Tensor& x) {
-  RequireCpu("Gelu", {&out, &x});
-  Require(out.numel() == x.numel(), "Gelu", "shape mismatch");
-  cpu::GeluForward(out.f32(), x.f32(), x.numel());
-}
-
+void AddBias(const Tensor& out, const Tensor& bias) { AddBias(H(), out, bias); }
+void BiasBackward(const Tensor& dbias, const Tensor& dout) { BiasBackward(H(), dbias, dout); }
+void Gelu(const Tensor& out, const Tensor& x) { Gelu(H(), out, x); }
 void GeluBackward(const Tensor& dx, const Tensor& x, const Tensor& dout) {
-  RequireCpu("GeluBackward", {&dx, &x, &dout});
-  Require(dx.numel() == x.numel() && dout.numel() == x.numel(), "GeluBackward", "shape mismatch");
-  cpu::GeluBackward(dx.f32(), x.f32(), dout.f32(), x.numel());
+  GeluBackward(H(), dx, x, dout);
 }
-
 void Attention(const Tensor& out, const Tensor& att, const Tensor& qkv, int heads) {
-  RequireCpu("Attention", {&out, &att, &qkv});
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  Require(qkv.ndim() == 3 && c % heads == 0 && out.numel() == b * t * c &&
-              att.numel() == b * heads * t * t,
-          "Attention", "shape mismatch");
-  cpu::AttentionForward(out.f32(), att.f32(), qkv.f32(), b, t, c, heads);
+  Attention(H(), out, att, qkv, heads);
 }
-
 void AttentionBackward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout,
                        const Tensor& qkv, const Tensor& att, int heads) {
-  RequireCpu("AttentionBackward", {&dqkv, &scratch, &dout, &qkv, &att});
-  const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  Require(qkv.ndim() == 3 && dqkv.numel() == qkv.numel() && dout.numel() == b * t * c &&
-              att.numel() == b * heads * t * t && scratch.numel() >= t * t,
-          "AttentionBackward", "shape mismatch");
-  cpu::AttentionBackward(dqkv.f32(), scratch.f32(), dout.f32(), qkv.f32(), att.f32(), b, t, c,
-                         heads);
+  AttentionBackward(H(), dqkv, scratch, dout, qkv, att, heads);
 }
-
-void Residual(const Tensor& out, const Tensor& a, const Tensor& b) {
-  RequireCpu("Residual", {&out, &a, &b});
-  Require(out.numel() == a.numel() && b.numel() == a.numel(), "Residual", "shape mismatch");
-  cpu::ResidualForward(out.f32(), a.f32(), b.f32(), a.numel());
-}
-
+void Residual(const Tensor& out, const Tensor& a, const Tensor& b) { Residual(H(), out, a, b); }
 void ResidualBackward(const Tensor& da, const Tensor& db, const Tensor& dout) {
-  RequireCpu("ResidualBackward", {&da, &db, &dout});
-  Require((!da.defined() || da.numel() == dout.numel()) &&
-              (!db.defined() || db.numel() == dout.numel()),
-          "ResidualBackward", "shape mismatch");
-  cpu::ResidualBackward(F32OrNull(da), F32OrNull(db), dout.f32(), dout.numel());
+  ResidualBackward(H(), da, db, dout);
 }
 
 double SoftmaxCrossEntropy(const Tensor& logits_to_grad, const Tensor& targets, float grad_scale) {
-  RequireCpu("SoftmaxCrossEntropy", {&logits_to_grad, &targets});
-  const int64_t n = targets.numel(), v = logits_to_grad.numel() / n;
-  Require(logits_to_grad.numel() == n * v, "SoftmaxCrossEntropy", "shape mismatch");
-  return cpu::SoftmaxCrossEntropy(logits_to_grad.f32(), targets.i32(), n, v, grad_scale);
+  HostScalar loss(DType::kFloat64);
+  SoftmaxCrossEntropy(H(), logits_to_grad, targets, grad_scale, loss.t);
+  return loss.f64();
 }
 
 void ShardedCrossEntropyStats(const Tensor& logits_to_exp, const Tensor& targets,
                               int64_t vocab_begin, const Tensor& row_max, const Tensor& lse,
                               const Tensor& target_logit) {
-  RequireCpu("ShardedCrossEntropyStats", {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
-  const int64_t n = targets.numel(), v = logits_to_exp.numel() / n;
-  Require(logits_to_exp.numel() == n * v && row_max.numel() == n && lse.numel() == n &&
-              target_logit.numel() == n,
-          "ShardedCrossEntropyStats", "shape mismatch");
-  cpu::ShardedCrossEntropyStats(logits_to_exp.f32(), targets.i32(), n, vocab_begin, v,
-                                row_max.f32(), lse.f32(), target_logit.f32());
+  ShardedCrossEntropyStats(H(), logits_to_exp, targets, vocab_begin, row_max, lse, target_logit);
 }
 
 double ShardedCrossEntropyFinish(const Tensor& exp_to_grad, const Tensor& targets,
                                  int64_t vocab_begin, const Tensor& row_max, const Tensor& lse_all,
                                  const Tensor& target_logit, float grad_scale) {
-  RequireCpu("ShardedCrossEntropyFinish",
-             {&exp_to_grad, &targets, &row_max, &lse_all, &target_logit});
-  const int64_t n = targets.numel(), v = exp_to_grad.numel() / n, shards = lse_all.numel() / n;
-  Require(exp_to_grad.numel() == n * v && row_max.numel() == n && lse_all.numel() == n * shards &&
-              target_logit.numel() == n,
-          "ShardedCrossEntropyFinish", "shape mismatch");
-  return cpu::ShardedCrossEntropyFinish(exp_to_grad.f32(), targets.i32(), n, vocab_begin, v,
-                                        row_max.f32(), lse_all.f32(), shards, target_logit.f32(),
-                                        grad_scale);
+  HostScalar loss(DType::kFloat64);
+  ShardedCrossEntropyFinish(H(), exp_to_grad, targets, vocab_begin, row_max, lse_all, target_logit,
+                            grad_scale, loss.t);
+  return loss.f64();
 }
 
 void ShardArgmax(const Tensor& logits, int64_t vocab_begin, const Tensor& max,
                  const Tensor& index) {
-  RequireCpu("ShardArgmax", {&logits, &max, &index});
-  const int64_t n = max.numel(), v = logits.numel() / n;
-  Require(logits.numel() == n * v && index.numel() == n, "ShardArgmax", "shape mismatch");
-  Require(vocab_begin + v <= kMaxArgmaxVocab, "ShardArgmax",
-          "vocabulary indices past 2^24 do not fit a float exactly");
-  cpu::ShardArgmax(logits.f32(), n, v, vocab_begin, max.f32(), index.f32());
+  ShardArgmax(H(), logits, vocab_begin, max, index);
 }
 
 int64_t CountArgmaxHits(const Tensor& max_all, const Tensor& index_all, const Tensor& targets) {
-  RequireCpu("CountArgmaxHits", {&max_all, &index_all, &targets});
-  const int64_t n = targets.numel(), shards = max_all.numel() / n;
-  Require(max_all.numel() == n * shards && index_all.numel() == n * shards, "CountArgmaxHits",
-          "shape mismatch");
-  return cpu::CountArgmaxHits(max_all.f32(), index_all.f32(), shards, targets.i32(), n);
+  HostScalar hits(DType::kInt64);
+  CountArgmaxHits(H(), max_all, index_all, targets, hits.t);
+  return hits.i64();
 }
 
 void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWConfig& config, int64_t step, float grad_scale) {
-  RequireCpu("AdamW", {&param, &grad, &m, &v});
-  Require(grad.numel() == param.numel() && m.numel() == param.numel() &&
-              v.numel() == param.numel() && step >= 1,
-          "AdamW", "shape mismatch or step < 1");
-  cpu::AdamWUpdate(param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), config, step,
-                   grad_scale);
+  AdamW(H(), param, grad, m, v, config, step, grad_scale);
 }
 
 double SumOfSquares(const Tensor& x) {
-  RequireCpu("SumOfSquares", {&x});
-  return cpu::SumOfSquares(x.f32(), x.numel());
+  HostScalar sum(DType::kFloat64);
+  SumOfSquares(H(), x, sum.t);
+  return sum.f64();
 }
 
-void Scale(const Tensor& x, float factor) {
-  RequireCpu("Scale", {&x});
-  cpu::Scale(x.f32(), x.numel(), factor);
-}
+void Scale(const Tensor& x, float factor) { Scale(H(), x, factor); }
 
 }  // namespace baton::kernels

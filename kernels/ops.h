@@ -1,16 +1,21 @@
-// Tensor-level kernel entry points: check shapes and devices, then dispatch to
-// the backend for the tensors' device. The CPU backend (kernels/cpu/) is the
-// only one linked today; a CUDA backend (kernels/cuda/) adds its case to each
-// dispatch beside the CPU one, with the same signatures. Shape mismatches are
-// programming errors and abort with the op's name.
+// Tensor-level kernel entry points: check shapes and devices, then dispatch
+// through the Backend of the context's device (kernels/backend.h, which holds
+// the contract: streams, memory, precision, determinism). Every op has a form
+// taking an ExecContext, which enqueues on ctx.stream and requires every
+// defined tensor to live on ctx.device (Copy excepted), and a context-free
+// form that runs on the CPU (ExecContext::Host()). Shape or device mismatches
+// are programming errors and abort with the op's name.
 //
 // Conventions: activations are [rows, channels] with rows = batch·seq, except
 // attention, which needs [batch, seq, ...]. Linear weights are [out, in].
 // *Backward functions add (+=) into parameter gradients; input gradients are
-// overwritten unless the function says it accumulates.
+// overwritten unless the function says it accumulates. Ops that reduce to a
+// scalar add into a one-element accumulator tensor (float64 or int64) on the
+// context's device; their context-free forms return the value.
 #ifndef BATON_KERNELS_OPS_H_
 #define BATON_KERNELS_OPS_H_
 
+#include "kernels/backend.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/tensor.h"
@@ -89,6 +94,66 @@ void AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tenso
 
 double SumOfSquares(const Tensor& x);
 void Scale(const Tensor& x, float factor);
+
+// ---- On an execution context (any device; see the forms above for shapes) ----
+
+// dst = src, same byte count; each may be host memory or memory on
+// ctx.device (host<->device copies are stream-ordered: a host source must stay
+// unchanged, and a host destination unread, until the stream has passed the
+// copy).
+void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+void FillZero(const ExecContext& ctx, const Tensor& dst);
+// float32 <-> bfloat16, same element count (device backends only).
+void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+
+void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+               int64_t vocab_begin, const Tensor& wpe);
+void EmbeddingBackward(const ExecContext& ctx, const Tensor& dwte, int64_t vocab_begin,
+                       const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
+void LayerNorm(const ExecContext& ctx, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+               const Tensor& x, const Tensor& weight, const Tensor& bias);
+void LayerNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias, const Tensor& dout, const Tensor& x,
+                       const Tensor& weight, const Tensor& mean, const Tensor& rstd);
+void Linear(const ExecContext& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+            const Tensor& bias);
+void LinearBackwardInput(const ExecContext& ctx, const Tensor& dx, const Tensor& dout,
+                         const Tensor& weight, bool accumulate);
+void LinearBackwardWeight(const ExecContext& ctx, const Tensor& dweight, const Tensor& dout,
+                          const Tensor& x);
+void AddBias(const ExecContext& ctx, const Tensor& out, const Tensor& bias);
+void BiasBackward(const ExecContext& ctx, const Tensor& dbias, const Tensor& dout);
+void Gelu(const ExecContext& ctx, const Tensor& out, const Tensor& x);
+void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, const Tensor& dout);
+void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
+               int heads);
+void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& scratch,
+                       const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads);
+void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+void ResidualBackward(const ExecContext& ctx, const Tensor& da, const Tensor& db,
+                      const Tensor& dout);
+// loss_sum: float64 [1] on ctx.device; += the loss summed over scored rows.
+void SoftmaxCrossEntropy(const ExecContext& ctx, const Tensor& logits_to_grad,
+                         const Tensor& targets, float grad_scale, const Tensor& loss_sum);
+void ShardedCrossEntropyStats(const ExecContext& ctx, const Tensor& logits_to_exp,
+                              const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                              const Tensor& lse, const Tensor& target_logit);
+void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad,
+                               const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                               const Tensor& lse_all, const Tensor& target_logit, float grad_scale,
+                               const Tensor& loss_sum);
+void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_begin,
+                 const Tensor& max, const Tensor& index);
+// hits: int64 [1] on ctx.device; += the hits.
+void CountArgmaxHits(const ExecContext& ctx, const Tensor& max_all, const Tensor& index_all,
+                     const Tensor& targets, const Tensor& hits);
+// param_bf16: undefined, or bf16 [param.numel()] receiving the new values.
+void AdamW(const ExecContext& ctx, const Tensor& param, const Tensor& grad, const Tensor& m,
+           const Tensor& v, const AdamWConfig& config, int64_t step, float grad_scale,
+           const Tensor& param_bf16 = Tensor());
+// sum: float64 [1] on ctx.device; += Σ x².
+void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& sum);
+void Scale(const ExecContext& ctx, const Tensor& x, float factor);
 
 }  // namespace baton::kernels
 

@@ -1,5 +1,6 @@
 #include "kernels/tensor.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -13,6 +14,11 @@ size_t DTypeSize(DType dtype) {
     case DType::kFloat32:
     case DType::kInt32:
       return 4;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat64:
+    case DType::kInt64:
+      return 8;
   }
   return 4;
 }
@@ -24,6 +30,31 @@ int64_t NumElements(const Shape& shape) {
 }
 
 std::string ShapeToString(const Shape& shape) { return "[" + absl::StrJoin(shape, ", ") + "]"; }
+
+std::string DeviceToString(Device device) {
+  switch (device.type) {
+    case DeviceType::kCpu:
+      return "cpu";
+    case DeviceType::kCuda:
+      return "cuda:" + std::to_string(device.index);
+    case DeviceType::kSim:
+      return "sim:" + std::to_string(device.index);
+  }
+  return "?";
+}
+
+namespace {
+
+void RequireHost(const Tensor& t, const char* accessor) {
+  if (t.device().is_cpu()) return;
+  // A device tensor read or written on the host: a missing Copy in the
+  // caller. Name it, then abort (a programming error).
+  std::fprintf(stderr, "baton::kernels::Tensor::%s: host access to a tensor on %s %s\n", accessor,
+               DeviceToString(t.device()).c_str(), ShapeToString(t.shape()).c_str());
+  std::abort();
+}
+
+}  // namespace
 
 Tensor Tensor::Zeros(Shape shape, DType dtype) {
   Tensor t;
@@ -49,12 +80,29 @@ Tensor Tensor::View(void* data, Shape shape, DType dtype, Device device) {
   return t;
 }
 
+Tensor Tensor::Adopt(std::shared_ptr<void> storage, Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.data_ = storage.get();
+  t.storage_ = std::move(storage);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  return t;
+}
+
+void* Tensor::raw() const {
+  RequireHost(*this, "raw");
+  return data_;
+}
+
 float* Tensor::f32() const {
+  RequireHost(*this, "f32");
   ABSL_RAW_CHECK(dtype_ == DType::kFloat32, "Tensor::f32 on a non-float32 tensor");
   return static_cast<float*>(data_);
 }
 
 int32_t* Tensor::i32() const {
+  RequireHost(*this, "i32");
   ABSL_RAW_CHECK(dtype_ == DType::kInt32, "Tensor::i32 on a non-int32 tensor");
   return static_cast<int32_t*>(data_);
 }

@@ -16,20 +16,30 @@
 
 namespace baton::kernels {
 
-enum class DType { kFloat32, kInt32 };
+// kBFloat16, kFloat64 and kInt64 are for device backends (bf16 GEMM inputs,
+// scalar accumulators); the CPU kernels take kFloat32 and kInt32.
+enum class DType { kFloat32, kInt32, kBFloat16, kFloat64, kInt64 };
 
 size_t DTypeSize(DType dtype);
 
-enum class DeviceType { kCpu, kCuda };
+// kSim: the test-only simulated device (kernels/sim): host memory that only
+// its stream threads may touch.
+enum class DeviceType { kCpu, kCuda, kSim };
 
 struct Device {
   DeviceType type = DeviceType::kCpu;
   int index = 0;  // CUDA ordinal; 0 for the CPU
 
   static Device Cpu() { return Device{}; }
+  static Device Cuda(int index) { return Device{DeviceType::kCuda, index}; }
+  static Device Sim(int index) { return Device{DeviceType::kSim, index}; }
   bool is_cpu() const { return type == DeviceType::kCpu; }
   bool operator==(const Device& other) const { return type == other.type && index == other.index; }
+  bool operator!=(const Device& other) const { return !(*this == other); }
 };
+
+// "cpu", "cuda:0", "sim:1".
+std::string DeviceToString(Device device);
 
 using Shape = absl::InlinedVector<int64_t, 4>;
 
@@ -45,6 +55,9 @@ class Tensor {
   // Borrows `data`; the caller keeps it alive while the view is used.
   static Tensor View(void* data, Shape shape, DType dtype = DType::kFloat32,
                      Device device = Device::Cpu());
+  // Owns `storage` (memory on `device`, freed by its deleter) and views it
+  // from its start.
+  static Tensor Adopt(std::shared_ptr<void> storage, Shape shape, DType dtype, Device device);
 
   const Shape& shape() const { return shape_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
@@ -56,10 +69,18 @@ class Tensor {
   bool defined() const { return data_ != nullptr; }
   bool owning() const { return storage_ != nullptr; }
 
-  void* raw() const { return data_; }
-  // Typed access; the dtype must match (checked).
+  // Host access: the tensor must live in host memory (device().is_cpu();
+  // checked, a device tensor aborts). Typed access checks the dtype too.
+  void* raw() const;
   float* f32() const;
   int32_t* i32() const;
+  // The address on the tensor's device, never dereferenced by the caller on
+  // the host unless device().is_cpu(): for backends and communicators.
+  void* address() const { return data_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(data_);
+  }
 
   // A view of the same memory with another shape of equal element count;
   // keeps owned storage alive.

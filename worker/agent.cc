@@ -35,6 +35,12 @@ WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel
                      .Help("Sessions with the coordinator re-established after one ended")
                      .Register(metrics)
                      .Add({});
+  unresponsive_total_ = &prometheus::BuildCounter()
+                       .Name("baton_coordinator_unresponsive_total")
+                       .Help("Times the coordinator stopped answering heartbeats for a whole lease while the "
+                             "session was open (the worker is not ready meanwhile)")
+                       .Register(metrics)
+                       .Add({});
   connected_ = &prometheus::BuildGauge()
                     .Name("baton_coordinator_connected")
                     .Help("1 while a session with the coordinator is open")
@@ -44,7 +50,13 @@ WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel
 
 absl::Status WorkerAgent::Readiness() const {
   absl::MutexLock lock(&mu_);
-  if (session_open_) return absl::OkStatus();
+  if (session_open_) {
+    const absl::Duration silent = absl::Now() - last_ack_;
+    if (silent <= lease_) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator, " has not answered heartbeats for ",
+                                               absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(100))),
+                                               " (lease ", absl::FormatDuration(lease_), ")"));
+  }
   return not_ready_;
 }
 
@@ -59,6 +71,7 @@ void WorkerAgent::Run() {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     session_open_ = false;
+    unresponsive_ = false;
     not_ready_ = ended;
     connected_->Set(0);
     absl::Duration wait;
@@ -89,6 +102,7 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   req.set_memory_bytes(options_.memory_bytes);
   req.set_version(kVersion);
   req.set_pid(getpid());
+  if (options_.describe) options_.describe(&req);
   v1::RegisterResponse reg;
   {
     grpc::ClientContext ctx;
@@ -108,8 +122,16 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
     }
     if (!s.ok()) {
       absl::Status err = FromGrpcStatus(s, absl::StrCat("Register at ", options_.coordinator));
-      if (err.code() == absl::StatusCode::kInvalidArgument) return err;  // our flags are wrong; logged by Run
-      return absl::UnavailableError(absl::StrCat("coordinator unreachable: ", err.message()));
+      switch (err.code()) {
+        case absl::StatusCode::kInvalidArgument:     // our flags are wrong
+        case absl::StatusCode::kAlreadyExists:       // another live worker holds our name
+        case absl::StatusCode::kUnauthenticated:     // join token
+        case absl::StatusCode::kPermissionDenied:    // certificate role
+        case absl::StatusCode::kResourceExhausted:   // the coordinator is full
+          return err;                                // logged by Run, shown by /readyz
+        default:
+          return absl::UnavailableError(absl::StrCat("coordinator unreachable: ", err.message()));
+      }
     }
   }
   grpc::ClientContext ctx;
@@ -139,8 +161,14 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
         best_rtt_at_ = absl::Now();
         clock_offset_us_ = msg.ack().coordinator_time_us() - (sent + now) / 2;
       }
+      last_ack_ = absl::Now();
+      if (unresponsive_) {
+        unresponsive_ = false;
+        BATON_LOG(INFO) << "coordinator " << options_.coordinator << " answers heartbeats again";
+      }
       if (!session_open_) {
         session_open_ = true;
+        lease_ = absl::Milliseconds(std::max<int64_t>(1, reg.lease_ms()));
         *opened = true;
         if (sessions_opened_++ > 0) reconnects_->Increment();
         connected_->Set(1);
@@ -202,6 +230,12 @@ void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, ab
     }
     heartbeats_->Increment();
     absl::MutexLock lock(&mu_);
+    if (session_open_ && !unresponsive_ && absl::Now() - last_ack_ > lease_) {
+      unresponsive_ = true;
+      unresponsive_total_->Increment();
+      BATON_LOG(WARNING) << "coordinator " << options_.coordinator << " has not answered heartbeats for a lease ("
+                         << lease_ << "); not ready until it does";
+    }
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_session_ || stopping_; };
     if (mu_.AwaitWithTimeout(absl::Condition(&done), period)) return;
   }

@@ -5,6 +5,12 @@
 // registers again with exponential backoff and never exits on its own.
 // Commands pushed by the coordinator go to the handler given at construction.
 //
+// A coordinator that stops answering heartbeats (frozen, partitioned) makes
+// the worker not ready once no ack came for a lease (counted in
+// baton_coordinator_unresponsive_total); the stream itself is kept, so a
+// coordinator that resumes finds its workers still there. gRPC keepalive on
+// the channel (see worker/main.cc) ends a connection whose peer is gone.
+//
 // Thread-safe: Run() blocks in one thread; Stop() and Readiness() may be
 // called from any other.
 #ifndef BATON_WORKER_AGENT_H_
@@ -40,6 +46,9 @@ class WorkerAgent {
     absl::Duration rpc_timeout = absl::Seconds(5);
     absl::Duration backoff_min = absl::Milliseconds(100);
     absl::Duration backoff_max = absl::Seconds(2);
+    // Adds what this worker holds to each registration (job adoption by a
+    // restarted coordinator); may be null.
+    std::function<void(v1::RegisterRequest*)> describe;
   };
   // Runs on the session's reader thread: it must not block.
   using CommandHandler = std::function<void(const v1::CoordinatorMessage&)>;
@@ -83,6 +92,7 @@ class WorkerAgent {
   std::function<void()> on_session_end_;
   prometheus::Counter* heartbeats_;
   prometheus::Counter* reconnects_;
+  prometheus::Counter* unresponsive_total_;
   prometheus::Gauge* connected_;
 
   // State; never held across a blocking stream write.
@@ -93,6 +103,9 @@ class WorkerAgent {
   absl::Status not_ready_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("not registered yet");
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_ack_ ABSL_GUARDED_BY(mu_);
+  absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(3);
+  bool unresponsive_ ABSL_GUARDED_BY(mu_) = false;
   // Clock offset to the coordinator, from the best recent round trip.
   int64_t clock_offset_us_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t best_rtt_us_ ABSL_GUARDED_BY(mu_) = INT64_MAX;

@@ -6,13 +6,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kernels/ops.h"
+#include "worker/model/comm_buffer.h"
 
 namespace baton {
 namespace {
 
 using v1::Action;
 
-constexpr int kStampFloats = 2;  // an int64 post time rides behind the payload
+// The side message with a payload's post time uses the payload's tag plus
+// this bit (pipeline tags are far below it; Gloo takes tags below 2^63).
+constexpr uint64_t kStampTagBit = uint64_t{1} << 62;
 
 bool IsComm(Action::Kind k) {
   return k == Action::SEND_F || k == Action::RECV_F || k == Action::SEND_B || k == Action::RECV_B;
@@ -51,14 +55,36 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       tp_(tp),
       dp_(dp) {}
 
-kernels::Tensor StepExecutor::Payload(Message& m, int64_t elements) {
-  return kernels::Tensor::View(m.data.data(), {elements});
+absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Message>& map, int stage, int mb) {
+  auto chunk = chunks_.find(stage);
+  if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
+  const int64_t n = chunk->second->activation_elements();
+  const kernels::Device device = chunk->second->context().device;
+  Message& m = map[{stage, mb}];
+  if (m.payload.defined() && m.payload.numel() == n && m.payload.device() == device) return &m;
+  for (size_t i = 0; i < pool_.size(); ++i) {
+    if (pool_[i].numel() == n && pool_[i].device() == device) {
+      m.payload = std::move(pool_[i]);
+      pool_.erase(pool_.begin() + static_cast<std::ptrdiff_t>(i));
+      return &m;
+    }
+  }
+  BATON_ASSIGN_OR_RETURN(m.payload, kernels::ZerosOn(device, {n}));
+  return &m;
 }
 
-StepExecutor::Message& StepExecutor::Buffer(std::map<Key, Message>& map, int stage, int mb, int64_t elements) {
-  Message& m = map[{stage, mb}];
-  if (m.data.size() != static_cast<size_t>(elements + kStampFloats)) m.data.assign(elements + kStampFloats, 0.0f);
-  return m;
+absl::Status StepExecutor::ReleaseMessages() {
+  absl::Status status;
+  for (auto& [stage, model] : chunks_) {
+    absl::Status s = model->Synchronize();
+    if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
+  }
+  if (!status.ok()) return status;  // the device may still use the buffers: keep them out of the pool
+  for (auto* map : {&act_out_, &act_in_, &grad_out_, &grad_in_}) {
+    for (auto& [key, m] : *map) pool_.push_back(std::move(m.payload));
+    map->clear();
+  }
+  return absl::OkStatus();
 }
 
 void StepExecutor::Record(const std::string& name, const char* cat, absl::Time start, absl::Time end) {
@@ -78,6 +104,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   trace_ = trace;
   events_.clear();
   data_.clear();
+  BATON_RETURN_IF_ERROR(ReleaseMessages());  // after a failed step
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
@@ -123,10 +150,8 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   report.set_tokens(options_.tokens_per_microbatch * options_.microbatches);
   report.set_finite(std::isfinite(sq) && std::isfinite(report.loss()));
   // Activations and messages of this step are no longer needed.
-  act_out_.clear();
-  act_in_.clear();
-  grad_out_.clear();
-  grad_in_.clear();
+  data_.clear();
+  BATON_RETURN_IF_ERROR(ReleaseMessages());
   return report;
 }
 
@@ -136,7 +161,6 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   StageModel* model = it->second;
   const int s = a.stage(), mb = a.microbatch();
   const bool first = s == 0, last = s == options_.num_stages - 1;
-  const int64_t n = model->activation_elements();
   const absl::Time start = absl::Now();
   const double tp_before = tp_ ? tp_->waited_seconds() : 0;
 
@@ -153,22 +177,37 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
     if (!first) {
       // The previous stage is on this rank only when pp == 1 (chunks stay local).
       auto local = act_out_.find({s - 1, mb});
-      input = local != act_out_.end() ? Payload(local->second, n) : Payload(Buffer(act_in_, s, mb, n), n);
+      if (local != act_out_.end()) {
+        input = local->second.payload;
+      } else {
+        BATON_ASSIGN_OR_RETURN(Message * m, Buffer(act_in_, s, mb));
+        input = m->payload;
+      }
     }
-    if (!last) output = Payload(Buffer(act_out_, s, mb, n), n);
+    if (!last) {
+      BATON_ASSIGN_OR_RETURN(Message * m, Buffer(act_out_, s, mb));
+      output = m->payload;
+    }
+    // The data stays in data_ until the step ends: a device stage may still
+    // be copying from it.
     status = model->Forward(mb, data ? *data : MicrobatchData(), input, output);
-    if (last) data_.erase(mb);  // targets were consumed
   } else if (a.kind() == Action::BACKWARD || a.kind() == Action::BACKWARD_INPUT) {
     kernels::Tensor grad_output, grad_input;
     if (!last) {
       auto local = grad_out_.find({s + 1, mb});
-      grad_output = local != grad_out_.end() ? Payload(local->second, n) : Payload(Buffer(grad_in_, s, mb, n), n);
+      if (local != grad_out_.end()) {
+        grad_output = local->second.payload;
+      } else {
+        BATON_ASSIGN_OR_RETURN(Message * m, Buffer(grad_in_, s, mb));
+        grad_output = m->payload;
+      }
     }
-    if (!first) grad_input = Payload(Buffer(grad_out_, s, mb, n), n);
+    if (!first) {
+      BATON_ASSIGN_OR_RETURN(Message * m, Buffer(grad_out_, s, mb));
+      grad_input = m->payload;
+    }
     status = model->BackwardInput(mb, grad_output, grad_input);
     if (status.ok() && a.kind() == Action::BACKWARD) status = model->BackwardWeight(mb);
-    act_in_.erase({s, mb});
-    grad_in_.erase({s, mb});
   } else if (a.kind() == Action::BACKWARD_WEIGHT) {
     status = model->BackwardWeight(mb);
   } else {
@@ -188,42 +227,50 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
   const int64_t posted_us = options_.clock_us();
   struct Pending {
     std::shared_ptr<comm::Work> work;
-    Message* recv = nullptr;
+    Message* recv = nullptr;  // set on the side message of a receive
     const Action* action;
   };
+  // Sent data must be complete on the device before the communicator reads it.
+  for (const Action* a : batch) {
+    if (a->kind() != Action::SEND_F && a->kind() != Action::SEND_B) continue;
+    auto it = chunks_.find(a->stage());
+    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", a->stage()));
+    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", a->stage(), " before sending");
+  }
   std::vector<Pending> pending;
   for (const Action* a : batch) {
     const int s = a->stage(), mb = a->microbatch();
-    auto it = chunks_.find(s);
-    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", s));
-    const int64_t n = it->second->activation_elements();
-    Message* m = nullptr;
+    absl::StatusOr<Message*> m;
     uint64_t tag = 0;
     switch (a->kind()) {
       case Action::SEND_F:  // activations of s, consumed by s + 1
-        m = &Buffer(act_out_, s, mb, n);
+        m = Buffer(act_out_, s, mb);
         tag = Tag(true, s + 1, mb, options_.num_stages, options_.microbatches);
         break;
       case Action::RECV_F:
-        m = &Buffer(act_in_, s, mb, n);
+        m = Buffer(act_in_, s, mb);
         tag = Tag(true, s, mb, options_.num_stages, options_.microbatches);
         break;
       case Action::SEND_B:  // input gradient of s, consumed by s - 1
-        m = &Buffer(grad_out_, s, mb, n);
+        m = Buffer(grad_out_, s, mb);
         tag = Tag(false, s - 1, mb, options_.num_stages, options_.microbatches);
         break;
       default:  // RECV_B
-        m = &Buffer(grad_in_, s, mb, n);
+        m = Buffer(grad_in_, s, mb);
         tag = Tag(false, s, mb, options_.num_stages, options_.microbatches);
         break;
     }
-    comm::Buffer buf = comm::Buffer::Host(m->data.data(), static_cast<int64_t>(m->data.size()));
+    if (!m.ok()) return m.status();
+    const comm::Buffer payload = model::CommBuffer((*m)->payload);
+    const comm::Buffer stamp{&(*m)->sent_us, 1, comm::DType::kInt64, -1};
     const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
     if (send) {
-      std::memcpy(&m->data[n], &posted_us, sizeof(posted_us));
-      pending.push_back({pipeline_->Send(buf, a->peer(), tag), nullptr, a});
+      (*m)->sent_us = posted_us;
+      pending.push_back({pipeline_->Send(payload, a->peer(), tag), nullptr, a});
+      pending.push_back({pipeline_->Send(stamp, a->peer(), tag | kStampTagBit), nullptr, a});
     } else {
-      pending.push_back({pipeline_->Recv(buf, a->peer(), tag), m, a});
+      pending.push_back({pipeline_->Recv(payload, a->peer(), tag), nullptr, a});
+      pending.push_back({pipeline_->Recv(stamp, a->peer(), tag | kStampTagBit), *m, a});
     }
   }
   int64_t ready_us = posted_us;  // when the last awaited peer posted its send
@@ -233,11 +280,7 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
       return WithContext(s, absl::StrCat(Name(p.action->kind()), "(stage ", p.action->stage(), ", mb ",
                                          p.action->microbatch(), ") with pipeline rank ", p.action->peer()));
     }
-    if (p.recv != nullptr) {
-      int64_t sent_us;
-      std::memcpy(&sent_us, &p.recv->data[p.recv->data.size() - kStampFloats], sizeof(sent_us));
-      ready_us = std::max(ready_us, sent_us);
-    }
+    if (p.recv != nullptr) ready_us = std::max(ready_us, p.recv->sent_us);
   }
   const absl::Time end = absl::Now();
   const double total = absl::ToDoubleSeconds(end - start);
@@ -261,11 +304,10 @@ absl::Status StepExecutor::ReduceGrads() {
     BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
-    BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(comm::Buffer::Host(g.f32(), g.numel()))->Wait(options_.op_timeout),
+    BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
+    BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(model::CommBuffer(g))->Wait(options_.op_timeout),
                               "data-parallel gradient all-reduce");
-    const float inv = 1.0f / static_cast<float>(options_.dp_size);
-    float* p = g.f32();
-    for (int64_t i = 0; i < g.numel(); ++i) p[i] *= inv;
+    kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
   }
   const absl::Time end = absl::Now();
   dp_comm_ += absl::ToDoubleSeconds(end - start);

@@ -14,9 +14,17 @@
 //   compute = time in F/B/I/W and the optimizer, minus TP communication inside them
 //   comm    = p2p transfers after the peer posted its send, TP all-reduces, DP all-reduce
 //   bubble  = wall - compute - comm (waiting for a peer, or for the coordinator)
-// Every pipeline message carries the sender's post time on the coordinator
-// clock, so a receive that waited splits into bubble (before the peer posted)
-// and comm (after).
+// Every pipeline message is followed by a small side message (same peer,
+// tag | kStampTagBit) holding the sender's post time on the coordinator clock,
+// so a receive that waited splits into bubble (before the peer posted) and
+// comm (after); the payload itself is exactly the activations or gradients.
+//
+// Devices: message buffers live on the device of the chunk that produces or
+// consumes them (StageModel::context()); before a batch that sends, the
+// sending chunks are synchronised so the communicator reads finished data.
+// Buffers are pooled and reused across steps (no allocation after the first
+// step) and go back to the pool only at the end of a step, after every chunk
+// has been synchronised. The executor never branches on the device.
 //
 // Data: replica d runs global microbatches d*m .. d*m+m-1 of the step, so a
 // DP=k run consumes the same global batch as one replica with k*m microbatches.
@@ -70,7 +78,8 @@ class StepExecutor {
 
  private:
   struct Message {
-    std::vector<float> data;  // payload + 2 floats carrying the sender's post time
+    kernels::Tensor payload;  // activation_elements() floats on the chunk's device
+    int64_t sent_us = 0;      // the sender's post time (its own side message)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
@@ -79,8 +88,10 @@ class StepExecutor {
   absl::Status ReduceGrads();
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
   v1::StepDone Finish(int64_t step, bool committed);
-  kernels::Tensor Payload(Message& m, int64_t elements);
-  Message& Buffer(std::map<Key, Message>& map, int stage, int mb, int64_t elements);
+  // The message of (stage, mb) in `map`, created from the pool if new.
+  absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
+  // Synchronises every chunk, then returns all messages to the pool.
+  absl::Status ReleaseMessages();
 
   const v1::Program program_;
   const ExecutorOptions options_;
@@ -93,6 +104,7 @@ class StepExecutor {
   // Per step.
   std::map<Key, Message> act_out_, act_in_, grad_out_, grad_in_;
   std::map<int, MicrobatchData> data_;
+  std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
   bool trace_ = false;

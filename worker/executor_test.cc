@@ -66,6 +66,8 @@ class FakeStage : public StageModel {
     return stage_ == num_stages_ - 1 ? LossStats{2.0 * forwards_, forwards_, forwards_} : LossStats{};
   }
   std::vector<NamedShard> Shards() override { return {}; }
+  ChunkState CaptureState() const override { return {}; }
+  absl::Status RestoreState(const ChunkState&) override { return absl::OkStatus(); }
 
   int stage_, num_stages_;
   int forwards_ = 0, inputs_ = 0, weights_ = 0, steps_ = 0;

@@ -1,5 +1,7 @@
 #include "worker/gpt_stage_model.h"
 
+#include <cstring>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -110,6 +112,69 @@ std::vector<NamedShard> GptStageModel::Shards() {
     shards.push_back(std::move(shard));
   }
   return shards;
+}
+
+namespace {
+
+// Copies between the stage's memory (any device) and the host through the
+// stage's stream, after everything it enqueued before, and waits.
+std::vector<float> HostCopy(const kernels::ExecContext& ctx, const Tensor& t) {
+  std::vector<float> out(t.numel());
+  kernels::Copy(ctx, Tensor::View(out.data(), {t.numel()}), t);
+  const absl::Status s = ctx.stream->Synchronize();
+  if (!s.ok()) out.assign(out.size(), NAN);  // a failed device: never pass stale state as real
+  return out;
+}
+
+absl::Status CopyInto(const kernels::ExecContext& ctx, const std::vector<float>& from, const Tensor& to) {
+  if (from.empty()) return absl::OkStatus();
+  kernels::Copy(ctx, to, Tensor::View(const_cast<float*>(from.data()), {to.numel()}));
+  return ctx.stream->Synchronize();
+}
+
+}  // namespace
+
+ChunkState GptStageModel::CaptureState() const {
+  const model::ParameterStore& params = stage_->parameters();
+  ChunkState state;
+  state.optimizer_step = stage_->optimizer_step();
+  const kernels::ExecContext& ctx = stage_->context();
+  state.values = HostCopy(ctx, params.values());
+  state.adam_m = HostCopy(ctx, params.adam_m());
+  state.adam_v = HostCopy(ctx, params.adam_v());
+  return state;
+}
+
+absl::Status GptStageModel::RestoreState(const ChunkState& state) {
+  const model::ParameterStore& params = stage_->parameters();
+  const int64_t n = params.values().numel();
+  const struct {
+    const char* what;
+    size_t size;
+  } parts[] = {{"values", state.values.size()},
+               {"adam_m", state.adam_m.size()},
+               {"adam_v", state.adam_v.size()}};
+  for (const auto& part : parts) {
+    if (part.size != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "restoring model chunk ", config_.pp_rank, " tp rank ", config_.tp_rank, " of ",
+          config_.tp_size, ": state has ", part.size, " ", part.what, ", the chunk holds ", n,
+          "; the state was captured from another layout or model"));
+    }
+  }
+  if (state.optimizer_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restoring model chunk ", config_.pp_rank, ": optimizer_step ", state.optimizer_step,
+        " is negative"));
+  }
+  stage_->DropInFlight();
+  stage_->ZeroGrad();
+  const kernels::ExecContext& ctx = stage_->context();
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.values, params.values()));
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_m, params.adam_m()));
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_v, params.adam_v()));
+  stage_->set_optimizer_step(state.optimizer_step);
+  return absl::OkStatus();
 }
 
 }  // namespace baton

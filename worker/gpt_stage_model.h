@@ -65,6 +65,13 @@ class GptStageModel : public StageModel {
   absl::Status OptimizerStep(float grad_scale) override;
   LossStats loss_stats() const override;
   std::vector<NamedShard> Shards() override;
+  // values, adam_m, adam_v: the parameter store's flat buffers (every
+  // parameter's local shard, in StageParameterSpecs order); the tied
+  // embedding copy of the last chunk is included like any parameter.
+  ChunkState CaptureState() const override;
+  absl::Status RestoreState(const ChunkState& state) override;
+  const kernels::ExecContext& context() const override { return stage_->context(); }
+  absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 
   model::GptStage& stage() { return *stage_; }
 

@@ -293,5 +293,76 @@ TEST_F(GptStageModelTest, BadWiringAndInputsAreErrors) {
   EXPECT_NE(st.message().find("input"), absl::string_view::npos) << st;
 }
 
+bool SameState(const ChunkState& a, const ChunkState& b) {
+  auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() &&
+           std::memcmp(x.data(), y.data(), sizeof(float) * x.size()) == 0;
+  };
+  return a.optimizer_step == b.optimizer_step && same(a.values, b.values) &&
+         same(a.adam_m, b.adam_m) && same(a.adam_v, b.adam_v);
+}
+
+TEST_F(GptStageModelTest, RestoredStateReproducesTheNextStepsBitForBit) {
+  train_.set_lr(0.01);
+  train_.set_weight_decay(0.1);
+  auto step = [&](std::vector<std::unique_ptr<GptStageModel>>& chunks) {
+    RunStep(chunks);
+    for (auto& c : chunks) ASSERT_TRUE(c->OptimizerStep(0.75f).ok());
+  };
+  auto capture = [](const std::vector<std::unique_ptr<GptStageModel>>& chunks) {
+    std::vector<ChunkState> out;
+    for (const auto& c : chunks) out.push_back(c->CaptureState());
+    return out;
+  };
+
+  auto chunks = MakeChunks({{0, 2}, {2, 2}});
+  step(chunks);
+  const std::vector<ChunkState> saved = capture(chunks);
+  ASSERT_EQ(saved[0].optimizer_step, 1);
+  ASSERT_EQ(saved[0].values.size(), saved[0].adam_m.size());
+  ASSERT_EQ(saved[0].values.size(), saved[0].adam_v.size());
+  step(chunks);
+  step(chunks);
+  const std::vector<ChunkState> want = capture(chunks);
+  ASSERT_EQ(want[1].optimizer_step, 3);
+  ASSERT_FALSE(SameState(want[0], saved[0]));  // training changed the state
+
+  // The same models, rolled back mid-step (a microbatch in flight).
+  ASSERT_TRUE(chunks[0]->Forward(0, data_[0], Tensor(), Tensor::Zeros({chunks[0]->activation_elements()})).ok());
+  for (int c = 0; c < 2; ++c) ASSERT_TRUE(chunks[c]->RestoreState(saved[c]).ok());
+  EXPECT_TRUE(SameState(chunks[0]->CaptureState(), saved[0]));
+  step(chunks);
+  step(chunks);
+  std::vector<ChunkState> got = capture(chunks);
+  for (int c = 0; c < 2; ++c) EXPECT_TRUE(SameState(got[c], want[c])) << "chunk " << c;
+
+  // Fresh models (as a replacement worker builds them) given the saved state.
+  chunks = MakeChunks({{0, 2}, {2, 2}});
+  for (int c = 0; c < 2; ++c) ASSERT_TRUE(chunks[c]->RestoreState(saved[c]).ok());
+  step(chunks);
+  step(chunks);
+  got = capture(chunks);
+  for (int c = 0; c < 2; ++c) EXPECT_TRUE(SameState(got[c], want[c])) << "fresh chunk " << c;
+}
+
+TEST_F(GptStageModelTest, RestoringAStateOfAnotherLayoutIsRefusedAndChangesNothing) {
+  auto chunks = MakeChunks({{0, 1}, {1, 3}});
+  const ChunkState first = chunks[0]->CaptureState();
+  const ChunkState last = chunks[1]->CaptureState();
+  ASSERT_NE(first.values.size(), last.values.size());
+  const absl::Status s = chunks[1]->RestoreState(first);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("another layout"), absl::string_view::npos) << s;
+  EXPECT_TRUE(SameState(chunks[1]->CaptureState(), last));
+
+  ChunkState no_moments = last;
+  no_moments.adam_m.clear();
+  EXPECT_EQ(chunks[1]->RestoreState(no_moments).code(), absl::StatusCode::kInvalidArgument);
+  ChunkState negative = last;
+  negative.optimizer_step = -1;
+  EXPECT_EQ(chunks[1]->RestoreState(negative).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SameState(chunks[1]->CaptureState(), last));
+}
+
 }  // namespace
 }  // namespace baton

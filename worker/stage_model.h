@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/backend.h"
 #include "kernels/tensor.h"
 
 namespace baton {
@@ -45,6 +46,16 @@ struct NamedShard {
   bool tied_copy = false;
 };
 
+// Everything the next steps of one chunk depend on: parameters, AdamW
+// moments and the optimizer step counter (host copies of the flat buffers, in
+// the chunk's parameter order). Same layout only (same chunk, TP rank and TP
+// size); worker/checkpoint/ reshards between layouts. adam_m and adam_v are
+// empty for a model without moments (the synthetic stage).
+struct ChunkState {
+  int64_t optimizer_step = 0;
+  std::vector<float> values, adam_m, adam_v;
+};
+
 class StageModel {
  public:
   virtual ~StageModel() = default;
@@ -74,7 +85,24 @@ class StageModel {
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
   virtual LossStats loss_stats() const = 0;  // last stage; zero elsewhere
+
+  // Where the chunk's ops run: the device of the activations and gradients
+  // passed in and out, and the context for ops on its buffers (the gradient
+  // average). Host by default.
+  virtual const kernels::ExecContext& context() const { return kernels::ExecContext::Host(); }
+  // Blocks until every op the chunk has enqueued is done, so its outputs can
+  // be read by a communicator. Immediate on the host.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
   virtual std::vector<NamedShard> Shards() = 0;
+
+  // A host copy of the chunk's state. Call between steps only (after the
+  // optimizer step or a discard, not while microbatches are in flight).
+  virtual ChunkState CaptureState() const = 0;
+  // Sets the state bit for bit from a CaptureState() of the same layout,
+  // drops microbatches in flight and zeroes gradients, so the next step runs
+  // exactly as the captured model's next step would. INVALID_ARGUMENT (model
+  // unchanged) when a size does not match this chunk.
+  virtual absl::Status RestoreState(const ChunkState& state) = 0;
 };
 
 }  // namespace baton

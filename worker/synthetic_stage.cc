@@ -166,6 +166,7 @@ absl::Status SyntheticStage::OptimizerStep(float grad_scale) {
   float* w = weight_.f32();
   const float* g = grad_.f32();
   for (int64_t i = 0; i < kSyntheticGradElements; ++i) w[i] -= 0.01f * grad_scale * g[i];
+  ++optimizer_step_;
   return absl::OkStatus();
 }
 
@@ -175,6 +176,29 @@ std::vector<NamedShard> SyntheticStage::Shards() {
   shard.value = weight_;
   shard.full_shape = {kSyntheticGradElements};
   return {shard};
+}
+
+ChunkState SyntheticStage::CaptureState() const {
+  ChunkState state;
+  state.optimizer_step = optimizer_step_;
+  state.values.assign(weight_.f32(), weight_.f32() + kSyntheticGradElements);
+  return state;
+}
+
+absl::Status SyntheticStage::RestoreState(const ChunkState& state) {
+  if (state.values.size() != static_cast<size_t>(kSyntheticGradElements) ||
+      !state.adam_m.empty() || !state.adam_v.empty() || state.optimizer_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restoring synthetic chunk ", chunk_, ": want ", kSyntheticGradElements,
+        " values, no adam moments and a step >= 0; got ", state.values.size(), " values, ",
+        state.adam_m.size(), " + ", state.adam_v.size(), " moments, step ",
+        state.optimizer_step));
+  }
+  in_flight_.clear();
+  ZeroGrad();
+  std::memcpy(weight_.raw(), state.values.data(), weight_.bytes());
+  optimizer_step_ = state.optimizer_step;
+  return absl::OkStatus();
 }
 
 }  // namespace baton

@@ -21,7 +21,8 @@
 // gradient of 1024 floats, so data-parallel all-reduce, grad-norm and the
 // optimizer run as with a real model: each BackwardWeight adds 1e-3 · (i % 7 +
 // 1) to gradient element i, and OptimizerStep does weight −= 0.01 · scale ·
-// grad. loss_stats() is always zero.
+// grad. loss_stats() is always zero. Its ChunkState is the weight and the
+// count of optimizer steps (no moments).
 //
 // Not thread-safe: one thread drives a worker's stages.
 #ifndef BATON_WORKER_SYNTHETIC_STAGE_H_
@@ -64,6 +65,8 @@ class SyntheticStage : public StageModel {
   absl::Status OptimizerStep(float grad_scale) override;
   LossStats loss_stats() const override { return LossStats(); }
   std::vector<NamedShard> Shards() override;
+  ChunkState CaptureState() const override;
+  absl::Status RestoreState(const ChunkState& state) override;
 
  private:
   enum class Phase { kForwardDone, kBackwardInputDone };
@@ -78,6 +81,7 @@ class SyntheticStage : public StageModel {
   int64_t elements_;
   int chunk_, num_chunks_;
   kernels::Tensor weight_, grad_;
+  int64_t optimizer_step_ = 0;
   absl::flat_hash_map<int, Phase> in_flight_;
 };
 

@@ -4,6 +4,7 @@
 // call orders are errors.
 #include "worker/synthetic_stage.h"
 
+#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -139,6 +140,47 @@ TEST(SyntheticStageTest, GradientsFeedTheNormAndTheOptimizer) {
   EXPECT_FLOAT_EQ(shards[0].value.f32()[0], -0.005f);  // −= 0.01 · 0.5 · 1
   s.ZeroGrad();
   EXPECT_EQ(s.LocalGradSqNorm(), 0.0);
+}
+
+TEST(SyntheticStageTest, RestoredStateReproducesTheNextStepsBitForBit) {
+  auto chunks = Pipeline(Cost(0, 0, 0, 4), 1);
+  SyntheticStage& s = *chunks[0];
+  const MicrobatchData data;
+  auto step = [&](float scale) {
+    s.ZeroGrad();
+    for (int mb = 0; mb < 2; ++mb) {
+      ASSERT_TRUE(s.Forward(mb, data, Tensor(), Tensor()).ok());
+      ASSERT_TRUE(s.BackwardInput(mb, Tensor(), Tensor()).ok());
+      ASSERT_TRUE(s.BackwardWeight(mb).ok());
+    }
+    ASSERT_TRUE(s.OptimizerStep(scale).ok());
+  };
+  step(1.0f);
+  const ChunkState saved = s.CaptureState();
+  EXPECT_EQ(saved.optimizer_step, 1);
+  ASSERT_EQ(saved.values.size(), static_cast<size_t>(kSyntheticGradElements));
+  EXPECT_TRUE(saved.adam_m.empty() && saved.adam_v.empty());
+  step(0.5f);
+  step(0.25f);
+  const ChunkState want = s.CaptureState();
+  EXPECT_EQ(want.optimizer_step, 3);
+  ASSERT_NE(std::memcmp(want.values.data(), saved.values.data(), 4 * saved.values.size()), 0);
+
+  ASSERT_TRUE(s.Forward(0, data, Tensor(), Tensor()).ok());  // in flight: dropped by restore
+  ASSERT_TRUE(s.RestoreState(saved).ok());
+  step(0.5f);
+  step(0.25f);
+  const ChunkState got = s.CaptureState();
+  EXPECT_EQ(got.optimizer_step, 3);
+  EXPECT_EQ(std::memcmp(got.values.data(), want.values.data(), 4 * want.values.size()), 0);
+
+  ChunkState wrong = saved;
+  wrong.values.pop_back();
+  EXPECT_EQ(s.RestoreState(wrong).code(), absl::StatusCode::kInvalidArgument);
+  wrong = saved;
+  wrong.adam_m.assign(kSyntheticGradElements, 0.0f);
+  EXPECT_EQ(s.RestoreState(wrong).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.CaptureState().optimizer_step, 3);  // a refused state changes nothing
 }
 
 TEST(SyntheticStageTest, BadSpecsAndCallOrdersAreErrors) {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_credentials.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
 #include "common/version.h"
@@ -56,17 +57,112 @@ absl::Status CheckKey(const v1::KvKey& key) {
 
 KvScope ScopeOf(const v1::KvKey& key) { return KvScope{key.job(), key.generation()}; }
 
+// Decrements on scope exit; the increment is the caller's.
+class CountGuard {
+ public:
+  explicit CountGuard(std::atomic<int>* n) : n_(n) {}
+  ~CountGuard() { n_->fetch_sub(1); }
+
+ private:
+  std::atomic<int>* n_;
+};
+
 int64_t NowMicros() { return absl::ToUnixMicros(absl::Now()); }
 
 }  // namespace
 
 CoordinatorService::CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options)
-    : registry_(registry), kv_(kv), options_(std::move(options)) {}
+    : registry_(registry), kv_(kv), options_(std::move(options)) {
+  if (options_.metrics != nullptr) {
+    registrations_ = &prometheus::BuildCounter()
+                          .Name("baton_registrations_total")
+                          .Help("Register calls by result: accepted (new name), replaced (a lost incarnation "
+                                "of the name), refused_live (the name is held by a live worker), invalid, "
+                                "full, unauthorized")
+                          .Register(*options_.metrics);
+    refused_ = &prometheus::BuildCounter()
+                    .Name("baton_rpc_refused_total")
+                    .Help("RPCs refused before they ran, by reason: role (wrong certificate role), token (missing "
+                          "or wrong join token), job (another job's KV), busy (too many pending waits)")
+                    .Register(*options_.metrics);
+    for (const char* r : {"accepted", "replaced", "refused_live", "invalid", "full", "unauthorized"}) {
+      registrations_->Add({{"result", r}});
+    }
+    for (const char* r : {"role", "token", "job", "busy"}) refused_->Add({{"reason", r}});
+  }
+}
 
-grpc::Status CoordinatorService::Register(grpc::ServerContext*, const v1::RegisterRequest* req,
+void CoordinatorService::CountRegistration(const std::string& result) {
+  if (registrations_ != nullptr) registrations_->Add({{"result", result}}).Increment();
+}
+
+void CoordinatorService::CountRefused(const std::string& reason) {
+  if (refused_ != nullptr) refused_->Add({{"reason", reason}}).Increment();
+}
+
+grpc::Status CoordinatorService::Authorize(grpc::ServerContext* ctx, Role role, const char* rpc) {
+  const char* want = role == Role::kWorker ? kRoleWorker : kRoleOperator;
+  if (options_.tls) {
+    std::vector<std::string> roles;
+    if (std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr) {
+      roles = PeerRoles(*auth);
+    }
+    if (std::find(roles.begin(), roles.end(), want) == roles.end()) {
+      CountRefused("role");
+      return grpc::Status(
+          grpc::StatusCode::PERMISSION_DENIED,
+          absl::StrCat(rpc, " needs a client certificate with role '", want, "' (URI SAN ", kRoleUriPrefix, want,
+                       "); this one has ", roles.empty() ? "no baton role" : absl::StrCat("role ", roles.front()),
+                       " (docs/security.md)"));
+    }
+  }
+  if (role == Role::kWorker && !options_.join_token.empty()) {
+    const auto& metadata = ctx->client_metadata();
+    auto it = metadata.find(kJoinTokenMetadata);
+    if (it == metadata.end()) {
+      CountRefused("token");
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc, ": no join token; start the worker with --join_token_file naming a "
+                                            "file that holds the coordinator's token"));
+    }
+    if (!ConstantTimeEquals(absl::string_view(it->second.data(), it->second.size()), options_.join_token)) {
+      CountRefused("token");
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc, ": wrong join token; the worker's --join_token_file must hold the "
+                                            "same token as the coordinator's"));
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::CheckJob(const std::string& job, const char* rpc) {
+  if (options_.job_name.empty() || job == options_.job_name) return grpc::Status::OK;
+  CountRefused("job");
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat(rpc, ": key.job '", job.substr(0, 128), "' is not this coordinator's job '",
+                                   options_.job_name, "'"));
+}
+
+grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                           v1::RegisterResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "Register"); !auth.ok()) {
+    CountRegistration("unauthorized");
+    BATON_LOG(WARNING) << "refused Register of '" << req->name().substr(0, 128) << "' from " << ctx->peer() << ": "
+                       << auth.error_message();
+    return auth;
+  }
   absl::StatusOr<WorkerRegistry::Registration> reg = registry_->Register(*req, options_.heartbeat);
-  if (!reg.ok()) return ToGrpcStatus(reg.status());
+  if (!reg.ok()) {
+    switch (reg.status().code()) {
+      case absl::StatusCode::kAlreadyExists: CountRegistration("refused_live"); break;
+      case absl::StatusCode::kResourceExhausted: CountRegistration("full"); break;
+      default: CountRegistration("invalid"); break;
+    }
+    BATON_LOG(WARNING) << "refused Register from " << ctx->peer() << " (host '" << req->host().substr(0, 128)
+                       << "' pid " << req->pid() << "): " << reg.status().message();
+    return ToGrpcStatus(reg.status());
+  }
+  CountRegistration(reg->replaced_previous ? "replaced" : "accepted");
   if (reg->replaced != nullptr) {
     reg->replaced->Close(absl::AbortedError(absl::StrCat("replaced by a new incarnation of ", req->name())));
   }
@@ -77,6 +173,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext*, const v1::Regist
 }
 
 grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* stream) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "Session"); !auth.ok()) return auth;
   v1::WorkerMessage first;
   if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
   if (first.worker_id() == 0 || first.incarnation() == 0 || !first.has_heartbeat()) {
@@ -125,13 +222,17 @@ grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* strea
   return result;
 }
 
-grpc::Status CoordinatorService::KvSet(grpc::ServerContext*, const v1::KvSetRequest* req, v1::KvSetResponse*) {
+grpc::Status CoordinatorService::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req, v1::KvSetResponse*) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvSet"); !auth.ok()) return auth;
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  if (grpc::Status s = CheckJob(req->key().job(), "KvSet"); !s.ok()) return s;
   return ToGrpcStatus(kv_->Set(ScopeOf(req->key()), req->key().key(), req->value()));
 }
 
-grpc::Status CoordinatorService::KvGet(grpc::ServerContext*, const v1::KvGetRequest* req, v1::KvGetResponse* resp) {
+grpc::Status CoordinatorService::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req, v1::KvGetResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvGet"); !auth.ok()) return auth;
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  if (grpc::Status s = CheckJob(req->key().job(), "KvGet"); !s.ok()) return s;
   absl::StatusOr<std::string> value = kv_->Get(ScopeOf(req->key()), req->key().key());
   if (!value.ok()) return ToGrpcStatus(value.status());
   resp->set_value(std::move(*value));
@@ -139,7 +240,10 @@ grpc::Status CoordinatorService::KvGet(grpc::ServerContext*, const v1::KvGetRequ
 }
 
 grpc::Status CoordinatorService::KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req, v1::KvWaitResponse*) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvWait"); !auth.ok()) return auth;
   if (req->keys().empty()) return Invalid("KvWait: keys must not be empty");
+  if (req->keys_size() > 4096) return Invalid("KvWait: at most 4096 keys per call");
+  if (grpc::Status s = CheckJob(req->keys(0).job(), "KvWait"); !s.ok()) return s;
   if (req->timeout_ms() < 0) return Invalid("KvWait: timeout_ms must be >= 0");
   std::vector<std::string> keys;
   for (const v1::KvKey& key : req->keys()) {
@@ -153,19 +257,30 @@ grpc::Status CoordinatorService::KvWait(grpc::ServerContext* ctx, const v1::KvWa
   // Never wait past the caller's own deadline.
   const absl::Duration until_deadline = absl::FromChrono(ctx->deadline()) - absl::Now();
   timeout = std::max(absl::ZeroDuration(), std::min(timeout, until_deadline));
+  if (pending_kv_waits_.fetch_add(1) >= options_.max_pending_kv_waits) {
+    pending_kv_waits_.fetch_sub(1);
+    CountRefused("busy");
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("KvWait: ", options_.max_pending_kv_waits,
+                                     " waits are already pending on this coordinator; retry later"));
+  }
+  CountGuard guard(&pending_kv_waits_);
   return ToGrpcStatus(kv_->Wait(ScopeOf(req->keys(0)), keys, timeout));
 }
 
-grpc::Status CoordinatorService::KvAdd(grpc::ServerContext*, const v1::KvAddRequest* req, v1::KvAddResponse* resp) {
+grpc::Status CoordinatorService::KvAdd(grpc::ServerContext* ctx, const v1::KvAddRequest* req, v1::KvAddResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvAdd"); !auth.ok()) return auth;
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
+  if (grpc::Status s = CheckJob(req->key().job(), "KvAdd"); !s.ok()) return s;
   absl::StatusOr<int64_t> value = kv_->Add(ScopeOf(req->key()), req->key().key(), req->delta());
   if (!value.ok()) return ToGrpcStatus(value.status());
   resp->set_value(*value);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+grpc::Status CoordinatorService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                                            v1::GetStatusResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "GetStatus"); !auth.ok()) return auth;
   resp->set_version(kVersion);
   resp->set_job(options_.job_name);
   if (!options_.job_name.empty()) resp->set_generation(kv_->CurrentGeneration(options_.job_name));
@@ -176,17 +291,28 @@ grpc::Status CoordinatorService::GetStatus(grpc::ServerContext*, const v1::GetSt
 
 grpc::Status CoordinatorService::GetTrace(grpc::ServerContext* ctx, const v1::GetTraceRequest* req,
                                           v1::GetTraceResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "GetTrace"); !auth.ok()) return auth;
   if (options_.job == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this coordinator runs no job (start it with --job)");
   }
   if (req->steps() < 1) return Invalid("GetTrace: steps must be >= 1");
+  if (req->steps() > 1000) return Invalid("GetTrace: steps must be <= 1000");
   const absl::Duration wait = std::min(absl::Minutes(5), absl::FromChrono(ctx->deadline()) - absl::Now() - absl::Seconds(1));
+  if (pending_traces_.fetch_add(1) >= options_.max_pending_traces) {
+    pending_traces_.fetch_sub(1);
+    CountRefused("busy");
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("GetTrace: ", options_.max_pending_traces,
+                                     " traces are already being taken; retry when one finishes"));
+  }
+  CountGuard guard(&pending_traces_);
   resp->set_chrome_trace_json(options_.job->TraceJson(req->steps(), wait));
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
                                              v1::ListWorkersResponse* resp) {
+  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "ListWorkers"); !auth.ok()) return auth;
   for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
   return grpc::Status::OK;
 }

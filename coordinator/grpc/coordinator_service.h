@@ -1,28 +1,27 @@
-// CoordinatorService: the gRPC skin over WorkerRegistry and KvStore. It only
-// validates wire fields and translates; the logic lives in those classes.
+// CoordinatorService: the gRPC skin over WorkerRegistry and KvStore. It
+// authorises each RPC, validates wire fields and translates; the logic lives
+// in those classes.
+//
+// Authorisation (docs/security.md): with TLS (`Options::tls`), the verified
+// client certificate's role URI (baton://role/<role>) must be "worker" for
+// Register, Session and the KV RPCs, and "operator" for GetStatus,
+// ListWorkers and GetTrace (PERMISSION_DENIED otherwise). With a join token,
+// every worker RPC must carry it (UNAUTHENTICATED otherwise).
 #ifndef BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
 #define BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
 
+#include <atomic>
 #include <functional>
 #include <string>
 
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "coordinator/grpc/job_observer.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
+#include "prometheus/counter.h"
+#include "prometheus/registry.h"
 
 namespace baton {
-
-// What the service tells the job (JobRunner) and asks of it.
-class JobObserver {
- public:
-  virtual ~JobObserver() = default;
-  virtual void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) = 0;
-  virtual void OnWorkerLost(const std::string& worker, const std::string& why) = 0;
-  virtual void FillStatus(v1::GetStatusResponse* status) const = 0;
-  // Chrome trace of `steps` steps; while the job runs, traces the next ones
-  // (waiting up to `wait` for them).
-  virtual std::string TraceJson(int steps, absl::Duration wait) = 0;
-};
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
@@ -31,6 +30,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
     absl::Duration max_kv_wait = absl::Minutes(10);
     std::string job_name;  // empty when no job was given
     JobObserver* job = nullptr;  // null when no job was given
+    bool tls = false;            // authorise RPCs by the client certificate's role
+    std::string join_token;      // required of worker RPCs when non-empty
+    int max_pending_kv_waits = 256;
+    int max_pending_traces = 4;
+    prometheus::Registry* metrics = nullptr;  // baton_registrations_total, baton_rpc_refused_total
   };
   CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options);
 
@@ -49,9 +53,22 @@ class CoordinatorService final : public v1::Coordinator::Service {
                         v1::GetTraceResponse* resp) override;
 
  private:
+  enum class Role { kWorker, kOperator };
+  // OK when the caller may call `rpc` as `role`; PERMISSION_DENIED (wrong
+  // role) or UNAUTHENTICATED (join token) otherwise, counted by reason.
+  grpc::Status Authorize(grpc::ServerContext* ctx, Role role, const char* rpc);
+  // INVALID_ARGUMENT unless `job` is the configured job (when there is one).
+  grpc::Status CheckJob(const std::string& job, const char* rpc);
+  void CountRegistration(const std::string& result);
+  void CountRefused(const std::string& reason);
+
   WorkerRegistry* const registry_;
   KvStore* const kv_;
   const Options options_;
+  std::atomic<int> pending_kv_waits_{0};
+  std::atomic<int> pending_traces_{0};
+  prometheus::Family<prometheus::Counter>* registrations_ = nullptr;
+  prometheus::Family<prometheus::Counter>* refused_ = nullptr;
 };
 
 }  // namespace baton

@@ -3,8 +3,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <map>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace baton {
@@ -100,6 +102,7 @@ TEST_F(CoordinatorServiceTest, GoodbyeThenCloseIsLeftNotLost) {
 
 TEST_F(CoordinatorServiceTest, SessionForUnknownOrStaleIncarnationIsFailedPrecondition) {
   v1::RegisterResponse old = Register("w1");
+  clock_.Advance(absl::Seconds(4));  // `old` never opened a session: its lease is over
   Register("w1");  // replaces `old`
   grpc::ClientContext ctx;
   auto stream = stub_->Session(&ctx);
@@ -186,6 +189,153 @@ TEST_F(CoordinatorServiceTest, KvRoundTripAndWaitTimesOutNamingTheKey) {
     ASSERT_TRUE(stub_->GetStatus(&ctx, {}, &resp).ok());
     EXPECT_FALSE(resp.version().empty());
   }
+}
+
+// A service with non-default options, on its own in-process server.
+class ServiceWith {
+ public:
+  explicit ServiceWith(CoordinatorService::Options options) : service_(&registry_, &kv_, options) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    stub_ = v1::Coordinator::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+  }
+  ~ServiceWith() { server_->Shutdown(std::chrono::system_clock::now()); }
+
+  grpc::Status Register(const std::string& name, const std::string& token, int64_t pid = 1) {
+    grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("baton-join-token", token);
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_device("cpu");
+    req.set_host("host-a");
+    req.set_pid(pid);
+    v1::RegisterResponse resp;
+    return stub_->Register(&ctx, req, &resp);
+  }
+
+  FakeClock clock_;
+  WorkerRegistry registry_{&clock_, absl::Seconds(3)};
+  KvStore kv_;
+  CoordinatorService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+TEST(CoordinatorServiceAuthTest, WorkerRpcsNeedTheJoinToken) {
+  CoordinatorService::Options options;
+  options.join_token = "s3cret-token-0123456789";
+  ServiceWith s(options);
+  grpc::Status none = s.Register("w1", "");
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_NE(none.error_message().find("no join token"), std::string::npos) << none.error_message();
+  grpc::Status wrong = s.Register("w1", "s3cret-token-0123456780");
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_NE(wrong.error_message().find("wrong join token"), std::string::npos) << wrong.error_message();
+  EXPECT_TRUE(s.registry_.List().empty());  // nothing was registered
+  EXPECT_TRUE(s.Register("w1", "s3cret-token-0123456789").ok());
+  // The KV too: the rendezvous addresses are for members only.
+  grpc::ClientContext ctx;
+  v1::KvGetRequest get;
+  get.mutable_key()->set_job("job");
+  get.mutable_key()->set_key("rank0");
+  v1::KvGetResponse resp;
+  EXPECT_EQ(s.stub_->KvGet(&ctx, get, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST(CoordinatorServiceAuthTest, ADuplicateNameIsAlreadyExistsAndCounted) {
+  auto metrics = std::make_shared<prometheus::Registry>();
+  CoordinatorService::Options options;
+  options.metrics = metrics.get();
+  ServiceWith s(options);
+  ASSERT_TRUE(s.Register("w1", "", 111).ok());
+  grpc::Status dup = s.Register("w1", "", 222);
+  EXPECT_EQ(dup.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(dup.error_message().find("host 'host-a' pid 111"), std::string::npos) << dup.error_message();
+  s.clock_.Advance(absl::Seconds(4));
+  EXPECT_TRUE(s.Register("w1", "", 222).ok());
+  std::map<std::string, double> counts;
+  for (const auto& family : metrics->Collect()) {
+    if (family.name != "baton_registrations_total") continue;
+    for (const auto& m : family.metric) counts[m.label.at(0).value] = m.counter.value;
+  }
+  EXPECT_EQ(counts["accepted"], 1);
+  EXPECT_EQ(counts["refused_live"], 1);
+  EXPECT_EQ(counts["replaced"], 1);
+}
+
+TEST(CoordinatorServiceAuthTest, KvOfAnotherJobIsRefusedAndWaitsAreCapped) {
+  CoordinatorService::Options options;
+  options.job_name = "mine";
+  options.max_pending_kv_waits = 2;
+  ServiceWith s(options);
+  {
+    grpc::ClientContext ctx;
+    v1::KvSetRequest set;
+    set.mutable_key()->set_job("junk");
+    set.mutable_key()->set_key("k");
+    v1::KvSetResponse resp;
+    grpc::Status st = s.stub_->KvSet(&ctx, set, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("not this coordinator's job 'mine'"), std::string::npos) << st.error_message();
+  }
+  auto wait = [&](int64_t timeout_ms) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::KvWaitRequest req;
+    v1::KvKey* key = req.add_keys();
+    key->set_job("mine");
+    key->set_key("never");
+    req.set_timeout_ms(timeout_ms);
+    v1::KvWaitResponse resp;
+    return s.stub_->KvWait(&ctx, req, &resp);
+  };
+  std::thread w1([&] { EXPECT_EQ(wait(3000).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED); });
+  std::thread w2([&] { EXPECT_EQ(wait(3000).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED); });
+  absl::SleepFor(absl::Milliseconds(500));  // both are pending (they wait 3 s)
+  grpc::Status third = wait(10);
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << third.error_message();
+  w1.join();
+  w2.join();
+  EXPECT_EQ(wait(10).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);  // room again
+}
+
+// A job whose trace takes until released.
+class SlowTraceJob : public JobObserver {
+ public:
+  void OnWorkerMessage(const std::string&, const v1::WorkerMessage&) override {}
+  void OnWorkerLost(const std::string&, const std::string&, bool) override {}
+  void FillStatus(v1::GetStatusResponse*) const override {}
+  std::string TraceJson(int, absl::Duration) override {
+    release_.WaitForNotificationWithTimeout(absl::Seconds(20));
+    return "{}";
+  }
+  absl::Notification release_;
+};
+
+TEST(CoordinatorServiceAuthTest, PendingTracesAreCapped) {
+  SlowTraceJob job;
+  CoordinatorService::Options options;
+  options.job_name = "j";
+  options.job = &job;
+  options.max_pending_traces = 1;
+  ServiceWith s(options);
+  auto trace = [&](int steps) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::GetTraceRequest req;
+    req.set_steps(steps);
+    v1::GetTraceResponse resp;
+    return s.stub_->GetTrace(&ctx, req, &resp);
+  };
+  EXPECT_EQ(trace(1001).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  std::thread first([&] { EXPECT_TRUE(trace(1).ok()); });
+  absl::SleepFor(absl::Milliseconds(500));  // `first` is being traced
+  grpc::Status second = trace(1);
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  job.release_.Notify();
+  first.join();
+  EXPECT_TRUE(trace(1).ok());  // room again
 }
 
 }  // namespace

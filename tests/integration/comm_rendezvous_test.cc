@@ -78,6 +78,10 @@ TEST_F(CommRendezvousTest, FourProcessesAllReduceThroughTheRealCoordinator) {
 }
 
 TEST_F(CommRendezvousTest, TheCoordinatorRejectsAStragglerOfAnOlderGeneration) {
+  // Generations move one at a time (the coordinator serves only the current
+  // and the next one): 1, then 2.
+  comm::CoordinatorStore first(comm::ConnectCoordinator(address_), "job", 1);
+  ASSERT_TRUE(comm::CreateCommunicator(first, Spec("tp", 1, 0, 1)).ok());
   comm::CoordinatorStore current(comm::ConnectCoordinator(address_), "job", 2);
   ASSERT_TRUE(comm::CreateCommunicator(current, Spec("tp", 2, 0, 1)).ok());
   comm::CoordinatorStore stale(comm::ConnectCoordinator(address_), "job", 1);

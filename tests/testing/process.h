@@ -33,6 +33,7 @@ class Subprocess {
   // Exit code (or 128+signal) once it exits within `timeout`, else nullopt.
   std::optional<int> Wait(absl::Duration timeout);
   bool running() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
   std::string Log() const;
 
  private:

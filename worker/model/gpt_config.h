@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "baton/v1/job.pb.h"
+#include "kernels/tensor.h"
 
 namespace baton::model {
 
@@ -67,6 +68,10 @@ struct StageConfig {
   bool vocab_parallel = false;
   uint64_t seed = 0;  // weight initialisation
   absl::Duration comm_timeout = absl::Minutes(5);
+  // Where the stage's parameters, gradients, optimizer state and activations
+  // live and its ops run (kernels/backend.h). Inputs tokens/targets stay host
+  // tensors; activations passed in and out are on this device.
+  kernels::Device device;
 
   bool is_first() const { return pp_rank == 0; }
   bool is_last() const { return pp_rank == pp_size - 1; }

@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/model/comm_buffer.h"
 
 namespace baton::model {
 
@@ -26,6 +28,7 @@ struct GptStage::BlockActivations {
 };
 
 struct GptStage::Microbatch {
+  explicit Microbatch(kernels::Device device) : arena(device) {}
   kernels::Arena arena;
   int64_t batch = 0, seq = 0;
   Tensor tokens, targets;
@@ -41,9 +44,10 @@ namespace {
 constexpr float kInitStd = 0.02f;
 static_assert(kMaxVocab <= kernels::kMaxArgmaxVocab, "token ids must pass exactly as floats");
 
-Tensor Copy(kernels::Arena& arena, const Tensor& src, Shape shape) {
+// A copy of `src` (host or device) in the arena, enqueued on ctx's stream.
+Tensor Copy(const kernels::ExecContext& ctx, kernels::Arena& arena, const Tensor& src, Shape shape) {
   Tensor dst = arena.Allocate(std::move(shape), src.dtype());
-  std::memcpy(dst.raw(), src.raw(), src.bytes());
+  kernels::Copy(ctx, dst, src);
   return dst;
 }
 
@@ -134,6 +138,10 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   auto stage =
       std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
   stage->params_.Initialize(config.seed);
+  const std::string where = absl::StrCat("placing stage ", config.pp_rank, " (tp rank ",
+                                         config.tp_rank, ") on ",
+                                         kernels::DeviceToString(config.device));
+  BATON_RETURN_IF_ERROR_CTX(stage->PlaceOnDevice(), where);
   return stage;
 }
 
@@ -148,6 +156,18 @@ GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group,
 }
 
 GptStage::~GptStage() = default;
+
+absl::Status GptStage::PlaceOnDevice() {
+  const kernels::Device device = config_.device;
+  BATON_RETURN_IF_ERROR(params_.Place(device));
+  BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
+  scratch_ = std::make_unique<kernels::Arena>(device);
+  ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get());
+  BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
+  BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
+  BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
+  return absl::OkStatus();
+}
 
 void GptStage::BindParameters() {
   wte_ = params_.Find("wte");
@@ -176,17 +196,21 @@ void GptStage::BindParameters() {
 
 absl::Status GptStage::AllReduceTp(const Tensor& t, const char* what, int block) {
   if (config_.tp_size == 1) return absl::OkStatus();
-  const absl::Status status =
-      tp_->AllReduceSum(comm::Buffer::Host(t.f32(), t.numel()))->Wait(config_.comm_timeout);
+  // The communicator works on memory the stream has finished writing (a
+  // no-op on the CPU). A collective enqueued on the compute stream (NCCL)
+  // would make this wait unnecessary.
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) status = tp_->AllReduceSum(CommBuffer(t))->Wait(config_.comm_timeout);
   if (status.ok()) return status;
   return WithContext(status, absl::StrCat("tensor-parallel all-reduce of ", what,
                                           block >= 0 ? absl::StrCat(" in block ", block) : ""));
 }
 
 absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const char* what) {
-  const absl::Status status = tp_->AllGather(comm::Buffer::Host(in.f32(), in.numel()),
-                                             comm::Buffer::Host(out.f32(), out.numel()))
-                                  ->Wait(config_.comm_timeout);
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) {
+    status = tp_->AllGather(CommBuffer(in), CommBuffer(out))->Wait(config_.comm_timeout);
+  }
   return WithContext(status, absl::StrCat("tensor-parallel all-gather of ", what));
 }
 
@@ -196,10 +220,12 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
   const int want_dims = config_.is_first() ? 2 : 3;
-  if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(shaped_name,
-                                                   ": missing, or not a host tensor [batch, seq",
-                                                   config_.is_first() ? "]" : ", d_model]"));
+  // Tokens are host tensors; activations live on the stage's device.
+  const kernels::Device want_device = config_.is_first() ? kernels::Device::Cpu() : config_.device;
+  if (!shaped.defined() || shaped.ndim() != want_dims || shaped.device() != want_device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": missing, or not a tensor [batch, seq", config_.is_first() ? "]" : ", d_model]",
+        " on ", kernels::DeviceToString(want_device)));
   }
   *batch = shaped.dim(0);
   *seq = shaped.dim(1);
@@ -212,9 +238,10 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   }
   const int64_t n = *batch * *seq;
   auto check_ids = [&](const Tensor& ids, const char* name, bool allow_ignore) -> absl::Status {
-    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
+    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n ||
+        !ids.device().is_cpu()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": want int32 [", *batch, ", ", *seq, "] in host memory to match the microbatch"));
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids.i32()[i];
@@ -252,7 +279,7 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, output, &batch, &seq), "Forward(", mb, ")");
   std::unique_ptr<Microbatch> state;
   if (free_.empty()) {
-    state = std::make_unique<Microbatch>();
+    state = std::make_unique<Microbatch>(config_.device);
   } else {
     state = std::move(free_.back());
     free_.pop_back();
@@ -267,9 +294,8 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
     free_.push_back(std::move(state));
     return WithContext(status, absl::StrCat("Forward(", mb, ")"));
   }
-  score_.loss_sum += score.loss_sum;
+  // The loss and hits went into the device accumulators (see score()).
   score_.tokens += score.tokens;
-  score_.correct += score.correct;
   in_flight_[mb] = std::move(state);
   return absl::OkStatus();
 }
@@ -279,20 +305,27 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
   kernels::Arena& arena = s.arena;
   if (config_.is_first()) {
-    s.tokens = Copy(arena, inputs.tokens, {s.batch, s.seq});
+    s.tokens = Copy(ctx_, arena, inputs.tokens, {s.batch, s.seq});
     s.x0 = arena.Allocate({n, c});
     // With a vocabulary-parallel table each rank embeds the tokens it holds,
     // rank 0 adds the positions, and the all-reduce assembles the whole.
     const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
-    kernels::Embedding(s.x0, s.tokens, wte_->value, vocab_begin_,
+    kernels::Embedding(ctx_, s.x0, s.tokens, wte_->value, vocab_begin_,
                        add_positions ? wpe_->value : Tensor());
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
     }
   } else {
-    s.x0 = Copy(arena, inputs.activations, {n, c});
+    s.x0 = Copy(ctx_, arena, inputs.activations, {n, c});
   }
-  if (config_.is_last()) s.targets = Copy(arena, inputs.targets, {n});
+  if (config_.is_last()) {
+    // Scored tokens are counted on the host, from the host targets.
+    const int32_t* targets = inputs.targets.i32();
+    for (int64_t i = 0; i < n; ++i) {
+      if (targets[i] != kernels::kIgnoreTarget) ++score->tokens;
+    }
+    s.targets = Copy(ctx_, arena, inputs.targets, {n});
+  }
   s.blocks.resize(blocks_.size());
   Tensor x = s.x0;
   for (size_t i = 0; i < blocks_.size(); ++i) {
@@ -301,29 +334,26 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     x = s.blocks[i].x_out;
   }
   if (!config_.is_last()) {
-    std::memcpy(output.raw(), x.raw(), x.bytes());
+    kernels::Copy(ctx_, output, x);
     return absl::OkStatus();
   }
   s.xf = arena.Allocate({n, c});
   s.meanf = arena.Allocate({n});
   s.rstdf = arena.Allocate({n});
-  kernels::LayerNorm(s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
+  kernels::LayerNorm(ctx_, s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
   s.dlogits = arena.Allocate({n, wte_->value.dim(0)});  // this rank's vocabulary columns
-  kernels::Linear(s.dlogits, s.xf, wte_->value, Tensor());
-  for (int64_t i = 0; i < n; ++i) {
-    if (s.targets.i32()[i] != kernels::kIgnoreTarget) ++score->tokens;
-  }
+  kernels::Linear(ctx_, s.dlogits, s.xf, wte_->value, Tensor());
   const float grad_scale =
       score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
-  if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale, score);
+  if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale);
   Tensor max = arena.Allocate({n}), index = arena.Allocate({n});
-  kernels::ShardArgmax(s.dlogits, 0, max, index);
-  score->correct = kernels::CountArgmaxHits(max, index, s.targets);
-  score->loss_sum = kernels::SoftmaxCrossEntropy(s.dlogits, s.targets, grad_scale);
+  kernels::ShardArgmax(ctx_, s.dlogits, 0, max, index);
+  kernels::CountArgmaxHits(ctx_, max, index, s.targets, hits_acc_);
+  kernels::SoftmaxCrossEntropy(ctx_, s.dlogits, s.targets, grad_scale, loss_acc_);
   return absl::OkStatus();
 }
 
-absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale, StepScore* score) {
+absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale) {
   const int64_t n = s.batch * s.seq, tp = config_.tp_size;
   kernels::Arena& arena = s.arena;
   // Each rank's log-sum-exps, largest logits and their indices travel in one
@@ -333,21 +363,21 @@ absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale, 
   Tensor max = stats.Rows(1, 2).Reshaped({n});
   Tensor index = stats.Rows(2, 3).Reshaped({n});
   Tensor row_max = arena.Allocate({n}), target_logit = arena.Allocate({n});
-  kernels::ShardArgmax(s.dlogits, vocab_begin_, max, index);
-  kernels::ShardedCrossEntropyStats(s.dlogits, s.targets, vocab_begin_, row_max, lse, target_logit);
+  kernels::ShardArgmax(ctx_, s.dlogits, vocab_begin_, max, index);
+  kernels::ShardedCrossEntropyStats(ctx_, s.dlogits, s.targets, vocab_begin_, row_max, lse, target_logit);
   BATON_RETURN_IF_ERROR(AllGatherTp(stats, stats_all, "the vocabulary-shard loss statistics"));
   BATON_RETURN_IF_ERROR(AllReduceTp(target_logit, "the target logits", -1));
   Tensor lse_all = arena.Allocate({tp, n}), max_all = arena.Allocate({tp, n});
   Tensor index_all = arena.Allocate({tp, n});
+  const Tensor rows = stats_all.Reshaped({tp * 3, n});
   for (int64_t r = 0; r < tp; ++r) {
-    const float* src = stats_all.f32() + r * 3 * n;
-    std::memcpy(lse_all.f32() + r * n, src, n * sizeof(float));
-    std::memcpy(max_all.f32() + r * n, src + n, n * sizeof(float));
-    std::memcpy(index_all.f32() + r * n, src + 2 * n, n * sizeof(float));
+    kernels::Copy(ctx_, lse_all.Rows(r, r + 1), rows.Rows(3 * r, 3 * r + 1));
+    kernels::Copy(ctx_, max_all.Rows(r, r + 1), rows.Rows(3 * r + 1, 3 * r + 2));
+    kernels::Copy(ctx_, index_all.Rows(r, r + 1), rows.Rows(3 * r + 2, 3 * r + 3));
   }
-  score->correct = kernels::CountArgmaxHits(max_all, index_all, s.targets);
-  score->loss_sum = kernels::ShardedCrossEntropyFinish(s.dlogits, s.targets, vocab_begin_, row_max,
-                                                       lse_all, target_logit, grad_scale);
+  kernels::CountArgmaxHits(ctx_, max_all, index_all, s.targets, hits_acc_);
+  kernels::ShardedCrossEntropyFinish(ctx_, s.dlogits, s.targets, vocab_begin_, row_max, lse_all,
+                                     target_logit, grad_scale, loss_acc_);
   return absl::OkStatus();
 }
 
@@ -360,33 +390,33 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   a.ln1 = arena.Allocate({n, c});
   a.mean1 = arena.Allocate({n});
   a.rstd1 = arena.Allocate({n});
-  kernels::LayerNorm(a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
+  kernels::LayerNorm(ctx_, a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
   a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
-  kernels::Linear(a.qkv, a.ln1, b.qkv_w->value, b.qkv_b->value);
+  kernels::Linear(ctx_, a.qkv, a.ln1, b.qkv_w->value, b.qkv_b->value);
   a.y = arena.Allocate({n, cl});
   a.att = arena.Allocate({mb.batch, heads, mb.seq, mb.seq});
-  kernels::Attention(a.y, a.att, a.qkv, heads);
+  kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
   Tensor attn_out = arena.Allocate({n, c});
-  kernels::Linear(attn_out, a.y, b.proj_w->value, Tensor());
+  kernels::Linear(ctx_, attn_out, a.y, b.proj_w->value, Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
-  kernels::AddBias(attn_out, b.proj_b->value);
+  kernels::AddBias(ctx_, attn_out, b.proj_b->value);
   a.x_mid = arena.Allocate({n, c});
-  kernels::Residual(a.x_mid, a.x_in, attn_out);
+  kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
 
   a.ln2 = arena.Allocate({n, c});
   a.mean2 = arena.Allocate({n});
   a.rstd2 = arena.Allocate({n});
-  kernels::LayerNorm(a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
+  kernels::LayerNorm(ctx_, a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
   a.h = arena.Allocate({n, fl});
-  kernels::Linear(a.h, a.ln2, b.fc_w->value, b.fc_b->value);
+  kernels::Linear(ctx_, a.h, a.ln2, b.fc_w->value, b.fc_b->value);
   a.g = arena.Allocate({n, fl});
-  kernels::Gelu(a.g, a.h);
+  kernels::Gelu(ctx_, a.g, a.h);
   Tensor mlp_out = arena.Allocate({n, c});
-  kernels::Linear(mlp_out, a.g, b.fc2_w->value, Tensor());
+  kernels::Linear(ctx_, mlp_out, a.g, b.fc2_w->value, Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
-  kernels::AddBias(mlp_out, b.fc2_b->value);
+  kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
   a.x_out = arena.Allocate({n, c});
-  kernels::Residual(a.x_out, a.x_mid, mlp_out);
+  kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
   return absl::OkStatus();
 }
 
@@ -420,16 +450,17 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
   if (config_.is_last()) {
     const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
     Tensor dxf = arena.Allocate({n, c});
-    kernels::LinearBackwardInput(dxf, s->dlogits, wte_->value, /*accumulate=*/false);
+    kernels::LinearBackwardInput(ctx_, dxf, s->dlogits, wte_->value, /*accumulate=*/false);
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR_CTX(AllReduceTp(dxf, "the LM head input gradient", -1),
                                 "BackwardInput(", mb, ")");
     }
-    d = arena.AllocateZeroed({n, c});
-    kernels::LayerNormBackward(d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
+    d = arena.Allocate({n, c});
+    kernels::FillZero(ctx_, d);
+    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
                                s->rstdf);
   } else {
-    d = Copy(arena, grad_output, {n, c});
+    d = Copy(ctx_, arena, grad_output, {n, c});
   }
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     Tensor d_in = arena.Allocate({n, c});
@@ -438,7 +469,7 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
     d = d_in;
   }
   s->d_x0 = d;
-  if (!config_.is_first()) std::memcpy(grad_input.raw(), d.raw(), d.bytes());
+  if (!config_.is_first()) kernels::Copy(ctx_, grad_input, d);
   s->backward_input_done = true;
   return absl::OkStatus();
 }
@@ -452,31 +483,31 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   kernels::Arena& arena = mb.arena;
   // MLP: x_out = x_mid + fc2(gelu(fc(ln2(x_mid)))).
   a.d_out = d_out;
-  kernels::BiasBackward(b.fc2_b->grad, d_out);
+  kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
   a.dh = arena.Allocate({n, fl});
-  kernels::LinearBackwardInput(a.dh, d_out, b.fc2_w->value, /*accumulate=*/false);
-  kernels::GeluBackward(a.dh, a.h, a.dh);
-  kernels::BiasBackward(b.fc_b->grad, a.dh);
+  kernels::LinearBackwardInput(ctx_, a.dh, d_out, b.fc2_w->value, /*accumulate=*/false);
+  kernels::GeluBackward(ctx_, a.dh, a.h, a.dh);
+  kernels::BiasBackward(ctx_, b.fc_b->grad, a.dh);
   Tensor dln2 = arena.Allocate({n, c});
-  kernels::LinearBackwardInput(dln2, a.dh, b.fc_w->value, /*accumulate=*/false);
+  kernels::LinearBackwardInput(ctx_, dln2, a.dh, b.fc_w->value, /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
   a.d_mid = arena.Allocate({n, c});
-  std::memcpy(a.d_mid.raw(), d_out.raw(), d_out.bytes());
-  kernels::LayerNormBackward(a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
+  kernels::Copy(ctx_, a.d_mid, d_out);
+  kernels::LayerNormBackward(ctx_, a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
                              a.mean2, a.rstd2);
   // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
-  kernels::BiasBackward(b.proj_b->grad, a.d_mid);
+  kernels::BiasBackward(ctx_, b.proj_b->grad, a.d_mid);
   Tensor dy = arena.Allocate({n, cl});
-  kernels::LinearBackwardInput(dy, a.d_mid, b.proj_w->value, /*accumulate=*/false);
+  kernels::LinearBackwardInput(ctx_, dy, a.d_mid, b.proj_w->value, /*accumulate=*/false);
   a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
   Tensor scratch = arena.Allocate({mb.seq, mb.seq});
-  kernels::AttentionBackward(a.dqkv, scratch, dy, a.qkv, a.att, heads);
-  kernels::BiasBackward(b.qkv_b->grad, a.dqkv);
+  kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
+  kernels::BiasBackward(ctx_, b.qkv_b->grad, a.dqkv);
   Tensor dln1 = arena.Allocate({n, c});
-  kernels::LinearBackwardInput(dln1, a.dqkv, b.qkv_w->value, /*accumulate=*/false);
+  kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, b.qkv_w->value, /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
-  std::memcpy(d_in.raw(), a.d_mid.raw(), a.d_mid.bytes());
-  kernels::LayerNormBackward(d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
+  kernels::Copy(ctx_, d_in, a.d_mid);
+  kernels::LayerNormBackward(ctx_, d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
                              a.mean1, a.rstd1);
   return absl::OkStatus();
 }
@@ -487,12 +518,12 @@ absl::Status GptStage::BackwardWeight(int mb) {
     return absl::FailedPreconditionError(
         absl::StrCat("BackwardWeight(", mb, "): BackwardInput has not run"));
   }
-  if (config_.is_last()) kernels::LinearBackwardWeight(wte_->grad, s->dlogits, s->xf);
+  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, wte_->grad, s->dlogits, s->xf);
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BlockBackwardWeight(blocks_[i], s->blocks[i]);
   }
   if (config_.is_first())
-    kernels::EmbeddingBackward(wte_->grad, vocab_begin_, wpe_->grad, s->d_x0, s->tokens);
+    kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_->grad, s->d_x0, s->tokens);
   // The microbatch is done: its activations go back to the pool.
   auto it = in_flight_.find(mb);
   it->second->arena.Reset();
@@ -502,10 +533,10 @@ absl::Status GptStage::BackwardWeight(int mb) {
 }
 
 void GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
-  kernels::LinearBackwardWeight(b.fc2_w->grad, a.d_out, a.g);
-  kernels::LinearBackwardWeight(b.fc_w->grad, a.dh, a.ln2);
-  kernels::LinearBackwardWeight(b.proj_w->grad, a.d_mid, a.y);
-  kernels::LinearBackwardWeight(b.qkv_w->grad, a.dqkv, a.ln1);
+  kernels::LinearBackwardWeight(ctx_, b.fc2_w->grad, a.d_out, a.g);
+  kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, a.ln2);
+  kernels::LinearBackwardWeight(ctx_, b.proj_w->grad, a.d_mid, a.y);
+  kernels::LinearBackwardWeight(ctx_, b.qkv_w->grad, a.dqkv, a.ln1);
 }
 
 absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor& grad_input) {
@@ -521,11 +552,43 @@ int64_t GptStage::activation_system_allocations() const {
 }
 
 double GptStage::MeanLoss() const {
-  return score_.tokens == 0 ? 0.0 : score_.loss_sum / static_cast<double>(score_.tokens);
+  const StepScore score = this->score();
+  return score.tokens == 0 ? 0.0 : score.loss_sum / static_cast<double>(score.tokens);
+}
+
+namespace {
+
+// The value of a one-element accumulator, copied to the host after the
+// stream has passed everything enqueued so far (a host synchronisation).
+template <typename T>
+T ReadScalar(const kernels::ExecContext& ctx, const Tensor& acc) {
+  T value{};
+  kernels::Copy(ctx, Tensor::View(&value, {1}, acc.dtype()), acc);
+  const absl::Status s = ctx.stream->Synchronize();
+  if (!s.ok()) {
+    // A failed device cannot report; a NaN (or -1 hits) fails the step's
+    // finiteness check rather than passing a stale value.
+    return static_cast<T>(std::is_floating_point<T>::value ? NAN : -1);
+  }
+  return value;
+}
+
+}  // namespace
+
+StepScore GptStage::score() const {
+  StepScore score = score_;
+  if (config_.is_last()) {
+    score.loss_sum = ReadScalar<double>(ctx_, loss_acc_);
+    score.correct = ReadScalar<int64_t>(ctx_, hits_acc_);
+  }
+  return score;
 }
 
 void GptStage::ZeroGrad() {
-  std::memset(params_.grads().raw(), 0, params_.grads().bytes());
+  scratch_->Reset();
+  kernels::FillZero(ctx_, params_.grads());
+  kernels::FillZero(ctx_, loss_acc_);
+  kernels::FillZero(ctx_, hits_acc_);
   score_ = StepScore();
 }
 
@@ -538,11 +601,11 @@ void GptStage::DropInFlight() {
 }
 
 double GptStage::LocalGradSqNorm() const {
-  double sum = 0.0;
+  kernels::FillZero(ctx_, norm_acc_);
   for (const Parameter& p : params_.parameters()) {
-    if (p.spec.counts_in_norm) sum += kernels::SumOfSquares(p.grad);
+    if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
   }
-  return sum;
+  return ReadScalar<double>(ctx_, norm_acc_);
 }
 
 absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
@@ -555,9 +618,11 @@ absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
     return absl::InvalidArgumentError(
         "SyncTiedEmbeddingGrad: want a two-rank group, first stage rank 0, last stage rank 1");
   }
-  return WithContext(group.AllReduceSum(comm::Buffer::Host(wte_->grad.f32(), wte_->grad.numel()))
-                         ->Wait(config_.comm_timeout),
-                     "all-reduce of the tied embedding gradient");
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) {
+    status = group.AllReduceSum(CommBuffer(wte_->grad))->Wait(config_.comm_timeout);
+  }
+  return WithContext(status, "all-reduce of the tied embedding gradient");
 }
 
 absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float grad_scale) {
@@ -569,7 +634,7 @@ absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float g
   kernels::AdamWConfig no_decay = config;
   no_decay.weight_decay = 0.0f;
   for (Parameter& p : params_.parameters()) {
-    kernels::AdamW(p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
+    kernels::AdamW(ctx_, p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
                    step_, grad_scale);
   }
   return absl::OkStatus();

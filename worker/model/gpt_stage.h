@@ -37,6 +37,12 @@
 // sources do) the objective is the plain mean over the step's scored tokens,
 // which is what score() reports as loss_sum / tokens.
 //
+// Device: every op runs through kernels/ops.h on the stage's ExecContext
+// (StageConfig::device, one stream); the stage never branches on the device.
+// Inputs tokens and targets are host int32 tensors; activations, outputs and
+// gradients passed in and out live on the device. Outputs are complete once
+// stream() has passed them (the caller synchronises or waits on an event).
+//
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool; BackwardInput(mb) computes the input gradient (plus the cheap bias and
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
@@ -102,8 +108,9 @@ class GptStage {
   // forward since ZeroGrad() (0 when none was scored).
   double MeanLoss() const;
   // Last stage: loss, scored tokens and argmax hits since ZeroGrad(); the same
-  // on every TP rank. Zero on other stages.
-  const StepScore& score() const { return score_; }
+  // on every TP rank. Zero on other stages. Waits for the stage's stream (a
+  // host synchronisation; the loss and hits accumulate on the device).
+  StepScore score() const;
 
   void ZeroGrad();
   // Releases every microbatch still in flight (after a failed or discarded
@@ -121,6 +128,15 @@ class GptStage {
   absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
 
   ParameterStore& parameters() { return params_; }
+  const ParameterStore& parameters() const { return params_; }
+  // AdamW steps taken (the bias-correction step of the next one minus 1);
+  // set when restoring a captured state.
+  int64_t optimizer_step() const { return step_; }
+  void set_optimizer_step(int64_t step) { step_ = step; }
+  // The stream the stage's ops run on (config.device). Outputs written by
+  // Forward / BackwardInput are complete once it has passed them.
+  kernels::Stream& stream() { return *stream_; }
+  const kernels::ExecContext& context() const { return ctx_; }
   int64_t microbatches_in_flight() const { return static_cast<int64_t>(in_flight_.size()); }
   // Times the activation arenas asked the system for memory; flat once the
   // arenas have grown to a step's high-water mark.
@@ -134,13 +150,15 @@ class GptStage {
   GptStage(const StageConfig& config, comm::Communicator* tp_group,
            std::vector<ParameterSpec> specs);
   void BindParameters();
+  // Parameters, stream and accumulators onto config_.device.
+  absl::Status PlaceOnDevice();
 
   absl::Status ValidateInputs(const StageInputs& inputs, const kernels::Tensor& output,
                               int64_t* batch, int64_t* seq) const;
   // Adds the last stage's loss, scored tokens and hits to `score`.
   absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
                           StepScore* score);
-  absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale, StepScore* score);
+  absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
@@ -161,7 +179,13 @@ class GptStage {
   Parameter* lnf_w_ = nullptr;
   Parameter* lnf_b_ = nullptr;
   int64_t step_ = 0;
-  StepScore score_;
+  StepScore score_;  // tokens only; loss and hits in the accumulators
+  std::unique_ptr<kernels::Stream> stream_;
+  // Op temporaries (ExecContext::scratch), on config.device; reset at
+  // ZeroGrad, between steps.
+  std::unique_ptr<kernels::Arena> scratch_;
+  kernels::ExecContext ctx_;
+  kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
 };

@@ -1,7 +1,10 @@
 #include "worker/model/parameters.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -79,6 +82,60 @@ void FillNormal(uint64_t seed, const std::string& name, float std, float* out, i
   }
 }
 
+namespace {
+
+// Runs `copy` (host <-> device) on a stream of its own and waits for it.
+absl::Status CopyAndWait(kernels::Device device, const kernels::Tensor& dst,
+                         const kernels::Tensor& src) {
+  absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = kernels::Stream::Create(device);
+  if (!stream.ok()) return stream.status();
+  kernels::Copy(kernels::ExecContext::On(stream->get()), dst, src);
+  return (*stream)->Synchronize();
+}
+
+}  // namespace
+
+std::vector<float> ParameterStore::ToHost(const kernels::Tensor& t) {
+  std::vector<float> out(t.numel());
+  kernels::Tensor host = kernels::Tensor::View(out.data(), {t.numel()});
+  if (t.device().is_cpu()) {
+    std::memcpy(out.data(), t.f32(), t.bytes());
+  } else {
+    const absl::Status s = CopyAndWait(t.device(), host, t);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ParameterStore::ToHost: %s\n", std::string(s.message()).c_str());
+      std::abort();
+    }
+  }
+  return out;
+}
+
+absl::Status ParameterStore::Place(kernels::Device device) {
+  if (device == values_.device()) return absl::OkStatus();
+  const int64_t total = values_.numel();
+  kernels::Tensor* buffers[] = {&values_, &grads_, &adam_m_, &adam_v_};
+  for (kernels::Tensor* b : buffers) {
+    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {total});
+    if (!placed.ok()) return placed.status();
+    if (b == &values_) {
+      absl::Status s = CopyAndWait(device, *placed, values_);
+      if (!s.ok()) return s;
+    }
+    *b = *std::move(placed);
+  }
+  int64_t offset = 0;
+  for (Parameter& p : params_) {
+    const int64_t n = p.value.numel();
+    const kernels::Shape local = p.value.shape();
+    p.value = values_.Rows(offset, offset + n).Reshaped(local);
+    p.grad = grads_.Rows(offset, offset + n).Reshaped(local);
+    p.adam_m = adam_m_.Rows(offset, offset + n).Reshaped(local);
+    p.adam_v = adam_v_.Rows(offset, offset + n).Reshaped(local);
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
 ParameterStore::ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size)
     : tp_rank_(tp_rank), tp_size_(tp_size) {
   int64_t total = 0;
@@ -132,8 +189,14 @@ absl::Status ParameterStore::SetFull(const std::string& name, absl::Span<const f
         absl::StrCat(name, ": got ", full.size(), " values for shape ",
                      kernels::ShapeToString(p->spec.full_shape), " (", want, ")"));
   }
-  ExtractShard(p->spec.shard, tp_rank_, tp_size_, full.data(), p->value.f32());
-  return absl::OkStatus();
+  if (p->value.device().is_cpu()) {
+    ExtractShard(p->spec.shard, tp_rank_, tp_size_, full.data(), p->value.f32());
+    return absl::OkStatus();
+  }
+  std::vector<float> local(p->value.numel());
+  ExtractShard(p->spec.shard, tp_rank_, tp_size_, full.data(), local.data());
+  return CopyAndWait(p->value.device(), p->value,
+                     kernels::Tensor::View(local.data(), p->value.shape()));
 }
 
 Parameter* ParameterStore::Find(const std::string& name) {

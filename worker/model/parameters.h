@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/tensor.h"
+#include "kernels/ops.h"
 
 namespace baton::model {
 
@@ -72,9 +73,16 @@ class ParameterStore {
   ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size);
 
   // Draws every parameter from `seed` (full tensors, then this rank's shard).
+  // On the host: call before Place.
   void Initialize(uint64_t seed);
+  // Moves the four flat buffers to `device` (a no-op for the CPU): one
+  // allocation each, values copied, the rest zero; parameter views rebound.
+  absl::Status Place(kernels::Device device);
+  kernels::Device device() const { return values_.device(); }
   // Sets parameter `name` from its full (unsharded) values.
   absl::Status SetFull(const std::string& name, absl::Span<const float> full);
+  // A host copy of `t` (a view into this store, on any device); waits for it.
+  static std::vector<float> ToHost(const kernels::Tensor& t);
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -83,6 +91,11 @@ class ParameterStore {
   // Every gradient of the stage in one buffer (for zeroing, or one
   // data-parallel all-reduce).
   const kernels::Tensor& grads() const { return grads_; }
+  // The flat values and AdamW moments (same order as grads()), for
+  // capturing and restoring a stage's state.
+  const kernels::Tensor& values() const { return values_; }
+  const kernels::Tensor& adam_m() const { return adam_m_; }
+  const kernels::Tensor& adam_v() const { return adam_v_; }
 
  private:
   std::vector<Parameter> params_;

@@ -1,0 +1,85 @@
+#include "common/grpc_credentials.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace baton {
+namespace {
+
+std::string Write(const std::string& name, const std::string& text, mode_t mode = 0600) {
+  std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+  std::ofstream(path) << text;
+  chmod(path.c_str(), mode);
+  return path;
+}
+
+TEST(GrpcCredentialsTest, PlaintextOnlyOnLoopbackUnlessInsecure) {
+  for (const char* ok : {"127.0.0.1:7070", "localhost:1", "[::1]:80", "127.1.2.3:0"}) {
+    EXPECT_TRUE(CheckPlaintextAddress(ok, "listen", false, false).ok()) << ok;
+  }
+  for (const char* bad : {"0.0.0.0:7070", ":7070", "10.0.0.1:7070", "[::]:7070", "coordinator:7070", "127.0.0.256:1"}) {
+    absl::Status s = CheckPlaintextAddress(bad, "listen", false, false);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("--insecure"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("--listen"), std::string::npos) << s;
+    EXPECT_TRUE(CheckPlaintextAddress(bad, "listen", true, false).ok()) << bad;
+    EXPECT_TRUE(CheckPlaintextAddress(bad, "listen", false, true).ok()) << bad;
+  }
+}
+
+TEST(GrpcCredentialsTest, TlsFlagsComeTogetherAndMustBePem) {
+  auto none = LoadTlsConfig("", "", "");
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->enabled);
+  auto partial = LoadTlsConfig("/a", "", "");
+  EXPECT_EQ(partial.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(partial.status().message().find("go together"), std::string::npos);
+  const std::string pem = Write("x.pem", "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n");
+  const std::string junk = Write("junk.pem", "hello");
+  auto missing = LoadTlsConfig(pem, pem, "/nonexistent/ca.pem");
+  EXPECT_NE(missing.status().message().find("--tls_ca"), std::string::npos) << missing.status();
+  auto not_pem = LoadTlsConfig(pem, junk, pem);
+  EXPECT_NE(not_pem.status().message().find("--tls_key"), std::string::npos) << not_pem.status();
+  auto all = LoadTlsConfig(pem, pem, pem);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_TRUE(all->enabled);
+}
+
+TEST(GrpcCredentialsTest, JoinTokenFileIsBoundedAndWarnsWhenShared) {
+  std::string warning;
+  auto token = ReadJoinTokenFile(Write("t1", "0123456789abcdef0123\n"), &warning);
+  ASSERT_TRUE(token.ok()) << token.status();
+  EXPECT_EQ(*token, "0123456789abcdef0123");
+  EXPECT_TRUE(warning.empty()) << warning;
+  token = ReadJoinTokenFile(Write("t2", "0123456789abcdef0123", 0644), &warning);
+  ASSERT_TRUE(token.ok());
+  EXPECT_NE(warning.find("chmod 600"), std::string::npos) << warning;
+  EXPECT_NE(warning.find("644"), std::string::npos) << warning;
+  EXPECT_EQ(ReadJoinTokenFile(Write("t3", "short")).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadJoinTokenFile(Write("t4", std::string(5000, 'a'))).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadJoinTokenFile(Write("t5", "has a space in the token")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadJoinTokenFile("/nonexistent").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(GrpcCredentialsTest, ConstantTimeEquals) {
+  EXPECT_TRUE(ConstantTimeEquals("abcdef", "abcdef"));
+  EXPECT_FALSE(ConstantTimeEquals("abcdef", "abcdeg"));
+  EXPECT_FALSE(ConstantTimeEquals("abcdef", "abcde"));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+}
+
+TEST(GrpcCredentialsTest, HostOfATarget) {
+  EXPECT_EQ(HostOf("127.0.0.1:7070"), "127.0.0.1");
+  EXPECT_EQ(HostOf("coordinator.baton.svc:7070"), "coordinator.baton.svc");
+  EXPECT_EQ(HostOf("[::1]:7070"), "::1");
+  EXPECT_EQ(HostOf("localhost"), "localhost");
+}
+
+}  // namespace
+}  // namespace baton

@@ -1,0 +1,543 @@
+// The job driver's transitions against fake workers and a fake clock: the
+// happy path, recovery from a lost worker (spare, same name returning, DP
+// replica, buddy snapshot), the replacement timeout, max_restarts, a second
+// fault during recovery and "the first cause wins".
+#include "coordinator/job_runner.h"
+
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace baton {
+namespace {
+
+// Workers that answer every command at once (synchronously, from Send).
+class FakeWorkers : public JobWorkers {
+ public:
+  // Runs before a command is answered; return false to swallow it (the
+  // worker does not answer, e.g. because the hook killed it).
+  using Hook = std::function<bool(const std::string& worker, const v1::CoordinatorMessage& m)>;
+
+  explicit FakeWorkers(int n) {
+    for (int i = 0; i < n; ++i) Add(absl::StrCat("worker-", i));
+  }
+  void Add(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    v1::WorkerInfo w;
+    w.set_name(name);
+    w.set_worker_id(next_id_++);
+    w.set_incarnation(next_id_++);
+    w.set_host("host");
+    w.set_device("cpu");
+    w.set_state(v1::READY);
+    workers_[name] = w;
+  }
+  // `name` held shard (pp, 0, dp) of job "unit" at `generation` with snapshots of `steps`.
+  void SetHeld(const std::string& name, int pp, int dp, int64_t generation, std::vector<int64_t> steps) {
+    absl::MutexLock lock(&mu_);
+    v1::HeldJob* h = workers_[name].mutable_held();
+    h->set_job("unit");
+    h->set_generation(generation);
+    h->set_pp_rank(pp);
+    h->set_dp_rank(dp);
+    for (int64_t s : steps) {
+      h->add_steps(s);
+      own_[name][s] = absl::StrCat(pp, ".0@", s);
+    }
+  }
+  void set_runner(JobRunner* runner) { runner_ = runner; }
+  void set_hook(Hook hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+
+  // The worker's process dies: its session ends.
+  void Kill(const std::string& name) {
+    {
+      absl::MutexLock lock(&mu_);
+      workers_[name].set_state(v1::LOST);
+      own_.erase(name);
+      held_.erase(name);
+    }
+    runner_->OnWorkerLost(name, "its session ended");
+  }
+  // The same name registers again (a new process, no state).
+  void Restart(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    workers_[name].set_state(v1::READY);
+    workers_[name].set_incarnation(next_id_++);
+  }
+
+  std::vector<v1::WorkerInfo> List() const override {
+    absl::MutexLock lock(&mu_);
+    std::vector<v1::WorkerInfo> out;
+    for (const auto& [name, w] : workers_) out.push_back(w);
+    return out;
+  }
+  int64_t NextGeneration() override {
+    absl::MutexLock lock(&mu_);
+    return ++generation_;
+  }
+
+  bool Send(const std::string& worker, const v1::CoordinatorMessage& m) override {
+    Hook hook;
+    {
+      absl::MutexLock lock(&mu_);
+      if (workers_[worker].state() != v1::READY) return false;
+      sent_[worker].push_back(m);
+      hook = hook_;
+    }
+    if (hook && !hook(worker, m)) return true;
+    std::vector<v1::WorkerMessage> replies;
+    {
+      absl::MutexLock lock(&mu_);
+      if (workers_[worker].state() != v1::READY) return true;
+      Answer(worker, m, &replies);
+    }
+    for (const v1::WorkerMessage& r : replies) runner_->OnWorkerMessage(worker, r);
+    return true;
+  }
+
+  std::vector<v1::CoordinatorMessage> Sent(const std::string& worker) const {
+    absl::MutexLock lock(&mu_);
+    auto it = sent_.find(worker);
+    return it == sent_.end() ? std::vector<v1::CoordinatorMessage>() : it->second;
+  }
+  // The RunStep steps `worker` was asked to run, in order.
+  std::vector<int64_t> StepsRun(const std::string& worker) const {
+    std::vector<int64_t> steps;
+    for (const auto& m : Sent(worker)) {
+      if (m.has_run_step()) steps.push_back(m.run_step().step());
+    }
+    return steps;
+  }
+  std::vector<v1::Configure> Configures(const std::string& worker) const {
+    std::vector<v1::Configure> out;
+    for (const auto& m : Sent(worker)) {
+      if (m.has_configure()) out.push_back(m.configure());
+    }
+    return out;
+  }
+  // The committed step `worker`'s model is at.
+  int64_t ModelStep(const std::string& worker) const {
+    absl::MutexLock lock(&mu_);
+    auto it = model_step_.find(worker);
+    return it == model_step_.end() ? 0 : it->second;
+  }
+
+ private:
+  // A worker's state after step s is the string "<pp>.<tp>@<s>" (DP replicas equal).
+  void Answer(const std::string& worker, const v1::CoordinatorMessage& m, std::vector<v1::WorkerMessage>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    v1::WorkerMessage r;
+    switch (m.body_case()) {
+      case v1::CoordinatorMessage::kConfigure: {
+        const v1::Configure& c = m.configure();
+        generation_of_[worker] = c.plan().generation();
+        for (const auto& rank : c.plan().ranks()) {
+          if (rank.worker_name() == worker) shard_[worker] = absl::StrCat(rank.pp_rank(), ".", rank.tp_rank());
+        }
+        r.mutable_configured()->set_generation(c.plan().generation());
+        const std::string want = absl::StrCat(shard_[worker], "@", c.resume_step());
+        std::string have;
+        if (c.resume_step() == 0) {
+          have = want;
+        } else if (!c.state().empty()) {
+          have = c.state();
+        } else if (own_[worker].count(c.resume_step())) {
+          have = own_[worker][c.resume_step()];
+        }
+        r.mutable_configured()->set_ok(have == want);
+        if (have != want) r.mutable_configured()->set_error(absl::StrCat("wrong state '", have, "', want ", want));
+        model_step_[worker] = c.resume_step();
+        break;
+      }
+      case v1::CoordinatorMessage::kRunStep: {
+        v1::StepReport* rep = r.mutable_report();
+        rep->set_step(m.run_step().step());
+        rep->set_generation(generation_of_[worker]);
+        rep->set_finite(true);
+        rep->set_grad_sq_norm(0.25);
+        rep->set_has_loss(true);
+        rep->set_loss(10.0 / m.run_step().step());
+        break;
+      }
+      case v1::CoordinatorMessage::kCommit: {
+        const int64_t step = m.commit().step();
+        r.mutable_step_done()->set_step(step);
+        r.mutable_step_done()->set_committed(true);
+        r.mutable_step_done()->set_generation(generation_of_[worker]);
+        r.mutable_step_done()->set_wall_seconds(0.01);
+        model_step_[worker] = step;
+        out->push_back(r);
+        const std::string state = absl::StrCat(shard_[worker], "@", step);
+        own_[worker][step] = state;
+        v1::WorkerMessage snap;
+        snap.mutable_snapshot()->set_owner(worker);
+        snap.mutable_snapshot()->set_step(step);
+        snap.mutable_snapshot()->set_generation(generation_of_[worker]);
+        snap.mutable_snapshot()->set_data(state);
+        out->push_back(snap);
+        return;
+      }
+      case v1::CoordinatorMessage::kSaveWeights:
+        r.mutable_saved()->set_ok(true);
+        r.mutable_saved()->set_generation(generation_of_[worker]);
+        break;
+      case v1::CoordinatorMessage::kHoldSnapshot:
+        held_[worker][m.hold_snapshot().owner()][m.hold_snapshot().step()] = m.hold_snapshot().data();
+        return;
+      case v1::CoordinatorMessage::kFetchState: {
+        const std::string& owner = m.fetch_state().owner();
+        const int64_t step = m.fetch_state().step();
+        auto& from = owner == worker ? own_[worker] : held_[worker][owner];
+        v1::ShardSnapshot* s = r.mutable_fetched_state();
+        s->set_owner(owner);
+        s->set_step(step);
+        s->set_generation(generation_of_[worker]);
+        if (from.count(step)) {
+          s->set_data(from[step]);
+        } else {
+          s->set_error("not held");
+        }
+        break;
+      }
+      default:
+        return;
+    }
+    out->push_back(r);
+  }
+
+  mutable absl::Mutex mu_;
+  JobRunner* runner_ = nullptr;
+  Hook hook_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 100;
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, v1::WorkerInfo> workers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> generation_of_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> shard_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> model_step_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<int64_t, std::string>> own_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::JobSpec Job(int pp, int dp, int steps, const std::string& extra = "") {
+  v1::JobSpec job;
+  job.set_name("unit");
+  job.mutable_model()->set_layers(4);
+  auto* syn = job.mutable_model()->mutable_synthetic();
+  syn->set_forward_ms(1);
+  syn->set_backward_input_ms(1);
+  syn->set_backward_weight_ms(1);
+  syn->set_activation_bytes(64);
+  job.mutable_parallel()->set_pp(pp);
+  job.mutable_parallel()->set_dp(dp);
+  job.mutable_schedule()->set_kind("1f1b");
+  job.mutable_schedule()->set_microbatches(2);
+  job.mutable_train()->set_steps(steps);
+  job.mutable_train()->set_micro_batch_size(1);
+  job.mutable_train()->set_lr(0.001);
+  job.mutable_fault_tolerance()->set_replacement_timeout_s(5);
+  return job;
+}
+
+class JobRunnerTest : public ::testing::Test {
+ protected:
+  void Start(v1::JobSpec job, int workers, std::function<void(FakeWorkers*)> setup = nullptr) {
+    fake_ = std::make_unique<FakeWorkers>(workers);
+    if (setup) setup(fake_.get());
+    JobRunner::Options options;
+    runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
+    fake_->set_runner(runner_.get());
+    runner_->Start();
+  }
+  // Advances the fake clock until the job is done or failed (bounded).
+  JobState Finish() {
+    for (int i = 0; i < 20000 && !IsFinal(runner_->state()); ++i) {
+      clock_.Advance(absl::Milliseconds(50));
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    return runner_->state();
+  }
+  v1::GetStatusResponse Status() {
+    v1::GetStatusResponse s;
+    runner_->FillStatus(&s);
+    return s;
+  }
+  std::string Metrics() {
+    prometheus::TextSerializer text;
+    return text.Serialize(metrics_.Collect());
+  }
+  // Kills `victim` when it is asked to run step `step` (once).
+  void KillAt(const std::string& victim, int64_t step) {
+    auto fired = std::make_shared<bool>(false);
+    fake_->set_hook([this, victim, step, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+      if (w == victim && m.has_run_step() && m.run_step().step() == step && !*fired) {
+        *fired = true;
+        fake_->Kill(victim);
+        return false;
+      }
+      return true;
+    });
+  }
+
+  FakeClock clock_;
+  prometheus::Registry metrics_;
+  std::unique_ptr<FakeWorkers> fake_;
+  std::unique_ptr<JobRunner> runner_;
+};
+
+TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
+  Start(Job(2, 1, 5), 2);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4, 5})) << w;
+    EXPECT_EQ(fake_->Configures(w).size(), 1u);
+    EXPECT_EQ(fake_->ModelStep(w), 5);
+  }
+  const v1::GetStatusResponse s = Status();
+  EXPECT_EQ(s.job_state(), "done");
+  EXPECT_EQ(s.step(), 5);
+  EXPECT_EQ(s.recoveries(), 0);
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("baton_job_state{state=\"done\",training_job=\"unit\"} 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("baton_job_state{state=\"running\",training_job=\"unit\"} 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("baton_expected_bubble_ratio{stage=\"1\",training_job=\"unit\"}"), std::string::npos) << m;
+  EXPECT_EQ(m.find("job=\"unit\""), m.find("training_job=\"unit\"") + 9) << "no label named job";
+}
+
+TEST_F(JobRunnerTest, ALostWorkerIsReplacedByASpareFromItsBuddysSnapshot) {
+  Start(Job(2, 1, 6), 3);  // worker-2 is a spare
+  KillAt("worker-1", 4);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  // The spare got the lost shard's state of step 3 (held by its buddy worker-0).
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 3);
+  EXPECT_EQ(spare[0].state(), "1.0@3");
+  EXPECT_EQ(fake_->StepsRun("worker-2"), (std::vector<int64_t>{4, 5, 6}));
+  // The survivor rolled back from its own memory (no state sent) and went on.
+  const std::vector<v1::Configure> survivor = fake_->Configures("worker-0");
+  ASSERT_EQ(survivor.size(), 2u);
+  EXPECT_EQ(survivor[1].resume_step(), 3);
+  EXPECT_TRUE(survivor[1].state().empty());
+  EXPECT_GT(survivor[1].plan().generation(), survivor[0].plan().generation());
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2, 3, 4, 4, 5, 6}));
+  const v1::GetStatusResponse s = Status();
+  EXPECT_EQ(s.recoveries(), 1);
+  EXPECT_NE(s.recovery().find("worker-1"), std::string::npos) << s.recovery();
+  EXPECT_NE(s.recovery().find("worker-2"), std::string::npos) << s.recovery();
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("baton_recoveries_total{cause=\"worker_lost\",training_job=\"unit\"} 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("baton_recovery_seconds_count{training_job=\"unit\"} 1"), std::string::npos) << m;
+}
+
+TEST_F(JobRunnerTest, TheLostNameRegisteringAgainIsItsOwnReplacement) {
+  Start(Job(2, 1, 5), 2);
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 3 && !*fired) {
+      *fired = true;
+      fake_->Kill("worker-1");
+      fake_->Restart("worker-1");  // systemd Restart=on-failure
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> c = fake_->Configures("worker-1");
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[1].resume_step(), 2);
+  EXPECT_EQ(c[1].state(), "1.0@2");
+  EXPECT_EQ(fake_->ModelStep("worker-1"), 5);
+}
+
+TEST_F(JobRunnerTest, ADataParallelReplicaIsTheSourceOfTheLostShard) {
+  Start(Job(1, 2, 4), 3);
+  KillAt("worker-1", 3);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 2);
+  EXPECT_EQ(spare[0].state(), "0.0@2");
+  // Fetched from the replica's own copy, not from a buddy copy.
+  bool fetched_own = false;
+  for (const auto& m : fake_->Sent("worker-0")) {
+    if (m.has_fetch_state()) fetched_own = m.fetch_state().owner() == "worker-0";
+  }
+  EXPECT_TRUE(fetched_own);
+  EXPECT_NE(Status().recovery().find("DP replica worker-0"), std::string::npos) << Status().recovery();
+}
+
+TEST_F(JobRunnerTest, WithoutAReplacementTheJobFailsAfterTheTimeoutNamingTheWorker) {
+  Start(Job(2, 1, 6), 2);
+  KillAt("worker-1", 2);
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("stage 1 (tp 0, dp 0) (worker worker-1) was lost"), std::string::npos) << error;
+  EXPECT_NE(error.find("no replacement"), std::string::npos) << error;
+  EXPECT_NE(error.find("replacement_timeout_s"), std::string::npos) << error;
+  EXPECT_EQ(Status().job_state(), "failed");
+  // The survivor was told to stop.
+  bool aborted = false;
+  for (const auto& m : fake_->Sent("worker-0")) aborted |= m.has_abort();
+  EXPECT_TRUE(aborted);
+}
+
+TEST_F(JobRunnerTest, TheFirstCauseWinsOverAPeersConnectionError) {
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_fault_tolerance()->set_max_restarts(0);
+  Start(job, 2);
+  // worker-0 sees the broken connection (and reports it) before the
+  // coordinator notices that worker-1's session ended.
+  fake_->set_hook([this](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-0" && m.has_run_step() && m.run_step().step() == 2) {
+      v1::WorkerMessage r;
+      r.mutable_report()->set_step(2);
+      r.mutable_report()->set_generation(1);
+      r.mutable_report()->set_error("recv from rank 1: connection reset by peer");
+      r.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+      runner_->OnWorkerMessage("worker-0", r);
+      fake_->Kill("worker-1");
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const absl::Status error = runner_->error();
+  EXPECT_EQ(error.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(error.message().find("stage 1 (tp 0, dp 0) (worker worker-1) was lost"), 0u) << error;
+  EXPECT_NE(error.message().find("max_restarts"), std::string::npos) << error;
+}
+
+TEST_F(JobRunnerTest, AWorkerErrorWithEveryoneAliveRetriesFromTheSurvivorsOwnState) {
+  Start(Job(2, 1, 5), 2);
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 3 && !*fired) {
+      *fired = true;
+      v1::WorkerMessage r;
+      r.mutable_report()->set_step(3);
+      r.mutable_report()->set_generation(1);
+      r.mutable_report()->set_error("collective timed out");
+      r.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+      runner_->OnWorkerMessage("worker-1", r);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3, 3, 4, 5}));
+  EXPECT_EQ(fake_->Configures("worker-1").back().resume_step(), 2);
+  EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"worker_error\",training_job=\"unit\"} 1"),
+            std::string::npos);
+}
+
+TEST_F(JobRunnerTest, AConfigurationErrorIsNotRetried) {
+  Start(Job(2, 1, 5), 2);
+  fake_->set_hook([this](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_configure()) {
+      v1::WorkerMessage r;
+      r.mutable_configured()->set_generation(m.configure().plan().generation());
+      r.mutable_configured()->set_error("d_model must be divisible by tp");
+      r.mutable_configured()->set_code(static_cast<int>(absl::StatusCode::kInvalidArgument));
+      runner_->OnWorkerMessage("worker-1", r);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  EXPECT_EQ(runner_->error().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(runner_->error().message().find("worker-1) cannot start: d_model"), std::string::npos)
+      << runner_->error();
+  EXPECT_EQ(Status().recoveries(), 0);
+}
+
+TEST_F(JobRunnerTest, TooManyFaultsFailTheJobNamingTheLimit) {
+  v1::JobSpec job = Job(2, 1, 8);
+  job.mutable_fault_tolerance()->set_max_restarts(1);
+  Start(job, 4);
+  fake_->set_hook([this](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (m.has_run_step() && m.run_step().step() == 3 && w != "worker-0") {
+      fake_->Kill(w);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  EXPECT_NE(runner_->error().message().find("fault_tolerance.max_restarts = 1"), std::string::npos)
+      << runner_->error();
+  EXPECT_EQ(Status().recoveries(), 1);
+}
+
+TEST_F(JobRunnerTest, ASecondFaultDuringRecoveryEndsInACompletedRecovery) {
+  Start(Job(2, 1, 6), 4);  // two spares
+  auto fired = std::make_shared<int>(0);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && *fired == 0) {
+      *fired = 1;
+      fake_->Kill("worker-1");
+      return false;
+    }
+    if (w == "worker-2" && m.has_configure() && *fired == 1) {  // the first spare dies while configured
+      *fired = 2;
+      fake_->Kill("worker-2");
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(Status().recoveries(), 2);
+  const std::vector<v1::Configure> c = fake_->Configures("worker-3");
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].resume_step(), 3);
+  EXPECT_EQ(c[0].state(), "1.0@3");
+  EXPECT_EQ(fake_->ModelStep("worker-3"), 6);
+  EXPECT_EQ(fake_->ModelStep("worker-0"), 6);
+}
+
+// A restarted coordinator finds workers holding the job: it keeps their
+// slots and continues from the newest step every shard holds.
+TEST_F(JobRunnerTest, ARestartedCoordinatorAdoptsTheJobTheWorkersHold) {
+  Start(Job(2, 1, 8), 3, [](FakeWorkers* f) {
+    f->SetHeld("worker-0", 1, 0, 3, {4, 5, 6});  // slots swapped w.r.t. a fresh plan
+    f->SetHeld("worker-1", 0, 0, 3, {3, 4, 5});
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> c0 = fake_->Configures("worker-0"), c1 = fake_->Configures("worker-1");
+  ASSERT_EQ(c0.size(), 1u);
+  ASSERT_EQ(c1.size(), 1u);
+  EXPECT_EQ(c0[0].resume_step(), 5);
+  EXPECT_TRUE(c0[0].state().empty());  // from its own memory
+  EXPECT_GT(c0[0].plan().generation(), 3);
+  for (const auto& r : c0[0].plan().ranks()) {
+    if (r.worker_name() == "worker-0") EXPECT_EQ(r.pp_rank(), 1);
+    if (r.worker_name() == "worker-1") EXPECT_EQ(r.pp_rank(), 0);
+  }
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{6, 7, 8}));
+  EXPECT_TRUE(fake_->Configures("worker-2").empty()) << "the spare stays a spare";
+  EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"coordinator_restart\",training_job=\"unit\"} 1"),
+            std::string::npos);
+}
+
+// Reports that do not cover every shard (here: one worker of two) are not
+// adopted; after the grace period the job starts over.
+TEST_F(JobRunnerTest, IncompleteReportsStartTheJobOverAfterTheGrace) {
+  Start(Job(2, 1, 3), 2, [](FakeWorkers* f) { f->SetHeld("worker-0", 0, 0, 2, {7}); });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->Configures("worker-0")[0].resume_step(), 0);
+  EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3}));
+}
+
+}  // namespace
+}  // namespace baton

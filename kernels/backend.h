@@ -1,0 +1,290 @@
+// Backend seam: how tensor ops reach a device.
+//
+// CONTRACT
+//
+// 1. One code path. The model (worker/model), the stage models and the step
+//    executor call the ops of kernels/ops.h with an ExecContext and never
+//    branch on the device. ops.cc checks shapes and dtypes (a mismatch is a
+//    programming error and aborts with the op's name), then calls the entry of
+//    the Backend registered for ctx.device.type. Every entry below is
+//    required; a backend that lacks a kernel sets the entry to a function that
+//    aborts naming it (never null).
+//
+// 2. Backends. kCpu: kernels/cpu, linked into everything, always registered;
+//    it runs each op inline on the calling thread (its Stream and Event are
+//    trivial) and gives exactly the bits the CPU kernels gave before this
+//    seam. kCuda: kernels/cuda (owner gpu-kernels), registered by a static
+//    initializer in a cc_library with alwayslink = 1 (see
+//    BATON_REGISTER_BACKEND). kSim: kernels/sim, test-only: host memory tagged
+//    as device memory, streams on threads (see kernels/sim/sim_backend.h).
+//    Backends never depend on each other; a CUDA backend may use the CPU
+//    kernels as references in its tests.
+//
+// 3. Memory. Tensor memory belongs to one Device. Tensors on a device other
+//    than the CPU are never dereferenced on the host: Tensor's host accessors
+//    (f32(), i32(), raw()) abort for them; backends read device addresses
+//    with Tensor::address() / data<T>(). Data crosses between host and device
+//    only through Copy (stream-ordered) followed by a wait. Device memory comes
+//    from `allocate` (a system allocation: counted, may synchronise) and is
+//    reused through kernels::Arena (activations, op scratch) and the
+//    parameter store (parameters, gradients, moments; allocated once), so a
+//    training step after the first makes no system allocation
+//    (GetMemoryStats(device).system_allocations stays flat; tests assert it).
+//    `free` must be safe while the stream still uses the memory (CUDA: the
+//    allocation is freed only after the device finished with it, e.g.
+//    cudaFreeAsync on the stream, or a synchronise first).
+//
+// 4. Streams and events. Every op is enqueued on ctx.stream and returns
+//    before it runs (on the CPU it has already run). Work on one stream runs
+//    in order; work on two streams is ordered only by events: Record(event,
+//    producer) then StreamWait(consumer, event). Host code that reads results
+//    (a loss, a norm) first copies them into host memory with Copy and then
+//    waits (Event::Synchronize or Stream::Synchronize); every such wait is a
+//    host synchronisation and counts in GetMemoryStats-like counters
+//    (HostSyncCount()). Launch and kernel errors are sticky on the stream:
+//    the next Synchronize / Record / StreamWait returns them.
+//
+// 5. Scalars without host round trips. Ops that reduce to a scalar (loss sum,
+//    argmax hits, sum of squares) ADD into a one-element device tensor
+//    (float64 or int64) instead of returning a value, so a whole step can
+//    run with its results read back once at the end.
+//
+// 6. Precision. Master weights, gradients, AdamW moments, LayerNorm/softmax/
+//    loss math and every reduction are float32 (scalars float64). With
+//    Precision::kBFloat16 (train.precision = bf16) a backend may take bf16
+//    GEMM inputs (Linear*, Attention*: x / weight / qkv tensors of dtype
+//    kBFloat16, accumulation in fp32, output dtype as given), pipeline
+//    messages may be bf16 (Cast), and AdamW writes a bf16 copy of the updated
+//    parameters when given one. The CPU backend supports float32 only and
+//    aborts on a bf16 tensor; a job with train.precision = bf16 is refused
+//    on a CPU worker at Configure. Precision::kFloat32 on CUDA means true
+//    fp32 (no TF32), so the float32 goldens hold.
+//
+// 7. Determinism. Same device, shapes, precision and inputs = the same bits,
+//    run to run: no atomics whose order changes a result; reductions in a
+//    fixed order (gradients of embeddings, biases and LayerNorm included).
+//
+// 8. Availability. `probe(index)` says whether device `index` can be used:
+//    OK, or UNAVAILABLE naming the cause (for CUDA the message of
+//    cudaGetDeviceCount, e.g. "CUDA driver version is insufficient"). The
+//    worker calls ProbeDevice() at Configure and fails that job with the
+//    error; the daemon stays up. kernels/device.{h,cc} holds the probe for
+//    CUDA (owner gpu-seam), usable before the CUDA backend is linked.
+#ifndef BATON_KERNELS_BACKEND_H_
+#define BATON_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/tensor.h"
+
+namespace baton::kernels {
+
+struct Backend;
+class Arena;
+
+enum class Precision { kFloat32, kBFloat16 };
+
+// An ordered queue of work on one device. Created by the backend; not
+// copyable. Thread-compatible: one thread enqueues on a stream at a time.
+class Stream {
+ public:
+  static absl::StatusOr<std::unique_ptr<Stream>> Create(Device device);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device device() const { return device_; }
+  // The backend's handle (cudaStream_t on CUDA; null on the CPU).
+  void* native() const { return native_; }
+  // Blocks the host until everything enqueued so far is done; the stream's
+  // sticky error, if any. A host synchronisation.
+  absl::Status Synchronize();
+
+ private:
+  Stream(const Backend* backend, Device device, void* native)
+      : backend_(backend), device_(device), native_(native) {}
+  friend struct ExecContext;
+  friend class Event;
+  const Backend* backend_;
+  Device device_;
+  void* native_;
+};
+
+// A point in a stream's work.
+class Event {
+ public:
+  static absl::StatusOr<std::unique_ptr<Event>> Create(Device device);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Captures the work enqueued on `stream` so far (and the time it finishes).
+  absl::Status Record(Stream& stream);
+  // Work enqueued on `stream` after this call starts after the recorded
+  // work finished. Does not block the host.
+  absl::Status StreamWait(Stream& stream);
+  // Blocks the host until the recorded work is done. A host synchronisation.
+  absl::Status Synchronize();
+  // Seconds from `start`'s recorded point to this one's (both complete).
+  absl::StatusOr<double> SecondsSince(const Event& start) const;
+
+ private:
+  Event(const Backend* backend, Device device, void* native)
+      : backend_(backend), device_(device), native_(native) {}
+  const Backend* backend_;
+  Device device_;
+  void* native_;
+};
+
+// Where and how an op runs.
+struct ExecContext {
+  Device device;
+  const Backend* backend = nullptr;  // the backend of device.type
+  Stream* stream = nullptr;          // null: the CPU's inline execution
+  // Temporaries of single ops (GEMM workspaces, attention scratch), on
+  // `device`; a backend may allocate from it during an op. May be null when
+  // no op needs one. Reset by its owner between steps only.
+  Arena* scratch = nullptr;
+  Precision precision = Precision::kFloat32;
+
+  // The CPU context every ctx-less op uses.
+  static const ExecContext& Host();
+  // A context for `device` on `stream` (stream->device() must equal device).
+  static ExecContext On(Stream* stream, Arena* scratch = nullptr,
+                        Precision precision = Precision::kFloat32);
+  bool on_host() const { return device.is_cpu(); }
+};
+
+// Device memory counters (bytes), for metrics and tests.
+struct MemoryStats {
+  int64_t reserved_bytes = 0;      // held from the system now
+  // Of those, in use by tensors: whole ZerosOn tensors and the allocated
+  // part of arenas (the rest of an arena's blocks is reserved, free).
+  int64_t in_use_bytes = 0;
+  int64_t peak_reserved_bytes = 0;
+  int64_t system_allocations = 0;  // calls to the backend's allocate, ever
+};
+MemoryStats GetMemoryStats(Device device);
+// Host synchronisations (Stream::Synchronize, Event::Synchronize) so far,
+// over every device of this process.
+int64_t HostSyncCount();
+
+// Allocates `bytes` of memory on `device` through its backend (64-byte
+// aligned, uninitialised; counted in MemoryStats). Frees it with FreeDevice.
+absl::StatusOr<void*> AllocateDevice(Device device, size_t bytes);
+void FreeDevice(Device device, void* p, size_t bytes);
+// Moves `delta` bytes into (or, negative, out of) in_use_bytes; for
+// sub-allocators such as Arena.
+void CountInUse(Device device, int64_t delta);
+// An owning tensor on `device`, zero-filled (on the device's stream order:
+// the fill is complete when this returns).
+absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype = DType::kFloat32);
+
+// OK when `device` can run ops now; UNAVAILABLE naming why not (no backend
+// linked for its type, no driver, no such ordinal).
+absl::Status ProbeDevice(Device device);
+
+// The function table of one device type. Kernel entries receive tensors
+// already checked by ops.cc (see ops.h for shapes and semantics, which are
+// the same on every backend) and enqueue on ctx.stream.
+struct Backend {
+  const char* name;  // "cpu", "cuda", "sim"
+  DeviceType type;
+
+  // --- device, memory, streams, events (handles are opaque to callers) ---
+  absl::Status (*probe)(int index);
+  absl::StatusOr<void*> (*allocate)(int index, size_t bytes);
+  void (*free)(int index, void* p);
+  absl::StatusOr<void*> (*create_stream)(int index);
+  void (*destroy_stream)(int index, void* stream);
+  absl::Status (*synchronize_stream)(void* stream);
+  absl::StatusOr<void*> (*create_event)(int index);
+  void (*destroy_event)(int index, void* event);
+  absl::Status (*record_event)(void* event, void* stream);
+  absl::Status (*stream_wait_event)(void* stream, void* event);
+  absl::Status (*synchronize_event)(void* event);
+  absl::StatusOr<double> (*event_seconds)(void* start, void* end);
+
+  // --- data movement (either side may be host memory; same byte count) ---
+  void (*copy)(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+  void (*fill_zero)(const ExecContext& ctx, const Tensor& dst);
+  // float32 <-> bfloat16 (round to nearest even), same element count.
+  void (*cast)(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+
+  // --- kernels (see ops.h) ---
+  void (*embedding)(const ExecContext&, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+                    int64_t vocab_begin, const Tensor& wpe);
+  void (*embedding_backward)(const ExecContext&, const Tensor& dwte, int64_t vocab_begin,
+                             const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
+  void (*layernorm)(const ExecContext&, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+                    const Tensor& x, const Tensor& weight, const Tensor& bias);
+  void (*layernorm_backward)(const ExecContext&, const Tensor& dx, const Tensor& dweight,
+                             const Tensor& dbias, const Tensor& dout, const Tensor& x,
+                             const Tensor& weight, const Tensor& mean, const Tensor& rstd);
+  void (*linear)(const ExecContext&, const Tensor& out, const Tensor& x, const Tensor& weight,
+                 const Tensor& bias);
+  void (*linear_backward_input)(const ExecContext&, const Tensor& dx, const Tensor& dout,
+                                const Tensor& weight, bool accumulate);
+  void (*linear_backward_weight)(const ExecContext&, const Tensor& dweight, const Tensor& dout,
+                                 const Tensor& x);
+  void (*add_bias)(const ExecContext&, const Tensor& out, const Tensor& bias);
+  void (*bias_backward)(const ExecContext&, const Tensor& dbias, const Tensor& dout);
+  void (*gelu)(const ExecContext&, const Tensor& out, const Tensor& x);
+  void (*gelu_backward)(const ExecContext&, const Tensor& dx, const Tensor& x, const Tensor& dout);
+  void (*attention)(const ExecContext&, const Tensor& out, const Tensor& att, const Tensor& qkv,
+                    int heads);
+  void (*attention_backward)(const ExecContext&, const Tensor& dqkv, const Tensor& scratch,
+                             const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads);
+  void (*residual)(const ExecContext&, const Tensor& out, const Tensor& a, const Tensor& b);
+  void (*residual_backward)(const ExecContext&, const Tensor& da, const Tensor& db,
+                            const Tensor& dout);
+  // loss_sum: float64 [1], += Σ loss over scored rows (row order, double).
+  void (*softmax_cross_entropy)(const ExecContext&, const Tensor& logits_to_grad,
+                                const Tensor& targets, float grad_scale, const Tensor& loss_sum);
+  void (*sharded_cross_entropy_stats)(const ExecContext&, const Tensor& logits_to_exp,
+                                      const Tensor& targets, int64_t vocab_begin,
+                                      const Tensor& row_max, const Tensor& lse,
+                                      const Tensor& target_logit);
+  void (*sharded_cross_entropy_finish)(const ExecContext&, const Tensor& exp_to_grad,
+                                       const Tensor& targets, int64_t vocab_begin,
+                                       const Tensor& row_max, const Tensor& lse_all,
+                                       const Tensor& target_logit, float grad_scale,
+                                       const Tensor& loss_sum);
+  void (*shard_argmax)(const ExecContext&, const Tensor& logits, int64_t vocab_begin,
+                       const Tensor& max, const Tensor& index);
+  // hits: int64 [1], += scored rows whose first maximum is the target.
+  void (*count_argmax_hits)(const ExecContext&, const Tensor& max_all, const Tensor& index_all,
+                            const Tensor& targets, const Tensor& hits);
+  // param_bf16: undefined, or a bf16 tensor of param's size that receives the
+  // updated parameters rounded to bf16.
+  void (*adamw)(const ExecContext&, const Tensor& param, const Tensor& grad, const Tensor& m,
+                const Tensor& v, const cpu::AdamWConfig& config, int64_t step, float grad_scale,
+                const Tensor& param_bf16);
+  // out: float64 [1], += Σ x² (index order, double).
+  void (*sum_of_squares)(const ExecContext&, const Tensor& x, const Tensor& out);
+  void (*scale)(const ExecContext&, const Tensor& x, float factor);
+};
+
+// Registers `backend` for its type (once per type; later calls for the same
+// type abort). The CPU backend is always registered.
+void RegisterBackend(const Backend* backend);
+// The backend of `type`, or null when none is linked.
+const Backend* FindBackend(DeviceType type);
+
+}  // namespace baton::kernels
+
+// In a backend's .cc (inside a cc_library with alwayslink = 1):
+//   BATON_REGISTER_BACKEND(kCudaBackend);
+#define BATON_REGISTER_BACKEND(table)                                     \
+  static const bool baton_backend_registered_##table = [] {              \
+    ::baton::kernels::RegisterBackend(&(table));                          \
+    return true;                                                          \
+  }()
+
+#endif  // BATON_KERNELS_BACKEND_H_
