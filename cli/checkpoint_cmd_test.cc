@@ -73,6 +73,44 @@ TEST(CheckpointCommandTest, DiffAcrossLayoutsPrintsOverallAndPerTensor) {
   EXPECT_EQ(r.out, "{\"max_abs_diff\": 0, \"max_rel_diff\": 0, \"tensors\": 2}\n");
 }
 
+// A v2 checkpoint of the same w and b with AdamW moments: adam_m = values,
+// adam_v = values · v_scale, optimizer step `step`.
+std::string SaveState(const std::string& name, int64_t step, float v_scale) {
+  const std::string dir = NewDir(name);
+  std::vector<float> w = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<float> b = {1, -1};
+  std::vector<NamedShard> shards = {{"w", kernels::Tensor::View(w.data(), {4, 2}), {4, 2}, 0, false},
+                                    {"b", kernels::Tensor::View(b.data(), {2}), {2}, -1, false}};
+  absl::StatusOr<checkpoint::ChunkLayout> layout = checkpoint::LayoutOfChunk(shards, 0, 0, 1);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  ChunkState state;
+  state.optimizer_step = step;
+  state.values = {0, 1, 2, 3, 4, 5, 6, 7, 1, -1};
+  state.adam_m = state.values;
+  for (float x : state.values) state.adam_v.push_back(x * v_scale);
+  absl::StatusOr<std::string> file = checkpoint::WriteStateShardFile(dir, *layout, state);
+  EXPECT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(checkpoint::WriteManifest(dir, {*file}, "job", step).ok());
+  return dir;
+}
+
+TEST(CheckpointCommandTest, DiffComparesOptimizerStateWhenBothHoldIt) {
+  const std::string a = SaveState("opt_a", 7, 1.0f), b = SaveState("opt_b", 7, 1.0f),
+                    c = SaveState("opt_c", 9, 2.0f);
+  Result r = RunDiff({"diff", a, b, "--json"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "{\"max_abs_diff\": 0, \"max_rel_diff\": 0, \"tensors\": 2, \"optimizer_step\": [7, 7], "
+            "\"moments_max_abs_diff\": 0, \"moments_max_rel_diff\": 0}\n");
+  r = RunDiff({"diff", a, c});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("max_abs_diff 0  max_rel_diff 0  (2 tensors"));
+  // adam_v of w differs by 7 at most (7 · 2 − 7); rel = ‖v‖ / ‖2v‖ = 0.5.
+  EXPECT_THAT(r.out, HasSubstr("optimizer: step 7 vs 9  adam moments max_abs_diff 7  max_rel_diff 0.5\n"));
+  r = RunDiff({"diff", a, Save("weights_only", 1)});
+  EXPECT_THAT(r.out, HasSubstr("optimizer: only the first checkpoint holds optimizer state"));
+}
+
 TEST(CheckpointCommandTest, DifferentTensorsExitOneSayingWhich) {
   Result r = RunDiff({"diff", Save("d", 1, 0, 0, /*extra=*/true), Save("e", 2)});
   EXPECT_EQ(r.code, 1);

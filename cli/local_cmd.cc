@@ -11,9 +11,11 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <set>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -172,13 +174,55 @@ bool MentionsName(const std::string& text, const std::string& name) {
   return false;
 }
 
+// --inject=kill:stage=P@step=N | kill:worker=NAME@step=N | stop:...@step=N
+// (SIGKILL, or SIGSTOP for a frozen worker), once the job reached step N.
+struct Injection {
+  int sig = SIGKILL;
+  int stage = -1;      // a worker of this pipeline stage, or
+  std::string worker;  // this worker
+  int64_t step = 0;
+  bool done = false;
+};
+
+absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text) {
+  if (text.empty()) return std::optional<Injection>();
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--inject=", text, ": ", why,
+                                                   " (expected kill:stage=P@step=N, kill:worker=NAME@step=N, or "
+                                                   "stop:... to freeze the worker instead)"));
+  };
+  Injection inj;
+  const size_t colon = text.find(':'), at = text.find('@');
+  if (colon == std::string::npos || at == std::string::npos || at < colon) return bad("malformed");
+  const std::string kind = text.substr(0, colon), target = text.substr(colon + 1, at - colon - 1),
+                    when = text.substr(at + 1);
+  if (kind == "kill") {
+    inj.sig = SIGKILL;
+  } else if (kind == "stop") {
+    inj.sig = SIGSTOP;
+  } else {
+    return bad(absl::StrCat("unknown fault '", kind, "'"));
+  }
+  if (absl::StartsWith(target, "stage=")) {
+    if (!absl::SimpleAtoi(target.substr(6), &inj.stage) || inj.stage < 0) return bad("stage must be a number >= 0");
+  } else if (absl::StartsWith(target, "worker=") && target.size() > 7) {
+    inj.worker = target.substr(7);
+  } else {
+    return bad("the target must be stage=P or worker=NAME");
+  }
+  if (!absl::StartsWith(when, "step=") || !absl::SimpleAtoi(when.substr(5), &inj.step) || inj.step < 1) {
+    return bad("the time must be step=N with N >= 1");
+  }
+  return std::optional<Injection>(inj);
+}
+
 // Runs one job; the children live as long as this object.
 class LocalRun {
  public:
   LocalRun(std::ostream& out, std::ostream& err, bool tty) : err_(err), printer_(out, tty) {}
 
   int Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-          absl::Duration timeout);
+          absl::Duration timeout, std::optional<Injection> inject);
 
  private:
   // Stops every child and returns `code`.
@@ -215,6 +259,14 @@ class LocalRun {
     }
     return child.name();
   }
+  // A worker died: the coordinator recovers (or fails the job, which ends the run).
+  void WorkerExited(ChildProcess& child, int status) {
+    printer_.EndLine();
+    err_ << "batonctl local: " << Describe(child) << " " << DescribeWaitStatus(status)
+         << "; the coordinator replaces it with a spare or fails the job\n";
+    exited_.insert(&child);
+  }
+  void Inject(const v1::GetStatusResponse& s);
   int ChildExited(ChildProcess& child, int status) {
     printer_.EndLine();
     err_ << "batonctl local: " << Describe(child) << " " << DescribeWaitStatus(status)
@@ -232,15 +284,18 @@ class LocalRun {
   std::unique_ptr<ChildProcess> coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> workers_;
   v1::GetStatusResponse last_status_;
-  std::string last_state_;
+  std::optional<Injection> inject_;
+  std::set<const ChildProcess*> exited_;
+  std::string last_state_, last_recovery_;
   int last_ready_ = -1;
   std::string last_job_error_;
   int64_t last_step_ = 0;
 };
 
 int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-                  absl::Duration timeout) {
+                  absl::Duration timeout, std::optional<Injection> inject) {
   const absl::Time deadline = absl::Now() + timeout;
+  inject_ = std::move(inject);
   const std::string port_file = absl::StrCat(out_dir, "/coordinator.ports");
   unlink(port_file.c_str());  // a stale one would name a dead coordinator
   coordinator_ = std::make_unique<ChildProcess>(
@@ -280,7 +335,8 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
     if (g_stop_signal != 0) return Interrupted();
     if (std::optional<int> status = coordinator_->Poll()) return ChildExited(*coordinator_, *status);
     for (auto& w : workers_) {
-      if (std::optional<int> status = w->Poll()) return ChildExited(*w, *status);
+      if (exited_.count(w.get())) continue;
+      if (std::optional<int> status = w->Poll()) WorkerExited(*w, *status);
     }
     const absl::Time now = absl::Now();
     if (now > deadline) {
@@ -323,11 +379,39 @@ std::optional<int> LocalRun::OnStatus(const v1::GetStatusResponse& s, const std:
     printer_.Line() << "job " << (s.job().empty() ? "" : s.job() + " ") << s.job_state() << std::endl;
   }
   last_state_ = s.job_state();
-  if (s.step() != last_step_ && s.step() > 0) printer_.Progress(ProgressLine(s));
+  if (!s.recovery().empty() && s.recovery() != last_recovery_) {
+    printer_.Line() << (s.job_state() == "recovering" ? "recovering: " : "recovered: ") << s.recovery() << std::endl;
+  }
+  last_recovery_ = s.recovery();
+  if (s.step() != last_step_ && s.step() > 0) {
+    std::string line = ProgressLine(s);
+    if (s.recoveries() > 0) {
+      absl::StrAppend(&line, "  recoveries ", s.recoveries(), " (", s.replayed_steps(), " steps replayed)");
+    }
+    printer_.Progress(line);
+  }
+  Inject(s);
   last_step_ = s.step();
   if (s.job_state() == "failed") return JobFailed(s);
   if (s.job_state() == "done") return JobDone(out_dir);
   return std::nullopt;
+}
+
+void LocalRun::Inject(const v1::GetStatusResponse& s) {
+  if (!inject_ || inject_->done || s.job_state() != "running" || s.step() < inject_->step) return;
+  std::string name = inject_->worker;
+  for (const v1::StageStatus& stage : s.stages()) {
+    if (name.empty() && stage.pp_rank() == inject_->stage && stage.workers_size() > 0) name = stage.workers(0);
+  }
+  for (auto& w : workers_) {
+    if (w->name() != name || exited_.count(w.get())) continue;
+    inject_->done = true;
+    printer_.EndLine();
+    err_ << "batonctl local: injecting " << (inject_->sig == SIGKILL ? "SIGKILL" : "SIGSTOP") << " into "
+         << Describe(*w) << " (pid " << w->pid() << ") after step " << s.step() << "\n";
+    w->Signal(inject_->sig);
+    return;
+  }
 }
 
 int LocalRun::JobFailed(const v1::GetStatusResponse& s) {
@@ -384,7 +468,8 @@ absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const s
 }
 
 int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
-  absl::StatusOr<Args> args = Args::Parse(argv, {"job", "out", "workers", "bin_dir", "timeout_s"});
+  absl::StatusOr<Args> args =
+      Args::Parse(argv, {"job", "out", "workers", "spares", "inject", "bin_dir", "timeout_s"});
   if (!args.ok()) {
     err << "batonctl local: " << args.status().message() << "\n";
     return 2;
@@ -393,7 +478,8 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   const std::string out_dir = args->GetString("out", "");
   absl::StatusOr<int64_t> timeout_s = args->GetInt("timeout_s", 3600);
   if (job_path.empty() || out_dir.empty() || !args->positionals().empty() || !timeout_s.ok() || *timeout_s <= 0) {
-    err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--bin_dir=DIR] [--timeout_s=3600]\n";
+    err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--spares=N] "
+           "[--inject=kill:stage=P@step=N] [--bin_dir=DIR] [--timeout_s=3600]\n";
     return 2;
   }
   absl::StatusOr<v1::JobSpec> job = LoadJobSpec(job_path);
@@ -408,6 +494,21 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
         << ")\n";
     return 2;
   }
+  absl::StatusOr<int64_t> spares = args->GetInt("spares", 0);
+  if (!spares.ok() || *spares < 0 || *workers + *spares > 1024) {
+    err << "batonctl local: --spares must be >= 0, with --workers + --spares at most 1024\n";
+    return 2;
+  }
+  absl::StatusOr<std::optional<Injection>> inject = ParseInjection(args->GetString("inject", ""));
+  if (!inject.ok()) {
+    err << "batonctl local: " << inject.status().message() << "\n";
+    return 2;
+  }
+  if (*inject && (*inject)->stage >= dims.pp) {
+    err << "batonctl local: --inject: stage " << (*inject)->stage << " does not exist (the job has pp = " << dims.pp
+        << ")\n";
+    return 2;
+  }
   absl::StatusOr<LocalBinaries> bins = LocateBinaries(args->GetString("bin_dir", ""), SelfExe());
   if (!bins.ok()) {
     err << "batonctl local: " << bins.status().message() << "\n";
@@ -419,7 +520,8 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   }
   ScopedStopSignals signals;
   LocalRun run(out, err, &out == &std::cout && isatty(STDOUT_FILENO));
-  return run.Run(job_path, out_dir, static_cast<int>(*workers), *bins, absl::Seconds(*timeout_s));
+  return run.Run(job_path, out_dir, static_cast<int>(*workers + *spares), *bins, absl::Seconds(*timeout_s),
+                 *std::move(inject));
 }
 
 }  // namespace baton::cli

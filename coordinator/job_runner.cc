@@ -11,6 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/checkpoint_manifest.h"
 #include "common/chrome_trace.h"
 #include "common/file_io.h"
 #include "common/json.h"
@@ -23,7 +25,8 @@
 #include "coordinator/schedule/lowering.h"
 #include "coordinator/schedule/simulator.h"
 #include "coordinator/schedule/validator.h"
-#include "worker/checkpoint/checkpoint.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
 
 namespace baton {
 namespace {
@@ -228,7 +231,6 @@ absl::Status JobRunner::error() const {
 void JobRunner::Run() {
   if (!options_.out_dir.empty()) {
     if (absl::Status s = MakeDirectories(options_.out_dir); !s.ok()) return Fail(s);
-    std::remove((options_.out_dir + "/steps.jsonl").c_str());
   }
   for (;;) {
     const JobState now = state();
@@ -288,7 +290,8 @@ void JobRunner::Fail(const absl::Status& why) {
 }
 
 absl::StatusOr<JobState> JobRunner::Waiting() {
-  const int world = DimsOf(job_).world_size();
+  const ParallelDims d = DimsOf(job_);
+  const int world = d.world_size();
   const absl::Time start = clock_->Now();
   bool reported = false;
   for (;;) {
@@ -296,7 +299,34 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
     for (v1::WorkerInfo& w : workers_->List()) {
       if (w.state() == v1::READY) ready.push_back(std::move(w));
     }
-    if (static_cast<int>(ready.size()) >= world) {
+    // Workers that hold this job from an earlier coordinator: the newest
+    // generation's reports, one per slot.
+    int64_t held_generation = 0;
+    for (const v1::WorkerInfo& w : ready) {
+      if (w.held().job() == job_.name() && w.held().steps_size() > 0) {
+        held_generation = std::max(held_generation, w.held().generation());
+      }
+    }
+    std::map<std::vector<int>, v1::WorkerInfo> slots;
+    bool conflict = false;
+    for (const v1::WorkerInfo& w : ready) {
+      const v1::HeldJob& h = w.held();
+      if (h.job() != job_.name() || h.generation() != held_generation || h.steps_size() == 0) continue;
+      if (h.pp_rank() >= d.pp || h.tp_rank() >= d.tp || h.dp_rank() >= d.dp) continue;
+      conflict |= !slots.emplace(std::vector<int>{h.pp_rank(), h.tp_rank(), h.dp_rank()}, w).second;
+    }
+    if (held_generation > 0 && !conflict && static_cast<int>(slots.size()) == world) {
+      return Adopt(ready, slots, held_generation);
+    }
+    const bool adopting = held_generation > 0 && clock_->Now() - start < options_.adopt_grace;
+    if (static_cast<int>(ready.size()) >= world && !adopting) {
+      if (held_generation > 0) {
+        BATON_LOG(WARNING) << "job '" << job_.name() << "': " << slots.size() << " of " << world
+                           << " shards reported by workers of generation " << held_generation
+                           << (conflict ? " (two workers claim one shard)" : "") << " after "
+                           << absl::FormatDuration(options_.adopt_grace) << "; starting the job over";
+      }
+      if (!options_.out_dir.empty()) std::remove((options_.out_dir + "/steps.jsonl").c_str());
       BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, workers_->NextGeneration()));
       absl::MutexLock lock(&mu_);
       error_ = absl::OkStatus();
@@ -317,6 +347,102 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
       return absl::CancelledError("coordinator shutting down");
     }
   }
+}
+
+absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& ready,
+                                          const std::map<std::vector<int>, v1::WorkerInfo>& slots,
+                                          int64_t held_generation) {
+  int64_t generation = workers_->NextGeneration();
+  while (generation <= held_generation) generation = workers_->NextGeneration();
+  BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, generation));
+  std::set<std::string> taken;
+  for (v1::RankAssignment& r : *plan.mutable_ranks()) {
+    const v1::WorkerInfo& w = slots.at({r.pp_rank(), r.tp_rank(), r.dp_rank()});
+    r.set_worker_name(w.name());
+    r.set_worker_id(w.worker_id());
+    r.set_host(w.host());
+    taken.insert(w.name());
+  }
+  plan.clear_spares();
+  for (const v1::WorkerInfo& w : ready) {
+    if (!taken.count(w.name())) plan.add_spares(w.name());
+  }
+  // The newest step every shard can restore.
+  int64_t resume = 0;
+  for (int64_t s : slots.begin()->second.held().steps()) {
+    bool everywhere = true;
+    for (const auto& [slot, w] : slots) {
+      const auto& steps = w.held().steps();
+      everywhere &= std::find(steps.begin(), steps.end(), s) != steps.end();
+    }
+    if (everywhere) resume = std::max(resume, s);
+  }
+  LoadSteps();
+  absl::MutexLock lock(&mu_);
+  for (const auto& [slot, w] : slots) {
+    std::deque<int64_t>& own = own_snapshots_[w.name()];
+    for (int64_t s : w.held().steps()) {
+      if (s <= resume) PushBounded(&own, s, kOwnSnapshots);
+    }
+    std::sort(own.begin(), own.end());
+  }
+  ++restarts_;
+  recoveries_metric_[FaultCause::kCoordinatorRestart]->Increment();
+  const int64_t replayed = std::max<int64_t>(0, recorded_ - resume);
+  replayed_ += replayed;
+  replayed_metric_->Increment(static_cast<double>(replayed));
+  recovery_ = absl::StrCat("adopted the running job from ", slots.size(), " workers of generation ",
+                           held_generation, " after a coordinator restart; resuming after step ", resume, " (",
+                           replayed, " steps replayed)");
+  BATON_LOG(WARNING) << "job '" << job_.name() << "': " << recovery_;
+  AppendStepsLine(absl::StrCat("{\"recovery\": ", restarts_, ", \"cause\": \"coordinator_restart\", \"worker\": \"\"",
+                               ", \"resume_step\": ", resume, ", \"replayed_steps\": ", replayed,
+                               ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_), "}"));
+  committed_ = resume;
+  next_step_ = resume + 1;
+  recovery_started_ = clock_->Now();
+  error_ = absl::OkStatus();
+  setup_ = Setup{std::move(plan), resume, {}};
+  return JobState::kConfiguring;
+}
+
+void JobRunner::LoadSteps() {
+  if (options_.out_dir.empty()) return;
+  const std::string path = options_.out_dir + "/steps.jsonl";
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return;
+  std::string kept;
+  std::vector<StepRecord> records;
+  for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
+    if (!v.ok() || !v->is_object()) continue;  // a line torn by the crash
+    absl::StrAppend(&kept, line, "\n");
+    const JsonValue* step = v->Find("step");
+    if (step == nullptr || !step->is_number()) continue;
+    auto num = [&](const char* key) {
+      const JsonValue* x = v->Find(key);
+      return x != nullptr && x->is_number() ? x->number() : 0.0;
+    };
+    StepRecord r;
+    r.step = static_cast<int64_t>(step->number());
+    const JsonValue* committed = v->Find("committed");
+    r.committed = committed != nullptr && committed->kind() == JsonValue::Kind::kBool && committed->bool_value();
+    r.loss = num("loss");
+    r.accuracy = num("accuracy");
+    r.grad_norm = num("grad_norm");
+    r.clip = num("clip");
+    r.wall = num("wall_seconds");
+    r.tokens_per_second = num("tokens_per_second");
+    r.bubble_ratio = num("bubble_ratio");
+    r.comm_ratio = num("comm_ratio");
+    records.push_back(r);
+  }
+  if (absl::Status s = WriteFileAtomically(path, kept); !s.ok()) {
+    BATON_LOG(WARNING) << "cannot rewrite " << path << ": " << s;
+  }
+  absl::MutexLock lock(&mu_);
+  steps_ = std::move(records);
+  recorded_ = steps_.empty() ? 0 : steps_.back().step;
 }
 
 absl::StatusOr<JobState> JobRunner::Configuring() {
@@ -802,7 +928,7 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
         if (snap.owner() != worker || snap.step() <= 0) return;
         PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
         auto buddy = buddy_.find(worker);
-        if (buddy == buddy_.end()) return;
+        if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
         if (snap.data().size() > kMaxRelayedSnapshotBytes) {
           BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
                              << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
@@ -936,7 +1062,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       // The replay must reproduce the record bit for bit (data and state are
       // pure functions of the seed and the step).
       for (const StepRecord& old : steps_) {
-        if (old.step == step && (old.loss != loss || old.grad_norm != norm)) {
+        if (old.step == step && (Num(old.loss) != Num(loss) || Num(old.grad_norm) != Num(norm))) {
           BATON_LOG(ERROR) << "replayed step " << step << " differs from its first run: loss " << Num(loss)
                            << " vs " << Num(old.loss) << ", grad norm " << Num(norm) << " vs " << Num(old.grad_norm);
         }

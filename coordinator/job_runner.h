@@ -107,6 +107,9 @@ class JobRunner : public JobObserver {
     absl::Duration fetch_timeout = absl::Seconds(60);
     // Waits re-check the clock this often.
     absl::Duration poll = absl::Milliseconds(10);
+    // How long waiting holds on for the rest of the workers once some report
+    // holding this job (a coordinator restart), before starting it over.
+    absl::Duration adopt_grace = absl::Seconds(15);
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
     int max_kept_traces = 16;
   };
@@ -159,6 +162,12 @@ class JobRunner : public JobObserver {
   void Run();
   // The transitions: each does one state's work and returns the next state.
   absl::StatusOr<JobState> Waiting();
+  // Waiting found workers holding this job (a restarted coordinator): take
+  // their plan and continue from the newest step every shard holds.
+  absl::StatusOr<JobState> Adopt(const std::vector<v1::WorkerInfo>& ready,
+                                 const std::map<std::vector<int>, v1::WorkerInfo>& slots, int64_t generation);
+  // Restores steps_ from an earlier life's steps.jsonl (rewritten without a torn last line).
+  void LoadSteps();
   absl::StatusOr<JobState> Configuring();
   absl::StatusOr<JobState> Running();
   absl::StatusOr<JobState> Recovering();

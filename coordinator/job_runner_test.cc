@@ -41,6 +41,19 @@ class FakeWorkers : public JobWorkers {
     w.set_state(v1::READY);
     workers_[name] = w;
   }
+  // `name` held shard (pp, 0, dp) of job "unit" at `generation` with snapshots of `steps`.
+  void SetHeld(const std::string& name, int pp, int dp, int64_t generation, std::vector<int64_t> steps) {
+    absl::MutexLock lock(&mu_);
+    v1::HeldJob* h = workers_[name].mutable_held();
+    h->set_job("unit");
+    h->set_generation(generation);
+    h->set_pp_rank(pp);
+    h->set_dp_rank(dp);
+    for (int64_t s : steps) {
+      h->add_steps(s);
+      own_[name][s] = absl::StrCat(pp, ".0@", s);
+    }
+  }
   void set_runner(JobRunner* runner) { runner_ = runner; }
   void set_hook(Hook hook) {
     absl::MutexLock lock(&mu_);
@@ -240,8 +253,9 @@ v1::JobSpec Job(int pp, int dp, int steps, const std::string& extra = "") {
 
 class JobRunnerTest : public ::testing::Test {
  protected:
-  void Start(v1::JobSpec job, int workers) {
+  void Start(v1::JobSpec job, int workers, std::function<void(FakeWorkers*)> setup = nullptr) {
     fake_ = std::make_unique<FakeWorkers>(workers);
+    if (setup) setup(fake_.get());
     JobRunner::Options options;
     runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
     fake_->set_runner(runner_.get());
@@ -490,6 +504,39 @@ TEST_F(JobRunnerTest, ASecondFaultDuringRecoveryEndsInACompletedRecovery) {
   EXPECT_EQ(c[0].state(), "1.0@3");
   EXPECT_EQ(fake_->ModelStep("worker-3"), 6);
   EXPECT_EQ(fake_->ModelStep("worker-0"), 6);
+}
+
+// A restarted coordinator finds workers holding the job: it keeps their
+// slots and continues from the newest step every shard holds.
+TEST_F(JobRunnerTest, ARestartedCoordinatorAdoptsTheJobTheWorkersHold) {
+  Start(Job(2, 1, 8), 3, [](FakeWorkers* f) {
+    f->SetHeld("worker-0", 1, 0, 3, {4, 5, 6});  // slots swapped w.r.t. a fresh plan
+    f->SetHeld("worker-1", 0, 0, 3, {3, 4, 5});
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> c0 = fake_->Configures("worker-0"), c1 = fake_->Configures("worker-1");
+  ASSERT_EQ(c0.size(), 1u);
+  ASSERT_EQ(c1.size(), 1u);
+  EXPECT_EQ(c0[0].resume_step(), 5);
+  EXPECT_TRUE(c0[0].state().empty());  // from its own memory
+  EXPECT_GT(c0[0].plan().generation(), 3);
+  for (const auto& r : c0[0].plan().ranks()) {
+    if (r.worker_name() == "worker-0") EXPECT_EQ(r.pp_rank(), 1);
+    if (r.worker_name() == "worker-1") EXPECT_EQ(r.pp_rank(), 0);
+  }
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{6, 7, 8}));
+  EXPECT_TRUE(fake_->Configures("worker-2").empty()) << "the spare stays a spare";
+  EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"coordinator_restart\",training_job=\"unit\"} 1"),
+            std::string::npos);
+}
+
+// Reports that do not cover every shard (here: one worker of two) are not
+// adopted; after the grace period the job starts over.
+TEST_F(JobRunnerTest, IncompleteReportsStartTheJobOverAfterTheGrace) {
+  Start(Job(2, 1, 3), 2, [](FakeWorkers* f) { f->SetHeld("worker-0", 0, 0, 2, {7}); });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->Configures("worker-0")[0].resume_step(), 0);
+  EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3}));
 }
 
 }  // namespace

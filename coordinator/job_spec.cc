@@ -213,6 +213,25 @@ absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
   return job;
 }
 
+// fault_tolerance (owner: recovery; docs/protocol.md "Recovery").
+absl::Status ValidateFaultTolerance(const v1::FaultToleranceSpec& f) {
+  if (f.has_max_restarts() && (f.max_restarts() < 0 || f.max_restarts() > 1000)) {
+    return Invalid("fault_tolerance.max_restarts",
+                   absl::StrCat("is ", f.max_restarts(), "; must be between 0 (fail at the first fault) and 1000"));
+  }
+  if (f.has_replacement_timeout_s() &&
+      (!std::isfinite(f.replacement_timeout_s()) || f.replacement_timeout_s() < 0 ||
+       f.replacement_timeout_s() > 86400)) {
+    return Invalid("fault_tolerance.replacement_timeout_s",
+                   absl::StrCat("is ", f.replacement_timeout_s(), "; must be between 0 and 86400 seconds"));
+  }
+  if (f.has_snapshot_every_steps()) {
+    BATON_RETURN_IF_ERROR(AtLeast("fault_tolerance.snapshot_every_steps", f.snapshot_every_steps(), 0,
+                                  "(0: no in-memory snapshots)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.name().empty()) return Invalid("name", "must be set, e.g. name: \"demo\"");
   const ParallelDims d = DimsOf(job);
@@ -224,6 +243,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(AtLeast("checkpoint.every_steps", job.checkpoint().every_steps(), 0));
   if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
+  }
+  BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
+  if (job.checkpoint().has_keep()) {
+    BATON_RETURN_IF_ERROR(AtLeast("checkpoint.keep", job.checkpoint().keep(), 1));
   }
   return absl::OkStatus();
 }

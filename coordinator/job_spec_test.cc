@@ -102,6 +102,16 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "data.text_file", "cannot read"},
       {"checkpoint without dir", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_every_steps(5); },
        "checkpoint.dir", "must be set"},
+      {"negative max_restarts", [](v1::JobSpec* j) { j->mutable_fault_tolerance()->set_max_restarts(-1); },
+       "fault_tolerance.max_restarts", "between 0"},
+      {"infinite replacement timeout",
+       [](v1::JobSpec* j) { j->mutable_fault_tolerance()->set_replacement_timeout_s(1.0 / 0.0); },
+       "fault_tolerance.replacement_timeout_s", "between 0 and 86400"},
+      {"negative snapshot period",
+       [](v1::JobSpec* j) { j->mutable_fault_tolerance()->set_snapshot_every_steps(-2); },
+       "fault_tolerance.snapshot_every_steps", ">= 0"},
+      {"keeping no checkpoint", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_keep(0); },
+       "checkpoint.keep", ">= 1"},
   };
   for (const Case& c : cases) {
     v1::JobSpec job = Good();

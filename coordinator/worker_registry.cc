@@ -21,6 +21,11 @@ absl::Status ValidateRequest(const v1::RegisterRequest& r) {
     return absl::InvalidArgumentError(absl::StrCat("Register: http_port ", r.http_port(), " is not a port"));
   }
   if (r.memory_bytes() < 0) return absl::InvalidArgumentError("Register: memory_bytes must be >= 0");
+  if (r.held().job().size() > 256 || r.held().steps_size() > 16 || r.held().pp_rank() < 0 || r.held().tp_rank() < 0 ||
+      r.held().dp_rank() < 0 || r.held().generation() < 0) {
+    return absl::InvalidArgumentError(
+        "Register: held must name a job of at most 256 characters, ranks and generation >= 0, at most 16 steps");
+  }
   return absl::OkStatus();
 }
 
@@ -86,6 +91,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   w.info.set_host(request.host());
   w.info.set_device(request.device());
   w.info.set_http_port(request.http_port());
+  if (request.has_held()) *w.info.mutable_held() = request.held();  // job adoption (owner: recovery)
   w.info.set_state(v1::JOINING);
   w.last_heartbeat = now;
   name_of_id_[id] = request.name();

@@ -102,6 +102,7 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   req.set_memory_bytes(options_.memory_bytes);
   req.set_version(kVersion);
   req.set_pid(getpid());
+  if (options_.describe) options_.describe(&req);
   v1::RegisterResponse reg;
   {
     grpc::ClientContext ctx;

@@ -46,6 +46,9 @@ class WorkerAgent {
     absl::Duration rpc_timeout = absl::Seconds(5);
     absl::Duration backoff_min = absl::Milliseconds(100);
     absl::Duration backoff_max = absl::Seconds(2);
+    // Adds what this worker holds to each registration (job adoption by a
+    // restarted coordinator); may be null.
+    std::function<void(v1::RegisterRequest*)> describe;
   };
   // Runs on the session's reader thread: it must not block.
   using CommandHandler = std::function<void(const v1::CoordinatorMessage&)>;

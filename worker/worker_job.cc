@@ -8,6 +8,7 @@
 #include "kernels/device.h"
 #include "worker/agent.h"
 #include "worker/checkpoint/checkpoint.h"
+#include "worker/checkpoint/train_state.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/data/data_source.h"
@@ -56,6 +57,14 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                         .Register(metrics);
   loss_family_ = &prometheus::BuildGauge().Name("baton_loss").Help("Loss of the last step (last stage)").Register(metrics);
   step_family_ = &prometheus::BuildGauge().Name("baton_step").Help("Last step this worker finished").Register(metrics);
+  snapshot_bytes_family_ = &prometheus::BuildCounter()
+                                .Name("baton_snapshot_bytes_total")
+                                .Help("Bytes of in-memory state snapshots captured for the buddy")
+                                .Register(metrics);
+  snapshot_stall_family_ = &prometheus::BuildCounter()
+                                .Name("baton_snapshot_stall_seconds_total")
+                                .Help("Time the step loop spent capturing and encoding snapshots")
+                                .Register(metrics);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -69,6 +78,8 @@ WorkerJob::~WorkerJob() {
 }
 
 void WorkerJob::Handle(const v1::CoordinatorMessage& message) {
+  if (message.has_hold_snapshot()) return Hold(message.hold_snapshot());
+  if (message.has_fetch_state()) return Fetch(message.fetch_state());
   if (message.has_abort()) AbortJob(message.abort().reason());
   absl::MutexLock lock(&mu_);
   queue_.push_back(message);
@@ -80,6 +91,17 @@ void WorkerJob::SessionLost() {
   drop.mutable_abort()->set_reason("session ended");
   absl::MutexLock lock(&mu_);
   queue_.push_back(drop);
+}
+
+void WorkerJob::Describe(v1::HeldJob* held) {
+  absl::MutexLock lock(&snap_mu_);
+  if (own_.empty() || held_job_.empty()) return;
+  held->set_job(held_job_);
+  held->set_generation(generation_);
+  held->set_pp_rank(held_rank_.pp_rank());
+  held->set_tp_rank(held_rank_.tp_rank());
+  held->set_dp_rank(held_rank_.dp_rank());
+  for (const auto& [step, state] : own_) held->add_steps(step);
 }
 
 void WorkerJob::AbortJob(const std::string& reason) {
@@ -169,6 +191,12 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       }
       reply.mutable_step_done()->set_generation(job_->plan.generation());
       Reply(reply);
+      // After the reply: the coordinator gathers the others meanwhile.
+      const v1::FaultToleranceSpec& ft = job_->spec.fault_tolerance();
+      const int64_t every = ft.has_snapshot_every_steps() ? ft.snapshot_every_steps() : 1;
+      if (done.ok() && message.has_commit() && every > 0 && message.commit().step() % every == 0) {
+        Snapshot(message.commit().step());
+      }
       return;
     }
     case v1::CoordinatorMessage::kSaveWeights: {
@@ -225,10 +253,6 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
 }
 
 absl::Status WorkerJob::Configure(const v1::Configure& configure) {
-  if (configure.resume_step() > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot resume at step ", configure.resume_step(), ": this worker cannot restore model state yet"));
-  }
   {
     absl::MutexLock lock(&mu_);
     live_comms_.clear();
@@ -241,13 +265,145 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     live_comms_.clear();  // the half-built job's communicators die with it
     return s;
   }
-  BATON_LOG(INFO) << "configured for job '" << job->plan.job() << "' generation " << job->plan.generation()
-                  << ": stage " << job->rank.pp_rank() << ", tp " << job->rank.tp_rank() << ", dp "
-                  << job->rank.dp_rank() << ", " << job->chunks.size() << " chunk(s)";
+  const std::string key = absl::StrCat(job->plan.job(), "/", job->rank.pp_rank(), ".", job->rank.tp_rank(), ".",
+                                       job->rank.dp_rank(), "/", job->plan.tp(), "/", job->plan.pp(), "x",
+                                       std::max(1, job->plan.virtual_stages()));
+  {
+    absl::MutexLock lock(&snap_mu_);
+    if (own_key_ != key) own_.clear();  // another job or shard: the old snapshots are of no use
+    own_key_ = key;
+    generation_ = job->plan.generation();
+    held_job_ = job->plan.job();
+    held_rank_ = job->rank;
+  }
   job_ = std::move(job);
+  const int64_t resume = configure.resume_step();
+  if (resume > 0) {
+    absl::Status s = Restore(resume, configure.state());
+    if (!s.ok()) {
+      job_.reset();
+      absl::MutexLock lock(&mu_);
+      live_comms_.clear();
+      return s;
+    }
+  }
+  {
+    absl::MutexLock lock(&snap_mu_);  // a rolled-back timeline: later snapshots are replayed
+    own_.erase(own_.upper_bound(resume), own_.end());
+  }
+  agent_->SetStep(resume);
+  BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
+                  << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
+                  << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
+                  << (resume > 0 ? absl::StrCat(", resumed at step ", resume,
+                                                configure.state().empty() ? " from its own snapshot"
+                                                                          : " from the state sent")
+                                 : "");
   return absl::OkStatus();
 }
 
+void WorkerJob::Snapshot(int64_t step) {
+  const absl::Time start = absl::Now();
+  v1::ShardState shard;
+  shard.set_step(step);
+  shard.set_pp_rank(job_->rank.pp_rank());
+  shard.set_tp_rank(job_->rank.tp_rank());
+  shard.set_tp_size(job_->plan.tp());
+  for (auto& [c, model] : job_->chunks) {
+    v1::ShardState::Chunk* chunk = shard.add_chunks();
+    chunk->set_chunk(c);
+    chunk->set_state(EncodeChunkState(model->CaptureState()));
+  }
+  std::string bytes = shard.SerializeAsString();
+  v1::WorkerMessage msg;
+  v1::ShardSnapshot* snap = msg.mutable_snapshot();
+  snap->set_owner(options_.name);
+  snap->set_step(step);
+  snap->set_generation(job_->plan.generation());
+  if (bytes.size() <= kMaxSnapshotBytes) {
+    snap->set_data(bytes);
+  } else {
+    snap->set_error(absl::StrCat("snapshot of ", bytes.size(), " bytes is over the ", kMaxSnapshotBytes,
+                                 "-byte limit of the session stream; kept locally only"));
+    snap->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+  }
+  snapshot_bytes_family_->Add(job_->labels).Increment(static_cast<double>(bytes.size()));
+  {
+    absl::MutexLock lock(&snap_mu_);
+    own_[step] = std::move(bytes);
+    while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
+  }
+  snapshot_stall_family_->Add(job_->labels).Increment(absl::ToDoubleSeconds(absl::Now() - start));
+  Reply(std::move(msg));
+}
+
+absl::Status WorkerJob::Restore(int64_t step, const std::string& state) {
+  std::string bytes = state;
+  if (bytes.empty()) {
+    absl::MutexLock lock(&snap_mu_);
+    auto it = own_.find(step);
+    if (it == own_.end()) {
+      return absl::DataLossError(absl::StrCat("this worker holds no snapshot of step ", step, " (it holds ",
+                                              own_.size(), " snapshot(s)", own_.empty() ? "" : ", newest of step ",
+                                              own_.empty() ? 0 : own_.rbegin()->first, ")"));
+    }
+    bytes = it->second;
+  }
+  v1::ShardState shard;
+  if (!shard.ParseFromString(bytes)) return absl::DataLossError("the state sent is not a ShardState");
+  if (shard.step() != step || shard.pp_rank() != job_->rank.pp_rank() || shard.tp_rank() != job_->rank.tp_rank() ||
+      shard.tp_size() != job_->plan.tp() || shard.chunks_size() != static_cast<int>(job_->chunks.size())) {
+    return absl::DataLossError(absl::StrCat("the state sent is of step ", shard.step(), ", stage ", shard.pp_rank(),
+                                            ", tp ", shard.tp_rank(), "/", shard.tp_size(), " with ",
+                                            shard.chunks_size(), " chunk(s); this worker needs step ", step,
+                                            ", stage ", job_->rank.pp_rank(), ", tp ", job_->rank.tp_rank(), "/",
+                                            job_->plan.tp()));
+  }
+  for (const v1::ShardState::Chunk& chunk : shard.chunks()) {
+    auto it = job_->chunks.find(chunk.chunk());
+    if (it == job_->chunks.end()) return absl::DataLossError(absl::StrCat("the state has chunk ", chunk.chunk()));
+    absl::StatusOr<ChunkState> decoded = DecodeChunkState(chunk.state());
+    if (!decoded.ok()) return WithContext(decoded.status(), absl::StrCat("chunk ", chunk.chunk(), " of step ", step));
+    BATON_RETURN_IF_ERROR_CTX(it->second->RestoreState(*decoded), "restoring chunk ", chunk.chunk());
+  }
+  absl::MutexLock lock(&snap_mu_);
+  own_[step] = std::move(bytes);
+  while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
+  return absl::OkStatus();
+}
+
+void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {
+  if (snapshot.data().empty() || snapshot.data().size() > kMaxSnapshotBytes || snapshot.owner().empty()) return;
+  absl::MutexLock lock(&snap_mu_);
+  std::map<int64_t, std::string>& copies = held_[snapshot.owner()];
+  copies[snapshot.step()] = snapshot.data();
+  while (copies.size() > kHeldSnapshots) copies.erase(copies.begin());
+}
+
+void WorkerJob::Fetch(const v1::FetchState& fetch) {
+  v1::WorkerMessage reply;
+  v1::ShardSnapshot* out = reply.mutable_fetched_state();
+  out->set_owner(fetch.owner());
+  out->set_step(fetch.step());
+  {
+    absl::MutexLock lock(&snap_mu_);
+    out->set_generation(generation_);
+    const std::map<int64_t, std::string>* from = nullptr;
+    if (fetch.owner() == options_.name) {
+      from = &own_;
+    } else if (auto it = held_.find(fetch.owner()); it != held_.end()) {
+      from = &it->second;
+    }
+    auto it = from == nullptr ? std::map<int64_t, std::string>::const_iterator() : from->find(fetch.step());
+    if (from != nullptr && it != from->end()) {
+      out->set_data(it->second);
+    } else {
+      out->set_error(absl::StrCat(options_.name, " holds no state of ", fetch.owner(), " at step ", fetch.step()));
+      out->set_code(static_cast<int>(absl::StatusCode::kNotFound));
+    }
+  }
+  Reply(std::move(reply));
+}
 namespace {
 
 absl::Status CheckPrecision(const v1::TrainSpec& train, kernels::Device device) {

@@ -11,6 +11,16 @@
 //   Commit{n, clip} / Discard{n}   optimizer step or drop -> StepDone
 //   SaveWeights{dir}               DP rank 0 writes its shards -> Saved
 //   Abort                          aborts the communicators, drops the job
+//                                  (the snapshots below stay)
+//
+// Recovery (docs/protocol.md): after every fault_tolerance.snapshot_every_steps
+// committed steps the worker captures its chunks' state (a ShardState), keeps
+// the last kOwnSnapshots of them and sends a copy to the coordinator, which
+// relays it to this worker's buddy (HoldSnapshot; the last kHeldSnapshots per
+// owner are kept). FetchState{owner, step} answers with one of them. A
+// Configure with resume_step R > 0 rebuilds the job and restores every chunk
+// from Configure.state (a replacement) or from its own snapshot of step R (a
+// survivor), bit for bit.
 //
 // Commands run on a thread of their own (the session's reader never blocks);
 // Abort also acts at once from the reader thread, so a blocked collective is
@@ -19,6 +29,7 @@
 #define BATON_WORKER_WORKER_JOB_H_
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -44,6 +55,12 @@ class WorkerJob {
  public:
   struct Job;  // the live job: rank, communicators, chunks, executor
 
+  static constexpr int kOwnSnapshots = 3;
+  static constexpr int kHeldSnapshots = 2;
+  // A shard state larger than this is kept locally but not sent to the buddy
+  // (gRPC's default 4 MiB message limit on the session stream).
+  static constexpr size_t kMaxSnapshotBytes = (4 << 20) - (64 << 10);
+
   struct Options {
     std::string name;                      // this worker's name (as in the plan)
     std::string comm_host = "127.0.0.1";   // address peers reach this worker's Gloo pairs at
@@ -59,8 +76,12 @@ class WorkerJob {
 
   // Called on the session's reader thread.
   void Handle(const v1::CoordinatorMessage& message);
-  // The session ended: the job (if any) cannot go on.
+  // The session ended: the job's communicators are aborted and the live job
+  // dropped; the snapshots stay, so a restarted coordinator can adopt it.
   void SessionLost();
+  // What this worker holds (job, generation, rank, restorable steps); empty
+  // when nothing. Thread-safe.
+  void Describe(v1::HeldJob* held);
 
  private:
 
@@ -71,6 +92,13 @@ class WorkerJob {
   void AbortJob(const std::string& reason);
   void Reply(v1::WorkerMessage message);
   void RecordMetrics(const v1::StepDone& done, const v1::StepReport& report);
+  // After committed step `step`: capture, keep and send the snapshot.
+  void Snapshot(int64_t step);
+  // Sets every chunk to the state of step `step` (from `state`, or the own snapshot).
+  absl::Status Restore(int64_t step, const std::string& state);
+  // Reader thread: keep a buddy copy / answer a FetchState.
+  void Hold(const v1::ShardSnapshot& snapshot);
+  void Fetch(const v1::FetchState& fetch);
 
   const Options options_;
   std::shared_ptr<v1::Coordinator::StubInterface> stub_;
@@ -83,12 +111,23 @@ class WorkerJob {
   prometheus::Family<prometheus::Counter>* tokens_family_;
   prometheus::Family<prometheus::Gauge>* loss_family_;
   prometheus::Family<prometheus::Gauge>* step_family_;
+  prometheus::Family<prometheus::Counter>* snapshot_bytes_family_;
+  prometheus::Family<prometheus::Counter>* snapshot_stall_family_;
 
   absl::Mutex mu_;
   std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Communicators of the live job, so Abort can reach them from any thread.
   std::vector<comm::Communicator*> live_comms_ ABSL_GUARDED_BY(mu_);
+
+  // Snapshots survive Abort and lost sessions (never the process).
+  absl::Mutex snap_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::string own_key_ ABSL_GUARDED_BY(snap_mu_);  // job and shard the own snapshots belong to
+  std::map<int64_t, std::string> own_ ABSL_GUARDED_BY(snap_mu_);  // step -> ShardState
+  std::map<std::string, std::map<int64_t, std::string>> held_ ABSL_GUARDED_BY(snap_mu_);  // owner -> step -> ShardState
+  int64_t generation_ ABSL_GUARDED_BY(snap_mu_) = 0;  // of the live job, for FetchState answers
+  std::string held_job_ ABSL_GUARDED_BY(snap_mu_);
+  v1::RankAssignment held_rank_ ABSL_GUARDED_BY(snap_mu_);
 
   std::unique_ptr<Job> job_;  // owned by the Loop thread
   std::thread thread_;

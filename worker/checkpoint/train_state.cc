@@ -1,7 +1,5 @@
 #include "worker/checkpoint/train_state.h"
 
-#include <zlib.h>
-
 #include <cstring>
 #include <limits>
 
@@ -44,20 +42,6 @@ absl::Status Bad(absl::string_view what) {
 }
 
 }  // namespace
-
-uint32_t Crc32(absl::string_view bytes, uint32_t crc) {
-  uLong c = crc;
-  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
-  size_t left = bytes.size();
-  // zlib takes uInt lengths; feed large buffers in pieces.
-  while (left > 0) {
-    const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
-    c = crc32(c, p, n);
-    p += n;
-    left -= n;
-  }
-  return static_cast<uint32_t>(c);
-}
 
 std::string EncodeChunkState(const ChunkState& s) {
   std::string out;

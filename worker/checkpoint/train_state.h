@@ -26,7 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/types/span.h"
+#include "common/crc32.h"
 #include "worker/stage_model.h"
 
 namespace baton {
@@ -35,9 +35,6 @@ inline constexpr size_t kChunkStateHeaderBytes = 48;
 
 std::string EncodeChunkState(const ChunkState& s);
 absl::StatusOr<ChunkState> DecodeChunkState(absl::string_view bytes);
-
-// CRC-32 (zlib's polynomial) of `bytes`, continuing from `crc` (0 to start).
-uint32_t Crc32(absl::string_view bytes, uint32_t crc = 0);
 
 }  // namespace baton
 

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/weights_diff.h"
+#include "common/weights_diff.h"
 
 #include <algorithm>
 #include <cmath>
@@ -75,6 +75,33 @@ absl::StatusOr<WeightsDiff> CompareWeights(const std::map<std::string, FullTenso
     diff.tensors.push_back(std::move(t));
   }
   return diff;
+}
+
+namespace {
+
+std::map<std::string, FullTensor> MomentsOf(const FullState& s) {
+  std::map<std::string, FullTensor> out;
+  for (const auto& [name, t] : s.tensors) {
+    FullTensor m;
+    m.shape = t.shape;
+    m.values = t.adam_m;
+    out.emplace(kAdamMPrefix + name, std::move(m));
+    FullTensor v;
+    v.shape = t.shape;
+    v.values = t.adam_v;
+    out.emplace(kAdamVPrefix + name, std::move(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<WeightsDiff> CompareMoments(const FullState& a, const FullState& b) {
+  if (!a.has_moments || !b.has_moments) {
+    return absl::FailedPreconditionError(absl::StrCat("the ", !a.has_moments ? "first" : "second",
+                                                      " checkpoint holds no optimizer moments"));
+  }
+  return CompareWeights(MomentsOf(a), MomentsOf(b));
 }
 
 }  // namespace baton::checkpoint

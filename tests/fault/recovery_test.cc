@@ -1,0 +1,425 @@
+// Fault injection with real daemons on loopback (batonctl local: a real
+// coordinator, real worker processes, Gloo, the real GPT math): a worker of
+// the plan is killed (SIGKILL) or frozen past its lease (SIGSTOP, later
+// SIGCONT) in the middle of training; a spare, or the same name registering
+// again, takes its place with the state of its DP replica or of its buddy's
+// in-memory snapshot. Every run asserts that
+//   - the job completes (within a bounded time: nothing hangs),
+//   - its per-step losses and final weights are bitwise equal to the
+//     fault-free run of the same job,
+//   - the survivors kept their processes (same PIDs) and rolled back from
+//     their own memory.
+#include <signal.h>
+#include <sys/types.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/json.h"
+#include "gtest/gtest.h"
+#include "tests/testing/process.h"
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/checkpoint/weights_diff.h"
+
+namespace baton {
+namespace {
+
+using testing::RunCommand;
+using testing::RunfilePath;
+using testing::TempDir;
+
+constexpr absl::Duration kRunLimit = absl::Seconds(240);
+
+struct Layout {
+  int pp = 3, tp = 1, dp = 1, v = 1, steps = 150;
+  std::string schedule = "1f1b";
+  std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d", schedule, pp, tp, dp, v); }
+};
+
+std::string Job(const Layout& l, const std::string& extra = "") {
+  return absl::StrFormat(R"pb(
+    name: "fault"
+    model { layers: 6 d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
+    parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
+    schedule { kind: "%s" microbatches: 4 }
+    train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 11 }
+    data { synthetic { task: "addition" } }
+    %s
+  )pb",
+                         l.pp, l.tp, l.dp, l.v, l.schedule, l.steps, extra);
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The per-step "loss" texts of steps.jsonl (exact, for bitwise checks).
+std::vector<std::string> LossTexts(const std::string& out) {
+  std::vector<std::string> losses;
+  std::ifstream steps(out + "/steps.jsonl");
+  for (std::string line; std::getline(steps, line);) {
+    const size_t at = line.find("\"loss\": ");
+    if (at == std::string::npos) continue;
+    losses.push_back(line.substr(at, line.find(',', at) - at));
+  }
+  return losses;
+}
+
+int CountLines(const std::string& path, const std::string& needle) {
+  int n = 0;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) n += line.find(needle) != std::string::npos;
+  return n;
+}
+
+// One `batonctl local` run, driven from the test.
+class LocalRun {
+ public:
+  LocalRun(const std::string& name, const std::string& job, std::vector<std::string> extra = {}) {
+    dir_ = TempDir(name);
+    out_ = dir_ + "/out";
+    std::ofstream(dir_ + "/job.textproto") << job;
+    std::vector<std::string> args = {"local", "--job=" + dir_ + "/job.textproto", "--out=" + out_,
+                                     absl::StrCat("--timeout_s=", absl::ToInt64Seconds(kRunLimit))};
+    for (std::string& a : extra) args.push_back(std::move(a));
+    local_ = std::make_unique<testing::Subprocess>(RunfilePath("cli/batonctl"), args, dir_ + "/local.log");
+  }
+
+  void Start() { ASSERT_TRUE(local_->Start().ok()); }
+  // Exit code; fails the test when the run does not end in time.
+  int Finish() {
+    auto code = local_->Wait(kRunLimit + absl::Seconds(30));
+    EXPECT_TRUE(code.has_value()) << "batonctl local hung:\n" << local_->Log();
+    return code.value_or(-1);
+  }
+  std::string Log() const { return local_->Log(); }
+  const std::string& out() const { return out_; }
+
+  // Waits until `n` steps were recorded.
+  void WaitForStep(int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(90);
+    while (CountLines(out_ + "/steps.jsonl", "\"step\": ") < n) {
+      ASSERT_LT(absl::Now(), deadline) << "training did not reach step " << n << ":\n" << Log();
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  // Waits until steps.jsonl records `n` recoveries.
+  void WaitForRecoveries(int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(90);
+    while (CountLines(out_ + "/steps.jsonl", "\"recovery\": ") < n) {
+      ASSERT_LT(absl::Now(), deadline) << "no recovery " << n << " recorded:\n" << Log();
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+
+  // The worker configured (first generation) as (stage, tp, dp).
+  std::string WorkerAt(int stage, int tp, int dp) const {
+    const std::string want = absl::StrFormat("generation 1: stage %d, tp %d, dp %d,", stage, tp, dp);
+    for (int i = 0; i < 32; ++i) {
+      const std::string name = absl::StrCat("worker-", i);
+      if (ReadAll(absl::StrCat(out_, "/logs/", name, ".log")).find(want) != std::string::npos) return name;
+    }
+    return "";
+  }
+  // Workers configured in the first generation.
+  std::vector<std::string> PlanWorkers() const {
+    std::vector<std::string> names;
+    for (int i = 0; i < 32; ++i) {
+      const std::string name = absl::StrCat("worker-", i);
+      if (ReadAll(absl::StrCat(out_, "/logs/", name, ".log")).find("generation 1: stage") != std::string::npos) {
+        names.push_back(name);
+      }
+    }
+    return names;
+  }
+  // PID of a running worker daemon (-1 when none).
+  pid_t Pid(const std::string& worker) const {
+    auto r = RunCommand("pgrep", {"-f", "--", absl::StrCat("--port_file=", out_, "/", worker, ".ports")});
+    pid_t pid = -1;
+    for (absl::string_view line : absl::StrSplit(r.output, '\n', absl::SkipEmpty())) {
+      int v;
+      if (absl::SimpleAtoi(line, &v)) pid = v;
+    }
+    return pid;
+  }
+  std::string WorkerLog(const std::string& worker) const {
+    return ReadAll(absl::StrCat(out_, "/logs/", worker, ".log"));
+  }
+
+ private:
+  std::string dir_, out_;
+  std::unique_ptr<testing::Subprocess> local_;
+};
+
+// The fault-free run of a layout (computed once per layout).
+const LocalRun& Reference(const Layout& l) {
+  static auto* runs = new std::map<std::string, std::unique_ptr<LocalRun>>();
+  auto& run = (*runs)[l.Name()];
+  if (run == nullptr) {
+    run = std::make_unique<LocalRun>("reference_" + l.Name(), Job(l));
+    run->Start();
+    EXPECT_EQ(run->Finish(), 0) << run->Log();
+  }
+  return *run;
+}
+
+void ExpectBitwiseEqual(const LocalRun& reference, const LocalRun& run) {
+  const std::vector<std::string> a = LossTexts(reference.out()), b = LossTexts(run.out());
+  EXPECT_GT(a.size(), 0u);
+  EXPECT_EQ(a, b) << "per-step losses differ from the fault-free run";
+  auto wa = checkpoint::LoadFullWeights(reference.out() + "/final");
+  auto wb = checkpoint::LoadFullWeights(run.out() + "/final");
+  ASSERT_TRUE(wa.ok()) << wa.status();
+  ASSERT_TRUE(wb.ok()) << wb.status();
+  auto diff = checkpoint::CompareWeights(*wa, *wb);
+  ASSERT_TRUE(diff.ok()) << diff.status();
+  EXPECT_EQ(diff->max_abs_diff, 0.0) << "final weights differ from the fault-free run";
+}
+
+struct Fault {
+  int stage = 0, tp = 0, dp = 0;
+  int sig = SIGKILL;
+  int at_step = 10;
+};
+
+// Runs `layout` with one spare, injects `fault` into the worker at
+// (stage, tp, dp) after `at_step` steps, and checks the recovery.
+void RunWithFault(const std::string& name, const Layout& layout, const Fault& fault, int spares = 1,
+                  const std::string& fault_tolerance = "") {
+  const LocalRun& reference = Reference(layout);
+  LocalRun run(name, Job(layout, fault_tolerance), {absl::StrCat("--spares=", spares)});
+  run.Start();
+  run.WaitForStep(fault.at_step);
+  const std::string victim = run.WorkerAt(fault.stage, fault.tp, fault.dp);
+  ASSERT_FALSE(victim.empty()) << run.Log();
+  std::map<std::string, pid_t> survivors;
+  for (const std::string& w : run.PlanWorkers()) {
+    if (w != victim) survivors[w] = run.Pid(w);
+  }
+  const pid_t victim_pid = run.Pid(victim);
+  ASSERT_GT(victim_pid, 0);
+  kill(victim_pid, fault.sig);
+  run.WaitForRecoveries(1);
+  // While the job goes on: the survivors are the same processes, and the
+  // operator's view says what happened.
+  for (const auto& [w, pid] : survivors) EXPECT_EQ(run.Pid(w), pid) << w << " was restarted";
+  auto ports = testing::ReadPortFile(run.out() + "/coordinator.ports", absl::Seconds(5));
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string target = absl::StrCat("--coordinator=127.0.0.1:", ports->first);
+  auto status = RunCommand(RunfilePath("cli/batonctl"), {"status", target});
+  EXPECT_NE(status.output.find("recover"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("(worker " + victim + ")"), std::string::npos) << status.output;
+  auto json = RunCommand(RunfilePath("cli/batonctl"), {"status", target, "--json"});
+  auto parsed = JsonValue::Parse(json.output);
+  ASSERT_TRUE(parsed.ok()) << json.output;
+  ASSERT_NE(parsed->Find("recoveries"), nullptr) << json.output;
+  EXPECT_EQ(parsed->Find("recoveries")->number(), 1) << json.output;
+  if (fault.sig == SIGSTOP) kill(victim_pid, SIGCONT);  // the thawed old incarnation must not disturb anything
+  ASSERT_EQ(run.Finish(), 0) << run.Log();
+  ExpectBitwiseEqual(reference, run);
+  for (const auto& [w, pid] : survivors) {
+    EXPECT_NE(run.WorkerLog(w).find("from its own snapshot"), std::string::npos)
+        << w << " did not roll back from its own memory:\n"
+        << run.WorkerLog(w);
+  }
+  const std::string steps = ReadAll(run.out() + "/steps.jsonl");
+  EXPECT_NE(steps.find(absl::StrCat("\"worker\": \"", victim, "\"")), std::string::npos) << steps;
+  EXPECT_NE(run.Log().find("recoveries               1"), std::string::npos) << run.Log();
+  if (!fault_tolerance.empty()) {
+    EXPECT_EQ(run.Log().find("replayed_steps           0\n"), std::string::npos) << "nothing was replayed:\n"
+                                                                                 << run.Log();
+  }
+}
+
+TEST(RecoveryTest, KilledFirstStageIsReplacedBySpareFromBuddySnapshot) {
+  RunWithFault("kill_first", Layout{}, Fault{0, 0, 0});
+}
+
+TEST(RecoveryTest, KilledMiddleStageIsReplacedBySpareFromBuddySnapshot) {
+  RunWithFault("kill_middle", Layout{}, Fault{1, 0, 0, SIGKILL, 25});
+}
+
+TEST(RecoveryTest, KilledLastStageIsReplacedBySpareFromBuddySnapshot) {
+  RunWithFault("kill_last", Layout{}, Fault{2, 0, 0, SIGKILL, 40});
+}
+
+// Snapshots every 7 steps: the job rolls back to the last multiple of 7 and
+// replays the steps after it, exactly.
+TEST(RecoveryTest, SparseSnapshotsRollBackAndReplayExactly) {
+  RunWithFault("sparse_snapshots", Layout{}, Fault{1, 0, 0, SIGKILL, 24}, 1,
+               "fault_tolerance { snapshot_every_steps: 7 }");
+}
+
+TEST(RecoveryTest, KilledTensorParallelRankInterleaved) {
+  Layout l;
+  l.pp = 2;
+  l.tp = 2;
+  l.v = 3;
+  l.schedule = "interleaved";
+  l.steps = 80;
+  RunWithFault("kill_tp", l, Fault{1, 1, 0, SIGKILL, 12});
+}
+
+TEST(RecoveryTest, KilledDataParallelRankTakesItsReplicasState) {
+  Layout l;
+  l.pp = 2;
+  l.tp = 2;
+  l.dp = 2;
+  l.steps = 60;
+  RunWithFault("kill_dp", l, Fault{0, 1, 1, SIGKILL, 12});
+}
+
+TEST(RecoveryTest, FrozenWorkerPastItsLeaseIsReplacedAndItsThawDisturbsNothing) {
+  RunWithFault("stop_middle", Layout{}, Fault{1, 0, 0, SIGSTOP, 15});
+}
+
+// No spare: the same name registering again (systemd Restart=on-failure)
+// takes its own slot back and gets its state from its buddy.
+TEST(RecoveryTest, TheLostWorkerRegisteringAgainTakesItsSlotBack) {
+  const Layout layout;
+  const LocalRun& reference = Reference(layout);
+  LocalRun run("same_name", Job(layout));
+  run.Start();
+  run.WaitForStep(20);
+  const std::string victim = run.WorkerAt(2, 0, 0);
+  ASSERT_FALSE(victim.empty());
+  const pid_t pid = run.Pid(victim);
+  ASSERT_GT(pid, 0);
+  kill(pid, SIGKILL);
+  auto ports = testing::ReadPortFile(run.out() + "/coordinator.ports", absl::Seconds(5));
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  testing::Subprocess again(RunfilePath("worker/baton-worker"),
+                            {absl::StrCat("--coordinator=127.0.0.1:", ports->first), "--name=" + victim},
+                            run.out() + "/logs/" + victim + ".again.log");
+  ASSERT_TRUE(again.Start().ok());
+  ASSERT_EQ(run.Finish(), 0) << run.Log() << "\n" << again.Log();
+  ExpectBitwiseEqual(reference, run);
+  EXPECT_NE(again.Log().find("from the state sent"), std::string::npos) << again.Log();
+}
+
+// A second fault while the first is being recovered from (the spare that
+// took over dies at once): two recoveries, same result.
+TEST(RecoveryTest, ASecondFaultDuringRecoveryStillEndsInTheSameWeights) {
+  const Layout layout;
+  const LocalRun& reference = Reference(layout);
+  LocalRun run("second_fault", Job(layout), {"--spares=2"});
+  run.Start();
+  run.WaitForStep(15);
+  const std::string victim = run.WorkerAt(1, 0, 0);
+  std::vector<std::string> spares;
+  const std::vector<std::string> plan = run.PlanWorkers();
+  for (int i = 0; i < 5; ++i) {
+    const std::string w = absl::StrCat("worker-", i);
+    if (std::find(plan.begin(), plan.end(), w) == plan.end()) spares.push_back(w);
+  }
+  ASSERT_EQ(spares.size(), 2u);
+  std::map<std::string, pid_t> spare_pids;
+  for (const std::string& s : spares) spare_pids[s] = run.Pid(s);
+  kill(run.Pid(victim), SIGKILL);
+  // Kill whichever spare is configured first, as soon as it is.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  std::string first;
+  while (first.empty()) {
+    ASSERT_LT(absl::Now(), deadline) << run.Log();
+    for (const std::string& s : spares) {
+      if (run.WorkerLog(s).find("configured for job") != std::string::npos) first = s;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  kill(spare_pids[first], SIGKILL);
+  ASSERT_EQ(run.Finish(), 0) << run.Log();
+  ExpectBitwiseEqual(reference, run);
+  EXPECT_EQ(CountLines(run.out() + "/steps.jsonl", "\"recovery\": "), 2) << ReadAll(run.out() + "/steps.jsonl");
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// kill -9 of the coordinator mid-run, restarted with the same flags: the
+// workers (never restarted) register again and report what they hold; the
+// new coordinator adopts the job and continues from the newest step every
+// shard holds. steps.jsonl holds every step exactly once, and the final
+// weights equal the fault-free run's.
+TEST(RecoveryTest, AKilledCoordinatorRestartedWithTheSameFlagsAdoptsTheRunningJob) {
+  const Layout layout;
+  const LocalRun& reference = Reference(layout);
+  const std::string dir = TempDir("coordinator_restart");
+  const std::string out = dir + "/out";
+  std::ofstream(dir + "/job.textproto") << Job(layout);
+  auto coordinator_args = [&](const std::string& listen) {
+    return std::vector<std::string>{"--listen=" + listen, "--http_listen=127.0.0.1:0",
+                                    "--port_file=" + dir + "/coordinator.ports", "--job=" + dir + "/job.textproto",
+                                    "--out=" + out};
+  };
+  auto first = std::make_unique<testing::Subprocess>(RunfilePath("coordinator/baton-coordinator"),
+                                                     coordinator_args("127.0.0.1:0"), dir + "/coordinator.1.log");
+  ASSERT_TRUE(first->Start().ok());
+  auto ports = testing::ReadPortFile(dir + "/coordinator.ports", absl::Seconds(30));
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string address = absl::StrCat("127.0.0.1:", ports->first);
+  std::vector<std::unique_ptr<testing::Subprocess>> workers;
+  for (int i = 0; i < layout.pp; ++i) {
+    workers.push_back(std::make_unique<testing::Subprocess>(
+        RunfilePath("worker/baton-worker"),
+        std::vector<std::string>{"--coordinator=" + address, absl::StrCat("--name=w-", i)},
+        absl::StrCat(dir, "/w-", i, ".log")));
+    ASSERT_TRUE(workers.back()->Start().ok());
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(90);
+  while (CountLines(out + "/steps.jsonl", "\"step\": ") < 30) {
+    ASSERT_LT(absl::Now(), deadline) << first->Log();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  first->Signal(SIGKILL);
+  ASSERT_TRUE(first->Wait(absl::Seconds(10)).has_value());
+  std::remove((dir + "/coordinator.ports").c_str());
+  testing::Subprocess second(RunfilePath("coordinator/baton-coordinator"), coordinator_args(address),
+                             dir + "/coordinator.2.log");
+  ASSERT_TRUE(second.Start().ok());
+  const absl::Time done_by = absl::Now() + absl::Seconds(120);
+  while (ReadAll(out + "/summary.json").find("\"state\": \"") == std::string::npos) {
+    ASSERT_LT(absl::Now(), done_by) << "the adopted job did not finish:\n" << second.Log();
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(ReadAll(out + "/summary.json").find("\"state\": \"done\""), std::string::npos)
+      << ReadAll(out + "/summary.json") << second.Log();
+  // Every step exactly once, the same as without the fault.
+  EXPECT_EQ(LossTexts(out), LossTexts(reference.out()));
+  auto wa = checkpoint::LoadFullWeights(reference.out() + "/final");
+  auto wb = checkpoint::LoadFullWeights(out + "/final");
+  ASSERT_TRUE(wa.ok() && wb.ok()) << wb.status();
+  auto diff = checkpoint::CompareWeights(*wa, *wb);
+  ASSERT_TRUE(diff.ok()) << diff.status();
+  EXPECT_EQ(diff->max_abs_diff, 0.0);
+  const std::string steps = ReadAll(out + "/steps.jsonl");
+  EXPECT_EQ(CountLines(out + "/steps.jsonl", "\"cause\": \"coordinator_restart\""), 1) << steps;
+  EXPECT_NE(second.Log().find("adopted the running job"), std::string::npos) << second.Log();
+  // The workers were never restarted.
+  for (auto& w : workers) {
+    EXPECT_FALSE(w->Wait(absl::ZeroDuration()).has_value()) << w->Log();
+    EXPECT_NE(w->Log().find("from its own snapshot"), std::string::npos) << w->Log();
+    w->Signal(SIGTERM);
+  }
+  second.Signal(SIGTERM);
+  for (auto& w : workers) EXPECT_TRUE(w->Wait(absl::Seconds(20)).has_value());
+  EXPECT_TRUE(second.Wait(absl::Seconds(20)).has_value());
+}
+
+}  // namespace
+}  // namespace baton
