@@ -82,8 +82,10 @@ int Main() {
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
+  std::string http_host;
   int http_port = 0;
-  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &host, &http_port); !s.ok()) {
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &http_host, &http_port);
+      !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
   absl::StatusOr<TlsConfig> tls =
