@@ -244,10 +244,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
   }
-  BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
   if (job.checkpoint().has_keep()) {
     BATON_RETURN_IF_ERROR(AtLeast("checkpoint.keep", job.checkpoint().keep(), 1));
   }
+  BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
   return absl::OkStatus();
 }
 

@@ -82,7 +82,7 @@ int Main() {
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
-  std::string http_host;
+  std::string http_host;  // not `host`: that one decides whether gRPC is beyond loopback
   int http_port = 0;
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &http_host, &http_port);
       !s.ok()) {
@@ -150,6 +150,12 @@ int Main() {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // Bounded: each open RPC of the synchronous server holds a thread (Session
+  // streams, pending waits); beyond this, new RPCs are RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("baton-coordinator");
+  quota.SetMaxThreads(2048);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
