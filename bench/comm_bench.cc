@@ -200,12 +200,13 @@ std::unique_ptr<Communicator> Join(Store& store, const std::string& group, int r
   return std::move(*c);
 }
 
-void PointToPoint(Store& store, int rank) {
+void PointToPoint(Store& store, int rank, bool latency_only) {
   std::unique_ptr<Communicator> c = Join(store, "p2p", rank, 2);
   const int fd = ConnectRawTcp(store, rank);
-  const std::vector<size_t> sizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
-  std::vector<std::vector<char>> bufs(kWindow, std::vector<char>(sizes.back(), 1));
-  if (rank == 0) {
+  std::vector<size_t> sizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  if (latency_only) sizes.clear();
+  std::vector<std::vector<char>> bufs(kWindow, std::vector<char>(64 << 20, 1));
+  if (rank == 0 && !sizes.empty()) {
     std::printf("| message | raw TCP GB/s | Gloo communicator GB/s | ratio |\n");
     std::printf("|---|---|---|---|\n");
   }
@@ -302,8 +303,8 @@ int Main(int argc, char** argv) {
     int rank = 0, size = 0;
     if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[4], &size)) Die("bad args");
     CoordinatorStore store(ConnectCoordinator(argv[2]), "bench", 1);
-    if (std::string(argv[1]) == "p2p") {
-      PointToPoint(store, rank);
+    if (std::string(argv[1]) == "p2p" || std::string(argv[1]) == "latency") {
+      PointToPoint(store, rank, std::string(argv[1]) == "latency");
     } else {
       AllReduce(store, rank, size);
     }
@@ -319,6 +320,10 @@ int Main(int argc, char** argv) {
   std::printf("comm_bench: 2 processes on 127.0.0.1, %ld CPUs online\n\n",
               sysconf(_SC_NPROCESSORS_ONLN));
   std::fflush(stdout);
+  if (argc == 2 && std::string(argv[1]) == "--latency_only") {
+    RunRanks(self, (*server)->address(), "latency", 2);
+    return 0;
+  }
   RunRanks(self, (*server)->address(), "p2p", 2);
   RunRanks(self, (*server)->address(), "allreduce", 2);
   RunRanks(self, (*server)->address(), "allreduce", 4);

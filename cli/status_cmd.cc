@@ -18,6 +18,54 @@ namespace {
 
 std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::WorkerState_Name(s)); }
 
+// Every field the text output shows, for scripts and probes. One field per
+// line here so that additions merge cleanly.
+std::string StatusJson(const std::string& target, const v1::GetStatusResponse& status) {
+  std::vector<std::string> stages;
+  for (const v1::StageStatus& st : status.stages()) {
+    std::vector<std::string> workers;
+    for (const std::string& w : st.workers()) workers.push_back(JsonQuote(w));
+    const bool last = st.pp_rank() + 1 == status.stages_size();
+    stages.push_back(absl::StrCat(
+        "{\"stage\":", st.pp_rank(),
+        ",\"step\":", st.step(),
+        ",\"loss\":", last ? JsonNumber(st.loss()) : "null",  // the last stage computes the loss
+        ",\"bubble_ratio\":", JsonNumber(st.bubble_ratio()),
+        ",\"comm_ratio\":", JsonNumber(st.comm_ratio()),
+        ",\"tokens_per_second\":", JsonNumber(st.tokens_per_second()),
+        ",\"workers\":[", absl::StrJoin(workers, ","), "]}"));
+  }
+  std::vector<std::string> workers;
+  for (const v1::WorkerInfo& w : status.workers()) {
+    workers.push_back(absl::StrCat(
+        "{\"name\":", JsonQuote(w.name()),
+        ",\"state\":", JsonQuote(StateName(w.state())),
+        ",\"device\":", JsonQuote(w.device()),
+        ",\"host\":", JsonQuote(w.host()),
+        ",\"last_heartbeat_age_seconds\":", absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()), "}"));
+  }
+  return absl::StrCat(
+      "{\"coordinator\":", JsonQuote(target),
+      ",\"version\":", JsonQuote(status.version()),
+      ",\"job\":", JsonQuote(status.job()),
+      ",\"job_state\":", JsonQuote(status.job_state()),
+      ",\"generation\":", status.generation(),
+      ",\"job_error\":", JsonQuote(status.job_error()),
+      ",\"step\":", status.step(),
+      ",\"total_steps\":", status.total_steps(),
+      ",\"loss\":", JsonNumber(status.loss()),
+      ",\"accuracy\":", JsonNumber(status.accuracy()),
+      ",\"tokens_per_second\":", JsonNumber(status.tokens_per_second()),
+      ",\"bubble_ratio\":", JsonNumber(status.bubble_ratio()),
+      ",\"expected_bubble_ratio\":", JsonNumber(status.expected_bubble_ratio()),
+      ",\"comm_ratio\":", JsonNumber(status.comm_ratio()),
+      // Recovery (owner: recovery): what the last recovery did, and how many.
+      ",\"recovery\":", JsonQuote(status.recovery()),
+      ",\"recoveries\":", status.recoveries(),
+      ",\"stages\":[", absl::StrJoin(stages, ","), "]",
+      ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
+}
+
 }  // namespace
 
 int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
@@ -62,19 +110,7 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
     return 1;
   }
   if (args->GetBool("json")) {
-    out << "{\"workers\":[";
-    for (int i = 0; i < status.workers_size(); ++i) {
-      const v1::WorkerInfo& w = status.workers(i);
-      out << (i ? "," : "") << "{\"name\":" << JsonQuote(w.name()) << ",\"state\":"
-          << JsonQuote(StateName(w.state())) << ",\"device\":" << JsonQuote(w.device())
-          << ",\"host\":" << JsonQuote(w.host())
-          << ",\"last_heartbeat_age_seconds\":" << absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()) << "}";
-    }
-    out << "]";
-    // Recovery (owner: recovery): the job state and what the last recovery did.
-    out << ",\"job_state\":" << JsonQuote(status.job_state()) << ",\"recovery\":" << JsonQuote(status.recovery())
-        << ",\"recoveries\":" << status.recoveries();
-    out << "}\n";
+    out << StatusJson(target, status) << "\n";
     return 0;
   }
   out << "coordinator " << target << " (baton " << status.version() << ")";

@@ -1,6 +1,7 @@
 #include "common/shutdown_signal.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -41,6 +42,13 @@ int WaitForShutdownSignal() {
     if (n < 0 && errno == EINTR) continue;
     return SIGTERM;  // the pipe broke: treat as a request to stop
   }
+}
+
+int WaitForShutdownSignalFor(int timeout_ms) {
+  struct pollfd p = {pipe_fds[0], POLLIN, 0};
+  const int n = poll(&p, 1, timeout_ms);
+  if (n == 0 || (n < 0 && errno == EINTR)) return 0;
+  return WaitForShutdownSignal();  // readable (or broken): returns at once
 }
 
 }  // namespace baton

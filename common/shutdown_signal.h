@@ -16,6 +16,10 @@ void InstallShutdownSignalHandlers();
 // Blocks until SIGTERM or SIGINT arrives; returns the signal number.
 int WaitForShutdownSignal();
 
+// Like WaitForShutdownSignal(), but returns 0 when no signal came within
+// `timeout_ms` (a daemon's main loop does periodic work between waits).
+int WaitForShutdownSignalFor(int timeout_ms);
+
 }  // namespace baton
 
 #endif  // BATON_COMMON_SHUTDOWN_SIGNAL_H_

@@ -508,10 +508,17 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
                   << " workers, schedule " << spec.kind << " (expected bubble "
                   << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
                   << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "");
+  // Each worker gets the plan with its own rank only (a worker reads nothing
+  // else of plan.ranks): the full list in every Configure would make
+  // configuring quadratic in the workers (547 MB of messages at 4096).
+  v1::Plan shared = plan;
+  shared.clear_ranks();
+  shared.clear_spares();
   for (const v1::RankAssignment& r : plan.ranks()) {
     v1::CoordinatorMessage msg;
     v1::Configure* c = msg.mutable_configure();
-    *c->mutable_plan() = plan;
+    *c->mutable_plan() = shared;
+    *c->mutable_plan()->add_ranks() = r;
     *c->mutable_program() = programs[r.pp_rank()];
     *c->mutable_job() = job_;
     c->set_resume_step(setup.resume_step);
@@ -1013,7 +1020,19 @@ void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, a] : assigned_) names.push_back(name);
   }
-  for (const std::string& name : names) workers_->Send(name, message);
+  if (names.size() < kParallelSendFrom) {
+    for (const std::string& name : names) workers_->Send(name, message);
+    return;
+  }
+  // A Session write blocks for a gRPC thread hand-off: in parallel the
+  // waits overlap (see fan_out.h).
+  FanOut* fan_out;
+  {
+    absl::MutexLock lock(&fan_out_mu_);
+    if (fan_out_ == nullptr) fan_out_ = std::make_unique<FanOut>(16);  // big jobs only
+    fan_out = fan_out_.get();
+  }
+  fan_out->Run(names.size(), [&](size_t i) { workers_->Send(names[i], message); });
 }
 
 void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) {

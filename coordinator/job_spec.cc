@@ -128,6 +128,10 @@ absl::Status ValidateTrain(const v1::TrainSpec& t) {
   BATON_RETURN_IF_ERROR(AtLeast("train.micro_batch_size", t.micro_batch_size(), 1));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.lr", t.lr()));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.weight_decay", t.weight_decay()));
+  if (!t.precision().empty() && t.precision() != "fp32" && t.precision() != "bf16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.precision: is \"", t.precision(), "\"; want \"fp32\" or \"bf16\""));
+  }
   return NonNegativeFinite("train.grad_clip", t.grad_clip());
 }
 

@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
+#include "common/sd_notify.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
 #include "coordinator/job_runner.h"
@@ -39,6 +40,9 @@
 #include "prometheus/registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "gRPC address HOST:PORT (port 0 picks a free one)");
+ABSL_FLAG(std::string, health_listen, "",
+          "plaintext gRPC address serving only grpc.health.v1, mirroring the main port's health (for "
+          "Kubernetes gRPC probes, which cannot present a client certificate); empty: none");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, job, "", "JobSpec file (textproto, or JSON starting with '{'); validated at start");
@@ -79,6 +83,12 @@ int Main() {
   std::string host;
   int port = 0;
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
+    return Fail(2, std::string(s.message()));
+  }
+  std::string http_host;  // not `host`: that one decides whether gRPC is beyond loopback
+  int http_port = 0;
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &http_host, &http_port);
+      !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
   absl::StatusOr<TlsConfig> tls =
@@ -144,11 +154,32 @@ int Main() {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // Bounded: each open RPC of the synchronous server holds a thread (Session
+  // streams, pending waits); beyond this, new RPCs are RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("baton-coordinator");
+  quota.SetMaxThreads(2048);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
     return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen),
                                 ": address in use or not available; pick another --listen"));
+  }
+
+  // Health only, in plaintext, for probes: the same statuses as `server`.
+  std::unique_ptr<grpc::Server> health_server;
+  if (!absl::GetFlag(FLAGS_health_listen).empty()) {
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(absl::GetFlag(FLAGS_health_listen), grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      return Fail(1, absl::StrCat("cannot serve gRPC health on ", absl::GetFlag(FLAGS_health_listen),
+                                  "; pick another --health_listen"));
+    }
+    BATON_LOG(INFO) << "gRPC health (plaintext, for probes) on port " << health_port;
   }
 
   prometheus::BuildGauge()
@@ -201,9 +232,17 @@ int Main() {
                   << (*ops)->port() << "; lease " << lease << ", heartbeat " << heartbeat;
 
   if (runner) runner->Start();
+  // systemd (Type=notify): serving; the sweeper below feeds the watchdog.
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving gRPC on port ", grpc_port, ", HTTP on port ",
+                                             (*ops)->port()));
+      !s.ok()) {
+    BATON_LOG(WARNING) << s.message();
+  }
+  const absl::Duration watchdog = WatchdogPeriod();
   absl::Notification stop_sweeper;
   std::thread sweeper([&]() {
     const absl::Duration period = std::max(absl::Milliseconds(20), std::min(lease / 10, absl::Milliseconds(100)));
+    absl::Time last_fed = absl::InfinitePast();
     while (!stop_sweeper.WaitForNotificationWithTimeout(period)) {
       absl::Duration stalled = absl::ZeroDuration();
       std::vector<WorkerRegistry::Expired> lost = registry.ExpireLeases(&stalled);
@@ -217,18 +256,26 @@ int Main() {
         if (expired.session) expired.session->Close(absl::DeadlineExceededError("lease expired"));
         if (runner) runner->OnWorkerLost(expired.name, "no heartbeat within its lease", /*hung=*/true);
       }
+      // Fed only while leases are being swept: a wedged registry stops it.
+      if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {
+        (void)SdNotify("WATCHDOG=1");
+        last_fed = absl::Now();
+      }
     }
   });
 
   const int sig = WaitForShutdownSignal();
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; shutting down";
   serving = false;
+  (void)SdNotify("STOPPING=1");
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
   if (runner) runner->Stop();
   for (auto& session : registry.Sessions()) {
     session->Close(absl::UnavailableError("coordinator shutting down"));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   stop_sweeper.Notify();
   sweeper.join();
   BATON_LOG(INFO) << "stopped";

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Keeps deploy/ honest: every flag the k8s manifests and systemd units pass to
 # a baton binary must be a flag that binary has, and dashboards must be JSON.
+# (//tests/ops:k8s_test also checks the rendered objects' flags and ports.)
 set -euo pipefail
 root=${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-baton}
 cd "$root"
@@ -18,8 +19,15 @@ check() {  # check BINARY FILE...: flags used after the binary's path
     done
   done
 }
-check coordinator/baton-coordinator deploy/k8s/coordinator.yaml deploy/systemd/baton-coordinator.service
-check worker/baton-worker deploy/k8s/workers.yaml deploy/systemd/baton-worker@.service
+# Kubernetes files by which binary their containers run (base and overlays).
+coordinator_files=() worker_files=()
+while IFS= read -r f; do
+  grep -q 'baton-coordinator"\]' "$f" && coordinator_files+=("$f")
+  grep -qE 'baton-worker"\]|name: worker$' "$f" && worker_files+=("$f")
+done < <(find deploy/k8s -name '*.yaml' | sort)
+[ "${#coordinator_files[@]}" -gt 0 ] && [ "${#worker_files[@]}" -gt 0 ] || { echo "FAIL: no k8s files found"; fail=1; }
+check coordinator/baton-coordinator "${coordinator_files[@]}" deploy/systemd/baton-coordinator.service
+check worker/baton-worker "${worker_files[@]}" deploy/systemd/baton-worker@.service
 for j in deploy/grafana/*.json; do
   python3 -m json.tool "$j" >/dev/null || { echo "FAIL: $j is not JSON"; fail=1; }
 done

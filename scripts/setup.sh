@@ -9,7 +9,18 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev libmicrohttpd-dev
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev zlib1g-dev
   prometheus openssl
+  patchelf  # scripts/package.sh: RUNPATH of the release bundle
 )
+# Test-only tools (not needed to build, e.g. in deploy/docker/Dockerfile):
+#  python3-yaml, python3-venv: tests/ops (PyYAML; a venv for kubernetes-validate)
+#  systemd: systemd-analyze verify/security for deploy/systemd (tests/ops:systemd_test)
+#  kubernetes-client: `kubectl kustomize` for deploy/k8s (only when no kubectl/kustomize is installed)
+if [ -z "${BATON_SETUP_BUILD_ONLY:-}" ]; then
+  PACKAGES+=(python3-yaml python3-venv systemd)
+  if ! command -v kubectl >/dev/null && ! command -v kustomize >/dev/null; then
+    PACKAGES+=(kubernetes-client)
+  fi
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -24,6 +35,24 @@ if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if [ -z "${BATON_SETUP_BUILD_ONLY:-}" ]; then
+  # //tests/ops:docker_test looks packages up in Debian 12's lists.
+  if ! grep -q 'bookworm' <<<"$(apt-cache policy libc6 2>/dev/null)"; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -q
+  fi
+  # kubernetes-validate (PyPI, pinned; schemas bundled, so the test runs offline)
+  # for //tests/ops:k8s_test, in a venv of Debian's python3.
+  BATON_VENV=${BATON_VENV:-$HOME/.cache/baton/venv}
+  KUBERNETES_VALIDATE=1.37.0
+  if ! "$BATON_VENV/bin/kubernetes-validate" --version 2>/dev/null | grep -qF "$KUBERNETES_VALIDATE"; then
+    echo "setup: installing kubernetes-validate==$KUBERNETES_VALIDATE into $BATON_VENV"
+    /usr/bin/python3 -m venv "$BATON_VENV"
+    "$BATON_VENV/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE"
+  fi
 fi
 
 if [ ! -x /usr/local/cuda/bin/nvcc ] && [ -z "${BATON_CUDA_PATH:-}" ]; then

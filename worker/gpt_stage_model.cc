@@ -1,6 +1,7 @@
 #include "worker/gpt_stage_model.h"
 
 #include <cstring>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -115,12 +116,20 @@ std::vector<NamedShard> GptStageModel::Shards() {
 
 namespace {
 
-std::vector<float> HostCopy(const Tensor& t) {
-  return std::vector<float>(t.f32(), t.f32() + t.numel());
+// Copies between the stage's memory (any device) and the host through the
+// stage's stream, after everything it enqueued before, and waits.
+std::vector<float> HostCopy(const kernels::ExecContext& ctx, const Tensor& t) {
+  std::vector<float> out(t.numel());
+  kernels::Copy(ctx, Tensor::View(out.data(), {t.numel()}), t);
+  const absl::Status s = ctx.stream->Synchronize();
+  if (!s.ok()) out.assign(out.size(), NAN);  // a failed device: never pass stale state as real
+  return out;
 }
 
-void CopyInto(const std::vector<float>& from, const Tensor& to) {
-  if (!from.empty()) std::memcpy(to.f32(), from.data(), sizeof(float) * from.size());
+absl::Status CopyInto(const kernels::ExecContext& ctx, const std::vector<float>& from, const Tensor& to) {
+  if (from.empty()) return absl::OkStatus();
+  kernels::Copy(ctx, to, Tensor::View(const_cast<float*>(from.data()), {to.numel()}));
+  return ctx.stream->Synchronize();
 }
 
 }  // namespace
@@ -129,9 +138,10 @@ ChunkState GptStageModel::CaptureState() const {
   const model::ParameterStore& params = stage_->parameters();
   ChunkState state;
   state.optimizer_step = stage_->optimizer_step();
-  state.values = HostCopy(params.values());
-  state.adam_m = HostCopy(params.adam_m());
-  state.adam_v = HostCopy(params.adam_v());
+  const kernels::ExecContext& ctx = stage_->context();
+  state.values = HostCopy(ctx, params.values());
+  state.adam_m = HostCopy(ctx, params.adam_m());
+  state.adam_v = HostCopy(ctx, params.adam_v());
   return state;
 }
 
@@ -159,9 +169,10 @@ absl::Status GptStageModel::RestoreState(const ChunkState& state) {
   }
   stage_->DropInFlight();
   stage_->ZeroGrad();
-  CopyInto(state.values, params.values());
-  CopyInto(state.adam_m, params.adam_m());
-  CopyInto(state.adam_v, params.adam_v());
+  const kernels::ExecContext& ctx = stage_->context();
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.values, params.values()));
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_m, params.adam_m()));
+  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_v, params.adam_v()));
   stage_->set_optimizer_step(state.optimizer_step);
   return absl::OkStatus();
 }

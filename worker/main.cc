@@ -18,11 +18,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_credentials.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
+#include "common/sd_notify.h"
 #include "common/version.h"
 #include "kernels/cpu/gemm.h"
 #include "coordinator/worker_registry.h"
@@ -35,10 +38,16 @@ ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (req
 ABSL_FLAG(std::string, name, "", "stable worker name (default: hostname); re-registering replaces the old one");
 ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
+ABSL_FLAG(std::string, health_listen, "",
+          "plaintext gRPC address serving only grpc.health.v1, mirroring the main port's health (for "
+          "Kubernetes gRPC probes, which cannot present a client certificate); empty: none");
 ABSL_FLAG(std::string, http_listen, "127.0.0.1:0", "HTTP address for /metrics /healthz /readyz");
 ABSL_FLAG(std::string, port_file, "", "write {\"grpc\": N, \"http\": M} here once serving");
 ABSL_FLAG(std::string, comm_host, "127.0.0.1", "address other workers reach this one at for activations (Gloo)");
 ABSL_FLAG(int64_t, op_timeout_s, 300, "a communication op that takes longer fails the step (no hang)");
+ABSL_FLAG(int32_t, port_offset, 0,
+          "added to the non-zero ports of --listen and --http_listen: one worker per GPU N on a host runs with "
+          "--port_offset=N (deploy/systemd/baton-worker@.service)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this worker, role URI baton://role/worker (mTLS; with "
                                      "--tls_key and --tls_ca)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -61,6 +70,21 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
+// `listen` (HOST:PORT) with `offset` added to a non-zero port; INVALID_ARGUMENT
+// naming the flag when the result is not a port.
+absl::StatusOr<std::string> OffsetListen(const std::string& listen, const std::string& flag, int offset) {
+  std::string host;
+  int port = 0;
+  if (absl::Status s = ParseHostPort(listen, flag, &host, &port); !s.ok()) return s;
+  if (port == 0 || offset == 0) return listen;
+  if (offset < 0 || port + offset > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "='", listen, "' with --port_offset=", offset,
+                                                   " gives port ", port + offset, ", outside 1..65535"));
+  }
+  if (host.find(':') != std::string::npos) host = absl::StrCat("[", host, "]");
+  return absl::StrCat(host, ":", port + offset);
+}
+
 std::string Hostname() {
   char buf[256] = {};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
@@ -80,6 +104,17 @@ int Main() {
     return Fail(2, absl::StrCat("--device='", device, "' must be \"cpu\" or \"cuda:N\" (e.g. cuda:0)"));
   }
   if (absl::GetFlag(FLAGS_blas_threads) < 1) return Fail(2, "--blas_threads must be >= 1");
+  if (absl::GetFlag(FLAGS_port_offset) < 0) return Fail(2, "--port_offset must be >= 0 (the GPU index)");
+  absl::StatusOr<std::string> listen =
+      OffsetListen(absl::GetFlag(FLAGS_listen), "listen", absl::GetFlag(FLAGS_port_offset));
+  if (!listen.ok()) return Fail(2, std::string(listen.status().message()));
+  absl::StatusOr<std::string> http_listen =
+      OffsetListen(absl::GetFlag(FLAGS_http_listen), "http_listen", absl::GetFlag(FLAGS_port_offset));
+  if (!http_listen.ok()) return Fail(2, std::string(http_listen.status().message()));
+  absl::StatusOr<std::string> health_listen = absl::GetFlag(FLAGS_health_listen).empty()
+      ? absl::StatusOr<std::string>("")
+      : OffsetListen(absl::GetFlag(FLAGS_health_listen), "health_listen", absl::GetFlag(FLAGS_port_offset));
+  if (!health_listen.ok()) return Fail(2, std::string(health_listen.status().message()));
   if (absl::GetFlag(FLAGS_keepalive_ms) < 1000) return Fail(2, "--keepalive_ms must be >= 1000");
   if (!absl::GetFlag(FLAGS_name).empty()) {
     if (absl::Status s = ValidateWorkerName(absl::GetFlag(FLAGS_name)); !s.ok()) {
@@ -123,16 +158,39 @@ int Main() {
   }
 
   InstallShutdownSignalHandlers();
+  // A peer that dies mid-send must not kill this worker: writes to its broken
+  // sockets fail with EPIPE instead (Gloo's transport would otherwise raise SIGPIPE).
+  signal(SIGPIPE, SIG_IGN);
 
   grpc::EnableDefaultHealthCheckService(true);
   if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), MakeServerCredentials(*tls), &grpc_port);
+  builder.AddListeningPort(*listen, MakeServerCredentials(*tls), &grpc_port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {
-    return Fail(1, absl::StrCat("cannot serve gRPC on ", absl::GetFlag(FLAGS_listen), "; pick another --listen"));
+    return Fail(1, absl::StrCat("cannot serve gRPC on ", *listen, "; pick another --listen"));
   }
+  // grpc.health.v1 reflects readiness (service ""): NOT_SERVING until a
+  // session with the coordinator is open, and whenever it is not (the main
+  // loop below). Service "liveness" is SERVING while the process serves.
+  // Health only, in plaintext, for probes (--health_listen): the same statuses.
+  std::unique_ptr<grpc::Server> health_server;
+  if (!health_listen->empty()) {
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(*health_listen, grpc::InsecureServerCredentials(), &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      return Fail(1, absl::StrCat("cannot serve gRPC health on ", *health_listen, "; pick another --health_listen"));
+    }
+  }
+  auto set_health = [&](const std::string& service, bool serving) {
+    server->GetHealthCheckService()->SetServingStatus(service, serving);
+    if (health_server) health_server->GetHealthCheckService()->SetServingStatus(service, serving);
+  };
+  set_health("", false);
+  set_health("liveness", true);
 
   auto metrics = std::make_shared<prometheus::Registry>();
   prometheus::BuildGauge()
@@ -155,7 +213,7 @@ int Main() {
   options.device = device;
   options.memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
   std::unique_ptr<WorkerAgent> agent;
-  auto ops = OpsServer::Start(absl::GetFlag(FLAGS_http_listen), metrics, [&agent]() {
+  auto ops = OpsServer::Start(*http_listen, metrics, [&agent]() {
     return agent ? agent->Readiness() : absl::UnavailableError("starting");
   });
   if (!ops.ok()) return Fail(1, std::string(ops.status().message()));
@@ -193,13 +251,39 @@ int Main() {
                   << ", HTTP port " << (*ops)->port() << "; coordinator " << coordinator;
   std::thread session([&]() { agent->Run(); });
 
-  const int sig = WaitForShutdownSignal();
+  // Main loop: health and systemd state follow the session; the watchdog is
+  // fed only while the agent answers (a wedged agent stops feeding it).
+  const absl::Duration watchdog = WatchdogPeriod();
+  absl::Time last_fed = absl::InfinitePast();
+  bool was_ready = false, notified_ready = false;
+  int sig = 0;
+  while ((sig = WaitForShutdownSignalFor(20)) == 0) {
+    const absl::Status readiness = agent->Readiness();
+    if (readiness.ok() != was_ready) {
+      was_ready = readiness.ok();
+      set_health("", was_ready);
+      std::string state = absl::StrCat("STATUS=", was_ready ? "registered with " : "cannot reach ", coordinator,
+                                       was_ready ? absl::StrCat(" as ", name) : absl::StrCat(": ", readiness.message()));
+      if (was_ready && !notified_ready) {
+        state = absl::StrCat("READY=1\n", state);
+        notified_ready = true;
+      }
+      if (absl::Status s = SdNotify(state); !s.ok()) BATON_LOG(WARNING) << s.message();
+    }
+    if (watchdog > absl::ZeroDuration() && absl::Now() - last_fed >= watchdog) {
+      (void)SdNotify("WATCHDOG=1");
+      last_fed = absl::Now();
+    }
+  }
+  (void)SdNotify("STOPPING=1");
   BATON_LOG(INFO) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT") << "; leaving";
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
   agent->Stop(absl::Seconds(2));
   session.join();
   job.reset();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   BATON_LOG(INFO) << "stopped";
   return 0;
 }
@@ -208,6 +292,11 @@ int Main() {
 }  // namespace baton
 
 int main(int argc, char** argv) {
+  // --help lists this file's flags (absl matches flag files to the program's
+  // name by default, which main.cc never matches).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "worker/main.cc"); };
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage("baton worker: baton-worker --coordinator=HOST:PORT [--name=NAME] [--device=cpu]");
   absl::ParseCommandLine(argc, argv);
   return baton::Main();

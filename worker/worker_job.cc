@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "worker/agent.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/train_state.h"
@@ -275,11 +276,6 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     live_comms_.clear();  // the half-built job's communicators die with it
     return s;
   }
-  if (options_.device != "cpu") {
-    BATON_LOG(WARNING) << "--device=" << options_.device
-                       << ": the model and its activations run on the CPU in this version (GPU kernels and "
-                          "NCCL transfers are not wired into the step executor yet)";
-  }
   const std::string key = absl::StrCat(job->plan.job(), "/", job->rank.pp_rank(), ".", job->rank.tp_rank(), ".",
                                        job->rank.dp_rank(), "/", job->plan.tp(), "/", job->plan.pp(), "x",
                                        std::max(1, job->plan.virtual_stages()));
@@ -491,10 +487,32 @@ void WorkerJob::Fetch(const v1::FetchState& fetch) {
   }
   Reply(std::move(reply));
 }
+namespace {
+
+absl::Status CheckPrecision(const v1::TrainSpec& train, kernels::Device device) {
+  if (train.precision().empty() || train.precision() == "fp32") return absl::OkStatus();
+  if (train.precision() != "bf16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.precision: is \"", train.precision(), "\"; want \"fp32\" or \"bf16\""));
+  }
+  if (device.is_cpu()) {
+    return absl::InvalidArgumentError(
+        "train.precision = bf16 needs CUDA workers (--device=cuda:N); this worker runs on cpu");
+  }
+  return absl::UnimplementedError(
+      "train.precision = bf16: the model does not keep bf16 copies of its parameters yet; use fp32");
+}
+
+}  // namespace
 
 absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   job->plan = configure.plan();
   job->spec = configure.job();
+  // The device first: a worker that cannot run the job says why before any
+  // rendezvous (UNAVAILABLE naming the cause; the daemon stays up).
+  BATON_ASSIGN_OR_RETURN(const kernels::Device device, kernels::ParseDevice(options_.device));
+  BATON_RETURN_IF_ERROR_CTX(kernels::CheckDeviceUsable(device), "--device=", options_.device);
+  BATON_RETURN_IF_ERROR(CheckPrecision(job->spec.train(), device));
   const v1::Plan& plan = job->plan;
   bool found = false;
   for (const v1::RankAssignment& r : plan.ranks()) {
@@ -526,6 +544,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     spec.hostname = options_.comm_host;
     spec.rendezvous_timeout = options_.rendezvous_timeout;
     spec.op_timeout = options_.op_timeout;
+    spec.device = device.type == kernels::DeviceType::kCuda ? device.index : -1;  // stage CUDA memory
     auto c = comm::CreateCommunicator(*job->store, spec);
     if (!c.ok()) return WithContext(c.status(), absl::StrCat("rendezvous of group ", group));
     absl::MutexLock lock(&mu_);
@@ -561,6 +580,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
                                job->spec.train().seed()));
     config.microbatches = job->spec.schedule().microbatches();
     config.comm_timeout = options_.op_timeout;
+    config.device = device;
     BATON_ASSIGN_OR_RETURN(job->chunks[c], GptStageModel::Create(config, job->spec.train().micro_batch_size(),
                                                                  job->timed_tp.get(),
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,

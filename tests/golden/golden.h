@@ -33,9 +33,11 @@ struct Comparison {
 
 // Runs the model at (tp, pp), optionally with the vocabulary-parallel
 // embedding and head, and compares. Errors: a layout the config does not
-// allow, or a golden whose parameters do not match the model's.
-absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, int tp, int pp,
-                                                          bool vocab_parallel);
+// allow, or a golden whose parameters do not match the model's. `device`:
+// where the stages run (kernels/backend.h; its backend must be linked).
+absl::StatusOr<std::vector<Comparison>> CompareWithGolden(
+    const Golden& golden, int tp, int pp, bool vocab_parallel,
+    kernels::Device device = kernels::Device::Cpu());
 
 }  // namespace baton::golden
 

@@ -1,7 +1,10 @@
 // golden_check: compares baton's GPT with a PyTorch golden file.
 //
 //   golden_check --golden=tests/golden/gpt_a.safetensors [--tp=2] [--pp=2]
-//                [--vocab_parallel]
+//                [--vocab_parallel] [--device=cpu|cuda:N]
+//
+// golden_check_sim is the same program with the simulated device linked
+// (--device=sim:0).
 //
 // Prints the relative error of the loss and of every gradient; exits 0 only
 // when every one is within --tolerance (1e-4), 1 when one is not, 2 when the
@@ -12,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/device.h"
 #include "tests/golden/golden.h"
 
 ABSL_FLAG(std::string, golden, "", "golden safetensors file from gen_golden.py");
@@ -19,6 +23,8 @@ ABSL_FLAG(int, tp, 1, "tensor-parallel ranks");
 ABSL_FLAG(int, pp, 1, "pipeline stages");
 ABSL_FLAG(bool, vocab_parallel, false, "split the embedding and LM head by vocabulary over tp");
 ABSL_FLAG(double, tolerance, 1e-4, "largest relative error accepted");
+ABSL_FLAG(std::string, device, "cpu", "where the model runs: cpu, cuda:N (CUDA backend linked) or sim:N "
+                                      "(golden_check_sim)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -37,7 +43,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
-  auto result = baton::golden::CompareWithGolden(*golden, tp, pp, vocab_parallel);
+  auto device = baton::kernels::ParseDevice(absl::GetFlag(FLAGS_device));
+  absl::Status usable = device.ok() ? baton::kernels::CheckDeviceUsable(*device) : device.status();
+  if (!usable.ok()) {
+    std::fprintf(stderr, "golden_check: --device: %s\n", std::string(usable.message()).c_str());
+    return 2;
+  }
+  auto result = baton::golden::CompareWithGolden(*golden, tp, pp, vocab_parallel, *device);
   if (!result.ok()) {
     std::fprintf(stderr, "golden_check: tp=%d pp=%d: %s\n", tp, pp,
                  std::string(result.status().message()).c_str());
@@ -46,8 +58,9 @@ int main(int argc, char** argv) {
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   int bad = 0;
   double worst = 0;
-  std::printf("golden %s  tp=%d pp=%d%s\n", path.c_str(), tp, pp,
-              vocab_parallel ? " vocab_parallel" : "");
+  std::printf("golden %s  tp=%d pp=%d%s on %s\n", path.c_str(), tp, pp,
+              vocab_parallel ? " vocab_parallel" : "",
+              baton::kernels::DeviceToString(*device).c_str());
   for (const auto& c : *result) {
     const bool ok = c.rel_error <= tolerance;
     bad += ok ? 0 : 1;

@@ -3,13 +3,18 @@
 # listed after --vocab_parallel also at TP 2 × PP 1/2 with the vocabulary-
 # parallel embedding and head; fails if any run differs from PyTorch by more
 # than 1e-4.
-#   golden_check_test.sh CHECK GOLDEN... [--vocab_parallel GOLDEN...]
+#   golden_check_test.sh CHECK [--device=D] GOLDEN... [--vocab_parallel GOLDEN...]
 set -u
 check=$1
 shift
+device=--device=cpu
+if [[ "${1:-}" == --device=* ]]; then
+  device=$1
+  shift
+fi
 failed=0
 run() {
-  if ! "$check" "$@" | tail -1; then
+  if ! "$check" "$device" "$@" | tail -1; then
     echo "FAILED: $*"
     failed=1
   fi

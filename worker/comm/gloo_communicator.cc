@@ -1,9 +1,18 @@
 #include "worker/comm/gloo_communicator.h"
 
+#include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -290,6 +299,8 @@ absl::Status WaitGloo(absl::string_view what, UnboundBuffer* ub, bool recv, int 
 
 }  // namespace
 
+class PeerLink;
+
 // One op. Owns the Gloo buffers (and scratch memory) it posted, so they live
 // as long as anyone may still touch them.
 //
@@ -303,6 +314,34 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
  public:
   GlooWork(std::string what, absl::Time deadline, std::shared_ptr<Timer> timer)
       : what_(std::move(what)), deadline_(deadline), timer_(std::move(timer)) {}
+
+  // Makes this a point-to-point op over `link` (a direct connection to
+  // `peer`) of `bytes` at `data` with `tag`.
+  void StartDirect(std::shared_ptr<PeerLink> link, bool recv, int peer, uint64_t tag,
+                   void* data, size_t bytes) {
+    absl::MutexLock lock(&mu_);
+    waiting_for_ = peer;
+    peer_ = peer;
+    link_ = std::move(link);
+    io_recv_ = recv;
+    io_tag_ = tag;
+    io_data_ = static_cast<char*>(data);
+    io_bytes_ = bytes;
+    posted_ = absl::Now();
+  }
+
+  // Direct point-to-point state (see PeerLink): set once by StartDirect
+  // before the op is posted; io_done_ belongs to whoever moves its bytes.
+  std::shared_ptr<PeerLink> link_;
+  bool io_recv_ = false;
+  uint64_t io_tag_ = 0;
+  char* io_data_ = nullptr;
+  size_t io_bytes_ = 0;
+  size_t io_done_ = 0;  // sends: header + payload bytes written
+  char io_header_[16] = {};
+
+  // Whether the op has its final status, without a lock.
+  bool settled() const { return settled_.load(std::memory_order_acquire); }
 
   // Makes this a point-to-point op on `ub` (owned by this op) with `peer`.
   void StartPointToPoint(UnboundBuffer* ub, bool recv, int peer, WaiterPool* pool) {
@@ -319,6 +358,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   // point-to-point op with it, or any collective) and has not finished
   // within `grace`, it fails with `why`.
   void PeerBroken(int peer, const absl::Status& why, absl::Duration grace) {
+    if (link_ != nullptr) return;  // its link fails it when the connection breaks
     bool p2p;
     {
       absl::MutexLock lock(&mu_);
@@ -354,6 +394,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
 
   absl::Status Wait(absl::Duration timeout) override {
     const absl::Time deadline = absl::Now() + timeout;
+    if (link_ != nullptr) return WaitDirect(timeout, deadline);
     for (;;) {
       {
         absl::MutexLock lock(&mu_);
@@ -399,6 +440,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   }
 
   bool IsCompleted() override {
+    if (link_ != nullptr) return IsCompletedDirect();
     {
       absl::MutexLock lock(&mu_);
       if (done_) return true;
@@ -496,7 +538,11 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     if (done_) return;
     done_ = true;
     status_ = std::move(status);
+    settled_.store(true, std::memory_order_release);
   }
+
+  absl::Status WaitDirect(absl::Duration timeout, absl::Time deadline);
+  bool IsCompletedDirect();
 
   absl::Status TimedOut(absl::Duration timeout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return absl::DeadlineExceededError(absl::StrCat(
@@ -516,6 +562,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   WaiterPool* pool_ = nullptr;
   absl::Time posted_;
   std::atomic<int> watcher_{kNone};
+  std::atomic<bool> settled_{false};
 
   absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
@@ -525,6 +572,552 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
   std::deque<std::vector<char>> scratch_ ABSL_GUARDED_BY(mu_);
+};
+
+// A direct TCP connection to one peer that carries this communicator's
+// point-to-point messages (collectives stay on Gloo). Gloo's unbound
+// buffers cost a ready-to-receive notice per message and a hand-off from
+// its I/O thread to the waiting thread; here a message is one frame
+// (16-byte header: tag, length; then the payload) written at once by the
+// thread that posts the send, and read by the thread that waits for the
+// receive, straight into its buffer. Frames whose receive is not posted
+// yet are kept (bounded) until it is.
+//
+// Who moves bytes: one "reader" and one "writer" at a time. A thread in
+// Wait() on a receive takes the reader role when it is free; the
+// communicator's I/O thread takes either role when the socket is ready and
+// nobody holds it (so ops nobody waits for complete, and a broken
+// connection is seen at once). Send() writes what the socket takes without
+// blocking and leaves the rest to the I/O thread.
+class PeerLink {
+ public:
+  static constexpr size_t kHeader = 16;
+  static constexpr size_t kStage = 64 << 10;
+  static constexpr size_t kStageRead = 4 << 10;
+  static constexpr size_t kArmOnPost = 1 << 20;
+  // Longest a blocking recv/send on a link lasts (its socket timeouts).
+  static constexpr absl::Duration kBlockSlice = absl::Milliseconds(50);
+  // Bytes of frames that arrived before their receive was posted.
+  static constexpr uint64_t kMaxUnexpected = uint64_t{1} << 30;
+
+  PeerLink(int peer, int fd, int epoll_fd, uint64_t id, std::string label)
+      : peer_(peer), fd_(fd), wfd_(dup(fd)), epoll_fd_(epoll_fd), id_(id),
+        label_(std::move(label)), stage_(kStage) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLONESHOT;
+    ev.data.u64 = id_ << 1;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd_, &ev);
+    armed_ = true;
+    epoll_event wev{};
+    wev.events = EPOLLONESHOT;  // armed for EPOLLOUT only while frames wait
+    wev.data.u64 = (id_ << 1) | 1;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wfd_, &wev);
+  }
+
+  ~PeerLink() {
+    close(wfd_);
+    close(fd_);
+  }
+
+  int peer() const { return peer_; }
+
+  void PostRecv(const std::shared_ptr<GlooWork>& op) {
+    absl::MutexLock lock(&mu_);
+    if (dead_) return FailOpLocked(*op);
+    auto it = unexpected_.find(op->io_tag_);
+    if (it != unexpected_.end()) {
+      std::vector<char> msg = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) unexpected_.erase(it);
+      unexpected_bytes_ -= msg.size();
+      op->Complete(Deliver(*op, msg.data(), msg.size()));
+      return;
+    }
+    posted_[op->io_tag_].push_back(op);
+    // A large message is read by the I/O thread if nobody waits for it
+    // first (so its sender never stalls on a full socket). A small one is
+    // left to the thread that will wait for it (waking the I/O thread too
+    // would cost a hand-off), or to IsCompleted() or the watchdog's sweep.
+    if (op->io_bytes_ >= kArmOnPost) ArmReadLocked();
+  }
+
+  void PostSend(const std::shared_ptr<GlooWork>& op) {
+    const uint64_t header[2] = {op->io_tag_, op->io_bytes_};
+    std::memcpy(op->io_header_, header, kHeader);
+    {
+      absl::MutexLock lock(&mu_);
+      if (dead_) return FailOpLocked(*op);
+      sendq_.push_back(op);
+      if (writing_ || sendq_.size() > 1) return;  // the writer or the I/O thread takes it
+      writing_ = true;
+    }
+    EndWrite(WriteSome(nullptr, absl::InfinitePast()));
+  }
+
+  // Waits until `op` completes or `deadline`; reads the socket itself when
+  // `op` is a receive and nobody else does. True when complete.
+  bool Wait(GlooWork& op, absl::Time deadline) {
+    mu_.Lock();
+    // One try at moving bytes even with no time left (Wait(0) polls).
+    for (bool tried = false;; tried = true) {
+      if (op.settled()) break;
+      if (tried && absl::Now() >= deadline) break;
+      if (op.io_recv_ && !reading_ && !dead_) {
+        reading_ = true;
+        if (armed_) {
+          Rearm(/*read=*/true, /*on=*/false);
+          armed_ = false;
+        }
+        mu_.Unlock();
+        EndRead(ReadSome(&op, deadline));
+        mu_.Lock();
+        continue;
+      }
+      if (!op.io_recv_ && !writing_ && !dead_) {
+        writing_ = true;
+        mu_.Unlock();
+        EndWrite(WriteSome(&op, deadline));
+        mu_.Lock();
+        continue;
+      }
+      if (absl::Now() >= deadline) break;
+      auto settled = [this, &op]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return op.settled() || (!reading_ && !dead_ && op.io_recv_) ||
+               (!writing_ && !dead_ && !op.io_recv_);
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+    }
+    const bool done = op.settled();
+    mu_.Unlock();
+    return done;
+  }
+
+  // I/O thread: the socket is readable (or broke).
+  void OnReadable() {
+    {
+      absl::MutexLock lock(&mu_);
+      armed_ = false;  // one-shot: it fired
+      if (reading_ || dead_) return;  // whoever reads re-arms it
+      reading_ = true;
+    }
+    EndRead(ReadSome(nullptr, absl::InfinitePast()));
+  }
+
+  // I/O thread: the socket takes more bytes.
+  void OnWritable() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (writing_ || dead_ || sendq_.empty()) return;
+      writing_ = true;
+    }
+    EndWrite(WriteSome(nullptr, absl::InfinitePast()));
+  }
+
+  // Stops all I/O: the connection is shut down (`graceful`: only our
+  // sending side, after what was sent), later ops fail with `status`, and
+  // once this returns no thread touches any op's buffer. Pending ops are
+  // left to the caller (the communicator completes them).
+  void Close(const absl::Status& status, bool graceful) {
+    absl::MutexLock lock(&mu_);
+    if (!dead_) {
+      dead_ = true;
+      status_ = status;
+      shutdown(fd_, graceful ? SHUT_WR : SHUT_RDWR);
+    }
+    mu_.Await(absl::Condition(
+        +[](PeerLink* l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(l->mu_) {
+          return !l->reading_ && !l->writing_;
+        },
+        this));
+  }
+
+  // Lets the I/O thread read an idle link, so that a broken connection or
+  // a message nobody has posted a receive for yet is seen (the watchdog's
+  // sweep calls it).
+  void ArmIfIdle() {
+    absl::MutexLock lock(&mu_);
+    ArmReadLocked();
+  }
+
+  // Wakes threads waiting on the link (after ops completed elsewhere).
+  void Kick() { absl::MutexLock lock(&mu_); }
+
+ private:
+  static absl::Status Deliver(GlooWork& op, const char* data, size_t n) {
+    if (n != op.io_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          op.what(), ": the peer sent ", n, " bytes for this tag, the receive takes ",
+          op.io_bytes_, " (sizes must match)"));
+    }
+    if (n > 0) std::memcpy(op.io_data_, data, n);
+    return absl::OkStatus();
+  }
+
+  void FailOpLocked(GlooWork& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    op.Complete(absl::Status(status_.code(), absl::StrCat(op.what(), ": ", status_.message())));
+  }
+
+  void ArmReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (dead_ || reading_ || armed_) return;
+    Rearm(/*read=*/true, /*on=*/true);
+    armed_ = true;
+  }
+
+  void Rearm(bool read, bool on) {
+    epoll_event ev{};
+    ev.events = EPOLLONESHOT | (on ? (read ? EPOLLIN : EPOLLOUT) : 0);
+    ev.data.u64 = (id_ << 1) | (read ? 0 : 1);
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, read ? fd_ : wfd_, &ev);
+  }
+
+  // The reader role ends with `st` (not OK: the connection failed).
+  void EndRead(const absl::Status& st) {
+    std::shared_ptr<GlooWork> orphan;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (st.ok()) {
+        // With nothing posted the link stays quiet until a receive is
+        // posted or the watchdog's sweep (ArmIfIdle): re-arming here would
+        // let the I/O thread take the next message from the thread about
+        // to wait for it.
+        if (!posted_.empty()) ArmReadLocked();
+        return;
+      }
+      orphan = std::move(cur_op_);
+    }
+    Fail(st);
+    absl::MutexLock lock(&mu_);
+    if (orphan != nullptr) FailOpLocked(*orphan);
+  }
+
+  void EndWrite(const absl::Status& st) {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (st.ok()) {
+        if (!dead_ && !sendq_.empty()) Rearm(/*read=*/false, /*on=*/true);
+        return;
+      }
+    }
+    Fail(st);
+  }
+
+  // The connection broke (`cause`): fail everything queued on it.
+  void Fail(const absl::Status& cause) {
+    std::vector<std::shared_ptr<GlooWork>> ops;
+    {
+      absl::MutexLock lock(&mu_);
+      if (dead_) return;  // closed, or failed already
+      dead_ = true;
+      status_ = absl::UnavailableError(absl::StrCat(
+          "rank ", peer_, " of ", label_,
+          " is unreachable (its connection broke: the process died, left or aborted): ",
+          cause.message()));
+      shutdown(fd_, SHUT_RDWR);
+      for (auto& [tag, q] : posted_) {
+        for (auto& op : q) ops.push_back(op);
+      }
+      posted_.clear();
+      for (auto& op : sendq_) ops.push_back(op);
+      sendq_.clear();
+      if (!reading_ && cur_op_ != nullptr) ops.push_back(std::move(cur_op_));
+    }
+    absl::MutexLock lock(&mu_);
+    for (auto& op : ops) FailOpLocked(*op);
+  }
+
+  // Writer role: writes queued frames until the queue is empty, or the
+  // socket is full and (`until` is null, complete, or `deadline` passed).
+  absl::Status WriteSome(GlooWork* until, absl::Time deadline) {
+    for (;;) {
+      std::shared_ptr<GlooWork> op;
+      {
+        absl::MutexLock lock(&mu_);
+        if (dead_ || sendq_.empty()) return absl::OkStatus();
+        op = sendq_.front();
+      }
+      const size_t total = kHeader + op->io_bytes_;
+      while (op->io_done_ < total) {
+        iovec iov[2];
+        int n = 0;
+        if (op->io_done_ < kHeader) {
+          iov[n++] = {op->io_header_ + op->io_done_, kHeader - op->io_done_};
+          iov[n++] = {op->io_data_, op->io_bytes_};
+        } else {
+          const size_t off = op->io_done_ - kHeader;
+          iov[n++] = {op->io_data_ + off, op->io_bytes_ - off};
+        }
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = n;
+        const bool block = until != nullptr && !until->settled() &&
+                           deadline - absl::Now() > kBlockSlice;
+        const ssize_t w = sendmsg(fd_, &msg, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
+        if (w > 0) {
+          op->io_done_ += static_cast<size_t>(w);
+          continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          if (until == nullptr || until->settled()) return absl::OkStatus();
+          const absl::Duration left = deadline - absl::Now();
+          if (left <= absl::ZeroDuration()) return absl::OkStatus();
+          if (left > kBlockSlice) continue;
+          pollfd pfd{fd_, POLLOUT, 0};
+          const timespec ts = absl::ToTimespec(std::min(left, absl::Seconds(1)));
+          ppoll(&pfd, 1, &ts, nullptr);
+          continue;
+        }
+        return absl::UnavailableError(
+            absl::StrCat("connection to rank ", peer_, ": send: ", std::strerror(errno)));
+      }
+      absl::MutexLock lock(&mu_);
+      if (!sendq_.empty() && sendq_.front() == op) sendq_.pop_front();
+      op->Complete(absl::OkStatus());
+    }
+  }
+
+  // Reader role: reads and dispatches frames until nothing is readable
+  // and (`until` is null, complete, or `deadline` passed).
+  absl::Status ReadSome(GlooWork* until, absl::Time deadline) {
+    for (;;) {
+      BATON_RETURN_IF_ERROR(Dispatch());
+      char* dst;
+      size_t want;
+      const bool direct =
+          !in_header_ && begin_ == end_ && target_ != nullptr && len_ - got_ >= kStageRead;
+      if (direct) {
+        dst = target_ + got_;  // large payload: straight into its buffer
+        want = len_ - got_;
+      } else {
+        if (begin_ == end_) begin_ = end_ = 0;
+        dst = stage_.data() + end_;
+        // A header and a small payload (or several) in one call; the body
+        // of a large message then goes straight to its buffer.
+        want = std::min(kStage - end_, kStageRead);
+      }
+      // The waiting thread blocks in recv itself (at most kBlockSlice, the
+      // socket's timeout, at a time); the I/O thread never blocks.
+      const bool block = until != nullptr && !until->settled() &&
+                         deadline - absl::Now() > kBlockSlice;
+      const ssize_t r = recv(fd_, dst, want, block ? 0 : MSG_DONTWAIT);
+      if (r > 0) {
+        if (direct) {
+          got_ += static_cast<size_t>(r);
+          if (got_ == len_) BATON_RETURN_IF_ERROR(FinishFrame());
+        } else {
+          end_ += static_cast<size_t>(r);
+        }
+        continue;
+      }
+      if (r == 0) {
+        return absl::UnavailableError(
+            absl::StrCat("connection to rank ", peer_, " closed by the peer"));
+      }
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        return absl::UnavailableError(
+            absl::StrCat("connection to rank ", peer_, ": recv: ", std::strerror(errno)));
+      }
+      if (until == nullptr || until->settled()) return absl::OkStatus();
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return absl::OkStatus();
+      if (left > kBlockSlice) continue;
+      pollfd pfd{fd_, POLLIN, 0};
+      const timespec ts = absl::ToTimespec(std::min(left, absl::Seconds(1)));
+      ppoll(&pfd, 1, &ts, nullptr);
+    }
+  }
+
+  // Consumes the bytes in the stage: headers start frames, payload bytes
+  // go to the frame's target.
+  absl::Status Dispatch() {
+    while (begin_ < end_) {
+      if (in_header_) {
+        if (end_ - begin_ < kHeader) {
+          std::memmove(stage_.data(), stage_.data() + begin_, end_ - begin_);
+          end_ -= begin_;
+          begin_ = 0;
+          return absl::OkStatus();
+        }
+        uint64_t header[2];
+        std::memcpy(header, stage_.data() + begin_, kHeader);
+        begin_ += kHeader;
+        BATON_RETURN_IF_ERROR(StartFrame(header[0], header[1]));
+        continue;
+      }
+      const size_t n = std::min(end_ - begin_, len_ - got_);
+      if (target_ != nullptr) std::memcpy(target_ + got_, stage_.data() + begin_, n);
+      begin_ += n;
+      got_ += n;
+      if (got_ == len_) BATON_RETURN_IF_ERROR(FinishFrame());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StartFrame(uint64_t tag, uint64_t len) {
+    in_header_ = false;
+    tag_ = tag;
+    len_ = len;
+    got_ = 0;
+    target_ = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = posted_.find(tag);
+      if (it != posted_.end()) {
+        cur_op_ = std::move(it->second.front());
+        it->second.pop_front();
+        if (it->second.empty()) posted_.erase(it);
+        // A size mismatch drains the payload and fails the receive.
+        if (cur_op_->io_bytes_ == len) target_ = cur_op_->io_data_;
+      } else if (len > kMaxUnexpected - unexpected_bytes_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "connection to rank ", peer_, ": a ", len, "-byte message (tag ", tag,
+            ") arrived before its receive was posted, over the limit of ", kMaxUnexpected,
+            " bytes held for receives not yet posted"));
+      } else {
+        unexpected_bytes_ += len;  // reserved now, so the bound holds
+      }
+    }
+    if (target_ == nullptr && cur_op_ == nullptr) {
+      eager_.assign(len, 0);
+      target_ = eager_.data();
+    }
+    if (len == 0) return FinishFrame();
+    return absl::OkStatus();
+  }
+
+  absl::Status FinishFrame() {
+    in_header_ = true;
+    target_ = nullptr;
+    absl::MutexLock lock(&mu_);
+    if (cur_op_ != nullptr) {
+      std::shared_ptr<GlooWork> op = std::move(cur_op_);
+      op->Complete(op->io_bytes_ == len_
+                       ? absl::OkStatus()
+                       : absl::InvalidArgumentError(absl::StrCat(
+                             op->what(), ": the peer sent ", len_,
+                             " bytes for this tag, the receive takes ", op->io_bytes_,
+                             " (sizes must match)")));
+      return absl::OkStatus();
+    }
+    auto it = posted_.find(tag_);
+    if (it != posted_.end()) {  // posted while the payload was arriving
+      std::shared_ptr<GlooWork> op = std::move(it->second.front());
+      it->second.pop_front();
+      if (it->second.empty()) posted_.erase(it);
+      unexpected_bytes_ -= eager_.size();
+      op->Complete(Deliver(*op, eager_.data(), eager_.size()));
+      eager_.clear();
+      return absl::OkStatus();
+    }
+    unexpected_[tag_].push_back(std::move(eager_));
+    eager_ = std::vector<char>();
+    return absl::OkStatus();
+  }
+
+  const int peer_;
+  const int fd_;
+  const int wfd_;  // a dup of fd_ so that epoll watches writability apart
+  const int epoll_fd_;
+  const uint64_t id_;
+  const std::string label_;
+
+  absl::Mutex mu_;
+  bool dead_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<uint64_t, std::deque<std::shared_ptr<GlooWork>>> posted_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::deque<std::vector<char>>> unexpected_ ABSL_GUARDED_BY(mu_);
+  uint64_t unexpected_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::shared_ptr<GlooWork>> sendq_ ABSL_GUARDED_BY(mu_);
+  // The receive whose frame is being read (reader role, or under mu_ when
+  // no one holds it).
+  std::shared_ptr<GlooWork> cur_op_ ABSL_GUARDED_BY(mu_);
+
+  // Reader role only.
+  std::vector<char> stage_;
+  size_t begin_ = 0, end_ = 0;
+  bool in_header_ = true;
+  uint64_t tag_ = 0, len_ = 0, got_ = 0;
+  char* target_ = nullptr;
+  std::vector<char> eager_;
+};
+
+absl::Status GlooWork::WaitDirect(absl::Duration timeout, absl::Time deadline) {
+  if (!link_->Wait(*this, deadline)) {
+    absl::MutexLock lock(&mu_);
+    if (!done_) return TimedOut(timeout);
+  }
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+bool GlooWork::IsCompletedDirect() {
+  if (settled()) return true;
+  link_->ArmIfIdle();  // the I/O thread moves it on
+  return false;
+}
+
+// The communicator's I/O thread: epoll over its links' sockets.
+class LinkPoller {
+ public:
+  LinkPoller() : epoll_fd_(epoll_create1(EPOLL_CLOEXEC)), wake_fd_(eventfd(0, EFD_CLOEXEC)) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = ~uint64_t{0};
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  }
+  ~LinkPoller() {
+    Stop();
+    close(wake_fd_);
+    close(epoll_fd_);
+  }
+
+  int epoll_fd() const { return epoll_fd_; }
+
+  // Starts the thread over `links` (indexed by the ids they were made with).
+  void Start(std::vector<PeerLink*> links) {
+    links_ = std::move(links);
+    thread_ = std::thread([this] { Loop(); });
+  }
+
+  void Stop() {
+    if (!thread_.joinable()) return;
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+    thread_.join();
+  }
+
+ private:
+  void Loop() {
+    epoll_event events[32];
+    for (;;) {
+      const int n = epoll_wait(epoll_fd_, events, 32, -1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return;
+      for (int i = 0; i < n; ++i) {
+        const uint64_t key = events[i].data.u64;
+        if (key == ~uint64_t{0}) return;
+        PeerLink* link = links_[key >> 1];
+        if (link == nullptr) continue;
+        if (key & 1) {
+          link->OnWritable();
+        } else {
+          link->OnReadable();
+        }
+      }
+    }
+  }
+
+  const int epoll_fd_;
+  const int wake_fd_;
+  std::vector<PeerLink*> links_;
+  std::thread thread_;
 };
 
 // One thread running tasks in submission order (collectives must be issued
@@ -628,6 +1221,183 @@ std::shared_ptr<Work> Failed(std::string what, absl::Status status) {
 
 }  // namespace
 
+namespace {
+
+constexpr uint32_t kLinkHello = 0xBA701F2Bu;
+
+void CloseAll(std::vector<int>& fds) {
+  for (int& fd : fds) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+  }
+}
+
+absl::Status WaitFd(int fd, short events, absl::Time deadline, absl::string_view what) {
+  for (;;) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+    }
+    pollfd pfd{fd, events, 0};
+    const timespec ts = absl::ToTimespec(left);
+    const int n = ppoll(&pfd, 1, &ts, nullptr);
+    if (n > 0) return absl::OkStatus();
+    if (n < 0 && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat(what, ": poll: ", std::strerror(errno)));
+    }
+  }
+}
+
+// Blocking-with-deadline transfer of a small fixed message.
+absl::Status ExchangeHello(int fd, bool send, uint32_t* words, absl::Time deadline,
+                           absl::string_view what) {
+  char* p = reinterpret_cast<char*>(words);
+  size_t left = 2 * sizeof(uint32_t);
+  while (left > 0) {
+    BATON_RETURN_IF_ERROR(WaitFd(fd, send ? POLLOUT : POLLIN, deadline, what));
+    const ssize_t n = send ? ::send(fd, p, left, MSG_DONTWAIT | MSG_NOSIGNAL)
+                           : recv(fd, p, left, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      left -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      return absl::UnavailableError(absl::StrCat(what, ": closed by the peer"));
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Blocking sockets (the I/O thread passes MSG_DONTWAIT) whose blocking
+// calls end after PeerLink::kBlockSlice, so waits keep their deadlines.
+void TuneLink(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  const timeval slice = absl::ToTimeval(PeerLink::kBlockSlice);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &slice, sizeof(slice));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &slice, sizeof(slice));
+}
+
+// The direct point-to-point connections of rank `o.rank` (see PeerLink):
+// every rank listens on `o.hostname` and publishes "<rank>" = "host port";
+// each connects to the lower ranks and accepts the higher ones, and the
+// connecting side names itself first. Returns one socket per peer (-1 for
+// this rank).
+absl::StatusOr<std::vector<int>> ConnectLinks(Store& store, const GlooOptions& o,
+                                              absl::Time deadline) {
+  std::vector<int> fds(o.size, -1);
+  if (o.size == 1) return fds;
+  const std::string where = absl::StrCat(o.label, ": rank ", o.rank, " of ", o.size);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(o.hostname.c_str(), "0", &hints, &res); rc != 0 || res == nullptr) {
+    return absl::UnavailableError(absl::StrCat(where, ": cannot resolve ", o.hostname, ": ",
+                                               gai_strerror(rc)));
+  }
+  const int family = res->ai_family;
+  int listener = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool bound = listener >= 0 && bind(listener, res->ai_addr, res->ai_addrlen) == 0 &&
+                     listen(listener, o.size) == 0;
+  freeaddrinfo(res);
+  if (!bound) {
+    const std::string err = std::strerror(errno);
+    if (listener >= 0) close(listener);
+    return absl::UnavailableError(
+        absl::StrCat(where, ": cannot listen on ", o.hostname, ": ", err));
+  }
+  sockaddr_storage addr{};
+  socklen_t addr_len = sizeof(addr);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &addr_len);
+  const int port = ntohs(family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  auto fail = [&](absl::Status s) {
+    close(listener);
+    CloseAll(fds);
+    return s;
+  };
+  PrefixStore keys(&store, "p2p");
+  if (absl::Status s = keys.Set(absl::StrCat(o.rank), absl::StrCat(o.hostname, " ", port));
+      !s.ok()) {
+    return fail(s);
+  }
+  for (int peer = 0; peer < o.rank; ++peer) {
+    const std::string what = absl::StrCat(where, ": connecting to rank ", peer);
+    absl::StatusOr<std::string> value =
+        keys.Get(absl::StrCat(peer), std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!value.ok()) return fail(value.status());
+    const size_t space = value->rfind(' ');
+    if (space == std::string::npos) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(what, ": bad address ", *value)));
+    }
+    const std::string host = value->substr(0, space), service = value->substr(space + 1);
+    addrinfo chints{};
+    chints.ai_family = AF_UNSPEC;
+    chints.ai_socktype = SOCK_STREAM;
+    addrinfo* peer_addr = nullptr;
+    if (getaddrinfo(host.c_str(), service.c_str(), &chints, &peer_addr) != 0 ||
+        peer_addr == nullptr) {
+      return fail(absl::UnavailableError(absl::StrCat(what, ": cannot resolve ", *value)));
+    }
+    int fd = socket(peer_addr->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int rc = fd < 0 ? -1 : connect(fd, peer_addr->ai_addr, peer_addr->ai_addrlen);
+    freeaddrinfo(peer_addr);
+    if (fd < 0) return fail(absl::UnavailableError(absl::StrCat(what, ": socket")));
+    fds[peer] = fd;
+    if (rc != 0 && errno != EINPROGRESS) {
+      return fail(absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno))));
+    }
+    if (absl::Status s = WaitFd(fd, POLLOUT, deadline, what); !s.ok()) return fail(s);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      return fail(absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(err))));
+    }
+    uint32_t hello[2] = {kLinkHello, static_cast<uint32_t>(o.rank)};
+    if (absl::Status s = ExchangeHello(fd, /*send=*/true, hello, deadline, what); !s.ok()) {
+      return fail(s);
+    }
+  }
+  for (int accepted = o.rank + 1; accepted < o.size; ++accepted) {
+    const std::string what = absl::StrCat(where, ": accepting ranks above ", o.rank);
+    if (absl::Status s = WaitFd(listener, POLLIN, deadline, what); !s.ok()) return fail(s);
+    int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) {
+        --accepted;
+        continue;
+      }
+      return fail(absl::UnavailableError(absl::StrCat(what, ": accept: ", std::strerror(errno))));
+    }
+    uint32_t hello[2] = {0, 0};
+    absl::Status s = ExchangeHello(fd, /*send=*/false, hello, deadline, what);
+    const int peer = static_cast<int>(hello[1]);
+    if (s.ok() && (hello[0] != kLinkHello || peer <= o.rank || peer >= o.size ||
+                   fds[peer] >= 0)) {
+      s = absl::InvalidArgumentError(absl::StrCat(
+          what, ": a connection that is not a new rank of this group (", hello[0], ", ",
+          hello[1], ")"));
+    }
+    if (!s.ok()) {
+      close(fd);
+      return fail(s);
+    }
+    fds[peer] = fd;
+  }
+  close(listener);
+  for (int fd : fds) {
+    if (fd >= 0) TuneLink(fd);
+  }
+  return fds;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     Store& store, const GlooOptions& options) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
@@ -653,18 +1423,32 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     return absl::UnavailableError(absl::StrCat(options.label, ": rank ", options.rank, " of ",
                                                options.size, " cannot connect: Gloo: ", e.what()));
   }
-  return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(options, std::move(context)));
+  BATON_ASSIGN_OR_RETURN(std::vector<int> link_fds, ConnectLinks(store, options, deadline));
+  return std::unique_ptr<GlooCommunicator>(
+      new GlooCommunicator(options, std::move(context), std::move(link_fds)));
 }
 
 GlooCommunicator::GlooCommunicator(const GlooOptions& options,
-                                   std::shared_ptr<::gloo::rendezvous::Context> context)
+                                   std::shared_ptr<::gloo::rendezvous::Context> context,
+                                   std::vector<int> link_fds)
     : options_(options),
       context_(std::move(context)),
       timer_(std::make_shared<Timer>()),
       waiters_(std::make_unique<WaiterPool>()),
       collectives_(std::make_unique<SerialExecutor>()),
-      sentinel_bytes_(options.size),
-      watchdog_([this] { WatchdogLoop(); }) {
+      poller_(std::make_unique<LinkPoller>()),
+      sentinel_bytes_(options.size) {
+  links_.resize(options_.size);
+  std::vector<PeerLink*> by_id(options_.size, nullptr);
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (link_fds[peer] < 0) continue;
+    // A broken link fails its own ops and later ones with that peer; Gloo's
+    // sentinels (WatchPeer) judge the collectives, which run on Gloo's pairs.
+    links_[peer] = std::make_shared<PeerLink>(peer, link_fds[peer], poller_->epoll_fd(), peer,
+                                              options_.label);
+    by_id[peer] = links_[peer].get();
+  }
+  poller_->Start(std::move(by_id));
   // All sentinels exist before any can fire (AbortWith walks them).
   sentinels_.resize(options_.size);
   for (int peer = 0; peer < options_.size; ++peer) {
@@ -675,6 +1459,7 @@ GlooCommunicator::GlooCommunicator(const GlooOptions& options,
   for (int peer = 0; peer < options_.size; ++peer) {
     if (peer != options_.rank) WatchPeer(peer);
   }
+  watchdog_ = std::thread([this] { WatchdogLoop(); });
 }
 
 void GlooCommunicator::WatchPeer(int peer) {
@@ -732,9 +1517,15 @@ GlooCommunicator::~GlooCommunicator() {
     for (auto& sentinel : sentinels_) {
       if (sentinel != nullptr) sentinel->abortWaitRecv();
     }
+    const absl::Status gone =
+        absl::AbortedError(absl::StrCat(options_.label, ": communicator destroyed"));
+    for (auto& link : links_) {
+      if (link != nullptr) link->Close(gone, /*graceful=*/true);
+    }
   } else {
     Abort("communicator destroyed with ops pending");
   }
+  poller_->Stop();
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
@@ -805,19 +1596,13 @@ std::shared_ptr<Work> GlooCommunicator::PointToPoint(bool send, Buffer buf, int 
     Finish(work, absl::OkStatus());
     return work;
   }
-  UnboundBuffer* ub = work->NewBuffer(*context_, buf.data, buf.bytes());
-  if (ub == nullptr) return work;  // aborted meanwhile; already completed
-  try {
-    if (send) {
-      ub->send(peer, tag);
-    } else {
-      ub->recv(peer, tag);
-    }
-  } catch (const std::exception& e) {
-    Finish(work, GlooError(*work, e));
-    return work;
+  PeerLink* link = links_[peer].get();
+  work->StartDirect(links_[peer], /*recv=*/!send, peer, tag, buf.data, buf.bytes());
+  if (send) {
+    link->PostSend(work);
+  } else {
+    link->PostRecv(work);
   }
-  work->StartPointToPoint(ub, /*recv=*/!send, peer, waiters_.get());
   return work;
 }
 
@@ -1076,6 +1861,9 @@ void GlooCommunicator::AbortWith(absl::Status status, const GlooWork* culprit,
   }
   // After this no Gloo I/O touches any buffer; peers see the connections
   // reset and fail their own pending ops at once.
+  for (auto& link : links_) {
+    if (link != nullptr) link->Close(status, /*graceful=*/false);
+  }
   context_->closeConnections();
   for (auto& sentinel : sentinels_) {
     if (sentinel != nullptr) sentinel->abortWaitRecv();
@@ -1086,6 +1874,9 @@ void GlooCommunicator::AbortWith(absl::Status status, const GlooWork* culprit,
                                                                            work->what(), ": ",
                                                                            status.message())));
     work->Interrupt();
+  }
+  for (auto& link : links_) {
+    if (link != nullptr) link->Kick();  // waiters see their ops completed
   }
 }
 
@@ -1106,6 +1897,9 @@ void GlooCommunicator::WatchdogLoop() {
       }
     }
     for (auto& work : open) work->ClaimForPoolIfOlderThan(kClaimWindow);
+    for (auto& link : links_) {
+      if (link != nullptr) link->ArmIfIdle();
+    }
     if (expired == nullptr) continue;
     const int peer = expired->waiting_for();
     std::string why = absl::StrCat(expired->what(), " did not complete within op_timeout ",

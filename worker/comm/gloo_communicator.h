@@ -5,10 +5,12 @@
 // comes is named), then Gloo's connectFullMesh exchanges pair addresses
 // through the same Store.
 //
-// Point-to-point ops are posted to Gloo at once from the caller's thread
-// (many may be in flight; the tag is Gloo's slot). The thread that calls
-// Work::Wait waits in Gloo itself (no hand-off between threads); ops nobody
-// waits for are waited for by a pool thread. Collectives (ring all-reduce,
+// Point-to-point ops bypass Gloo: one TCP connection of our own per pair of
+// ranks carries them as frames (tag, length, payload). Send writes what the
+// socket takes at once; the thread that calls Work::Wait on a receive reads
+// the socket itself, straight into its buffer (no notice round trip, no
+// hand-off between threads); an I/O thread moves ops nobody waits for.
+// Messages whose receive is not posted yet are held (bounded). Collectives (ring all-reduce,
 // all-gather, reduce-scatter; direct broadcast; all-to-all barrier) run one
 // at a time, in call order, on an executor thread over Gloo's unbound
 // buffers, so every step knows which peer it waits on.
@@ -73,6 +75,8 @@ struct GlooOptions {
 };
 
 class GlooWork;
+class LinkPoller;
+class PeerLink;
 class Timer;
 class WaiterPool;
 class SerialExecutor;
@@ -102,7 +106,8 @@ class GlooCommunicator : public Communicator {
   using Collective = std::function<absl::Status(GlooWork&, uint64_t seq)>;
 
   GlooCommunicator(const GlooOptions& options,
-                   std::shared_ptr<gloo::rendezvous::Context> context);
+                   std::shared_ptr<gloo::rendezvous::Context> context,
+                   std::vector<int> link_fds);
 
   // Registers a new pending op with `peer` (-1: a collective), or returns it
   // already failed (aborted, or a peer it needs is gone).
@@ -151,6 +156,10 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Timer> timer_;  // Wait deadlines and hand-offs to waiters_
   std::unique_ptr<WaiterPool> waiters_;
   std::unique_ptr<SerialExecutor> collectives_;
+  // Point-to-point connections, indexed by peer (null for this rank), and
+  // the I/O thread that serves them.
+  std::unique_ptr<LinkPoller> poller_;
+  std::vector<std::shared_ptr<PeerLink>> links_;
   std::vector<char> executor_scratch_[2];
   // Standing receives, indexed by peer (see WatchPeer), and their target.
   std::vector<char> sentinel_bytes_;

@@ -143,6 +143,46 @@ TEST(GlooRingTest, PolledOpsCompleteWithoutAnyoneWaiting) {
   EXPECT_EQ(in[332], 77);
 }
 
+TEST(GlooRingTest, MessagesSentBeforeTheirReceiveIsPostedArriveInAnyPostingOrder) {
+  InMemoryStore store;
+  auto comms = Group(store, "early", 2);
+  constexpr int kMessages = 20;
+  std::vector<std::vector<int32_t>> out(kMessages), in(kMessages);
+  std::vector<std::shared_ptr<Work>> sends;
+  for (int i = 0; i < kMessages; ++i) {
+    const int64_t n = 1 + i * 997;  // 4 B .. 76 KB
+    out[i].assign(n, 1000 + i);
+    in[i].assign(n, 0);
+    sends.push_back(comms[0]->Send(Buffer{out[i].data(), n, DType::kInt32, -1}, 1, 50 + i));
+  }
+  for (auto& s : sends) ASSERT_TRUE(s->Wait(kWait).ok());
+  absl::SleepFor(absl::Milliseconds(50));  // everything is on rank 1's side before it posts
+  for (int i = kMessages - 1; i >= 0; --i) {  // posted last-sent first
+    const int64_t n = static_cast<int64_t>(in[i].size());
+    ASSERT_TRUE(comms[1]->Recv(Buffer{in[i].data(), n, DType::kInt32, -1}, 0, 50 + i)
+                    ->Wait(kWait).ok());
+    EXPECT_EQ(in[i].front(), 1000 + i);
+    EXPECT_EQ(in[i].back(), 1000 + i);
+  }
+}
+
+TEST(GlooRingTest, ASizeMismatchFailsTheReceiveNamingBothSizesAndTheLinkGoesOn) {
+  InMemoryStore store;
+  auto comms = Group(store, "mismatch", 2);
+  std::vector<float> big(100, 1), small(10, 0), ok_in(4, 0), ok_out(4, 2);
+  auto recv = comms[1]->Recv(Buffer::Host(small.data(), small.size()), 0, 1);
+  ASSERT_TRUE(comms[0]->Send(Buffer::Host(big.data(), big.size()), 1, 1)->Wait(kWait).ok());
+  absl::Status s = recv->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("sent 400 bytes"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("takes 40"), absl::string_view::npos) << s;
+  // The next message on the same connection is intact.
+  auto next = comms[1]->Recv(Buffer::Host(ok_in.data(), 4), 0, 2);
+  ASSERT_TRUE(comms[0]->Send(Buffer::Host(ok_out.data(), 4), 1, 2)->Wait(kWait).ok());
+  ASSERT_TRUE(next->Wait(kWait).ok());
+  EXPECT_EQ(ok_in[3], 2.0f);
+}
+
 class GlooCollectivesTest : public TestWithParam<int> {};
 
 TEST_P(GlooCollectivesTest, MatchASequentialReference) {

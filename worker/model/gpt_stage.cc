@@ -161,7 +161,8 @@ absl::Status GptStage::PlaceOnDevice() {
   const kernels::Device device = config_.device;
   BATON_RETURN_IF_ERROR(params_.Place(device));
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
-  ctx_ = kernels::ExecContext::On(stream_.get());
+  scratch_ = std::make_unique<kernels::Arena>(device);
+  ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get());
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
   BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
   BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -219,10 +220,12 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
   const int want_dims = config_.is_first() ? 2 : 3;
-  if (!shaped.defined() || shaped.ndim() != want_dims || !shaped.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(shaped_name,
-                                                   ": missing, or not a host tensor [batch, seq",
-                                                   config_.is_first() ? "]" : ", d_model]"));
+  // Tokens are host tensors; activations live on the stage's device.
+  const kernels::Device want_device = config_.is_first() ? kernels::Device::Cpu() : config_.device;
+  if (!shaped.defined() || shaped.ndim() != want_dims || shaped.device() != want_device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": missing, or not a tensor [batch, seq", config_.is_first() ? "]" : ", d_model]",
+        " on ", kernels::DeviceToString(want_device)));
   }
   *batch = shaped.dim(0);
   *seq = shaped.dim(1);
@@ -235,9 +238,10 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   }
   const int64_t n = *batch * *seq;
   auto check_ids = [&](const Tensor& ids, const char* name, bool allow_ignore) -> absl::Status {
-    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": want int32 [", *batch, ", ", *seq, "] to match the microbatch"));
+    if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n ||
+        !ids.device().is_cpu()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": want int32 [", *batch, ", ", *seq, "] in host memory to match the microbatch"));
     }
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids.i32()[i];
@@ -581,6 +585,7 @@ StepScore GptStage::score() const {
 }
 
 void GptStage::ZeroGrad() {
+  scratch_->Reset();
   kernels::FillZero(ctx_, params_.grads());
   kernels::FillZero(ctx_, loss_acc_);
   kernels::FillZero(ctx_, hits_acc_);

@@ -14,8 +14,10 @@ using kernels::Tensor;
 absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig& model, int pp,
                                                                  int tp, uint64_t seed,
                                                                  int microbatches,
-                                                                 bool vocab_parallel) {
+                                                                 bool vocab_parallel,
+                                                                 kernels::Device device) {
   auto m = std::unique_ptr<InProcModel>(new InProcModel());
+  m->device_ = device;
   m->pp_ = pp;
   m->tp_ = tp;
   m->model_ = model;
@@ -27,8 +29,14 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
       config.microbatches = microbatches;
       config.vocab_parallel = vocab_parallel;
       config.comm_timeout = absl::Seconds(60);
+      config.device = device;
       BATON_ASSIGN_OR_RETURN(auto stage, GptStage::Create(config, m->tp_groups_[s][r].get()));
       m->stages_[s].push_back(std::move(stage));
+    }
+    m->ready_.emplace_back();
+    for (int r = 0; r < tp; ++r) {
+      BATON_ASSIGN_OR_RETURN(auto event, kernels::Event::Create(device));
+      m->ready_[s].push_back(std::move(event));
     }
   }
   if (pp > 1) {
@@ -58,22 +66,33 @@ absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
   std::vector<std::vector<Tensor>> acts(mbs), grads(mbs);
   for (int mb = 0; mb < mbs; ++mb) {
     for (int s = 0; s < pp_; ++s) {
-      acts[mb].push_back(Tensor::Zeros({b, t, c}));
-      grads[mb].push_back(Tensor::Zeros({b, t, c}));
+      BATON_ASSIGN_OR_RETURN(Tensor act, kernels::ZerosOn(device_, {b, t, c}));
+      BATON_ASSIGN_OR_RETURN(Tensor grad, kernels::ZerosOn(device_, {b, t, c}));
+      acts[mb].push_back(act);
+      grads[mb].push_back(grad);
     }
   }
+  // Stage `to` may read what stage `from` has enqueued so far.
+  auto handoff = [&](int from, int to) -> absl::Status {
+    BATON_RETURN_IF_ERROR(ready_[from][r]->Record(stages_[from][r]->stream()));
+    return ready_[from][r]->StreamWait(stages_[to][r]->stream());
+  };
   for (int mb = 0; mb < mbs; ++mb) {
     for (int s = 0; s < pp_; ++s) {
       StageInputs in;
       in.tokens = tokens[mb];
       in.targets = targets[mb];
-      if (s > 0) in.activations = acts[mb][s - 1];
+      if (s > 0) {
+        in.activations = acts[mb][s - 1];
+        BATON_RETURN_IF_ERROR(handoff(s - 1, s));
+      }
       BATON_RETURN_IF_ERROR(stages_[s][r]->Forward(mb, in, acts[mb][s]));
     }
   }
   for (int mb = 0; mb < mbs; ++mb) {
     for (int s = pp_ - 1; s >= 0; --s) {
       const Tensor grad_out = s + 1 < pp_ ? grads[mb][s + 1] : Tensor();
+      if (s + 1 < pp_) BATON_RETURN_IF_ERROR(handoff(s + 1, s));
       BATON_RETURN_IF_ERROR(stages_[s][r]->BackwardInput(mb, grad_out, grads[mb][s]));
     }
   }
@@ -151,6 +170,7 @@ std::vector<float> InProcModel::Gather(const std::string& name, bool grad) const
     std::vector<float> full;
     for (int r = 0; r < tp_; ++r) {
       const Parameter* p = row[r]->parameters().Find(name);
+      if (!row[r]->stream().Synchronize().ok()) return {};
       if (full.empty()) full.resize(kernels::NumElements(p->spec.full_shape));
       const std::vector<float> local = ParameterStore::ToHost(grad ? p->grad : p->value);
       InsertShard(p->spec.shard, r, tp_, local.data(), full.data());

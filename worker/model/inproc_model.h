@@ -25,10 +25,12 @@ namespace baton::model {
 
 class InProcModel {
  public:
-  // `vocab_parallel`: see StageConfig::vocab_parallel.
-  static absl::StatusOr<std::unique_ptr<InProcModel>> Create(const GptConfig& model, int pp, int tp,
-                                                             uint64_t seed, int microbatches,
-                                                             bool vocab_parallel);
+  // `vocab_parallel`: see StageConfig::vocab_parallel. `device`: where every
+  // stage runs (StageConfig::device); stages hand activations and gradients
+  // to each other through events between their streams.
+  static absl::StatusOr<std::unique_ptr<InProcModel>> Create(
+      const GptConfig& model, int pp, int tp, uint64_t seed, int microbatches, bool vocab_parallel,
+      kernels::Device device = kernels::Device::Cpu());
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);
@@ -60,6 +62,9 @@ class InProcModel {
 
   int pp_ = 1, tp_ = 1;
   GptConfig model_;
+  kernels::Device device_;
+  // [pp][tp]: recorded on a stage's stream after it produced an output.
+  std::vector<std::vector<std::unique_ptr<kernels::Event>>> ready_;
   // [pp][tp] stages; tp_groups_[pp] the TP group of a stage; tie_groups_[tp]
   // the (first, last) stage pair of a TP rank.
   std::vector<std::vector<std::unique_ptr<GptStage>>> stages_;

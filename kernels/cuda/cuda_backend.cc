@@ -1,0 +1,698 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/column_reduce.cuh"
+#include "kernels/cuda/cross_entropy.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grad_norm.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/plan.h"
+
+namespace baton::cuda {
+namespace {
+
+using kernels::Device;
+using kernels::DType;
+using kernels::ExecContext;
+using kernels::Tensor;
+
+[[noreturn]] void Die(const char* op, const std::string& what) {
+  std::fprintf(stderr, "baton::kernels::%s (cuda): %s\n", op, what.c_str());
+  std::abort();
+}
+
+// ------------------------------------------------------------ stream state
+
+struct StreamState {
+  int device = 0;
+  std::unique_ptr<CublasLtGemm> gemm;  // created at the first GEMM
+  void* workspace = nullptr;
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  // The first failure of an op on this stream. Ops enqueue from one thread,
+  // but Record / StreamWait on this stream may come from another.
+  absl::Mutex mu;
+  absl::Status error ABSL_GUARDED_BY(mu);
+};
+
+struct States {
+  absl::Mutex mu;
+  absl::flat_hash_map<cudaStream_t, std::unique_ptr<StreamState>> map ABSL_GUARDED_BY(mu);
+};
+
+States& GetStates() {
+  static States* states = new States();
+  return *states;
+}
+
+StreamState* FindState(cudaStream_t stream) {
+  States& s = GetStates();
+  absl::MutexLock lock(&s.mu);
+  auto it = s.map.find(stream);
+  return it == s.map.end() ? nullptr : it->second.get();
+}
+
+// Makes `index` the calling thread's current device. Asks the runtime each
+// time (a thread-local read) rather than caching: NCCL and other code set it too.
+absl::Status UseDevice(int index) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == index) return absl::OkStatus();
+  BATON_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  return absl::OkStatus();
+}
+
+// The state of ctx's stream, with its device current. Aborts for a context
+// without a CUDA stream (a wiring error).
+StreamState& Enter(const ExecContext& ctx, const char* op) {
+  if (ctx.stream == nullptr || ctx.stream->native() == nullptr) {
+    Die(op, "the execution context has no CUDA stream");
+  }
+  StreamState* state = FindState(static_cast<cudaStream_t>(ctx.stream->native()));
+  if (state == nullptr) Die(op, "the stream was not created by the CUDA backend");
+  absl::Status s = UseDevice(state->device);
+  if (!s.ok()) {
+    absl::MutexLock lock(&state->mu);
+    if (state->error.ok()) state->error = s;
+  }
+  return *state;
+}
+
+cudaStream_t Native(const ExecContext& ctx) {
+  return static_cast<cudaStream_t>(ctx.stream->native());
+}
+
+// Keeps the first error of the stream, with the op's name.
+void Note(StreamState& state, const char* op, const absl::Status& s) {
+  if (s.ok()) return;
+  absl::MutexLock lock(&state.mu);
+  if (!state.error.ok()) return;
+  state.error = absl::Status(s.code(), absl::StrCat(op, " on cuda:", state.device, ": ", s.message()));
+}
+void Note(StreamState& state, const char* op, cudaError_t err) {
+  if (err != cudaSuccess) Note(state, op, CudaStatus(err, op, __FILE__, __LINE__));
+}
+
+// The stream's scratch, grown to at least `bytes`. Growing frees the old
+// buffer first: cudaFree waits for the device, so work still using it is done.
+absl::StatusOr<void*> Scratch(StreamState& state, size_t bytes) {
+  if (bytes <= state.scratch_bytes) return state.scratch;
+  const Device device = Device::Cuda(state.device);
+  kernels::FreeDevice(device, state.scratch, state.scratch_bytes);
+  state.scratch = nullptr;
+  state.scratch_bytes = 0;
+  const size_t rounded = (bytes + (size_t{1} << 20) - 1) & ~((size_t{1} << 20) - 1);
+  absl::StatusOr<void*> p = kernels::AllocateDevice(device, rounded);
+  if (!p.ok()) return p.status();
+  state.scratch = *p;
+  state.scratch_bytes = rounded;
+  return *p;
+}
+
+absl::StatusOr<CublasLtGemm*> Gemm(StreamState& state) {
+  if (state.gemm != nullptr) return state.gemm.get();
+  absl::StatusOr<void*> ws = kernels::AllocateDevice(Device::Cuda(state.device), kLtWorkspaceBytes);
+  if (!ws.ok()) return ws.status();
+  state.workspace = *ws;
+  absl::StatusOr<std::unique_ptr<CublasLtGemm>> g =
+      CublasLtGemm::CreateWithWorkspace(state.workspace, kLtWorkspaceBytes);
+  if (!g.ok()) return g.status();
+  state.gemm = std::move(*g);
+  return state.gemm.get();
+}
+
+// ------------------------------------------------- device, memory, streams
+
+absl::Status Probe(int index) {
+  int count = 0;
+  absl::Status s = CudaDeviceCount(&count);
+  if (!s.ok()) return s;
+  if (index < 0 || index >= count) {
+    return absl::UnavailableError(
+        absl::StrCat("cuda:", index, " does not exist: ", count, " CUDA device(s) visible"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> Allocate(int index, size_t bytes) {
+  absl::Status s = UseDevice(index);
+  if (!s.ok()) return s;
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:",
+                                                     index, ": out of device memory"));
+  }
+  if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc", __FILE__, __LINE__);
+  return p;
+}
+
+void Free(int index, void* p) {
+  if (p == nullptr) return;
+  if (UseDevice(index).ok()) cudaFree(p);
+}
+
+absl::StatusOr<void*> CreateStream(int index) {
+  absl::Status s = Probe(index);
+  if (!s.ok()) return s;
+  s = UseDevice(index);
+  if (!s.ok()) return s;
+  cudaStream_t stream = nullptr;
+  BATON_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto state = std::make_unique<StreamState>();
+  state->device = index;
+  States& states = GetStates();
+  absl::MutexLock lock(&states.mu);
+  states.map[stream] = std::move(state);
+  return static_cast<void*>(stream);
+}
+
+void DestroyStream(int index, void* native) {
+  cudaStream_t stream = static_cast<cudaStream_t>(native);
+  std::unique_ptr<StreamState> state;
+  {
+    States& states = GetStates();
+    absl::MutexLock lock(&states.mu);
+    auto it = states.map.find(stream);
+    if (it != states.map.end()) {
+      state = std::move(it->second);
+      states.map.erase(it);
+    }
+  }
+  if (!UseDevice(index).ok()) return;
+  cudaStreamSynchronize(stream);  // the buffers below may still be in use
+  if (state != nullptr) {
+    state->gemm.reset();
+    const Device device = Device::Cuda(index);
+    kernels::FreeDevice(device, state->workspace, kLtWorkspaceBytes);
+    kernels::FreeDevice(device, state->scratch, state->scratch_bytes);
+  }
+  cudaStreamDestroy(stream);
+}
+
+absl::Status StickyError(cudaStream_t stream) {
+  StreamState* state = FindState(stream);
+  if (state == nullptr) return absl::OkStatus();
+  absl::MutexLock lock(&state->mu);
+  return state->error;
+}
+
+absl::Status SynchronizeStream(void* native) {
+  cudaStream_t stream = static_cast<cudaStream_t>(native);
+  absl::Status sticky = StickyError(stream);
+  if (!sticky.ok()) return sticky;
+  BATON_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CreateEvent(int index) {
+  absl::Status s = UseDevice(index);
+  if (!s.ok()) return s;
+  cudaEvent_t event = nullptr;
+  BATON_CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));  // with timing
+  return static_cast<void*>(event);
+}
+
+void DestroyEvent(int, void* event) { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+absl::Status RecordEvent(void* event, void* native) {
+  cudaStream_t stream = static_cast<cudaStream_t>(native);
+  absl::Status sticky = StickyError(stream);
+  if (!sticky.ok()) return sticky;
+  BATON_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), stream));
+  return absl::OkStatus();
+}
+
+absl::Status StreamWaitEvent(void* native, void* event) {
+  cudaStream_t stream = static_cast<cudaStream_t>(native);
+  absl::Status sticky = StickyError(stream);
+  if (!sticky.ok()) return sticky;
+  BATON_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event), 0));
+  return absl::OkStatus();
+}
+
+absl::Status SynchronizeEvent(void* event) {
+  BATON_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> EventSeconds(void* start, void* end) {
+  float ms = 0;
+  BATON_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
+                                                  static_cast<cudaEvent_t>(end)));
+  return static_cast<double>(ms) / 1000.0;
+}
+
+// ------------------------------------------------------------ data movement
+
+void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  StreamState& st = Enter(ctx, "Copy");
+  Note(st, "Copy",
+       cudaMemcpyAsync(dst.address(), src.address(), src.bytes(), cudaMemcpyDefault, Native(ctx)));
+}
+
+void FillZero(const ExecContext& ctx, const Tensor& dst) {
+  StreamState& st = Enter(ctx, "FillZero");
+  Note(st, "FillZero", cudaMemsetAsync(dst.address(), 0, dst.bytes(), Native(ctx)));
+}
+
+void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  StreamState& st = Enter(ctx, "Cast");
+  const int64_t n = src.numel();
+  if (dst.dtype() == src.dtype()) {
+    Note(st, "Cast", cudaMemcpyAsync(dst.address(), src.address(), src.bytes(),
+                                     cudaMemcpyDeviceToDevice, Native(ctx)));
+  } else if (src.dtype() == DType::kFloat32 && dst.dtype() == DType::kBFloat16) {
+    Note(st, "Cast", LaunchCastF32ToBf16(dst.data<__nv_bfloat16>(), src.data<float>(), n,
+                                         Native(ctx)));
+  } else if (src.dtype() == DType::kBFloat16 && dst.dtype() == DType::kFloat32) {
+    Note(st, "Cast", LaunchCastBf16ToF32(dst.data<float>(), src.data<__nv_bfloat16>(), n,
+                                         Native(ctx)));
+  } else {
+    Die("Cast", "only float32 <-> bfloat16");
+  }
+}
+
+// ------------------------------------------------------------------ kernels
+
+void RequireF32(const char* op, std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors) {
+    if (t->defined() && t->dtype() != DType::kFloat32) {
+      Die(op, "has a float32 kernel only on CUDA; a tensor of another dtype was given");
+    }
+  }
+}
+
+GemmDType GemmType(const char* op, const Tensor& t) {
+  if (t.dtype() == DType::kFloat32) return GemmDType::kF32;
+  if (t.dtype() == DType::kBFloat16) return GemmDType::kBF16;
+  Die(op, "GEMM operands must be float32 or bfloat16");
+}
+
+void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+               int64_t vocab_begin, const Tensor& wpe) {
+  StreamState& st = Enter(ctx, "Embedding");
+  RequireF32("Embedding", {&out, &wte, &wpe});
+  Note(st, "Embedding",
+       LaunchEmbeddingForward(out.data<float>(), tokens.data<int32_t>(), wte.data<float>(),
+                              vocab_begin, wte.dim(0), wpe.defined() ? wpe.data<float>() : nullptr,
+                              tokens.dim(0), tokens.dim(1), wte.dim(1), Native(ctx)));
+}
+
+void EmbeddingBackward(const ExecContext& ctx, const Tensor& dwte, int64_t vocab_begin,
+                       const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {
+  StreamState& st = Enter(ctx, "EmbeddingBackward");
+  RequireF32("EmbeddingBackward", {&dwte, &dwpe, &dout});
+  const int64_t b = tokens.dim(0), t = tokens.dim(1), c = dout.numel() / (b * t);
+  absl::StatusOr<size_t> bytes = EmbeddingBackwardScratchBytes(b * t);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "EmbeddingBackward", scratch.status());
+  Note(st, "EmbeddingBackward",
+       LaunchEmbeddingBackward(dwte.defined() ? dwte.data<float>() : nullptr, vocab_begin,
+                               dwte.defined() ? dwte.dim(0) : 0,
+                               dwpe.defined() ? dwpe.data<float>() : nullptr, dout.data<float>(),
+                               tokens.data<int32_t>(), b, t, c, static_cast<int32_t*>(*scratch),
+                               Native(ctx)));
+}
+
+void LayerNorm(const ExecContext& ctx, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+               const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  StreamState& st = Enter(ctx, "LayerNorm");
+  RequireF32("LayerNorm", {&mean, &rstd, &x, &weight, &bias});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  cudaError_t err;
+  if (out.dtype() == DType::kBFloat16) {
+    err = LaunchLayerNormForward(out.data<__nv_bfloat16>(), mean.data<float>(), rstd.data<float>(),
+                                 x.data<float>(), weight.data<float>(), bias.data<float>(), n, c,
+                                 Native(ctx));
+  } else {
+    RequireF32("LayerNorm", {&out});
+    err = LaunchLayerNormForward(out.data<float>(), mean.data<float>(), rstd.data<float>(),
+                                 x.data<float>(), weight.data<float>(), bias.data<float>(), n, c,
+                                 Native(ctx));
+  }
+  Note(st, "LayerNorm", err);
+}
+
+void LayerNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias, const Tensor& dout, const Tensor& x,
+                       const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  StreamState& st = Enter(ctx, "LayerNormBackward");
+  RequireF32("LayerNormBackward", {&dx, &dweight, &dbias, &dout, &x, &weight, &mean, &rstd});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  absl::StatusOr<size_t> bytes = ColumnReduceScratchBytes(n, c, 2);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "LayerNormBackward", scratch.status());
+  Note(st, "LayerNormBackward",
+       LaunchLayerNormBackward(dx.data<float>(), dweight.data<float>(), dbias.data<float>(),
+                               dout.data<float>(), x.data<float>(), weight.data<float>(),
+                               mean.data<float>(), rstd.data<float>(), n, c,
+                               static_cast<float*>(*scratch), Native(ctx)));
+}
+
+void RunGemm(StreamState& st, const char* op, const GemmArgs& args, cudaStream_t stream) {
+  absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
+  if (!gemm.ok()) return Note(st, op, gemm.status());
+  Note(st, op, (*gemm)->Run(args, stream));
+}
+
+void Linear(const ExecContext& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+            const Tensor& bias) {
+  StreamState& st = Enter(ctx, "Linear");
+  if (x.dtype() != weight.dtype()) Die("Linear", "x and weight must have the same dtype");
+  const int64_t o = weight.dim(0), i = weight.dim(1), n = x.numel() / i;
+  GemmArgs g;
+  g.shape = LinearForwardGemm(n, i, o);
+  g.ab_type = GemmType("Linear", x);
+  g.c_type = GemmType("Linear", out);
+  g.a = x.address();
+  g.b = weight.address();
+  g.c = out.address();
+  if (bias.defined()) {
+    g.epilogue = GemmEpilogue::kBias;
+    g.bias = bias.address();
+    g.bias_type = GemmType("Linear", bias);
+  }
+  RunGemm(st, "Linear", g, Native(ctx));
+}
+
+void LinearBackwardInput(const ExecContext& ctx, const Tensor& dx, const Tensor& dout,
+                         const Tensor& weight, bool accumulate) {
+  StreamState& st = Enter(ctx, "LinearBackwardInput");
+  if (dout.dtype() != weight.dtype()) {
+    Die("LinearBackwardInput", "dout and weight must have the same dtype");
+  }
+  const int64_t o = weight.dim(0), i = weight.dim(1), n = dout.numel() / o;
+  GemmArgs g;
+  g.shape = LinearBackwardInputGemm(n, i, o);
+  g.ab_type = GemmType("LinearBackwardInput", dout);
+  g.c_type = GemmType("LinearBackwardInput", dx);
+  g.a = dout.address();
+  g.b = weight.address();
+  g.c = dx.address();
+  g.beta = accumulate ? 1.0f : 0.0f;
+  RunGemm(st, "LinearBackwardInput", g, Native(ctx));
+}
+
+void LinearBackwardWeight(const ExecContext& ctx, const Tensor& dweight, const Tensor& dout,
+                          const Tensor& x) {
+  StreamState& st = Enter(ctx, "LinearBackwardWeight");
+  if (dout.dtype() != x.dtype()) Die("LinearBackwardWeight", "dout and x must have the same dtype");
+  RequireF32("LinearBackwardWeight", {&dweight});
+  const int64_t o = dweight.dim(0), i = dweight.dim(1), n = x.numel() / i;
+  GemmArgs g;
+  g.shape = LinearBackwardWeightGemm(n, i, o);
+  g.ab_type = GemmType("LinearBackwardWeight", x);
+  g.c_type = GemmDType::kF32;
+  g.a = dout.address();
+  g.b = x.address();
+  g.c = dweight.address();
+  g.beta = 1.0f;
+  RunGemm(st, "LinearBackwardWeight", g, Native(ctx));
+}
+
+void AddBias(const ExecContext& ctx, const Tensor& out, const Tensor& bias) {
+  StreamState& st = Enter(ctx, "AddBias");
+  RequireF32("AddBias", {&out, &bias});
+  const int64_t o = bias.numel();
+  Note(st, "AddBias",
+       LaunchAddBias(out.data<float>(), bias.data<float>(), out.numel() / o, o, Native(ctx)));
+}
+
+void BiasBackward(const ExecContext& ctx, const Tensor& dbias, const Tensor& dout) {
+  StreamState& st = Enter(ctx, "BiasBackward");
+  RequireF32("BiasBackward", {&dbias, &dout});
+  const int64_t o = dbias.numel(), n = dout.numel() / o;
+  absl::StatusOr<size_t> bytes = ColumnReduceScratchBytes(n, o, 1);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "BiasBackward", scratch.status());
+  Note(st, "BiasBackward", LaunchColumnSum(dbias.data<float>(), dout.data<float>(), n, o,
+                                           static_cast<float*>(*scratch), Native(ctx)));
+}
+
+void Gelu(const ExecContext& ctx, const Tensor& out, const Tensor& x) {
+  StreamState& st = Enter(ctx, "Gelu");
+  RequireF32("Gelu", {&out, &x});
+  Note(st, "Gelu", LaunchGeluForward(out.data<float>(), x.data<float>(), x.numel(), Native(ctx)));
+}
+
+void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, const Tensor& dout) {
+  StreamState& st = Enter(ctx, "GeluBackward");
+  RequireF32("GeluBackward", {&dx, &x, &dout});
+  Note(st, "GeluBackward", LaunchGeluBackward(dx.data<float>(), x.data<float>(),
+                                              dout.data<float>(), x.numel(), Native(ctx)));
+}
+
+// The plan and dtype of an attention call; the heads are this rank's (a
+// tensor-parallel shard's qkv holds only its heads' columns).
+absl::StatusOr<AttentionPlan> PlanFor(const Tensor& qkv, int heads) {
+  absl::StatusOr<AttentionShard> shard =
+      ShardAttention(qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3, heads, 1);
+  if (!shard.ok()) return shard.status();
+  return PlanAttention(*shard);
+}
+
+void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
+               int heads) {
+  StreamState& st = Enter(ctx, "Attention");
+  const GemmDType dtype = GemmType("Attention", qkv);
+  if (out.dtype() != qkv.dtype() || att.dtype() != qkv.dtype()) {
+    Die("Attention", "out, att and qkv must have the same dtype");
+  }
+  absl::StatusOr<AttentionPlan> plan = PlanFor(qkv, heads);
+  if (!plan.ok()) return Note(st, "Attention", plan.status());
+  absl::StatusOr<size_t> bytes = AttentionScratchBytes(plan->shard, dtype);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "Attention", scratch.status());
+  absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
+  if (!gemm.ok()) return Note(st, "Attention", gemm.status());
+  Note(st, "Attention", AttentionForward(**gemm, *plan, dtype, out.address(), att.address(),
+                                         qkv.address(), *scratch, *bytes, Native(ctx)));
+}
+
+void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor&,
+                       const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads) {
+  StreamState& st = Enter(ctx, "AttentionBackward");
+  const GemmDType dtype = GemmType("AttentionBackward", qkv);
+  if (dqkv.dtype() != qkv.dtype() || dout.dtype() != qkv.dtype() || att.dtype() != qkv.dtype()) {
+    Die("AttentionBackward", "dqkv, dout, att and qkv must have the same dtype");
+  }
+  absl::StatusOr<AttentionPlan> plan = PlanFor(qkv, heads);
+  if (!plan.ok()) return Note(st, "AttentionBackward", plan.status());
+  // The stream scratch, sized for all heads of a batch row (the caller's
+  // T·T scratch would force one head per launch).
+  absl::StatusOr<size_t> bytes = AttentionScratchBytes(plan->shard, dtype);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "AttentionBackward", scratch.status());
+  absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
+  if (!gemm.ok()) return Note(st, "AttentionBackward", gemm.status());
+  Note(st, "AttentionBackward",
+       cuda::AttentionBackward(**gemm, *plan, dtype, dqkv.address(), *scratch, *bytes,
+                               dout.address(), qkv.address(), att.address(), Native(ctx)));
+}
+
+void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  StreamState& st = Enter(ctx, "Residual");
+  RequireF32("Residual", {&out, &a, &b});
+  Note(st, "Residual", LaunchResidualForward(out.data<float>(), a.data<float>(), b.data<float>(),
+                                             a.numel(), Native(ctx)));
+}
+
+void ResidualBackward(const ExecContext& ctx, const Tensor& da, const Tensor& db,
+                      const Tensor& dout) {
+  StreamState& st = Enter(ctx, "ResidualBackward");
+  RequireF32("ResidualBackward", {&da, &db, &dout});
+  Note(st, "ResidualBackward",
+       LaunchResidualBackward(da.defined() ? da.data<float>() : nullptr,
+                              db.defined() ? db.data<float>() : nullptr, dout.data<float>(),
+                              dout.numel(), Native(ctx)));
+}
+
+absl::StatusOr<double*> RowLosses(StreamState& st, int64_t rows) {
+  absl::StatusOr<size_t> bytes = RowLossScratchBytes(rows);
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<void*> p = Scratch(st, *bytes);
+  if (!p.ok()) return p.status();
+  return static_cast<double*>(*p);
+}
+
+void SoftmaxCrossEntropy(const ExecContext& ctx, const Tensor& logits_to_grad,
+                         const Tensor& targets, float grad_scale, const Tensor& loss_sum) {
+  StreamState& st = Enter(ctx, "SoftmaxCrossEntropy");
+  RequireF32("SoftmaxCrossEntropy", {&logits_to_grad});
+  const int64_t n = targets.numel();
+  absl::StatusOr<double*> rows = RowLosses(st, n);
+  if (!rows.ok()) return Note(st, "SoftmaxCrossEntropy", rows.status());
+  Note(st, "SoftmaxCrossEntropy",
+       LaunchSoftmaxCrossEntropy(logits_to_grad.data<float>(), targets.data<int32_t>(), n,
+                                 logits_to_grad.numel() / n, grad_scale, *rows,
+                                 loss_sum.data<double>(), Native(ctx)));
+}
+
+void ShardedCrossEntropyStats(const ExecContext& ctx, const Tensor& logits_to_exp,
+                              const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                              const Tensor& lse, const Tensor& target_logit) {
+  StreamState& st = Enter(ctx, "ShardedCrossEntropyStats");
+  RequireF32("ShardedCrossEntropyStats", {&logits_to_exp, &row_max, &lse, &target_logit});
+  const int64_t n = targets.numel();
+  Note(st, "ShardedCrossEntropyStats",
+       LaunchShardedCrossEntropyStats(logits_to_exp.data<float>(), targets.data<int32_t>(), n,
+                                      vocab_begin, logits_to_exp.numel() / n, row_max.data<float>(),
+                                      lse.data<float>(), target_logit.data<float>(), Native(ctx)));
+}
+
+void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad,
+                               const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                               const Tensor& lse_all, const Tensor& target_logit, float grad_scale,
+                               const Tensor& loss_sum) {
+  StreamState& st = Enter(ctx, "ShardedCrossEntropyFinish");
+  RequireF32("ShardedCrossEntropyFinish", {&exp_to_grad, &row_max, &lse_all, &target_logit});
+  const int64_t n = targets.numel();
+  absl::StatusOr<double*> rows = RowLosses(st, n);
+  if (!rows.ok()) return Note(st, "ShardedCrossEntropyFinish", rows.status());
+  Note(st, "ShardedCrossEntropyFinish",
+       LaunchShardedCrossEntropyFinish(exp_to_grad.data<float>(), targets.data<int32_t>(), n,
+                                       vocab_begin, exp_to_grad.numel() / n, row_max.data<float>(),
+                                       lse_all.data<float>(), lse_all.numel() / n,
+                                       target_logit.data<float>(), grad_scale, *rows,
+                                       loss_sum.data<double>(), Native(ctx)));
+}
+
+void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_begin,
+                 const Tensor& max, const Tensor& index) {
+  StreamState& st = Enter(ctx, "ShardArgmax");
+  RequireF32("ShardArgmax", {&logits, &max, &index});
+  const int64_t n = max.numel();
+  Note(st, "ShardArgmax", LaunchShardArgmax(logits.data<float>(), n, logits.numel() / n,
+                                            vocab_begin, max.data<float>(), index.data<float>(),
+                                            Native(ctx)));
+}
+
+void CountArgmaxHits(const ExecContext& ctx, const Tensor& max_all, const Tensor& index_all,
+                     const Tensor& targets, const Tensor& hits) {
+  StreamState& st = Enter(ctx, "CountArgmaxHits");
+  RequireF32("CountArgmaxHits", {&max_all, &index_all});
+  const int64_t n = targets.numel();
+  Note(st, "CountArgmaxHits",
+       LaunchCountArgmaxHits(max_all.data<float>(), index_all.data<float>(), max_all.numel() / n,
+                             targets.data<int32_t>(), n, hits.data<int64_t>(), Native(ctx)));
+}
+
+void AdamW(const ExecContext& ctx, const Tensor& param, const Tensor& grad, const Tensor& m,
+           const Tensor& v, const kernels::cpu::AdamWConfig& config, int64_t step,
+           float grad_scale, const Tensor& param_bf16) {
+  StreamState& st = Enter(ctx, "AdamW");
+  RequireF32("AdamW", {&param, &grad, &m, &v});
+  AdamWArgs args;
+  args.lr = config.lr;
+  args.beta1 = config.beta1;
+  args.beta2 = config.beta2;
+  args.eps = config.eps;
+  args.weight_decay = config.weight_decay;
+  args.step = step;
+  args.grad_scale = grad_scale;
+  Note(st, "AdamW",
+       LaunchAdamW(param.data<float>(),
+                   param_bf16.defined() ? param_bf16.data<__nv_bfloat16>() : nullptr,
+                   grad.data<float>(), m.data<float>(), v.data<float>(), param.numel(), args,
+                   Native(ctx)));
+}
+
+void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& out) {
+  StreamState& st = Enter(ctx, "SumOfSquares");
+  RequireF32("SumOfSquares", {&x});
+  absl::StatusOr<void*> partial = Scratch(st, NormScratchBytes());
+  if (!partial.ok()) return Note(st, "SumOfSquares", partial.status());
+  Note(st, "SumOfSquares", LaunchSumOfSquares(x.data<float>(), x.numel(),
+                                              static_cast<double*>(*partial), out.data<double>(),
+                                              /*accumulate=*/true, Native(ctx)));
+}
+
+void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
+  StreamState& st = Enter(ctx, "Scale");
+  RequireF32("Scale", {&x});
+  Note(st, "Scale", LaunchScale(x.data<float>(), x.numel(), factor, Native(ctx)));
+}
+
+const kernels::Backend kCuda = {
+    "cuda",
+    kernels::DeviceType::kCuda,
+    Probe,
+    Allocate,
+    Free,
+    CreateStream,
+    DestroyStream,
+    SynchronizeStream,
+    CreateEvent,
+    DestroyEvent,
+    RecordEvent,
+    StreamWaitEvent,
+    SynchronizeEvent,
+    EventSeconds,
+    Copy,
+    FillZero,
+    Cast,
+    Embedding,
+    EmbeddingBackward,
+    LayerNorm,
+    LayerNormBackward,
+    Linear,
+    LinearBackwardInput,
+    LinearBackwardWeight,
+    AddBias,
+    BiasBackward,
+    Gelu,
+    GeluBackward,
+    Attention,
+    AttentionBackward,
+    Residual,
+    ResidualBackward,
+    SoftmaxCrossEntropy,
+    ShardedCrossEntropyStats,
+    ShardedCrossEntropyFinish,
+    ShardArgmax,
+    CountArgmaxHits,
+    AdamW,
+    SumOfSquares,
+    Scale,
+};
+
+BATON_REGISTER_BACKEND(kCuda);
+
+}  // namespace
+
+const kernels::Backend& CudaBackend() { return kCuda; }
+
+absl::StatusOr<CudaStreamInfo> GetCudaStreamInfo(const kernels::Stream& stream) {
+  if (stream.device().type != kernels::DeviceType::kCuda) {
+    return absl::InvalidArgumentError("not a CUDA stream");
+  }
+  StreamState* state = FindState(static_cast<cudaStream_t>(stream.native()));
+  if (state == nullptr) return absl::NotFoundError("stream unknown to the CUDA backend");
+  CudaStreamInfo info;
+  if (state->gemm != nullptr) {
+    info.gemm_cache_hits = state->gemm->cache_hits();
+    info.gemm_cache_misses = state->gemm->cache_misses();
+  }
+  info.scratch_bytes = state->scratch_bytes;
+  return info;
+}
+
+}  // namespace baton::cuda

@@ -1,0 +1,616 @@
+// GPU test (tag `gpu`; fails without a GPU): every CUDA op against the CPU op
+// of kernels/cpu on the same inputs, and run twice for bitwise determinism.
+//
+// Error measure: max-norm relative, max|got − want| / max|want|, over the
+// whole output. Bounds:
+//   fp32                                      ≤ 1e-5 (issue 10)
+//   bitwise (same operations, same order)     embedding fwd/bwd, AdamW,
+//                                             residual, bias add, scale, casts
+//   bf16 GEMM (inputs rounded to bf16 on the host for the reference;
+//     bf16 output adds ≤ 2⁻⁹ relative)        ≤ 8e-3
+//   bf16 LayerNorm output                     ≤ 8e-3
+//   bf16 attention (P, dS rounded to bf16)    ≤ 3e-2
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gelu.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/grad_norm.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/residual.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/column_reduce.cuh"
+#include "kernels/cuda/cross_entropy.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grad_norm.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/plan.h"
+
+namespace baton::cuda {
+namespace {
+
+namespace cpu = ::baton::kernels::cpu;
+
+// A device buffer of T, freed on destruction.
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
+  }
+  explicit Dev(const std::vector<T>& host) : Dev(host.size()) { Upload(host); }
+  ~Dev() { cudaFree(p_); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  T* get() const { return p_; }
+  void Upload(const std::vector<T>& host) {
+    ASSERT_EQ(host.size(), n_);
+    ASSERT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> host(n_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+double MaxRelError(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    diff = std::max(diff, std::fabs(static_cast<double>(got[i]) - want[i]));
+    norm = std::max(norm, std::fabs(static_cast<double>(want[i])));
+  }
+  return norm == 0 ? diff : diff / norm;
+}
+
+bool Bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// bf16 helpers on the host.
+std::vector<__nv_bfloat16> ToBf16(const std::vector<float>& x) {
+  std::vector<__nv_bfloat16> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    __nv_bfloat16_raw raw;
+    raw.x = FloatToBf16Bits(x[i]);
+    y[i] = __nv_bfloat16(raw);
+  }
+  return y;
+}
+std::vector<float> FromBf16(const std::vector<__nv_bfloat16>& x) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    y[i] = Bf16BitsToFloat(static_cast<__nv_bfloat16_raw>(x[i]).x);
+  }
+  return y;
+}
+std::vector<float> RoundBf16(const std::vector<float>& x) { return FromBf16(ToBf16(x)); }
+
+class CudaOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    absl::Status s = CudaDeviceCount(&count);
+    ASSERT_TRUE(s.ok()) << "this test needs a GPU: " << s;
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    absl::StatusOr<std::unique_ptr<CublasLtGemm>> g = CublasLtGemm::Create();
+    ASSERT_TRUE(g.ok()) << g.status();
+    gemm_ = std::move(*g);
+    cpu::SetBlasThreads(1);
+  }
+  void TearDown() override {
+    gemm_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  void Sync() { ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess); }
+
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CublasLtGemm> gemm_;
+};
+
+// ------------------------------------------------------------------ embedding
+
+TEST_F(CudaOpsTest, EmbeddingForwardAndBackwardAreBitwiseTheCpusIncludingVocabShards) {
+  const int64_t B = 3, T = 17, C = 40, V = 50;
+  std::vector<int32_t> tokens(B * T);
+  std::mt19937 rng(3);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 12);  // many repeats
+  tokens[5] = V - 1;
+  const std::vector<float> wte = Random(V * C, 1), wpe = Random(T * C, 2);
+  const std::vector<float> dout = Random(B * T * C, 4);
+  Dev<int32_t> d_tok(tokens);
+  Dev<int32_t> scratch(2 * B * T);
+  // (vocab_begin, vocab_rows, with wpe): the whole table, and two shards.
+  const int64_t cases[3][3] = {{0, V, 1}, {0, 7, 1}, {7, V - 7, 0}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "vocab_begin=" << c[0] << " rows=" << c[1]);
+    const std::vector<float> shard(wte.begin() + c[0] * C, wte.begin() + (c[0] + c[1]) * C);
+    std::vector<float> want(B * T * C);
+    cpu::EmbeddingForward(want.data(), tokens.data(), shard.data(), c[0], c[1],
+                          c[2] ? wpe.data() : nullptr, B, T, C);
+    Dev<float> d_wte(shard), d_wpe(wpe), d_out(B * T * C);
+    ASSERT_EQ(LaunchEmbeddingForward(d_out.get(), d_tok.get(), d_wte.get(), c[0], c[1],
+                                     c[2] ? d_wpe.get() : nullptr, B, T, C, stream_),
+              cudaSuccess);
+    EXPECT_TRUE(Bitwise(d_out.Download(), want));
+
+    std::vector<float> dwte_want = Random(c[1] * C, 5), dwpe_want = Random(T * C, 6);
+    Dev<float> d_dwte(dwte_want), d_dwpe(dwpe_want), d_dout(dout);
+    cpu::EmbeddingBackward(dwte_want.data(), c[0], c[1], c[2] ? dwpe_want.data() : nullptr,
+                           dout.data(), tokens.data(), B, T, C);
+    ASSERT_EQ(LaunchEmbeddingBackward(d_dwte.get(), c[0], c[1], c[2] ? d_dwpe.get() : nullptr,
+                                      d_dout.get(), d_tok.get(), B, T, C, scratch.get(), stream_),
+              cudaSuccess);
+    EXPECT_TRUE(Bitwise(d_dwte.Download(), dwte_want));
+    EXPECT_TRUE(Bitwise(d_dwpe.Download(), dwpe_want));
+  }
+}
+
+// ------------------------------------------------------------------ layernorm
+
+TEST_F(CudaOpsTest, LayerNormForwardBackwardAndFusedResidualMatchTheCpu) {
+  const int64_t N = 300, C = 200;
+  const std::vector<float> a = Random(N * C, 10), b = Random(N * C, 11, 0.5f);
+  const std::vector<float> w = Random(C, 12), bias = Random(C, 13), dy = Random(N * C, 14);
+  std::vector<float> x(N * C);
+  cpu::ResidualForward(x.data(), a.data(), b.data(), N * C);
+  std::vector<float> out(N * C), mean(N), rstd(N);
+  cpu::LayerNormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(), N,
+                        C);
+  std::vector<float> dx = Random(N * C, 15), dw = Random(C, 16), db = Random(C, 17);
+  std::vector<float> dx0 = dx, dw0 = dw, db0 = db;
+  cpu::LayerNormBackward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(),
+                         mean.data(), rstd.data(), N, C);
+
+  Dev<float> d_a(a), d_b(b), d_x(x), d_w(w), d_bias(bias), d_out(N * C), d_mean(N), d_rstd(N);
+  Dev<float> d_res(N * C);
+  ASSERT_EQ(LaunchResidualLayerNormForward(d_res.get(), d_out.get(), d_mean.get(), d_rstd.get(),
+                                           d_a.get(), d_b.get(), d_w.get(), d_bias.get(), N, C,
+                                           stream_),
+            cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_res.Download(), x));
+  EXPECT_LE(MaxRelError(d_out.Download(), out), 1e-5);
+  EXPECT_LE(MaxRelError(d_mean.Download(), mean), 1e-5);
+  EXPECT_LE(MaxRelError(d_rstd.Download(), rstd), 1e-5);
+
+  Dev<__nv_bfloat16> d_out16(N * C);
+  ASSERT_EQ(LaunchLayerNormForward(d_out16.get(), d_mean.get(), d_rstd.get(), d_x.get(), d_w.get(),
+                                   d_bias.get(), N, C, stream_),
+            cudaSuccess);
+  EXPECT_LE(MaxRelError(FromBf16(d_out16.Download()), out), 8e-3);
+
+  absl::StatusOr<size_t> bytes = ColumnReduceScratchBytes(N, C, 2);
+  ASSERT_TRUE(bytes.ok());
+  Dev<float> scratch(*bytes / sizeof(float)), d_dy(dy), d_mean_c(mean), d_rstd_c(rstd);
+  std::vector<std::vector<float>> runs;
+  for (int run = 0; run < 2; ++run) {
+    // dweight and dbias adjacent (one finishing pass) on run 0, apart on run 1.
+    Dev<float> d_dx(dx0), d_dparams(2 * C + 8);
+    std::vector<float> params(2 * C + 8, 0.0f);
+    std::copy(dw0.begin(), dw0.end(), params.begin());
+    std::copy(db0.begin(), db0.end(), params.begin() + (run == 0 ? C : C + 8));
+    d_dparams.Upload(params);
+    float* d_dw = d_dparams.get();
+    float* d_db = d_dparams.get() + (run == 0 ? C : C + 8);
+    ASSERT_EQ(LaunchLayerNormBackward(d_dx.get(), d_dw, d_db, d_dy.get(), d_x.get(), d_w.get(),
+                                      d_mean_c.get(), d_rstd_c.get(), N, C, scratch.get(), stream_),
+              cudaSuccess);
+    const std::vector<float> got_dx = d_dx.Download();
+    const std::vector<float> got = d_dparams.Download();
+    const std::vector<float> got_dw(got.begin(), got.begin() + C);
+    const std::vector<float> got_db(got.begin() + (run == 0 ? C : C + 8),
+                                    got.begin() + (run == 0 ? 2 * C : 2 * C + 8));
+    EXPECT_LE(MaxRelError(got_dx, dx), 1e-5);
+    EXPECT_LE(MaxRelError(got_dw, dw), 1e-5);
+    EXPECT_LE(MaxRelError(got_db, db), 1e-5);
+    runs.push_back(got_dx);
+    runs.back().insert(runs.back().end(), got_dw.begin(), got_dw.end());
+  }
+  EXPECT_TRUE(Bitwise(runs[0], runs[1])) << "LayerNorm backward differs run to run";
+}
+
+// ---------------------------------------------------------------------- GEMMs
+
+GemmArgs Linear(const RowMajorGemm& shape, GemmDType ab, GemmDType c, const void* a, const void* b,
+                void* out, float beta = 0.0f) {
+  GemmArgs g;
+  g.shape = shape;
+  g.ab_type = ab;
+  g.c_type = c;
+  g.a = a;
+  g.b = b;
+  g.c = out;
+  g.beta = beta;
+  return g;
+}
+
+TEST_F(CudaOpsTest, Fp32LinearGemmsWithEpiloguesMatchTheCpuInTrueFp32) {
+  const int64_t N = 96, I = 72, O = 136;  // O a multiple of 8 (GELU aux ld)
+  const std::vector<float> x = Random(N * I, 20), w = Random(O * I, 21, 0.2f);
+  const std::vector<float> bias = Random(O, 22), dy = Random(N * O, 23);
+  Dev<float> d_x(x), d_w(w), d_bias(bias), d_dy(dy), d_out(N * O), d_aux(N * O);
+
+  std::vector<float> want(N * O);
+  cpu::MatmulForward(want.data(), x.data(), w.data(), bias.data(), N, I, O);
+  GemmArgs fwd = Linear(LinearForwardGemm(N, I, O), GemmDType::kF32, GemmDType::kF32, d_x.get(),
+                        d_w.get(), d_out.get());
+  fwd.epilogue = GemmEpilogue::kBias;
+  fwd.bias = d_bias.get();
+  ASSERT_TRUE(gemm_->Run(fwd, stream_).ok());
+  const std::vector<float> first = d_out.Download();
+  // TF32 would miss this by ~1e-3.
+  EXPECT_LE(MaxRelError(first, want), 1e-5);
+  const int64_t hits = gemm_->cache_hits();
+  ASSERT_TRUE(gemm_->Run(fwd, stream_).ok());
+  EXPECT_EQ(gemm_->cache_hits(), hits + 1) << "the second run of a shape reuses its algorithm";
+  EXPECT_TRUE(Bitwise(d_out.Download(), first));
+
+  std::vector<float> want_gelu(N * O);
+  cpu::GeluForward(want_gelu.data(), want.data(), N * O);
+  fwd.epilogue = GemmEpilogue::kGeluAuxBias;
+  fwd.aux = d_aux.get();
+  fwd.aux_ld = O;
+  ASSERT_TRUE(gemm_->Run(fwd, stream_).ok());
+  EXPECT_LE(MaxRelError(d_out.Download(), want_gelu), 1e-5);
+  EXPECT_LE(MaxRelError(d_aux.Download(), want), 1e-5);
+
+  // Backward input: dx[N,I] = dy·W.
+  std::vector<float> dx_want(N * I);
+  cpu::MatmulBackwardInput(dx_want.data(), dy.data(), w.data(), N, I, O, false);
+  Dev<float> d_dx(N * I);
+  ASSERT_TRUE(gemm_->Run(Linear(LinearBackwardInputGemm(N, I, O), GemmDType::kF32, GemmDType::kF32,
+                                d_dy.get(), d_w.get(), d_dx.get()),
+                         stream_)
+                  .ok());
+  EXPECT_LE(MaxRelError(d_dx.Download(), dx_want), 1e-5);
+
+  // DGELU: an MLP's fc2 input gradient times GELU'(h) with h [N, I'] saved.
+  const int64_t H = 64;  // fc2 in-features (a multiple of 8)
+  const std::vector<float> w2 = Random(O * H, 24, 0.2f), h = Random(N * H, 25);
+  std::vector<float> da(N * H), dh_want(N * H);
+  cpu::MatmulBackwardInput(da.data(), dy.data(), w2.data(), N, H, O, false);
+  cpu::GeluBackward(dh_want.data(), h.data(), da.data(), N * H);
+  Dev<float> d_w2(w2), d_h(h), d_dh(N * H);
+  GemmArgs dgelu = Linear(LinearBackwardInputGemm(N, H, O), GemmDType::kF32, GemmDType::kF32,
+                          d_dy.get(), d_w2.get(), d_dh.get());
+  dgelu.epilogue = GemmEpilogue::kDGelu;
+  dgelu.aux = d_h.get();
+  dgelu.aux_ld = H;
+  ASSERT_TRUE(gemm_->Run(dgelu, stream_).ok());
+  EXPECT_LE(MaxRelError(d_dh.Download(), dh_want), 1e-5);
+
+  // Weight gradient accumulates (β = 1); bias gradient by column sums.
+  std::vector<float> dw_want = Random(O * I, 26), db_want = Random(O, 27);
+  Dev<float> d_dw(dw_want), d_db(db_want);
+  cpu::MatmulBackwardWeight(dw_want.data(), dy.data(), x.data(), N, I, O);
+  cpu::BiasBackward(db_want.data(), dy.data(), N, O);
+  ASSERT_TRUE(gemm_->Run(Linear(LinearBackwardWeightGemm(N, I, O), GemmDType::kF32,
+                                GemmDType::kF32, d_dy.get(), d_x.get(), d_dw.get(), 1.0f),
+                         stream_)
+                  .ok());
+  Dev<float> partial(PlanColumnReduce(N, O).chunks * O);
+  ASSERT_EQ(LaunchColumnSum(d_db.get(), d_dy.get(), N, O, partial.get(), stream_), cudaSuccess);
+  EXPECT_LE(MaxRelError(d_dw.Download(), dw_want), 1e-5);
+  EXPECT_LE(MaxRelError(d_db.Download(), db_want), 1e-5);
+}
+
+TEST_F(CudaOpsTest, Bf16GemmsStayWithinTheirBoundsAndAccumulateWeightGradientsInFp32) {
+  const int64_t N = 128, I = 96, O = 160;
+  const std::vector<float> x = RoundBf16(Random(N * I, 30)), w = RoundBf16(Random(O * I, 31, 0.2f));
+  const std::vector<float> dy = RoundBf16(Random(N * O, 32));
+  Dev<__nv_bfloat16> d_x(ToBf16(x)), d_w(ToBf16(w)), d_dy(ToBf16(dy)), d_out(N * O);
+  std::vector<float> want(N * O);
+  cpu::MatmulForward(want.data(), x.data(), w.data(), nullptr, N, I, O);
+  ASSERT_TRUE(gemm_->Run(Linear(LinearForwardGemm(N, I, O), GemmDType::kBF16, GemmDType::kBF16,
+                                d_x.get(), d_w.get(), d_out.get()),
+                         stream_)
+                  .ok());
+  EXPECT_LE(MaxRelError(FromBf16(d_out.Download()), want), 8e-3);
+
+  std::vector<float> dw_want = Random(O * I, 33);
+  Dev<float> d_dw(dw_want);
+  cpu::MatmulBackwardWeight(dw_want.data(), dy.data(), x.data(), N, I, O);
+  ASSERT_TRUE(gemm_->Run(Linear(LinearBackwardWeightGemm(N, I, O), GemmDType::kBF16,
+                                GemmDType::kF32, d_dy.get(), d_x.get(), d_dw.get(), 1.0f),
+                         stream_)
+                  .ok());
+  // fp32 output of exact bf16 products, accumulated in fp32.
+  EXPECT_LE(MaxRelError(d_dw.Download(), dw_want), 1e-5);
+}
+
+TEST_F(CudaOpsTest, GemmRejectsBadArgumentsWithAClearError) {
+  Dev<float> d(64);
+  GemmArgs g = Linear(LinearForwardGemm(4, 4, 4), GemmDType::kF32, GemmDType::kF32, d.get(),
+                      d.get(), d.get());
+  g.epilogue = GemmEpilogue::kBias;  // no bias pointer
+  absl::Status s = gemm_->Run(g, stream_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+}
+
+// ------------------------------------------------------------------ attention
+
+void RunAttention(CublasLtGemm& gemm, cudaStream_t stream, int64_t B, int64_t T, int64_t C,
+                  int64_t heads, GemmDType dtype, double fwd_bound, double bwd_bound,
+                  std::vector<float>* bits, bool one_head_scratch = false) {
+  const std::vector<float> qkv = Random(B * T * 3 * C, 40), dout = Random(B * T * C, 41);
+  const bool bf16 = dtype == GemmDType::kBF16;
+  const std::vector<float> qkv_in = bf16 ? RoundBf16(qkv) : qkv;
+  const std::vector<float> dout_in = bf16 ? RoundBf16(dout) : dout;
+  std::vector<float> out(B * T * C), att(B * heads * T * T), dqkv(qkv.size()), scratch(T * T);
+  cpu::AttentionForward(out.data(), att.data(), qkv_in.data(), B, T, C, heads);
+  cpu::AttentionBackward(dqkv.data(), scratch.data(), dout_in.data(), qkv_in.data(), att.data(),
+                         B, T, C, heads);
+
+  absl::StatusOr<AttentionShard> shard = ShardAttention(B, T, C, heads, 1);
+  ASSERT_TRUE(shard.ok());
+  const AttentionPlan plan = PlanAttention(*shard);
+  absl::StatusOr<size_t> bytes = AttentionScratchBytes(*shard, dtype);
+  ASSERT_TRUE(bytes.ok());
+  if (one_head_scratch) *bytes /= static_cast<size_t>(heads);  // heads go one at a time
+  ASSERT_EQ(AttentionHeadsPerLaunch(*shard, dtype, true, *bytes), one_head_scratch ? 1 : heads);
+  Dev<char> d_scratch(*bytes);
+  std::vector<float> got_out, got_dqkv;
+  if (bf16) {
+    Dev<__nv_bfloat16> d_qkv(ToBf16(qkv_in)), d_dout(ToBf16(dout_in)), d_out(out.size()),
+        d_att(att.size()), d_dqkv(qkv.size());
+    ASSERT_TRUE(AttentionForward(gemm, plan, dtype, d_out.get(), d_att.get(), d_qkv.get(),
+                                 d_scratch.get(), *bytes, stream)
+                    .ok());
+    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), *bytes, d_dout.get(),
+                                  d_qkv.get(), d_att.get(), stream)
+                    .ok());
+    got_out = FromBf16(d_out.Download());
+    got_dqkv = FromBf16(d_dqkv.Download());
+  } else {
+    Dev<float> d_qkv(qkv_in), d_dout(dout_in), d_out(out.size()), d_att(att.size()),
+        d_dqkv(qkv.size());
+    ASSERT_TRUE(AttentionForward(gemm, plan, dtype, d_out.get(), d_att.get(), d_qkv.get(),
+                                 d_scratch.get(), *bytes, stream)
+                    .ok());
+    ASSERT_TRUE(AttentionBackward(gemm, plan, dtype, d_dqkv.get(), d_scratch.get(), *bytes, d_dout.get(),
+                                  d_qkv.get(), d_att.get(), stream)
+                    .ok());
+    got_out = d_out.Download();
+    got_dqkv = d_dqkv.Download();
+    EXPECT_LE(MaxRelError(d_att.Download(), att), fwd_bound);
+  }
+  EXPECT_LE(MaxRelError(got_out, out), fwd_bound);
+  EXPECT_LE(MaxRelError(got_dqkv, dqkv), bwd_bound);
+  *bits = got_out;
+  bits->insert(bits->end(), got_dqkv.begin(), got_dqkv.end());
+}
+
+TEST_F(CudaOpsTest, Fp32AttentionMatchesTheCpuAndRepeatsBitwise) {
+  std::vector<float> first, second;
+  RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &first);
+  RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &second);
+  EXPECT_TRUE(Bitwise(first, second));
+  std::vector<float> grouped;  // scratch for one head at a time: same bounds
+  RunAttention(*gemm_, stream_, 2, 80, 96, 4, GemmDType::kF32, 1e-5, 1e-5, &grouped, true);
+}
+
+TEST_F(CudaOpsTest, Bf16AttentionStaysWithinItsBound) {
+  std::vector<float> first, second;
+  RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &first);
+  RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &second);
+  EXPECT_TRUE(Bitwise(first, second));
+  std::vector<float> grouped;
+  RunAttention(*gemm_, stream_, 2, 64, 128, 2, GemmDType::kBF16, 3e-2, 3e-2, &grouped, true);
+}
+
+// -------------------------------------------------------------- cross-entropy
+
+TEST_F(CudaOpsTest, CrossEntropyWithIgnoredTargetsAndItsVocabParallelFormMatchTheCpu) {
+  const int64_t N = 37, V = 1003, shards = 2, Vs = 500;  // shard 1 holds 503 columns
+  const std::vector<float> logits = Random(N * V, 50, 3.0f);
+  std::vector<int32_t> targets(N);
+  std::mt19937 rng(51);
+  for (auto& t : targets) t = static_cast<int32_t>(rng() % V);
+  targets[3] = cpu::kIgnoreTarget;
+  targets[20] = cpu::kIgnoreTarget;
+  const float scale = 1.0f / 35;
+
+  std::vector<float> grad = logits;
+  const double loss = cpu::SoftmaxCrossEntropy(grad.data(), targets.data(), N, V, scale);
+  Dev<float> d_z(logits);
+  Dev<int32_t> d_t(targets);
+  Dev<double> d_rows(N), d_sum(std::vector<double>{0.5});  // the sum is added to 0.5
+  ASSERT_EQ(LaunchSoftmaxCrossEntropy(d_z.get(), d_t.get(), N, V, scale, d_rows.get(),
+                                      d_sum.get(), stream_),
+            cudaSuccess);
+  const std::vector<float> got_grad = d_z.Download();
+  EXPECT_LE(MaxRelError(got_grad, grad), 1e-5);
+  const double got_loss = d_sum.Download()[0] - 0.5;
+  EXPECT_NEAR(got_loss, loss, 1e-5 * std::fabs(loss));
+  EXPECT_EQ(d_rows.Download()[3], 0.0);
+  // Run to run: the same bits for the gradient and the loss.
+  d_z.Upload(logits);
+  d_sum.Upload({0.5});
+  ASSERT_EQ(LaunchSoftmaxCrossEntropy(d_z.get(), d_t.get(), N, V, scale, d_rows.get(),
+                                      d_sum.get(), stream_),
+            cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_z.Download(), got_grad));
+  EXPECT_EQ(d_sum.Download()[0] - 0.5, got_loss);
+
+  // Vocabulary-parallel: per shard stats, the host plays the all-gather and
+  // the all-reduce, then each shard finishes.
+  std::vector<float> lse_all(shards * N), tl_sum(N, 0.0f);
+  std::vector<std::vector<float>> row_max(shards), exps(shards);
+  std::vector<float> argmax_max(shards * N), argmax_idx(shards * N);
+  for (int64_t r = 0; r < shards; ++r) {
+    const int64_t begin = r * Vs, cols = r + 1 == shards ? V - begin : Vs;
+    std::vector<float> part(N * cols);
+    for (int64_t n = 0; n < N; ++n) {
+      std::copy(logits.begin() + n * V + begin, logits.begin() + n * V + begin + cols,
+                part.begin() + n * cols);
+    }
+    Dev<float> d_part(part), d_max(N), d_lse(N), d_tl(N), d_amax(N), d_aidx(N);
+    ASSERT_EQ(LaunchShardArgmax(d_part.get(), N, cols, begin, d_amax.get(), d_aidx.get(), stream_),
+              cudaSuccess);
+    std::vector<float> want_amax(N), want_aidx(N);
+    cpu::ShardArgmax(part.data(), N, cols, begin, want_amax.data(), want_aidx.data());
+    EXPECT_TRUE(Bitwise(d_amax.Download(), want_amax));
+    EXPECT_TRUE(Bitwise(d_aidx.Download(), want_aidx));
+    std::copy(want_amax.begin(), want_amax.end(), argmax_max.begin() + r * N);
+    std::copy(want_aidx.begin(), want_aidx.end(), argmax_idx.begin() + r * N);
+    ASSERT_EQ(LaunchShardedCrossEntropyStats(d_part.get(), d_t.get(), N, begin, cols, d_max.get(),
+                                             d_lse.get(), d_tl.get(), stream_),
+              cudaSuccess);
+    const std::vector<float> lse = d_lse.Download(), tl = d_tl.Download();
+    for (int64_t n = 0; n < N; ++n) {
+      lse_all[r * N + n] = lse[n];
+      tl_sum[n] += tl[n];
+    }
+    row_max[r] = d_max.Download();
+    exps[r] = d_part.Download();
+  }
+  double sharded_loss = 0;
+  for (int64_t r = 0; r < shards; ++r) {
+    const int64_t begin = r * Vs, cols = r + 1 == shards ? V - begin : Vs;
+    Dev<float> d_exp(exps[r]), d_max(row_max[r]), d_lse_all(lse_all), d_tl(tl_sum);
+    d_sum.Upload({0.0});
+    ASSERT_EQ(LaunchShardedCrossEntropyFinish(d_exp.get(), d_t.get(), N, begin, cols, d_max.get(),
+                                              d_lse_all.get(), shards, d_tl.get(), scale,
+                                              d_rows.get(), d_sum.get(), stream_),
+              cudaSuccess);
+    const std::vector<float> g = d_exp.Download();
+    std::vector<float> want(N * cols);
+    for (int64_t n = 0; n < N; ++n) {
+      std::copy(grad.begin() + n * V + begin, grad.begin() + n * V + begin + cols,
+                want.begin() + n * cols);
+    }
+    EXPECT_LE(MaxRelError(g, want), 1e-5) << "shard " << r;
+    sharded_loss = d_sum.Download()[0];
+  }
+  EXPECT_NEAR(sharded_loss, loss, 1e-5 * std::fabs(loss));
+
+  Dev<float> d_amax_all(argmax_max), d_aidx_all(argmax_idx);
+  Dev<int64_t> d_hits(std::vector<int64_t>{0});
+  ASSERT_EQ(LaunchCountArgmaxHits(d_amax_all.get(), d_aidx_all.get(), shards, d_t.get(), N,
+                                  d_hits.get(), stream_),
+            cudaSuccess);
+  EXPECT_EQ(d_hits.Download()[0], cpu::CountArgmaxHits(argmax_max.data(), argmax_idx.data(),
+                                                       shards, targets.data(), N));
+}
+
+// --------------------------------------------------------- optimizer, norms
+
+TEST_F(CudaOpsTest, AdamWIsBitwiseTheCpuOverStepsAndWritesTheBf16Copy) {
+  const int64_t n = 100003;
+  std::vector<float> p = Random(n, 60), m(n, 0.0f), v(n, 0.0f);
+  Dev<float> d_p(p), d_m(m), d_v(v);
+  Dev<__nv_bfloat16> d_p16(n);
+  cpu::AdamWConfig config;
+  config.lr = 3e-4f;
+  config.weight_decay = 0.1f;
+  for (int64_t step = 1; step <= 3; ++step) {
+    const std::vector<float> g = Random(n, 61 + step);
+    Dev<float> d_g(g);
+    cpu::AdamWUpdate(p.data(), g.data(), m.data(), v.data(), n, config, step, 0.7f);
+    AdamWArgs args;
+    args.lr = config.lr;
+    args.beta1 = config.beta1;
+    args.beta2 = config.beta2;
+    args.eps = config.eps;
+    args.weight_decay = config.weight_decay;
+    args.step = step;
+    args.grad_scale = 0.7f;
+    ASSERT_EQ(LaunchAdamW(d_p.get(), d_p16.get(), d_g.get(), d_m.get(), d_v.get(), n, args,
+                          stream_),
+              cudaSuccess);
+  }
+  EXPECT_TRUE(Bitwise(d_p.Download(), p));
+  EXPECT_TRUE(Bitwise(d_m.Download(), m));
+  EXPECT_TRUE(Bitwise(d_v.Download(), v));
+  EXPECT_TRUE(Bitwise(FromBf16(d_p16.Download()), RoundBf16(p)));
+}
+
+TEST_F(CudaOpsTest, SquaredNormIsTheCpusToDoubleRoundingAndFixedRunToRun) {
+  const std::vector<float> a = Random(1000003, 70), b = Random(777, 71);
+  const double want = cpu::SumOfSquares(a.data(), a.size()) + cpu::SumOfSquares(b.data(), b.size());
+  Dev<float> d_a(a), d_b(b);
+  Dev<double> partial(kNormBlocks), out(1);
+  std::vector<double> results;
+  for (int run = 0; run < 2; ++run) {
+    ASSERT_EQ(LaunchSumOfSquares(d_a.get(), a.size(), partial.get(), out.get(), false, stream_),
+              cudaSuccess);
+    ASSERT_EQ(LaunchSumOfSquares(d_b.get(), b.size(), partial.get(), out.get(), true, stream_),
+              cudaSuccess);
+    results.push_back(out.Download()[0]);
+  }
+  EXPECT_NEAR(results[0], want, 1e-12 * want);
+  EXPECT_EQ(std::memcmp(&results[0], &results[1], sizeof(double)), 0);
+}
+
+// -------------------------------------------------------------- elementwise
+
+TEST_F(CudaOpsTest, ElementwiseOpsAndCastsMatchTheCpu) {
+  const int64_t rows = 33, cols = 130, n = rows * cols;
+  const std::vector<float> x = Random(n, 80, 2.0f), y = Random(n, 81), bias = Random(cols, 82);
+  Dev<float> d_x(x), d_y(y), d_out(n), d_bias(bias);
+
+  std::vector<float> want(n);
+  cpu::GeluForward(want.data(), x.data(), n);
+  ASSERT_EQ(LaunchGeluForward(d_out.get(), d_x.get(), n, stream_), cudaSuccess);
+  EXPECT_LE(MaxRelError(d_out.Download(), want), 1e-5);
+  cpu::GeluBackward(want.data(), x.data(), y.data(), n);
+  ASSERT_EQ(LaunchGeluBackward(d_out.get(), d_x.get(), d_y.get(), n, stream_), cudaSuccess);
+  EXPECT_LE(MaxRelError(d_out.Download(), want), 1e-5);
+
+  cpu::ResidualForward(want.data(), x.data(), y.data(), n);
+  ASSERT_EQ(LaunchResidualForward(d_out.get(), d_x.get(), d_y.get(), n, stream_), cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_out.Download(), want));
+  std::vector<float> da = x, db = y;
+  cpu::ResidualBackward(da.data(), db.data(), want.data(), n);
+  ASSERT_EQ(LaunchResidualBackward(d_x.get(), d_y.get(), d_out.get(), n, stream_), cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_x.Download(), da));
+  EXPECT_TRUE(Bitwise(d_y.Download(), db));
+
+  cpu::AddBias(want.data(), bias.data(), rows, cols);
+  ASSERT_EQ(LaunchAddBias(d_out.get(), d_bias.get(), rows, cols, stream_), cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_out.Download(), want));
+  cpu::Scale(want.data(), n, 0.37f);
+  ASSERT_EQ(LaunchScale(d_out.get(), n, 0.37f, stream_), cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_out.Download(), want));
+
+  Dev<__nv_bfloat16> d_16(n);
+  ASSERT_EQ(LaunchCastF32ToBf16(d_16.get(), d_out.get(), n, stream_), cudaSuccess);
+  ASSERT_EQ(LaunchCastBf16ToF32(d_x.get(), d_16.get(), n, stream_), cudaSuccess);
+  EXPECT_TRUE(Bitwise(d_x.Download(), RoundBf16(want)));
+}
+
+}  // namespace
+}  // namespace baton::cuda

@@ -1,0 +1,37 @@
+// Device names and availability, for the worker daemon before any kernel runs.
+//
+//   ParseDevice("cpu" | "cuda:N")  -> Device
+//   ProbeCudaDevice(N)             OK when CUDA device N can be used now, or
+//                                  UNAVAILABLE naming the cause: the message of
+//                                  cudaGetDeviceCount (no driver, driver too
+//                                  old, no device), an ordinal past the visible
+//                                  devices, or a build without CUDA.
+//
+// The probe only asks the CUDA runtime; whether a kernel backend for CUDA is
+// linked is kernels::ProbeDevice's question (backend.h). A worker checks both
+// at Configure and fails that job, never the daemon.
+#ifndef BATON_KERNELS_DEVICE_H_
+#define BATON_KERNELS_DEVICE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/tensor.h"
+
+namespace baton::kernels {
+
+// "cpu", "cuda:N" or "sim:N" (N a non-negative ordinal; sim is the test-only
+// simulated device); INVALID_ARGUMENT otherwise.
+absl::StatusOr<Device> ParseDevice(absl::string_view name);
+
+absl::Status ProbeCudaDevice(int index);
+
+// ProbeCudaDevice for CUDA devices, then ProbeDevice (a backend is linked and
+// accepts the device); OK for the CPU.
+absl::Status CheckDeviceUsable(Device device);
+
+}  // namespace baton::kernels
+
+#endif  // BATON_KERNELS_DEVICE_H_

@@ -1,0 +1,403 @@
+#include "kernels/sim/sim_backend.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kernels/backend.h"
+
+namespace baton::kernels::sim {
+namespace {
+
+std::atomic<int64_t> op_delay_us{0};
+std::atomic<bool> lazy{true};
+std::atomic<int64_t> ops_run{0};
+thread_local bool on_stream_thread = false;
+
+// One stream: a thread running closures in order.
+class SimStream {
+ public:
+  explicit SimStream(int device) : device_(device), thread_([this] { Loop(); }) {}
+
+  ~SimStream() {
+    Drain();
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+  int device() const { return device_; }
+
+  // Returns the sequence number of the op (ops complete in that order).
+  int64_t Enqueue(std::function<void()> op) {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(op));
+    return ++enqueued_;
+  }
+
+  int64_t enqueued() {
+    absl::MutexLock lock(&mu_);
+    return enqueued_;
+  }
+
+  void WaitFor(int64_t seq) {
+    absl::MutexLock lock(&mu_);
+    release_ = std::max(release_, seq);
+    auto done = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ >= seq; };
+    mu_.Await(absl::Condition(&done));
+  }
+
+  void Drain() { WaitFor(enqueued()); }
+
+ private:
+  void Loop() {
+    on_stream_thread = true;
+    for (;;) {
+      std::function<void()> op;
+      {
+        absl::MutexLock lock(&mu_);
+        // Lazy: an op runs only once someone waits for it (or for a later
+        // op of this stream).
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || (!queue_.empty() && (done_ < release_ || !lazy_));
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;  // stopping
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const int64_t delay = op_delay_us.load(std::memory_order_relaxed);
+      if (delay > 0) absl::SleepFor(absl::Microseconds(delay));
+      op();
+      ops_run.fetch_add(1, std::memory_order_relaxed);
+      absl::MutexLock lock(&mu_);
+      ++done_;
+    }
+  }
+
+  const int device_;
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t done_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t release_ ABSL_GUARDED_BY(mu_) = 0;  // lazy mode: run ops up to this one
+  const bool lazy_ = lazy.load();
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+struct Streams {
+  absl::Mutex mu;
+  std::set<SimStream*> live ABSL_GUARDED_BY(mu);
+};
+
+Streams& LiveStreams() {
+  static Streams* streams = new Streams();
+  return *streams;
+}
+
+struct SimEvent {
+  SimStream* stream = nullptr;  // where it was last recorded
+  int64_t seq = 0;
+  std::shared_ptr<absl::Time> time = std::make_shared<absl::Time>();
+};
+
+[[noreturn]] void Die(const char* what) {
+  std::fprintf(stderr, "baton::kernels::sim: %s\n", what);
+  std::abort();
+}
+
+const Backend& Cpu() { return *FindBackend(DeviceType::kCpu); }
+
+SimStream* S(const ExecContext& ctx) {
+  if (ctx.stream == nullptr || ctx.stream->native() == nullptr) Die("op without a stream");
+  return static_cast<SimStream*>(ctx.stream->native());
+}
+
+// The same memory seen as host memory, for the CPU kernel on the stream
+// thread; non-owning, so an op never frees device memory.
+Tensor H(const Tensor& t) {
+  return t.defined() ? Tensor::View(t.address(), t.shape(), t.dtype(), Device::Cpu()) : Tensor();
+}
+
+const ExecContext& Host() { return ExecContext::Host(); }
+
+absl::Status Probe(int index) {
+  if (index < 0 || index > 7) return absl::UnavailableError("sim devices are sim:0 .. sim:7");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> Allocate(int, size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) return absl::ResourceExhaustedError("out of (simulated device) memory");
+  return p;
+}
+
+void Free(int device, void* p) {
+  // Memory may still be in use by queued work: let every stream of the
+  // device finish first (CUDA frees stream-ordered; this is the simple form).
+  if (!on_stream_thread) {
+    Streams& s = LiveStreams();
+    absl::MutexLock lock(&s.mu);
+    for (SimStream* st : s.live) {
+      if (st->device() == device) st->Drain();
+    }
+  }
+  std::free(p);
+}
+
+absl::StatusOr<void*> CreateStream(int index) {
+  auto* stream = new SimStream(index);
+  Streams& s = LiveStreams();
+  absl::MutexLock lock(&s.mu);
+  s.live.insert(stream);
+  return static_cast<void*>(stream);
+}
+
+void DestroyStream(int, void* p) {
+  auto* stream = static_cast<SimStream*>(p);
+  {
+    Streams& s = LiveStreams();
+    absl::MutexLock lock(&s.mu);
+    s.live.erase(stream);
+  }
+  delete stream;
+}
+
+absl::Status SynchronizeStream(void* p) {
+  static_cast<SimStream*>(p)->Drain();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CreateEvent(int) { return static_cast<void*>(new SimEvent()); }
+void DestroyEvent(int, void* e) { delete static_cast<SimEvent*>(e); }
+
+absl::Status RecordEvent(void* e, void* s) {
+  auto* event = static_cast<SimEvent*>(e);
+  auto* stream = static_cast<SimStream*>(s);
+  std::shared_ptr<absl::Time> time = event->time;
+  event->stream = stream;
+  event->seq = stream->Enqueue([time] { *time = absl::Now(); });
+  return absl::OkStatus();
+}
+
+absl::Status StreamWaitEvent(void* s, void* e) {
+  auto* event = static_cast<SimEvent*>(e);
+  if (event->stream == nullptr) return absl::OkStatus();  // never recorded: nothing to wait for
+  SimStream* producer = event->stream;
+  const int64_t seq = event->seq;
+  static_cast<SimStream*>(s)->Enqueue([producer, seq] { producer->WaitFor(seq); });
+  return absl::OkStatus();
+}
+
+absl::Status SynchronizeEvent(void* e) {
+  auto* event = static_cast<SimEvent*>(e);
+  if (event->stream != nullptr) event->stream->WaitFor(event->seq);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> EventSeconds(void* start, void* end) {
+  return absl::ToDoubleSeconds(*static_cast<SimEvent*>(end)->time -
+                               *static_cast<SimEvent*>(start)->time);
+}
+
+// Each entry enqueues the CPU kernel over host views of its tensors.
+#define SIM_ENQUEUE(body) S(ctx)->Enqueue([=] { body; })
+
+void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  Tensor d = H(dst), s = H(src);
+  SIM_ENQUEUE(Cpu().copy(Host(), d, s));
+}
+void FillZero(const ExecContext& ctx, const Tensor& dst) {
+  Tensor d = H(dst);
+  SIM_ENQUEUE(Cpu().fill_zero(Host(), d));
+}
+void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
+  Tensor d = H(dst), s = H(src);
+  SIM_ENQUEUE(Cpu().cast(Host(), d, s));
+}
+void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+               int64_t vocab_begin, const Tensor& wpe) {
+  Tensor a = H(out), b = H(tokens), c = H(wte), d = H(wpe);
+  SIM_ENQUEUE(Cpu().embedding(Host(), a, b, c, vocab_begin, d));
+}
+void EmbeddingBackward(const ExecContext& ctx, const Tensor& dwte, int64_t vocab_begin,
+                       const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {
+  Tensor a = H(dwte), b = H(dwpe), c = H(dout), d = H(tokens);
+  SIM_ENQUEUE(Cpu().embedding_backward(Host(), a, vocab_begin, b, c, d));
+}
+void LayerNorm(const ExecContext& ctx, const Tensor& out, const Tensor& mean, const Tensor& rstd,
+               const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  Tensor a = H(out), b = H(mean), c = H(rstd), d = H(x), e = H(weight), f = H(bias);
+  SIM_ENQUEUE(Cpu().layernorm(Host(), a, b, c, d, e, f));
+}
+void LayerNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                       const Tensor& dbias, const Tensor& dout, const Tensor& x,
+                       const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  Tensor a = H(dx), b = H(dweight), c = H(dbias), d = H(dout), e = H(x), f = H(weight), g = H(mean),
+         h = H(rstd);
+  SIM_ENQUEUE(Cpu().layernorm_backward(Host(), a, b, c, d, e, f, g, h));
+}
+void Linear(const ExecContext& ctx, const Tensor& out, const Tensor& x, const Tensor& weight,
+            const Tensor& bias) {
+  Tensor a = H(out), b = H(x), c = H(weight), d = H(bias);
+  SIM_ENQUEUE(Cpu().linear(Host(), a, b, c, d));
+}
+void LinearBackwardInput(const ExecContext& ctx, const Tensor& dx, const Tensor& dout,
+                         const Tensor& weight, bool accumulate) {
+  Tensor a = H(dx), b = H(dout), c = H(weight);
+  SIM_ENQUEUE(Cpu().linear_backward_input(Host(), a, b, c, accumulate));
+}
+void LinearBackwardWeight(const ExecContext& ctx, const Tensor& dweight, const Tensor& dout,
+                          const Tensor& x) {
+  Tensor a = H(dweight), b = H(dout), c = H(x);
+  SIM_ENQUEUE(Cpu().linear_backward_weight(Host(), a, b, c));
+}
+void AddBias(const ExecContext& ctx, const Tensor& out, const Tensor& bias) {
+  Tensor a = H(out), b = H(bias);
+  SIM_ENQUEUE(Cpu().add_bias(Host(), a, b));
+}
+void BiasBackward(const ExecContext& ctx, const Tensor& dbias, const Tensor& dout) {
+  Tensor a = H(dbias), b = H(dout);
+  SIM_ENQUEUE(Cpu().bias_backward(Host(), a, b));
+}
+void Gelu(const ExecContext& ctx, const Tensor& out, const Tensor& x) {
+  Tensor a = H(out), b = H(x);
+  SIM_ENQUEUE(Cpu().gelu(Host(), a, b));
+}
+void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, const Tensor& dout) {
+  Tensor a = H(dx), b = H(x), c = H(dout);
+  SIM_ENQUEUE(Cpu().gelu_backward(Host(), a, b, c));
+}
+void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
+               int heads) {
+  Tensor a = H(out), b = H(att), c = H(qkv);
+  SIM_ENQUEUE(Cpu().attention(Host(), a, b, c, heads));
+}
+void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& scratch,
+                       const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads) {
+  Tensor a = H(dqkv), b = H(scratch), c = H(dout), d = H(qkv), e = H(att);
+  SIM_ENQUEUE(Cpu().attention_backward(Host(), a, b, c, d, e, heads));
+}
+void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
+  Tensor x = H(out), y = H(a), z = H(b);
+  SIM_ENQUEUE(Cpu().residual(Host(), x, y, z));
+}
+void ResidualBackward(const ExecContext& ctx, const Tensor& da, const Tensor& db,
+                      const Tensor& dout) {
+  Tensor x = H(da), y = H(db), z = H(dout);
+  SIM_ENQUEUE(Cpu().residual_backward(Host(), x, y, z));
+}
+void SoftmaxCrossEntropy(const ExecContext& ctx, const Tensor& logits_to_grad,
+                         const Tensor& targets, float grad_scale, const Tensor& loss_sum) {
+  Tensor a = H(logits_to_grad), b = H(targets), c = H(loss_sum);
+  SIM_ENQUEUE(Cpu().softmax_cross_entropy(Host(), a, b, grad_scale, c));
+}
+void ShardedCrossEntropyStats(const ExecContext& ctx, const Tensor& logits_to_exp,
+                              const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                              const Tensor& lse, const Tensor& target_logit) {
+  Tensor a = H(logits_to_exp), b = H(targets), c = H(row_max), d = H(lse), e = H(target_logit);
+  SIM_ENQUEUE(Cpu().sharded_cross_entropy_stats(Host(), a, b, vocab_begin, c, d, e));
+}
+void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad,
+                               const Tensor& targets, int64_t vocab_begin, const Tensor& row_max,
+                               const Tensor& lse_all, const Tensor& target_logit, float grad_scale,
+                               const Tensor& loss_sum) {
+  Tensor a = H(exp_to_grad), b = H(targets), c = H(row_max), d = H(lse_all), e = H(target_logit),
+         f = H(loss_sum);
+  SIM_ENQUEUE(Cpu().sharded_cross_entropy_finish(Host(), a, b, vocab_begin, c, d, e, grad_scale, f));
+}
+void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_begin,
+                 const Tensor& max, const Tensor& index) {
+  Tensor a = H(logits), b = H(max), c = H(index);
+  SIM_ENQUEUE(Cpu().shard_argmax(Host(), a, vocab_begin, b, c));
+}
+void CountArgmaxHits(const ExecContext& ctx, const Tensor& max_all, const Tensor& index_all,
+                     const Tensor& targets, const Tensor& hits) {
+  Tensor a = H(max_all), b = H(index_all), c = H(targets), d = H(hits);
+  SIM_ENQUEUE(Cpu().count_argmax_hits(Host(), a, b, c, d));
+}
+void AdamW(const ExecContext& ctx, const Tensor& param, const Tensor& grad, const Tensor& m,
+           const Tensor& v, const cpu::AdamWConfig& config, int64_t step, float grad_scale,
+           const Tensor& param_bf16) {
+  Tensor a = H(param), b = H(grad), c = H(m), d = H(v), e = H(param_bf16);
+  SIM_ENQUEUE(Cpu().adamw(Host(), a, b, c, d, config, step, grad_scale, e));
+}
+void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& out) {
+  Tensor a = H(x), b = H(out);
+  SIM_ENQUEUE(Cpu().sum_of_squares(Host(), a, b));
+}
+void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
+  Tensor a = H(x);
+  SIM_ENQUEUE(Cpu().scale(Host(), a, factor));
+}
+
+#undef SIM_ENQUEUE
+
+const Backend kSim = {
+    "sim",
+    DeviceType::kSim,
+    Probe,
+    Allocate,
+    Free,
+    CreateStream,
+    DestroyStream,
+    SynchronizeStream,
+    CreateEvent,
+    DestroyEvent,
+    RecordEvent,
+    StreamWaitEvent,
+    SynchronizeEvent,
+    EventSeconds,
+    Copy,
+    FillZero,
+    Cast,
+    Embedding,
+    EmbeddingBackward,
+    LayerNorm,
+    LayerNormBackward,
+    Linear,
+    LinearBackwardInput,
+    LinearBackwardWeight,
+    AddBias,
+    BiasBackward,
+    Gelu,
+    GeluBackward,
+    Attention,
+    AttentionBackward,
+    Residual,
+    ResidualBackward,
+    SoftmaxCrossEntropy,
+    ShardedCrossEntropyStats,
+    ShardedCrossEntropyFinish,
+    ShardArgmax,
+    CountArgmaxHits,
+    AdamW,
+    SumOfSquares,
+    Scale,
+};
+
+BATON_REGISTER_BACKEND(kSim);
+
+}  // namespace
+
+void SetSimLazy(bool on) { lazy.store(on); }
+
+void SetSimOpDelay(absl::Duration delay) {
+  op_delay_us.store(absl::ToInt64Microseconds(delay), std::memory_order_relaxed);
+}
+
+int64_t SimOpsRun() { return ops_run.load(std::memory_order_relaxed); }
+
+}  // namespace baton::kernels::sim

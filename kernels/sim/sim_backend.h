@@ -1,0 +1,35 @@
+// The simulated device (test-only): DeviceType::kSim, registered when
+// //kernels/sim:sim_backend is linked (alwayslink).
+//
+// Memory is host memory tagged as device memory, so Tensor's host accessors
+// (f32(), i32(), raw()) abort on it: any host access the model or executor
+// forgot to route through kernels::Copy shows up as a crash naming the tensor.
+// Each stream is a thread running its queue in order, asynchronously to the
+// host. By default streams are lazy: an op runs only once something waits for
+// it (Stream::Synchronize, Event::Synchronize, a StreamWait of another stream
+// that is itself waited for, freeing memory), so a host read or another
+// stream's op that skipped its wait deterministically sees stale data, and
+// the test comparing against the CPU's bits fails. Events are real: Record marks a point
+// in a stream's queue, StreamWait makes another stream's later work wait for
+// it, Synchronize blocks the host. Kernels are the CPU backend's, run on the
+// stream thread over host views of the same memory, so results are the CPU's
+// bits. Freeing memory waits for every stream of the device to drain.
+#ifndef BATON_KERNELS_SIM_SIM_BACKEND_H_
+#define BATON_KERNELS_SIM_SIM_BACKEND_H_
+
+#include <cstdint>
+
+#include "absl/time/time.h"
+
+namespace baton::kernels::sim {
+
+// Lazy (default) or eager streams; applies to streams created afterwards.
+void SetSimLazy(bool on);
+// Sleep before every op on every simulated stream (default 0).
+void SetSimOpDelay(absl::Duration delay);
+// Ops run on simulated streams so far (for tests that want to see work move).
+int64_t SimOpsRun();
+
+}  // namespace baton::kernels::sim
+
+#endif  // BATON_KERNELS_SIM_SIM_BACKEND_H_

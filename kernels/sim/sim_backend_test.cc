@@ -1,0 +1,151 @@
+// The simulated device: CPU bits, real stream/event ordering, and the two
+// mistakes it exists to catch — a host access to device memory (abort) and a
+// missing wait (stale data, deterministically, because streams are lazy).
+#include "kernels/sim/sim_backend.h"
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/arena.h"
+#include "kernels/backend.h"
+#include "kernels/ops.h"
+
+namespace baton::kernels {
+namespace {
+
+const Device kSim = Device::Sim(0);
+
+Tensor Random(Shape shape, uint32_t seed) {
+  Tensor t = Tensor::Zeros(std::move(shape));
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist;
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = dist(gen);
+  return t;
+}
+
+Tensor OnSim(const ExecContext& ctx, const Tensor& host) {
+  Tensor d = *ZerosOn(kSim, host.shape(), host.dtype());
+  Copy(ctx, d, host);
+  return d;
+}
+
+std::vector<float> ToHost(const ExecContext& ctx, const Tensor& d) {
+  std::vector<float> out(d.numel());
+  Copy(ctx, Tensor::View(out.data(), {d.numel()}), d);
+  EXPECT_TRUE(ctx.stream->Synchronize().ok());
+  return out;
+}
+
+std::vector<float> Values(const Tensor& host) {
+  return std::vector<float>(host.f32(), host.f32() + host.numel());
+}
+
+TEST(SimBackendTest, OpsGiveTheCpuBits) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  const int64_t n = 6, in = 8, out = 5;
+  Tensor x = Random({n, in}, 1), w = Random({out, in}, 2), b = Random({out}, 3);
+  Tensor y = Tensor::Zeros({n, out}), ln = Tensor::Zeros({n, out});
+  Tensor mean = Tensor::Zeros({n}), rstd = Tensor::Zeros({n}), lw = Random({out}, 4),
+         lb = Random({out}, 5);
+  Linear(y, x, w, b);
+  LayerNorm(ln, mean, rstd, y, lw, lb);
+  const double cpu_sq = SumOfSquares(ln);
+
+  Tensor dx = OnSim(ctx, x), dw = OnSim(ctx, w), db = OnSim(ctx, b), dlw = OnSim(ctx, lw),
+         dlb = OnSim(ctx, lb);
+  Tensor dy = *ZerosOn(kSim, {n, out}), dln = *ZerosOn(kSim, {n, out});
+  Tensor dmean = *ZerosOn(kSim, {n}), drstd = *ZerosOn(kSim, {n});
+  Tensor sq = *ZerosOn(kSim, {1}, DType::kFloat64);
+  Linear(ctx, dy, dx, dw, db);
+  LayerNorm(ctx, dln, dmean, drstd, dy, dlw, dlb);
+  SumOfSquares(ctx, dln, sq);
+  double sim_sq = 0;
+  Copy(ctx, Tensor::View(&sim_sq, {1}, DType::kFloat64), sq);
+  ASSERT_TRUE(stream->Synchronize().ok());
+  EXPECT_EQ(ToHost(ctx, dln), Values(ln));
+  EXPECT_EQ(ToHost(ctx, dy), Values(y));
+  EXPECT_EQ(sim_sq, cpu_sq);
+}
+
+TEST(SimBackendDeathTest, HostAccessToDeviceMemoryAborts) {
+  Tensor d = *ZerosOn(kSim, {4});
+  EXPECT_DEATH(d.f32(), "host access to a tensor on sim:0 \\[4\\]");
+  EXPECT_DEATH(d.raw(), "host access");
+  Arena arena(kSim);
+  Tensor a = arena.Allocate({2, 3});
+  EXPECT_EQ(a.device(), kSim);
+  EXPECT_DEATH(a.f32()[0] = 1.0f, "host access to a tensor on sim:0 \\[2, 3\\]");
+}
+
+TEST(SimBackendTest, AReadWithoutWaitingSeesStaleDataAWaitedOneTheResult) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  std::vector<float> src = {1, 2, 3, 4}, dst(4, -1.0f);
+  Tensor d = *ZerosOn(kSim, {4});
+  Copy(ctx, d, Tensor::View(src.data(), {4}));
+  Copy(ctx, Tensor::View(dst.data(), {4}), d);
+  // Nothing waited: the copies have not run.
+  EXPECT_EQ(dst, std::vector<float>(4, -1.0f));
+  ASSERT_TRUE(stream->Synchronize().ok());
+  EXPECT_EQ(dst, src);
+}
+
+TEST(SimBackendTest, EventsOrderTwoStreams) {
+  auto producer = *Stream::Create(kSim);
+  auto consumer = *Stream::Create(kSim);
+  const ExecContext p = ExecContext::On(producer.get()), c = ExecContext::On(consumer.get());
+  std::vector<float> src = {5, 6, 7}, missed(3, -1.0f), ordered(3, -1.0f);
+  Tensor d = *ZerosOn(kSim, {3});
+  Copy(p, d, Tensor::View(src.data(), {3}));
+  auto ready = *Event::Create(kSim);
+  ASSERT_TRUE(ready->Record(*producer).ok());
+
+  // Without a wait the consumer reads d before the producer wrote it.
+  Copy(c, Tensor::View(missed.data(), {3}), d);
+  ASSERT_TRUE(consumer->Synchronize().ok());
+  EXPECT_EQ(missed, std::vector<float>(3, 0.0f));
+
+  // With the event the consumer's copy runs after the producer's.
+  ASSERT_TRUE(ready->StreamWait(*consumer).ok());
+  Copy(c, Tensor::View(ordered.data(), {3}), d);
+  ASSERT_TRUE(consumer->Synchronize().ok());
+  EXPECT_EQ(ordered, src);
+  ASSERT_TRUE(ready->Synchronize().ok());
+}
+
+TEST(SimBackendTest, DeviceArenaAllocatesOnceAcrossCycles) {
+  Arena arena(kSim);
+  const int64_t before = GetMemoryStats(kSim).system_allocations;
+  for (int step = 0; step < 5; ++step) {
+    arena.Allocate({1000});
+    arena.Allocate({300000});  // forces a second block in the first cycle
+    arena.Reset();
+  }
+  // Two blocks in the first cycle, one merged block after its Reset, none later.
+  EXPECT_EQ(GetMemoryStats(kSim).system_allocations - before, 3);
+  EXPECT_GT(GetMemoryStats(kSim).reserved_bytes, 0);
+}
+
+TEST(SimBackendTest, MemoryInUseAndReservedAreCounted) {
+  const MemoryStats start = GetMemoryStats(kSim);
+  {
+    Tensor t = *ZerosOn(kSim, {1000});
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
+    EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000);
+    Arena arena(kSim);
+    arena.Allocate({16});  // 64 bytes, in a 1 MiB block
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000 + 64);
+    EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000 + (1 << 20));
+    arena.Reset();
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
+    arena.Allocate({16});
+  }
+  EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes, start.in_use_bytes);
+  EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes, start.reserved_bytes);
+}
+
+}  // namespace
+}  // namespace baton::kernels

@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# The GPU check: every CUDA op against the CPU op, the CUDA backend through
+# the ops, the PyTorch goldens on the GPU (pp = tp = 1), the bf16 GEMM
+# ceiling and a GPT-2-small-shaped training step, on one GPU, in at most
+# 6 minutes. Each step has its own timeout; every step appends to
+# OUT/gpu_check.log and rewrites OUT/result.json, so a run cut short still
+# reports what it did. A step whose binary or feature is missing reports
+# "not available", never a number.
+#
+# It runs prebuilt binaries, not Bazel (the GPU machine has no Bazel and no
+# network). Two ways to bring them:
+#
+#   1. On the build machine:
+#        bazel build //kernels/cuda:all //bench:gpu_gemm_bench //bench:gpu_model_bench \
+#          //bench:gpu_golden_check //tests/golden:golden_check
+#        scripts/gpu_check.sh --collect gpu_check_bundle
+#      copies those binaries, every shared library they need that is not
+#      glibc or the CUDA/NCCL/cuDNN runtime, and the golden files into
+#      gpu_check_bundle/{bin,lib,data}; carry that directory to the GPU host
+#      (it runs with LD_LIBRARY_PATH=bundle/lib and CUDA from the host), then
+#        scripts/gpu_check.sh --bin gpu_check_bundle --out /tmp/gpu_check
+#   2. On a GPU host with the source tree and Bazel:
+#        scripts/gpu_check.sh --bin bazel-bin --out /tmp/gpu_check
+#
+# The release bundle (dist/baton-*.tar.gz, scripts/package.sh) carries the
+# three daemons/CLI only, not these test binaries, so it is not an input here.
+#
+# Exit status: 0 when every available step passed, 1 otherwise.
+set -uo pipefail
+
+BIN=""
+OUT="${TMPDIR:-/tmp}/baton_gpu_check"
+COLLECT=""
+BUDGET=360  # seconds for the whole check
+
+usage() {
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bin) BIN="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --collect) COLLECT="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    -h|--help) usage ;;
+    *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# Binaries by their bazel-bin path; collected bundles keep the same paths under bin/.
+BINARIES=(
+  kernels/cuda/cuda_ops_test
+  kernels/cuda/cuda_backend_test
+  tests/golden/golden_check
+  bench/gpu_golden_check
+  bench/gpu_gemm_bench
+  bench/gpu_model_bench
+)
+
+# ------------------------------------------------------------------ collect
+if [[ -n "$COLLECT" ]]; then
+  src="$ROOT/bazel-bin"
+  mkdir -p "$COLLECT/bin" "$COLLECT/lib" "$COLLECT/data"
+  for b in "${BINARIES[@]}"; do
+    if [[ ! -x "$src/$b" ]]; then
+      echo "gpu_check: $src/$b is not built; it will report 'not available'" >&2
+      continue
+    fi
+    mkdir -p "$COLLECT/bin/$(dirname "$b")"
+    cp -L "$src/$b" "$COLLECT/bin/$b"
+    # Shared libraries except glibc's and the CUDA/NCCL/cuDNN runtime, which
+    # the GPU host provides.
+    ldd "$src/$b" | awk '/=> \// {print $3}' | while read -r lib; do
+      case "$(basename "$lib")" in
+        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libresolv.so*) ;;
+        libcuda.so*|libcudart.so*|libcublas*|libnccl.so*|libcudnn*|libnvrtc*|libnvJitLink*) ;;
+        *) cp -Ln "$lib" "$COLLECT/lib/" 2>/dev/null ;;
+      esac
+    done
+  done
+  cp "$ROOT"/tests/golden/*.safetensors "$COLLECT/data/" 2>/dev/null
+  # A compressed copy too (about 25 MB; the directory itself is ~66 MB,
+  # mostly OpenBLAS): unpack with tar xzf on the GPU host.
+  tar czf "$COLLECT.tar.gz" -C "$(dirname "$COLLECT")" "$(basename "$COLLECT")"
+  du -sh "$COLLECT" "$COLLECT.tar.gz"
+  exit 0
+fi
+
+# ---------------------------------------------------------------------- run
+if [[ -z "$BIN" ]]; then
+  echo "gpu_check: --bin DIR is required (bazel-bin or a --collect bundle; see --help)" >&2
+  exit 2
+fi
+BIN="$(cd "$BIN" && pwd)"
+if [[ -d "$BIN/bin" ]]; then  # a collected bundle
+  DATA="$BIN/data"
+  export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  BIN="$BIN/bin"
+else
+  DATA="$ROOT/tests/golden"
+fi
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+RESULT="$OUT/result.json"
+START=$(date +%s)
+STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+NAMES=()
+STATUSES=()
+SECONDS_TAKEN=()
+METRICS=()  # "key": <json value> pairs
+FAILED=0
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" >>"$LOG"; }
+
+json_escape() { printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' | tr -d '\n\r\t'; }
+
+write_result() {
+  {
+    echo "{"
+    echo "  \"started\": \"$STARTED\","
+    echo "  \"elapsed_s\": $(( $(date +%s) - START )),"
+    echo "  \"host\": \"$(json_escape "$(hostname)")\","
+    echo "  \"steps\": ["
+    local i sep=""
+    for i in "${!NAMES[@]}"; do
+      printf '%s    {"name": "%s", "status": "%s", "seconds": %s}' "$sep" "${NAMES[$i]}" \
+        "$(json_escape "${STATUSES[$i]}")" "${SECONDS_TAKEN[$i]}"
+      sep=$',\n'
+    done
+    echo ""
+    echo "  ],"
+    echo "  \"metrics\": {"
+    sep=""
+    for i in "${!METRICS[@]}"; do
+      printf '%s    %s' "$sep" "${METRICS[$i]}"
+      sep=$',\n'
+    done
+    echo ""
+    echo "  }"
+    echo "}"
+  } >"$RESULT.tmp" && mv "$RESULT.tmp" "$RESULT"
+}
+
+record() {  # name status seconds
+  NAMES+=("$1"); STATUSES+=("$2"); SECONDS_TAKEN+=("$3")
+  log "$1: $2 (${3}s)"
+  write_result
+}
+
+# step NAME TIMEOUT BINARY ARGS...: runs BINARY (relative to BIN) with its own
+# timeout, output into OUT/NAME.out and the log.
+step() {
+  local name="$1" limit="$2" bin="$3"; shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [[ ! -x "$BIN/$bin" ]]; then
+    record "$name" "not available: $bin not built/collected" 0
+    return 1
+  fi
+  if (( left < 5 )); then
+    record "$name" "not run: the ${BUDGET}s budget is spent" 0
+    FAILED=1
+    return 1
+  fi
+  (( limit > left )) && limit=$left
+  log "$name: $bin $* (timeout ${limit}s)"
+  local t0=$(date +%s) rc
+  timeout --kill-after=5 "$limit" "$BIN/$bin" "$@" >"$OUT/$name.out" 2>&1
+  rc=$?
+  local took=$(( $(date +%s) - t0 ))
+  tail -n 40 "$OUT/$name.out" >>"$LOG"
+  if (( rc == 0 )); then
+    record "$name" "pass" "$took"
+  elif (( rc == 124 || rc == 137 )); then
+    record "$name" "timeout after ${limit}s" "$took"; FAILED=1
+  else
+    # Why, in a line: the failed gtest cases, else the output's last line.
+    local why
+    why=$(grep -m 4 '^\[  FAILED  \] [A-Za-z]' "$OUT/$name.out" | sed 's/^\[  FAILED  \] //' |
+          sed 's/ (.*//' | paste -sd, -)
+    [[ -z "$why" ]] && why=$(grep -v '^[[:space:]]*$' "$OUT/$name.out" | tail -n 1)
+    record "$name" "fail (exit $rc): ${why:0:300}" "$took"; FAILED=1
+  fi
+  return $rc
+}
+
+log "gpu_check started: bin=$BIN out=$OUT budget=${BUDGET}s"
+write_result
+
+# 0. The GPU itself.
+if command -v nvidia-smi >/dev/null; then
+  t0=$(date +%s)
+  if timeout 15 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+       --format=csv,noheader >"$OUT/gpu.out" 2>&1; then
+    record gpu "pass" $(( $(date +%s) - t0 ))
+    METRICS+=("\"gpu\": \"$(json_escape "$(head -n 1 "$OUT/gpu.out")")\"")
+  else
+    record gpu "fail: nvidia-smi: $(head -c 200 "$OUT/gpu.out")" $(( $(date +%s) - t0 )); FAILED=1
+  fi
+else
+  record gpu "not available: no nvidia-smi" 0
+fi
+
+# 1. Every CUDA op against the CPU op (fp32 <= 1e-5 relative, bf16 bounds in
+#    the test, bitwise run to run).
+step cuda_ops 70 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
+# 2. The CUDA backend through kernels/ops.h against the CPU backend.
+step cuda_backend 50 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
+
+# 3. The PyTorch goldens on the GPU: one stage (pp = tp = 1) with everything
+#    on cuda:0, fp32 loss and gradients within 1e-4. Multi-stage and TP layouts
+#    in one process need golden_check to take --device (run when it does).
+for golden in "$DATA"/gpt_a.safetensors "$DATA"/gpt_b.safetensors; do
+  step "golden_gpu_$(basename "$golden" .safetensors)" 20 bench/gpu_golden_check \
+    --golden="$golden" --device=cuda:0
+done
+if [[ -x "$BIN/tests/golden/golden_check" ]] &&
+   "$BIN/tests/golden/golden_check" --helpfull 2>&1 | grep -q -- '--device'; then
+  for layout in "--pp=2" "--tp=2" "--pp=3"; do
+    step "golden_gpu_a_${layout#--}" 20 tests/golden/golden_check \
+      --golden="$DATA/gpt_a.safetensors" --device=cuda:0 "$layout"
+  done
+else
+  record golden_gpu_layouts "not available: golden_check has no --device flag in this build" 0
+fi
+
+# 4. The bf16 GEMM ceiling and GPT-2-small layer GEMMs.
+if step gemm_bench 45 bench/gpu_gemm_bench; then
+  v=$(sed -n 's/.*"summary": "bf16_ceiling_tflops", "value": \([0-9.]*\).*/\1/p' "$OUT/gemm_bench.out")
+  [[ -n "$v" ]] && METRICS+=("\"bf16_gemm_ceiling_tflops\": $v")
+  METRICS+=("\"gemm_bench\": [$(grep '^{"gemm"' "$OUT/gemm_bench.out" | paste -sd, -)]")
+  write_result
+fi
+
+# 5. A GPT-2-small-shaped training step (fp32; bf16 once GptStage takes a precision).
+if step model_fp32 80 bench/gpu_model_bench --device=cuda:0; then
+  line=$(grep '^{"device"' "$OUT/model_fp32.out" | tail -n 1)
+  [[ -n "$line" ]] && METRICS+=("\"gpt2_small_fp32\": $line")
+  write_result
+fi
+if [[ -x "$BIN/bench/gpu_model_bench" ]] &&
+   "$BIN/bench/gpu_model_bench" --helpfull 2>&1 | grep -q -- '--precision'; then
+  if step model_bf16 60 bench/gpu_model_bench --device=cuda:0 --precision=bf16; then
+    line=$(grep '^{"device"' "$OUT/model_bf16.out" | tail -n 1)
+    [[ -n "$line" ]] && METRICS+=("\"gpt2_small_bf16\": $line")
+    write_result
+  fi
+else
+  record model_bf16 "not available: the model has no bf16 path yet (train.precision)" 0
+fi
+
+log "gpu_check finished in $(( $(date +%s) - START ))s, failed=$FAILED"
+write_result
+echo "gpu_check: $RESULT"
+cat "$RESULT"
+exit "$FAILED"
