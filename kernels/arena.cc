@@ -19,6 +19,10 @@ size_t RoundUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment
 
 }  // namespace
 
+Arena::~Arena() {
+  if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));
+}
+
 void Arena::AddBlock(size_t min_bytes) {
   const size_t size = RoundUp(std::max(min_bytes, kMinBlockBytes));
   Block block;
@@ -50,6 +54,7 @@ Tensor Arena::Allocate(Shape shape, DType dtype) {
   char* p = block.data.get() + block.offset;
   block.offset += bytes;
   used_ += bytes;
+  if (!device_.is_cpu()) CountInUse(device_, static_cast<int64_t>(bytes));
   return Tensor::View(p, std::move(shape), dtype, device_);
 }
 
@@ -67,6 +72,7 @@ void Arena::Reset() {
     AddBlock(total);
   }
   for (Block& block : blocks_) block.offset = 0;
+  if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));
   used_ = 0;
 }
 

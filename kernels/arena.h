@@ -22,6 +22,7 @@ class Arena {
  public:
   Arena() = default;
   explicit Arena(Device device) : device_(device) {}
+  ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 

@@ -185,6 +185,13 @@ void FreeDevice(Device device, void* p, size_t bytes) {
   book.stats[{device.type, device.index}].reserved_bytes -= static_cast<int64_t>(bytes);
 }
 
+void CountInUse(Device device, int64_t delta) {
+  if (delta == 0) return;
+  MemoryBook& book = Book();
+  absl::MutexLock lock(&book.mu);
+  book.stats[{device.type, device.index}].in_use_bytes += delta;
+}
+
 MemoryStats GetMemoryStats(Device device) {
   MemoryBook& book = Book();
   absl::MutexLock lock(&book.mu);
@@ -197,7 +204,11 @@ absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype) {
   const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
   absl::StatusOr<void*> p = AllocateDevice(device, bytes);
   if (!p.ok()) return p.status();
-  std::shared_ptr<void> storage(*p, [device, bytes](void* q) { FreeDevice(device, q, bytes); });
+  CountInUse(device, static_cast<int64_t>(bytes));
+  std::shared_ptr<void> storage(*p, [device, bytes](void* q) {
+    CountInUse(device, -static_cast<int64_t>(bytes));
+    FreeDevice(device, q, bytes);
+  });
   Tensor t = Tensor::Adopt(std::move(storage), std::move(shape), dtype, device);
   // Zero it on a stream of its own and wait, so the tensor is ready for any
   // stream (an initialisation, before steps run).

@@ -164,6 +164,9 @@ struct ExecContext {
 // Device memory counters (bytes), for metrics and tests.
 struct MemoryStats {
   int64_t reserved_bytes = 0;      // held from the system now
+  // Of those, in use by tensors: whole ZerosOn tensors and the allocated
+  // part of arenas (the rest of an arena's blocks is reserved, free).
+  int64_t in_use_bytes = 0;
   int64_t peak_reserved_bytes = 0;
   int64_t system_allocations = 0;  // calls to the backend's allocate, ever
 };
@@ -176,6 +179,9 @@ int64_t HostSyncCount();
 // aligned, uninitialised; counted in MemoryStats). Frees it with FreeDevice.
 absl::StatusOr<void*> AllocateDevice(Device device, size_t bytes);
 void FreeDevice(Device device, void* p, size_t bytes);
+// Moves `delta` bytes into (or, negative, out of) in_use_bytes; for
+// sub-allocators such as Arena.
+void CountInUse(Device device, int64_t delta);
 // An owning tensor on `device`, zero-filled (on the device's stream order:
 // the fill is complete when this returns).
 absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype = DType::kFloat32);

@@ -129,5 +129,23 @@ TEST(SimBackendTest, DeviceArenaAllocatesOnceAcrossCycles) {
   EXPECT_GT(GetMemoryStats(kSim).reserved_bytes, 0);
 }
 
+TEST(SimBackendTest, MemoryInUseAndReservedAreCounted) {
+  const MemoryStats start = GetMemoryStats(kSim);
+  {
+    Tensor t = *ZerosOn(kSim, {1000});
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
+    EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000);
+    Arena arena(kSim);
+    arena.Allocate({16});  // 64 bytes, in a 1 MiB block
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000 + 64);
+    EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000 + (1 << 20));
+    arena.Reset();
+    EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
+    arena.Allocate({16});
+  }
+  EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes, start.in_use_bytes);
+  EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes, start.reserved_bytes);
+}
+
 }  // namespace
 }  // namespace baton::kernels

@@ -161,7 +161,8 @@ absl::Status GptStage::PlaceOnDevice() {
   const kernels::Device device = config_.device;
   BATON_RETURN_IF_ERROR(params_.Place(device));
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
-  ctx_ = kernels::ExecContext::On(stream_.get());
+  scratch_ = std::make_unique<kernels::Arena>(device);
+  ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get());
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
   BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
   BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -584,6 +585,7 @@ StepScore GptStage::score() const {
 }
 
 void GptStage::ZeroGrad() {
+  scratch_->Reset();
   kernels::FillZero(ctx_, params_.grads());
   kernels::FillZero(ctx_, loss_acc_);
   kernels::FillZero(ctx_, hits_acc_);

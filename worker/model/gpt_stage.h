@@ -181,6 +181,9 @@ class GptStage {
   int64_t step_ = 0;
   StepScore score_;  // tokens only; loss and hits in the accumulators
   std::unique_ptr<kernels::Stream> stream_;
+  // Op temporaries (ExecContext::scratch), on config.device; reset at
+  // ZeroGrad, between steps.
+  std::unique_ptr<kernels::Arena> scratch_;
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
