@@ -112,6 +112,9 @@ class JobRunner : public JobObserver {
     // How long waiting holds on for the rest of the workers once some report
     // holding this job (a coordinator restart), before starting it over.
     absl::Duration adopt_grace = absl::Seconds(15);
+    // --resume: a checkpoint directory (or a checkpoint.dir root: its newest
+    // complete step-<n>), validated before any worker starts training.
+    std::string resume_dir;
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
     int max_kept_traces = 16;
   };
@@ -155,6 +158,14 @@ class JobRunner : public JobObserver {
     v1::Plan plan;
     int64_t resume_step = 0;
     std::map<std::string, std::string> state;  // worker -> ShardState bytes (replacements)
+    std::string checkpoint_dir;                 // restore resume_step from this checkpoint instead
+  };
+  // A periodic checkpoint being written (SaveWeights{with_state}).
+  struct PendingCheckpoint {
+    int64_t step = 0;
+    std::string dir;
+    std::set<std::string> waiting;  // workers that have not reported Saved
+    std::vector<std::string> files;
   };
   // What a worker's own snapshots and its buddy copies cover (mirrors the
   // workers' bounded stores: kOwnSnapshots / kHeldSnapshots).
@@ -210,6 +221,10 @@ class JobRunner : public JobObserver {
   std::string Who(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteOutputs() ABSL_LOCKS_EXCLUDED(mu_);
   void AppendStepsLine(const std::string& line);
+  // Periodic checkpoints: start one after committed step `step` when due;
+  // write the manifest (and prune) once every worker reported its files.
+  void MaybeStartCheckpoint(int64_t step);
+  absl::Status FinishCheckpoint();
 
   const v1::JobSpec job_;
   const FaultTolerance ft_;
@@ -261,6 +276,12 @@ class JobRunner : public JobObserver {
     std::deque<int64_t> steps;
   };
   std::map<std::string, Held> held_snapshots_ ABSL_GUARDED_BY(mu_);
+
+  // Checkpoints.
+  std::optional<PendingCheckpoint> pending_checkpoint_ ABSL_GUARDED_BY(mu_);
+  int64_t checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;  // newest complete checkpoint
+  std::string checkpoint_dir_ ABSL_GUARDED_BY(mu_);
+  std::string resume_checkpoint_ ABSL_GUARDED_BY(mu_);  // --resume, resolved and validated
 
   // Recovery bookkeeping.
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;

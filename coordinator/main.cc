@@ -50,6 +50,9 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
+ABSL_FLAG(std::string, resume, "",
+          "with --job: resume from this checkpoint directory (or the newest complete one under a checkpoint.dir); "
+          "a checkpoint that does not fit the job is refused before training");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this coordinator (mTLS; with --tls_key and --tls_ca)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed every worker and operator certificate");
@@ -129,6 +132,7 @@ int Main() {
     JobRunner::Options job_options;
     job_options.out_dir = absl::GetFlag(FLAGS_out);
     job_options.ready_timeout = absl::Seconds(absl::GetFlag(FLAGS_ready_timeout_s));
+    job_options.resume_dir = absl::GetFlag(FLAGS_resume);
     runner = std::make_unique<JobRunner>(*job, &registry, &kv, job_options, *metrics);
   }
   CoordinatorService::Options options;
