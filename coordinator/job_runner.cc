@@ -422,7 +422,7 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   next_step_ = resume + 1;
   recovery_started_ = clock_->Now();
   error_ = absl::OkStatus();
-  setup_ = Setup{std::move(plan), resume, {}};
+  setup_ = Setup{std::move(plan), resume, {}, {}};
   return JobState::kConfiguring;
 }
 
@@ -705,10 +705,9 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                        "not register again. Start a spare worker (batonctl local --spares=N) or restart the lost "
                        "one; no checkpoint can be resumed from yet in this version, so run the job again"));
     }
-    recovery_ = absl::StrCat("waiting for a replacement of ",
-                             absl::StrJoin(lost, ", ", [&](std::string* out, const std::string& n) {
-                               absl::StrAppend(out, Who(n));
-                             }));
+    std::vector<std::string> who;
+    for (const std::string& n : lost) who.push_back(Who(n));
+    recovery_ = absl::StrCat("waiting for a replacement of ", absl::StrJoin(who, ", "));
     WaitUntil([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; },
               clock_->Now() + std::max(options_.poll, absl::Milliseconds(50)));
   }
@@ -940,7 +939,8 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
     const int64_t generation = GenerationOf(message);
     // From a world that no longer exists (a fetched state is matched by its request instead).
     if (generation != 0 && generation != generation_ && !message.has_fetched_state()) return;
-    auto error_fault = [&](const std::string& what, const std::string& error, int32_t code) {
+    auto error_fault = [&](const std::string& what, const std::string& error, int32_t code)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (error.empty()) return;
       Fault f;
       f.worker = worker;

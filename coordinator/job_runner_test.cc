@@ -231,7 +231,7 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
 };
 
-v1::JobSpec Job(int pp, int dp, int steps, const std::string& extra = "") {
+v1::JobSpec Job(int pp, int dp, int steps, const std::string& /*extra*/ = "") {
   v1::JobSpec job;
   job.set_name("unit");
   job.mutable_model()->set_layers(4);

@@ -964,6 +964,7 @@ class PeerLink {
     len_ = len;
     got_ = 0;
     target_ = nullptr;
+    bool matched = false;  // a posted receive takes this frame (read under mu_)
     {
       absl::MutexLock lock(&mu_);
       auto it = posted_.find(tag);
@@ -981,8 +982,9 @@ class PeerLink {
       } else {
         unexpected_bytes_ += len;  // reserved now, so the bound holds
       }
+      matched = cur_op_ != nullptr;
     }
-    if (target_ == nullptr && cur_op_ == nullptr) {
+    if (target_ == nullptr && !matched) {
       eager_.assign(len, 0);
       target_ = eager_.data();
     }
