@@ -312,9 +312,8 @@ double CpuSeconds(pid_t pid) {
   std::vector<std::string> fields = absl::StrSplit(line.substr(close + 2), ' ');
   // fields[0] is field 3 (state); utime and stime are fields 14 and 15.
   double ut = 0, st = 0;
-  if (fields.size() > 13) {
-    absl::SimpleAtod(fields[11], &ut);
-    absl::SimpleAtod(fields[12], &st);
+  if (fields.size() <= 13 || !absl::SimpleAtod(fields[11], &ut) || !absl::SimpleAtod(fields[12], &st)) {
+    Die(absl::StrCat("cannot read CPU times from /proc/", pid, "/stat"));
   }
   return (ut + st) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
@@ -392,7 +391,10 @@ int Main(int argc, char** argv) {
     absl::SleepFor(absl::Milliseconds(50));
     std::string ports = ReadFile(dir + "/ports.json");
     size_t at = ports.find("\"grpc\": ");
-    if (at != std::string::npos) absl::SimpleAtoi(ports.substr(at + 8, ports.find_first_of(",}", at) - at - 8), &port);
+    if (at != std::string::npos &&
+        !absl::SimpleAtoi(ports.substr(at + 8, ports.find_first_of(",}", at) - at - 8), &port)) {
+      port = 0;
+    }
   }
   if (port == 0) Die(absl::StrCat("coordinator did not start; see ", dir, "/coordinator.log"));
   const std::string address = absl::StrCat("127.0.0.1:", port);
@@ -493,8 +495,10 @@ int Main(int argc, char** argv) {
       double wall = 0;
       size_t a = line.find("\"step\": "), b = line.find("\"wall_seconds\": ");
       if (a == std::string::npos || b == std::string::npos) continue;
-      absl::SimpleAtoi(line.substr(a + 8, line.find(',', a) - a - 8), &step);
-      absl::SimpleAtod(line.substr(b + 16, line.find(',', b) - b - 16), &wall);
+      if (!absl::SimpleAtoi(line.substr(a + 8, line.find(',', a) - a - 8), &step) ||
+          !absl::SimpleAtod(line.substr(b + 16, line.find(',', b) - b - 16), &wall)) {
+        continue;
+      }
       if (step < 2) continue;  // warm-up
       const double own = step_agg.count(step) ? step_agg[step][2] / 1e6 : 0;
       overhead.push_back((wall - own) * 1e3);

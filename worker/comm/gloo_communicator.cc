@@ -964,6 +964,7 @@ class PeerLink {
     len_ = len;
     got_ = 0;
     target_ = nullptr;
+    bool eager = false;  // no receive posted yet: held in eager_
     {
       absl::MutexLock lock(&mu_);
       auto it = posted_.find(tag);
@@ -980,9 +981,10 @@ class PeerLink {
             " bytes held for receives not yet posted"));
       } else {
         unexpected_bytes_ += len;  // reserved now, so the bound holds
+        eager = true;
       }
     }
-    if (target_ == nullptr && cur_op_ == nullptr) {
+    if (eager) {
       eager_.assign(len, 0);
       target_ = eager_.data();
     }
