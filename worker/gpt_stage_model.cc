@@ -90,14 +90,7 @@ absl::Status GptStageModel::OptimizerStep(float grad_scale) {
   return stage_->OptimizerStep(adamw_, grad_scale);
 }
 
-LossStats GptStageModel::loss_stats() const {
-  const model::StepScore& score = stage_->score();
-  LossStats stats;
-  stats.loss_sum = score.loss_sum;
-  stats.tokens = score.tokens;
-  stats.correct = score.correct;
-  return stats;
-}
+model::StepScore GptStageModel::score() const { return stage_->score(); }
 
 std::vector<NamedShard> GptStageModel::Shards() {
   std::vector<NamedShard> shards;

@@ -146,11 +146,11 @@ TEST_F(GptStageModelTest, ExplicitAndInterleavedChunksComputeTheUnshardedModel) 
                                       << ranges[0].count << " blocks");
     auto chunks = MakeChunks(ranges);
     RunStep(chunks);
-    const LossStats got = chunks.back()->loss_stats();
+    const model::StepScore got = chunks.back()->score();
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.correct, want.correct);
     EXPECT_NEAR(got.loss_sum, want.loss_sum, 1e-5 * want.loss_sum);
-    EXPECT_EQ(chunks.front()->loss_stats().tokens, 0);  // only the last chunk scores
+    EXPECT_EQ(chunks.front()->score().tokens, 0);  // only the last chunk scores
     double norm = 0;
     for (auto& chunk : chunks) {
       norm += chunk->LocalGradSqNorm();
