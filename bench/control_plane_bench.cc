@@ -142,7 +142,8 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       }
       v1::WorkerMessage reply;
       reply.mutable_configured()->set_ok(true);
-      reply.mutable_configured()->set_generation(m.configure().plan().generation());
+      generation_ = m.configure().plan().generation();
+      reply.mutable_configured()->set_generation(generation_);
       Send(std::move(reply));
     } else if (m.has_run_step()) {
       step_ = m.run_step().step();
@@ -151,6 +152,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       v1::StepReport* r = reply.mutable_report();
       r->set_step(m.run_step().step());
       r->set_finite(true);
+      r->set_generation(generation_);
       own_ = NowUs() - now;
       Send(std::move(reply));
     } else if (m.has_commit() || m.has_discard()) {
@@ -158,6 +160,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       v1::WorkerMessage reply;
       reply.mutable_step_done()->set_step(step);
       reply.mutable_step_done()->set_committed(m.has_commit());
+      reply.mutable_step_done()->set_generation(generation_);
       const int64_t sent = NowUs();
       own_ += sent - now;
       Send(std::move(reply));
@@ -174,6 +177,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       std::ofstream(absl::StrCat(m.save_weights().dir(), "/", file)).flush();
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->add_files(file);
+      reply.mutable_saved()->set_generation(generation_);
       Send(std::move(reply));
     } else if (m.has_abort()) {
       Error(absl::StrCat("abort: ", m.abort().reason()));
@@ -237,7 +241,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   v1::RegisterResponse reg_;
   v1::CoordinatorMessage in_;  // reader side only
   bool ready_ = false;
-  int64_t run_at_ = 0, own_ = 0;
+  int64_t run_at_ = 0, own_ = 0, generation_ = 0;
   std::atomic<bool> open_{false}, stopping_{false};
   std::atomic<int64_t> next_beat_{0}, step_{0};
   int64_t period_us_ = 500000;

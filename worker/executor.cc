@@ -131,10 +131,10 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
 
   v1::StepReport report;
   report.set_step(step);
-  LossStats loss;
+  model::StepScore loss;
   double sq = 0;
   for (auto& [stage, model] : chunks_) {
-    LossStats s = model->loss_stats();
+    model::StepScore s = model->score();
     loss.loss_sum += s.loss_sum;
     loss.tokens += s.tokens;
     loss.correct += s.correct;

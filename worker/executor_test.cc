@@ -62,8 +62,8 @@ class FakeStage : public StageModel {
     steps_++;
     return absl::OkStatus();
   }
-  LossStats loss_stats() const override {
-    return stage_ == num_stages_ - 1 ? LossStats{2.0 * forwards_, forwards_, forwards_} : LossStats{};
+  model::StepScore score() const override {
+    return stage_ == num_stages_ - 1 ? model::StepScore{2.0 * forwards_, forwards_, forwards_} : model::StepScore{};
   }
   std::vector<NamedShard> Shards() override { return {}; }
   ChunkState CaptureState() const override { return {}; }

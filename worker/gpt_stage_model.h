@@ -63,7 +63,7 @@ class GptStageModel : public StageModel {
   double LocalGradSqNorm() const override;
   absl::Status SyncTiedGradients() override;
   absl::Status OptimizerStep(float grad_scale) override;
-  LossStats loss_stats() const override;
+  model::StepScore score() const override;
   std::vector<NamedShard> Shards() override;
   // values, adam_m, adam_v: the parameter store's flat buffers (every
   // parameter's local shard, in StageParameterSpecs order); the tied

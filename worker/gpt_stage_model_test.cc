@@ -146,11 +146,11 @@ TEST_F(GptStageModelTest, ExplicitAndInterleavedChunksComputeTheUnshardedModel) 
                                       << ranges[0].count << " blocks");
     auto chunks = MakeChunks(ranges);
     RunStep(chunks);
-    const LossStats got = chunks.back()->loss_stats();
+    const model::StepScore got = chunks.back()->score();
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.correct, want.correct);
     EXPECT_NEAR(got.loss_sum, want.loss_sum, 1e-5 * want.loss_sum);
-    EXPECT_EQ(chunks.front()->loss_stats().tokens, 0);  // only the last chunk scores
+    EXPECT_EQ(chunks.front()->score().tokens, 0);  // only the last chunk scores
     double norm = 0;
     for (auto& chunk : chunks) {
       norm += chunk->LocalGradSqNorm();
@@ -362,6 +362,31 @@ TEST_F(GptStageModelTest, RestoringAStateOfAnotherLayoutIsRefusedAndChangesNothi
   negative.optimizer_step = -1;
   EXPECT_EQ(chunks[1]->RestoreState(negative).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameState(chunks[1]->CaptureState(), last));
+}
+
+TEST_F(GptStageModelTest, StateMovesBitForBitToAndFromASimulatedDevice) {
+  // A trained state from the host...
+  auto chunks = MakeChunks({{0, 2}, {2, 2}});
+  RunStep(chunks);
+  for (auto& c : chunks) ASSERT_TRUE(c->OptimizerStep(1.0f).ok());
+  const ChunkState trained = chunks[1]->CaptureState();
+  ASSERT_EQ(trained.optimizer_step, 1);
+
+  // ...restored into the same chunk placed on the simulated device (whose
+  // memory aborts on host access, so only stream copies can move it) and
+  // captured back.
+  auto config = model::MakeChunkConfig(model_, 1, 2, {2, 2}, 0, 1, kSeed);
+  ASSERT_TRUE(config.ok());
+  config->microbatches = 2;
+  config->device = kernels::Device::Sim(0);
+  auto tie = comm::InProcCommunicator::CreateGroup(2);
+  auto sim = GptStageModel::Create(*config, kBatch, nullptr, tie[1].get(), AdamWFromTrainSpec(train_));
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  const ChunkState initial = (*sim)->CaptureState();
+  EXPECT_EQ(initial.optimizer_step, 0);
+  EXPECT_FALSE(SameState(initial, trained));
+  ASSERT_TRUE((*sim)->RestoreState(trained).ok());
+  EXPECT_TRUE(SameState((*sim)->CaptureState(), trained));
 }
 
 }  // namespace

@@ -6,6 +6,13 @@
 // One StageModel is one pipeline chunk (stage) on one TP rank. Activations
 // passed between stages are float32 buffers of activation_elements() per
 // microbatch. Not thread-safe: one thread drives a worker's stages.
+//
+// Names: "stage" is one pipeline chunk on one TP rank everywhere. StageModel
+// is the executor's interface to it; GptStageModel (gpt_stage_model.h) and
+// SyntheticStage (synthetic_stage.h) implement it; model::GptStage is the GPT
+// math GptStageModel adapts (data and optimizer settings in, microbatch
+// tensors out). What a stage scored is model::StepScore, one struct for the
+// math, the interface and the executor's report.
 #ifndef BATON_WORKER_STAGE_MODEL_H_
 #define BATON_WORKER_STAGE_MODEL_H_
 
@@ -16,6 +23,7 @@
 #include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "worker/model/step_score.h"
 
 namespace baton {
 
@@ -24,13 +32,6 @@ namespace baton {
 struct MicrobatchData {
   kernels::Tensor tokens;
   kernels::Tensor targets;
-};
-
-// What the last stage saw in the step's microbatches so far.
-struct LossStats {
-  double loss_sum = 0;   // summed over scored tokens
-  int64_t tokens = 0;    // scored tokens
-  int64_t correct = 0;   // scored tokens whose argmax logit is the target
 };
 
 // A named local tensor and how it fits into the full tensor (for checkpoints).
@@ -84,7 +85,7 @@ class StageModel {
   virtual absl::Status SyncTiedGradients() = 0;
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
-  virtual LossStats loss_stats() const = 0;  // last stage; zero elsewhere
+  virtual model::StepScore score() const = 0;  // last stage; zero elsewhere
 
   // Where the chunk's ops run: the device of the activations and gradients
   // passed in and out, and the context for ops on its buffers (the gradient

@@ -21,7 +21,7 @@
 // gradient of 1024 floats, so data-parallel all-reduce, grad-norm and the
 // optimizer run as with a real model: each BackwardWeight adds 1e-3 · (i % 7 +
 // 1) to gradient element i, and OptimizerStep does weight −= 0.01 · scale ·
-// grad. loss_stats() is always zero. Its ChunkState is the weight and the
+// grad. score() is always zero. Its ChunkState is the weight and the
 // count of optimizer steps (no moments).
 //
 // Not thread-safe: one thread drives a worker's stages.
@@ -63,7 +63,7 @@ class SyntheticStage : public StageModel {
   double LocalGradSqNorm() const override;
   absl::Status SyncTiedGradients() override { return absl::OkStatus(); }
   absl::Status OptimizerStep(float grad_scale) override;
-  LossStats loss_stats() const override { return LossStats(); }
+  model::StepScore score() const override { return model::StepScore(); }
   std::vector<NamedShard> Shards() override;
   ChunkState CaptureState() const override;
   absl::Status RestoreState(const ChunkState& state) override;

@@ -84,8 +84,8 @@ TEST(SyntheticStageTest, OpsTakeAtLeastTheirConfiguredTimeAndPassCheckedTensors)
       EXPECT_GE(ms, 2.0);
     }
   }
-  EXPECT_EQ(chunks[n - 1]->loss_stats().tokens, 0);
-  EXPECT_EQ(chunks[n - 1]->loss_stats().loss_sum, 0.0);
+  EXPECT_EQ(chunks[n - 1]->score().tokens, 0);
+  EXPECT_EQ(chunks[n - 1]->score().loss_sum, 0.0);
 }
 
 TEST(SyntheticStageTest, CorruptedOrMisroutedTransfersAreErrorsNamingChunkAndMicrobatch) {

@@ -6,7 +6,10 @@ installed by scripts/setup.sh into a venv) and checks what the schema cannot:
 names and ports that refer to each other, probes, security context,
 resources, GPU scheduling, the data-plane NetworkPolicy, the flags the
 containers pass (against the binaries' --helpfull), and the job spec in the
-ConfigMap (validated by the real coordinator).
+ConfigMap (validated by the real coordinator). Then, per overlay, it starts
+the coordinator and a worker with the containers' own arguments (certificates
+from tests/security/gen_certs.sh) and checks the worker registers: mutual TLS
+and the join token as deployed work together.
 """
 import glob
 import os
@@ -305,6 +308,86 @@ def check_job(where, text, objs):
             fail(where, f"StatefulSet {o['metadata']['name']}: {o['spec']['replicas']} replicas for pp*tp*dp = {dims}")
 
 
+def smoke(where, objs, work):
+    """Runs the coordinator and one worker with the rendered containers' own
+    arguments (paths mapped to real files: certificates made with
+    tests/security/gen_certs.sh, the ConfigMap's job spec, a join token; the
+    listen ports 0; the worker pointed at the coordinator): the worker must
+    register (mutual TLS and the join token accepted), i.e. its /readyz is 200."""
+    certs = os.path.join(work, "certs")
+    if not os.path.exists(os.path.join(certs, "ca.pem")):
+        r = subprocess.run(["bash", opslib.runfile("tests/security/gen_certs.sh"), certs], capture_output=True,
+                           text=True, timeout=120)
+        if r.returncode != 0:
+            fail(where, f"gen_certs.sh failed: {r.stdout}{r.stderr}")
+            return
+    run_dir = opslib.tmpdir("smoke-" + where.replace("/", "_"))
+    token = os.path.join(run_dir, "join_token")
+    with open(token, "w") as f:
+        f.write("0123456789abcdef0123456789abcdef\n")
+    os.chmod(token, 0o600)
+    containers = {}
+    for name, tpl in workloads(objs):
+        containers[tpl["metadata"]["labels"]["app.kubernetes.io/component"]] = tpl["spec"]["containers"][0]
+    cms = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    job = os.path.join(run_dir, "job.textproto")
+    with open(job, "w") as f:
+        f.write(cms["baton-job"]["data"]["job.textproto"].replace("/var/lib/baton", run_dir))
+
+    def mapped(args, role, coordinator_port=None):
+        out = []
+        for a in args:
+            flag, _, value = a.partition("=")
+            value = value.replace("$(POD_NAME)", "baton-worker-0").replace("$(POD_IP)", "127.0.0.1")
+            if flag in ("--listen", "--http_listen", "--health_listen"):
+                value = value.rsplit(":", 1)[0] + ":0"
+            elif flag == "--tls_cert":
+                value = os.path.join(certs, role + ".pem")
+            elif flag == "--tls_key":
+                value = os.path.join(certs, role + ".key")
+            elif flag == "--tls_ca":
+                value = os.path.join(certs, "ca.pem")
+            elif flag == "--join_token_file":
+                value = token
+            elif flag == "--job":
+                value = job
+            elif flag == "--out":
+                value = os.path.join(run_dir, "out")
+            elif flag == "--coordinator":
+                value = f"127.0.0.1:{coordinator_port}"
+            out.append(f"{flag}={value}")
+        return out
+
+    c = containers["coordinator"]
+    coordinator = opslib.Daemon("coordinator", [opslib.runfile(BINARIES[c["command"][0]])] +
+                                mapped(c["args"], "coordinator"), run_dir)
+    w = containers["worker"]
+    worker = None
+    try:
+        coordinator.start()
+        worker = opslib.Daemon("worker", [opslib.runfile(BINARIES[w["command"][0]])] +
+                               mapped(w["args"], "worker", coordinator.grpc_port), run_dir).start()
+        deadline = time.time() + 30
+        code = None
+        while time.time() < deadline:
+            try:
+                code = opslib.http_get(f"http://127.0.0.1:{worker.http_port}/readyz")[0]
+            except OSError as e:
+                code = getattr(e, "code", None)
+            if code == 200:
+                break
+            time.sleep(0.2)
+        if code != 200:
+            fail(where, f"a worker with the manifest's arguments did not register (readyz {code}):\n"
+                        f"{worker.log()}\n--- coordinator\n{coordinator.log()}")
+    except RuntimeError as e:
+        fail(where, f"the manifest's arguments do not start the daemons: {e}")
+    finally:
+        for d in (worker, coordinator):
+            if d:
+                d.stop()
+
+
 def main():
     cmd = kustomize_cmd()
     check = validator()
@@ -338,6 +421,8 @@ def main():
         if r.returncode != 0:
             fail(where, f"kubernetes-validate {K8S_VERSION} --strict:\n{r.stdout}{r.stderr}")
         check_objects(where, objs, overlay)
+        if overlay != "base" and not failures:
+            smoke(where, objs, work)
         print(f"{where}: {len(objs)} objects ({len(schema_checked)} schema-validated)")
     # The dashboards' ConfigMap for the Grafana sidecar.
     objs = render(cmd, os.path.join(root, "grafana"))

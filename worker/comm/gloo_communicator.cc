@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
+#include <mutex>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -1400,6 +1402,12 @@ absl::StatusOr<std::vector<int>> ConnectLinks(Store& store, const GlooOptions& o
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
     Store& store, const GlooOptions& options) {
+  // Gloo's TCP transport writes with writev, which cannot pass MSG_NOSIGNAL:
+  // a collective that writes to a peer that just died would raise SIGPIPE
+  // and kill the process. Ignore it (process-wide, as worker/main.cc does)
+  // so the write fails with EPIPE and the op with UNAVAILABLE.
+  static std::once_flag ignore_sigpipe;
+  std::call_once(ignore_sigpipe, [] { signal(SIGPIPE, SIG_IGN); });
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return absl::InvalidArgumentError(absl::StrCat(
         options.label, ": rank ", options.rank, " is not in a group of size ", options.size));

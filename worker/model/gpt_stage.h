@@ -66,6 +66,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/model/gpt_config.h"
 #include "worker/model/parameters.h"
+#include "worker/model/step_score.h"
 
 namespace baton::model {
 
@@ -73,13 +74,6 @@ struct StageInputs {
   kernels::Tensor tokens;       // first stage: int32 [B, T]
   kernels::Tensor activations;  // other stages: float [B, T, C] from the previous stage
   kernels::Tensor targets;      // last stage: int32 [B, T], next-token ids or -1 (ignored)
-};
-
-// What the last stage scored in the microbatches run forward since ZeroGrad().
-struct StepScore {
-  double loss_sum = 0.0;  // cross-entropy summed over scored tokens
-  int64_t tokens = 0;     // scored tokens (targets other than -1)
-  int64_t correct = 0;    // scored tokens whose first (lowest-index) maximum logit is the target
 };
 
 class GptStage {
