@@ -83,8 +83,18 @@ absl::StatusOr<Result> Time(CublasLtGemm& gemm, cudaStream_t stream, GemmDType t
   return r;
 }
 
+// `s` as the inside of a JSON string.
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c != '\n') out += c;
+  }
+  return out;
+}
+
 int Fail(const absl::Status& s) {
-  std::printf("{\"error\": \"%s\"}\n", std::string(s.message()).c_str());
+  std::printf("{\"error\": \"%s\"}\n", JsonEscape(std::string(s.message())).c_str());
   std::fprintf(stderr, "gpu_gemm_bench: %s\n", std::string(s.ToString()).c_str());
   return 2;
 }

@@ -20,9 +20,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/device.h"
 #include "kernels/tensor.h"
 #include "worker/model/gpt_config.h"
 #include "worker/model/gpt_stage.h"
@@ -42,34 +42,30 @@ namespace {
 using baton::kernels::Device;
 using baton::kernels::Tensor;
 
-int Fail(const std::string& what) {
-  std::printf("{\"error\": \"%s\"}\n", what.c_str());
-  std::fprintf(stderr, "gpu_model_bench: %s\n", what.c_str());
-  return 2;
+// `s` as the inside of a JSON string.
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c != '\n') out += c;
+  }
+  return out;
 }
 
-bool ParseDevice(const std::string& s, Device* d) {
-  if (s == "cpu") {
-    *d = Device::Cpu();
-    return true;
-  }
-  int index = 0;
-  if (s.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(s.substr(5), &index) && index >= 0) {
-    *d = Device::Cuda(index);
-    return true;
-  }
-  return false;
+int Fail(const std::string& what) {
+  std::printf("{\"error\": \"%s\"}\n", JsonEscape(what).c_str());
+  std::fprintf(stderr, "gpu_model_bench: %s\n", what.c_str());
+  return 2;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  Device device;
-  if (!ParseDevice(absl::GetFlag(FLAGS_device), &device)) {
-    return Fail("--device must be cpu or cuda:N");
-  }
-  absl::Status probe = baton::kernels::ProbeDevice(device);
+  absl::StatusOr<Device> parsed = baton::kernels::ParseDevice(absl::GetFlag(FLAGS_device));
+  if (!parsed.ok()) return Fail(std::string(parsed.status().message()));
+  const Device device = *parsed;
+  absl::Status probe = baton::kernels::CheckDeviceUsable(device);
   if (!probe.ok()) return Fail(std::string(probe.message()));
   baton::model::GptConfig model;
   model.layers = absl::GetFlag(FLAGS_layers);

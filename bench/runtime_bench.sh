@@ -8,8 +8,13 @@
 #      (RunStep -> GradsReady -> Commit -> StepDone)
 #   3. real GPT (layers=4 d_model=256 heads=8 vocab=256 seq_len=128,
 #      micro_batch=8, m=8, one BLAS thread per worker): tokens/s at PP=2
-#      against one worker (ideal 2m/(m+1) = 1.78)
-# Usage: bash bench/runtime_bench.sh
+#      against one worker (ideal 2m/(m+1) = 1.78), and at PP=4 (ideal 1F1B
+#      speed-up pm/(m+p-1) = 2.91, but this machine has 2 cores, so at most
+#      2 of the 4 stages compute at once: the reachable ideal is 2.0)
+#   4. synthetic model on the deepest pipeline this machine holds (DEEP_PP,
+#      default 16 worker processes), m = 2p, F = I = W = 5 ms: step time /
+#      simulated makespan (m + p - 1) * (F + I + W)
+# Usage: bash bench/runtime_bench.sh     (DEEP_PP=32 bash bench/runtime_bench.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bazel build //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
@@ -49,13 +54,30 @@ two=$(run gpt2 "name: \"gpt-pp2\"
 parallel { pp: 2 }
 $gpt")
 
-python3 - "$syn" "$rtt" "$one" "$two" <<'PY'
+four=$(run gpt4 "name: \"gpt-pp4\"
+parallel { pp: 4 }
+$gpt")
+deep_pp=${DEEP_PP:-16}
+deep=$(run deep "name: \"deep\"
+model { layers: $deep_pp synthetic { forward_ms: 5 backward_input_ms: 5 backward_weight_ms: 5 activation_bytes: 65536 } }
+parallel { pp: $deep_pp }
+schedule { kind: \"1f1b\" microbatches: $((2 * deep_pp)) }
+train { steps: 6 micro_batch_size: 1 lr: 0.001 }")
+
+python3 - "$syn" "$rtt" "$one" "$two" "$four" "$deep" "$deep_pp" <<'PY'
 import json, sys
-syn, rtt, one, two = (json.loads(a) for a in sys.argv[1:])
+syn, rtt, one, two, four, deep = (json.loads(a) for a in sys.argv[1:7])
+p = int(sys.argv[7])
 makespan = (16 + 4 - 1) * (0.010 + 0.020)
 print(f"synthetic p=4 m=16 F=10ms B=20ms: step {syn['median_step_s']*1e3:.1f} ms, simulated makespan {makespan*1e3:.1f} ms,"
       f" ratio {syn['median_step_s']/makespan:.3f}; bubble {syn['bubble_ratio']:.3f} (simulator {syn['expected_bubble_ratio']:.3f})")
 print(f"coordinator round trip per step (0 ms ops, 1 worker): {rtt['median_step_s']*1e3:.2f} ms")
 print(f"GPT tokens/s: 1 worker {one['tokens_per_second']:.0f}, PP=2 {two['tokens_per_second']:.0f},"
       f" ratio {two['tokens_per_second']/one['tokens_per_second']:.2f} (ideal {2*8/9:.2f})")
+print(f"GPT tokens/s: PP=4 {four['tokens_per_second']:.0f}, ratio {four['tokens_per_second']/one['tokens_per_second']:.2f}"
+      f" (ideal 1F1B {4*8/11:.2f}; 2 cores: at most 2.00)")
+deep_makespan = (2 * p + p - 1) * 0.015
+print(f"deep synthetic p={p} m={2*p} F=I=W=5ms: step {deep['median_step_s']*1e3:.1f} ms, simulated makespan"
+      f" {deep_makespan*1e3:.1f} ms, ratio {deep['median_step_s']/deep_makespan:.3f}; bubble {deep['bubble_ratio']:.3f}"
+      f" (simulator {deep['expected_bubble_ratio']:.3f})")
 PY

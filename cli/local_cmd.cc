@@ -222,7 +222,7 @@ class LocalRun {
   LocalRun(std::ostream& out, std::ostream& err, bool tty) : err_(err), printer_(out, tty) {}
 
   int Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-          absl::Duration timeout, std::optional<Injection> inject);
+          absl::Duration timeout, std::optional<Injection> inject, const std::string& resume);
 
  private:
   // Stops every child and returns `code`.
@@ -293,16 +293,16 @@ class LocalRun {
 };
 
 int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-                  absl::Duration timeout, std::optional<Injection> inject) {
+                  absl::Duration timeout, std::optional<Injection> inject, const std::string& resume) {
   const absl::Time deadline = absl::Now() + timeout;
   inject_ = std::move(inject);
   const std::string port_file = absl::StrCat(out_dir, "/coordinator.ports");
   unlink(port_file.c_str());  // a stale one would name a dead coordinator
-  coordinator_ = std::make_unique<ChildProcess>(
-      "the coordinator", bins.coordinator,
-      std::vector<std::string>{"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0", "--port_file=" + port_file,
-                               "--job=" + job_path, "--out=" + out_dir},
-      absl::StrCat(out_dir, "/logs/coordinator.log"));
+  std::vector<std::string> coordinator_args = {"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0",
+                                               "--port_file=" + port_file, "--job=" + job_path, "--out=" + out_dir};
+  if (!resume.empty()) coordinator_args.push_back("--resume=" + resume);
+  coordinator_ = std::make_unique<ChildProcess>("the coordinator", bins.coordinator, coordinator_args,
+                                                absl::StrCat(out_dir, "/logs/coordinator.log"));
   if (absl::Status s = coordinator_->Start(); !s.ok()) return Fail(std::string(s.message()));
 
   std::optional<int> port;
@@ -469,7 +469,7 @@ absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const s
 
 int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
   absl::StatusOr<Args> args =
-      Args::Parse(argv, {"job", "out", "workers", "spares", "inject", "bin_dir", "timeout_s"});
+      Args::Parse(argv, {"job", "out", "workers", "spares", "inject", "resume", "bin_dir", "timeout_s"});
   if (!args.ok()) {
     err << "batonctl local: " << args.status().message() << "\n";
     return 2;
@@ -479,7 +479,7 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   absl::StatusOr<int64_t> timeout_s = args->GetInt("timeout_s", 3600);
   if (job_path.empty() || out_dir.empty() || !args->positionals().empty() || !timeout_s.ok() || *timeout_s <= 0) {
     err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--spares=N] "
-           "[--inject=kill:stage=P@step=N] [--bin_dir=DIR] [--timeout_s=3600]\n";
+           "[--inject=kill:stage=P@step=N] [--resume=CHECKPOINT] [--bin_dir=DIR] [--timeout_s=3600]\n";
     return 2;
   }
   absl::StatusOr<v1::JobSpec> job = LoadJobSpec(job_path);
@@ -521,7 +521,7 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   ScopedStopSignals signals;
   LocalRun run(out, err, &out == &std::cout && isatty(STDOUT_FILENO));
   return run.Run(job_path, out_dir, static_cast<int>(*workers + *spares), *bins, absl::Seconds(*timeout_s),
-                 *std::move(inject));
+                 *std::move(inject), args->GetString("resume", ""));
 }
 
 }  // namespace baton::cli

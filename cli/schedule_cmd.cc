@@ -1,11 +1,14 @@
 #include "cli/schedule_cmd.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
-#include <fstream>
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -58,12 +61,28 @@ std::set<std::string> Union(std::set<std::string> a, const std::set<std::string>
   return a;
 }
 
+// Schedule files are small: a regular file of at most kMaxFileBytes.
+constexpr size_t kMaxFileBytes = 64 << 20;
+
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Bad(absl::StrCat("cannot read --file=", path, ": no such readable file"));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return Bad(absl::StrCat("cannot read --file=", path, ": ", std::strerror(errno)));
+  struct stat st;
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    std::fclose(f);
+    return Bad(absl::StrCat("--file=", path, " is not a regular file"));
+  }
+  std::string text;
+  char buffer[1 << 16];
+  size_t n = 0;
+  while (text.size() <= kMaxFileBytes && (n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) {
+    text.append(buffer, n);
+  }
+  std::fclose(f);
+  if (text.size() > kMaxFileBytes) {
+    return Bad(absl::StrCat("--file=", path, " is larger than ", kMaxFileBytes, " bytes"));
+  }
+  return text;
 }
 
 // A schedule from a file: JSON programs (starts with '[') or PyTorch CSV.
@@ -120,6 +139,13 @@ absl::StatusOr<Schedule> LoadSchedule(const Args& args) {
   spec.num_ranks = *pp;
   spec.microbatches = *m;
   spec.virtual_stages = *v;
+  const int64_t cells = int64_t{*pp} * *m * *v;
+  if (cells > schedule::kMaxScheduleCells) {
+    return Bad(absl::StrCat("--pp=", *pp, " x --microbatches=", *m, " x --virtual=", *v, " = ", cells,
+                            " (stage, microbatch) cells; at most ", schedule::kMaxScheduleCells,
+                            " are supported: lower --microbatches to at most ",
+                            std::max<int64_t>(1, schedule::kMaxScheduleCells / (int64_t{*pp} * *v))));
+  }
   if (spec.kind != "interleaved" && spec.virtual_stages != 1) {
     return Bad(absl::StrCat("--virtual=", spec.virtual_stages,
                             " needs --schedule=interleaved; drop --virtual for ", spec.kind));

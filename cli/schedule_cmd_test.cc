@@ -198,5 +198,51 @@ TEST(ScheduleCommand, BadInputSaysWhatToChange) {
   EXPECT_EQ(Batonctl({}).code, 2);
 }
 
+// Issue 12: `show --pp=65536 --microbatches=65536` and `simulate --pp=4096
+// --microbatches=4096` aborted with bad_alloc after 10-27 s. Sizes are
+// bounded before anything is built: exit 2 at once, saying what to lower.
+TEST(ScheduleCommand, HugeSchedulesAreRefusedBeforeAnythingIsBuilt) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"show", "--schedule=1f1b", "--pp=65536", "--microbatches=65536"},
+       "--pp=65536 x --microbatches=65536 x --virtual=1 = 4294967296 (stage, microbatch) cells; at most "
+       "262144 are supported: lower --microbatches to at most 4"},
+      {{"simulate", "--schedule=1f1b", "--pp=4096", "--microbatches=4096"},
+       "--pp=4096 x --microbatches=4096 x --virtual=1 = 16777216 (stage, microbatch) cells; at most 262144 "
+       "are supported: lower --microbatches to at most 64"},
+      {{"validate", "--schedule=interleaved", "--pp=64", "--microbatches=4096", "--virtual=2"},
+       "--pp=64 x --microbatches=4096 x --virtual=2 = 524288 (stage, microbatch) cells; at most 262144 are "
+       "supported: lower --microbatches to at most 2048"},
+      {{"show", "--schedule=1f1b", "--pp=2", "--microbatches=1000000"},
+       "--microbatches must be at most 65536 (got 1000000)"},
+      {{"show", "--schedule=1f1b", "--pp=99999999999999999999", "--microbatches=2"}, "--pp"},
+      {{"validate", "--file=/dev/zero"}, "--file=/dev/zero is not a regular file"},
+      {{"validate", "--file=/"}, "--file=/ is not a regular file"},
+      {{"validate", "--file=/nonexistent/x.csv"}, "cannot read --file=/nonexistent/x.csv: No such file"},
+  };
+  for (const auto& [args, message] : cases) {
+    Result r = Batonctl(args);
+    EXPECT_EQ(r.code, 2) << args[1] << " " << args[2] << ": " << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+  // The largest allowed schedule still works.
+  Result largest = Batonctl({"validate", "--schedule=1f1b", "--pp=64", "--microbatches=4096"});
+  EXPECT_EQ(largest.code, 0) << largest.err;
+  EXPECT_NE(largest.out.find("valid: 1f1b schedule, p=64 v=1 m=4096"), std::string::npos) << largest.out;
+}
+
+TEST(ScheduleCommand, AFileLargerThanTheLimitIsRefused) {
+  const std::string path = testing::TempDir() + "/huge.csv";
+  {
+    std::ofstream out(path);
+    const std::string row(1 << 20, ',');
+    for (int i = 0; i < 65; ++i) out << row;
+    out << "0F0\n";
+  }
+  Result r = Batonctl({"validate", "--file=" + path});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("is larger than 67108864 bytes"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace baton::cli

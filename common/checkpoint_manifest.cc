@@ -605,6 +605,7 @@ absl::StatusOr<Gathered> Gather(const std::string& name, int chunk, const TpPiec
 // Reads and cross-checks every file of the checkpoint in `dir`.
 absl::StatusOr<FullState> Collect(const std::string& dir, bool keep_values, const std::set<std::string>* only) {
   FullState state;
+  state.dir = dir;
   BATON_ASSIGN_OR_RETURN(state.manifest, ReadManifest(dir));
   BATON_ASSIGN_OR_RETURN(std::vector<std::string> present, ListDir(dir));
   std::vector<std::string> unlisted;
@@ -784,6 +785,11 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
                                                    " transformer blocks but the job's model has ", want.layers));
   }
   return state;
+}
+
+absl::StatusOr<FullState> ValidateResumeCheckpoint(const std::string& dir, const v1::JobSpec& job) {
+  BATON_ASSIGN_OR_RETURN(std::string chosen, ResolveCheckpoint(dir));
+  return ValidateCheckpointForJob(chosen, job);
 }
 
 }  // namespace baton::checkpoint

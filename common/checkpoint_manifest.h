@@ -147,6 +147,7 @@ struct FullTensor {
   std::vector<float> values, adam_m, adam_v;
 };
 struct FullState {
+  std::string dir;  // the checkpoint directory read
   ManifestInfo manifest;
   int chunks = 0, tp_size = 1;
   int64_t optimizer_step = -1;  // -1: a v1 checkpoint (no optimizer state)
@@ -172,6 +173,12 @@ absl::StatusOr<FullState> LoadFullState(const std::string& dir,
 // returned tensors hold shapes only.
 absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir,
                                                    const v1::JobSpec& job);
+
+// What `--resume=DIR` runs before any worker trains: ResolveCheckpoint(DIR)
+// (a checkpoint, or the newest complete step-<n> under a checkpoint.dir),
+// then ValidateCheckpointForJob. The result's `dir` is the checkpoint chosen
+// and manifest.step the step to continue after.
+absl::StatusOr<FullState> ValidateResumeCheckpoint(const std::string& dir, const v1::JobSpec& job);
 
 }  // namespace baton::checkpoint
 

@@ -52,7 +52,9 @@ std::string MakeStep(const std::string& root, int64_t step, bool complete) {
   const std::string dir = absl::StrCat(root, "/", StepDirName(step));
   EXPECT_TRUE(MakeDirectories(dir).ok());
   EXPECT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "x").ok());
-  if (complete) EXPECT_TRUE(WriteManifest(dir, ManifestFor(Job(), step, {"chunk0-tp0.safetensors"})).ok());
+  if (complete) {
+    EXPECT_TRUE(WriteManifest(dir, ManifestFor(Job(), step, {"chunk0-tp0.safetensors"})).ok());
+  }
   return dir;
 }
 

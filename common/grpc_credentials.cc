@@ -2,6 +2,9 @@
 
 #include <sys/stat.h>
 
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_certificate_verifier.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <grpcpp/support/client_interceptor.h>
 
 #include "absl/strings/ascii.h"
@@ -59,7 +62,64 @@ class JoinTokenInterceptorFactory : public grpc::experimental::ClientInterceptor
   const std::string token_;
 };
 
+// Checks, after the TLS library verified the chain against the CA, that the
+// server's certificate names the host we dialled and carries the expected
+// role URI, so a worker's certificate cannot pose as the coordinator.
+class ServerIdentityVerifier : public grpc::experimental::ExternalCertificateVerifier {
+ public:
+  ServerIdentityVerifier(std::string host, std::string role) : host_(std::move(host)), role_(std::move(role)) {}
+
+  bool Verify(grpc::experimental::TlsCustomVerificationCheckRequest* request,
+              std::function<void(grpc::Status)> /*callback*/, grpc::Status* sync_status) override {
+    *sync_status = Check(*request);
+    return true;  // synchronous
+  }
+  void Cancel(grpc::experimental::TlsCustomVerificationCheckRequest*) override {}
+
+ private:
+  static std::string Str(const grpc::string_ref& r) { return std::string(r.data(), r.size()); }
+
+  grpc::Status Check(const grpc::experimental::TlsCustomVerificationCheckRequest& request) const {
+    const std::string host = absl::AsciiStrToLower(host_);
+    bool named = false;
+    for (const grpc::string_ref& ip : request.ip_names()) named |= Str(ip) == host;
+    for (const grpc::string_ref& dns : request.dns_names()) {
+      const std::string name = absl::AsciiStrToLower(Str(dns));
+      if (name == host) named = true;
+      // "*.example.com" covers exactly one label: "a.example.com".
+      if (absl::StartsWith(name, "*.") && absl::EndsWith(host, name.substr(1))) {
+        const std::string label = host.substr(0, host.size() - (name.size() - 1));
+        named |= !label.empty() && label.find('.') == std::string::npos;
+      }
+    }
+    if (!named) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat("the server's certificate does not name '", host_,
+                                       "' (DNS or IP subject alternative name)"));
+    }
+    const std::string want = absl::StrCat(kRoleUriPrefix, role_);
+    for (const grpc::string_ref& uri : request.uri_names()) {
+      if (Str(uri) == want) return grpc::Status::OK;
+    }
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        absl::StrCat("the server's certificate lacks the role URI ", want));
+  }
+
+  const std::string host_;
+  const std::string role_;
+};
+
 }  // namespace
+
+std::string HostOf(const std::string& target) {
+  if (!target.empty() && target.front() == '[') {
+    const size_t close = target.find(']');
+    return close == std::string::npos ? target : target.substr(1, close - 1);
+  }
+  const size_t colon = target.find(':');
+  if (colon == std::string::npos || target.find(':', colon + 1) != std::string::npos) return target;
+  return target.substr(0, colon);
+}
 
 absl::StatusOr<TlsConfig> LoadTlsConfig(const std::string& cert_path, const std::string& key_path,
                                         const std::string& ca_path) {
@@ -93,14 +153,22 @@ std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const TlsConfig& 
 }
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const TlsConfig& tls,
-                                           const std::string& join_token, grpc::ChannelArguments args) {
+                                           const std::string& join_token, grpc::ChannelArguments args,
+                                           const std::string& server_role) {
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (tls.enabled) {
-    grpc::SslCredentialsOptions options;
-    options.pem_root_certs = tls.ca_pem;
-    options.pem_private_key = tls.key_pem;
-    options.pem_cert_chain = tls.cert_pem;
-    creds = grpc::SslCredentials(options);
+    namespace gx = grpc::experimental;
+    gx::TlsChannelCredentialsOptions options;
+    options.set_certificate_provider(std::make_shared<gx::StaticDataCertificateProvider>(
+        tls.ca_pem, std::vector<gx::IdentityKeyCertPair>{{tls.key_pem, tls.cert_pem}}));
+    options.watch_root_certs();
+    options.watch_identity_key_cert_pairs();
+    options.set_verify_server_certs(true);
+    // Our verifier checks the host name (and the role) itself.
+    options.set_check_call_host(false);
+    options.set_certificate_verifier(
+        gx::ExternalCertificateVerifier::Create<ServerIdentityVerifier>(HostOf(target), server_role));
+    creds = gx::TlsCredentials(options);
   }
   if (join_token.empty()) return grpc::CreateCustomChannel(target, creds, args);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;

@@ -51,10 +51,17 @@ absl::StatusOr<TlsConfig> LoadTlsConfig(const std::string& cert_path, const std:
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const TlsConfig& tls);
 
 // A channel to `target` with `tls` (client certificate + CA), `args`, and the
-// join token (when non-empty) attached to every call as metadata.
+// join token (when non-empty) attached to every call as metadata. With TLS
+// the server must present a certificate of the CA that names the host of
+// `target` (DNS or IP SAN) and carries the role URI of `server_role`;
+// otherwise the handshake fails (calls end UNAVAILABLE).
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const TlsConfig& tls,
                                            const std::string& join_token,
-                                           grpc::ChannelArguments args = grpc::ChannelArguments());
+                                           grpc::ChannelArguments args = grpc::ChannelArguments(),
+                                           const std::string& server_role = kRoleCoordinator);
+
+// The host part of "HOST:PORT" ("[::1]:80" -> "::1").
+std::string HostOf(const std::string& target);
 
 // "127.0.0.1", "::1", "[::1]", "localhost" and 127.0.0.0/8.
 bool IsLoopbackHost(const std::string& host);

@@ -74,5 +74,12 @@ TEST(GrpcCredentialsTest, ConstantTimeEquals) {
   EXPECT_TRUE(ConstantTimeEquals("", ""));
 }
 
+TEST(GrpcCredentialsTest, HostOfATarget) {
+  EXPECT_EQ(HostOf("127.0.0.1:7070"), "127.0.0.1");
+  EXPECT_EQ(HostOf("coordinator.baton.svc:7070"), "coordinator.baton.svc");
+  EXPECT_EQ(HostOf("[::1]:7070"), "::1");
+  EXPECT_EQ(HostOf("localhost"), "localhost");
+}
+
 }  // namespace
 }  // namespace baton

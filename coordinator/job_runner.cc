@@ -232,6 +232,26 @@ void JobRunner::Run() {
   if (!options_.out_dir.empty()) {
     if (absl::Status s = MakeDirectories(options_.out_dir); !s.ok()) return Fail(s);
   }
+  if (!options_.resume_dir.empty()) {
+    // Refused before any worker trains: the message names the file and the problem.
+    absl::StatusOr<std::string> dir = checkpoint::ResolveCheckpoint(options_.resume_dir);
+    if (!dir.ok()) return Fail(WithContext(dir.status(), "--resume"));
+    absl::StatusOr<checkpoint::FullState> valid = checkpoint::ValidateCheckpointForJob(*dir, job_);
+    if (!valid.ok()) return Fail(WithContext(valid.status(), absl::StrCat("--resume=", *dir)));
+    if (valid->manifest.step >= job_.train().steps()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--resume=", *dir, ": the checkpoint is of step ",
+                                                          valid->manifest.step, ", the job has only ",
+                                                          job_.train().steps(), " steps")));
+    }
+    absl::MutexLock lock(&mu_);
+    resume_checkpoint_ = *dir;
+    checkpoint_step_ = valid->manifest.step;
+    checkpoint_dir_ = *dir;
+    committed_ = recorded_ = valid->manifest.step;
+    next_step_ = valid->manifest.step + 1;
+    BATON_LOG(INFO) << "job '" << job_.name() << "': resuming from " << *dir << " (step " << valid->manifest.step
+                    << ")";
+  }
   for (;;) {
     const JobState now = state();
     if (IsFinal(now)) return;
@@ -330,7 +350,7 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
       BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, workers_->NextGeneration()));
       absl::MutexLock lock(&mu_);
       error_ = absl::OkStatus();
-      setup_ = Setup{std::move(plan), 0, {}};
+      setup_ = Setup{std::move(plan), resume_checkpoint_.empty() ? 0 : checkpoint_step_, {}, resume_checkpoint_};
       return JobState::kConfiguring;
     }
     absl::MutexLock lock(&mu_);
@@ -488,14 +508,22 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
                   << " workers, schedule " << spec.kind << " (expected bubble "
                   << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
                   << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "");
+  // Each worker gets the plan with its own rank only (a worker reads nothing
+  // else of plan.ranks): the full list in every Configure would make
+  // configuring quadratic in the workers (547 MB of messages at 4096).
+  v1::Plan shared = plan;
+  shared.clear_ranks();
+  shared.clear_spares();
   for (const v1::RankAssignment& r : plan.ranks()) {
     v1::CoordinatorMessage msg;
     v1::Configure* c = msg.mutable_configure();
-    *c->mutable_plan() = plan;
+    *c->mutable_plan() = shared;
+    *c->mutable_plan()->add_ranks() = r;
     *c->mutable_program() = programs[r.pp_rank()];
     *c->mutable_job() = job_;
     c->set_resume_step(setup.resume_step);
     if (auto it = setup.state.find(r.worker_name()); it != setup.state.end()) c->set_state(it->second);
+    c->set_checkpoint_dir(setup.checkpoint_dir);
     c->set_buddy(buddies[r.worker_name()]);
     if (!workers_->Send(r.worker_name(), msg)) {
       OnWorkerLost(r.worker_name(), "its session was gone when it was to be configured");
@@ -505,6 +533,10 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
       Collect(options_.configure_timeout, "Configured");
   if (configured.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
   if (!configured.ok()) return WithContext(configured.status(), "configuring the job");
+  if (!setup.checkpoint_dir.empty()) {  // every worker now holds the checkpoint's step in memory
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, a] : assigned_) own_snapshots_[name] = {setup.resume_step};
+  }
   return JobState::kRunning;
 }
 
@@ -520,6 +552,7 @@ absl::StatusOr<JobState> JobRunner::Running() {
     if (requested) --trace_requested_;
     run.mutable_run_step()->set_trace(requested || step > job_.train().steps() - options_.traced_steps);
   }
+  BATON_RETURN_IF_ERROR(FinishCheckpoint());
   if (step > job_.train().steps()) return options_.out_dir.empty() ? JobState::kDone : JobState::kSaving;
   const absl::Time start = absl::Now();
   run.mutable_run_step()->set_step(step);
@@ -552,10 +585,21 @@ absl::StatusOr<JobState> JobRunner::Running() {
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
              norm, clip, wall, *done);
+  if (finite) MaybeStartCheckpoint(step);
   return JobState::kRunning;
 }
 
 absl::StatusOr<JobState> JobRunner::Saving() {
+  {
+    absl::MutexLock lock(&mu_);
+    WaitUntil(
+        [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !faults_.empty() || !pending_checkpoint_ || pending_checkpoint_->waiting.empty();
+        },
+        clock_->Now() + options_.configure_timeout);
+    if (!faults_.empty()) return JobState::kRecovering;
+  }
+  BATON_RETURN_IF_ERROR(FinishCheckpoint());
   const std::string dir = options_.out_dir + "/final";
   BATON_RETURN_IF_ERROR(MakeDirectories(dir));
   std::set<std::string> names;
@@ -673,16 +717,23 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
   // replies of the old world are dropped.
   faults_.clear();
   generation_ = 0;
+  pending_checkpoint_.reset();  // an unfinished save stays incomplete (no manifest) and is pruned later
 
   // The recovery step and where each lost shard's state comes from.
   std::map<std::string, std::pair<std::string, std::string>> sources;
-  const int64_t resume = ChooseResumeStep(lost, &sources);
+  int64_t resume = ChooseResumeStep(lost, &sources);
+  std::string from_checkpoint;  // the newest complete checkpoint, when newer than what memory offers
+  if (checkpoint_step_ > resume && !checkpoint_dir_.empty()) {
+    resume = checkpoint_step_;
+    from_checkpoint = checkpoint_dir_;
+  }
   std::map<std::string, std::string> states;  // replacement name -> ShardState
   std::vector<std::string> described;
   for (const std::string& name : lost) {
     const auto src = sources.find(name);
     const std::string from =
-        resume == 0 ? "the initial state (seed)"
+        !from_checkpoint.empty() ? absl::StrCat("checkpoint ", from_checkpoint)
+        : resume == 0 ? "the initial state (seed)"
         : src->second.first == src->second.second ? absl::StrCat("DP replica ", src->second.first)
                                                   : absl::StrCat(src->second.first, "'s snapshot");
     described.push_back(absl::StrCat(Who(name), " -> ", replacement[name].name(), ", state of step ", resume,
@@ -693,7 +744,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                            resume, " (", committed_ - resume, " steps replayed)");
   BATON_LOG(WARNING) << "job '" << job_.name() << "': " << recovery_;
   for (const auto& [name, src] : sources) {
-    if (resume == 0) break;
+    if (resume == 0 || !from_checkpoint.empty()) break;
     const std::string source = src.first, owner = src.second;
     mu_.Unlock();
     Expect(v1::WorkerMessage::kFetchedState, resume, {source});
@@ -752,7 +803,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                                "}"));
   committed_ = resume;
   next_step_ = resume + 1;
-  setup_ = Setup{std::move(plan), resume, std::move(states)};
+  setup_ = Setup{std::move(plan), resume, std::move(states), from_checkpoint};
   return JobState::kConfiguring;
 }
 
@@ -917,6 +968,16 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
                     message.step_done().code());
         break;
       case v1::WorkerMessage::kSaved:
+        if (message.saved().step() > 0) {  // a periodic checkpoint
+          if (!message.saved().ok()) {
+            error_fault(absl::StrCat("could not write checkpoint step ", message.saved().step()),
+                        message.saved().error(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+          } else if (pending_checkpoint_ && pending_checkpoint_->step == message.saved().step()) {
+            pending_checkpoint_->waiting.erase(worker);
+            for (const std::string& f : message.saved().files()) pending_checkpoint_->files.push_back(f);
+          }
+          return;
+        }
         if (!message.saved().ok()) {
           error_fault("could not save", message.saved().error(),
                       message.saved().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
@@ -959,7 +1020,19 @@ void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, a] : assigned_) names.push_back(name);
   }
-  for (const std::string& name : names) workers_->Send(name, message);
+  if (names.size() < kParallelSendFrom) {
+    for (const std::string& name : names) workers_->Send(name, message);
+    return;
+  }
+  // A Session write blocks for a gRPC thread hand-off: in parallel the
+  // waits overlap (see fan_out.h).
+  FanOut* fan_out;
+  {
+    absl::MutexLock lock(&fan_out_mu_);
+    if (fan_out_ == nullptr) fan_out_ = std::make_unique<FanOut>(16);  // big jobs only
+    fan_out = fan_out_.get();
+  }
+  fan_out->Run(names.size(), [&](size_t i) { workers_->Send(names[i], message); });
 }
 
 void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) {
@@ -1123,6 +1196,47 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"accuracy\": ", Num(rec.accuracy), ", \"grad_norm\": ", Num(norm), ", \"clip\": ", Num(clip),
       ", \"wall_seconds\": ", Num(wall), ", \"tokens_per_second\": ", Num(rec.tokens_per_second),
       ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio), "}"));
+}
+
+void JobRunner::MaybeStartCheckpoint(int64_t step) {
+  const int64_t every = job_.checkpoint().every_steps();
+  if (every <= 0 || job_.checkpoint().dir().empty() || step % every != 0) return;
+  v1::CoordinatorMessage save;
+  {
+    absl::MutexLock lock(&mu_);
+    if (step <= checkpoint_step_ || pending_checkpoint_) return;  // saved already, or one is being written
+    PendingCheckpoint p;
+    p.step = step;
+    p.dir = job_.checkpoint().dir() + "/" + checkpoint::StepDirName(step);
+    for (const auto& [name, a] : assigned_) p.waiting.insert(name);
+    save.mutable_save_weights()->set_dir(p.dir);
+    pending_checkpoint_ = std::move(p);
+  }
+  save.mutable_save_weights()->set_step(step);
+  save.mutable_save_weights()->set_with_state(true);
+  SendAll(save);
+}
+
+absl::Status JobRunner::FinishCheckpoint() {
+  PendingCheckpoint p;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!pending_checkpoint_ || !pending_checkpoint_->waiting.empty()) return absl::OkStatus();
+    p = std::move(*pending_checkpoint_);
+    pending_checkpoint_.reset();
+  }
+  std::sort(p.files.begin(), p.files.end());
+  BATON_RETURN_IF_ERROR_CTX(checkpoint::WriteManifest(p.dir, checkpoint::ManifestFor(job_, p.step, p.files)),
+                            "checkpoint of step ", p.step);
+  absl::StatusOr<std::vector<std::string>> pruned =
+      checkpoint::PruneCheckpoints(job_.checkpoint().dir(), checkpoint::CheckpointKeep(job_));
+  if (!pruned.ok()) BATON_LOG(WARNING) << "pruning checkpoints: " << pruned.status();
+  BATON_LOG(INFO) << "job '" << job_.name() << "': checkpoint of step " << p.step << " complete in " << p.dir;
+  AppendStepsLine(absl::StrCat("{\"checkpoint\": ", p.step, ", \"dir\": ", JsonQuote(p.dir), "}"));
+  absl::MutexLock lock(&mu_);
+  checkpoint_step_ = p.step;
+  checkpoint_dir_ = p.dir;
+  return absl::OkStatus();
 }
 
 void JobRunner::AppendStepsLine(const std::string& line) {

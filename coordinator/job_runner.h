@@ -57,6 +57,7 @@
 #include "baton/v1/plan.pb.h"
 #include "baton/v1/program.pb.h"
 #include "common/clock.h"
+#include "coordinator/fan_out.h"
 #include "coordinator/grpc/job_observer.h"
 #include "coordinator/job_state.h"
 #include "coordinator/kv_store.h"
@@ -76,7 +77,8 @@ class JobWorkers {
   virtual ~JobWorkers() = default;
   // Every registered worker (state, incarnation, host).
   virtual std::vector<v1::WorkerInfo> List() const = 0;
-  // Pushes `message` to `worker`'s session; false when it has none.
+  // Pushes `message` to `worker`'s session; false when it has none. Called
+  // from several threads at once for jobs of kParallelSendFrom+ workers.
   virtual bool Send(const std::string& worker, const v1::CoordinatorMessage& message) = 0;
   // Starts the next generation of the job's world (rendezvous scope) and returns it.
   virtual int64_t NextGeneration() = 0;
@@ -110,6 +112,9 @@ class JobRunner : public JobObserver {
     // How long waiting holds on for the rest of the workers once some report
     // holding this job (a coordinator restart), before starting it over.
     absl::Duration adopt_grace = absl::Seconds(15);
+    // --resume: a checkpoint directory (or a checkpoint.dir root: its newest
+    // complete step-<n>), validated before any worker starts training.
+    std::string resume_dir;
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
     int max_kept_traces = 16;
   };
@@ -153,6 +158,14 @@ class JobRunner : public JobObserver {
     v1::Plan plan;
     int64_t resume_step = 0;
     std::map<std::string, std::string> state;  // worker -> ShardState bytes (replacements)
+    std::string checkpoint_dir;                 // restore resume_step from this checkpoint instead
+  };
+  // A periodic checkpoint being written (SaveWeights{with_state}).
+  struct PendingCheckpoint {
+    int64_t step = 0;
+    std::string dir;
+    std::set<std::string> waiting;  // workers that have not reported Saved
+    std::vector<std::string> files;
   };
   // What a worker's own snapshots and its buddy copies cover (mirrors the
   // workers' bounded stores: kOwnSnapshots / kHeldSnapshots).
@@ -208,6 +221,10 @@ class JobRunner : public JobObserver {
   std::string Who(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteOutputs() ABSL_LOCKS_EXCLUDED(mu_);
   void AppendStepsLine(const std::string& line);
+  // Periodic checkpoints: start one after committed step `step` when due;
+  // write the manifest (and prune) once every worker reported its files.
+  void MaybeStartCheckpoint(int64_t step);
+  absl::Status FinishCheckpoint();
 
   const v1::JobSpec job_;
   const FaultTolerance ft_;
@@ -260,6 +277,12 @@ class JobRunner : public JobObserver {
   };
   std::map<std::string, Held> held_snapshots_ ABSL_GUARDED_BY(mu_);
 
+  // Checkpoints.
+  std::optional<PendingCheckpoint> pending_checkpoint_ ABSL_GUARDED_BY(mu_);
+  int64_t checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;  // newest complete checkpoint
+  std::string checkpoint_dir_ ABSL_GUARDED_BY(mu_);
+  std::string resume_checkpoint_ ABSL_GUARDED_BY(mu_);  // --resume, resolved and validated
+
   // Recovery bookkeeping.
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t replayed_ ABSL_GUARDED_BY(mu_) = 0;
@@ -277,6 +300,10 @@ class JobRunner : public JobObserver {
   double sum_bubble_ ABSL_GUARDED_BY(mu_) = 0, sum_comm_ ABSL_GUARDED_BY(mu_) = 0,
          sum_worker_wall_ ABSL_GUARDED_BY(mu_) = 0;
 
+  // Commands to kParallelSendFrom or more workers go out in parallel.
+  static constexpr size_t kParallelSendFrom = 32;
+  absl::Mutex fan_out_mu_;
+  std::unique_ptr<FanOut> fan_out_ ABSL_GUARDED_BY(fan_out_mu_);  // made on first use
   std::thread thread_;
 };
 

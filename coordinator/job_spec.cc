@@ -1,8 +1,11 @@
 #include "coordinator/job_spec.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cmath>
-#include <fstream>
-#include <sstream>
+#include <cstdio>
+#include <cstring>
 
 #include "absl/strings/ascii.h"
 #include "common/status_macros.h"
@@ -37,14 +40,51 @@ absl::Status AtLeast(absl::string_view field, int64_t value, int64_t min, absl::
   return Invalid(field, absl::StrCat("is ", value, "; must be >= ", min, hint.empty() ? "" : " ", hint));
 }
 
-absl::Status NonNegativeFinite(absl::string_view field, double value) {
-  if (std::isfinite(value) && value >= 0) return absl::OkStatus();
-  return Invalid(field, absl::StrCat("is ", value, "; must be a finite number >= 0"));
+// value in [min, max]; the message says which bound and what to do.
+absl::Status InRange(absl::string_view field, int64_t value, int64_t min, int64_t max,
+                     absl::string_view hint = "") {
+  BATON_RETURN_IF_ERROR(AtLeast(field, value, min, hint));
+  if (value <= max) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("is ", value, "; baton supports at most ", max, hint.empty() ? "" : " ", hint));
+}
+
+absl::Status NonNegativeFinite(absl::string_view field, double value, double max = HUGE_VAL) {
+  if (!std::isfinite(value) || value < 0) {
+    return Invalid(field, absl::StrCat("is ", value, "; must be a finite number >= 0"));
+  }
+  if (value > max) return Invalid(field, absl::StrCat("is ", value, "; baton supports at most ", max));
+  return absl::OkStatus();
+}
+
+// The largest tensor of a stage, in elements (see JobLimits::kMaxTensorElements).
+absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
+  const v1::ModelSpec& m = job.model();
+  const int64_t tokens = int64_t{job.train().micro_batch_size()} * m.seq_len();
+  const struct {
+    const char* what;
+    int64_t elements;
+  } tensors[] = {
+      {"attention scores (micro_batch_size * heads/tp * seq_len^2)",
+       tokens * (m.heads() / d.tp) * m.seq_len()},
+      {"logits (micro_batch_size * seq_len * vocab)", tokens * m.vocab()},
+      {"MLP activations (micro_batch_size * seq_len * 4*d_model)", tokens * 4 * m.d_model()},
+      {"token embedding (vocab * d_model)", int64_t{m.vocab()} * m.d_model()},
+      {"MLP weight (d_model * 4*d_model)", int64_t{m.d_model()} * 4 * m.d_model()},
+  };
+  for (const auto& t : tensors) {
+    if (t.elements > JobLimits::kMaxTensorElements) {
+      return Invalid("model", absl::StrCat("the ", t.what, " would hold ", t.elements, " elements in one tensor; ",
+                                           "baton supports at most ", JobLimits::kMaxTensorElements,
+                                           ": lower train.micro_batch_size, model.seq_len, model.vocab or "
+                                           "model.d_model, or raise parallel.tp"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateModel(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
-  BATON_RETURN_IF_ERROR(AtLeast("model.layers", m.layers(), 1));
+  BATON_RETURN_IF_ERROR(InRange("model.layers", m.layers(), 1, JobLimits::kMaxLayers));
   const int stages = d.pp * d.virtual_stages;
   if (m.layers() < stages) {
     return Invalid("model.layers",
@@ -55,15 +95,17 @@ absl::Status ValidateModel(const v1::JobSpec& job, const ParallelDims& d) {
   }
   if (m.has_synthetic()) {
     const v1::SyntheticCost& c = m.synthetic();
-    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.forward_ms", c.forward_ms()));
-    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_input_ms", c.backward_input_ms()));
-    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_weight_ms", c.backward_weight_ms()));
-    return AtLeast("model.synthetic.activation_bytes", c.activation_bytes(), 0);
+    const double max_ms = JobLimits::kMaxSyntheticOpMs;
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.forward_ms", c.forward_ms(), max_ms));
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_input_ms", c.backward_input_ms(), max_ms));
+    BATON_RETURN_IF_ERROR(NonNegativeFinite("model.synthetic.backward_weight_ms", c.backward_weight_ms(), max_ms));
+    return InRange("model.synthetic.activation_bytes", c.activation_bytes(), 4,
+                   JobLimits::kMaxSyntheticActivationBytes, "(bytes passed per microbatch; at least one float)");
   }
-  BATON_RETURN_IF_ERROR(AtLeast("model.d_model", m.d_model(), 1));
-  BATON_RETURN_IF_ERROR(AtLeast("model.heads", m.heads(), 1));
-  BATON_RETURN_IF_ERROR(AtLeast("model.vocab", m.vocab(), 2));
-  BATON_RETURN_IF_ERROR(AtLeast("model.seq_len", m.seq_len(), 1));
+  BATON_RETURN_IF_ERROR(InRange("model.d_model", m.d_model(), 1, JobLimits::kMaxDModel));
+  BATON_RETURN_IF_ERROR(InRange("model.heads", m.heads(), 1, JobLimits::kMaxHeads));
+  BATON_RETURN_IF_ERROR(InRange("model.vocab", m.vocab(), 2, JobLimits::kMaxVocab));
+  BATON_RETURN_IF_ERROR(InRange("model.seq_len", m.seq_len(), 1, JobLimits::kMaxSeqLen));
   if (m.d_model() % m.heads() != 0) {
     return Invalid("model.heads", absl::StrCat("is ", m.heads(), " and does not divide model.d_model=",
                                                m.d_model(), "; choose heads that divides d_model"));
@@ -82,13 +124,14 @@ absl::Status ValidateModel(const v1::JobSpec& job, const ParallelDims& d) {
 
 absl::Status ValidateParallel(const ParallelDims& d) {
   const char* hint = "(leave it unset for 1)";
-  BATON_RETURN_IF_ERROR(AtLeast("parallel.pp", d.pp, 1, hint));
-  BATON_RETURN_IF_ERROR(AtLeast("parallel.tp", d.tp, 1, hint));
-  BATON_RETURN_IF_ERROR(AtLeast("parallel.dp", d.dp, 1, hint));
-  BATON_RETURN_IF_ERROR(AtLeast("parallel.virtual_stages", d.virtual_stages, 1, hint));
-  if (static_cast<int64_t>(d.pp) * d.tp * d.dp > 4096) {
+  const int max = JobLimits::kMaxWorkers;
+  BATON_RETURN_IF_ERROR(InRange("parallel.pp", d.pp, 1, max, hint));
+  BATON_RETURN_IF_ERROR(InRange("parallel.tp", d.tp, 1, max, hint));
+  BATON_RETURN_IF_ERROR(InRange("parallel.dp", d.dp, 1, max, hint));
+  BATON_RETURN_IF_ERROR(InRange("parallel.virtual_stages", d.virtual_stages, 1, JobLimits::kMaxVirtualStages, hint));
+  if (static_cast<int64_t>(d.pp) * d.tp * d.dp > max) {
     return Invalid("parallel", absl::StrCat("pp*tp*dp = ", static_cast<int64_t>(d.pp) * d.tp * d.dp,
-                                            " workers; baton supports at most 4096"));
+                                            " workers; baton supports at most ", max));
   }
   return absl::OkStatus();
 }
@@ -102,7 +145,17 @@ absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
                                                  absl::StrJoin(kScheduleKinds, ", ")));
   }
   const int m = job.schedule().microbatches();
-  BATON_RETURN_IF_ERROR(AtLeast("schedule.microbatches", m, 1));
+  BATON_RETURN_IF_ERROR(InRange("schedule.microbatches", m, 1, JobLimits::kMaxMicrobatches));
+  const int64_t cells = int64_t{d.pp} * m * d.virtual_stages;
+  if (cells > JobLimits::kMaxScheduleCells) {
+    return Invalid("schedule.microbatches",
+                   absl::StrCat("is ", m, " with parallel.pp=", d.pp, " and virtual_stages=", d.virtual_stages,
+                                ": the schedule would have pp*microbatches*virtual_stages = ", cells,
+                                " cells; baton supports at most ", JobLimits::kMaxScheduleCells,
+                                ": use fewer microbatches (at most ",
+                                JobLimits::kMaxScheduleCells / (int64_t{d.pp} * d.virtual_stages),
+                                " here) with a larger train.micro_batch_size"));
+  }
   if (kind == "interleaved") {
     if (d.pp < 2) {
       return Invalid("parallel.pp", "schedule.kind 'interleaved' needs pp >= 2 (chunks are spread over pipeline ranks)");
@@ -124,8 +177,8 @@ absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
 }
 
 absl::Status ValidateTrain(const v1::TrainSpec& t) {
-  BATON_RETURN_IF_ERROR(AtLeast("train.steps", t.steps(), 1));
-  BATON_RETURN_IF_ERROR(AtLeast("train.micro_batch_size", t.micro_batch_size(), 1));
+  BATON_RETURN_IF_ERROR(InRange("train.steps", t.steps(), 1, JobLimits::kMaxSteps));
+  BATON_RETURN_IF_ERROR(InRange("train.micro_batch_size", t.micro_batch_size(), 1, JobLimits::kMaxMicroBatchSize));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.lr", t.lr()));
   BATON_RETURN_IF_ERROR(NonNegativeFinite("train.weight_decay", t.weight_decay()));
   if (!t.precision().empty() && t.precision() != "fp32" && t.precision() != "bf16") {
@@ -158,8 +211,12 @@ absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) 
     }
     return absl::OkStatus();
   }
-  std::ifstream in(path);
-  if (path.empty() || !in.good()) return Invalid(field, absl::StrCat("cannot read '", path, "'"));
+  // The file lives on the workers, under each worker's --data_dir; they check
+  // it (regular file, inside the data root, size) when the job is configured.
+  if (path.empty()) return Invalid(field, "is empty: give a file path relative to the workers' --data_dir");
+  if (path.size() > 4096 || path.find('\0') != std::string::npos) {
+    return Invalid(field, "is not a usable path: give a file path relative to the workers' --data_dir");
+  }
   if (data.source_case() == v1::DataSpec::kTextFile && model.vocab() < 256) {
     return Invalid("model.vocab", absl::StrCat("is ", model.vocab(), "; data.text_file is byte-level and needs 256"));
   }
@@ -180,6 +237,10 @@ ParallelDims DimsOf(const v1::JobSpec& job) {
 
 absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source) {
   v1::JobSpec job;
+  if (text.size() > JobLimits::kMaxSpecBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("job spec ", source, " is larger than ", JobLimits::kMaxSpecBytes,
+                                                   " bytes; a job spec is a few lines"));
+  }
   absl::string_view stripped = absl::StripLeadingAsciiWhitespace(text);
   if (!stripped.empty() && stripped.front() == '{') {
     google::protobuf::util::JsonParseOptions options;
@@ -203,11 +264,29 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 }
 
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
-  std::ifstream in(path);
-  if (!in.good()) return absl::NotFoundError(absl::StrCat("cannot read job file '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(text.str(), path);
+  // A job file is small: refuse anything but a regular file of bounded size
+  // (so --job=/dev/zero cannot fill the memory).
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::NotFoundError(absl::StrCat("cannot read job file '", path, "': ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    std::fclose(f);
+    return absl::InvalidArgumentError(absl::StrCat("job file '", path, "' is not a regular file"));
+  }
+  std::string text;
+  char buffer[1 << 14];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0 && text.size() <= JobLimits::kMaxSpecBytes) {
+    text.append(buffer, n);
+  }
+  std::fclose(f);
+  if (text.size() > JobLimits::kMaxSpecBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("job file '", path, "' is larger than ",
+                                                   JobLimits::kMaxSpecBytes, " bytes; a job spec is a few lines"));
+  }
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(text, path);
   if (!job.ok()) return job.status();
   BATON_RETURN_IF_ERROR_CTX(ValidateJobSpec(*job), path);
   return job;
@@ -239,15 +318,17 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));
+  if (!job.model().has_synthetic()) BATON_RETURN_IF_ERROR(CheckTensorSizes(job, d));
   BATON_RETURN_IF_ERROR(ValidateData(job.data(), job.model()));
-  BATON_RETURN_IF_ERROR(AtLeast("checkpoint.every_steps", job.checkpoint().every_steps(), 0));
+  BATON_RETURN_IF_ERROR(
+      InRange("checkpoint.every_steps", job.checkpoint().every_steps(), 0, JobLimits::kMaxCheckpointEverySteps));
   if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {
     return Invalid("checkpoint.dir", "must be set when checkpoint.every_steps > 0");
   }
-  BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
   if (job.checkpoint().has_keep()) {
     BATON_RETURN_IF_ERROR(AtLeast("checkpoint.keep", job.checkpoint().keep(), 1));
   }
+  BATON_RETURN_IF_ERROR(ValidateFaultTolerance(job.fault_tolerance()));
   return absl::OkStatus();
 }
 

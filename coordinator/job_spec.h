@@ -3,14 +3,44 @@
 #ifndef BATON_COORDINATOR_JOB_SPEC_H_
 #define BATON_COORDINATOR_JOB_SPEC_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "baton/v1/job.pb.h"
+#include "coordinator/schedule/ir.h"
 
 namespace baton {
+
+// Hard caps on every size a job spec sets, checked before anything is
+// allocated for it (ValidateJobSpec). They bound what one coordinator and
+// worker process will ever be asked to build; the memory a job really needs
+// is checked against what the workers reported by CheckPlanFitsMemory
+// (coordinator/memory_estimate.h).
+struct JobLimits {
+  static constexpr int kMaxLayers = 1024;
+  static constexpr int kMaxDModel = 1 << 16;
+  static constexpr int kMaxHeads = 1024;
+  static constexpr int kMaxVocab = 1 << 20;
+  static constexpr int kMaxSeqLen = 1 << 16;
+  static constexpr int kMaxMicroBatchSize = 1 << 16;
+  static constexpr int kMaxMicrobatches = 1 << 16;
+  static constexpr int64_t kMaxSteps = 100'000'000;
+  static constexpr int kMaxWorkers = 4096;       // pp * tp * dp
+  static constexpr int kMaxVirtualStages = 64;
+  // pp * microbatches * virtual_stages: the (rank, microbatch, chunk) cells of
+  // the schedule the coordinator builds, lowers, validates and simulates.
+  static constexpr int64_t kMaxScheduleCells = schedule::kMaxScheduleCells;
+  // Elements of the largest single tensor of a stage (the kernels index with
+  // 32-bit counts in places): attention scores, logits, the embedding.
+  static constexpr int64_t kMaxTensorElements = (int64_t{1} << 31) - 1;
+  static constexpr double kMaxSyntheticOpMs = 60'000;
+  static constexpr int64_t kMaxSyntheticActivationBytes = int64_t{1} << 30;
+  static constexpr int64_t kMaxCheckpointEverySteps = kMaxSteps;
+  static constexpr size_t kMaxSpecBytes = 1 << 20;  // the job file itself
+};
 
 // The effective parallel layout (unset fields mean 1).
 struct ParallelDims {

@@ -98,8 +98,8 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "parallel.virtual_stages", "interleaved"},
       {"negative lr", [](v1::JobSpec* j) { j->mutable_train()->set_lr(-1); }, "train.lr", ">= 0"},
       {"missing name", [](v1::JobSpec* j) { j->clear_name(); }, "name", "must be set"},
-      {"missing text file", [](v1::JobSpec* j) { j->mutable_data()->set_text_file("/nonexistent/x.txt"); },
-       "data.text_file", "cannot read"},
+      {"empty text file", [](v1::JobSpec* j) { j->mutable_data()->set_text_file(""); }, "data.text_file",
+       "relative to the workers' --data_dir"},
       {"checkpoint without dir", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_every_steps(5); },
        "checkpoint.dir", "must be set"},
       {"negative max_restarts", [](v1::JobSpec* j) { j->mutable_fault_tolerance()->set_max_restarts(-1); },
@@ -123,11 +123,107 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
   }
 }
 
+// Every size field has a hard cap, checked before anything is allocated for
+// it (issue 12: layers 1e9, microbatches 1e9, seq_len 1e9, d_model 2^30,
+// micro_batch_size 2e9 and steps INT64_MAX crashed or never ended).
+TEST(JobSpecTest, EverySizeFieldHasACapThatNamesTheFieldAndTheLimit) {
+  struct Case {
+    const char* what;
+    void (*mutate)(v1::JobSpec*);
+    const char* field;
+    const char* fix;
+  };
+  const Case cases[] = {
+      {"layers 1e9", [](v1::JobSpec* j) { j->mutable_model()->set_layers(1000000000); }, "model.layers",
+       "at most 1024"},
+      {"d_model 2^30", [](v1::JobSpec* j) { j->mutable_model()->set_d_model(1 << 30); }, "model.d_model",
+       "at most 65536"},
+      {"heads", [](v1::JobSpec* j) { j->mutable_model()->set_heads(1 << 20); }, "model.heads", "at most 1024"},
+      {"vocab", [](v1::JobSpec* j) { j->mutable_model()->set_vocab(2000000000); }, "model.vocab",
+       "at most 1048576"},
+      {"seq_len 1e9", [](v1::JobSpec* j) { j->mutable_model()->set_seq_len(1000000000); }, "model.seq_len",
+       "at most 65536"},
+      {"micro_batch_size 2e9", [](v1::JobSpec* j) { j->mutable_train()->set_micro_batch_size(2000000000); },
+       "train.micro_batch_size", "at most 65536"},
+      {"microbatches 1e9", [](v1::JobSpec* j) { j->mutable_schedule()->set_microbatches(1000000000); },
+       "schedule.microbatches", "at most 65536"},
+      {"steps INT64_MAX", [](v1::JobSpec* j) { j->mutable_train()->set_steps(INT64_MAX); }, "train.steps",
+       "at most 100000000"},
+      {"pp", [](v1::JobSpec* j) { j->mutable_parallel()->set_pp(1 << 30); }, "parallel.pp", "at most 4096"},
+      {"tp", [](v1::JobSpec* j) { j->mutable_parallel()->set_tp(1 << 30); }, "parallel.tp", "at most 4096"},
+      {"dp", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(1 << 30); }, "parallel.dp", "at most 4096"},
+      {"world", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(2048); }, "pp*tp*dp = 8192",
+       "at most 4096"},
+      {"virtual stages", [](v1::JobSpec* j) { j->mutable_parallel()->set_virtual_stages(1 << 20); },
+       "parallel.virtual_stages", "at most 64"},
+      {"checkpoint interval", [](v1::JobSpec* j) { j->mutable_checkpoint()->set_every_steps(INT64_MAX); },
+       "checkpoint.every_steps", "at most"},
+      {"schedule product p*m*v",
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_layers(64);
+         j->mutable_parallel()->set_pp(64);
+         j->mutable_parallel()->set_tp(1);
+         j->mutable_schedule()->set_microbatches(65536);
+       },
+       "pp*microbatches*virtual_stages = 4194304", "at most 4096 here"},
+      {"attention scores tensor",
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_seq_len(65536);
+         j->mutable_train()->set_micro_batch_size(1);
+       },
+       "attention scores", "lower train.micro_batch_size"},
+      {"logits tensor",
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_vocab(1 << 20);
+         j->mutable_train()->set_micro_batch_size(4096);
+       },
+       "logits", "at most 2147483647"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec job = Good();
+    c.mutate(&job);
+    absl::Status s = ValidateJobSpec(job);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.fix), std::string::npos) << c.what << ": " << s;
+  }
+}
+
+TEST(JobSpecTest, SyntheticCostsAreBoundedToo) {
+  v1::JobSpec job = Good();
+  job.clear_model();
+  job.mutable_model()->set_layers(4);
+  job.mutable_parallel()->set_tp(1);
+  v1::SyntheticCost* c = job.mutable_model()->mutable_synthetic();
+  c->set_activation_bytes(64);
+  EXPECT_EQ(ErrorOf(job), "");
+  c->set_forward_ms(1e300);
+  EXPECT_NE(ErrorOf(job).find("model.synthetic.forward_ms: is 1e+300; baton supports at most 60000"),
+            std::string::npos)
+      << ErrorOf(job);
+  c->set_forward_ms(1);
+  c->set_activation_bytes(int64_t{1} << 40);
+  EXPECT_NE(ErrorOf(job).find("model.synthetic.activation_bytes"), std::string::npos) << ErrorOf(job);
+  EXPECT_NE(ErrorOf(job).find("at most 1073741824"), std::string::npos) << ErrorOf(job);
+  c->set_activation_bytes(0);  // the workers need one float per message
+  EXPECT_NE(ErrorOf(job).find("must be >= 4"), std::string::npos) << ErrorOf(job);
+}
+
+TEST(JobSpecTest, TheLargestAllowedSizesStillValidate) {
+  v1::JobSpec job = Good();
+  job.mutable_model()->set_layers(JobLimits::kMaxLayers);
+  job.mutable_parallel()->set_pp(64);
+  job.mutable_schedule()->set_microbatches(JobLimits::kMaxScheduleCells / 64);
+  job.mutable_train()->set_steps(JobLimits::kMaxSteps);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
 TEST(JobSpecTest, SyntheticModelSkipsShapeChecksButNotCosts) {
   v1::JobSpec job = Good();
   job.clear_model();
   job.mutable_model()->set_layers(4);
   job.mutable_model()->mutable_synthetic()->set_forward_ms(20);
+  job.mutable_model()->mutable_synthetic()->set_activation_bytes(4);
   job.mutable_parallel()->set_tp(1);
   EXPECT_EQ(ErrorOf(job), "");
   job.mutable_model()->mutable_synthetic()->set_forward_ms(-1);
@@ -142,6 +238,23 @@ TEST(JobSpecTest, LoadJobSpecNamesTheFile) {
   EXPECT_NE(job.status().message().find(path), std::string::npos);
   EXPECT_NE(job.status().message().find("parallel.pp"), std::string::npos);
   EXPECT_EQ(LoadJobSpec("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(JobSpecTest, LoadJobSpecRefusesDevicesDirectoriesAndHugeFiles) {
+  for (const char* path : {"/dev/zero", "/dev/urandom", "/"}) {
+    auto job = LoadJobSpec(path);
+    ASSERT_FALSE(job.ok()) << path;
+    EXPECT_NE(job.status().message().find("not a regular file"), std::string::npos) << job.status();
+  }
+  std::string path = std::string(getenv("TEST_TMPDIR")) + "/huge.textproto";
+  {
+    std::ofstream out(path);
+    out << "name: \"x\"\n";
+    for (int i = 0; i < 200000; ++i) out << "# padding padding\n";
+  }
+  auto job = LoadJobSpec(path);
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("larger than 1048576 bytes"), std::string::npos) << job.status();
 }
 
 }  // namespace

@@ -50,6 +50,9 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
+ABSL_FLAG(std::string, resume, "",
+          "with --job: resume from this checkpoint directory (or the newest complete one under a checkpoint.dir); "
+          "a checkpoint that does not fit the job is refused before training");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this coordinator (mTLS; with --tls_key and --tls_ca)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed every worker and operator certificate");
@@ -82,8 +85,10 @@ int Main() {
   if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_listen), "listen", &host, &port); !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
+  std::string http_host;  // not `host`: that one decides whether gRPC is beyond loopback
   int http_port = 0;
-  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &host, &http_port); !s.ok()) {
+  if (absl::Status s = ParseHostPort(absl::GetFlag(FLAGS_http_listen), "http_listen", &http_host, &http_port);
+      !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
   absl::StatusOr<TlsConfig> tls =
@@ -127,6 +132,7 @@ int Main() {
     JobRunner::Options job_options;
     job_options.out_dir = absl::GetFlag(FLAGS_out);
     job_options.ready_timeout = absl::Seconds(absl::GetFlag(FLAGS_ready_timeout_s));
+    job_options.resume_dir = absl::GetFlag(FLAGS_resume);
     runner = std::make_unique<JobRunner>(*job, &registry, &kv, job_options, *metrics);
   }
   CoordinatorService::Options options;
@@ -148,6 +154,12 @@ int Main() {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // Bounded: each open RPC of the synchronous server holds a thread (Session
+  // streams, pending waits); beyond this, new RPCs are RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("baton-coordinator");
+  quota.SetMaxThreads(2048);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {

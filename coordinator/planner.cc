@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "coordinator/job_spec.h"
+#include "coordinator/memory_estimate.h"
 
 namespace baton {
 
@@ -23,8 +24,17 @@ LayerCosts CostsOf(const v1::ModelSpec& model) {
 
 std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs) {
   // best[k][i]: the smallest possible max stage cost when the first k stages
-  // hold the first i layers; cut[k][i] the first layer of stage k-1 there.
+  // hold the first i layers. Ties go to the later cut (the largest j), which
+  // keeps earlier stages no heavier.
+  //
+  // best[k][i] = min over j of max(best[k-1][j], cost(k-1, j, i)). best[k-1][.]
+  // is nondecreasing in j and cost(k-1, j, i) decreasing in j, so the minimum
+  // sits where the two cross, and both the crossing and the largest minimising
+  // j move right as i grows: two pointers give each row in O(layers), the
+  // whole table in O(stages * layers) time and memory (stages <= layers <=
+  // JobLimits::kMaxLayers).
   const double kInf = std::numeric_limits<double>::infinity();
+  const double kTie = 1e-12;
   auto cost = [&](int stage, int first, int end) {
     double c = end - first;
     if (stage == 0) c += costs.embedding;
@@ -35,16 +45,22 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
   std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(layers + 1, 0));
   best[0][0] = 0;
   for (int k = 1; k <= stages; ++k) {
+    const std::vector<double>& prev = best[k - 1];
+    // prev[j] is finite for j in [k - 1, ...] (k - 1 stages need k - 1 layers).
+    int cross = k - 1;  // smallest j with prev[j] >= cost(k - 1, j, i)
+    int last = k - 1;   // largest j with prev[j] <= best[k][i] + kTie
     for (int i = k; i <= layers - (stages - k); ++i) {
-      for (int j = k - 1; j < i; ++j) {
-        if (best[k - 1][j] == kInf) continue;
-        double m = std::max(best[k - 1][j], cost(k - 1, j, i));
-        // Ties go to the later cut, which keeps earlier stages no heavier.
-        if (m < best[k][i] - 1e-12 || (std::abs(m - best[k][i]) <= 1e-12 && j > cut[k][i])) {
-          best[k][i] = m;
-          cut[k][i] = j;
-        }
-      }
+      auto g = [&](int j) { return std::max(prev[j], cost(k - 1, j, i)); };
+      while (cross < i - 1 && prev[cross] < cost(k - 1, cross, i)) ++cross;
+      // g is quasi-convex in j: its minimisers form an interval holding
+      // cross - 1 or cross, whose right end never moves left as i grows.
+      int argmin = cross;
+      if (cross > k - 1 && g(cross - 1) < g(cross)) argmin = cross - 1;
+      const double m = g(argmin);
+      last = std::max(last, argmin);
+      while (last + 1 <= i - 1 && g(last + 1) <= m + kTie) ++last;
+      best[k][i] = m;
+      cut[k][i] = last;
     }
   }
   std::vector<v1::StagePartition> out(stages);
@@ -128,6 +144,7 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
        PartitionLayers(job.model().layers(), d.pp * d.virtual_stages, CostsOf(job.model()))) {
     *plan.add_stages() = std::move(p);
   }
+  BATON_RETURN_IF_ERROR(CheckPlanFitsMemory(job, plan, ready));
   return plan;
 }
 

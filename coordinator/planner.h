@@ -38,7 +38,9 @@ LayerCosts CostsOf(const v1::ModelSpec& model);
 std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs);
 
 // FAILED_PRECONDITION when fewer workers are ready than pp*tp*dp (says how
-// many are missing); INVALID_ARGUMENT for an invalid spec.
+// many are missing); INVALID_ARGUMENT for an invalid spec; RESOURCE_EXHAUSTED
+// when a worker of the plan lacks the memory its part needs
+// (CheckPlanFitsMemory). Cost: O(pp * virtual_stages * layers + workers).
 absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
                                   int64_t generation);
 

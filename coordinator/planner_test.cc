@@ -1,5 +1,8 @@
 #include "coordinator/planner.h"
 
+#include <chrono>
+#include <limits>
+#include <random>
 #include <set>
 
 #include "coordinator/job_spec.h"
@@ -75,6 +78,70 @@ TEST(PlannerTest, AHeavyHeadTakesLayersOffTheLastStage) {
   EXPECT_NEAR(CostsOf(m).head, 1.0, 1e-9);
   m.mutable_synthetic();
   EXPECT_EQ(CostsOf(m).head, 0);
+}
+
+// The O(stages * layers^2) dynamic programme the planner used before: the
+// reference the faster one must agree with, partition for partition.
+std::vector<int> ReferencePartition(int layers, int stages, const LayerCosts& costs) {
+  const double kInf = std::numeric_limits<double>::infinity();
+  auto cost = [&](int stage, int first, int end) {
+    double c = end - first;
+    if (stage == 0) c += costs.embedding;
+    if (stage == stages - 1) c += costs.head;
+    return c;
+  };
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(layers + 1, kInf));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(layers + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int i = k; i <= layers - (stages - k); ++i) {
+      for (int j = k - 1; j < i; ++j) {
+        if (best[k - 1][j] == kInf) continue;
+        double m = std::max(best[k - 1][j], cost(k - 1, j, i));
+        if (m < best[k][i] - 1e-12 || (std::abs(m - best[k][i]) <= 1e-12 && j > cut[k][i])) {
+          best[k][i] = m;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int> sizes(stages);
+  int end = layers;
+  for (int k = stages; k >= 1; --k) {
+    sizes[k - 1] = end - cut[k][end];
+    end = cut[k][end];
+  }
+  return sizes;
+}
+
+TEST(PlannerTest, PartitionsMatchTheExhaustiveProgramme) {
+  std::mt19937 rng(12);
+  const double head_costs[] = {0, 0.05, 0.5, 1, 1.5, 2, 3.25, 7};
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int layers = 1 + static_cast<int>(rng() % 40);
+    const int stages = 1 + static_cast<int>(rng() % layers);
+    LayerCosts costs{rng() % 2 ? 0.05 : 0.0, head_costs[rng() % 8]};
+    if (rng() % 4 == 0) costs.head = (rng() % 1000) / 97.0;
+    ASSERT_EQ(Sizes(PartitionLayers(layers, stages, costs)), ReferencePartition(layers, stages, costs))
+        << layers << " layers, " << stages << " stages, head " << costs.head << ", embedding " << costs.embedding;
+  }
+}
+
+// The largest plans the job spec allows take well under a second (the old
+// programme needed O(layers^2) per stage; layers: 1e9 aborted the coordinator).
+TEST(PlannerTest, TheLargestAllowedPartitionIsCheap) {
+  for (int stages : {1, 64, 512, 1024}) {
+    auto parts = PartitionLayers(JobLimits::kMaxLayers, stages, LayerCosts{0.05, 3.5});
+    ASSERT_EQ(static_cast<int>(parts.size()), stages);
+    int total = 0;
+    for (const auto& p : parts) total += p.num_layers();
+    EXPECT_EQ(total, JobLimits::kMaxLayers);
+  }
+  auto plan = MakePlan(Job(1000000000, 2, 1, 1), Workers({{"a", "h"}, {"b", "h"}}), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("model.layers: is 1000000000; baton supports at most 1024"),
+            std::string::npos)
+      << plan.status();
 }
 
 TEST(PlannerTest, TensorGroupsStayOnOneHostAndRanksAreTpInnermost) {

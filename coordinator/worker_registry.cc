@@ -90,6 +90,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   w.info.set_name(request.name());
   w.info.set_host(request.host());
   w.info.set_device(request.device());
+  w.info.set_memory_bytes(request.memory_bytes());
   w.info.set_http_port(request.http_port());
   if (request.has_held()) *w.info.mutable_held() = request.held();  // job adoption (owner: recovery)
   w.info.set_state(v1::JOINING);

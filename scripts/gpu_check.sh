@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: every CUDA op against the CPU op, the CUDA backend through
-# the ops, golden_check on the GPU (where it takes --device), the bf16 GEMM
+# the ops, the PyTorch goldens on the GPU (pp = tp = 1), the bf16 GEMM
 # ceiling and a GPT-2-small-shaped training step, on one GPU, in at most
 # 6 minutes. Each step has its own timeout; every step appends to
 # OUT/gpu_check.log and rewrites OUT/result.json, so a run cut short still
@@ -12,7 +12,7 @@
 #
 #   1. On the build machine:
 #        bazel build //kernels/cuda:all //bench:gpu_gemm_bench //bench:gpu_model_bench \
-#          //tests/golden:golden_check
+#          //bench:gpu_golden_check //tests/golden:golden_check
 #        scripts/gpu_check.sh --collect gpu_check_bundle
 #      copies those binaries, every shared library they need that is not
 #      glibc or the CUDA/NCCL/cuDNN runtime, and the golden files into
@@ -55,6 +55,7 @@ BINARIES=(
   kernels/cuda/cuda_ops_test
   kernels/cuda/cuda_backend_test
   tests/golden/golden_check
+  bench/gpu_golden_check
   bench/gpu_gemm_bench
   bench/gpu_model_bench
 )
@@ -175,7 +176,12 @@ step() {
   elif (( rc == 124 || rc == 137 )); then
     record "$name" "timeout after ${limit}s" "$took"; FAILED=1
   else
-    record "$name" "fail (exit $rc)" "$took"; FAILED=1
+    # Why, in a line: the failed gtest cases, else the output's last line.
+    local why
+    why=$(grep -m 4 '^\[  FAILED  \] [A-Za-z]' "$OUT/$name.out" | sed 's/^\[  FAILED  \] //' |
+          sed 's/ (.*//' | paste -sd, -)
+    [[ -z "$why" ]] && why=$(grep -v '^[[:space:]]*$' "$OUT/$name.out" | tail -n 1)
+    record "$name" "fail (exit $rc): ${why:0:300}" "$took"; FAILED=1
   fi
   return $rc
 }
@@ -199,19 +205,25 @@ fi
 
 # 1. Every CUDA op against the CPU op (fp32 <= 1e-5 relative, bf16 bounds in
 #    the test, bitwise run to run).
-step cuda_ops 75 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
+step cuda_ops 70 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
 # 2. The CUDA backend through kernels/ops.h against the CPU backend.
-step cuda_backend 60 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
+step cuda_backend 50 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
 
-# 3. golden_check on the GPU (against PyTorch's goldens), where it can run there.
+# 3. The PyTorch goldens on the GPU: one stage (pp = tp = 1) with everything
+#    on cuda:0, fp32 loss and gradients within 1e-4. Multi-stage and TP layouts
+#    in one process need golden_check to take --device (run when it does).
+for golden in "$DATA"/gpt_a.safetensors "$DATA"/gpt_b.safetensors; do
+  step "golden_gpu_$(basename "$golden" .safetensors)" 20 bench/gpu_golden_check \
+    --golden="$golden" --device=cuda:0
+done
 if [[ -x "$BIN/tests/golden/golden_check" ]] &&
    "$BIN/tests/golden/golden_check" --helpfull 2>&1 | grep -q -- '--device'; then
-  for golden in "$DATA"/gpt_a.safetensors; do
-    step golden_gpu_pp1 30 tests/golden/golden_check --golden="$golden" --device=cuda:0 --pp=1
-    step golden_gpu_pp2 30 tests/golden/golden_check --golden="$golden" --device=cuda:0 --pp=2
+  for layout in "--pp=2" "--tp=2" "--pp=3"; do
+    step "golden_gpu_a_${layout#--}" 20 tests/golden/golden_check \
+      --golden="$DATA/gpt_a.safetensors" --device=cuda:0 "$layout"
   done
 else
-  record golden_gpu "not available: golden_check has no --device flag in this build" 0
+  record golden_gpu_layouts "not available: golden_check has no --device flag in this build" 0
 fi
 
 # 4. The bf16 GEMM ceiling and GPT-2-small layer GEMMs.
@@ -223,7 +235,7 @@ if step gemm_bench 45 bench/gpu_gemm_bench; then
 fi
 
 # 5. A GPT-2-small-shaped training step (fp32; bf16 once GptStage takes a precision).
-if step model_fp32 90 bench/gpu_model_bench --device=cuda:0; then
+if step model_fp32 80 bench/gpu_model_bench --device=cuda:0; then
   line=$(grep '^{"device"' "$OUT/model_fp32.out" | tail -n 1)
   [[ -n "$line" ]] && METRICS+=("\"gpt2_small_fp32\": $line")
   write_result

@@ -2,6 +2,9 @@
 # Installs the Debian 12 packages baton builds and tests with. Idempotent: a
 # fast no-op when everything is present. Needs root (or sudo) only to install.
 set -euo pipefail
+# clang-14 + libclang-rt-14-dev: the clang -Wthread-safety build, ASan/UBSan/
+# TSan and libFuzzer (scripts/test.sh stages clang, asan, fuzz); llvm-14 has
+# llvm-symbolizer for readable sanitizer stacks.
 
 PACKAGES=(
   bazel-bootstrap g++ git python3 curl
@@ -10,6 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libgloo-dev libopenblas-dev zlib1g-dev
   prometheus openssl
   patchelf  # scripts/package.sh: RUNPATH of the release bundle
+  clang-14 libclang-rt-14-dev llvm-14
 )
 # Test-only tools (not needed to build, e.g. in deploy/docker/Dockerfile):
 #  python3-yaml, python3-venv: tests/ops (PyYAML; a venv for kubernetes-validate)

@@ -1,18 +1,79 @@
 #!/usr/bin/env bash
-# Sets up, builds everything (GPU code too, where nvcc exists) and runs every
-# test that does not need a GPU. GPU tests (tag `gpu`) run with
-#   bazel test //... --test_tag_filters=gpu
-# on a machine with one. Ends with a plain "tests: N passed, M failed" line.
+# CI: sets up, then runs these stages in order (docs/build.md has their cost):
+#   1. build    bazel build //... (GCC; GPU code too where nvcc exists)
+#   2. test     bazel test //... --config=cpu (every test that needs no GPU)
+#   3. clang    bazel build --config=clang //... (-Wthread-safety -Werror)
+#   4. asan     bazel test --config=asan --config=cpu //... (ASan + UBSan + LSan)
+#   5. fuzz     scripts/fuzz.sh: each libFuzzer target for a bounded time
+# The clang stages use their own output base so they do not evict the GCC
+# build. GPU tests (tag `gpu`) run with `bazel test //... --test_tag_filters=gpu`
+# on a machine with one. Set BATON_CI_STAGES (e.g. "build test") to run fewer.
+# Ends with one line "tests: N passed, M failed"; a failed build or stage
+# counts as one failure. Exits non-zero on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 
-bazel build //... || { echo "tests: 0 passed, 1 failed (build failed)"; exit 1; }
+stages=${BATON_CI_STAGES:-"build test clang asan fuzz"}
+passed=0
+failed=0
 log=$(mktemp)
-bazel test //... --config=cpu 2>&1 | tee "$log"
-rc=${PIPESTATUS[0]}
-passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
-failed=$(grep -cE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD)' "$log")
-rm -f "$log"
+trap 'rm -f "$log"' EXIT
+clang_base=${BATON_CLANG_OUTPUT_BASE:-$HOME/.cache/baton-bazel-clang}
+clang_bazel=(bazel "--output_base=$clang_base")
+sup="$PWD/third_party/sanitizers"
+asan_env=(--test_env="LSAN_OPTIONS=suppressions=$sup/lsan.supp:print_suppressions=0"
+          --test_env="UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:suppressions=$sup/ubsan.supp")
+
+stage() {  # stage NAME: prints and times a stage
+  echo "=== stage $1 ($(date -u +%H:%M:%S))"
+  stage_start=$SECONDS
+}
+stage_end() {  # stage_end NAME RC
+  echo "=== stage $1: rc=$2 in $((SECONDS - stage_start)) s"
+}
+count_tests() {  # adds the PASSED / FAILED lines of a bazel test log
+  passed=$((passed + $(grep -caE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")))
+  failed=$((failed + $(grep -caE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD|INCOMPLETE)' "$log")))
+}
+want() { [[ " $stages " == *" $1 "* ]]; }
+rc_all=0
+
+if want build; then
+  stage build
+  bazel build //...; rc=$?
+  stage_end build $rc
+  if ((rc != 0)); then echo "tests: ${passed} passed, $((failed + 1)) failed (build failed)"; exit 1; fi
+fi
+if want test; then
+  stage test
+  bazel test //... --config=cpu 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+  count_tests
+  stage_end test $rc
+  ((rc != 0)) && rc_all=1
+fi
+if want clang; then
+  stage clang
+  "${clang_bazel[@]}" build --symlink_prefix=/ --config=clang //...; rc=$?
+  stage_end clang $rc
+  if ((rc != 0)); then failed=$((failed + 1)); rc_all=1; echo "clang -Werror build failed"; fi
+fi
+if want asan; then
+  stage asan
+  "${clang_bazel[@]}" test --symlink_prefix=/ --config=asan --config=cpu "${asan_env[@]}" //... 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  count_tests
+  stage_end asan $rc
+  ((rc != 0)) && rc_all=1
+fi
+if want fuzz && [ -x scripts/fuzz.sh ]; then
+  stage fuzz
+  BATON_BAZEL_OUTPUT_BASE="$clang_base" bash scripts/fuzz.sh 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+  passed=$((passed + $(grep -caE '^fuzz: [^ ]+ PASSED' "$log")))
+  failed=$((failed + $(grep -caE '^fuzz: [^ ]+ FAILED' "$log")))
+  stage_end fuzz $rc
+  ((rc != 0)) && rc_all=1
+fi
 echo "tests: ${passed} passed, ${failed} failed"
-exit "$rc"
+if ((rc_all != 0 || failed != 0)); then exit 1; fi
+exit 0

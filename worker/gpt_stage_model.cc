@@ -1,7 +1,9 @@
 #include "worker/gpt_stage_model.h"
 
+#include <cstdio>
 #include <cstring>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -109,32 +111,44 @@ std::vector<NamedShard> GptStageModel::Shards() {
 
 namespace {
 
-// Copies between the stage's memory (any device) and the host through the
-// stage's stream, after everything it enqueued before, and waits.
-std::vector<float> HostCopy(const kernels::ExecContext& ctx, const Tensor& t) {
-  std::vector<float> out(t.numel());
-  kernels::Copy(ctx, Tensor::View(out.data(), {t.numel()}), t);
-  const absl::Status s = ctx.stream->Synchronize();
-  if (!s.ok()) out.assign(out.size(), NAN);  // a failed device: never pass stale state as real
-  return out;
+// Host <-> store copies ordered on the stage's stream (after the optimizer
+// step it enqueued), then waited for. On the host a plain memcpy.
+void EnqueueToHost(const kernels::ExecContext& ctx, const Tensor& t, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(t.numel()));
+  if (t.device().is_cpu()) {
+    std::memcpy(out->data(), t.f32(), t.bytes());
+    return;
+  }
+  kernels::Copy(ctx, Tensor::View(out->data(), {t.numel()}), t);
 }
 
-absl::Status CopyInto(const kernels::ExecContext& ctx, const std::vector<float>& from, const Tensor& to) {
-  if (from.empty()) return absl::OkStatus();
+void EnqueueFromHost(const kernels::ExecContext& ctx, const std::vector<float>& from, const Tensor& to) {
+  if (from.empty()) return;
+  if (to.device().is_cpu()) {
+    std::memcpy(to.f32(), from.data(), sizeof(float) * from.size());
+    return;
+  }
   kernels::Copy(ctx, to, Tensor::View(const_cast<float*>(from.data()), {to.numel()}));
-  return ctx.stream->Synchronize();
 }
 
 }  // namespace
 
 ChunkState GptStageModel::CaptureState() const {
   const model::ParameterStore& params = stage_->parameters();
+  const kernels::ExecContext& ctx = stage_->context();
   ChunkState state;
   state.optimizer_step = stage_->optimizer_step();
-  const kernels::ExecContext& ctx = stage_->context();
-  state.values = HostCopy(ctx, params.values());
-  state.adam_m = HostCopy(ctx, params.adam_m());
-  state.adam_v = HostCopy(ctx, params.adam_v());
+  EnqueueToHost(ctx, params.values(), &state.values);
+  EnqueueToHost(ctx, params.adam_m(), &state.adam_m);
+  EnqueueToHost(ctx, params.adam_v(), &state.adam_v);
+  if (absl::Status s = stage_->stream().Synchronize(); !s.ok()) {
+    // A device that failed cannot give its state; a negative step marks the
+    // capture invalid, and every consumer (RestoreState, the checkpoint
+    // writer, the encoder's reader) refuses it.
+    fprintf(stderr, "model chunk %d: capturing state failed: %s\n", config_.pp_rank,
+            std::string(s.message()).c_str());
+    return ChunkState{-1, {}, {}, {}};
+  }
   return state;
 }
 
@@ -163,9 +177,11 @@ absl::Status GptStageModel::RestoreState(const ChunkState& state) {
   stage_->DropInFlight();
   stage_->ZeroGrad();
   const kernels::ExecContext& ctx = stage_->context();
-  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.values, params.values()));
-  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_m, params.adam_m()));
-  BATON_RETURN_IF_ERROR(CopyInto(ctx, state.adam_v, params.adam_v()));
+  EnqueueFromHost(ctx, state.values, params.values());
+  EnqueueFromHost(ctx, state.adam_m, params.adam_m());
+  EnqueueFromHost(ctx, state.adam_v, params.adam_v());
+  // `state` must outlive the copies.
+  BATON_RETURN_IF_ERROR_CTX(stage_->stream().Synchronize(), "restoring model chunk ", config_.pp_rank);
   stage_->set_optimizer_step(state.optimizer_step);
   return absl::OkStatus();
 }

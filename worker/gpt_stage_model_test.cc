@@ -364,5 +364,30 @@ TEST_F(GptStageModelTest, RestoringAStateOfAnotherLayoutIsRefusedAndChangesNothi
   EXPECT_TRUE(SameState(chunks[1]->CaptureState(), last));
 }
 
+TEST_F(GptStageModelTest, StateMovesBitForBitToAndFromASimulatedDevice) {
+  // A trained state from the host...
+  auto chunks = MakeChunks({{0, 2}, {2, 2}});
+  RunStep(chunks);
+  for (auto& c : chunks) ASSERT_TRUE(c->OptimizerStep(1.0f).ok());
+  const ChunkState trained = chunks[1]->CaptureState();
+  ASSERT_EQ(trained.optimizer_step, 1);
+
+  // ...restored into the same chunk placed on the simulated device (whose
+  // memory aborts on host access, so only stream copies can move it) and
+  // captured back.
+  auto config = model::MakeChunkConfig(model_, 1, 2, {2, 2}, 0, 1, kSeed);
+  ASSERT_TRUE(config.ok());
+  config->microbatches = 2;
+  config->device = kernels::Device::Sim(0);
+  auto tie = comm::InProcCommunicator::CreateGroup(2);
+  auto sim = GptStageModel::Create(*config, kBatch, nullptr, tie[1].get(), AdamWFromTrainSpec(train_));
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  const ChunkState initial = (*sim)->CaptureState();
+  EXPECT_EQ(initial.optimizer_step, 0);
+  EXPECT_FALSE(SameState(initial, trained));
+  ASSERT_TRUE((*sim)->RestoreState(trained).ok());
+  EXPECT_TRUE(SameState((*sim)->CaptureState(), trained));
+}
+
 }  // namespace
 }  // namespace baton

@@ -9,6 +9,7 @@
 #include "worker/agent.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/train_state.h"
+#include "worker/checkpoint/async_writer.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/data/data_source.h"
@@ -61,6 +62,15 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                                 .Name("baton_snapshot_bytes_total")
                                 .Help("Bytes of in-memory state snapshots captured for the buddy")
                                 .Register(metrics);
+  checkpoint_bytes_family_ = &prometheus::BuildCounter()
+                                  .Name("baton_checkpoint_bytes_total")
+                                  .Help("Bytes of checkpoint shard files written")
+                                  .Register(metrics);
+  checkpoint_stall_family_ = &prometheus::BuildCounter()
+                                  .Name("baton_checkpoint_stall_seconds_total")
+                                  .Help("Time training waited for checkpoint state to be copied to host memory")
+                                  .Register(metrics);
+  writer_ = std::make_unique<checkpoint::AsyncWriter>();
   snapshot_stall_family_ = &prometheus::BuildCounter()
                                 .Name("baton_snapshot_stall_seconds_total")
                                 .Help("Time the step loop spent capturing and encoding snapshots")
@@ -201,6 +211,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     }
     case v1::CoordinatorMessage::kSaveWeights: {
       if (!job_) return;
+      if (message.save_weights().with_state()) return SaveCheckpoint(message.save_weights());
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->set_generation(job_->plan.generation());
       if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
@@ -279,7 +290,8 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   job_ = std::move(job);
   const int64_t resume = configure.resume_step();
   if (resume > 0) {
-    absl::Status s = Restore(resume, configure.state());
+    absl::Status s = configure.checkpoint_dir().empty() ? Restore(resume, configure.state())
+                                                        : RestoreFromCheckpoint(resume, configure.checkpoint_dir());
     if (!s.ok()) {
       job_.reset();
       absl::MutexLock lock(&mu_);
@@ -296,8 +308,10 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
                   << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
                   << (resume > 0 ? absl::StrCat(", resumed at step ", resume,
-                                                configure.state().empty() ? " from its own snapshot"
-                                                                          : " from the state sent")
+                                                !configure.checkpoint_dir().empty()
+                                                    ? absl::StrCat(" from checkpoint ", configure.checkpoint_dir())
+                                                : configure.state().empty() ? " from its own snapshot"
+                                                                            : " from the state sent")
                                  : "");
   return absl::OkStatus();
 }
@@ -370,6 +384,75 @@ absl::Status WorkerJob::Restore(int64_t step, const std::string& state) {
   own_[step] = std::move(bytes);
   while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
   return absl::OkStatus();
+}
+
+absl::Status WorkerJob::RestoreFromCheckpoint(int64_t step, const std::string& dir) {
+  for (auto& [c, model] : job_->chunks) {
+    BATON_ASSIGN_OR_RETURN(checkpoint::ChunkLayout layout,
+                           checkpoint::LayoutOfChunk(model->Shards(), c, job_->rank.tp_rank(), job_->plan.tp()));
+    absl::StatusOr<ChunkState> state = checkpoint::LoadChunkState(dir, layout);
+    if (!state.ok()) return WithContext(state.status(), absl::StrCat("loading chunk ", c, " from ", dir));
+    if (state->optimizer_step != step) {
+      BATON_LOG(WARNING) << "checkpoint " << dir << " holds optimizer step " << state->optimizer_step
+                         << " for chunk " << c << ", resuming after job step " << step;
+    }
+    BATON_RETURN_IF_ERROR_CTX(model->RestoreState(*state), "restoring chunk ", c, " from ", dir);
+  }
+  KeepOwn(step);
+  return absl::OkStatus();
+}
+
+void WorkerJob::KeepOwn(int64_t step) {
+  v1::ShardState shard;
+  shard.set_step(step);
+  shard.set_pp_rank(job_->rank.pp_rank());
+  shard.set_tp_rank(job_->rank.tp_rank());
+  shard.set_tp_size(job_->plan.tp());
+  for (auto& [c, model] : job_->chunks) {
+    v1::ShardState::Chunk* chunk = shard.add_chunks();
+    chunk->set_chunk(c);
+    chunk->set_state(EncodeChunkState(model->CaptureState()));
+  }
+  absl::MutexLock lock(&snap_mu_);
+  own_[step] = shard.SerializeAsString();
+  while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
+}
+
+void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
+  v1::WorkerMessage reply;
+  v1::Saved* saved = reply.mutable_saved();
+  saved->set_ok(true);
+  saved->set_step(save.step());
+  saved->set_generation(job_->plan.generation());
+  if (job_->rank.dp_rank() != 0) {  // DP replicas hold identical state: replica 0 writes
+    Reply(reply);
+    return;
+  }
+  std::vector<checkpoint::ChunkToSave> chunks;
+  for (auto& [c, model] : job_->chunks) chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get()});
+  const prometheus::Labels labels = job_->labels;
+  absl::StatusOr<double> stall = writer_->Save(
+      save.dir(), save.step(), chunks, [this, reply, labels](const checkpoint::SaveResult& r) mutable {
+        v1::Saved* s = reply.mutable_saved();
+        s->set_stall_seconds(r.stall_seconds);
+        if (r.status.ok()) {
+          for (const std::string& f : r.files) s->add_files(f);
+          checkpoint_bytes_family_->Add(labels).Increment(static_cast<double>(r.bytes));
+        } else {
+          s->set_ok(false);
+          s->set_error(std::string(r.status.message()));
+          s->set_code(static_cast<int>(r.status.code()));
+        }
+        Reply(reply);
+      });
+  if (!stall.ok()) {
+    saved->set_ok(false);
+    saved->set_error(std::string(stall.status().message()));
+    saved->set_code(static_cast<int>(stall.status().code()));
+    Reply(reply);
+    return;
+  }
+  checkpoint_stall_family_->Add(labels).Increment(*stall);
 }
 
 void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {

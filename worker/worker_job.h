@@ -42,6 +42,7 @@
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
+#include "worker/checkpoint/async_writer.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/executor.h"
@@ -96,6 +97,11 @@ class WorkerJob {
   void Snapshot(int64_t step);
   // Sets every chunk to the state of step `step` (from `state`, or the own snapshot).
   absl::Status Restore(int64_t step, const std::string& state);
+  // Sets every chunk to the state saved in checkpoint `dir` (any layout).
+  absl::Status RestoreFromCheckpoint(int64_t step, const std::string& dir);
+  // Keeps the live chunks' state as the own snapshot of `step`.
+  void KeepOwn(int64_t step);
+  void SaveCheckpoint(const v1::SaveWeights& save);
   // Reader thread: keep a buddy copy / answer a FetchState.
   void Hold(const v1::ShardSnapshot& snapshot);
   void Fetch(const v1::FetchState& fetch);
@@ -113,6 +119,8 @@ class WorkerJob {
   prometheus::Family<prometheus::Gauge>* step_family_;
   prometheus::Family<prometheus::Counter>* snapshot_bytes_family_;
   prometheus::Family<prometheus::Counter>* snapshot_stall_family_;
+  prometheus::Family<prometheus::Counter>* checkpoint_bytes_family_;
+  prometheus::Family<prometheus::Counter>* checkpoint_stall_family_;
 
   absl::Mutex mu_;
   std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
@@ -128,6 +136,9 @@ class WorkerJob {
   int64_t generation_ ABSL_GUARDED_BY(snap_mu_) = 0;  // of the live job, for FetchState answers
   std::string held_job_ ABSL_GUARDED_BY(snap_mu_);
   v1::RankAssignment held_rank_ ABSL_GUARDED_BY(snap_mu_);
+
+  // Periodic checkpoints: copies state synchronously, writes in the background.
+  std::unique_ptr<checkpoint::AsyncWriter> writer_;
 
   std::unique_ptr<Job> job_;  // owned by the Loop thread
   std::thread thread_;

@@ -6,6 +6,7 @@
 #include <map>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace baton {
@@ -297,6 +298,44 @@ TEST(CoordinatorServiceAuthTest, KvOfAnotherJobIsRefusedAndWaitsAreCapped) {
   w1.join();
   w2.join();
   EXPECT_EQ(wait(10).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);  // room again
+}
+
+// A job whose trace takes until released.
+class SlowTraceJob : public JobObserver {
+ public:
+  void OnWorkerMessage(const std::string&, const v1::WorkerMessage&) override {}
+  void OnWorkerLost(const std::string&, const std::string&, bool) override {}
+  void FillStatus(v1::GetStatusResponse*) const override {}
+  std::string TraceJson(int, absl::Duration) override {
+    release_.WaitForNotificationWithTimeout(absl::Seconds(20));
+    return "{}";
+  }
+  absl::Notification release_;
+};
+
+TEST(CoordinatorServiceAuthTest, PendingTracesAreCapped) {
+  SlowTraceJob job;
+  CoordinatorService::Options options;
+  options.job_name = "j";
+  options.job = &job;
+  options.max_pending_traces = 1;
+  ServiceWith s(options);
+  auto trace = [&](int steps) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::GetTraceRequest req;
+    req.set_steps(steps);
+    v1::GetTraceResponse resp;
+    return s.stub_->GetTrace(&ctx, req, &resp);
+  };
+  EXPECT_EQ(trace(1001).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  std::thread first([&] { EXPECT_TRUE(trace(1).ok()); });
+  absl::SleepFor(absl::Milliseconds(500));  // `first` is being traced
+  grpc::Status second = trace(1);
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  job.release_.Notify();
+  first.join();
+  EXPECT_TRUE(trace(1).ok());  // room again
 }
 
 }  // namespace

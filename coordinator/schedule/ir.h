@@ -70,9 +70,11 @@ struct Schedule {
 
 inline int RankOfStage(int stage, int num_ranks) { return stage % num_ranks; }
 
-// Imported schedules may hold at most this many (stage, microbatch) cells, so
-// that a hostile file cannot make the validator allocate without bound.
-inline constexpr int64_t kMaxScheduleCells = int64_t{1} << 24;
+// A schedule holds at most this many (stage, microbatch) cells (p * v * m),
+// so that neither a hostile file nor a job spec nor `batonctl schedule`
+// flags can make the builders, lowering, validator or simulator allocate
+// without bound (about 1 KiB per cell at the peak, through simulation).
+inline constexpr int64_t kMaxScheduleCells = int64_t{1} << 18;
 
 bool IsCompute(ActionKind kind);        // F, B, I, W
 bool IsCommunication(ActionKind kind);  // SEND_*/RECV_*

@@ -54,7 +54,7 @@ TEST(PytorchCsv, MalformedInputSaysWhereAndWhat) {
             "row 1 (rank 0), cell 1: '0SEND_F0' has kind 'SEND_F'; the compute-only format "
             "allows F, I, W and B");
   EXPECT_EQ(FromPytorchCsv("0F0,0B99999999\n").status().message(),
-            "the CSV uses 1 stages and 100000000 microbatches, more than the 16777216 (stage, "
+            "the CSV uses 1 stages and 100000000 microbatches, more than the 262144 (stage, "
             "microbatch) cells supported");
   EXPECT_EQ(FromPytorchCsv("").status().message(),
             "the CSV is empty; expected one row of actions per rank");

@@ -9,8 +9,8 @@
 //           dq = dS k, dk = dSᵀ q.
 // fp32: every GEMM in true fp32; S and P share the att buffer [B,H',T,T].
 // bf16: qkv, out, P (att), dout and dqkv are bf16; S and dP are fp32 in
-//   `scratch`, dS bf16 after them. (cuDNN's fused flash attention is not used:
-//   the cuDNN frontend headers are not part of this build; see docs/gpu.md.)
+//   `scratch`, dS bf16 after them. (cuDNN's fused flash attention is not used
+//   yet: the cuDNN frontend is not part of this build; see docs/gpu.md.)
 // The full T×T scores are materialised (O(T²) memory per head) — the price of
 // the unfused path. Heads go through the GEMMs in groups as large as
 // `scratch` allows (all heads of a batch row with AttentionScratchBytes; one

@@ -46,7 +46,10 @@ struct StreamState {
   void* workspace = nullptr;
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
-  absl::Status error;  // the first failure of an op on this stream
+  // The first failure of an op on this stream. Ops enqueue from one thread,
+  // but Record / StreamWait on this stream may come from another.
+  absl::Mutex mu;
+  absl::Status error ABSL_GUARDED_BY(mu);
 };
 
 struct States {
@@ -84,7 +87,10 @@ StreamState& Enter(const ExecContext& ctx, const char* op) {
   StreamState* state = FindState(static_cast<cudaStream_t>(ctx.stream->native()));
   if (state == nullptr) Die(op, "the stream was not created by the CUDA backend");
   absl::Status s = UseDevice(state->device);
-  if (!s.ok() && state->error.ok()) state->error = s;
+  if (!s.ok()) {
+    absl::MutexLock lock(&state->mu);
+    if (state->error.ok()) state->error = s;
+  }
   return *state;
 }
 
@@ -94,7 +100,9 @@ cudaStream_t Native(const ExecContext& ctx) {
 
 // Keeps the first error of the stream, with the op's name.
 void Note(StreamState& state, const char* op, const absl::Status& s) {
-  if (s.ok() || !state.error.ok()) return;
+  if (s.ok()) return;
+  absl::MutexLock lock(&state.mu);
+  if (!state.error.ok()) return;
   state.error = absl::Status(s.code(), absl::StrCat(op, " on cuda:", state.device, ": ", s.message()));
 }
 void Note(StreamState& state, const char* op, cudaError_t err) {
@@ -201,7 +209,9 @@ void DestroyStream(int index, void* native) {
 
 absl::Status StickyError(cudaStream_t stream) {
   StreamState* state = FindState(stream);
-  return state == nullptr ? absl::OkStatus() : state->error;
+  if (state == nullptr) return absl::OkStatus();
+  absl::MutexLock lock(&state->mu);
+  return state->error;
 }
 
 absl::Status SynchronizeStream(void* native) {

@@ -423,3 +423,54 @@ TEST(RecoveryTest, AKilledCoordinatorRestartedWithTheSameFlagsAdoptsTheRunningJo
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+// checkpoint { dir every_steps keep }: complete checkpoints every N committed
+// steps, the last `keep` kept; --resume continues bitwise equal to the
+// uninterrupted run; a damaged checkpoint is refused before training.
+TEST(RecoveryTest, PeriodicCheckpointsResumeBitwiseAndABadOneIsRefused) {
+  Layout layout;
+  layout.pp = 2;
+  layout.tp = 2;
+  layout.steps = 60;
+  const std::string root = TempDir("checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 20 keep: 2 }", root);
+  LocalRun full("checkpointed", Job(layout, ck));
+  full.Start();
+  ASSERT_EQ(full.Finish(), 0) << full.Log();
+  for (const char* kept : {"step-00000040", "step-00000060"}) {
+    EXPECT_FALSE(ReadAll(absl::StrCat(root, "/", kept, "/manifest.json")).empty()) << kept;
+  }
+  EXPECT_TRUE(ReadAll(root + "/step-00000020/manifest.json").empty()) << "keep: 2 should have pruned step 20";
+
+  LocalRun resumed("resumed", Job(layout, ck), {"--resume=" + root + "/step-00000040"});
+  resumed.Start();
+  ASSERT_EQ(resumed.Finish(), 0) << resumed.Log();
+  const std::vector<std::string> all = LossTexts(full.out()), tail = LossTexts(resumed.out());
+  ASSERT_EQ(all.size(), 60u);
+  EXPECT_EQ(tail, std::vector<std::string>(all.begin() + 40, all.end()));
+  auto wa = checkpoint::LoadFullWeights(full.out() + "/final");
+  auto wb = checkpoint::LoadFullWeights(resumed.out() + "/final");
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  auto diff = checkpoint::CompareWeights(*wa, *wb);
+  ASSERT_TRUE(diff.ok());
+  EXPECT_EQ(diff->max_abs_diff, 0.0);
+
+  // Truncate one shard of a copy: refused, naming the file, before any worker is configured.
+  const std::string bad = TempDir("bad_checkpoint");
+  ASSERT_EQ(RunCommand("cp", {"-r", root + "/step-00000060/.", bad}).exit_code, 0);
+  ASSERT_EQ(RunCommand("truncate", {"-s", "100", bad + "/chunk1-tp1.safetensors"}).exit_code, 0);
+  LocalRun refused("refused", Job(layout, ck), {"--resume=" + bad});
+  refused.Start();
+  EXPECT_EQ(refused.Finish(), 1) << refused.Log();
+  EXPECT_NE(refused.Log().find("chunk1-tp1.safetensors"), std::string::npos) << refused.Log();
+  EXPECT_EQ(CountLines(refused.out() + "/steps.jsonl", "\"step\": "), 0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(refused.WorkerLog(absl::StrCat("worker-", i)).find("configured for job"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace baton

@@ -6,7 +6,10 @@ installed by scripts/setup.sh into a venv) and checks what the schema cannot:
 names and ports that refer to each other, probes, security context,
 resources, GPU scheduling, the data-plane NetworkPolicy, the flags the
 containers pass (against the binaries' --helpfull), and the job spec in the
-ConfigMap (validated by the real coordinator).
+ConfigMap (validated by the real coordinator). Then, per overlay, it starts
+the coordinator and a worker with the containers' own arguments (certificates
+from tests/security/gen_certs.sh) and checks the worker registers: mutual TLS
+and the join token as deployed work together.
 """
 import glob
 import os
@@ -134,8 +137,9 @@ def check_objects(where, objs, overlay):
                     continue
                 if "grpc" not in p:
                     fail(cw, f"{probe} must be a gRPC health (grpc.health.v1) probe")
-                elif p["grpc"]["port"] != ports.get("grpc"):
-                    fail(cw, f"{probe} checks port {p['grpc']['port']}, not the grpc port {ports.get('grpc')}")
+                elif p["grpc"]["port"] != ports.get("health"):
+                    fail(cw, f"{probe} checks port {p['grpc']['port']}, not the plaintext health port "
+                             f"{ports.get('health')} (kubelet cannot present a client certificate)")
             # Flags exist, listen ports are the declared ones, $(VARS) are defined.
             binary = BINARIES.get((c.get("command") or [""])[0])
             if binary is None:
@@ -154,10 +158,22 @@ def check_objects(where, objs, overlay):
                 for var in re.findall(r"\$\((\w+)\)", m.group(2)):
                     if var not in env:
                         fail(cw, f"{a} uses $({var}), which is not in env")
-            for flag, port_name in (("listen", "grpc"), ("http_listen", "http")):
+            for flag, port_name in (("listen", "grpc"), ("http_listen", "http"), ("health_listen", "health")):
                 port = flags.get(flag, ":").rsplit(":", 1)[1]
                 if port != str(ports.get(port_name)):
                     fail(cw, f"--{flag} port {port} is not containerPort {port_name}={ports.get(port_name)}")
+            # gRPC beyond loopback: mutual TLS and the join token (docs/security.md), files on Secrets.
+            if flags.get("insecure", "false") != "false":
+                fail(cw, "--insecure: plaintext gRPC beyond loopback (use the TLS flags)")
+            for flag in ("tls_cert", "tls_key", "tls_ca", "join_token_file"):
+                path = flags.get(flag)
+                mount = next((m for m in c.get("volumeMounts", []) if path and path.startswith(m["mountPath"] + "/")),
+                             None)
+                secret = volumes.get(mount["name"], {}).get("secret", {}).get("secretName") if mount else None
+                if secret is None:
+                    fail(cw, f"--{flag}={path} is not on a Secret volume")
+                elif secret not in documented_secrets():
+                    fail(cw, f"Secret {secret} is not described in docs/operations.md (operators create it)")
             for mount in c.get("volumeMounts", []):
                 if mount["mountPath"] == "/var/lib/baton/checkpoints" and \
                         "persistentVolumeClaim" not in volumes.get(mount["name"], {}):
@@ -256,6 +272,18 @@ def check_objects(where, objs, overlay):
                 fail(where, f"PodMonitor {name}: no baton_component label (the alerts select on it)")
 
 
+def documented_secrets(cache=[]):  # noqa: B006 - memo
+    if not cache:
+        kustomization = os.path.realpath(opslib.runfile("deploy/k8s/base/kustomization.yaml"))
+        root = kustomization
+        for _ in range(4):  # deploy/k8s/base/kustomization.yaml
+            root = os.path.dirname(root)
+        docs = os.path.join(root, "docs/operations.md")
+        with open(docs) as f:
+            cache.append(set(re.findall(r"\b(baton-[a-z-]+)\b", f.read())))
+    return cache[0]
+
+
 def check_job(where, text, objs):
     """The job spec in the ConfigMap: valid for the real coordinator, and enough workers."""
     path = os.path.join(opslib.tmpdir("k8s_job"), "job.textproto")
@@ -278,6 +306,86 @@ def check_job(where, text, objs):
     for o in objs:
         if o["kind"] == "StatefulSet" and o["spec"]["replicas"] < dims:
             fail(where, f"StatefulSet {o['metadata']['name']}: {o['spec']['replicas']} replicas for pp*tp*dp = {dims}")
+
+
+def smoke(where, objs, work):
+    """Runs the coordinator and one worker with the rendered containers' own
+    arguments (paths mapped to real files: certificates made with
+    tests/security/gen_certs.sh, the ConfigMap's job spec, a join token; the
+    listen ports 0; the worker pointed at the coordinator): the worker must
+    register (mutual TLS and the join token accepted), i.e. its /readyz is 200."""
+    certs = os.path.join(work, "certs")
+    if not os.path.exists(os.path.join(certs, "ca.pem")):
+        r = subprocess.run(["bash", opslib.runfile("tests/security/gen_certs.sh"), certs], capture_output=True,
+                           text=True, timeout=120)
+        if r.returncode != 0:
+            fail(where, f"gen_certs.sh failed: {r.stdout}{r.stderr}")
+            return
+    run_dir = opslib.tmpdir("smoke-" + where.replace("/", "_"))
+    token = os.path.join(run_dir, "join_token")
+    with open(token, "w") as f:
+        f.write("0123456789abcdef0123456789abcdef\n")
+    os.chmod(token, 0o600)
+    containers = {}
+    for name, tpl in workloads(objs):
+        containers[tpl["metadata"]["labels"]["app.kubernetes.io/component"]] = tpl["spec"]["containers"][0]
+    cms = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
+    job = os.path.join(run_dir, "job.textproto")
+    with open(job, "w") as f:
+        f.write(cms["baton-job"]["data"]["job.textproto"].replace("/var/lib/baton", run_dir))
+
+    def mapped(args, role, coordinator_port=None):
+        out = []
+        for a in args:
+            flag, _, value = a.partition("=")
+            value = value.replace("$(POD_NAME)", "baton-worker-0").replace("$(POD_IP)", "127.0.0.1")
+            if flag in ("--listen", "--http_listen", "--health_listen"):
+                value = value.rsplit(":", 1)[0] + ":0"
+            elif flag == "--tls_cert":
+                value = os.path.join(certs, role + ".pem")
+            elif flag == "--tls_key":
+                value = os.path.join(certs, role + ".key")
+            elif flag == "--tls_ca":
+                value = os.path.join(certs, "ca.pem")
+            elif flag == "--join_token_file":
+                value = token
+            elif flag == "--job":
+                value = job
+            elif flag == "--out":
+                value = os.path.join(run_dir, "out")
+            elif flag == "--coordinator":
+                value = f"127.0.0.1:{coordinator_port}"
+            out.append(f"{flag}={value}")
+        return out
+
+    c = containers["coordinator"]
+    coordinator = opslib.Daemon("coordinator", [opslib.runfile(BINARIES[c["command"][0]])] +
+                                mapped(c["args"], "coordinator"), run_dir)
+    w = containers["worker"]
+    worker = None
+    try:
+        coordinator.start()
+        worker = opslib.Daemon("worker", [opslib.runfile(BINARIES[w["command"][0]])] +
+                               mapped(w["args"], "worker", coordinator.grpc_port), run_dir).start()
+        deadline = time.time() + 30
+        code = None
+        while time.time() < deadline:
+            try:
+                code = opslib.http_get(f"http://127.0.0.1:{worker.http_port}/readyz")[0]
+            except OSError as e:
+                code = getattr(e, "code", None)
+            if code == 200:
+                break
+            time.sleep(0.2)
+        if code != 200:
+            fail(where, f"a worker with the manifest's arguments did not register (readyz {code}):\n"
+                        f"{worker.log()}\n--- coordinator\n{coordinator.log()}")
+    except RuntimeError as e:
+        fail(where, f"the manifest's arguments do not start the daemons: {e}")
+    finally:
+        for d in (worker, coordinator):
+            if d:
+                d.stop()
 
 
 def main():
@@ -313,6 +421,8 @@ def main():
         if r.returncode != 0:
             fail(where, f"kubernetes-validate {K8S_VERSION} --strict:\n{r.stdout}{r.stderr}")
         check_objects(where, objs, overlay)
+        if overlay != "base" and not failures:
+            smoke(where, objs, work)
         print(f"{where}: {len(objs)} objects ({len(schema_checked)} schema-validated)")
     # The dashboards' ConfigMap for the Grafana sidecar.
     objs = render(cmd, os.path.join(root, "grafana"))

@@ -7,6 +7,7 @@
 #   operator.{pem,key}       URI:baton://role/operator
 #   norole.{pem,key}         a valid certificate with no baton role
 #   expired.{pem,key}        role worker, expired yesterday
+#   impostor.{pem,key}       role worker, but naming 127.0.0.1 (a worker posing as the coordinator)
 #   other_ca.pem             another CA, and other_worker.{pem,key} and
 #                            other_coordinator.{pem,key} signed by it
 # The same commands make real deployments' certificates (docs/security.md).
@@ -45,6 +46,7 @@ leaf operator ca "URI:baton://role/operator" 30
 leaf norole ca "" 30
 leaf expired ca "URI:baton://role/worker" -1
 leaf other_worker other_ca "URI:baton://role/worker" 30
+leaf impostor ca "IP:127.0.0.1,DNS:localhost,URI:baton://role/worker" 30
 leaf other_coordinator other_ca "IP:127.0.0.1,DNS:localhost,URI:baton://role/coordinator" 30
 openssl rand -hex 32 > token
 openssl rand -hex 32 > wrong_token

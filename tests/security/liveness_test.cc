@@ -190,6 +190,28 @@ TEST_F(LivenessTest, AFrozenCoordinatorMakesWorkersNotReadyAndEvictsNobodyWhenIt
   EXPECT_GE(Metric(cm->body, "baton_lease_extensions_total"), 1) << cm->body;
 }
 
+// A coordinator that stays silent longer than the worker's keepalive (here a
+// long SIGSTOP, as a partition would look) ends the connection on the
+// worker's side; the worker registers again once the coordinator is back.
+TEST_F(LivenessTest, KeepaliveEndsAConnectionToASilentCoordinator) {
+  const std::string port_file = dir_ + "/k.json";
+  workers_["k"] = std::make_unique<Subprocess>(
+      RunfilePath("worker/baton-worker"),
+      std::vector<std::string>{"--coordinator=" + target_, "--name=k", "--port_file=" + port_file,
+                               "--keepalive_ms=1000"},
+      dir_ + "/k.log");
+  ASSERT_TRUE(workers_["k"]->Start().ok());
+  ASSERT_TRUE(Await([&] { return Workers()["k"].state() == v1::READY; }, absl::Seconds(10))) << Logs();
+  coordinator_->Signal(SIGSTOP);
+  const bool ended = Await(
+      [&] { return workers_["k"]->Log().find("session with coordinator") != std::string::npos; },
+      absl::Seconds(15));
+  coordinator_->Signal(SIGCONT);
+  EXPECT_TRUE(ended) << "the worker never noticed the silent coordinator\n" << Logs();
+  EXPECT_NE(workers_["k"]->Log().find("keepalive"), std::string::npos) << Logs();
+  EXPECT_TRUE(Await([&] { return Workers()["k"].state() == v1::READY; }, absl::Seconds(15))) << Logs();
+}
+
 TEST(FlagTest, AnInvalidWorkerNameExitsTwoInsteadOfRetryingForever) {
   for (const char* name : {"bad name", "w/1", "é"}) {
     auto r = RunCommand(RunfilePath("worker/baton-worker"), {"--coordinator=127.0.0.1:1", std::string("--name=") + name},

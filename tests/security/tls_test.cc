@@ -230,6 +230,33 @@ TEST_F(TlsTest, WorkersJoinOnlyWithTokenAndVerifyTheCoordinator) {
   EXPECT_EQ(status.workers_size(), 1);
 }
 
+TEST_F(TlsTest, AWorkerCertificateCannotPoseAsTheCoordinator) {
+  // The CA signed it and it names 127.0.0.1, but its role is worker.
+  StartCoordinator({}, "impostor");
+  Subprocess* w = StartWorker("victim", "worker", "token");
+  auto ports = ReadPortFile(dir_ + "/victim.json", absl::Seconds(5));
+  ASSERT_TRUE(ports.ok()) << w->Log();
+  absl::SleepFor(absl::Seconds(2));
+  auto ready = HttpGet("127.0.0.1", ports->second, "/readyz");
+  ASSERT_TRUE(ready.ok());
+  EXPECT_EQ(ready->code, 503) << ready->body;
+  EXPECT_NE(ready->body.find("unreachable"), std::string::npos) << ready->body;
+  // Nothing reached the impostor: it has no workers (an operator that checks
+  // only the CA would see one).
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = Read(certs_ + "/ca.pem");
+  o.pem_cert_chain = Read(certs_ + "/operator.pem");
+  o.pem_private_key = Read(certs_ + "/operator.key");
+  v1::GetStatusResponse status;
+  ASSERT_TRUE(GetStatus(grpc::SslCredentials(o), &status).ok());
+  EXPECT_EQ(status.workers_size(), 0) << status.DebugString();
+  // batonctl, too, refuses to talk to it.
+  std::vector<std::string> args = {"status", "--coordinator=" + target_, "--timeout_ms=1500"};
+  for (auto& f : TlsFlags("operator")) args.push_back(f);
+  auto r = RunCommand(RunfilePath("cli/batonctl"), args);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+}
+
 TEST_F(TlsTest, ATrainingJobRunsEndToEndOverMutualTls) {
   const std::string job = dir_ + "/job.textproto";
   std::ofstream(job) << "name: \"tls\"\nmodel { layers: 4 d_model: 32 heads: 4 vocab: 16 seq_len: 16 }\n"

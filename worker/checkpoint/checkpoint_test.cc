@@ -211,7 +211,7 @@ TEST_F(BrokenCheckpointTest, RandomlyCorruptedHeadersAreErrorsNotCrashes) {
 }
 
 TEST(WeightsDiffTest, ReportsAbsoluteAndRelativeDifferencePerTensor) {
-  std::map<std::string, FullTensor> a = {{"x", {{2}, {3, 4}}}, {"y", {{1}, {1}}}};
+  std::map<std::string, FullTensor> a = {{"x", {{2}, {3, 4}, {}, {}}}, {"y", {{1}, {1}, {}, {}}}};
   std::map<std::string, FullTensor> b = a;
   b["x"].values = {3, 4.5f};
   auto diff = CompareWeights(a, b);
@@ -222,7 +222,7 @@ TEST(WeightsDiffTest, ReportsAbsoluteAndRelativeDifferencePerTensor) {
 
   b["x"].shape = {1, 2};
   b.erase("y");
-  b["z"] = {{1}, {0}};
+  b["z"] = {{1}, {0}, {}, {}};
   EXPECT_THAT(Message(CompareWeights(a, b).status()),
               HasSubstr("only in the first: y; only in the second: z; shapes differ: x [2] vs [1, 2]"));
 }

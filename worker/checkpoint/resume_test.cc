@@ -29,6 +29,7 @@
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/inproc_communicator.h"
 #include "worker/gpt_stage_model.h"
+#include "worker/synthetic_stage.h"
 
 namespace baton::checkpoint {
 namespace {
@@ -370,6 +371,50 @@ TEST_F(ResumeTest, AsyncWriterWritesTheCapturedStateWhileTrainingGoesOn) {
   EXPECT_TRUE(failed);
 }
 
+TEST(SyntheticResumeTest, SyntheticChunksSaveAndLoadTheirWeightAndStep) {
+  v1::JobSpec job;
+  job.set_name("synthetic");
+  job.mutable_model()->mutable_synthetic()->set_activation_bytes(16);
+  job.mutable_parallel()->set_pp(2);
+  v1::SyntheticCost cost = job.model().synthetic();
+  std::vector<std::unique_ptr<SyntheticStage>> chunks;
+  for (int c = 0; c < 2; ++c) chunks.push_back(*SyntheticStage::Create(cost, c, 2));
+  const MicrobatchData data;
+  const Tensor act = Tensor::Zeros({4}), grad = Tensor::Zeros({4});
+  ASSERT_TRUE(chunks[0]->Forward(0, data, Tensor(), act).ok());
+  ASSERT_TRUE(chunks[1]->Forward(0, data, act, Tensor()).ok());
+  ASSERT_TRUE(chunks[1]->BackwardInput(0, Tensor(), grad).ok());
+  ASSERT_TRUE(chunks[0]->BackwardInput(0, grad, Tensor()).ok());
+  for (auto& s : chunks) {
+    ASSERT_TRUE(s->BackwardWeight(0).ok());
+    ASSERT_TRUE(s->OptimizerStep(1.0f).ok());
+  }
+  const std::string dir = NewDir("synthetic");
+  AsyncWriter writer;
+  std::vector<std::string> files;
+  ASSERT_TRUE(writer
+                  .Save(dir, 1, {{0, 0, 1, chunks[0].get()}, {1, 0, 1, chunks[1].get()}},
+                        [&](const SaveResult& r) { files = r.files; })
+                  .ok());
+  writer.Flush();
+  ASSERT_EQ(files.size(), 2u);
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(job, 1, files)).ok());
+  absl::StatusOr<FullState> valid = ValidateCheckpointForJob(dir, job);
+  ASSERT_TRUE(valid.ok()) << valid.status();
+  job.mutable_parallel()->set_pp(4);  // another chunk count: the weights are per chunk
+  EXPECT_THAT(std::string(ValidateCheckpointForJob(dir, job).status().message()), HasSubstr("another model"));
+
+  auto fresh = *SyntheticStage::Create(cost, 1, 2);
+  absl::StatusOr<ChunkLayout> layout = LayoutOfChunk(fresh->Shards(), 1, 0, 1);
+  ASSERT_TRUE(layout.ok());
+  absl::StatusOr<ChunkState> state = LoadChunkState(dir, *layout);
+  ASSERT_TRUE(state.ok()) << state.status();
+  ASSERT_TRUE(fresh->RestoreState(*state).ok());
+  const ChunkState a = chunks[1]->CaptureState(), b = fresh->CaptureState();
+  EXPECT_EQ(b.optimizer_step, 1);
+  EXPECT_TRUE(SameBits(a.values, b.values));
+}
+
 // Checkpoints broken in the ways a crash, a full disk or a wrong path makes
 // them are refused before training, naming the file and the problem.
 class ValidateTest : public ResumeTest {
@@ -397,6 +442,25 @@ TEST_F(ValidateTest, AGoodCheckpointPassesForAnyLayoutOfTheSameModel) {
   EXPECT_EQ(s->optimizer_step, 1);
   EXPECT_EQ(s->chunks, 2);
   EXPECT_EQ(s->tp_size, 2);
+}
+
+TEST_F(ValidateTest, ResumeFromAJobCheckpointDirPicksTheNewestCompleteSave) {
+  const std::string root = NewDir("validate/root");
+  Pipeline run(kTwoByTwo, Model());
+  run.Step(data_[0]);
+  for (int64_t step : {1, 2, 3}) ASSERT_TRUE(MakeDirectories(root + "/" + StepDirName(step)).ok());
+  run.Save(root + "/" + StepDirName(1), 1);
+  run.Step(data_[1]);
+  run.Save(root + "/" + StepDirName(2), 2);
+  const std::string crashed = root + "/" + StepDirName(3);  // no manifest
+  ASSERT_TRUE(WriteFileAtomically(crashed + "/chunk0-tp0.safetensors", "partial").ok());
+  absl::StatusOr<FullState> s = ValidateResumeCheckpoint(root, JobFor(Model(), kTwoByTwo));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->dir, root + "/" + StepDirName(2));
+  EXPECT_EQ(s->manifest.step, 2);
+  EXPECT_EQ(s->optimizer_step, 2);
+  EXPECT_THAT(std::string(ValidateResumeCheckpoint(crashed, JobFor(Model(), kTwoByTwo)).status().message()),
+              HasSubstr("no manifest.json"));
 }
 
 TEST_F(ValidateTest, TruncatedShard) {
@@ -448,6 +512,42 @@ TEST_F(ValidateTest, AnotherModelByItsTensorsUnderAnEditedManifest) {
   absl::StatusOr<FullState> s = ValidateCheckpointForJob(foreign, JobFor(Model(), kTwoByTwo));
   ASSERT_FALSE(s.ok());
   EXPECT_THAT(std::string(s.status().message()), HasSubstr("tensor wte has shape [48, 32]"));
+}
+
+TEST_F(ValidateTest, RandomlyCorruptedShardsAreRefusedNeverCrash) {
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const char* name : {"chunk0-tp0.safetensors", "chunk0-tp1.safetensors", "chunk1-tp0.safetensors",
+                           "chunk1-tp1.safetensors"}) {
+    files.emplace_back(name, *ReadFile(good_ + "/" + name));
+  }
+  std::mt19937 rng(11);
+  int refused = 0, trials = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto& [name, good] = files[rng() % files.size()];
+    std::string bytes = good;
+    if (trial % 4 == 3) {
+      bytes.resize(rng() % bytes.size());  // cut anywhere, header included
+    } else {
+      // Flips biased to the header (the first KiB), where structure lives.
+      for (int f = 1 + static_cast<int>(rng() % 3); f > 0; --f) {
+        const size_t at = rng() % 2 == 0 ? rng() % std::min<size_t>(1024, bytes.size()) : rng() % bytes.size();
+        bytes[at] = static_cast<char>(bytes[at] ^ (1 + rng() % 255));
+      }
+    }
+    if (bytes == good) continue;
+    ++trials;
+    ASSERT_TRUE(WriteFileAtomically(good_ + "/" + name, bytes).ok());
+    absl::StatusOr<FullState> s = ValidateCheckpointForJob(good_, JobFor(Model(), kTwoByTwo));
+    if (!s.ok()) {
+      ++refused;
+      EXPECT_THAT(std::string(s.status().message()), HasSubstr(good_)) << "the message names the checkpoint";
+    }
+    ASSERT_TRUE(WriteFileAtomically(good_ + "/" + name, good).ok());
+  }
+  // A flip can land where it changes nothing the format defines (JSON
+  // whitespace padding of the header); everything else is refused.
+  EXPECT_GE(refused, trials * 95 / 100) << refused << " of " << trials;
+  EXPECT_EQ(Error(), "");  // restored
 }
 
 TEST_F(ValidateTest, WeightsOnlyCheckpointCannotResume) {

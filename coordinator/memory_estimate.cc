@@ -1,0 +1,134 @@
+#include "coordinator/memory_estimate.h"
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "coordinator/job_spec.h"
+#include "coordinator/schedule/builders.h"
+
+namespace baton {
+namespace {
+
+constexpr double kFloat = 4;
+
+// Bytes of one microbatch's arena for one transformer block (forward stash
+// plus backward temporaries; see GptStage::BlockForward / BlockBackward*).
+double BlockActivationBytes(double n, double b, double s, double c, double heads, double tp) {
+  const double cl = c / tp, fl = 4 * c / tp, h = heads / tp;
+  const double forward = 6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl + b * h * s * s;
+  const double backward = 3 * n * c + n * fl + 4 * n * cl + s * s;
+  return kFloat * (forward + backward);
+}
+
+}  // namespace
+
+std::string FormatBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrFormat("%.0f B", bytes) : absl::StrFormat("%.1f %s", bytes, units[u]);
+}
+
+WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
+  const ParallelDims d = DimsOf(job);
+  const int stages = d.pp * d.virtual_stages;
+  WorkerMemory w;
+  w.pp_rank = pp_rank;
+  w.peak_microbatches = schedule::ActivationBound(job.schedule().kind(), d.pp, job.schedule().microbatches(),
+                                                  d.virtual_stages, pp_rank);
+  const v1::ModelSpec& m = job.model();
+  if (m.has_synthetic()) {
+    const double a = m.synthetic().activation_bytes();
+    // Each stored microbatch-chunk keeps its output and, later, its gradient;
+    // a send and a receive buffer are in flight at a time.
+    w.activation_bytes = 2 * a * w.peak_microbatches;
+    w.comm_bytes = 2 * a;
+    return w;
+  }
+  const double c = m.d_model(), v = m.vocab(), s = m.seq_len(), heads = m.heads(), tp = d.tp;
+  const double b = job.train().micro_batch_size(), n = b * s;
+  const double block_params = 6 * c + (12 * c * c + 7 * c) / tp;
+  double params = 0, max_chunk_activations = 0;
+  for (int chunk = pp_rank; chunk < stages; chunk += d.pp) {
+    double layers = 0;
+    bool first = chunk == 0, last = chunk == stages - 1;
+    if (chunk < plan.stages_size()) {
+      layers = plan.stages(chunk).num_layers();
+      first = plan.stages(chunk).has_embedding();
+      last = plan.stages(chunk).has_head();
+    }
+    double chunk_params = layers * block_params;
+    double act = layers * BlockActivationBytes(n, b, s, c, heads, tp);
+    if (first) {
+      chunk_params += v * c + s * c;            // token + position embeddings
+      act += kFloat * (2 * n * c + n);           // tokens, x0 and its gradient
+    }
+    if (last) {
+      chunk_params += 2 * c + v * c;             // final norm + the tied head's copy
+      act += kFloat * (3 * n * c + n * v + 8 * n);  // xf, logits / their gradient, loss stats
+    }
+    params += chunk_params;
+    max_chunk_activations = std::max(max_chunk_activations, act);
+  }
+  w.parameter_bytes = kFloat * params;
+  w.optimizer_bytes = 3 * w.parameter_bytes;  // gradients, AdamW m and v
+  w.activation_bytes = max_chunk_activations * w.peak_microbatches;
+  const double message = kFloat * n * c;  // one microbatch's activations or gradients
+  w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp > 1 ? w.parameter_bytes : 0);
+  return w;
+}
+
+absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
+                                 const std::vector<v1::WorkerInfo>& workers) {
+  std::map<std::string, const v1::WorkerInfo*> by_name;
+  for (const v1::WorkerInfo& w : workers) by_name[w.name()] = &w;
+  const ParallelDims d = DimsOf(job);
+  std::vector<WorkerMemory> per_stage;
+  for (int p = 0; p < d.pp; ++p) per_stage.push_back(EstimateWorkerMemory(job, plan, p));
+  auto detail = [](const WorkerMemory& m) {
+    return absl::StrCat("parameters ", FormatBytes(m.parameter_bytes), ", gradients and AdamW state ",
+                        FormatBytes(m.optimizer_bytes), ", activations of ", m.peak_microbatches,
+                        " microbatch-chunks in flight ", FormatBytes(m.activation_bytes), ", communication ",
+                        FormatBytes(m.comm_bytes), ", runtime ", FormatBytes(kRuntimeOverheadBytes));
+  };
+  const char* fix =
+      "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise parallel.pp or "
+      "parallel.tp, or use workers with more memory";
+  struct Host {
+    double need = 0, has = 0;
+    std::vector<std::string> names;
+  };
+  std::map<std::string, Host> hosts;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    auto it = by_name.find(r.worker_name());
+    if (it == by_name.end() || it->second->memory_bytes() <= 0) continue;
+    const WorkerMemory& need = per_stage[r.pp_rank()];
+    const double has = static_cast<double>(it->second->memory_bytes());
+    if (need.total() > has) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", job.name(), "': pipeline stage ", r.pp_rank(), " (tp rank ", r.tp_rank(), ", dp rank ",
+          r.dp_rank(), ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
+          "' has ", FormatBytes(has), " (", detail(need), "); ", fix));
+    }
+    Host& h = hosts[it->second->host()];
+    h.need += need.total();
+    h.has = std::max(h.has, has);
+    h.names.push_back(r.worker_name());
+  }
+  for (const auto& [host, h] : hosts) {
+    if (h.names.size() > 1 && h.need > h.has) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", job.name(), "': the ", h.names.size(), " workers the plan puts on host '", host,
+          "' need about ", FormatBytes(h.need), " together but the host has ", FormatBytes(h.has),
+          " (per stage: ", detail(per_stage[0]), " for stage 0); ", fix, ", or spread the workers over more hosts"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace baton

@@ -1,0 +1,66 @@
+// Memory estimate: what one worker needs for its part of a job, from the job
+// spec and the plan alone, so that the coordinator refuses a job that cannot
+// fit before any worker allocates for it (issue 12: d_model 2^30 or
+// micro_batch_size 2e9 aborted every worker).
+//
+// Per worker (one pipeline rank's chunks, one TP shard), in bytes:
+//   parameters   fp32 values of the chunks' parameters (TP-sharded matrices,
+//                replicated norms and biases; the first chunk holds the token
+//                and position embeddings, the last the tied LM head's copy)
+//   optimizer    gradients + AdamW's two moments: 3x the parameters
+//   activations  what a microbatch keeps from its forward until its backward
+//                plus the backward's temporaries (the arena of
+//                worker/model/gpt_stage.cc), times the schedule's peak of
+//                microbatch-chunks in flight on this rank (ActivationBound)
+//   comm         point-to-point activation and gradient buffers, the TP
+//                all-reduce buffer and, with dp > 1, a flat gradient buffer
+// Synthetic models: activation_bytes per stored microbatch-chunk and message.
+// The numbers are estimates (within a few percent of the arena sizes for GPT
+// shapes); a fixed kRuntimeOverheadBytes covers the process itself.
+#ifndef BATON_COORDINATOR_MEMORY_ESTIMATE_H_
+#define BATON_COORDINATOR_MEMORY_ESTIMATE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "baton/v1/coordinator.pb.h"
+#include "baton/v1/job.pb.h"
+#include "baton/v1/plan.pb.h"
+
+namespace baton {
+
+// The process, its libraries, gRPC and the communicator threads.
+inline constexpr double kRuntimeOverheadBytes = 256.0 * (1 << 20);
+
+struct WorkerMemory {
+  int pp_rank = 0;
+  int peak_microbatches = 0;  // microbatch-chunks in flight at the peak
+  // Doubles: the products of capped sizes still exceed int64 for absurd specs.
+  double parameter_bytes = 0;
+  double optimizer_bytes = 0;
+  double activation_bytes = 0;
+  double comm_bytes = 0;
+  double total() const {
+    return parameter_bytes + optimizer_bytes + activation_bytes + comm_bytes + kRuntimeOverheadBytes;
+  }
+};
+
+// The estimate for a worker on pipeline rank `pp_rank` of `plan` (the same
+// for every TP and DP rank of it). `job` must be valid (ValidateJobSpec).
+WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank);
+
+// "1.5 GiB" style, for messages.
+std::string FormatBytes(double bytes);
+
+// RESOURCE_EXHAUSTED naming the stage, the worker and the numbers when a
+// worker of the plan reported (RegisterRequest.memory_bytes) less memory than
+// its estimate, or when the workers the plan puts on one host need together
+// more than that host has. Workers that reported 0 (unknown) are not checked.
+absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
+                                 const std::vector<v1::WorkerInfo>& workers);
+
+}  // namespace baton
+
+#endif  // BATON_COORDINATOR_MEMORY_ESTIMATE_H_

@@ -1,0 +1,138 @@
+#include "coordinator/memory_estimate.h"
+
+#include "coordinator/job_spec.h"
+#include "coordinator/planner.h"
+#include "gtest/gtest.h"
+
+namespace baton {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+v1::JobSpec Job(const char* text) {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(text, "test");
+  EXPECT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(ValidateJobSpec(*job).ok()) << ValidateJobSpec(*job);
+  return *job;
+}
+
+// The demo's shape (examples/demo.textproto) with `model` and `schedule` swapped in.
+v1::JobSpec Demo(const std::string& model = "layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20",
+                 const std::string& schedule = "kind: \"1f1b\" microbatches: 4", int micro_batch_size = 8) {
+  return Job(("name: \"demo\" model { " + model + " } parallel { pp: 2 tp: 2 } schedule { " + schedule +
+              " } train { steps: 10 micro_batch_size: " + std::to_string(micro_batch_size) + " }")
+                 .c_str());
+}
+
+std::vector<v1::WorkerInfo> Workers(int n, int64_t memory, const std::string& host_prefix = "h") {
+  std::vector<v1::WorkerInfo> out;
+  for (int i = 0; i < n; ++i) {
+    v1::WorkerInfo w;
+    w.set_name("w" + std::to_string(i));
+    w.set_host(host_prefix + std::to_string(i));
+    w.set_worker_id(i + 1);
+    w.set_memory_bytes(memory);
+    out.push_back(w);
+  }
+  return out;
+}
+
+TEST(MemoryEstimateTest, ParametersAndOptimizerStateFollowTheModelShape) {
+  // GPT-2 small's blocks: 12 layers of d=768 hold 12 * (12 d^2 + 13 d) parameters.
+  v1::JobSpec job = Job(R"pb(name: "g" model { layers: 12 d_model: 768 heads: 12 vocab: 50304 seq_len: 1024 }
+                             schedule { kind: "gpipe" microbatches: 1 } train { steps: 1 micro_batch_size: 1 })pb");
+  auto plan = MakePlan(job, Workers(1, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  WorkerMemory m = EstimateWorkerMemory(job, *plan, 0);
+  const double d = 768, blocks = 12 * (12 * d * d + 13 * d), embeddings = 2 * 50304 * d + 1024 * d + 2 * d;
+  EXPECT_DOUBLE_EQ(m.parameter_bytes, 4 * (blocks + embeddings));
+  EXPECT_DOUBLE_EQ(m.optimizer_bytes, 3 * m.parameter_bytes);
+  EXPECT_EQ(m.peak_microbatches, 1);
+  // Attention scores alone are heads * seq^2 floats per block and microbatch.
+  EXPECT_GT(m.activation_bytes, 12 * 12 * 1024.0 * 1024 * 4);
+  EXPECT_LT(m.total(), 8 * kGiB);
+}
+
+TEST(MemoryEstimateTest, PeakMicrobatchesFollowTheSchedule) {
+  v1::JobSpec gpipe = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"gpipe\" microbatches: 8");
+  v1::JobSpec one_f_one_b = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"1f1b\" microbatches: 8");
+  auto plan = MakePlan(gpipe, Workers(4, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(EstimateWorkerMemory(gpipe, *plan, 0).peak_microbatches, 8);
+  EXPECT_EQ(EstimateWorkerMemory(one_f_one_b, *plan, 0).peak_microbatches, 2);  // p - rank
+  EXPECT_EQ(EstimateWorkerMemory(one_f_one_b, *plan, 1).peak_microbatches, 1);
+  EXPECT_GT(EstimateWorkerMemory(gpipe, *plan, 0).activation_bytes,
+            3 * EstimateWorkerMemory(one_f_one_b, *plan, 0).activation_bytes);
+}
+
+TEST(MemoryEstimateTest, TheDemoFitsInAGigabyte) {
+  v1::JobSpec job = Demo();
+  auto plan = MakePlan(job, Workers(4, int64_t{1} << 30), 1);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+}
+
+TEST(MemoryEstimateTest, AJobTooLargeForTheWorkersIsRefusedNamingStageWorkerAndNumbers) {
+  // d_model 16384 with 32 layers: ~100 GiB of parameters and AdamW state per stage.
+  v1::JobSpec job = Demo("layers: 32 d_model: 16384 heads: 128 vocab: 256 seq_len: 64", "kind: \"1f1b\" microbatches: 4", 1);
+  auto plan = MakePlan(job, Workers(4, int64_t{24} << 30), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(plan.status().message());
+  EXPECT_NE(message.find("pipeline stage 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("worker 'w0' has 24.0 GiB"), std::string::npos) << message;
+  EXPECT_NE(message.find("parameters "), std::string::npos) << message;
+  EXPECT_NE(message.find("raise parallel.pp"), std::string::npos) << message;
+}
+
+TEST(MemoryEstimateTest, ActivationsOfLongSequencesAreRefusedToo) {
+  // 16 microbatches of 64 x 2048 tokens under gpipe: attention scores alone
+  // are 16 * 64 * 2 * 2048^2 floats (32 GiB) per block.
+  v1::JobSpec job = Demo("layers: 4 d_model: 256 heads: 4 vocab: 256 seq_len: 2048", "kind: \"gpipe\" microbatches: 16", 64);
+  auto plan = MakePlan(job, Workers(4, int64_t{64} << 30), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(plan.status().message().find("activations of 16 microbatch-chunks"), std::string::npos)
+      << plan.status();
+}
+
+TEST(MemoryEstimateTest, WorkersSharingAHostMustFitTogether) {
+  // Each worker alone fits in the host's 1 GiB, four of them do not.
+  v1::JobSpec job = Demo("layers: 2 d_model: 1024 heads: 4 vocab: 256 seq_len: 128", "kind: \"1f1b\" microbatches: 4", 4);
+  auto plan = MakePlan(job, Workers(4, 0), 1);
+  ASSERT_TRUE(plan.ok());
+  const double one = EstimateWorkerMemory(job, *plan, 0).total();
+  const int64_t host_memory = static_cast<int64_t>(one * 2);
+  std::vector<v1::WorkerInfo> shared = Workers(4, host_memory);
+  for (auto& w : shared) w.set_host("box");
+  auto refused = MakePlan(job, shared, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("4 workers the plan puts on host 'box'"), std::string::npos)
+      << refused.status();
+  EXPECT_TRUE(MakePlan(job, Workers(4, host_memory), 1).ok());  // one per host
+}
+
+TEST(MemoryEstimateTest, WorkersThatReportNoMemoryAreNotChecked) {
+  v1::JobSpec job = Demo("layers: 32 d_model: 16384 heads: 128 vocab: 256 seq_len: 64", "kind: \"1f1b\" microbatches: 4", 1);
+  EXPECT_TRUE(MakePlan(job, Workers(4, 0), 1).ok());
+}
+
+TEST(MemoryEstimateTest, SyntheticActivationsCountPerStoredMicrobatch) {
+  v1::JobSpec job = Job(R"pb(name: "s" model { layers: 2 synthetic { forward_ms: 1 activation_bytes: 1048576 } }
+                             parallel { pp: 2 } schedule { kind: "gpipe" microbatches: 8 }
+                             train { steps: 1 micro_batch_size: 1 })pb");
+  auto plan = MakePlan(job, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  WorkerMemory m = EstimateWorkerMemory(job, *plan, 0);
+  EXPECT_EQ(m.peak_microbatches, 8);
+  EXPECT_DOUBLE_EQ(m.activation_bytes, 2.0 * 8 * 1048576);
+}
+
+TEST(MemoryEstimateTest, FormatBytesIsReadable) {
+  EXPECT_EQ(FormatBytes(512), "512 B");
+  EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
+  EXPECT_EQ(FormatBytes(24.0 * kGiB), "24.0 GiB");
+}
+
+}  // namespace
+}  // namespace baton
