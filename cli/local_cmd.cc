@@ -321,7 +321,11 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
     workers_.push_back(std::make_unique<ChildProcess>(
         name, bins.worker,
         std::vector<std::string>{"--coordinator=" + target, "--name=" + name,
-                                 absl::StrCat("--port_file=", out_dir, "/", name, ".ports")},
+                                 absl::StrCat("--port_file=", out_dir, "/", name, ".ports"),
+                                 // data files: relative to the job file's directory (issue 12)
+                                 "--data_dir=" + (job_path.rfind('/') == std::string::npos
+                                                      ? std::string(".")
+                                                      : job_path.substr(0, std::max<size_t>(1, job_path.rfind('/'))))},
         absl::StrCat(out_dir, "/logs/", name, ".log")));
     if (absl::Status s = workers_.back()->Start(); !s.ok()) return Fail(std::string(s.message()));
   }

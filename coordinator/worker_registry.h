@@ -35,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "baton/v1/coordinator.pb.h"
+#include "common/worker_identity.h"  // IsValidDevice, ValidateWorkerName
 #include "common/clock.h"
 
 namespace baton {
@@ -133,12 +134,6 @@ class WorkerRegistry {
   absl::flat_hash_map<std::string, Worker> by_name_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int64_t, std::string> name_of_id_ ABSL_GUARDED_BY(mu_);
 };
-
-// "cpu" or "cuda:N".
-bool IsValidDevice(const std::string& device);
-
-// 1..128 of [A-Za-z0-9._-]; INVALID_ARGUMENT saying so otherwise.
-absl::Status ValidateWorkerName(const std::string& name);
 
 }  // namespace baton
 

@@ -27,8 +27,8 @@
 #include "common/ops_server.h"
 #include "common/sd_notify.h"
 #include "common/version.h"
+#include "common/worker_identity.h"
 #include "kernels/cpu/gemm.h"
-#include "coordinator/worker_registry.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "worker/agent.h"
@@ -36,6 +36,8 @@
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (required)");
 ABSL_FLAG(std::string, name, "", "stable worker name (default: hostname); re-registering replaces the old one");
+ABSL_FLAG(std::string, data_dir, "", "job data files (data.text_file, data.tokens_file) are read only from under "
+          "this directory (\"\" = none: synthetic data only)");
 ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
 ABSL_FLAG(std::string, health_listen, "",
@@ -232,6 +234,7 @@ int Main() {
   job_options.name = name;
   job_options.comm_host = absl::GetFlag(FLAGS_comm_host);
   job_options.device = device;
+  job_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
   std::unique_ptr<WorkerJob> job;
   options.describe = [&job](v1::RegisterRequest* r) {  // job adoption (owner: recovery)

@@ -587,7 +587,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
                                                                  AdamWFromTrainSpec(job->spec.train())));
   }
   if (!job->spec.model().has_synthetic()) {  // the synthetic cost model reads no data
-    BATON_ASSIGN_OR_RETURN(job->data, data::MakeDataSource(job->spec));
+    BATON_ASSIGN_OR_RETURN(job->data, data::MakeDataSource(job->spec, options_.data_dir));
   }
 
   ExecutorOptions eo;

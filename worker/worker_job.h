@@ -66,6 +66,7 @@ class WorkerJob {
     std::string name;                      // this worker's name (as in the plan)
     std::string comm_host = "127.0.0.1";   // address peers reach this worker's Gloo pairs at
     std::string device = "cpu";            // --device
+    std::string data_dir;                  // --data_dir: data files only from under it ("" = none)
     absl::Duration op_timeout = absl::Minutes(5);
     absl::Duration rendezvous_timeout = absl::Minutes(2);
   };

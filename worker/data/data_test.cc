@@ -4,6 +4,7 @@
 // are errors naming the JobSpec field.
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -210,35 +211,76 @@ TEST(MakeDataSourceTest, PicksTheSourceTheJobNames) {
   job.mutable_model()->set_seq_len(16);
   job.mutable_train()->set_micro_batch_size(2);
   job.mutable_train()->set_seed(5);
-  auto by_default = MakeDataSource(job);
+  auto by_default = MakeDataSource(job, testing::TempDir());
   ASSERT_TRUE(by_default.ok()) << by_default.status();
   EXPECT_NE(dynamic_cast<AdditionTask*>(by_default->get()), nullptr);
   auto direct = AdditionTask::Create(5, 256, 16, 2);
   EXPECT_EQ(Draw(**by_default, 1, 0, 0), Draw(**direct, 1, 0, 0));  // seeded by train.seed
 
   job.mutable_data()->mutable_synthetic()->set_task("addition");
-  auto addition = MakeDataSource(job);
+  auto addition = MakeDataSource(job, testing::TempDir());
   ASSERT_TRUE(addition.ok());
   EXPECT_NE(dynamic_cast<AdditionTask*>(addition->get()), nullptr);
 
   job.mutable_data()->mutable_synthetic()->set_task("sorting");
-  auto unknown = MakeDataSource(job);
+  auto unknown = MakeDataSource(job, testing::TempDir());
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(unknown.status().message().find("data.synthetic.task"), absl::string_view::npos);
 
   job.mutable_data()->set_text_file(WriteTempFile("job.txt", std::string(100, 'a')));
-  auto text = MakeDataSource(job);
+  auto text = MakeDataSource(job, testing::TempDir());
   ASSERT_TRUE(text.ok()) << text.status();
   EXPECT_NE(dynamic_cast<TextFileSource*>(text->get()), nullptr);
 
   job.mutable_data()->set_tokens_file(WriteTempFile("job.bin", Uint16File({1, 2, 3})));
-  auto tokens = MakeDataSource(job);
+  auto tokens = MakeDataSource(job, testing::TempDir());
   EXPECT_NE(tokens.status().message().find("data.tokens_file"), absl::string_view::npos);
 
   job.clear_data();
   job.mutable_model()->set_vocab(8);
-  auto small = MakeDataSource(job);
+  auto small = MakeDataSource(job, testing::TempDir());
   EXPECT_NE(small.status().message().find("model.vocab"), absl::string_view::npos);
+}
+
+// Issue 12: a fake coordinator made a worker read /etc/passwd, and
+// text_file: "/dev/zero" was read until the worker died. Data files come only
+// from under the worker's --data_dir and must be regular files.
+TEST(MakeDataSourceTest, DataFilesComeOnlyFromUnderTheDataDir) {
+  const std::string root = testing::TempDir() + "/data_root";
+  ASSERT_EQ(system(("mkdir -p " + root + "/sub && ln -sf /etc/passwd " + root + "/escape").c_str()), 0);
+  std::ofstream(root + "/sub/ok.txt") << std::string(100, 'a');
+  v1::JobSpec job;
+  job.mutable_model()->set_vocab(256);
+  job.mutable_model()->set_seq_len(16);
+  job.mutable_train()->set_micro_batch_size(2);
+  auto text = [&](const std::string& path, const std::string& data_dir) {
+    job.mutable_data()->set_text_file(path);
+    return MakeDataSource(job, data_dir).status();
+  };
+  EXPECT_TRUE(text("sub/ok.txt", root).ok()) << text("sub/ok.txt", root);
+  EXPECT_TRUE(text(root + "/sub/ok.txt", root).ok());
+  struct Case {
+    std::string path, data_dir;
+    absl::StatusCode code;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"/etc/passwd", root, absl::StatusCode::kPermissionDenied, "outside this worker's --data_dir"},
+      {[] { std::string up; for (int i = 0; i < 64; ++i) up += "../"; return up + "etc/passwd"; }(), root,
+       absl::StatusCode::kPermissionDenied, "outside"},
+      {"escape", root, absl::StatusCode::kPermissionDenied, "resolves to /etc/passwd"},
+      {"/dev/zero", root, absl::StatusCode::kPermissionDenied, "outside"},
+      {"/dev/zero", "/", absl::StatusCode::kInvalidArgument, "is not a regular file"},
+      {"sub", root, absl::StatusCode::kInvalidArgument, "is not a regular file"},
+      {"missing.txt", root, absl::StatusCode::kNotFound, "cannot open under --data_dir"},
+      {"sub/ok.txt", "", absl::StatusCode::kFailedPrecondition, "start it with --data_dir=DIR"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = text(c.path, c.data_dir);
+    EXPECT_EQ(s.code(), c.code) << c.path << " in '" << c.data_dir << "': " << s;
+    EXPECT_NE(s.message().find("data.text_file"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(c.message), std::string::npos) << s;
+  }
 }
 
 }  // namespace

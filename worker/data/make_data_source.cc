@@ -1,5 +1,12 @@
 #include "worker/data/make_data_source.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "worker/data/addition_task.h"
 #include "worker/data/file_sources.h"
@@ -13,19 +20,69 @@ absl::StatusOr<std::unique_ptr<DataSource>> Upcast(absl::StatusOr<std::unique_pt
   return std::unique_ptr<DataSource>(std::move(*source));
 }
 
+// realpath(3): the absolute path with symlinks, "." and ".." resolved.
+absl::StatusOr<std::string> RealPath(const std::string& path) {
+  char buffer[PATH_MAX];
+  if (realpath(path.c_str(), buffer) == nullptr) return absl::ErrnoToStatus(errno, path);
+  return std::string(buffer);
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job) {
+absl::StatusOr<std::string> ResolveDataFile(const std::string& data_dir, const std::string& path,
+                                            const char* field) {
+  if (data_dir.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " = \"", path, "\": this worker reads no data files; start it with --data_dir=DIR and put the "
+        "file under DIR"));
+  }
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty: give a file path"));
+  absl::StatusOr<std::string> root = RealPath(data_dir);
+  if (!root.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--data_dir=", data_dir, " cannot be resolved: ", root.status().message()));
+  }
+  const std::string joined = path.front() == '/' ? path : absl::StrCat(*root, "/", path);
+  absl::StatusOr<std::string> file = RealPath(joined);
+  if (!file.ok()) {
+    return absl::NotFoundError(absl::StrCat(field, " = \"", path, "\": cannot open under --data_dir=", data_dir,
+                                            ": ", std::strerror(errno)));
+  }
+  const std::string prefix = *root == "/" ? "/" : *root + "/";
+  if (file->compare(0, prefix.size(), prefix) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(field, " = \"", path, "\" resolves to ", *file,
+                                                    ", outside this worker's --data_dir=", *root,
+                                                    "; put the file under it"));
+  }
+  struct stat st;
+  if (stat(file->c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " = \"", path, "\" is not a regular file"));
+  }
+  if (st.st_size > kMaxDataFileBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " = \"", path, "\" holds ", st.st_size,
+                                                   " bytes; at most ", kMaxDataFileBytes,
+                                                   " are read into memory: use a smaller file"));
+  }
+  return *file;
+}
+
+absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job, const std::string& data_dir) {
   const uint64_t seed = job.train().seed();
   const int vocab = job.model().vocab();
   const int64_t seq_len = job.model().seq_len();
   const int64_t batch = job.train().micro_batch_size();
   const v1::DataSpec& data = job.data();
   switch (data.source_case()) {
-    case v1::DataSpec::kTextFile:
-      return Upcast(TextFileSource::Create(data.text_file(), seed, vocab, seq_len, batch));
-    case v1::DataSpec::kTokensFile:
-      return Upcast(TokensFileSource::Create(data.tokens_file(), seed, vocab, seq_len, batch));
+    case v1::DataSpec::kTextFile: {
+      absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.text_file(), "data.text_file");
+      if (!path.ok()) return path.status();
+      return Upcast(TextFileSource::Create(*path, seed, vocab, seq_len, batch));
+    }
+    case v1::DataSpec::kTokensFile: {
+      absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.tokens_file(), "data.tokens_file");
+      if (!path.ok()) return path.status();
+      return Upcast(TokensFileSource::Create(*path, seed, vocab, seq_len, batch));
+    }
     case v1::DataSpec::kSynthetic:
       if (!data.synthetic().task().empty() && data.synthetic().task() != "addition") {
         return absl::InvalidArgumentError(absl::StrCat("data.synthetic.task = \"",

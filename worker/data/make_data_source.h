@@ -5,7 +5,9 @@
 #ifndef BATON_WORKER_DATA_MAKE_DATA_SOURCE_H_
 #define BATON_WORKER_DATA_MAKE_DATA_SOURCE_H_
 
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "baton/v1/job.pb.h"
@@ -13,10 +15,22 @@
 
 namespace baton::data {
 
-// Errors are INVALID_ARGUMENT (NOT_FOUND for a missing file) naming the
-// JobSpec field to fix: an unknown data.synthetic.task, model.vocab too small
-// for the source, a file too short for model.seq_len, and so on.
-absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job);
+// Data files (data.text_file, data.tokens_file) are read only from under
+// `data_dir`, the worker's --data_dir: a path relative to it, or an absolute
+// one inside it (after resolving symlinks), naming a regular file of at most
+// kMaxDataFileBytes. An empty data_dir refuses every data file (synthetic
+// data needs none).
+inline constexpr int64_t kMaxDataFileBytes = int64_t{1} << 30;
+
+// Errors are INVALID_ARGUMENT (NOT_FOUND for a missing file,
+// PERMISSION_DENIED for a file outside data_dir) naming the JobSpec field to
+// fix: an unknown data.synthetic.task, model.vocab too small for the source,
+// a file too short for model.seq_len, and so on.
+absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job, const std::string& data_dir);
+
+// The canonical path of data file `path` (see above); errors name `field`.
+absl::StatusOr<std::string> ResolveDataFile(const std::string& data_dir, const std::string& path,
+                                            const char* field);
 
 }  // namespace baton::data
 
