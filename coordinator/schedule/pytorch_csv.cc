@@ -25,6 +25,12 @@ absl::StatusOr<Action> ParseCell(absl::string_view cell) {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", cell, "' is not an action; write <stage><F|I|W|B><microbatch>, like 0F3"));
   }
+  // No valid schedule has a stage or microbatch index at kMaxScheduleCells
+  // (and INT_MAX + 1 would overflow the counts inferred from them).
+  if (stage_value < 0 || mb_value < 0 || stage_value >= kMaxScheduleCells || mb_value >= kMaxScheduleCells) {
+    return absl::InvalidArgumentError(absl::StrCat("'", cell, "' has a stage or microbatch outside [0, ",
+                                                   kMaxScheduleCells, ")"));
+  }
   Action a{ActionKind::kForward, stage_value, mb_value, 0};
   if (kind == "F") {
     a.kind = ActionKind::kForward;

@@ -54,8 +54,13 @@ TEST(PytorchCsv, MalformedInputSaysWhereAndWhat) {
             "row 1 (rank 0), cell 1: '0SEND_F0' has kind 'SEND_F'; the compute-only format "
             "allows F, I, W and B");
   EXPECT_EQ(FromPytorchCsv("0F0,0B99999999\n").status().message(),
-            "the CSV uses 1 stages and 100000000 microbatches, more than the 262144 (stage, "
+            "row 1 (rank 0), cell 2: '0B99999999' has a stage or microbatch outside [0, 262144)");
+  EXPECT_EQ(FromPytorchCsv("0F0,1F199999\n").status().message(),
+            "the CSV uses 2 stages and 200000 microbatches, more than the 262144 (stage, "
             "microbatch) cells supported");
+  // Found by //coordinator/schedule:pytorch_csv_fuzz under UBSan: INT_MAX + 1.
+  EXPECT_NE(FromPytorchCsv("0F2147483647\n").status().message().find("outside [0, 262144)"), std::string::npos);
+  EXPECT_NE(FromPytorchCsv("2147483647F0\n").status().message().find("outside [0, 262144)"), std::string::npos);
   EXPECT_EQ(FromPytorchCsv("").status().message(),
             "the CSV is empty; expected one row of actions per rank");
   EXPECT_EQ(FromPytorchCsv("0F0,2F0\n1F0\n3F0\n").status().message(),
