@@ -312,9 +312,8 @@ double CpuSeconds(pid_t pid) {
   std::vector<std::string> fields = absl::StrSplit(line.substr(close + 2), ' ');
   // fields[0] is field 3 (state); utime and stime are fields 14 and 15.
   double ut = 0, st = 0;
-  if (fields.size() > 13) {
-    if (!absl::SimpleAtod(fields[11], &ut)) ut = 0;
-    if (!absl::SimpleAtod(fields[12], &st)) st = 0;
+  if (fields.size() <= 13 || !absl::SimpleAtod(fields[11], &ut) || !absl::SimpleAtod(fields[12], &st)) {
+    Die(absl::StrCat("cannot read CPU times from /proc/", pid, "/stat"));
   }
   return (ut + st) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
@@ -392,7 +391,8 @@ int Main(int argc, char** argv) {
     absl::SleepFor(absl::Milliseconds(50));
     std::string ports = ReadFile(dir + "/ports.json");
     size_t at = ports.find("\"grpc\": ");
-    if (at != std::string::npos && !absl::SimpleAtoi(ports.substr(at + 8, ports.find_first_of(",}", at) - at - 8), &port)) {
+    if (at != std::string::npos &&
+        !absl::SimpleAtoi(ports.substr(at + 8, ports.find_first_of(",}", at) - at - 8), &port)) {
       port = 0;
     }
   }

@@ -1142,7 +1142,11 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       }
     }
   }
-  if (recovered_in) recovery_seconds_metric_->Observe(absl::ToDoubleSeconds(*recovered_in));
+  if (recovered_in) {
+    recovery_seconds_metric_->Observe(absl::ToDoubleSeconds(*recovered_in));
+    AppendStepsLine(absl::StrCat("{\"recovered\": ", step, ", \"seconds\": ", Num(absl::ToDoubleSeconds(*recovered_in)),
+                                 "}"));
+  }
   if (replay) return;
   {
     absl::MutexLock lock(&mu_);

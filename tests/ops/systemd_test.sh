@@ -87,7 +87,7 @@ done
 certs=$scratch/certs
 if bash "$root_dir/tests/security/gen_certs.sh" "$certs" >/dev/null 2>&1; then
   printf '0123456789abcdef0123456789abcdef\n' > "$scratch/join_token"; chmod 600 "$scratch/join_token"
-  echo 'name: "smoke" model { layers: 2 synthetic { forward_ms: 1 } } parallel { pp: 2 } schedule { kind: "1f1b" microbatches: 2 } train { steps: 1 micro_batch_size: 1 lr: 0.001 }' > "$scratch/job.textproto"
+  echo 'name: "smoke" model { layers: 2 synthetic { forward_ms: 1 activation_bytes: 4096 } } parallel { pp: 2 } schedule { kind: "1f1b" microbatches: 2 } train { steps: 1 micro_batch_size: 1 lr: 0.001 }' > "$scratch/job.textproto"
   exec_line() {  # UNIT: the ExecStart command line, one line
     sed -n '/^ExecStart=/,/[^\\]$/p' "$units/$1" | sed 's/^ExecStart=//; s/\\$//' | tr -s ' \n' ' '
   }

@@ -964,7 +964,7 @@ class PeerLink {
     len_ = len;
     got_ = 0;
     target_ = nullptr;
-    bool matched = false;  // a posted receive takes this frame (read under mu_)
+    bool eager = false;  // no receive posted yet: held in eager_
     {
       absl::MutexLock lock(&mu_);
       auto it = posted_.find(tag);
@@ -981,10 +981,10 @@ class PeerLink {
             " bytes held for receives not yet posted"));
       } else {
         unexpected_bytes_ += len;  // reserved now, so the bound holds
+        eager = true;
       }
-      matched = cur_op_ != nullptr;
     }
-    if (target_ == nullptr && !matched) {
+    if (eager) {
       eager_.assign(len, 0);
       target_ = eager_.data();
     }
