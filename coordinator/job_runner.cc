@@ -387,17 +387,31 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   for (const v1::WorkerInfo& w : ready) {
     if (!taken.count(w.name())) plan.add_spares(w.name());
   }
-  // The newest step every shard can restore.
-  int64_t resume = 0;
+  LoadSteps();
+  int64_t recorded = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    recorded = recorded_;
+  }
+  // The newest step every shard can restore, and the newest such step that
+  // steps.jsonl already holds. The workers may have committed a step whose
+  // line the old coordinator never wrote (it died between Commit and the
+  // write); resuming after it would leave that step out of steps.jsonl for
+  // good, so with an output directory the job resumes from a step it has
+  // recorded (0, the seeded initial state, is always available) and replays
+  // the rest, which writes their lines.
+  int64_t newest = 0, newest_recorded = 0;
   for (int64_t s : slots.begin()->second.held().steps()) {
     bool everywhere = true;
     for (const auto& [slot, w] : slots) {
       const auto& steps = w.held().steps();
       everywhere &= std::find(steps.begin(), steps.end(), s) != steps.end();
     }
-    if (everywhere) resume = std::max(resume, s);
+    if (!everywhere) continue;
+    newest = std::max(newest, s);
+    if (s <= recorded) newest_recorded = std::max(newest_recorded, s);
   }
-  LoadSteps();
+  const int64_t resume = options_.out_dir.empty() ? newest : newest_recorded;
   absl::MutexLock lock(&mu_);
   for (const auto& [slot, w] : slots) {
     std::deque<int64_t>& own = own_snapshots_[w.name()];
@@ -408,7 +422,7 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   }
   ++restarts_;
   recoveries_metric_[FaultCause::kCoordinatorRestart]->Increment();
-  const int64_t replayed = std::max<int64_t>(0, recorded_ - resume);
+  const int64_t replayed = std::max<int64_t>(0, std::max(recorded_, newest) - resume);
   replayed_ += replayed;
   replayed_metric_->Increment(static_cast<double>(replayed));
   recovery_ = absl::StrCat("adopted the running job from ", slots.size(), " workers of generation ",

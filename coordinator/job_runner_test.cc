@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/file_io.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -189,10 +190,14 @@ class FakeWorkers : public JobWorkers {
         out->push_back(snap);
         return;
       }
-      case v1::CoordinatorMessage::kSaveWeights:
-        r.mutable_saved()->set_ok(true);
+      case v1::CoordinatorMessage::kSaveWeights: {
+        // A real (empty) shard file, so the coordinator's manifest can list it.
+        const std::string file = absl::StrCat(worker, ".safetensors");
+        r.mutable_saved()->set_ok(WriteFileAtomically(m.save_weights().dir() + "/" + file, "").ok());
+        r.mutable_saved()->add_files(file);
         r.mutable_saved()->set_generation(generation_of_[worker]);
         break;
+      }
       case v1::CoordinatorMessage::kHoldSnapshot:
         held_[worker][m.hold_snapshot().owner()][m.hold_snapshot().step()] = m.hold_snapshot().data();
         return;
@@ -253,10 +258,12 @@ v1::JobSpec Job(int pp, int dp, int steps, const std::string& /*extra*/ = "") {
 
 class JobRunnerTest : public ::testing::Test {
  protected:
-  void Start(v1::JobSpec job, int workers, std::function<void(FakeWorkers*)> setup = nullptr) {
+  void Start(v1::JobSpec job, int workers, std::function<void(FakeWorkers*)> setup = nullptr,
+             const std::string& out_dir = "") {
     fake_ = std::make_unique<FakeWorkers>(workers);
     if (setup) setup(fake_.get());
     JobRunner::Options options;
+    options.out_dir = out_dir;
     runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
     fake_->set_runner(runner_.get());
     runner_->Start();
@@ -528,6 +535,38 @@ TEST_F(JobRunnerTest, ARestartedCoordinatorAdoptsTheJobTheWorkersHold) {
   EXPECT_TRUE(fake_->Configures("worker-2").empty()) << "the spare stays a spare";
   EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"coordinator_restart\",training_job=\"unit\"} 1"),
             std::string::npos);
+}
+
+// The old coordinator died after the workers committed step 5 but before it
+// wrote step 5's line: the new one resumes from the newest step it recorded
+// (4), so step 5 is replayed and steps.jsonl holds every step exactly once.
+TEST_F(JobRunnerTest, AnAdoptedJobReplaysCommittedStepsTheOldCoordinatorNeverRecorded) {
+  const std::string out = absl::StrCat(::testing::TempDir(), "/adopt_unrecorded");
+  ASSERT_TRUE(MakeDirectories(out).ok());
+  std::string lines;
+  for (int s = 1; s <= 4; ++s) {
+    absl::StrAppend(&lines, "{\"step\": ", s, ", \"committed\": true, \"loss\": 1}\n");
+  }
+  absl::StrAppend(&lines, "{\"step\": 5, \"comm");  // torn by the crash
+  ASSERT_TRUE(WriteFileAtomically(out + "/steps.jsonl", lines).ok());
+  Start(
+      Job(2, 1, 8), 2,
+      [](FakeWorkers* f) {
+        f->SetHeld("worker-0", 0, 0, 3, {3, 4, 5});
+        f->SetHeld("worker-1", 1, 0, 3, {3, 4, 5});
+      },
+      out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->Configures("worker-0")[0].resume_step(), 4);
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{5, 6, 7, 8}));
+  absl::StatusOr<std::string> written = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(written.ok());
+  for (int s = 1; s <= 8; ++s) {
+    const std::string key = absl::StrCat("{\"step\": ", s, ", ");
+    const size_t first = written->find(key);
+    EXPECT_NE(first, std::string::npos) << "step " << s << " missing:\n" << *written;
+    EXPECT_EQ(written->find(key, first + 1), std::string::npos) << "step " << s << " twice:\n" << *written;
+  }
 }
 
 // Reports that do not cover every shard (here: one worker of two) are not
