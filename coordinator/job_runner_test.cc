@@ -266,10 +266,16 @@ class JobRunnerTest : public ::testing::Test {
     options.out_dir = out_dir;
     runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
     fake_->set_runner(runner_.get());
-    runner_->Start();
+    // The runner starts in Finish(), after the test installed its hooks: the
+    // fake workers answer at once, so a runner started here could run past
+    // the step a hook waits for before the hook exists.
   }
   // Advances the fake clock until the job is done or failed (bounded).
   JobState Finish() {
+    if (!started_) {
+      started_ = true;
+      runner_->Start();
+    }
     for (int i = 0; i < 20000 && !IsFinal(runner_->state()); ++i) {
       clock_.Advance(absl::Milliseconds(50));
       absl::SleepFor(absl::Microseconds(200));
@@ -302,6 +308,7 @@ class JobRunnerTest : public ::testing::Test {
   prometheus::Registry metrics_;
   std::unique_ptr<FakeWorkers> fake_;
   std::unique_ptr<JobRunner> runner_;
+  bool started_ = false;
 };
 
 TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
