@@ -720,6 +720,10 @@ class PeerLink {
   // once this returns no thread touches any op's buffer. Pending ops are
   // left to the caller (the communicator completes them).
   void Close(const absl::Status& status, bool graceful) {
+    // Ops still queued on the link hold it (GlooWork::link_) and it holds
+    // them: drop its references, after the lock, so neither leaks. Their
+    // final status comes from the communicator (it completes its pending ops).
+    std::vector<std::shared_ptr<GlooWork>> dropped;
     absl::MutexLock lock(&mu_);
     if (!dead_) {
       dead_ = true;
@@ -731,6 +735,13 @@ class PeerLink {
           return !l->reading_ && !l->writing_;
         },
         this));
+    for (auto& [tag, q] : posted_) {
+      for (auto& op : q) dropped.push_back(std::move(op));
+    }
+    posted_.clear();
+    for (auto& op : sendq_) dropped.push_back(std::move(op));
+    sendq_.clear();
+    if (cur_op_ != nullptr) dropped.push_back(std::move(cur_op_));
   }
 
   // Lets the I/O thread read an idle link, so that a broken connection or
