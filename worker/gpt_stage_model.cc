@@ -1,12 +1,11 @@
 #include "worker/gpt_stage_model.h"
 
-#include <cstdio>
 #include <cstring>
-#include <cmath>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 
 namespace baton {
@@ -145,8 +144,7 @@ ChunkState GptStageModel::CaptureState() const {
     // A device that failed cannot give its state; a negative step marks the
     // capture invalid, and every consumer (RestoreState, the checkpoint
     // writer, the encoder's reader) refuses it.
-    fprintf(stderr, "model chunk %d: capturing state failed: %s\n", config_.pp_rank,
-            std::string(s.message()).c_str());
+    BATON_LOG(ERROR) << "model chunk " << config_.pp_rank << ": capturing state failed: " << s.message();
     return ChunkState{-1, {}, {}, {}};
   }
   return state;
