@@ -32,9 +32,28 @@ stage() {  # stage NAME: prints and times a stage
 stage_end() {  # stage_end NAME RC
   echo "=== stage $1: rc=$2 in $((SECONDS - stage_start)) s"
 }
-count_tests() {  # adds the PASSED / FAILED lines of a bazel test log
+failures=()   # "stage //target STATUS" of every failed test, printed again at the end
+fail_logs=()  # their test.log paths, whose tails are printed at the end
+count_tests() {  # count_tests STAGE: adds the PASSED / FAILED lines of a bazel test log
+  local bad='^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD|INCOMPLETE)'
   passed=$((passed + $(grep -caE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")))
-  failed=$((failed + $(grep -caE '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD|INCOMPLETE)' "$log")))
+  failed=$((failed + $(grep -caE "$bad" "$log")))
+  local line
+  while IFS= read -r line; do failures+=("$1: $line"); done < <(grep -aE "$bad" "$log")
+  # bazel prints each failed test's log path on the line after its status.
+  while IFS= read -r line; do fail_logs+=("$line"); done \
+    < <(grep -aA1 -E "$bad" "$log" | grep -aoE '^ +/[^ ]+/test\.log$' | sed 's/^ *//')
+}
+report_failures() {  # the failed tests again, with their logs' tails, so a CI tail shows them
+  ((${#failures[@]} == 0)) && return
+  local f
+  for f in "${fail_logs[@]}"; do
+    [ -r "$f" ] || continue
+    echo "--- last 40 lines of $f"
+    tail -n 40 "$f"
+  done
+  echo "=== failed tests:"
+  for f in "${failures[@]}"; do echo "  $f"; done
 }
 want() { [[ " $stages " == *" $1 "* ]]; }
 rc_all=0
@@ -48,7 +67,7 @@ fi
 if want test; then
   stage test
   bazel test //... --config=cpu 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
-  count_tests
+  count_tests test
   stage_end test $rc
   ((rc != 0)) && rc_all=1
 fi
@@ -61,13 +80,13 @@ if want clang; then
   stage clang
   "${clang_bazel[@]}" build --symlink_prefix=/ --config=clang //...; rc=$?
   stage_end clang $rc
-  if ((rc != 0)); then failed=$((failed + 1)); rc_all=1; echo "clang -Werror build failed"; fi
+  if ((rc != 0)); then failed=$((failed + 1)); rc_all=1; failures+=("clang: -Werror build failed"); fi
 fi
 if want asan; then
   stage asan
   "${clang_bazel[@]}" test --symlink_prefix=/ --config=asan --config=cpu "${asan_env[@]}" //... 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
-  count_tests
+  count_tests asan
   stage_end asan $rc
   ((rc != 0)) && rc_all=1
 fi
@@ -76,9 +95,11 @@ if want fuzz && [ -x scripts/fuzz.sh ]; then
   BATON_BAZEL_OUTPUT_BASE="$clang_base" bash scripts/fuzz.sh 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
   passed=$((passed + $(grep -caE '^fuzz: [^ ]+ PASSED' "$log")))
   failed=$((failed + $(grep -caE '^fuzz: [^ ]+ FAILED' "$log")))
+  while IFS= read -r line; do failures+=("$line"); done < <(grep -aE '^fuzz: [^ ]+ FAILED' "$log")
   stage_end fuzz $rc
   ((rc != 0)) && rc_all=1
 fi
+report_failures
 echo "tests: ${passed} passed, ${failed} failed"
 if ((rc_all != 0 || failed != 0)); then exit 1; fi
 exit 0
