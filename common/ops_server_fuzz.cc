@@ -8,7 +8,9 @@
 // bounded time. libmicrohttpd and the handler run in the server's own
 // threads, as in the daemons.
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -94,15 +96,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   bool write_closed = false;
   std::string reply;
   char buf[16384];
+  int unread = -1;  // request bytes the server has not read yet
+  auto unread_since = std::chrono::steady_clock::now();
   for (;;) {
     if (!write_closed && written == request.size()) {
-      shutdown(sv[0], SHUT_WR);
-      write_closed = true;
+      // Half-close once the server has read everything: libmicrohttpd polls
+      // edge-triggered, and an end of stream that arrives together with the
+      // last bytes is only noticed at the idle timeout (seconds per input).
+      // A server that stops reading for 100 ms gets the end anyway.
+      int queued = 0;
+      if (ioctl(sv[0], SIOCOUTQ, &queued) != 0) queued = 0;
+      if (queued != unread) {
+        unread = queued;
+        unread_since = std::chrono::steady_clock::now();
+      }
+      if (queued == 0 || std::chrono::steady_clock::now() - unread_since > std::chrono::milliseconds(100)) {
+        shutdown(sv[0], SHUT_WR);
+        write_closed = true;
+      }
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) Fail("the server neither answered nor closed the connection in time", request, reply);
-    pollfd p = {sv[0], static_cast<short>(POLLIN | (write_closed ? 0 : POLLOUT)), 0};
-    if (poll(&p, 1, static_cast<int>(left.count())) < 0 && errno != EINTR) {
+    const bool draining = !write_closed && written == request.size();  // waiting for the server to read
+    pollfd p = {sv[0], static_cast<short>(POLLIN | (write_closed || draining ? 0 : POLLOUT)), 0};
+    if (poll(&p, 1, draining ? 1 : static_cast<int>(left.count())) < 0 && errno != EINTR) {
       std::perror("poll");
       abort();
     }
