@@ -16,9 +16,9 @@
 //    2 Send          slot, kind: heartbeat, goodbye, the answer to the last
 //                    command (ok / with an error and code), a raw message
 //                    (own / raw ids), a snapshot, a heartbeat with wrong ids
-//    3 Await         slot: waits up to 50 ms for a command on the session
+//    3 Await         slot: waits up to 20 ms for a command on the session
 //    4 CloseSession  slot, clean (WritesDone) or cancelled
-//    5 KvSet  6 KvGet  7 KvAdd  8 KvWait (1-3 keys, timeout 0-59 ms)
+//    5 KvSet  6 KvGet  7 KvAdd  8 KvWait (0-3 keys, timeout 0-19 ms)
 //    9 GetStatus / ListWorkers   10 GetTrace   11 advance the clock and sweep
 //      leases (what the coordinator's sweeper thread does)
 // A string argument is a length byte and that many bytes; names, jobs and
@@ -140,6 +140,93 @@ class RushingClock : public Clock {
   mutable std::atomic<int64_t> now_us_{0};
 };
 
+// One in-process gRPC server serves every input (building one costs more
+// than most inputs): it forwards each RPC to the current input's
+// CoordinatorService and counts the handlers still running, so an input ends
+// only when all of its handlers have returned.
+class Forwarder final : public v1::Coordinator::Service {
+ public:
+  void Set(CoordinatorService* service) {
+    absl::MutexLock lock(&mu_);
+    service_ = service;
+  }
+  // Waits until no handler runs; false after `timeout`.
+  bool AwaitIdle(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0; };
+    return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  }
+
+  grpc::Status Register(grpc::ServerContext* c, const v1::RegisterRequest* q, v1::RegisterResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->Register(c, q, r); });
+  }
+  grpc::Status Session(grpc::ServerContext* c,
+                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
+    return Call([&](CoordinatorService* s) { return s->Session(c, stream); });
+  }
+  grpc::Status KvSet(grpc::ServerContext* c, const v1::KvSetRequest* q, v1::KvSetResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->KvSet(c, q, r); });
+  }
+  grpc::Status KvGet(grpc::ServerContext* c, const v1::KvGetRequest* q, v1::KvGetResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->KvGet(c, q, r); });
+  }
+  grpc::Status KvWait(grpc::ServerContext* c, const v1::KvWaitRequest* q, v1::KvWaitResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->KvWait(c, q, r); });
+  }
+  grpc::Status KvAdd(grpc::ServerContext* c, const v1::KvAddRequest* q, v1::KvAddResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->KvAdd(c, q, r); });
+  }
+  grpc::Status GetStatus(grpc::ServerContext* c, const v1::GetStatusRequest* q, v1::GetStatusResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->GetStatus(c, q, r); });
+  }
+  grpc::Status ListWorkers(grpc::ServerContext* c, const v1::ListWorkersRequest* q,
+                           v1::ListWorkersResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->ListWorkers(c, q, r); });
+  }
+  grpc::Status GetTrace(grpc::ServerContext* c, const v1::GetTraceRequest* q, v1::GetTraceResponse* r) override {
+    return Call([&](CoordinatorService* s) { return s->GetTrace(c, q, r); });
+  }
+
+ private:
+  template <typename F>
+  grpc::Status Call(F f) {
+    CoordinatorService* service;
+    {
+      absl::MutexLock lock(&mu_);
+      service = service_;
+      if (service == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fuzz: between inputs");
+      ++running_;
+    }
+    grpc::Status s = f(service);
+    absl::MutexLock lock(&mu_);
+    --running_;
+    return s;
+  }
+
+  absl::Mutex mu_;
+  CoordinatorService* service_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+struct Shared {
+  Forwarder forwarder;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Coordinator::Stub> stub;
+};
+
+Shared* GetShared() {
+  static Shared* shared = [] {
+    auto* s = new Shared;
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&s->forwarder);
+    s->server = builder.BuildAndStart();
+    if (s->server == nullptr) Die("the in-process gRPC server did not start");
+    s->stub = v1::Coordinator::NewStub(s->server->InProcessChannel(grpc::ChannelArguments()));
+    return s;
+  }();
+  return shared;
+}
+
 struct Registration {
   std::string name;
   int64_t id = 0, incarnation = 0;
@@ -233,17 +320,16 @@ class Run {
       options_.job = runner_.get();
     }
     service_ = std::make_unique<CoordinatorService>(&registry_, &kv_, options_);
-    grpc::ServerBuilder builder;
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    if (server_ == nullptr) Die("the in-process gRPC server did not start");
-    stub_ = v1::Coordinator::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+    shared_->forwarder.Set(service_.get());
     if (runner_) runner_->Start();
   }
 
   ~Run() {
     for (auto& s : sessions_) s.reset();
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    // Every call had a 50 ms deadline and every session is cancelled: a
+    // handler still running seconds later is a hang.
+    if (!shared_->forwarder.AwaitIdle(absl::Seconds(5))) Die("an RPC handler still runs 5 s after its deadline");
+    shared_->forwarder.Set(nullptr);
     if (runner_) runner_->Stop();
   }
 
@@ -291,7 +377,7 @@ class Run {
       case 2: Send(); break;
       case 3: {
         Session* s = sessions_[in_->Byte() % kSlots].get();
-        if (s != nullptr) s->Await(absl::Milliseconds(50));
+        if (s != nullptr) s->Await(absl::Milliseconds(20));
         break;
       }
       case 4: {
@@ -337,7 +423,7 @@ class Run {
         const int n = in_->Byte() % 4;  // 0 keys is invalid on purpose
         for (int i = 0; i < n; ++i) *req.add_keys() = Key();
         const uint8_t t = in_->Byte();
-        req.set_timeout_ms(t & 0x80 ? -1 : t % 60);
+        req.set_timeout_ms(t & 0x80 ? -1 : t % 20);
         v1::KvWaitResponse resp;
         CheckReply("KvWait", stub_->KvWait(&ctx, req, &resp), req);
         break;
@@ -406,7 +492,7 @@ class Run {
     first.set_worker_id(r.id);
     first.set_incarnation(r.incarnation);
     if (!(who & 0x80)) first.mutable_heartbeat()->set_send_time_us(1);
-    slot = std::make_unique<Session>(stub_.get(), token_, r);
+    slot = std::make_unique<Session>(stub_, token_, r);
     slot->Write(first);
   }
 
@@ -532,6 +618,8 @@ class Run {
   }
 
   Script* const in_;
+  Shared* const shared_ = GetShared();
+  v1::Coordinator::Stub* const stub_ = shared_->stub.get();
   FakeClock clock_;
   RushingClock job_clock_;
   prometheus::Registry metrics_;
@@ -542,8 +630,6 @@ class Run {
   std::unique_ptr<JobWorkers> job_workers_;
   std::unique_ptr<JobRunner> runner_;
   std::unique_ptr<CoordinatorService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::string token_;
   std::vector<Registration> registrations_;
   std::unique_ptr<Session> sessions_[kSlots];
