@@ -95,8 +95,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
   }
-  baton::checkpoint::ValidateCheckpointForJob(dir, SyntheticJob()).IgnoreError();
-  baton::checkpoint::ValidateCheckpointForJob(dir, GptJob()).IgnoreError();
+  absl::Status synthetic = baton::checkpoint::ValidateCheckpointForJob(dir, SyntheticJob()).status();
+  absl::Status gpt = baton::checkpoint::ValidateCheckpointForJob(dir, GptJob()).status();
+  static const bool verbose = getenv("CHECKPOINT_FUZZ_VERBOSE") != nullptr;  // to check what seeds reach
+  if (verbose) {
+    std::fprintf(stderr, "load: %s\nsynthetic job: %s\ngpt job: %s\n", full.status().ToString().c_str(),
+                 synthetic.ToString().c_str(), gpt.ToString().c_str());
+  }
   baton::checkpoint::ResolveCheckpoint(dir).IgnoreError();
   return 0;
 }
