@@ -57,6 +57,7 @@ namespace {
 
 constexpr int kMaxOps = 64;
 constexpr int kSlots = 3;
+constexpr int kMaxWorkers = 16;  // the registry's limit in this fuzzer
 constexpr auto kCallDeadline = std::chrono::milliseconds(50);
 constexpr char kJob[] = "fuzz";
 constexpr char kToken[] = "fuzz-join-token";
@@ -343,6 +344,11 @@ class Run {
     if (!token_.empty()) ctx->AddMetadata(kJoinTokenMetadata, token_);
   }
 
+  // The registry holds at most kMaxWorkers names, whatever was registered.
+  static void CheckBounded(int listed) {
+    if (listed > kMaxWorkers) Die(absl::StrCat(listed, " workers listed; the registry's limit is ", kMaxWorkers));
+  }
+
   std::string Name() {
     const uint8_t b = in_->Byte();
     return b % 8 < 6 ? absl::StrCat("w", b % 3) : in_->Str();
@@ -434,9 +440,11 @@ class Run {
         if (in_->Byte() & 1) {
           v1::ListWorkersResponse resp;
           CheckReply("ListWorkers", stub_->ListWorkers(&ctx, {}, &resp));
+          CheckBounded(resp.workers_size());
         } else {
           v1::GetStatusResponse resp;
           CheckReply("GetStatus", stub_->GetStatus(&ctx, {}, &resp));
+          CheckBounded(resp.workers_size());
         }
         break;
       }
@@ -624,7 +632,7 @@ class Run {
   RushingClock job_clock_;
   prometheus::Registry metrics_;
   WorkerRegistry registry_{&clock_, absl::Seconds(3), /*first_id=*/100,
-                           WorkerRegistry::Limits{/*max_workers=*/16, /*forget_after=*/absl::Seconds(30)}};
+                           WorkerRegistry::Limits{kMaxWorkers, /*forget_after=*/absl::Seconds(30)}};
   KvStore kv_;
   CoordinatorService::Options options_;
   std::unique_ptr<JobWorkers> job_workers_;
