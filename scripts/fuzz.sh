@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target (tag "fuzz", built with --config=fuzz: clang,
-# ASan, UBSan) for BATON_FUZZ_SECONDS each (default 20) on a copy of its seed
+# ASan, UBSan) for BATON_FUZZ_SECONDS each (default 16:
+# 7 targets, about 2 min of fuzzing in CI) on a copy of its seed
 # corpus (<target>_corpus/ beside it). A crash, leak, sanitizer report,
 # timeout (> 10 s on one input) or RSS above 2 GiB fails the target; the
 # input is left in $BATON_FUZZ_ARTIFACTS (default /tmp/baton-fuzz) — add it to
@@ -8,7 +9,7 @@
 # "fuzz: //pkg:target PASSED|FAILED" per target.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-seconds=${BATON_FUZZ_SECONDS:-20}
+seconds=${BATON_FUZZ_SECONDS:-16}
 artifacts=${BATON_FUZZ_ARTIFACTS:-/tmp/baton-fuzz}
 bazel_cmd=(bazel)
 if [ -n "${BATON_BAZEL_OUTPUT_BASE:-}" ]; then bazel_cmd+=("--output_base=$BATON_BAZEL_OUTPUT_BASE"); fi
