@@ -11,7 +11,7 @@
 //     has 2 pipeline stages (else 1); bit 2 worker RPCs need a join token;
 //     bit 3 calls carry a wrong token.
 //   then up to kMaxOps ops, each an op byte (mod 12) and its arguments:
-//    0 Register      flags, name, [device], [host], pid, [memory], [raw proto merged in]
+//    0 Register      flags, name, [device], [host], pid, [memory], [held job], [raw proto merged in]
 //    1 OpenSession   slot, who (a registration, or raw ids), [raw first message]
 //    2 Send          slot, kind: heartbeat, goodbye, the answer to the last
 //                    command (ok / with an error and code), a raw message
@@ -471,6 +471,14 @@ class Run {
     req.set_host(flags & 2 ? in_->Str() : "fuzzhost");
     req.set_pid(in_->Byte());
     req.set_memory_bytes(flags & 4 ? static_cast<int64_t>(in_->U64()) : int64_t{8} << 30);
+    if (flags & 16) {  // what a worker holds of the job after a coordinator restart (adoption)
+      v1::HeldJob* held = req.mutable_held();
+      held->set_job(flags & 32 ? "other" : kJob);
+      const uint8_t g = in_->Byte();
+      held->set_generation(g & 0x80 ? static_cast<int64_t>(in_->U64()) : g);
+      held->set_pp_rank(in_->Byte() % 3);
+      for (int i = in_->Byte() % 4; i > 0; --i) held->add_steps(in_->Byte());
+    }
     if (flags & 8) req.MergeFromString(in_->Str());  // garbage or any field
     grpc::ClientContext ctx;
     Prepare(&ctx);
