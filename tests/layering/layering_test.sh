@@ -48,6 +48,24 @@ check coordinator //coordinator:baton-coordinator "^//(worker|cli)[/:]|$no_test_
 check batonctl //cli:batonctl "^//(worker|coordinator)[/:]|$no_test_code" \
   '^//coordinator/schedule:|^//coordinator:job_spec(\.cc|\.h)?$'
 
+# Private by default: of what the binaries link, only proto, the system
+# libraries and common/ are public (genquery's --xml:default_values shows a
+# package's default visibility as the rule's own).
+public_ok='^//(proto|third_party|common)[/:]'
+for name in worker coordinator batonctl; do
+  public=$(awk -v ok="$public_ok" '
+    /<rule / { match($0, /name="[^"]*"/); rule = substr($0, RSTART + 6, RLENGTH - 7) }
+    /<list name="visibility">/ { in_vis = 1 }
+    /<\/list>/ { in_vis = 0 }
+    in_vis && /value="\/\/visibility:public"/ && rule ~ /^\/\// && rule !~ ok { print "  " rule }
+  ' "$here/${name}_deps" | sort -u)
+  if [[ -n "$public" ]]; then
+    echo "FAIL public outside proto/, third_party/, common/ (give the target a visibility naming its users):"
+    echo "$public"
+    failures=$((failures + 1))
+  fi
+done
+
 if ((failures > 0)); then
   echo "$failures layering violation(s)"
   exit 1
