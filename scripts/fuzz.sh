@@ -22,6 +22,8 @@ if [ -z "$targets" ]; then echo "fuzz: no targets found"; exit 1; fi
 }
 bin=$("${bazel_cmd[@]}" info --config=fuzz bazel-bin 2>/dev/null)
 mkdir -p "$artifacts"
+# Leaks inside Debian's uninstrumented libraries (each entry says why).
+export LSAN_OPTIONS="suppressions=$PWD/third_party/sanitizers/lsan.supp:print_suppressions=0"
 rc=0
 for t in $targets; do
   pkg=${t#//}; pkg=${pkg%%:*}; name=${t##*:}
