@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -191,11 +192,19 @@ class FakeWorkers : public JobWorkers {
         return;
       }
       case v1::CoordinatorMessage::kSaveWeights: {
+        r.mutable_saved()->set_step(m.save_weights().step());
+        r.mutable_saved()->set_generation(generation_of_[worker]);
+        if (m.save_weights().with_state()) {  // the copy to host memory is answered first
+          v1::WorkerMessage copied = r;
+          copied.mutable_saved()->set_ok(true);
+          copied.mutable_saved()->set_copied(true);
+          out->push_back(copied);
+        }
         // A real (empty) shard file, so the coordinator's manifest can list it.
         const std::string file = absl::StrCat(worker, ".safetensors");
-        r.mutable_saved()->set_ok(WriteFileAtomically(m.save_weights().dir() + "/" + file, "").ok());
+        r.mutable_saved()->set_ok(MakeDirectories(m.save_weights().dir()).ok() &&
+                                  WriteFileAtomically(m.save_weights().dir() + "/" + file, "").ok());
         r.mutable_saved()->add_files(file);
-        r.mutable_saved()->set_generation(generation_of_[worker]);
         break;
       }
       case v1::CoordinatorMessage::kHoldSnapshot:
@@ -583,6 +592,108 @@ TEST_F(JobRunnerTest, IncompleteReportsStartTheJobOverAfterTheGrace) {
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
   EXPECT_EQ(fake_->Configures("worker-0")[0].resume_step(), 0);
   EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3}));
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// A periodic checkpoint puts the job in `saving` from the SaveWeights request
+// until every worker copied its state to host memory; the files are written
+// in the background while training goes on (running), and the manifest is
+// written once every worker reported them.
+TEST_F(JobRunnerTest, APeriodicCheckpointIsSavingUntilEveryWorkerCopiedItsState) {
+  const std::string root = absl::StrCat(::testing::TempDir(), "/saving_state");
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_checkpoint()->set_dir(root);
+  job.mutable_checkpoint()->set_every_steps(2);
+  Start(job, 2);
+  absl::Mutex mu;
+  std::optional<v1::CoordinatorMessage> held;  // worker-1's SaveWeights of step 4, answered by the test
+  std::vector<std::string> states_at_save;
+  std::string metrics_at_save;
+  fake_->set_hook([&](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (m.has_save_weights()) {
+      absl::MutexLock lock(&mu);
+      states_at_save.push_back(JobStateName(runner_->state()));
+      if (w == "worker-1" && m.save_weights().step() == 4) {
+        metrics_at_save = Metrics();
+        held = m;
+        return false;
+      }
+    }
+    if (w == "worker-0" && m.has_run_step() && m.run_step().step() == 6) {
+      // worker-1's background write of step 4 finishes during step 6.
+      v1::WorkerMessage files;
+      files.mutable_saved()->set_ok(true);
+      files.mutable_saved()->set_step(4);
+      files.mutable_saved()->set_generation(1);
+      files.mutable_saved()->add_files("worker-1.safetensors");
+      EXPECT_TRUE(MakeDirectories(root + "/step-00000004").ok());
+      EXPECT_TRUE(WriteFileAtomically(root + "/step-00000004/worker-1.safetensors", "").ok());
+      runner_->OnWorkerMessage("worker-1", files);
+    }
+    return true;
+  });
+  started_ = true;
+  runner_->Start();
+  for (int i = 0; i < 20000; ++i) {
+    absl::MutexLock lock(&mu);
+    if (held) break;
+    mu.AwaitWithTimeout(absl::Condition(+[](std::optional<v1::CoordinatorMessage>* h) { return h->has_value(); },
+                                        &held),
+                        absl::Milliseconds(1));
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(held.has_value()) << "no checkpoint of step 4 was requested";
+    EXPECT_NE(metrics_at_save.find("baton_job_state{state=\"saving\",training_job=\"unit\"} 1"), std::string::npos)
+        << metrics_at_save;
+    EXPECT_NE(metrics_at_save.find("baton_job_state{state=\"running\",training_job=\"unit\"} 0"), std::string::npos);
+  }
+  // worker-1 has not copied its state: the job stays in saving and step 5 waits.
+  clock_.Advance(absl::Seconds(10));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(runner_->state(), JobState::kSaving);
+  EXPECT_EQ(Status().job_state(), "saving");
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2, 3, 4}));
+  // The copy is done: training goes on while the files are written.
+  v1::WorkerMessage copied;
+  copied.mutable_saved()->set_ok(true);
+  copied.mutable_saved()->set_copied(true);
+  copied.mutable_saved()->set_step(4);
+  copied.mutable_saved()->set_generation(1);
+  runner_->OnWorkerMessage("worker-1", copied);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  {
+    absl::MutexLock lock(&mu);
+    // Every save request (steps 2, 4 and 6, both workers) went out in saving.
+    EXPECT_EQ(states_at_save, std::vector<std::string>(6, "saving"));
+  }
+  // Step 4 became complete once its files were reported; keep: 2 pruned step 2.
+  EXPECT_TRUE(ReadFile(root + "/step-00000004/manifest.json").ok());
+  EXPECT_TRUE(ReadFile(root + "/step-00000006/manifest.json").ok());
+  EXPECT_FALSE(ReadFile(root + "/step-00000002/manifest.json").ok());
+}
+
+// A worker that never copies its state fails the job after the bound, naming it.
+TEST_F(JobRunnerTest, AWorkerThatNeverCopiesItsStateFailsTheJobNamingIt) {
+  v1::JobSpec job = Job(2, 1, 4);
+  job.mutable_checkpoint()->set_dir(absl::StrCat(::testing::TempDir(), "/never_copied"));
+  job.mutable_checkpoint()->set_every_steps(2);
+  Start(job, 2);
+  fake_->set_hook([](const std::string& w, const v1::CoordinatorMessage& m) {
+    return !(w == "worker-1" && m.has_save_weights());
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("checkpoint of step 2: stage 1 (tp 0, dp 0) (worker worker-1) did not copy its state"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2}));
 }
 
 }  // namespace

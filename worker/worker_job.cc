@@ -453,6 +453,11 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
     return;
   }
   checkpoint_stall_family_->Add(labels).Increment(*stall);
+  // The state is on the host: the coordinator's `saving` ends when every
+  // worker said so (the files follow in the second Saved).
+  saved->set_copied(true);
+  saved->set_stall_seconds(*stall);
+  Reply(reply);
 }
 
 void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {
