@@ -434,9 +434,19 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   AppendStepsLine(absl::StrCat("{\"recovery\": ", restarts_, ", \"cause\": \"coordinator_restart\", \"worker\": \"\"",
                                ", \"resume_step\": ", resume, ", \"replayed_steps\": ", replayed,
                                ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_), "}"));
+  recovery_started_ = clock_->Now();
+  RecoveryMark mark;
+  mark.number = restarts_;
+  mark.cause = FaultCauseName(FaultCause::kCoordinatorRestart);
+  mark.source = "every worker's own memory (adopted)";
+  mark.detail = recovery_;
+  mark.resume_step = resume;
+  mark.replayed_steps = replayed;
+  mark.generation = generation;
+  mark.started = *recovery_started_;
+  MarkRecovery(std::move(mark));
   committed_ = resume;
   next_step_ = resume + 1;
-  recovery_started_ = clock_->Now();
   error_ = absl::OkStatus();
   setup_ = Setup{std::move(plan), resume, {}, {}};
   return JobState::kConfiguring;
@@ -780,7 +790,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
     from_checkpoint = checkpoint_dir_;
   }
   std::map<std::string, std::string> states;  // replacement name -> ShardState
-  std::vector<std::string> described;
+  std::vector<std::string> described, sources_described;
   for (const std::string& name : lost) {
     const auto src = sources.find(name);
     const std::string from =
@@ -790,6 +800,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                                                   : absl::StrCat(src->second.first, "'s snapshot");
     described.push_back(absl::StrCat(Who(name), " -> ", replacement[name].name(), ", state of step ", resume,
                                      " from ", from));
+    sources_described.push_back(absl::StrCat(name, ": ", from));
   }
   recovery_ = absl::StrCat("recovery ", restarts_, ": ", lost.empty() ? "all workers kept, " : "",
                            absl::StrJoin(described, "; "), lost.empty() ? "" : "; ", "rolling back to step ",
@@ -853,10 +864,34 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                                JsonQuote(cause.message()), ", \"resume_step\": ", resume, ", \"replayed_steps\": ",
                                replayed, ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_),
                                "}"));
+  RecoveryMark mark;
+  mark.number = restarts_;
+  mark.cause = FaultCauseName(first_fault.cause);
+  mark.worker = first_fault.worker;
+  mark.stage = StageOf(first_fault.worker);
+  mark.source = lost.empty() ? "every worker's own memory (none lost)"
+                             : absl::StrCat(absl::StrJoin(sources_described, "; "), "; survivors: their own memory");
+  mark.error = std::string(cause.message());
+  mark.detail = recovery_;
+  mark.resume_step = resume;
+  mark.replayed_steps = replayed;
+  mark.generation = generation;
+  mark.started = recovery_started_.value_or(clock_->Now());
+  MarkRecovery(std::move(mark));
   committed_ = resume;
   next_step_ = resume + 1;
   setup_ = Setup{std::move(plan), resume, std::move(states), from_checkpoint};
   return JobState::kConfiguring;
+}
+
+void JobRunner::MarkRecovery(RecoveryMark mark) {
+  for (RecoveryMark& m : recovery_marks_) {
+    if (m.ended) continue;  // a fault during that recovery started this one
+    m.ended = mark.started > m.started ? mark.started : clock_->Now();
+    m.outcome = absl::StrCat("superseded by recovery ", mark.number);
+  }
+  recovery_marks_.push_back(std::move(mark));
+  while (recovery_marks_.size() > kKeptRecoveryMarks) recovery_marks_.pop_front();
 }
 
 const JobRunner::Fault* JobRunner::FirstCause() const {
@@ -1189,6 +1224,11 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
     if (recovery_started_) {
       recovered_in = clock_->Now() - *recovery_started_;
       recovery_started_.reset();
+      for (RecoveryMark& m : recovery_marks_) {
+        if (m.ended) continue;
+        m.ended = clock_->Now();
+        m.outcome = "recovered";
+      }
     }
     if (replay) {
       // The replay must reproduce the record bit for bit (data and state are
@@ -1384,6 +1424,27 @@ std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
         spans.push_back({process, compute ? "compute" : "comm", e.name(), e.cat(), e.start_us(), e.duration_us()});
       }
     }
+  }
+  const absl::Time now = clock_->Now();
+  for (const RecoveryMark& m : recovery_marks_) {
+    const absl::Time end = m.ended.value_or(now);
+    TraceSpan span{"coordinator", "recovery",
+                   absl::StrCat("recovery ", m.number, ": ", m.cause, m.worker.empty() ? "" : " of ", m.worker),
+                   "recovery", absl::ToUnixMicros(m.started), absl::ToInt64Microseconds(end - m.started)};
+    span.args = {{"cause", m.cause},
+                 {"lost_worker", m.worker},
+                 {"stage", m.worker.empty() ? "" : m.stage},
+                 {"state_from", m.source},
+                 {"resume_step", absl::StrCat(m.resume_step)},
+                 {"replayed_steps", absl::StrCat(m.replayed_steps)},
+                 {"generation", absl::StrCat(m.generation)},
+                 {"seconds", absl::StrFormat("%.3f", absl::ToDoubleSeconds(end - m.started))},
+                 {"outcome", !m.outcome.empty()                 ? m.outcome
+                             : state_ == JobState::kFailed ? "failed"
+                                                           : "in progress"},
+                 {"error", m.error},
+                 {"detail", m.detail}};
+    spans.push_back(std::move(span));
   }
   return ChromeTraceJson(spans);
 }

@@ -137,8 +137,11 @@ class JobRunner : public JobObserver {
   void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) override;
   void OnWorkerLost(const std::string& worker, const std::string& why, bool hung = false) override;
   void FillStatus(v1::GetStatusResponse* status) const override;
-  // Chrome trace of the last `steps` traced steps (all workers). While the
-  // job runs, the next `steps` steps are traced and waited for (up to `wait`).
+  // Chrome trace of the last `steps` traced steps (all workers), plus a span
+  // per recent recovery (process "coordinator", thread "recovery": cause,
+  // lost worker and stage, source of the state, step R, replayed steps,
+  // from the fault to the first step completed after it). While the job
+  // runs, the next `steps` steps are traced and waited for (up to `wait`).
   std::string TraceJson(int steps, absl::Duration wait) override;
 
   JobState state() const;
@@ -299,6 +302,18 @@ class JobRunner : public JobObserver {
   int64_t replayed_ ABSL_GUARDED_BY(mu_) = 0;
   std::string recovery_ ABSL_GUARDED_BY(mu_);  // what the last recovery did (GetStatus)
   std::optional<absl::Time> recovery_started_ ABSL_GUARDED_BY(mu_);
+  // Recoveries as the trace shows them (the last kKeptRecoveryMarks).
+  struct RecoveryMark {
+    int number = 0;
+    std::string cause, worker, stage, source, error, detail;
+    int64_t resume_step = 0, replayed_steps = 0, generation = 0;
+    absl::Time started;
+    std::optional<absl::Time> ended;  // first step completed after it
+    std::string outcome;              // "" while open: "recovered" / "superseded by recovery N"
+  };
+  static constexpr size_t kKeptRecoveryMarks = 16;
+  void MarkRecovery(RecoveryMark mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::deque<RecoveryMark> recovery_marks_ ABSL_GUARDED_BY(mu_);
 
   // Outputs.
   std::vector<StepRecord> steps_ ABSL_GUARDED_BY(mu_);

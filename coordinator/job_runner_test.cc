@@ -4,6 +4,7 @@
 // fault during recovery and "the first cause wins".
 #include "coordinator/job_runner.h"
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <optional>
@@ -14,7 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "absl/strings/str_split.h"
 #include "common/file_io.h"
+#include "common/json.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -694,6 +697,83 @@ TEST_F(JobRunnerTest, AWorkerThatNeverCopiesItsStateFailsTheJobNamingIt) {
             std::string::npos)
       << error;
   EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2}));
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+const JsonValue* RecoverySpan(const JsonValue& trace) {
+  for (const JsonValue& e : trace.Find("traceEvents")->items()) {
+    if (e.Find("ph")->str() == "X" && e.Find("cat")->str() == "recovery") return &e;
+  }
+  return nullptr;
+}
+
+// steps.jsonl and the trace mark a recovery: what was lost, where the state
+// came from, the step rolled back to, the replayed steps, how long it took.
+TEST_F(JobRunnerTest, StepsJsonlAndTheTraceMarkARecovery) {
+  const std::string out = absl::StrCat(::testing::TempDir(), "/recovery_marks");
+  Start(Job(2, 1, 6), 3, nullptr, out);
+  // While the recovery runs, the trace shows it in progress.
+  std::string trace_during;
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([&, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && !*fired) {
+      *fired = true;
+      fake_->Kill("worker-1");
+      return false;
+    }
+    if (w == "worker-2" && m.has_configure()) trace_during = runner_->TraceJson(3, absl::ZeroDuration());
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok());
+  std::vector<JsonValue> recovery, recovered;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    auto v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    if (v->Find("recovery") != nullptr) recovery.push_back(*v);
+    if (v->Find("recovered") != nullptr) recovered.push_back(*v);
+  }
+  ASSERT_EQ(recovery.size(), 1u) << *steps;
+  EXPECT_EQ(recovery[0].Find("cause")->str(), "worker_lost");
+  EXPECT_EQ(recovery[0].Find("worker")->str(), "worker-1");
+  EXPECT_EQ(recovery[0].Find("resume_step")->number(), 3);
+  EXPECT_EQ(recovery[0].Find("replayed_steps")->number(), 0);
+  EXPECT_NE(recovery[0].Find("detail")->str().find("worker-0's snapshot"), std::string::npos) << *steps;
+  ASSERT_EQ(recovered.size(), 1u) << *steps;
+  EXPECT_EQ(recovered[0].Find("recovered")->number(), 4);
+  EXPECT_GT(recovered[0].Find("seconds")->number(), 0);
+
+  // The trace (GetTrace and out/trace.json) shows it as a span with its facts.
+  for (const std::string& json : {runner_->TraceJson(3, absl::ZeroDuration()), *ReadFile(out + "/trace.json")}) {
+    auto trace = JsonValue::Parse(json);
+    ASSERT_TRUE(trace.ok()) << json;
+    const JsonValue* span = RecoverySpan(*trace);
+    ASSERT_NE(span, nullptr) << json;
+    EXPECT_EQ(span->Find("name")->str(), "recovery 1: worker_lost of worker-1");
+    const JsonValue& args = *span->Find("args");
+    EXPECT_EQ(args.Find("cause")->str(), "worker_lost");
+    EXPECT_EQ(args.Find("lost_worker")->str(), "worker-1");
+    EXPECT_EQ(args.Find("stage")->str(), "stage 1 (tp 0, dp 0)");
+    EXPECT_EQ(args.Find("state_from")->str(), "worker-1: worker-0's snapshot; survivors: their own memory");
+    EXPECT_EQ(args.Find("resume_step")->str(), "3");
+    EXPECT_EQ(args.Find("replayed_steps")->str(), "0");
+    EXPECT_EQ(args.Find("outcome")->str(), "recovered");
+    // Fault to the first step after it, as baton_recovery_seconds.
+    EXPECT_EQ(*span->Find("dur")->integer(),
+              static_cast<int64_t>(std::llround(recovered[0].Find("seconds")->number() * 1e6)));
+    EXPECT_GT(*span->Find("dur")->integer(), 0);
+  }
+  auto during = JsonValue::Parse(trace_during);
+  ASSERT_TRUE(during.ok()) << trace_during;
+  ASSERT_NE(RecoverySpan(*during), nullptr) << trace_during;
+  EXPECT_EQ(RecoverySpan(*during)->Find("args")->Find("outcome")->str(), "in progress");
 }
 
 }  // namespace
