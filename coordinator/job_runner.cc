@@ -1402,13 +1402,17 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
 std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   steps = std::min(steps, options_.max_kept_traces);
-  if (state_ == JobState::kRunning && wait > absl::ZeroDuration()) {
+  // Training: running, or saving a periodic checkpoint between two steps.
+  auto training = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return state_ == JobState::kRunning || (state_ == JobState::kSaving && next_step_ <= job_.train().steps());
+  };
+  if (training() && wait > absl::ZeroDuration()) {
     const int64_t after = static_cast<int64_t>(steps_.size());
     trace_requested_ = std::max(trace_requested_, steps);
     auto traced = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       int n = 0;
       for (const auto& t : traces_) n += t.first > after;
-      return n >= steps || state_ != JobState::kRunning || stopping_;
+      return n >= steps || !training() || stopping_;
     };
     mu_.AwaitWithTimeout(absl::Condition(&traced), wait);
   }

@@ -477,3 +477,32 @@ TEST(RecoveryTest, PeriodicCheckpointsResumeBitwiseAndABadOneIsRefused) {
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+// The trace marks the recovery (recovery-unit): a span on the coordinator's
+// recovery track naming the cause, the lost worker and its stage.
+TEST(RecoveryTest, TheTraceShowsTheRecoveryAsASpan) {
+  Layout layout;
+  layout.pp = 2;
+  layout.steps = 300;  // long enough for the injector, which polls, to land the kill mid-run
+  LocalRun run("trace_marks", Job(layout), {"--spares=1", "--inject=kill:stage=1@step=20"});
+  run.Start();
+  ASSERT_EQ(run.Finish(), 0) << run.Log();
+  auto trace = JsonValue::Parse(ReadAll(run.out() + "/trace.json"));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const JsonValue* span = nullptr;
+  for (const JsonValue& e : trace->Find("traceEvents")->items()) {
+    if (e.Find("cat") != nullptr && e.Find("cat")->str() == "recovery") span = &e;
+  }
+  ASSERT_NE(span, nullptr) << "no recovery span in trace.json";
+  const JsonValue& args = *span->Find("args");
+  EXPECT_EQ(args.Find("cause")->str(), "worker_lost");
+  EXPECT_EQ(args.Find("stage")->str().rfind("stage 1 ", 0), 0u) << args.Find("stage")->str();
+  EXPECT_EQ(args.Find("outcome")->str(), "recovered");
+  EXPECT_GT(*span->Find("dur")->integer(), 0);
+}
+
+}  // namespace
+}  // namespace baton
