@@ -1407,7 +1407,7 @@ std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
     return state_ == JobState::kRunning || (state_ == JobState::kSaving && next_step_ <= job_.train().steps());
   };
   if (training() && wait > absl::ZeroDuration()) {
-    const int64_t after = static_cast<int64_t>(steps_.size());
+    const int64_t after = next_step_ - 1;  // steps are numbered from the checkpoint a job resumed at
     trace_requested_ = std::max(trace_requested_, steps);
     auto traced = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       int n = 0;

@@ -778,3 +778,28 @@ TEST_F(JobRunnerTest, StepsJsonlAndTheTraceMarkARecovery) {
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+// --resume of something that is not a complete checkpoint fails the job
+// before any worker is configured, naming the directory and the problem.
+TEST_F(JobRunnerTest, AResumeFromABrokenCheckpointFailsBeforeAnyWorkerIsConfigured) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/not_a_checkpoint");
+  ASSERT_TRUE(MakeDirectories(dir).ok());
+  ASSERT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "truncated").ok());
+  fake_ = std::make_unique<FakeWorkers>(2);
+  JobRunner::Options options;
+  options.resume_dir = dir;
+  runner_ = std::make_unique<JobRunner>(Job(2, 1, 5), fake_.get(), &clock_, options, metrics_);
+  fake_->set_runner(runner_.get());
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("--resume"), std::string::npos) << error;
+  EXPECT_NE(error.find(dir), std::string::npos) << error;
+  EXPECT_NE(error.find("manifest"), std::string::npos) << error;
+  for (const char* w : {"worker-0", "worker-1"}) EXPECT_TRUE(fake_->Configures(w).empty()) << w;
+}
+
+}  // namespace
+}  // namespace baton
