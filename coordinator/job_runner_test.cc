@@ -174,6 +174,7 @@ class FakeWorkers : public JobWorkers {
         rep->set_grad_sq_norm(0.25);
         rep->set_has_loss(true);
         rep->set_loss(10.0 / m.run_step().step());
+        traced_[worker] = m.run_step().trace();
         break;
       }
       case v1::CoordinatorMessage::kCommit: {
@@ -182,6 +183,13 @@ class FakeWorkers : public JobWorkers {
         r.mutable_step_done()->set_committed(true);
         r.mutable_step_done()->set_generation(generation_of_[worker]);
         r.mutable_step_done()->set_wall_seconds(0.01);
+        if (traced_[worker]) {  // one event per traced step
+          v1::TraceEvent* e = r.mutable_step_done()->add_events();
+          e->set_name(absl::StrCat("step ", step));
+          e->set_cat("compute");
+          e->set_start_us(step * 1000);
+          e->set_duration_us(10);
+        }
         model_step_[worker] = step;
         out->push_back(r);
         const std::string state = absl::StrCat(shard_[worker], "@", step);
@@ -244,6 +252,7 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, int64_t> generation_of_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> shard_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> model_step_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> traced_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<int64_t, std::string>> own_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
 };
@@ -799,6 +808,55 @@ TEST_F(JobRunnerTest, AResumeFromABrokenCheckpointFailsBeforeAnyWorkerIsConfigur
   EXPECT_NE(error.find(dir), std::string::npos) << error;
   EXPECT_NE(error.find("manifest"), std::string::npos) << error;
   for (const char* w : {"worker-0", "worker-1"}) EXPECT_TRUE(fake_->Configures(w).empty()) << w;
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// GetTrace waits for the next N steps across the saving periods between
+// them (a checkpoint after every step here), not just until the job leaves
+// `running` for the first time.
+TEST_F(JobRunnerTest, GetTraceWaitsForItsStepsAcrossPeriodicSaves) {
+  v1::JobSpec job = Job(2, 1, 12);
+  job.mutable_checkpoint()->set_dir(absl::StrCat(::testing::TempDir(), "/trace_across_saves"));
+  job.mutable_checkpoint()->set_every_steps(1);
+  Start(job, 2);
+  absl::Mutex mu;
+  bool at_step_3 = false, go = false;
+  fake_->set_hook([&](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-0" && m.has_run_step() && m.run_step().step() == 3) {
+      absl::MutexLock lock(&mu);
+      at_step_3 = true;
+      mu.Await(absl::Condition(&go));  // the job holds here until the trace was requested
+    }
+    return true;
+  });
+  started_ = true;
+  runner_->Start();
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&at_step_3), absl::Seconds(30)));
+  }
+  std::string trace;
+  std::thread requester([&] { trace = runner_->TraceJson(2, absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(200));  // ordering only: the request is made before the job goes on
+  {
+    absl::MutexLock lock(&mu);
+    go = true;
+  }
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  requester.join();
+  auto parsed = JsonValue::Parse(trace);
+  ASSERT_TRUE(parsed.ok()) << trace;
+  std::set<std::string> names;
+  for (const JsonValue& e : parsed->Find("traceEvents")->items()) {
+    if (e.Find("ph")->str() == "X") names.insert(e.Find("name")->str());
+  }
+  // Steps 4 and 5: the first two sent after the request (step 3 was already out).
+  EXPECT_EQ(names, (std::set<std::string>{"step 4", "step 5"})) << trace;
 }
 
 }  // namespace
