@@ -24,8 +24,11 @@
 #   recovery: fault detected -> first step completed after the recovery
 #     (steps.jsonl "recovered" seconds, = baton_recovery_seconds);
 #   loss to next step: injection -> that first completed step;
-#   steps replayed, committed steps lost (must be 0), hangs (must be 0), and
-#   each failure with the command that reproduces it.
+#   steps replayed, committed steps lost (must be 0), hangs (must be 0),
+#   where the survivors were when the fault hit (the op their step failed in,
+#   from their logs: which phases the random offsets reached), and each
+#   failure with the command that reproduces it. Every recorded per-step loss
+#   must also equal the fault-free run's.
 # Every number is wall time on this machine: on a shared machine other
 # processes' load shows up in them.
 set -u
@@ -140,6 +143,31 @@ for r in range(runs):
         problems.append(f"{res['lost']} committed steps missing from steps.jsonl")
     if res["duplicated"]:
         problems.append(f"{res['duplicated']} steps recorded twice")
+    # Bitwise per step: every recorded loss equals the fault-free run's.
+    ref_loss = {x["step"]: x.get("loss") for x in steps_lines(ref) if "step" in x}
+    differ = [x["step"] for x in lines if "step" in x and x.get("committed") and x.get("loss") != ref_loss.get(x["step"])]
+    if differ:
+        problems.append(f"losses of steps {differ[:5]} differ from the fault-free run")
+    # Where the survivors were when the fault hit: the op their step failed
+    # in (F/B/W compute with a TP all-reduce, SEND/RECV pipeline transfers,
+    # the DP gradient all-reduce), or "between steps" (commit, snapshot,
+    # checkpoint, waiting for the next RunStep) when none failed.
+    res["phase"] = "between steps"
+    vm = re.search(r"injecting \S+ into (\S+) ", log)
+    for logname in sorted(os.listdir(os.path.join(out, "logs"))) if os.path.isdir(os.path.join(out, "logs")) else []:
+        if not logname.startswith("worker-") or (vm and logname == vm.group(1) + ".log"):
+            continue
+        try:
+            with open(os.path.join(out, "logs", logname)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        fm = re.search(r"step \d+ failed: [A-Z_]+: (\S+?)\(([^)]*)\)(?:: (\w+))?([^\n]*)", text)
+        if fm:
+            op = fm.group(1)
+            kind = "all-reduce" if ("all-reduce" in fm.group(4) or "AllReduce" in fm.group(4)) else ""
+            res["phase"] = (op + (" " + kind if kind else "")).strip()
+            break
     recs = [x for x in lines if "recovery" in x]
     res["recoveries"] = len(recs)
     res["replayed"] = sum(x.get("replayed_steps", 0) for x in recs)
@@ -215,6 +243,11 @@ print(f"targets: killed detected <= 1 s in {sum(x <= 1 for x in kills)}/{len(kil
       f"loss to next step <= 5 s (kills) in "
       f"{sum(r['loss_to_step_s'] <= 5 for r in results if r['kind'] == 'kill' and 'loss_to_step_s' in r)}/"
       f"{sum(1 for r in results if r['kind'] == 'kill' and 'loss_to_step_s' in r)}")
+phases = {}
+for r in results:
+    phases[r.get("phase", "?")] = phases.get(r.get("phase", "?"), 0) + 1
+print("where the survivors were when the fault hit (first failed op in their logs): " +
+      ", ".join(f"{k} {v}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
 replayed = [r["replayed"] for r in results]
 print(f"steps replayed: total {sum(replayed)}, max per run {max(replayed) if replayed else 0}")
 for _, f in failures:
