@@ -4,9 +4,10 @@
 //   - a worker frozen past its lease and thawed (SIGCONT) after it was
 //     replaced: the old incarnation drops its stale job, registers again as a
 //     spare, writes nothing into the job, and takes over at the next fault;
-//   - kill -9 the moment a step commits, while every worker captures and
-//     sends its buddy snapshot (the dead worker's own snapshot in flight, and
-//     the snapshot it was receiving as a buddy);
+//   - kill -9 the moment a snapshot step commits, as every worker captures
+//     and sends its buddy snapshot (the dead worker's own snapshot, and the
+//     one it holds or receives as a buddy; whether the transfer is cut in
+//     half is timing, see KillAtSnapshot);
 //   - kill -9 while the background writer writes a periodic checkpoint: the
 //     partial checkpoint has no manifest, the coordinator never recorded it,
 //     and --resume takes the previous complete one, bitwise;
@@ -215,11 +216,14 @@ TEST(FaultScheduleTest, AThawedFrozenWorkerRejoinsAsASpareAndTakesOverAtTheNextF
 
 // kill -9 the moment step 30 commits (as seen in steps.jsonl, polled every
 // millisecond), with snapshots every 10 steps: the workers are capturing and
-// sending the snapshot of step 30 right then. The dead worker's own snapshot
-// of 30 may or may not have reached its buddy, and it was itself the buddy
-// receiving its predecessor's: the recovery step is 30 if every shard has it
-// somewhere, else 20 (later ones on a loaded machine, where the kill lands
-// later), and the replay is exact.
+// sending the snapshot of step 30 about then. If the dead worker's snapshot
+// of 30 had not reached its buddy (or the snapshot it was receiving as a
+// buddy is lost with it), the recovery step is 20 and 10 steps are replayed;
+// else it is 30. Either way the replay is exact. Which one happens is timing:
+// on this machine the snapshot (a few hundred KiB) had always arrived before
+// the kill (resume step 30), so these runs exercise the kill right after a
+// snapshot step and the buddy's loss, not reliably a transfer cut in half
+// (that needs a worker-side hook that is not built).
 void KillAtSnapshot(const std::string& name, int stage) {
   Layout layout;
   const LocalRun& reference = Reference(layout);
@@ -246,11 +250,11 @@ void KillAtSnapshot(const std::string& name, int stage) {
             << IntField(recoveries[0], "replayed_steps") << " steps replayed)\n";
 }
 
-TEST(FaultScheduleTest, AWorkerKilledWhileItsSnapshotIsInFlight) { KillAtSnapshot("snapshot_owner", 1); }
+TEST(FaultScheduleTest, AWorkerKilledAsItSendsASnapshot) { KillAtSnapshot("snapshot_owner", 1); }
 
 // The last stage's buddy is stage 0; it is itself the buddy of stage 1, whose
-// snapshot of step 30 it was receiving.
-TEST(FaultScheduleTest, ABuddyKilledWhileReceivingASnapshot) { KillAtSnapshot("snapshot_buddy", 2); }
+// snapshot of step 30 it holds (or is receiving): stage 1 keeps its own copy.
+TEST(FaultScheduleTest, ABuddyKilledAsItReceivesASnapshot) { KillAtSnapshot("snapshot_buddy", 2); }
 
 // A checkpoint every step, and the worker that writes shard (0, 0) killed the
 // moment step 25 commits (its background writer is writing that step) with
