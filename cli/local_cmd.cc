@@ -282,7 +282,15 @@ class LocalRun {
   // Stops every child and returns `code`.
   int Stop(int code) {
     std::vector<ChildProcess*> all;
-    for (auto& w : workers_) all.push_back(w.get());
+    for (auto& w : workers_) {
+      // A worker still frozen by --inject=stop: thawed first, so that it
+      // handles SIGTERM and leaves cleanly instead of waiting for SIGKILL.
+      if (inject_ && inject_->done && inject_->sig == SIGSTOP && !inject_->thawed && w->name() == inject_->victim &&
+          w->running()) {
+        w->Signal(SIGCONT);
+      }
+      all.push_back(w.get());
+    }
     if (coordinator_) all.push_back(coordinator_.get());
     StopAll(all, kStopGrace);
     return code;

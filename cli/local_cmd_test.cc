@@ -216,6 +216,21 @@ TEST_F(LocalCommandTest, InjectStopWithForThawsTheWorkerLater) {
   ExpectNoChildrenLeft();
 }
 
+// A worker left frozen by --inject=stop is thawed when batonctl stops, so it
+// leaves on SIGTERM like the others (no SIGKILL after the grace period).
+TEST_F(LocalCommandTest, AWorkerLeftFrozenIsThawedToStopCleanly) {
+  std::vector<std::string> args = Args(Job(2, 100000));
+  args.push_back("--inject=stop:worker=worker-1@step=3");
+  auto batonctl = StartBatonctl(args);
+  ASSERT_TRUE(WaitForOutput(*batonctl, "injecting SIGSTOP into worker-1")) << batonctl->Log();
+  batonctl->Signal(SIGINT);
+  std::optional<int> code = batonctl->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << batonctl->Log();
+  EXPECT_EQ(*code, 130) << batonctl->Log();
+  EXPECT_THAT(Slurp(out_ + "/logs/worker-1.log"), HasSubstr("received SIGTERM"));
+  ExpectNoChildrenLeft();
+}
+
 TEST_F(LocalCommandTest, AFailedJobExitsOneWithTheErrorAndTheWorkersLog) {
   setenv("BATON_FAKE_FAIL_AT_STEP", "3", 1);
   testing::CommandResult r = testing::RunCommand(testing::RunfilePath("cli/batonctl"), Args(Job(2, 100)),
