@@ -35,7 +35,7 @@ inline constexpr absl::Duration kRunLimit = absl::Seconds(240);
 
 struct Layout {
   int layers = 6, microbatches = 4;
-  int pp = 3, tp = 1, dp = 1, v = 1, steps = 150;
+  int pp = 3, tp = 1, dp = 1, v = 1, steps = 300;  // long enough to still run while a test looks at a recovery
   std::string schedule = "1f1b";
   std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_s%d", schedule, pp, tp, dp, v, microbatches, steps);
   }

@@ -118,7 +118,7 @@ TEST(RecoveryTest, KilledLastStageIsReplacedBySpareFromBuddySnapshot) {
 // Sparse snapshots: the job rolls back to the last snapshot step and replays
 // the steps after it, exactly.
 TEST(RecoveryTest, SparseSnapshotsRollBackAndReplayExactly) {
-  // Snapshots at steps 50, 100 and 150; the kill lands somewhere after step
+  // Snapshots at steps 50, 100, 150, ...; the kill lands somewhere after step
   // 55 (the injector polls, so a loaded machine lands it later), almost
   // surely before step 100, so the survivors roll back to 50 and replay.
   RunWithFault("sparse_snapshots", Layout{}, Fault{1, 0, 0, SIGKILL, 55}, 1,
