@@ -73,13 +73,19 @@ absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Messag
   return &m;
 }
 
-absl::Status StepExecutor::ReleaseMessages() {
+absl::Status StepExecutor::ReleaseMessages(bool chunks_idle) {
+  const bool any = !data_.empty() || !act_out_.empty() || !act_in_.empty() || !grad_out_.empty() ||
+                   !grad_in_.empty();
+  if (!any) return absl::OkStatus();
   absl::Status status;
-  for (auto& [stage, model] : chunks_) {
-    absl::Status s = model->Synchronize();
-    if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
+  if (!chunks_idle) {
+    for (auto& [stage, model] : chunks_) {
+      absl::Status s = model->Synchronize();
+      if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
+    }
   }
   if (!status.ok()) return status;  // the device may still use the buffers: keep them out of the pool
+  data_.clear();  // a device stage may have been copying tokens and targets from it
   for (auto* map : {&act_out_, &act_in_, &grad_out_, &grad_in_}) {
     for (auto& [key, m] : *map) pool_.push_back(std::move(m.payload));
     map->clear();
@@ -103,8 +109,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
   trace_ = trace;
   events_.clear();
-  data_.clear();
-  BATON_RETURN_IF_ERROR(ReleaseMessages());  // after a failed step
+  BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
@@ -134,11 +139,14 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   model::StepScore loss;
   double sq = 0;
   for (auto& [stage, model] : chunks_) {
-    model::StepScore s = model->score();
+    // One host synchronisation per chunk; afterwards the chunk is idle.
+    model::StepScore s;
+    double chunk_sq = 0;
+    BATON_RETURN_IF_ERROR_CTX(model->ReadStepResults(&s, &chunk_sq), "stage ", stage);
     loss.loss_sum += s.loss_sum;
     loss.tokens += s.tokens;
     loss.correct += s.correct;
-    sq += model->LocalGradSqNorm();
+    sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
   }
   report.set_grad_sq_norm(sq);
@@ -149,9 +157,9 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   }
   report.set_tokens(options_.tokens_per_microbatch * options_.microbatches);
   report.set_finite(std::isfinite(sq) && std::isfinite(report.loss()));
-  // Activations and messages of this step are no longer needed.
-  data_.clear();
-  BATON_RETURN_IF_ERROR(ReleaseMessages());
+  // Activations, data and messages of this step are no longer needed, and
+  // every chunk finished its work when its results were read.
+  BATON_RETURN_IF_ERROR(ReleaseMessages(true));
   return report;
 }
 

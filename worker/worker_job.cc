@@ -217,8 +217,13 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
         const int tp_size = job_->plan.tp();
         for (auto& [chunk, model] : job_->chunks) {
-          absl::StatusOr<std::string> file = checkpoint::WriteShardFile(
-              message.save_weights().dir(), chunk, job_->rank.tp_rank(), tp_size, model->Shards());
+          std::vector<float> host;  // the values of a device chunk, copied to the host
+          absl::StatusOr<std::vector<NamedShard>> shards = model->HostShards(&host);
+          absl::StatusOr<std::string> file =
+              shards.ok() ? checkpoint::WriteShardFile(message.save_weights().dir(), chunk, job_->rank.tp_rank(),
+                                                       tp_size, *shards)
+                          : absl::StatusOr<std::string>(
+                                WithContext(shards.status(), absl::StrCat("saving the weights of chunk ", chunk)));
           if (!file.ok()) {
             reply.mutable_saved()->set_ok(false);
             reply.mutable_saved()->set_error(std::string(file.status().message()));
