@@ -19,6 +19,7 @@
 // side (Gloo, in-process): each batch of sends waits for its chunk first,
 // and the tied-embedding sum once, so a rank's step waits at most
 // 2 + (its send batches) times until p2p runs on streams (NCCL).
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -316,7 +317,8 @@ TEST(SimWorkerPaths, WeightsCheckpointsAndSnapshotsHoldTheCpuBits) {
     for (int step = 1; step <= 2; ++step) p.Step(step);
     const std::string weights_dir = absl::StrCat(tmp, "/weights_", d);
     const std::string ckpt_dir = absl::StrCat(tmp, "/ckpt_", d);
-    ASSERT_EQ(0, system(absl::StrCat("mkdir -p ", weights_dir, " ", ckpt_dir).c_str()));
+    std::filesystem::create_directories(weights_dir);
+    std::filesystem::create_directories(ckpt_dir);
     std::vector<checkpoint::ChunkToSave> to_save;
     for (int c = 0; c < p.stages(); ++c) {
       std::vector<float> storage;
