@@ -30,7 +30,8 @@
 # compares it with the same job on the CPU (batonctl local): every step's
 # loss within 1e-4 relative and the final weights within 1e-3 relative L2
 # per tensor (batonctl checkpoint diff). Without a release bundle it reports
-# "not available".
+# "not available". `--pp2_device cpu` runs that job's workers on the CPU
+# instead (how CI tests this script: //scripts:gpu_check_test).
 #
 # Exit status: 0 when every available step passed, 1 otherwise.
 set -uo pipefail
@@ -39,6 +40,7 @@ BIN=""
 OUT="${TMPDIR:-/tmp}/baton_gpu_check"
 COLLECT=""
 RELEASE=""
+PP2_DEVICE="cuda:0"  # --pp2_device cpu: the job's plumbing on a CPU host (scripts:gpu_check_test)
 # Seconds for the whole check. The steps' own limits add up to 346 s
 # (gpu 15, cuda_ops 50, cuda_backend 35, goldens 2 x 15, golden layouts
 # 3 x 12, pp2_1f1b 55, gemm 35, model fp32 50, bf16 40), so the check ends
@@ -46,7 +48,7 @@ RELEASE=""
 BUDGET=360
 
 usage() {
-  sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -56,6 +58,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT="$2"; shift 2 ;;
     --collect) COLLECT="$2"; shift 2 ;;
     --release) RELEASE="$2"; shift 2 ;;
+    --pp2_device) PP2_DEVICE="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     -h|--help) usage ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -320,7 +323,7 @@ if [[ -n "$RELEASE" ]]; then
   if [[ -x "$REL_DIR/bin/baton-worker" ]]; then
     # `step` runs a binary under BIN: run this shell function through bash.
     export -f pp2_job
-    step pp2_1f1b 55 "$(command -v bash)" -c "pp2_job '$REL_DIR' '$OUT/pp2' cuda:0"
+    step pp2_1f1b 55 "$(command -v bash)" -c "pp2_job '$REL_DIR' '$OUT/pp2' '$PP2_DEVICE'"
     v=$(sed -n 's/.*"loss_max_rel_diff": \([^}]*\)}.*/\1/p' "$OUT/pp2_1f1b.out" | tail -n 1)
     [[ -n "$v" ]] && METRICS+=("\"pp2_loss_max_rel_diff\": $v")
     v=$(sed -n 's/.*"pp2_weights_max_rel_diff": \([^}]*\)}.*/\1/p' "$OUT/pp2_1f1b.out" | tail -n 1)
