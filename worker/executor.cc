@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -238,12 +239,16 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
     Message* recv = nullptr;  // set on the side message of a receive
     const Action* action;
   };
-  // Sent data must be complete on the device before the communicator reads it.
+  // Sent data must be complete on the device before the communicator reads
+  // it: one wait per sending chunk of the batch.
+  std::set<int> sending;
   for (const Action* a : batch) {
-    if (a->kind() != Action::SEND_F && a->kind() != Action::SEND_B) continue;
-    auto it = chunks_.find(a->stage());
-    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", a->stage()));
-    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", a->stage(), " before sending");
+    if (a->kind() == Action::SEND_F || a->kind() == Action::SEND_B) sending.insert(a->stage());
+  }
+  for (int stage : sending) {
+    auto it = chunks_.find(stage);
+    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
+    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", stage, " before sending");
   }
   std::vector<Pending> pending;
   for (const Action* a : batch) {
