@@ -31,7 +31,7 @@
 # loss within 1e-4 relative and the final weights within 1e-3 relative L2
 # per tensor (batonctl checkpoint diff). Without a release bundle it reports
 # "not available". `--pp2_device cpu` runs that job's workers on the CPU
-# instead (how CI tests this script: //scripts:gpu_check_test).
+# instead (how CI tests this script: //tests/package:gpu_check_test).
 #
 # Exit status: 0 when every available step passed, 1 otherwise.
 set -uo pipefail
@@ -40,7 +40,7 @@ BIN=""
 OUT="${TMPDIR:-/tmp}/baton_gpu_check"
 COLLECT=""
 RELEASE=""
-PP2_DEVICE="cuda:0"  # --pp2_device cpu: the job's plumbing on a CPU host (scripts:gpu_check_test)
+PP2_DEVICE="cuda:0"  # --pp2_device cpu: the job's plumbing on a CPU host (tests/package:gpu_check_test)
 # Seconds for the whole check. The steps' own limits add up to 346 s
 # (gpu 15, cuda_ops 50, cuda_backend 35, goldens 2 x 15, golden layouts
 # 3 x 12, pp2_1f1b 55, gemm 35, model fp32 50, bf16 40), so the check ends
