@@ -20,9 +20,17 @@ absl::Status ValidateWorkerName(const std::string& name) {
 
 bool IsValidDevice(const std::string& device) {
   if (device == "cpu") return true;
-  int ordinal;
-  return absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &ordinal) && ordinal >= 0 &&
-         device.size() > 5 && absl::ascii_isdigit(device[5]);
+  // "sim:N" is the test-only simulated device (kernels/sim): valid as a name;
+  // only a worker built with it can configure a job on it.
+  for (const absl::string_view prefix : {absl::string_view("cuda:"), absl::string_view("sim:")}) {
+    int ordinal;
+    if (absl::StartsWith(device, prefix) && device.size() > prefix.size() &&
+        absl::ascii_isdigit(device[prefix.size()]) && absl::SimpleAtoi(device.substr(prefix.size()), &ordinal) &&
+        ordinal >= 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace baton

@@ -9,7 +9,7 @@
 
 namespace baton {
 
-// "cpu" or "cuda:N".
+// "cpu", "cuda:N" or "sim:N" (the test-only simulated device).
 bool IsValidDevice(const std::string& device);
 
 // 1..128 of [A-Za-z0-9._-]; INVALID_ARGUMENT saying so otherwise.

@@ -22,8 +22,16 @@
 #   2. On a GPU host with the source tree and Bazel:
 #        scripts/gpu_check.sh --bin bazel-bin --out /tmp/gpu_check
 #
-# The release bundle (dist/baton-*.tar.gz, scripts/package.sh) carries the
-# three daemons/CLI only, not these test binaries, so it is not an input here.
+# The release bundle (dist/baton-*.tar.gz, scripts/package.sh: the daemons
+# and batonctl) runs the pipeline job: `--release TARBALL|DIR` (a --collect
+# bundle carries dist/'s tarball as release/ when scripts/package.sh ran
+# first). Step pp2_1f1b trains a small GPT with 1F1B over two baton-worker
+# processes on cuda:0 (one coordinator, real gRPC and Gloo on loopback) and
+# compares it with the same job on the CPU (batonctl local): every step's
+# loss within 1e-4 relative and the final weights within 1e-3 relative L2
+# per tensor (batonctl checkpoint diff). Without a release bundle it reports
+# "not available". `--pp2_device cpu` runs that job's workers on the CPU
+# instead (how CI tests this script: //tests/package:gpu_check_test).
 #
 # Exit status: 0 when every available step passed, 1 otherwise.
 set -uo pipefail
@@ -31,10 +39,16 @@ set -uo pipefail
 BIN=""
 OUT="${TMPDIR:-/tmp}/baton_gpu_check"
 COLLECT=""
-BUDGET=360  # seconds for the whole check
+RELEASE=""
+PP2_DEVICE="cuda:0"  # --pp2_device cpu: the job's plumbing on a CPU host (tests/package:gpu_check_test)
+# Seconds for the whole check. The steps' own limits add up to 346 s
+# (gpu 15, cuda_ops 50, cuda_backend 35, goldens 2 x 15, golden layouts
+# 3 x 12, pp2_1f1b 55, gemm 35, model fp32 50, bf16 40), so the check ends
+# within 6 minutes by construction; a step is also cut to what is left.
+BUDGET=360
 
 usage() {
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -43,6 +57,8 @@ while [[ $# -gt 0 ]]; do
     --bin) BIN="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --collect) COLLECT="$2"; shift 2 ;;
+    --release) RELEASE="$2"; shift 2 ;;
+    --pp2_device) PP2_DEVICE="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     -h|--help) usage ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -82,6 +98,10 @@ if [[ -n "$COLLECT" ]]; then
     done
   done
   cp "$ROOT"/tests/golden/*.safetensors "$COLLECT/data/" 2>/dev/null
+  # The release bundle, when scripts/package.sh has built it.
+  for t in "$ROOT"/dist/baton-*-linux-x86_64.tar.gz; do
+    [[ -f "$t" ]] && mkdir -p "$COLLECT/release" && cp "$t" "$COLLECT/release/"
+  done
   # A compressed copy too (about 25 MB; the directory itself is ~66 MB,
   # mostly OpenBLAS): unpack with tar xzf on the GPU host.
   tar czf "$COLLECT.tar.gz" -C "$(dirname "$COLLECT")" "$(basename "$COLLECT")"
@@ -97,6 +117,9 @@ fi
 BIN="$(cd "$BIN" && pwd)"
 if [[ -d "$BIN/bin" ]]; then  # a collected bundle
   DATA="$BIN/data"
+  if [[ -z "$RELEASE" ]]; then
+    for t in "$BIN"/release/baton-*-linux-x86_64.tar.gz; do [[ -f "$t" ]] && RELEASE="$t"; done
+  fi
   export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   BIN="$BIN/bin"
 else
@@ -150,13 +173,14 @@ record() {  # name status seconds
   write_result
 }
 
-# step NAME TIMEOUT BINARY ARGS...: runs BINARY (relative to BIN) with its own
-# timeout, output into OUT/NAME.out and the log.
+# step NAME TIMEOUT BINARY ARGS...: runs BINARY (relative to BIN, or an
+# absolute path) with its own timeout, output into OUT/NAME.out and the log.
 step() {
   local name="$1" limit="$2" bin="$3"; shift 3
   local left=$(( BUDGET - ($(date +%s) - START) ))
-  if [[ ! -x "$BIN/$bin" ]]; then
-    record "$name" "not available: $bin not built/collected" 0
+  [[ "$bin" == /* ]] || bin="$BIN/$bin"
+  if [[ ! -x "$bin" ]]; then
+    record "$name" "not available: ${bin#$BIN/} not built/collected" 0
     return 1
   fi
   if (( left < 5 )); then
@@ -167,7 +191,7 @@ step() {
   (( limit > left )) && limit=$left
   log "$name: $bin $* (timeout ${limit}s)"
   local t0=$(date +%s) rc
-  timeout --kill-after=5 "$limit" "$BIN/$bin" "$@" >"$OUT/$name.out" 2>&1
+  timeout --kill-after=5 "$limit" "$bin" "$@" >"$OUT/$name.out" 2>&1
   rc=$?
   local took=$(( $(date +%s) - t0 ))
   tail -n 40 "$OUT/$name.out" >>"$LOG"
@@ -205,29 +229,115 @@ fi
 
 # 1. Every CUDA op against the CPU op (fp32 <= 1e-5 relative, bf16 bounds in
 #    the test, bitwise run to run).
-step cuda_ops 70 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
+step cuda_ops 50 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
 # 2. The CUDA backend through kernels/ops.h against the CPU backend.
-step cuda_backend 50 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
+step cuda_backend 35 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
 
 # 3. The PyTorch goldens on the GPU: one stage (pp = tp = 1) with everything
 #    on cuda:0, fp32 loss and gradients within 1e-4. Multi-stage and TP layouts
 #    in one process need golden_check to take --device (run when it does).
 for golden in "$DATA"/gpt_a.safetensors "$DATA"/gpt_b.safetensors; do
-  step "golden_gpu_$(basename "$golden" .safetensors)" 20 bench/gpu_golden_check \
+  step "golden_gpu_$(basename "$golden" .safetensors)" 15 bench/gpu_golden_check \
     --golden="$golden" --device=cuda:0
 done
 if [[ -x "$BIN/tests/golden/golden_check" ]] &&
-   "$BIN/tests/golden/golden_check" --helpfull 2>&1 | grep -q -- '--device'; then
+   [[ "$("$BIN/tests/golden/golden_check" --helpfull 2>&1)" == *--device* ]]; then
   for layout in "--pp=2" "--tp=2" "--pp=3"; do
-    step "golden_gpu_a_${layout#--}" 20 tests/golden/golden_check \
+    step "golden_gpu_a_${layout#--}" 12 tests/golden/golden_check \
       --golden="$DATA/gpt_a.safetensors" --device=cuda:0 "$layout"
   done
 else
   record golden_gpu_layouts "not available: golden_check has no --device flag in this build" 0
 fi
 
+# 3b. A 1F1B pp=2 job on one GPU (two workers on cuda:0) against the same job
+#     on the CPU, from the release bundle.
+pp2_job() {  # REL_DIR OUT_DIR DEVICE: exit 0 when the DEVICE job equals the CPU job within fp32 tolerance
+  local rel="$1" out="$2" device="${3:-cuda:0}" job="$2/job.textproto"
+  rm -rf "$out"; mkdir -p "$out"
+  cat >"$job" <<'JOB'
+name: "pp2"
+model { layers: 4 d_model: 64 heads: 4 vocab: 16 seq_len: 20 }
+parallel { pp: 2 tp: 1 dp: 1 }
+schedule { kind: "1f1b" microbatches: 4 }
+train { steps: 4 micro_batch_size: 4 lr: 0.001 weight_decay: 0.0 seed: 1 }
+data { synthetic { task: "addition" } }
+JOB
+  echo "== cpu: batonctl local (2 workers)"
+  "$rel/bin/batonctl" local --job="$job" --out="$out/cpu" --workers=2 --bin_dir="$rel/bin" \
+    --timeout_s=40 >"$out/cpu.out" 2>&1 || { echo "cpu job failed:"; tail -n 20 "$out/cpu.out"; return 1; }
+  echo "== $device: coordinator + 2 workers on $device"
+  "$rel/bin/baton-coordinator" --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --port_file="$out/c.json" \
+    --job="$job" --out="$out/gpu" >"$out/coordinator.log" 2>&1 &
+  local pids=($!) port="" i
+  for i in $(seq 1 100); do
+    port=$(sed -n 's/.*"grpc": *\([0-9]*\).*/\1/p' "$out/c.json" 2>/dev/null); [[ -n "$port" ]] && break; sleep 0.1
+  done
+  [[ -n "$port" ]] || { echo "coordinator did not start"; tail "$out/coordinator.log"; kill "${pids[@]}"; return 1; }
+  for i in 0 1; do
+    "$rel/bin/baton-worker" --coordinator=127.0.0.1:"$port" --name="g$i" --device="$device" \
+      --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --port_file="$out/w$i.json" >"$out/worker$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in $(seq 1 400); do [[ -f "$out/gpu/summary.json" ]] && break; sleep 0.1; done
+  # The workers' device metrics (memory, host waits), when curl is there.
+  local http
+  http=$(sed -n 's/.*"http": *\([0-9]*\).*/\1/p' "$out/w1.json" 2>/dev/null)
+  if [[ -n "$http" ]] && command -v curl >/dev/null; then
+    curl -s "http://127.0.0.1:$http/metrics" | grep -E '^baton_(device_memory_bytes|host_syncs_total|step_wall_seconds_total)' \
+      >"$out/worker1.metrics" || true
+    cat "$out/worker1.metrics"
+  fi
+  kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null
+  [[ -f "$out/gpu/summary.json" ]] || { tail -n 20 "$out"/*.log; echo "the $device job did not end in 40 s"; return 1; }
+  cat "$out/cpu/summary.json" "$out/gpu/summary.json"
+  if ! grep -q '"state": "done"' "$out/gpu/summary.json"; then
+    tail -n 20 "$out"/*.log
+    echo "the $device job did not finish: $(sed -n 's/.*"error": \(".*"\)}.*/\1/p' "$out/gpu/summary.json")"
+    return 1
+  fi
+  # Every committed step's loss, CPU vs GPU.
+  grep '"committed": true' "$out/cpu/steps.jsonl" | sed 's/.*"loss": \([^,}]*\).*/\1/' >"$out/cpu.loss"
+  grep '"committed": true' "$out/gpu/steps.jsonl" | sed 's/.*"loss": \([^,}]*\).*/\1/' >"$out/gpu.loss"
+  paste "$out/cpu.loss" "$out/gpu.loss" | awk '
+    { n++; d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1); if (r > worst) worst = r;
+      printf "step %d loss cpu %s gpu %s rel %.3g\n", n, $1, $2, r }
+    END { printf "{\"steps\": %d, \"loss_max_rel_diff\": %.3g}\n", n, worst;
+          exit (n != 4 || worst > 1e-4) }' >"$out/loss.cmp"
+  local loss_ok=$?
+  cat "$out/loss.cmp"
+  "$rel/bin/batonctl" checkpoint diff "$out/gpu/final" "$out/cpu/final" --json >"$out/weights.json" 2>&1
+  cat "$out/weights.json"
+  local rel_diff
+  rel_diff=$(sed -n 's/.*"max_rel_diff": *\([^,}]*\).*/\1/p' "$out/weights.json" | head -n 1)
+  [[ -n "$rel_diff" ]] || { echo "no weights diff"; return 1; }
+  echo "{\"pp2_weights_max_rel_diff\": $rel_diff}"
+  awk -v r="$rel_diff" 'BEGIN { exit !(r <= 1e-3) }' || { echo "weights differ beyond 1e-3"; return 1; }
+  return "$loss_ok"
+}
+if [[ -n "$RELEASE" ]]; then
+  REL_DIR="$RELEASE"
+  if [[ -f "$RELEASE" ]]; then
+    mkdir -p "$OUT/release" && tar -C "$OUT/release" -xzf "$RELEASE" && REL_DIR=$(echo "$OUT"/release/baton-*)
+  fi
+  if [[ -x "$REL_DIR/bin/baton-worker" ]]; then
+    # `step` runs a binary under BIN: run this shell function through bash.
+    export -f pp2_job
+    step pp2_1f1b 55 "$(command -v bash)" -c "pp2_job '$REL_DIR' '$OUT/pp2' '$PP2_DEVICE'"
+    v=$(sed -n 's/.*"loss_max_rel_diff": \([^}]*\)}.*/\1/p' "$OUT/pp2_1f1b.out" | tail -n 1)
+    [[ -n "$v" ]] && METRICS+=("\"pp2_loss_max_rel_diff\": $v")
+    v=$(sed -n 's/.*"pp2_weights_max_rel_diff": \([^}]*\)}.*/\1/p' "$OUT/pp2_1f1b.out" | tail -n 1)
+    [[ -n "$v" ]] && METRICS+=("\"pp2_weights_max_rel_diff\": $v")
+    write_result
+  else
+    record pp2_1f1b "not available: no bin/baton-worker in the release bundle $RELEASE" 0
+  fi
+else
+  record pp2_1f1b "not available: no release bundle (--release, or scripts/package.sh before --collect)" 0
+fi
+
 # 4. The bf16 GEMM ceiling and GPT-2-small layer GEMMs.
-if step gemm_bench 45 bench/gpu_gemm_bench; then
+if step gemm_bench 35 bench/gpu_gemm_bench; then
   v=$(sed -n 's/.*"summary": "bf16_ceiling_tflops", "value": \([0-9.]*\).*/\1/p' "$OUT/gemm_bench.out")
   [[ -n "$v" ]] && METRICS+=("\"bf16_gemm_ceiling_tflops\": $v")
   METRICS+=("\"gemm_bench\": [$(grep '^{"gemm"' "$OUT/gemm_bench.out" | paste -sd, -)]")
@@ -235,14 +345,14 @@ if step gemm_bench 45 bench/gpu_gemm_bench; then
 fi
 
 # 5. A GPT-2-small-shaped training step (fp32; bf16 once GptStage takes a precision).
-if step model_fp32 80 bench/gpu_model_bench --device=cuda:0; then
+if step model_fp32 50 bench/gpu_model_bench --device=cuda:0; then
   line=$(grep '^{"device"' "$OUT/model_fp32.out" | tail -n 1)
   [[ -n "$line" ]] && METRICS+=("\"gpt2_small_fp32\": $line")
   write_result
 fi
 if [[ -x "$BIN/bench/gpu_model_bench" ]] &&
-   "$BIN/bench/gpu_model_bench" --helpfull 2>&1 | grep -q -- '--precision'; then
-  if step model_bf16 60 bench/gpu_model_bench --device=cuda:0 --precision=bf16; then
+   [[ "$("$BIN/bench/gpu_model_bench" --helpfull 2>&1)" == *--precision* ]]; then
+  if step model_bf16 40 bench/gpu_model_bench --device=cuda:0 --precision=bf16; then
     line=$(grep '^{"device"' "$OUT/model_bf16.out" | tail -n 1)
     [[ -n "$line" ]] && METRICS+=("\"gpt2_small_bf16\": $line")
     write_result

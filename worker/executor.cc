@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -73,13 +74,19 @@ absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Messag
   return &m;
 }
 
-absl::Status StepExecutor::ReleaseMessages() {
+absl::Status StepExecutor::ReleaseMessages(bool chunks_idle) {
+  const bool any = !data_.empty() || !act_out_.empty() || !act_in_.empty() || !grad_out_.empty() ||
+                   !grad_in_.empty();
+  if (!any) return absl::OkStatus();
   absl::Status status;
-  for (auto& [stage, model] : chunks_) {
-    absl::Status s = model->Synchronize();
-    if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
+  if (!chunks_idle) {
+    for (auto& [stage, model] : chunks_) {
+      absl::Status s = model->Synchronize();
+      if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
+    }
   }
   if (!status.ok()) return status;  // the device may still use the buffers: keep them out of the pool
+  data_.clear();  // a device stage may have been copying tokens and targets from it
   for (auto* map : {&act_out_, &act_in_, &grad_out_, &grad_in_}) {
     for (auto& [key, m] : *map) pool_.push_back(std::move(m.payload));
     map->clear();
@@ -103,8 +110,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
   trace_ = trace;
   events_.clear();
-  data_.clear();
-  BATON_RETURN_IF_ERROR(ReleaseMessages());  // after a failed step
+  BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
@@ -134,11 +140,14 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   model::StepScore loss;
   double sq = 0;
   for (auto& [stage, model] : chunks_) {
-    model::StepScore s = model->score();
+    // One host synchronisation per chunk; afterwards the chunk is idle.
+    model::StepScore s;
+    double chunk_sq = 0;
+    BATON_RETURN_IF_ERROR_CTX(model->ReadStepResults(&s, &chunk_sq), "stage ", stage);
     loss.loss_sum += s.loss_sum;
     loss.tokens += s.tokens;
     loss.correct += s.correct;
-    sq += model->LocalGradSqNorm();
+    sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
   }
   report.set_grad_sq_norm(sq);
@@ -149,9 +158,9 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   }
   report.set_tokens(options_.tokens_per_microbatch * options_.microbatches);
   report.set_finite(std::isfinite(sq) && std::isfinite(report.loss()));
-  // Activations and messages of this step are no longer needed.
-  data_.clear();
-  BATON_RETURN_IF_ERROR(ReleaseMessages());
+  // Activations, data and messages of this step are no longer needed, and
+  // every chunk finished its work when its results were read.
+  BATON_RETURN_IF_ERROR(ReleaseMessages(true));
   return report;
 }
 
@@ -230,12 +239,16 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
     Message* recv = nullptr;  // set on the side message of a receive
     const Action* action;
   };
-  // Sent data must be complete on the device before the communicator reads it.
+  // Sent data must be complete on the device before the communicator reads
+  // it: one wait per sending chunk of the batch.
+  std::set<int> sending;
   for (const Action* a : batch) {
-    if (a->kind() != Action::SEND_F && a->kind() != Action::SEND_B) continue;
-    auto it = chunks_.find(a->stage());
-    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", a->stage()));
-    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", a->stage(), " before sending");
+    if (a->kind() == Action::SEND_F || a->kind() == Action::SEND_B) sending.insert(a->stage());
+  }
+  for (int stage : sending) {
+    auto it = chunks_.find(stage);
+    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
+    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", stage, " before sending");
   }
   std::vector<Pending> pending;
   for (const Action* a : batch) {

@@ -90,8 +90,10 @@ class StepExecutor {
   v1::StepDone Finish(int64_t step, bool committed);
   // The message of (stage, mb) in `map`, created from the pool if new.
   absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
-  // Synchronises every chunk, then returns all messages to the pool.
-  absl::Status ReleaseMessages();
+  // Returns all messages to the pool and drops the step's data, first
+  // synchronising every chunk unless `chunks_idle` (their streams are known
+  // to be done). Nothing to release: returns at once, without a wait.
+  absl::Status ReleaseMessages(bool chunks_idle);
 
   const v1::Program program_;
   const ExecutorOptions options_;

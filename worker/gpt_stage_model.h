@@ -64,6 +64,9 @@ class GptStageModel : public StageModel {
   absl::Status SyncTiedGradients() override;
   absl::Status OptimizerStep(float grad_scale) override;
   model::StepScore score() const override;
+  absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) override {
+    return stage_->ReadStepResults(score, grad_sq_norm);
+  }
   std::vector<NamedShard> Shards() override;
   // values, adam_m, adam_v: the parameter store's flat buffers (every
   // parameter's local shard, in StageParameterSpecs order); the tied

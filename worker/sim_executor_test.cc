@@ -2,11 +2,29 @@
 // device gives the CPU's bits: per step the last stage's loss, hits and the
 // grad norm, and after three committed steps every parameter — for 1F1B,
 // ZB-H1 and interleaved pipelines of two ranks in one process (threads,
-// in-process communicators). Message buffers, stage arenas and parameters make
-// no device allocation after the first step.
+// in-process communicators), and for one rank. Message buffers, stage arenas
+// and parameters make no device allocation after the first step.
+//
+// The worker's other paths that read device memory run here too, through the
+// functions baton-worker calls (worker_job.cc): the final weights file
+// (StageModel::HostShards + checkpoint::WriteShardFile), the checkpoint
+// writer (checkpoint::AsyncWriter), the buddy snapshot (EncodeChunkState of
+// CaptureState) and a restore from it (RestoreState) followed by more steps.
+// The simulated device aborts on any host access to its memory, so each path
+// either copies through the stream or crashes the test.
+//
+// Host synchronisations (kernels::HostSyncCount, exported by the worker as
+// baton_host_syncs_total): a one-rank step (RunStep + Commit) waits for the
+// device at most twice. With pp > 1 the pipeline's communicators are host
+// side (Gloo, in-process): each batch of sends waits for its chunk first,
+// and the tied-embedding sum once, so a rank's step waits at most
+// 2 + (its send batches) times until p2p runs on streams (NCCL).
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -16,6 +34,9 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/sim/sim_backend.h"
+#include "worker/checkpoint/async_writer.h"
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/checkpoint/train_state.h"
 #include "worker/comm/inproc_communicator.h"
 #include "worker/executor.h"
 #include "worker/gpt_stage_model.h"
@@ -24,7 +45,6 @@
 namespace baton {
 namespace {
 
-constexpr int kRanks = 2;
 constexpr int kMicrobatches = 4;
 constexpr int kBatch = 2;
 constexpr int kSteps = 3;
@@ -51,101 +71,188 @@ absl::Status FillBatch(int64_t step, int mb, MicrobatchData* out) {
   return absl::OkStatus();
 }
 
-struct Result {
-  std::vector<double> loss, sq_norm;
-  std::vector<int64_t> correct;
-  std::map<std::string, std::vector<float>> weights;  // "chunk/name"
-  int64_t allocations_after_step1 = -1, allocations_at_end = -1;
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct StepResult {
+  double loss = 0, sq_norm = 0;
+  int64_t correct = 0;
+  int64_t host_syncs = 0;  // during RunStep + Commit, all ranks
 };
 
-Result RunSteps(const std::string& kind, int v, kernels::Device device) {
-  Result result;
-  schedule::ScheduleSpec spec{kind, kRanks, kMicrobatches, v};
-  auto compute = schedule::BuildSchedule(spec);
-  EXPECT_TRUE(compute.ok()) << compute.status();
-  auto lowered = schedule::Lower(*compute);
-  EXPECT_TRUE(lowered.ok()) << lowered.status();
-  if (!compute.ok() || !lowered.ok()) return result;
-  const std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
-  const int stages = kRanks * v;
-  auto pipeline = comm::InProcCommunicator::CreateGroup(kRanks);
-  auto tie = comm::InProcCommunicator::CreateGroup(2);
-  auto ranges = model::SplitLayers(Model().layers, stages);
-  EXPECT_TRUE(ranges.ok());
-  std::vector<std::unique_ptr<GptStageModel>> chunks;
-  for (int c = 0; c < stages; ++c) {
-    auto config = model::MakeChunkConfig(Model(), c, stages, (*ranges)[c], 0, 1, 11);
-    EXPECT_TRUE(config.ok()) << config.status();
-    config->microbatches = kMicrobatches;
-    config->device = device;
-    comm::Communicator* t = c == 0 ? tie[0].get() : c == stages - 1 ? tie[1].get() : nullptr;
-    kernels::AdamWConfig adamw;
-    adamw.lr = 1e-2f;
-    adamw.weight_decay = 0.1f;
-    auto chunk = GptStageModel::Create(*config, kBatch, nullptr, t, adamw);
-    EXPECT_TRUE(chunk.ok()) << chunk.status();
-    if (!chunk.ok()) return result;
-    chunks.push_back(std::move(*chunk));
+// `ranks` pipeline ranks of one schedule, each an executor over its chunks,
+// on `device`, driven by one thread per rank.
+class Pipeline {
+ public:
+  Pipeline(const std::string& kind, int ranks, int v, kernels::Device device)
+      : ranks_(ranks), stages_(ranks * v), device_(device) {
+    schedule::ScheduleSpec spec{kind, ranks, kMicrobatches, v};
+    auto compute = schedule::BuildSchedule(spec);
+    EXPECT_TRUE(compute.ok()) << compute.status();
+    auto lowered = compute.ok() ? schedule::Lower(*compute) : compute.status();
+    EXPECT_TRUE(lowered.ok()) << lowered.status();
+    if (!lowered.ok()) return;
+    programs_ = schedule::ToPrograms(*lowered);
+    if (ranks > 1) pipeline_ = comm::InProcCommunicator::CreateGroup(ranks);
+    if (stages_ > 1) tie_ = comm::InProcCommunicator::CreateGroup(2);
+    auto ranges = model::SplitLayers(Model().layers, stages_);
+    EXPECT_TRUE(ranges.ok());
+    for (int c = 0; c < stages_; ++c) {
+      auto config = model::MakeChunkConfig(Model(), c, stages_, (*ranges)[c], 0, 1, 11);
+      EXPECT_TRUE(config.ok()) << config.status();
+      config->microbatches = kMicrobatches;
+      config->device = device;
+      comm::Communicator* t =
+          stages_ == 1 ? nullptr : c == 0 ? tie_[0].get() : c == stages_ - 1 ? tie_[1].get() : nullptr;
+      kernels::AdamWConfig adamw;
+      adamw.lr = 1e-2f;
+      adamw.weight_decay = 0.1f;
+      auto chunk = GptStageModel::Create(*config, kBatch, nullptr, t, adamw);
+      EXPECT_TRUE(chunk.ok()) << chunk.status();
+      if (!chunk.ok()) return;
+      chunks_.push_back(std::move(*chunk));
+    }
+    for (int r = 0; r < ranks; ++r) {
+      std::map<int, StageModel*> mine;
+      for (int s = r; s < stages_; s += ranks) mine[s] = chunks_[s].get();
+      ExecutorOptions options;
+      options.num_stages = stages_;
+      options.microbatches = kMicrobatches;
+      options.tokens_per_microbatch = kBatch * Model().seq_len;
+      options.op_timeout = absl::Seconds(60);
+      options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+      executors_.push_back(std::make_unique<StepExecutor>(programs_[r], options, mine, FillBatch,
+                                                          ranks > 1 ? pipeline_[r].get() : nullptr, nullptr,
+                                                          nullptr));
+    }
+    ok_ = true;
   }
-  std::vector<std::unique_ptr<StepExecutor>> executors;
-  for (int r = 0; r < kRanks; ++r) {
-    std::map<int, StageModel*> mine;
-    for (int s = r; s < stages; s += kRanks) mine[s] = chunks[s].get();
-    ExecutorOptions options;
-    options.num_stages = stages;
-    options.microbatches = kMicrobatches;
-    options.tokens_per_microbatch = kBatch * Model().seq_len;
-    options.op_timeout = absl::Seconds(60);
-    options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
-    executors.push_back(std::make_unique<StepExecutor>(programs[r], options, mine, FillBatch,
-                                                       pipeline[r].get(), nullptr, nullptr));
+
+  bool ok() const { return ok_; }
+  int stages() const { return stages_; }
+  StageModel& chunk(int c) { return *chunks_[c]; }
+
+  // Batches of consecutive communication actions holding a send, over all ranks.
+  int64_t SendBatches() const {
+    int64_t n = 0;
+    for (const v1::Program& p : programs_) {
+      bool in_batch = false, sends = false;
+      for (const v1::Action& a : p.actions()) {
+        const bool comm = a.kind() == v1::Action::SEND_F || a.kind() == v1::Action::SEND_B ||
+                          a.kind() == v1::Action::RECV_F || a.kind() == v1::Action::RECV_B;
+        if (!comm && in_batch) n += sends;
+        if (!comm) in_batch = sends = false;
+        if (comm) {
+          in_batch = true;
+          sends = sends || a.kind() == v1::Action::SEND_F || a.kind() == v1::Action::SEND_B;
+        }
+      }
+      if (in_batch) n += sends;
+    }
+    return n;
   }
-  const int last_rank = (stages - 1) % kRanks;
-  for (int step = 1; step <= kSteps; ++step) {
-    std::vector<absl::StatusOr<v1::StepReport>> reports(kRanks, absl::UnknownError("not run"));
+
+  StepResult Step(int64_t step) {
+    StepResult result;
+    const int64_t syncs_before = kernels::HostSyncCount();
+    std::vector<absl::StatusOr<v1::StepReport>> reports(ranks_, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] { reports[r] = executors[r]->RunStep(step, false); });
+    for (int r = 0; r < ranks_; ++r) {
+      threads.emplace_back([&, r] { reports[r] = executors_[r]->RunStep(step, false); });
     }
     for (auto& t : threads) t.join();
-    double sq = 0;
-    for (int r = 0; r < kRanks; ++r) {
-      EXPECT_TRUE(reports[r].ok()) << kind << " rank " << r << ": " << reports[r].status();
+    const int last_rank = (stages_ - 1) % ranks_;
+    for (int r = 0; r < ranks_; ++r) {
+      EXPECT_TRUE(reports[r].ok()) << "rank " << r << ": " << reports[r].status();
       if (!reports[r].ok()) return result;
-      sq += reports[r]->grad_sq_norm();
+      result.sq_norm += reports[r]->grad_sq_norm();
     }
-    result.loss.push_back(reports[last_rank]->loss());
-    result.correct.push_back(reports[last_rank]->correct());
-    result.sq_norm.push_back(sq);
-    for (int r = 0; r < kRanks; ++r) {
-      auto done = executors[r]->Commit(step, 0.5f);
+    result.loss = reports[last_rank]->loss();
+    result.correct = reports[last_rank]->correct();
+    for (int r = 0; r < ranks_; ++r) {
+      auto done = executors_[r]->Commit(step, 0.5f);
       EXPECT_TRUE(done.ok()) << done.status();
     }
-    if (step == 1) result.allocations_after_step1 = kernels::GetMemoryStats(device).system_allocations;
+    result.host_syncs = kernels::HostSyncCount() - syncs_before;
+    return result;
   }
-  for (int c = 0; c < stages; ++c) {
-    EXPECT_TRUE(chunks[c]->Synchronize().ok());
-    for (const NamedShard& s : chunks[c]->Shards()) {
-      result.weights[absl::StrCat(c, "/", s.name)] = model::ParameterStore::ToHost(s.value);
+
+  // Every parameter ("chunk/name"), through the path of the final weights file.
+  std::map<std::string, std::vector<float>> Weights() {
+    std::map<std::string, std::vector<float>> weights;
+    for (int c = 0; c < stages_; ++c) {
+      std::vector<float> storage;
+      absl::StatusOr<std::vector<NamedShard>> shards = chunks_[c]->HostShards(&storage);
+      EXPECT_TRUE(shards.ok()) << shards.status();
+      if (!shards.ok()) return weights;
+      for (const NamedShard& s : *shards) {
+        EXPECT_TRUE(s.value.device().is_cpu()) << s.name;
+        const float* p = s.value.f32();
+        weights[absl::StrCat(c, "/", s.name)] = std::vector<float>(p, p + s.value.numel());
+      }
+    }
+    return weights;
+  }
+
+ private:
+  const int ranks_, stages_;
+  const kernels::Device device_;
+  bool ok_ = false;
+  std::vector<v1::Program> programs_;
+  std::vector<std::unique_ptr<comm::InProcCommunicator>> pipeline_, tie_;
+  std::vector<std::unique_ptr<GptStageModel>> chunks_;
+  std::vector<std::unique_ptr<StepExecutor>> executors_;
+};
+
+struct Result {
+  std::vector<StepResult> steps;
+  std::map<std::string, std::vector<float>> weights;
+  int64_t allocations_after_step1 = -1, allocations_at_end = -1;
+  int64_t in_use_after_step1 = -1, in_use_at_end = -1;
+};
+
+Result RunSteps(const std::string& kind, int ranks, int v, kernels::Device device) {
+  Result result;
+  Pipeline p(kind, ranks, v, device);
+  EXPECT_TRUE(p.ok());
+  if (!p.ok()) return result;
+  for (int step = 1; step <= kSteps; ++step) {
+    result.steps.push_back(p.Step(step));
+    if (step == 1) {
+      result.allocations_after_step1 = kernels::GetMemoryStats(device).system_allocations;
+      result.in_use_after_step1 = kernels::GetMemoryStats(device).in_use_bytes;
     }
   }
+  result.weights = p.Weights();
   result.allocations_at_end = kernels::GetMemoryStats(device).system_allocations;
+  result.in_use_at_end = kernels::GetMemoryStats(device).in_use_bytes;
   return result;
 }
 
-class SimExecutorTest : public ::testing::TestWithParam<std::pair<std::string, int>> {};
+struct Case {
+  std::string kind;
+  int ranks, v;
+};
+
+class SimExecutorTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(SimExecutorTest, SameBitsAsTheCpuAndNoAllocationAfterTheFirstStep) {
-  const auto [kind, v] = GetParam();
-  const Result cpu = RunSteps(kind, v, kernels::Device::Cpu());
-  const Result sim = RunSteps(kind, v, kernels::Device::Sim(0));
-  ASSERT_EQ(cpu.loss.size(), static_cast<size_t>(kSteps));
-  ASSERT_EQ(sim.loss.size(), static_cast<size_t>(kSteps));
-  EXPECT_EQ(sim.loss, cpu.loss);
-  EXPECT_EQ(sim.correct, cpu.correct);
-  EXPECT_EQ(sim.sq_norm, cpu.sq_norm);
-  EXPECT_GT(cpu.loss[0], 0.0);
-  EXPECT_NE(cpu.loss[2], cpu.loss[0]);  // the optimizer moved the weights
+  const Case c = GetParam();
+  const Result cpu = RunSteps(c.kind, c.ranks, c.v, kernels::Device::Cpu());
+  const Result sim = RunSteps(c.kind, c.ranks, c.v, kernels::Device::Sim(0));
+  ASSERT_EQ(cpu.steps.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(sim.steps.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(sim.steps[i].loss, cpu.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(sim.steps[i].correct, cpu.steps[i].correct) << "step " << i + 1;
+    EXPECT_EQ(sim.steps[i].sq_norm, cpu.steps[i].sq_norm) << "step " << i + 1;
+  }
+  EXPECT_GT(cpu.steps[0].loss, 0.0);
+  EXPECT_NE(cpu.steps[2].loss, cpu.steps[0].loss);  // the optimizer moved the weights
   ASSERT_EQ(sim.weights.size(), cpu.weights.size());
   for (const auto& [name, values] : cpu.weights) {
     EXPECT_EQ(sim.weights.at(name), values) << name;
@@ -153,17 +260,114 @@ TEST_P(SimExecutorTest, SameBitsAsTheCpuAndNoAllocationAfterTheFirstStep) {
   EXPECT_GT(sim.allocations_after_step1, 0);
   EXPECT_EQ(sim.allocations_at_end, sim.allocations_after_step1)
       << "device allocations after the first step";
+  EXPECT_EQ(sim.in_use_at_end, sim.in_use_after_step1) << "device memory in use grew after the first step";
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, SimExecutorTest,
-                         ::testing::Values(std::make_pair(std::string("1f1b"), 1),
-                                           std::make_pair(std::string("zb-h1"), 1),
-                                           std::make_pair(std::string("interleaved"), 2)),
+                         ::testing::Values(Case{"1f1b", 1, 1}, Case{"1f1b", 2, 1}, Case{"zb-h1", 2, 1},
+                                           Case{"interleaved", 2, 2}),
                          [](const auto& info) {
-                           return (info.param.first == "zb-h1" ? std::string("zbh1")
-                                                               : info.param.first) +
-                                  "_v" + std::to_string(info.param.second);
+                           return (info.param.kind == "zb-h1" ? std::string("zbh1") : info.param.kind) +
+                                  "_pp" + std::to_string(info.param.ranks) + "_v" +
+                                  std::to_string(info.param.v);
                          });
+
+// A one-rank step waits for the device at most twice (here: once, reading
+// the loss and norm); a pp=2 rank at most twice plus once per send batch.
+// The first step is not bounded: it allocates (ZerosOn zeroes each new
+// message buffer and waits).
+TEST(SimExecutorHostSyncs, AtMostTwoPerStepOnOneRank) {
+  Pipeline p("1f1b", 1, 1, kernels::Device::Sim(0));
+  ASSERT_TRUE(p.ok());
+  p.Step(1);
+  for (int step = 2; step <= kSteps + 1; ++step) {
+    const StepResult r = p.Step(step);
+    ::testing::Test::RecordProperty(absl::StrCat("host_syncs_step_", step), static_cast<int>(r.host_syncs));
+    EXPECT_GE(r.host_syncs, 1) << "step " << step << ": the loss was read without waiting for the device";
+    EXPECT_LE(r.host_syncs, 2) << "step " << step;
+  }
+}
+
+TEST(SimExecutorHostSyncs, PipelineOfTwoWaitsOnlyForItsSends) {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
+  ASSERT_TRUE(p.ok());
+  const int64_t sends = p.SendBatches();
+  EXPECT_GT(sends, 0);
+  p.Step(1);
+  for (int step = 2; step <= kSteps + 1; ++step) {
+    const StepResult r = p.Step(step);
+    ::testing::Test::RecordProperty(absl::StrCat("host_syncs_step_", step), static_cast<int>(r.host_syncs));
+    EXPECT_LE(r.host_syncs, 2 * 2 + sends) << "step " << step << " (" << sends << " send batches on 2 ranks)";
+  }
+}
+
+// What baton-worker writes and keeps from a device chunk (worker_job.cc:
+// SaveWeights without state, SaveCheckpoint, Snapshot, Restore) is the CPU's,
+// byte for byte, and a chunk restored from a snapshot trains on like the
+// original.
+TEST(SimWorkerPaths, WeightsCheckpointsAndSnapshotsHoldTheCpuBits) {
+  const std::string tmp = ::testing::TempDir();
+  std::map<std::string, std::string> files[2];            // [cpu, sim]: file name -> bytes
+  std::map<int, std::string> snapshots[2];                // chunk -> EncodeChunkState bytes
+  std::vector<StepResult> after_restore[2];
+  const kernels::Device devices[2] = {kernels::Device::Cpu(), kernels::Device::Sim(0)};
+  for (int d = 0; d < 2; ++d) {
+    Pipeline p("1f1b", 2, 1, devices[d]);
+    ASSERT_TRUE(p.ok());
+    for (int step = 1; step <= 2; ++step) p.Step(step);
+    const std::string weights_dir = absl::StrCat(tmp, "/weights_", d);
+    const std::string ckpt_dir = absl::StrCat(tmp, "/ckpt_", d);
+    std::filesystem::create_directories(weights_dir);
+    std::filesystem::create_directories(ckpt_dir);
+    std::vector<checkpoint::ChunkToSave> to_save;
+    for (int c = 0; c < p.stages(); ++c) {
+      std::vector<float> storage;
+      absl::StatusOr<std::vector<NamedShard>> shards = p.chunk(c).HostShards(&storage);
+      ASSERT_TRUE(shards.ok()) << shards.status();
+      absl::StatusOr<std::string> file = checkpoint::WriteShardFile(weights_dir, c, 0, 1, *shards);
+      ASSERT_TRUE(file.ok()) << file.status();
+      files[d]["weights/" + *file] = ReadFile(weights_dir + "/" + *file);
+      snapshots[d][c] = EncodeChunkState(p.chunk(c).CaptureState());
+      to_save.push_back({c, 0, 1, &p.chunk(c)});
+    }
+    checkpoint::AsyncWriter writer;
+    absl::Status saved = absl::UnknownError("not called");
+    std::vector<std::string> written;
+    auto stall = writer.Save(ckpt_dir, 2, to_save, [&](const checkpoint::SaveResult& r) {
+      saved = r.status;
+      written = r.files;
+    });
+    ASSERT_TRUE(stall.ok()) << stall.status();
+    writer.Flush();
+    ASSERT_TRUE(saved.ok()) << saved;
+    ASSERT_EQ(written.size(), 2u);
+    for (const std::string& f : written) files[d]["ckpt/" + f] = ReadFile(ckpt_dir + "/" + f);
+
+    // A fresh pipeline (same seed: it starts at step 0's weights) restored
+    // from the step-2 snapshot runs step 3 as the original would.
+    Pipeline fresh("1f1b", 2, 1, devices[d]);
+    ASSERT_TRUE(fresh.ok());
+    for (int c = 0; c < fresh.stages(); ++c) {
+      absl::StatusOr<ChunkState> state = DecodeChunkState(snapshots[d][c]);
+      ASSERT_TRUE(state.ok()) << state.status();
+      ASSERT_TRUE(fresh.chunk(c).RestoreState(*state).ok());
+    }
+    after_restore[d].push_back(fresh.Step(3));
+    after_restore[d].push_back(p.Step(3));
+  }
+  ASSERT_EQ(files[1].size(), files[0].size());
+  ASSERT_EQ(files[0].size(), 4u);
+  for (const auto& [name, bytes] : files[0]) {
+    EXPECT_FALSE(bytes.empty()) << name;
+    EXPECT_TRUE(files[1].at(name) == bytes) << name << " differs between the cpu and the simulated device";
+  }
+  for (int c = 0; c < 2; ++c) EXPECT_TRUE(snapshots[1][c] == snapshots[0][c]) << "snapshot of chunk " << c;
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(after_restore[d][0].loss, after_restore[d][1].loss) << "restored vs original, device " << d;
+    EXPECT_EQ(after_restore[d][0].sq_norm, after_restore[d][1].sq_norm) << "device " << d;
+  }
+  EXPECT_EQ(after_restore[1][0].loss, after_restore[0][0].loss);
+}
 
 }  // namespace
 }  // namespace baton

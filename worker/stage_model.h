@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "worker/model/step_score.h"
@@ -86,6 +87,14 @@ class StageModel {
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
   virtual model::StepScore score() const = 0;  // last stage; zero elsewhere
+  // score() and LocalGradSqNorm() at the end of a step's backward work, read
+  // back with at most one host synchronisation; on return every op the chunk
+  // enqueued before the call is done. The device's error, if any.
+  virtual absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) {
+    *score = this->score();
+    *grad_sq_norm = LocalGradSqNorm();
+    return Synchronize();
+  }
 
   // Where the chunk's ops run: the device of the activations and gradients
   // passed in and out, and the context for ops on its buffers (the gradient
@@ -95,6 +104,11 @@ class StageModel {
   // be read by a communicator. Immediate on the host.
   virtual absl::Status Synchronize() { return absl::OkStatus(); }
   virtual std::vector<NamedShard> Shards() = 0;
+  // Shards() with every value in host memory: the shards themselves on the
+  // host, else host copies of them (copied on the chunk's stream and waited
+  // for; `storage` holds the copies and must outlive the result). Between
+  // steps only, like CaptureState().
+  absl::StatusOr<std::vector<NamedShard>> HostShards(std::vector<float>* storage);
 
   // A host copy of the chunk's state. Call between steps only (after the
   // optimizer step or a discard, not while microbatches are in flight).

@@ -1,10 +1,12 @@
 #include "worker/worker_job.h"
 
+#include <algorithm>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/backend.h"
 #include "kernels/device.h"
 #include "worker/agent.h"
 #include "worker/checkpoint/checkpoint.h"
@@ -31,6 +33,7 @@ struct WorkerJob::Job {
   std::unique_ptr<StepExecutor> executor;
   v1::StepReport last_report;
   prometheus::Labels labels;
+  kernels::Device device;
 };
 
 namespace {
@@ -95,6 +98,17 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                                 .Name("baton_snapshot_stall_seconds_total")
                                 .Help("Time the step loop spent capturing and encoding snapshots")
                                 .Register(metrics);
+  device_memory_family_ = &prometheus::BuildGauge()
+                               .Name("baton_device_memory_bytes")
+                               .Help("Accelerator memory of this worker's device, by kind: in_use (tensors and the "
+                                     "used part of arenas) and reserved (held from the device's allocator); "
+                                     "absent on cpu workers")
+                               .Register(metrics);
+  host_syncs_family_ = &prometheus::BuildCounter()
+                            .Name("baton_host_syncs_total")
+                            .Help("Times the worker blocked on its device (stream or event waits), counted at "
+                                  "each step's end")
+                            .Register(metrics);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -237,8 +251,13 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
         const int tp_size = job_->plan.tp();
         for (auto& [chunk, model] : job_->chunks) {
-          absl::StatusOr<std::string> file = checkpoint::WriteShardFile(
-              message.save_weights().dir(), chunk, job_->rank.tp_rank(), tp_size, model->Shards());
+          std::vector<float> host;  // the values of a device chunk, copied to the host
+          absl::StatusOr<std::vector<NamedShard>> shards = model->HostShards(&host);
+          absl::StatusOr<std::string> file =
+              shards.ok() ? checkpoint::WriteShardFile(message.save_weights().dir(), chunk, job_->rank.tp_rank(),
+                                                       tp_size, *shards)
+                          : absl::StatusOr<std::string>(
+                                WithContext(shards.status(), absl::StrCat("saving the weights of chunk ", chunk)));
           if (!file.ok()) {
             reply.mutable_saved()->set_ok(false);
             reply.mutable_saved()->set_error(std::string(file.status().message()));
@@ -281,6 +300,14 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   tokens_family_->Add(l).Increment(static_cast<double>(report.tokens()));
   if (report.has_loss()) loss_family_->Add(l).Set(report.loss());
   step_family_->Add(l).Set(static_cast<double>(done.step()));
+  const int64_t syncs = kernels::HostSyncCount();
+  host_syncs_family_->Add(l).Increment(static_cast<double>(std::max<int64_t>(0, syncs - host_syncs_seen_)));
+  host_syncs_seen_ = syncs;
+  if (!job_->device.is_cpu()) {  // the CPU's memory is not counted by the backend
+    const kernels::MemoryStats memory = kernels::GetMemoryStats(job_->device);
+    device_memory_family_->Add(with_kind("in_use")).Set(static_cast<double>(memory.in_use_bytes));
+    device_memory_family_->Add(with_kind("reserved")).Set(static_cast<double>(memory.reserved_bytes));
+  }
 }
 
 absl::Status WorkerJob::Configure(const v1::Configure& configure) {
@@ -538,6 +565,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   BATON_ASSIGN_OR_RETURN(const kernels::Device device, kernels::ParseDevice(options_.device));
   BATON_RETURN_IF_ERROR_CTX(kernels::CheckDeviceUsable(device), "--device=", options_.device);
   BATON_RETURN_IF_ERROR(CheckPrecision(job->spec.train(), device));
+  job->device = device;
   const v1::Plan& plan = job->plan;
   bool found = false;
   for (const v1::RankAssignment& r : plan.ranks()) {

@@ -139,6 +139,9 @@ class WorkerJob {
   prometheus::Family<prometheus::Counter>* snapshot_stall_family_;
   prometheus::Family<prometheus::Counter>* checkpoint_bytes_family_;
   prometheus::Family<prometheus::Counter>* checkpoint_stall_family_;
+  prometheus::Family<prometheus::Gauge>* device_memory_family_;
+  prometheus::Family<prometheus::Counter>* host_syncs_family_;
+  int64_t host_syncs_seen_ = 0;  // kernels::HostSyncCount() at the last RecordMetrics (worker thread)
 
   absl::Mutex mu_;
   std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);

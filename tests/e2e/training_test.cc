@@ -230,7 +230,7 @@ TEST(TrainingTest, AKilledWorkerWithoutReplacementFailsAfterTheTimeoutNamingItsS
   ASSERT_TRUE(wmetrics.ok());
   for (const char* series : {"baton_step_wall_seconds_total{", "baton_compute_seconds_total{",
                              "baton_comm_seconds_total{", "baton_bubble_seconds_total{", "baton_tokens_total{",
-                             "baton_step{"}) {
+                             "baton_step{", "baton_host_syncs_total{"}) {
     EXPECT_NE(wmetrics->body.find(series), std::string::npos) << series << "\n" << wmetrics->body;
   }
   EXPECT_NE(wmetrics->body.find("stage=\"0\""), std::string::npos);

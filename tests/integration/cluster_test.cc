@@ -243,7 +243,9 @@ TEST(ClusterTest, AJobNeedingMoreWorkersSaysSoInStatusInsteadOfHanging) {
   std::ofstream(job) << "name: \"big\"\nmodel { layers: 4 d_model: 32 heads: 4 vocab: 16 seq_len: 16 }\n"
                         "parallel { pp: 2 tp: 2 }\nschedule { kind: \"1f1b\" microbatches: 4 }\n"
                         "train { steps: 5 micro_batch_size: 1 }\n";
-  c.extra_coordinator_flags_ = {"--job=" + job, "--ready_timeout_s=1"};
+  // 3 s: the worker must be ready before the shortfall is reported (it loads
+  // the CUDA libraries at start where the build links them).
+  c.extra_coordinator_flags_ = {"--job=" + job, "--ready_timeout_s=3"};
   c.StartCoordinator();
   c.StartWorker("only");
   ASSERT_GE(c.AwaitState("only", v1::READY, absl::Seconds(10)), 0) << c.Logs();

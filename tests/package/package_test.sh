@@ -11,6 +11,8 @@ WORK="${TEST_TMPDIR:?}/package"
 rm -rf "$WORK"
 mkdir -p "$WORK/bins" "$WORK/unpacked" "$WORK/dist"
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# --cuda_linked: the build has the CUDA toolkit, so the worker links the CUDA
+# backend (BUILD passes it where CUDA_AVAILABLE).
 
 ln -s "$RUNFILES/coordinator/baton-coordinator" "$WORK/bins/baton-coordinator"
 ln -s "$RUNFILES/worker/baton-worker" "$WORK/bins/baton-worker"
@@ -37,7 +39,15 @@ for b in baton-coordinator baton-worker batonctl; do
             grep -v " $root/bin/../lib/" || true)
   [ -z "$outside" ] || fail "$b loads libraries from outside the bundle: $outside"
   if env -i /usr/bin/ldd "$root/bin/$b" | grep -q "not found"; then fail "$b has unresolved libraries"; fi
+  # The driver (libcuda) is opened by cudart only when a CUDA call is made,
+  # so a binary never needs it to start (CPU hosts, CI).
+  if readelf -d "$root/bin/$b" | grep -q "NEEDED.*libcuda\.so"; then fail "$b needs libcuda.so at load time"; fi
 done
+# Where the toolkit is installed the worker carries the CUDA backend (cuBLASLt).
+if [ "${1:-}" = "--cuda_linked" ]; then
+  readelf -d "$root/bin/baton-worker" | grep -q "NEEDED.*libcublasLt" ||
+    fail "baton-worker is not linked with the CUDA backend (no libcublasLt)"
+fi
 
 # --help exits 1 (absl's convention) after printing the usage and the flags.
 help=$(cd "$WORK/unpacked" && env -i "$root/bin/baton-worker" --help 2>&1 || true)

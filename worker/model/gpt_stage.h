@@ -113,6 +113,11 @@ class GptStage {
   // This rank's share of the squared global gradient norm (see
   // ParameterSpec::counts_in_norm).
   double LocalGradSqNorm() const;
+  // score() and LocalGradSqNorm() together with ONE host synchronisation:
+  // the norm is computed on the stream, the loss, hits and norm are copied to
+  // the host, then the stream is waited for once. On return the stream has
+  // finished every op enqueued before the call. The stream's error, if any.
+  absl::Status ReadStepResults(StepScore* score, double* grad_sq_norm) const;
   // Sums the two copies of the tied embedding gradient over `group`, a
   // two-rank group of this TP rank's first (rank 0) and last (rank 1) stage.
   // Only for PP > 1, on the first and last stage.
