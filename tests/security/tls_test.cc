@@ -66,7 +66,7 @@ class TlsTest : public ::testing::Test {
   Subprocess* StartWorker(const std::string& name, const std::string& cert, const std::string& token,
                           const std::string& ca = "ca") {
     std::vector<std::string> flags = {"--coordinator=" + target_, "--name=" + name,
-                                      "--port_file=" + dir_ + "/" + name + ".json"};
+                                      "--port_file=" + dir_ + "/" + name + ".json", "--output_dir=" + dir_};
     for (auto& f : TlsFlags(cert, ca)) flags.push_back(f);
     if (!token.empty()) flags.push_back("--join_token_file=" + certs_ + "/" + token);
     workers_.push_back(std::make_unique<Subprocess>(RunfilePath("worker/baton-worker"), flags,
