@@ -175,7 +175,6 @@ class FakeWorkers : public JobWorkers {
       case v1::CoordinatorMessage::kCommit: {
         const int64_t step = m.commit().step();
         r.mutable_step_done()->set_step(step);
-        r.mutable_step_done()->set_committed(true);
         r.mutable_step_done()->set_generation(generation_of_[worker]);
         r.mutable_step_done()->set_wall_seconds(0.01);
         model_step_[worker] = step;

@@ -315,11 +315,10 @@ absl::Status StepExecutor::ReduceGrads() {
   return absl::OkStatus();
 }
 
-v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
+v1::StepDone StepExecutor::Finish(int64_t step) {
   const double wall = absl::ToDoubleSeconds(absl::Now() - step_start_);
   v1::StepDone done;
   done.set_step(step);
-  done.set_committed(committed);
   done.set_wall_seconds(wall);
   done.set_compute_seconds(compute_);
   done.set_comm_p2p_seconds(p2p_);
@@ -339,7 +338,7 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
   const absl::Time end = absl::Now();
   compute_ += absl::ToDoubleSeconds(end - start);
   Record("optimizer", "compute", start, end);
-  return Finish(step, true);
+  return Finish(step);
 }
 
 v1::StepDone StepExecutor::Discard(int64_t step) {
@@ -347,7 +346,7 @@ v1::StepDone StepExecutor::Discard(int64_t step) {
     model->DropInFlight();
     model->ZeroGrad();
   }
-  return Finish(step, false);
+  return Finish(step);
 }
 
 }  // namespace baton

@@ -455,7 +455,6 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   absl::StatusOr<double> stall = writer_->Save(
       *dir, save.step(), chunks, [this, reply, labels](const checkpoint::SaveResult& r) mutable {
         v1::Saved* s = reply.mutable_saved();
-        s->set_stall_seconds(r.stall_seconds);
         if (r.status.ok()) {
           for (const std::string& f : r.files) s->add_files(f);
           checkpoint_bytes_family_->Add(labels).Increment(static_cast<double>(r.bytes));

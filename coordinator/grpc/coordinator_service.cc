@@ -132,7 +132,11 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::Re
   }
   *resp = reg->response;
   BATON_LOG(INFO) << "worker '" << req->name() << "' registered from " << req->host() << " (" << req->device()
-                  << "), id " << resp->worker_id();
+                  << ", baton " << req->version().substr(0, 64) << "), id " << resp->worker_id();
+  if (req->version() != kVersion) {
+    BATON_LOG(WARNING) << "worker '" << req->name() << "' runs baton " << req->version().substr(0, 64)
+                       << ", this coordinator " << kVersion << ": upgrade them together";
+  }
   return grpc::Status::OK;
 }
 
