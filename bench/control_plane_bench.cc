@@ -159,6 +159,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       const int64_t step = m.has_commit() ? m.commit().step() : m.discard().step();
       v1::WorkerMessage reply;
       reply.mutable_step_done()->set_step(step);
+      reply.mutable_step_done()->set_committed(m.has_commit());
       reply.mutable_step_done()->set_generation(generation_);
       const int64_t sent = NowUs();
       own_ += sent - now;

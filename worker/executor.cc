@@ -315,10 +315,11 @@ absl::Status StepExecutor::ReduceGrads() {
   return absl::OkStatus();
 }
 
-v1::StepDone StepExecutor::Finish(int64_t step) {
+v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   const double wall = absl::ToDoubleSeconds(absl::Now() - step_start_);
   v1::StepDone done;
   done.set_step(step);
+  done.set_committed(committed);
   done.set_wall_seconds(wall);
   done.set_compute_seconds(compute_);
   done.set_comm_p2p_seconds(p2p_);
@@ -338,7 +339,7 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
   const absl::Time end = absl::Now();
   compute_ += absl::ToDoubleSeconds(end - start);
   Record("optimizer", "compute", start, end);
-  return Finish(step);
+  return Finish(step, true);
 }
 
 v1::StepDone StepExecutor::Discard(int64_t step) {
@@ -346,7 +347,7 @@ v1::StepDone StepExecutor::Discard(int64_t step) {
     model->DropInFlight();
     model->ZeroGrad();
   }
-  return Finish(step);
+  return Finish(step, false);
 }
 
 }  // namespace baton

@@ -87,7 +87,7 @@ class StepExecutor {
   absl::Status RunCommBatch(const std::vector<const v1::Action*>& batch);
   absl::Status ReduceGrads();
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
-  v1::StepDone Finish(int64_t step);
+  v1::StepDone Finish(int64_t step, bool committed);
   // The message of (stage, mb) in `map`, created from the pool if new.
   absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
   // Synchronises every chunk, then returns all messages to the pool.

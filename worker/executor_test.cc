@@ -134,6 +134,7 @@ void RunPipeline(const std::string& kind, int p, int v, int m) {
   EXPECT_EQ(reports[last_rank].predicted(), m);
   for (int r = 0; r < p; ++r) {
     const v1::StepDone& d = done[r];
+    EXPECT_TRUE(d.committed());
     const double accounted = d.compute_seconds() + d.comm_p2p_seconds() + d.comm_tp_seconds() +
                              d.comm_dp_seconds() + d.bubble_seconds();
     EXPECT_NEAR(accounted, d.wall_seconds(), 1e-6) << "rank " << r;
