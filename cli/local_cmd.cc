@@ -275,8 +275,10 @@ class LocalRun {
  public:
   LocalRun(std::ostream& out, std::ostream& err, bool tty) : err_(err), printer_(out, tty) {}
 
+  // `output_dirs`: the workers' --output_dir (where the coordinator has them save).
   int Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-          absl::Duration timeout, std::optional<Injection> inject, const std::string& resume);
+          absl::Duration timeout, std::optional<Injection> inject, const std::string& resume,
+          const std::string& output_dirs);
 
  private:
   // Stops every child and returns `code`.
@@ -361,7 +363,8 @@ class LocalRun {
 };
 
 int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
-                  absl::Duration timeout, std::optional<Injection> inject, const std::string& resume) {
+                  absl::Duration timeout, std::optional<Injection> inject, const std::string& resume,
+                  const std::string& output_dirs) {
   const absl::Time deadline = absl::Now() + timeout;
   inject_ = std::move(inject);
   out_dir_ = out_dir;
@@ -391,6 +394,7 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
         name, bins.worker,
         std::vector<std::string>{"--coordinator=" + target, "--name=" + name,
                                  absl::StrCat("--port_file=", out_dir, "/", name, ".ports"),
+                                 "--output_dir=" + output_dirs,
                                  // data files: relative to the job file's directory (issue 12)
                                  "--data_dir=" + (job_path.rfind('/') == std::string::npos
                                                       ? std::string(".")
@@ -645,8 +649,12 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   }
   ScopedStopSignals signals;
   LocalRun run(out, err, &out == &std::cout && isatty(STDOUT_FILENO));
+  // Workers save the final weights under --out and checkpoints under the
+  // job's checkpoint.dir: only there (docs/security.md).
+  std::string output_dirs = out_dir;
+  if (!job->checkpoint().dir().empty()) absl::StrAppend(&output_dirs, ",", job->checkpoint().dir());
   return run.Run(job_path, out_dir, static_cast<int>(*workers + *spares), *bins, absl::Seconds(*timeout_s),
-                 *std::move(inject), args->GetString("resume", ""));
+                 *std::move(inject), args->GetString("resume", ""), output_dirs);
 }
 
 }  // namespace baton::cli

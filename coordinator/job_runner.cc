@@ -387,7 +387,6 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   for (v1::RankAssignment& r : *plan.mutable_ranks()) {
     const v1::WorkerInfo& w = slots.at({r.pp_rank(), r.tp_rank(), r.dp_rank()});
     r.set_worker_name(w.name());
-    r.set_worker_id(w.worker_id());
     r.set_host(w.host());
     taken.insert(w.name());
   }
@@ -556,7 +555,6 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     c->set_resume_step(setup.resume_step);
     if (auto it = setup.state.find(r.worker_name()); it != setup.state.end()) c->set_state(it->second);
     c->set_checkpoint_dir(setup.checkpoint_dir);
-    c->set_buddy(buddies[r.worker_name()]);
     if (!workers_->Send(r.worker_name(), msg)) {
       OnWorkerLost(r.worker_name(), "its session was gone when it was to be configured");
     }
@@ -844,7 +842,6 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
     auto it = replacement.find(r.worker_name());
     if (it == replacement.end()) continue;
     r.set_worker_name(it->second.name());
-    r.set_worker_id(it->second.worker_id());
     r.set_host(it->second.host());
     taken.insert(it->second.name());
   }

@@ -32,6 +32,7 @@
 #include "common/sd_notify.h"
 #include "common/version.h"
 #include "coordinator/grpc/coordinator_service.h"
+#include "coordinator/grpc/rpc_authorization.h"
 #include "coordinator/job_runner.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/kv_store.h"
@@ -134,16 +135,27 @@ int Main() {
   options.heartbeat = heartbeat;
   options.job_name = job ? job->name() : "";
   options.job = runner.get();
-  options.tls = tls->enabled;
-  options.join_token = *join_token;
   options.metrics = metrics.get();
   CoordinatorService service(&registry, &kv, options);
+  RpcAuthorizer::Options authz;
+  authz.tls = tls->enabled;
+  authz.join_token = *join_token;
+  authz.on_refused = [&service](const std::string& method, const std::string& reason) {
+    service.CountRefusedRpc(method, reason);
+  };
+  bool authorized = false;
+  std::shared_ptr<grpc::ServerCredentials> server_creds = MakeAuthorizedServerCredentials(
+      *tls, insecure && !IsLoopbackHost(host), std::make_shared<const RpcAuthorizer>(std::move(authz)), &authorized);
+  if (!authorized) {
+    BATON_LOG(WARNING) << "*** INSECURE: no RPC is authorized (roles, join token) on a plaintext listener beyond "
+                          "loopback ***";
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), MakeServerCredentials(*tls), &grpc_port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), server_creds, &grpc_port);
   // Workers ping the coordinator (keepalive) to notice when it stops
   // answering; allow their pings.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);

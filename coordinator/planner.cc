@@ -128,7 +128,6 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
       for (int tp = 0; tp < d.tp; ++tp) {
         v1::RankAssignment* r = plan.add_ranks();
         r->set_worker_name(group[tp]->name());
-        r->set_worker_id(group[tp]->worker_id());
         r->set_host(group[tp]->host());
         r->set_global_rank((dp * d.pp + pp) * d.tp + tp);
         r->set_pp_rank(pp);

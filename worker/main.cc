@@ -39,6 +39,10 @@ ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (req
 ABSL_FLAG(std::string, name, "", "stable worker name (default: hostname); re-registering replaces the old one");
 ABSL_FLAG(std::string, data_dir, "", "job data files (data.text_file, data.tokens_file) are read only from under "
           "this directory (\"\" = none: synthetic data only)");
+ABSL_FLAG(std::vector<std::string>, output_dir, {},
+          "weights and checkpoints the coordinator asks for are written only under this directory (a "
+          "comma-separated list for several; symlinks and '..' resolved). Empty (the default): this worker saves "
+          "nothing, and a job that asks it to fails naming the path");
 ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
 ABSL_FLAG(std::string, health_listen, "",
@@ -230,6 +234,7 @@ int Main() {
   job_options.comm_host = absl::GetFlag(FLAGS_comm_host);
   job_options.device = device;
   job_options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  job_options.output_dirs = absl::GetFlag(FLAGS_output_dir);
   job_options.op_timeout = absl::Seconds(absl::GetFlag(FLAGS_op_timeout_s));
   std::unique_ptr<WorkerJob> job;
   options.describe = [&job](v1::RegisterRequest* r) {  // job adoption (owner: recovery)

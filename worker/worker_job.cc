@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/path_confinement.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
@@ -249,12 +250,22 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->set_generation(job_->plan.generation());
       if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
+        absl::StatusOr<std::string> dir =
+            ConfineWritePath(message.save_weights().dir(), options_.output_dirs, "output_dir", "weights directory");
+        if (!dir.ok()) {
+          BATON_LOG(ERROR) << "refused to save weights: " << dir.status().message();
+          reply.mutable_saved()->set_ok(false);
+          reply.mutable_saved()->set_error(std::string(dir.status().message()));
+          reply.mutable_saved()->set_code(static_cast<int>(dir.status().code()));
+          Reply(reply);
+          return;
+        }
         const int tp_size = job_->plan.tp();
         for (auto& [chunk, model] : job_->chunks) {
           std::vector<float> host;  // the values of a device chunk, copied to the host
           absl::StatusOr<std::vector<NamedShard>> shards = model->HostShards(&host);
           absl::StatusOr<std::string> file =
-              shards.ok() ? checkpoint::WriteShardFile(message.save_weights().dir(), chunk, job_->rank.tp_rank(),
+              shards.ok() ? checkpoint::WriteShardFile(*dir, chunk, job_->rank.tp_rank(),
                                                        tp_size, *shards)
                           : absl::StatusOr<std::string>(
                                 WithContext(shards.status(), absl::StrCat("saving the weights of chunk ", chunk)));
@@ -475,13 +486,22 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
     Reply(reply);
     return;
   }
+  absl::StatusOr<std::string> dir = ConfineWritePath(save.dir(), options_.output_dirs, "output_dir",
+                                                     absl::StrCat("checkpoint directory of step ", save.step()));
+  if (!dir.ok()) {
+    BATON_LOG(ERROR) << "refused to save a checkpoint: " << dir.status().message();
+    saved->set_ok(false);
+    saved->set_error(std::string(dir.status().message()));
+    saved->set_code(static_cast<int>(dir.status().code()));
+    Reply(reply);
+    return;
+  }
   std::vector<checkpoint::ChunkToSave> chunks;
   for (auto& [c, model] : job_->chunks) chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get()});
   const prometheus::Labels labels = job_->labels;
   absl::StatusOr<double> stall = writer_->Save(
-      save.dir(), save.step(), chunks, [this, reply, labels](const checkpoint::SaveResult& r) mutable {
+      *dir, save.step(), chunks, [this, reply, labels](const checkpoint::SaveResult& r) mutable {
         v1::Saved* s = reply.mutable_saved();
-        s->set_stall_seconds(r.stall_seconds);
         if (r.status.ok()) {
           for (const std::string& f : r.files) s->add_files(f);
           checkpoint_bytes_family_->Add(labels).Increment(static_cast<double>(r.bytes));

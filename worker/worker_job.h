@@ -81,6 +81,7 @@ class WorkerJob {
     std::string comm_host = "127.0.0.1";   // address peers reach this worker's Gloo pairs at
     std::string device = "cpu";            // --device
     std::string data_dir;                  // --data_dir: data files only from under it ("" = none)
+    std::vector<std::string> output_dirs;  // --output_dir: weights and checkpoints only under these (none = no saves)
     absl::Duration op_timeout = absl::Minutes(5);
     absl::Duration rendezvous_timeout = absl::Minutes(2);
   };

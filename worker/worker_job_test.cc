@@ -129,6 +129,7 @@ class WorkerJobTest : public ::testing::Test {
     o.name = name;
     o.op_timeout = absl::Seconds(60);
     o.rendezvous_timeout = absl::Seconds(30);
+    o.output_dirs = {::testing::TempDir()};  // checkpoints are written only under --output_dir
     w.job = std::make_unique<WorkerJob>(o, comm::ConnectCoordinator(kv_->address()), std::move(session),
                                         *w.metrics);
     return w;

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_credentials.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
 #include "common/version.h"
@@ -83,12 +82,13 @@ CoordinatorService::CoordinatorService(WorkerRegistry* registry, KvStore* kv, Op
     refused_ = &prometheus::BuildCounter()
                     .Name("baton_rpc_refused_total")
                     .Help("RPCs refused before they ran, by reason: role (wrong certificate role), token (missing "
-                          "or wrong join token), job (another job's KV), busy (too many pending waits)")
+                          "or wrong join token), unknown_method (not in the authorization table), job (another "
+                          "job's KV), busy (too many pending waits)")
                     .Register(*options_.metrics);
     for (const char* r : {"accepted", "replaced", "refused_live", "invalid", "full", "unauthorized"}) {
       registrations_->Add({{"result", r}});
     }
-    for (const char* r : {"role", "token", "job", "busy"}) refused_->Add({{"reason", r}});
+    for (const char* r : {"role", "token", "unknown_method", "job", "busy"}) refused_->Add({{"reason", r}});
   }
 }
 
@@ -100,39 +100,9 @@ void CoordinatorService::CountRefused(const std::string& reason) {
   if (refused_ != nullptr) refused_->Add({{"reason", reason}}).Increment();
 }
 
-grpc::Status CoordinatorService::Authorize(grpc::ServerContext* ctx, Role role, const char* rpc) {
-  const char* want = role == Role::kWorker ? kRoleWorker : kRoleOperator;
-  if (options_.tls) {
-    std::vector<std::string> roles;
-    if (std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr) {
-      roles = PeerRoles(*auth);
-    }
-    if (std::find(roles.begin(), roles.end(), want) == roles.end()) {
-      CountRefused("role");
-      return grpc::Status(
-          grpc::StatusCode::PERMISSION_DENIED,
-          absl::StrCat(rpc, " needs a client certificate with role '", want, "' (URI SAN ", kRoleUriPrefix, want,
-                       "); this one has ", roles.empty() ? "no baton role" : absl::StrCat("role ", roles.front()),
-                       " (docs/security.md)"));
-    }
-  }
-  if (role == Role::kWorker && !options_.join_token.empty()) {
-    const auto& metadata = ctx->client_metadata();
-    auto it = metadata.find(kJoinTokenMetadata);
-    if (it == metadata.end()) {
-      CountRefused("token");
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          absl::StrCat(rpc, ": no join token; start the worker with --join_token_file naming a "
-                                            "file that holds the coordinator's token"));
-    }
-    if (!ConstantTimeEquals(absl::string_view(it->second.data(), it->second.size()), options_.join_token)) {
-      CountRefused("token");
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          absl::StrCat(rpc, ": wrong join token; the worker's --join_token_file must hold the "
-                                            "same token as the coordinator's"));
-    }
-  }
-  return grpc::Status::OK;
+void CoordinatorService::CountRefusedRpc(const std::string& method, const std::string& reason) {
+  CountRefused(reason);
+  if (method == "/baton.v1.Coordinator/Register") CountRegistration("unauthorized");
 }
 
 grpc::Status CoordinatorService::CheckJob(const std::string& job, const char* rpc) {
@@ -145,12 +115,6 @@ grpc::Status CoordinatorService::CheckJob(const std::string& job, const char* rp
 
 grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                                           v1::RegisterResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "Register"); !auth.ok()) {
-    CountRegistration("unauthorized");
-    BATON_LOG(WARNING) << "refused Register of '" << req->name().substr(0, 128) << "' from " << ctx->peer() << ": "
-                       << auth.error_message();
-    return auth;
-  }
   absl::StatusOr<WorkerRegistry::Registration> reg = registry_->Register(*req, options_.heartbeat);
   if (!reg.ok()) {
     switch (reg.status().code()) {
@@ -168,12 +132,15 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::Re
   }
   *resp = reg->response;
   BATON_LOG(INFO) << "worker '" << req->name() << "' registered from " << req->host() << " (" << req->device()
-                  << "), id " << resp->worker_id();
+                  << ", baton " << req->version().substr(0, 64) << "), id " << resp->worker_id();
+  if (req->version() != kVersion) {
+    BATON_LOG(WARNING) << "worker '" << req->name() << "' runs baton " << req->version().substr(0, 64)
+                       << ", this coordinator " << kVersion << ": upgrade them together";
+  }
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* stream) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "Session"); !auth.ok()) return auth;
   v1::WorkerMessage first;
   if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
   if (first.worker_id() == 0 || first.incarnation() == 0 || !first.has_heartbeat()) {
@@ -222,15 +189,13 @@ grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* strea
   return result;
 }
 
-grpc::Status CoordinatorService::KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req, v1::KvSetResponse*) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvSet"); !auth.ok()) return auth;
+grpc::Status CoordinatorService::KvSet(grpc::ServerContext* /*ctx*/, const v1::KvSetRequest* req, v1::KvSetResponse*) {
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
   if (grpc::Status s = CheckJob(req->key().job(), "KvSet"); !s.ok()) return s;
   return ToGrpcStatus(kv_->Set(ScopeOf(req->key()), req->key().key(), req->value()));
 }
 
-grpc::Status CoordinatorService::KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req, v1::KvGetResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvGet"); !auth.ok()) return auth;
+grpc::Status CoordinatorService::KvGet(grpc::ServerContext* /*ctx*/, const v1::KvGetRequest* req, v1::KvGetResponse* resp) {
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
   if (grpc::Status s = CheckJob(req->key().job(), "KvGet"); !s.ok()) return s;
   absl::StatusOr<std::string> value = kv_->Get(ScopeOf(req->key()), req->key().key());
@@ -240,7 +205,6 @@ grpc::Status CoordinatorService::KvGet(grpc::ServerContext* ctx, const v1::KvGet
 }
 
 grpc::Status CoordinatorService::KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req, v1::KvWaitResponse*) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvWait"); !auth.ok()) return auth;
   if (req->keys().empty()) return Invalid("KvWait: keys must not be empty");
   if (req->keys_size() > 4096) return Invalid("KvWait: at most 4096 keys per call");
   if (grpc::Status s = CheckJob(req->keys(0).job(), "KvWait"); !s.ok()) return s;
@@ -268,8 +232,7 @@ grpc::Status CoordinatorService::KvWait(grpc::ServerContext* ctx, const v1::KvWa
   return ToGrpcStatus(kv_->Wait(ScopeOf(req->keys(0)), keys, timeout));
 }
 
-grpc::Status CoordinatorService::KvAdd(grpc::ServerContext* ctx, const v1::KvAddRequest* req, v1::KvAddResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kWorker, "KvAdd"); !auth.ok()) return auth;
+grpc::Status CoordinatorService::KvAdd(grpc::ServerContext* /*ctx*/, const v1::KvAddRequest* req, v1::KvAddResponse* resp) {
   if (absl::Status s = CheckKey(req->key()); !s.ok()) return ToGrpcStatus(s);
   if (grpc::Status s = CheckJob(req->key().job(), "KvAdd"); !s.ok()) return s;
   absl::StatusOr<int64_t> value = kv_->Add(ScopeOf(req->key()), req->key().key(), req->delta());
@@ -278,9 +241,8 @@ grpc::Status CoordinatorService::KvAdd(grpc::ServerContext* ctx, const v1::KvAdd
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
+grpc::Status CoordinatorService::GetStatus(grpc::ServerContext* /*ctx*/, const v1::GetStatusRequest*,
                                            v1::GetStatusResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "GetStatus"); !auth.ok()) return auth;
   resp->set_version(kVersion);
   resp->set_job(options_.job_name);
   if (!options_.job_name.empty()) resp->set_generation(kv_->CurrentGeneration(options_.job_name));
@@ -291,7 +253,6 @@ grpc::Status CoordinatorService::GetStatus(grpc::ServerContext* ctx, const v1::G
 
 grpc::Status CoordinatorService::GetTrace(grpc::ServerContext* ctx, const v1::GetTraceRequest* req,
                                           v1::GetTraceResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "GetTrace"); !auth.ok()) return auth;
   if (options_.job == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this coordinator runs no job (start it with --job)");
   }
@@ -310,9 +271,8 @@ grpc::Status CoordinatorService::GetTrace(grpc::ServerContext* ctx, const v1::Ge
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* ctx, const v1::ListWorkersRequest*,
+grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* /*ctx*/, const v1::ListWorkersRequest*,
                                              v1::ListWorkersResponse* resp) {
-  if (grpc::Status auth = Authorize(ctx, Role::kOperator, "ListWorkers"); !auth.ok()) return auth;
   for (v1::WorkerInfo& w : registry_->List()) *resp->add_workers() = std::move(w);
   return grpc::Status::OK;
 }

@@ -1,12 +1,10 @@
 // CoordinatorService: the gRPC skin over WorkerRegistry and KvStore. It
-// authorises each RPC, validates wire fields and translates; the logic lives
-// in those classes.
+// validates wire fields and translates; the logic lives in those classes.
 //
-// Authorisation (docs/security.md): with TLS (`Options::tls`), the verified
-// client certificate's role URI (baton://role/<role>) must be "worker" for
-// Register, Session and the KV RPCs, and "operator" for GetStatus,
-// ListWorkers and GetTrace (PERMISSION_DENIED otherwise). With a join token,
-// every worker RPC must carry it (UNAUTHENTICATED otherwise).
+// Who may call which RPC (certificate roles, join token) is not decided
+// here: coordinator/grpc/rpc_authorization.h checks every call before it
+// reaches a handler. The service only keeps a worker's KV calls to the
+// configured job.
 #ifndef BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
 #define BATON_COORDINATOR_GRPC_COORDINATOR_SERVICE_H_
 
@@ -30,8 +28,6 @@ class CoordinatorService final : public v1::Coordinator::Service {
     absl::Duration max_kv_wait = absl::Minutes(10);
     std::string job_name;  // empty when no job was given
     JobObserver* job = nullptr;  // null when no job was given
-    bool tls = false;            // authorise RPCs by the client certificate's role
-    std::string join_token;      // required of worker RPCs when non-empty
     int max_pending_kv_waits = 256;
     int max_pending_traces = 4;
     prometheus::Registry* metrics = nullptr;  // baton_registrations_total, baton_rpc_refused_total
@@ -52,11 +48,12 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status GetTrace(grpc::ServerContext* ctx, const v1::GetTraceRequest* req,
                         v1::GetTraceResponse* resp) override;
 
+  // Counts a call the authorizer refused before it reached a handler
+  // (baton_rpc_refused_total{reason}; a refused Register is also an
+  // "unauthorized" registration). Thread-safe.
+  void CountRefusedRpc(const std::string& method, const std::string& reason);
+
  private:
-  enum class Role { kWorker, kOperator };
-  // OK when the caller may call `rpc` as `role`; PERMISSION_DENIED (wrong
-  // role) or UNAUTHENTICATED (join token) otherwise, counted by reason.
-  grpc::Status Authorize(grpc::ServerContext* ctx, Role role, const char* rpc);
   // INVALID_ARGUMENT unless `job` is the configured job (when there is one).
   grpc::Status CheckJob(const std::string& job, const char* rpc);
   void CountRegistration(const std::string& result);

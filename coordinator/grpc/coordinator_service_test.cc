@@ -222,26 +222,7 @@ class ServiceWith {
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
-TEST(CoordinatorServiceAuthTest, WorkerRpcsNeedTheJoinToken) {
-  CoordinatorService::Options options;
-  options.join_token = "s3cret-token-0123456789";
-  ServiceWith s(options);
-  grpc::Status none = s.Register("w1", "");
-  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_NE(none.error_message().find("no join token"), std::string::npos) << none.error_message();
-  grpc::Status wrong = s.Register("w1", "s3cret-token-0123456780");
-  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_NE(wrong.error_message().find("wrong join token"), std::string::npos) << wrong.error_message();
-  EXPECT_TRUE(s.registry_.List().empty());  // nothing was registered
-  EXPECT_TRUE(s.Register("w1", "s3cret-token-0123456789").ok());
-  // The KV too: the rendezvous addresses are for members only.
-  grpc::ClientContext ctx;
-  v1::KvGetRequest get;
-  get.mutable_key()->set_job("job");
-  get.mutable_key()->set_key("rank0");
-  v1::KvGetResponse resp;
-  EXPECT_EQ(s.stub_->KvGet(&ctx, get, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-}
+// Roles and the join token: rpc_authorization_test.cc.
 
 TEST(CoordinatorServiceAuthTest, ADuplicateNameIsAlreadyExistsAndCounted) {
   auto metrics = std::make_shared<prometheus::Registry>();

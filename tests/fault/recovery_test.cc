@@ -164,7 +164,8 @@ TEST(RecoveryTest, TheLostWorkerRegisteringAgainTakesItsSlotBack) {
   auto ports = testing::ReadPortFile(run.out() + "/coordinator.ports", absl::Seconds(5));
   ASSERT_TRUE(ports.ok()) << ports.status();
   testing::Subprocess again(RunfilePath("worker/baton-worker"),
-                            {absl::StrCat("--coordinator=127.0.0.1:", ports->first), "--name=" + victim},
+                            {absl::StrCat("--coordinator=127.0.0.1:", ports->first), "--name=" + victim,
+                             "--output_dir=" + run.out()},
                             run.out() + "/logs/" + victim + ".again.log");
   ASSERT_TRUE(again.Start().ok());
   ASSERT_EQ(run.Finish(), 0) << run.Log() << "\n" << again.Log();
@@ -239,7 +240,7 @@ TEST(RecoveryTest, AKilledCoordinatorRestartedWithTheSameFlagsAdoptsTheRunningJo
   for (int i = 0; i < layout.pp; ++i) {
     workers.push_back(std::make_unique<testing::Subprocess>(
         RunfilePath("worker/baton-worker"),
-        std::vector<std::string>{"--coordinator=" + address, absl::StrCat("--name=w-", i)},
+        std::vector<std::string>{"--coordinator=" + address, absl::StrCat("--name=w-", i), "--output_dir=" + out},
         absl::StrCat(dir, "/w-", i, ".log")));
     ASSERT_TRUE(workers.back()->Start().ok());
   }

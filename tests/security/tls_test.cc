@@ -5,9 +5,11 @@
 #include <memory>
 #include <regex>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "common/file_io.h"
@@ -64,7 +66,7 @@ class TlsTest : public ::testing::Test {
   Subprocess* StartWorker(const std::string& name, const std::string& cert, const std::string& token,
                           const std::string& ca = "ca") {
     std::vector<std::string> flags = {"--coordinator=" + target_, "--name=" + name,
-                                      "--port_file=" + dir_ + "/" + name + ".json"};
+                                      "--port_file=" + dir_ + "/" + name + ".json", "--output_dir=" + dir_};
     for (auto& f : TlsFlags(cert, ca)) flags.push_back(f);
     if (!token.empty()) flags.push_back("--join_token_file=" + certs_ + "/" + token);
     workers_.push_back(std::make_unique<Subprocess>(RunfilePath("worker/baton-worker"), flags,
@@ -184,6 +186,97 @@ TEST_F(TlsTest, EveryoneWithoutTheRightCertificateRoleOrTokenIsRefused) {
   EXPECT_NE(refused.output.find("refused"), std::string::npos) << refused.output;
   auto plain = RunCommand(ctl, {"status", "--coordinator=" + target_, "--timeout_ms=1000"});
   EXPECT_EQ(plain.exit_code, 1) << plain.output;
+}
+
+TEST_F(TlsTest, EachRpcIsCheckedAgainstTheTableByRoleAndMethod) {
+  StartCoordinator({});
+  auto channel = [&](const std::string& who) { return grpc::CreateChannel(target_, Creds(who)); };
+  auto deadline = [](grpc::ClientContext* ctx) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  };
+  // A worker certificate (with the token) calling operator RPCs.
+  auto worker = v1::Coordinator::NewStub(channel("worker"));
+  {
+    grpc::ClientContext ctx;
+    deadline(&ctx);
+    v1::ListWorkersResponse resp;
+    grpc::Status s = worker->ListWorkers(&ctx, {}, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("/baton.v1.Coordinator/ListWorkers needs a client certificate with role "
+                                     "'operator'"),
+              std::string::npos)
+        << s.error_message();
+    EXPECT_NE(s.error_message().find("this one has role worker"), std::string::npos) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    deadline(&ctx);
+    v1::GetTraceRequest req;
+    req.set_steps(1);
+    v1::GetTraceResponse resp;
+    grpc::Status s = worker->GetTrace(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("/baton.v1.Coordinator/GetTrace needs a client certificate with role 'operator'"),
+              std::string::npos)
+        << s.error_message();
+  }
+  // An operator certificate calling worker RPCs: Register (with the right
+  // token, so only the role is wrong), the KV and the Session stream.
+  grpc::Status s = Register(Creds("operator"), "token");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("/baton.v1.Coordinator/Register needs a client certificate with role 'worker'"),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_NE(s.error_message().find("this one has role operator"), std::string::npos) << s.error_message();
+  auto op = v1::Coordinator::NewStub(channel("operator"));
+  {
+    grpc::ClientContext ctx;
+    deadline(&ctx);
+    v1::KvGetRequest req;
+    req.mutable_key()->set_job("j");
+    req.mutable_key()->set_key("k");
+    v1::KvGetResponse resp;
+    s = op->KvGet(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("/baton.v1.Coordinator/KvGet needs"), std::string::npos) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    deadline(&ctx);
+    auto stream = op->Session(&ctx);
+    v1::CoordinatorMessage msg;
+    EXPECT_FALSE(stream->Read(&msg));
+    s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("/baton.v1.Coordinator/Session needs"), std::string::npos) << s.error_message();
+  }
+  // Deny by default: a method nobody listed, even for a valid operator.
+  {
+    grpc::GenericStub generic(channel("operator"));
+    grpc::ClientContext ctx;
+    deadline(&ctx);
+    grpc::Slice empty("");
+    grpc::ByteBuffer request(&empty, 1), response;
+    grpc::Status status;
+    absl::Notification done;
+    generic.UnaryCall(&ctx, "/baton.v1.Coordinator/DropJob", grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status st) {
+                        status = st;
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << status.error_message();
+    EXPECT_NE(status.error_message().find("not in the coordinator's authorization table"), std::string::npos)
+        << status.error_message();
+  }
+  EXPECT_EQ(WorkerCount(), 0) << "a refused caller was registered";
+  auto metrics = HttpGet("127.0.0.1", http_port_, "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_NE(metrics->body.find("baton_rpc_refused_total{reason=\"role\"} 5"), std::string::npos) << metrics->body;
+  EXPECT_NE(metrics->body.find("baton_rpc_refused_total{reason=\"unknown_method\"} 1"), std::string::npos)
+      << metrics->body;
+  EXPECT_NE(metrics->body.find("baton_registrations_total{result=\"unauthorized\"} 1"), std::string::npos)
+      << metrics->body;
 }
 
 TEST_F(TlsTest, WorkersJoinOnlyWithTokenAndVerifyTheCoordinator) {

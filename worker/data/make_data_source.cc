@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/path_confinement.h"
 #include "worker/data/addition_task.h"
 #include "worker/data/file_sources.h"
 
@@ -18,13 +19,6 @@ template <typename T>
 absl::StatusOr<std::unique_ptr<DataSource>> Upcast(absl::StatusOr<std::unique_ptr<T>> source) {
   if (!source.ok()) return source.status();
   return std::unique_ptr<DataSource>(std::move(*source));
-}
-
-// realpath(3): the absolute path with symlinks, "." and ".." resolved.
-absl::StatusOr<std::string> RealPath(const std::string& path) {
-  char buffer[PATH_MAX];
-  if (realpath(path.c_str(), buffer) == nullptr) return absl::ErrnoToStatus(errno, path);
-  return std::string(buffer);
 }
 
 }  // namespace
@@ -48,8 +42,7 @@ absl::StatusOr<std::string> ResolveDataFile(const std::string& data_dir, const s
     return absl::NotFoundError(absl::StrCat(field, " = \"", path, "\": cannot open under --data_dir=", data_dir,
                                             ": ", std::strerror(errno)));
   }
-  const std::string prefix = *root == "/" ? "/" : *root + "/";
-  if (file->compare(0, prefix.size(), prefix) != 0) {
+  if (!IsUnder(*file, *root)) {
     return absl::PermissionDeniedError(absl::StrCat(field, " = \"", path, "\" resolves to ", *file,
                                                     ", outside this worker's --data_dir=", *root,
                                                     "; put the file under it"));
