@@ -14,7 +14,7 @@
 #      instrumented copy. The link still uses Debian's libabsl-dev (same ABI).
 #   3. checks first that the instrumentation took: a racy program must be
 #      reported, an absl::Mutex-protected one must not.
-# Usage: scripts/tsan.sh [bazel test targets...]   (default //...)
+# Usage: scripts/tsan.sh [bazel test flags and targets...]   (default //...)
 # Env: BATON_TSAN_CACHE (default $HOME/.cache/baton-tsan),
 #      BATON_TSAN_OUTPUT_BASE (default $HOME/.cache/baton-bazel-tsan),
 #      BATON_TSAN_JOBS (default 2: jobs of the Abseil build).
@@ -86,7 +86,12 @@ if [ ! -d "$absl_lib" ] || ! check_absl 2>/dev/null; then build_absl; fi
 check_absl
 
 sup=$repo/third_party/sanitizers/tsan.supp
-tsan_options="halt_on_error=1:second_deadlock_stack=1:history_size=4:suppressions=$sup"
+# Every process (the tests and the daemons they start) writes its reports to
+# $reports/tsan.<pid>: a race inside a coordinator or worker the test only
+# talks to is counted too. A test process with a report exits 66 (fails).
+reports=$cache/reports/$(date -u +%Y%m%dT%H%M%SZ)
+mkdir -p "$reports"
+tsan_options="halt_on_error=0:second_deadlock_stack=1:history_size=4:suppressions=$sup:log_path=$reports/tsan"
 
 # 3. The instrumentation took: a plain race is reported, and memory guarded
 # by absl::Mutex (lock/unlock inside the instrumented libabsl_synchronization)
@@ -136,13 +141,26 @@ selftest
 
 # The GCC build's convenience symlink would be walked by this server's //...
 rm -f "bazel-$(basename "$PWD")"
-targets=("$@")
-((${#targets[@]})) || targets=(//...)
+# Arguments: bazel test flags and targets; //... unless a target is given.
+args=("$@")
+have_target=0
+for a in "${args[@]}"; do [[ $a == -* ]] || have_target=1; done
+((have_target)) || args+=(//...)
 start=$SECONDS
 rc=0
 bazel "--output_base=$output_base" test --symlink_prefix=/ --config=tsan --config=cpu \
   --test_env="LD_LIBRARY_PATH=$absl_lib" \
   --test_env="TSAN_OPTIONS=$tsan_options" \
-  "${targets[@]}" || rc=$?
+  "${args[@]}" || rc=$?
 log "bazel test rc=$rc in $((SECONDS - start)) s"
+shopt -s nullglob
+files=("$reports"/tsan.*)
+if ((${#files[@]})); then
+  log "${#files[@]} process(es) reported (files in $reports); summaries:"
+  grep -h '^SUMMARY: ThreadSanitizer' "${files[@]}" | sort | uniq -c | sort -rn
+  ((rc != 0)) || rc=1
+else
+  log "no ThreadSanitizer report from any process"
+  rmdir "$reports"
+fi
 exit $rc
