@@ -84,6 +84,10 @@ if want clang; then
 fi
 if want asan; then
   stage asan
+  # Build first, then test: tests that run multi-process jobs must not share
+  # the 2 cores with the sanitizer build's compile actions (on a cold cache
+  # they would otherwise run while the rest of //... still compiles).
+  "${clang_bazel[@]}" build --symlink_prefix=/ --config=asan "${asan_env[@]}" //...
   "${clang_bazel[@]}" test --symlink_prefix=/ --config=asan --config=cpu "${asan_env[@]}" //... 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   count_tests asan
