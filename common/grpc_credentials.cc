@@ -7,11 +7,9 @@
 #include <grpcpp/security/tls_credentials_options.h>
 #include <grpcpp/support/client_interceptor.h>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/file_io.h"
 
@@ -211,35 +209,6 @@ std::vector<std::string> PeerRoles(const grpc::AuthContext& auth) {
     }
   }
   return roles;
-}
-
-absl::StatusOr<std::string> ReadJoinTokenFile(const std::string& path, std::string* warning) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat("--join_token_file='", path, "' is not a readable file"));
-  }
-  if (st.st_size > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("--join_token_file='", path, "' is larger than 4 KiB"));
-  }
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) return absl::InvalidArgumentError(absl::StrCat("--join_token_file: ", text.status().message()));
-  std::string token(absl::StripAsciiWhitespace(text->substr(0, text->find('\n'))));
-  if (token.size() < 16 || token.size() > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--join_token_file='", path, "': the token (first line) must be 16..1024 characters, e.g. the output of "
-        "`openssl rand -hex 32`"));
-  }
-  for (char c : token) {
-    if (!absl::ascii_isgraph(static_cast<unsigned char>(c))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--join_token_file='", path, "': the token must be printable ASCII without spaces"));
-    }
-  }
-  if (warning != nullptr && (st.st_mode & 077) != 0) {
-    *warning = absl::StrFormat("--join_token_file='%s' is readable by group or others (mode %03o); chmod 600 it", path,
-                               st.st_mode & 0777);
-  }
-  return token;
 }
 
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {

@@ -74,10 +74,6 @@ absl::Status CheckPlaintextAddress(const std::string& address, const std::string
 // without TLS or without a role URI).
 std::vector<std::string> PeerRoles(const grpc::AuthContext& auth);
 
-// Reads a join token file: the first line, trimmed; 16..1024 characters.
-// Warns (returns in *warning) when the file is readable by group or others.
-absl::StatusOr<std::string> ReadJoinTokenFile(const std::string& path, std::string* warning = nullptr);
-
 // Equality without a data-dependent early exit (for secrets).
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b);
 

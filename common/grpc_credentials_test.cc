@@ -49,24 +49,6 @@ TEST(GrpcCredentialsTest, TlsFlagsComeTogetherAndMustBePem) {
   EXPECT_TRUE(all->enabled);
 }
 
-TEST(GrpcCredentialsTest, JoinTokenFileIsBoundedAndWarnsWhenShared) {
-  std::string warning;
-  auto token = ReadJoinTokenFile(Write("t1", "0123456789abcdef0123\n"), &warning);
-  ASSERT_TRUE(token.ok()) << token.status();
-  EXPECT_EQ(*token, "0123456789abcdef0123");
-  EXPECT_TRUE(warning.empty()) << warning;
-  token = ReadJoinTokenFile(Write("t2", "0123456789abcdef0123", 0644), &warning);
-  ASSERT_TRUE(token.ok());
-  EXPECT_NE(warning.find("chmod 600"), std::string::npos) << warning;
-  EXPECT_NE(warning.find("644"), std::string::npos) << warning;
-  EXPECT_EQ(ReadJoinTokenFile(Write("t3", "short")).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadJoinTokenFile(Write("t4", std::string(5000, 'a'))).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadJoinTokenFile(Write("t5", "has a space in the token")).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadJoinTokenFile("/nonexistent").status().code(), absl::StatusCode::kInvalidArgument);
-}
-
 TEST(GrpcCredentialsTest, ConstantTimeEquals) {
   EXPECT_TRUE(ConstantTimeEquals("abcdef", "abcdef"));
   EXPECT_FALSE(ConstantTimeEquals("abcdef", "abcdeg"));

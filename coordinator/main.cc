@@ -25,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
 #include "common/grpc_credentials.h"
+#include "common/join_token.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
@@ -57,7 +58,7 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this coordinator (mTLS;
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed every worker and operator certificate");
 ABSL_FLAG(std::string, join_token_file, "",
-          "file holding the token workers must present to join (first line; never pass a token on the command "
+          "file holding the token workers must present to join (one line; never pass a token on the command "
           "line)");
 ABSL_FLAG(bool, insecure, false,
           "allow plaintext gRPC on a non-loopback --listen (anyone who reaches it controls the job)");
@@ -99,14 +100,8 @@ int Main() {
       !s.ok()) {
     return Fail(2, std::string(s.message()));
   }
-  std::string join_token;
-  if (!absl::GetFlag(FLAGS_join_token_file).empty()) {
-    std::string warning;
-    absl::StatusOr<std::string> token = ReadJoinTokenFile(absl::GetFlag(FLAGS_join_token_file), &warning);
-    if (!token.ok()) return Fail(2, std::string(token.status().message()));
-    if (!warning.empty()) BATON_LOG(WARNING) << warning;
-    join_token = *std::move(token);
-  }
+  absl::StatusOr<std::string> join_token = LoadJoinTokenFlag(absl::GetFlag(FLAGS_join_token_file));
+  if (!join_token.ok()) return Fail(2, std::string(join_token.status().message()));
   if (insecure && !IsLoopbackHost(host)) {
     BATON_LOG(WARNING) << "*** INSECURE: serving plaintext gRPC on " << absl::GetFlag(FLAGS_listen)
                        << " (--insecure): anyone who can reach it can join the job, read the rendezvous "
@@ -140,7 +135,7 @@ int Main() {
   options.job_name = job ? job->name() : "";
   options.job = runner.get();
   options.tls = tls->enabled;
-  options.join_token = join_token;
+  options.join_token = *join_token;
   options.metrics = metrics.get();
   CoordinatorService service(&registry, &kv, options);
 

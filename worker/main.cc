@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_credentials.h"
+#include "common/join_token.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
 #include "common/ops_server.h"
@@ -54,7 +55,7 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this worker, role URI b
                                      "--tls_key and --tls_ca)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the coordinator's certificate");
-ABSL_FLAG(std::string, join_token_file, "", "file holding the coordinator's join token (first line)");
+ABSL_FLAG(std::string, join_token_file, "", "file holding the coordinator's join token (one line; docs/security.md)");
 ABSL_FLAG(bool, insecure, false,
           "allow plaintext gRPC to or on a non-loopback address (anyone on the path controls this worker)");
 ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
@@ -133,14 +134,8 @@ int Main() {
       return Fail(2, std::string(s.message()));
     }
   }
-  std::string join_token;
-  if (!absl::GetFlag(FLAGS_join_token_file).empty()) {
-    std::string warning;
-    absl::StatusOr<std::string> token = ReadJoinTokenFile(absl::GetFlag(FLAGS_join_token_file), &warning);
-    if (!token.ok()) return Fail(2, std::string(token.status().message()));
-    if (!warning.empty()) BATON_LOG(WARNING) << warning;
-    join_token = *std::move(token);
-  }
+  absl::StatusOr<std::string> join_token = LoadJoinTokenFlag(absl::GetFlag(FLAGS_join_token_file));
+  if (!join_token.ok()) return Fail(2, std::string(join_token.status().message()));
   kernels::cpu::SetBlasThreads(absl::GetFlag(FLAGS_blas_threads));
   std::string name = absl::GetFlag(FLAGS_name).empty() ? Hostname() : absl::GetFlag(FLAGS_name);
   if (absl::Status s = ValidateWorkerName(name); !s.ok()) {
@@ -229,7 +224,7 @@ int Main() {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(absl::GetFlag(FLAGS_keepalive_ms)));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  auto channel = MakeChannel(coordinator, *tls, join_token, args);
+  auto channel = MakeChannel(coordinator, *tls, *join_token, args);
   WorkerJob::Options job_options;
   job_options.name = name;
   job_options.comm_host = absl::GetFlag(FLAGS_comm_host);

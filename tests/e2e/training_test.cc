@@ -168,7 +168,7 @@ TEST(TrainingTest, MeasuredBubbleMatchesTheSimulator) {
       name: "bubble"
       model {
         layers: 4
-        synthetic { forward_ms: 20 backward_input_ms: 20 backward_weight_ms: 20 activation_bytes: 4096 }
+        synthetic { forward_ms: 50 backward_input_ms: 50 backward_weight_ms: 50 activation_bytes: 4096 }
       }
       parallel { pp: 4 }
       schedule { kind: "%s" microbatches: 8 }
