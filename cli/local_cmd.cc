@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -19,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "cli/args.h"
@@ -32,6 +36,7 @@ namespace {
 
 constexpr absl::Duration kTick = absl::Milliseconds(100);
 constexpr absl::Duration kPollPeriod = absl::Milliseconds(500);
+constexpr absl::Duration kInjectPollPeriod = absl::Milliseconds(10);
 constexpr absl::Duration kRpcTimeout = absl::Seconds(1);
 constexpr absl::Duration kPortFileTimeout = absl::Seconds(30);
 constexpr absl::Duration kSilentCoordinatorLimit = absl::Seconds(60);
@@ -174,22 +179,34 @@ bool MentionsName(const std::string& text, const std::string& name) {
   return false;
 }
 
-// --inject=kill:stage=P@step=N | kill:worker=NAME@step=N | stop:...@step=N
-// (SIGKILL, or SIGSTOP for a frozen worker), once the job reached step N.
+// --inject=KIND:TARGET@WHEN, one fault:
+//   KIND    kill (SIGKILL) | stop (SIGSTOP: a frozen worker)
+//   TARGET  stage=P[,tp=T][,dp=D] (the worker holding that rank now) | worker=NAME
+//   WHEN    step=N[,after_ms=M][,for=S]: once the job reached step N, M ms
+//           later (0..60000; a point inside a later step); for stop, for=S
+//           sends SIGCONT S seconds (0.001..3600) after the SIGSTOP (a thaw).
 struct Injection {
   int sig = SIGKILL;
-  int stage = -1;      // a worker of this pipeline stage, or
-  std::string worker;  // this worker
+  int stage = -1, tp = -1, dp = -1;  // a worker of this rank, or
+  std::string worker;                // this worker
   int64_t step = 0;
-  bool done = false;
+  int64_t after_ms = 0;
+  double thaw_after_s = 0;  // > 0: SIGCONT this long after the SIGSTOP
+  // Progress.
+  bool armed = false, done = false, thawed = false;
+  absl::Time fire_at, thaw_at;
+  std::string victim;
+  int64_t armed_step = 0;
 };
 
 absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text) {
   if (text.empty()) return std::optional<Injection>();
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("--inject=", text, ": ", why,
-                                                   " (expected kill:stage=P@step=N, kill:worker=NAME@step=N, or "
-                                                   "stop:... to freeze the worker instead)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--inject=", text, ": ", why,
+                     " (expected KIND:TARGET@step=N[,after_ms=M][,for=S] with KIND kill or stop, TARGET "
+                     "stage=P[,tp=T][,dp=D] or worker=NAME; e.g. kill:stage=1@step=300, "
+                     "stop:stage=0,tp=1@step=50,for=5)"));
   };
   Injection inj;
   const size_t colon = text.find(':'), at = text.find('@');
@@ -203,17 +220,54 @@ absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text)
   } else {
     return bad(absl::StrCat("unknown fault '", kind, "'"));
   }
-  if (absl::StartsWith(target, "stage=")) {
-    if (!absl::SimpleAtoi(target.substr(6), &inj.stage) || inj.stage < 0) return bad("stage must be a number >= 0");
-  } else if (absl::StartsWith(target, "worker=") && target.size() > 7) {
+  if (absl::StartsWith(target, "worker=") && target.size() > 7) {
     inj.worker = target.substr(7);
+  } else if (absl::StartsWith(target, "stage=")) {
+    for (absl::string_view part : absl::StrSplit(target, ',')) {
+      int* field = absl::ConsumePrefix(&part, "stage=") ? &inj.stage
+                   : absl::ConsumePrefix(&part, "tp=")  ? &inj.tp
+                   : absl::ConsumePrefix(&part, "dp=")  ? &inj.dp
+                                                        : nullptr;
+      if (field == nullptr) return bad(absl::StrCat("unknown target part '", part, "'"));
+      if (*field >= 0 || !absl::SimpleAtoi(part, field) || *field < 0) {
+        return bad("stage, tp and dp must each be given once, as a number >= 0");
+      }
+    }
   } else {
-    return bad("the target must be stage=P or worker=NAME");
+    return bad("the target must be stage=P[,tp=T][,dp=D] or worker=NAME");
   }
-  if (!absl::StartsWith(when, "step=") || !absl::SimpleAtoi(when.substr(5), &inj.step) || inj.step < 1) {
-    return bad("the time must be step=N with N >= 1");
+  bool have_step = false;
+  for (absl::string_view part : absl::StrSplit(when, ',')) {
+    if (absl::ConsumePrefix(&part, "step=")) {
+      if (!absl::SimpleAtoi(part, &inj.step) || inj.step < 1) return bad("the time must be step=N with N >= 1");
+      have_step = true;
+    } else if (absl::ConsumePrefix(&part, "after_ms=")) {
+      if (!absl::SimpleAtoi(part, &inj.after_ms) || inj.after_ms < 0 || inj.after_ms > 60000) {
+        return bad("after_ms must be between 0 and 60000");
+      }
+    } else if (absl::ConsumePrefix(&part, "for=")) {
+      if (!absl::SimpleAtod(part, &inj.thaw_after_s) || !(inj.thaw_after_s >= 0.001 && inj.thaw_after_s <= 3600)) {
+        return bad("for must be between 0.001 and 3600 seconds");
+      }
+    } else {
+      return bad(absl::StrCat("unknown time part '", part, "'"));
+    }
   }
+  if (!have_step) return bad("the time must be step=N with N >= 1");
+  if (inj.thaw_after_s > 0 && inj.sig != SIGSTOP) return bad("for=S only goes with stop (a kill cannot be undone)");
   return std::optional<Injection>(inj);
+}
+
+// The rank a worker's log says it was configured for last ("configured for
+// job 'x' generation G: stage P, tp T, dp D, ..."), or false.
+bool LastConfiguredRank(const std::string& log_path, int* stage, int* tp, int* dp) {
+  absl::StatusOr<std::string> log = ReadFile(log_path);
+  if (!log.ok()) return false;
+  const size_t line = log->rfind("configured for job");
+  if (line == std::string::npos) return false;
+  const size_t at = log->find(": stage ", line);
+  if (at == std::string::npos) return false;
+  return std::sscanf(log->c_str() + at, ": stage %d, tp %d, dp %d", stage, tp, dp) == 3;
 }
 
 // Runs one job; the children live as long as this object.
@@ -228,7 +282,15 @@ class LocalRun {
   // Stops every child and returns `code`.
   int Stop(int code) {
     std::vector<ChildProcess*> all;
-    for (auto& w : workers_) all.push_back(w.get());
+    for (auto& w : workers_) {
+      // A worker still frozen by --inject=stop: thawed first, so that it
+      // handles SIGTERM and leaves cleanly instead of waiting for SIGKILL.
+      if (inject_ && inject_->done && inject_->sig == SIGSTOP && !inject_->thawed && w->name() == inject_->victim &&
+          w->running()) {
+        w->Signal(SIGCONT);
+      }
+      all.push_back(w.get());
+    }
     if (coordinator_) all.push_back(coordinator_.get());
     StopAll(all, kStopGrace);
     return code;
@@ -266,7 +328,12 @@ class LocalRun {
          << "; the coordinator replaces it with a spare or fails the job\n";
     exited_.insert(&child);
   }
+  // Arms the injection once its step is reached (picking the victim).
   void Inject(const v1::GetStatusResponse& s);
+  // Fires an armed injection, and its thaw, when their time has come.
+  void FireInjection();
+  // The next instant FireInjection has something to do (InfiniteFuture: none).
+  absl::Time NextInjectionEvent() const;
   int ChildExited(ChildProcess& child, int status) {
     printer_.EndLine();
     err_ << "batonctl local: " << Describe(child) << " " << DescribeWaitStatus(status)
@@ -285,6 +352,7 @@ class LocalRun {
   std::vector<std::unique_ptr<ChildProcess>> workers_;
   v1::GetStatusResponse last_status_;
   std::optional<Injection> inject_;
+  std::string out_dir_;
   std::set<const ChildProcess*> exited_;
   std::string last_state_, last_recovery_;
   int last_ready_ = -1;
@@ -296,6 +364,7 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
                   absl::Duration timeout, std::optional<Injection> inject, const std::string& resume) {
   const absl::Time deadline = absl::Now() + timeout;
   inject_ = std::move(inject);
+  out_dir_ = out_dir;
   const std::string port_file = absl::StrCat(out_dir, "/coordinator.ports");
   unlink(port_file.c_str());  // a stale one would name a dead coordinator
   std::vector<std::string> coordinator_args = {"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0",
@@ -347,8 +416,10 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
       return Fail(absl::StrCat("no result within --timeout_s=", absl::ToInt64Seconds(timeout), " (job state '",
                                last_state_, "', step ", last_step_, "); see the logs in ", out_dir, "/logs/"));
     }
+    FireInjection();
     if (now >= next_poll) {
-      next_poll = now + kPollPeriod;
+      // Closely while an injection waits for its step, so that it lands near it.
+      next_poll = now + (inject_ && !inject_->armed ? kInjectPollPeriod : kPollPeriod);
       grpc::ClientContext ctx;
       ctx.set_deadline(absl::ToChronoTime(now + kRpcTimeout));
       v1::GetStatusResponse status;
@@ -361,7 +432,8 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
                     coordinator_.get());
       }
     }
-    absl::SleepFor(kTick);
+    absl::SleepFor(std::max(absl::ZeroDuration(),
+                            std::min({kTick, next_poll - absl::Now(), NextInjectionEvent() - absl::Now()})));
   }
 }
 
@@ -402,20 +474,68 @@ std::optional<int> LocalRun::OnStatus(const v1::GetStatusResponse& s, const std:
 }
 
 void LocalRun::Inject(const v1::GetStatusResponse& s) {
-  if (!inject_ || inject_->done || s.job_state() != "running" || s.step() < inject_->step) return;
+  if (!inject_ || inject_->armed || s.job_state() != "running" || s.step() < inject_->step) return;
   std::string name = inject_->worker;
-  for (const v1::StageStatus& stage : s.stages()) {
-    if (name.empty() && stage.pp_rank() == inject_->stage && stage.workers_size() > 0) name = stage.workers(0);
+  if (name.empty()) {
+    for (const v1::StageStatus& stage : s.stages()) {
+      if (stage.pp_rank() != inject_->stage) continue;
+      for (const std::string& w : stage.workers()) {
+        if (inject_->tp < 0 && inject_->dp < 0) {
+          name = w;
+          break;
+        }
+        int pp = -1, tp = -1, dp = -1;
+        if (LastConfiguredRank(absl::StrCat(out_dir_, "/logs/", w, ".log"), &pp, &tp, &dp) &&
+            pp == inject_->stage && (inject_->tp < 0 || tp == inject_->tp) && (inject_->dp < 0 || dp == inject_->dp)) {
+          name = w;
+          break;
+        }
+      }
+    }
   }
+  if (name.empty()) return;  // not in the status (yet): the next one
+  inject_->armed = true;
+  inject_->victim = name;
+  inject_->armed_step = s.step();
+  inject_->fire_at = absl::Now() + absl::Milliseconds(inject_->after_ms);
+  FireInjection();
+}
+
+absl::Time LocalRun::NextInjectionEvent() const {
+  if (!inject_ || !inject_->armed) return absl::InfiniteFuture();
+  if (!inject_->done) return inject_->fire_at;
+  if (inject_->thaw_after_s > 0 && !inject_->thawed) return inject_->thaw_at;
+  return absl::InfiniteFuture();
+}
+
+void LocalRun::FireInjection() {
+  if (!inject_ || !inject_->armed || absl::Now() < NextInjectionEvent()) return;
+  ChildProcess* victim = nullptr;
   for (auto& w : workers_) {
-    if (w->name() != name || exited_.count(w.get())) continue;
+    if (w->name() == inject_->victim && !exited_.count(w.get())) victim = w.get();
+  }
+  // Wall time as the daemons' logs print it, to measure detection against.
+  const std::string now = absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
+  printer_.EndLine();
+  if (!inject_->done) {
     inject_->done = true;
-    printer_.EndLine();
+    inject_->thaw_at = absl::Now() + absl::Seconds(inject_->thaw_after_s);
+    if (victim == nullptr) {
+      inject_->thawed = true;
+      err_ << "batonctl local: not injecting into " << inject_->victim << ": it is not running\n";
+      return;
+    }
     err_ << "batonctl local: injecting " << (inject_->sig == SIGKILL ? "SIGKILL" : "SIGSTOP") << " into "
-         << Describe(*w) << " (pid " << w->pid() << ") after step " << s.step() << "\n";
-    w->Signal(inject_->sig);
+         << Describe(*victim) << " (pid " << victim->pid() << ") after step " << inject_->armed_step
+         << (inject_->after_ms > 0 ? absl::StrCat(" + ", inject_->after_ms, " ms") : "") << " at " << now << "\n";
+    victim->Signal(inject_->sig);
     return;
   }
+  inject_->thawed = true;
+  if (victim == nullptr) return;
+  err_ << "batonctl local: thawing " << victim->name() << " (pid " << victim->pid() << ", SIGCONT) at " << now
+       << "\n";
+  victim->Signal(SIGCONT);
 }
 
 int LocalRun::JobFailed(const v1::GetStatusResponse& s) {
@@ -483,7 +603,7 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   absl::StatusOr<int64_t> timeout_s = args->GetInt("timeout_s", 3600);
   if (job_path.empty() || out_dir.empty() || !args->positionals().empty() || !timeout_s.ok() || *timeout_s <= 0) {
     err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--spares=N] "
-           "[--inject=kill:stage=P@step=N] [--resume=CHECKPOINT] [--bin_dir=DIR] [--timeout_s=3600]\n";
+           "[--inject=kill|stop:stage=P[,tp=T][,dp=D]|worker=NAME@step=N[,after_ms=M][,for=S]] [--resume=CHECKPOINT] [--bin_dir=DIR] [--timeout_s=3600]\n";
     return 2;
   }
   absl::StatusOr<v1::JobSpec> job = LoadJobSpec(job_path);
@@ -508,9 +628,10 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
     err << "batonctl local: " << inject.status().message() << "\n";
     return 2;
   }
-  if (*inject && (*inject)->stage >= dims.pp) {
-    err << "batonctl local: --inject: stage " << (*inject)->stage << " does not exist (the job has pp = " << dims.pp
-        << ")\n";
+  if (*inject && ((*inject)->stage >= dims.pp || (*inject)->tp >= dims.tp || (*inject)->dp >= dims.dp)) {
+    err << "batonctl local: --inject: rank stage " << (*inject)->stage << ", tp " << (*inject)->tp << ", dp "
+        << (*inject)->dp << " does not exist (the job has pp = " << dims.pp << ", tp = " << dims.tp
+        << ", dp = " << dims.dp << ")\n";
     return 2;
   }
   absl::StatusOr<LocalBinaries> bins = LocateBinaries(args->GetString("bin_dir", ""), SelfExe());

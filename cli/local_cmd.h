@@ -32,7 +32,12 @@ struct LocalBinaries {
 // side, or in batonctl's runfiles. NOT_FOUND lists where it looked.
 absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const std::string& self_exe);
 
-// Flags: --job, --out (required), --workers, --bin_dir, --timeout_s (3600).
+// Flags: --job, --out (required), --workers, --spares, --inject, --resume,
+// --bin_dir, --timeout_s (3600). --inject=KIND:TARGET@step=N[,after_ms=M][,for=S]
+// injects one fault (docs/cli.md): KIND kill (SIGKILL) or stop (SIGSTOP; for=S
+// sends SIGCONT S seconds later), TARGET stage=P[,tp=T][,dp=D] or worker=NAME,
+// after_ms=M delays it M ms past the moment step N was seen committed. The
+// injection and thaw lines carry the wall time (UTC, ms) to measure detection.
 int RunLocalCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
 }  // namespace baton::cli

@@ -194,6 +194,43 @@ TEST_F(LocalCommandTest, InjectKillsAWorkerOfTheStageAtTheStepAndSparesAreStarte
   ExpectNoChildrenLeft();
 }
 
+// stop:...,for=S freezes the worker and thaws it S seconds later; both lines
+// carry the wall time.
+TEST_F(LocalCommandTest, InjectStopWithForThawsTheWorkerLater) {
+  std::vector<std::string> args = Args(Job(2, 100000));
+  args.push_back("--inject=stop:stage=1@step=3,after_ms=20,for=0.5");
+  auto batonctl = StartBatonctl(args);
+  ASSERT_TRUE(WaitForOutput(*batonctl, "injecting SIGSTOP into worker-1 (pipeline stage 1)")) << batonctl->Log();
+  const std::vector<pid_t> worker = ProcessesWith("--port_file=" + out_ + "/worker-1.ports");
+  ASSERT_EQ(worker.size(), 1u);
+  EXPECT_THAT(batonctl->Log(), ::testing::ContainsRegex(" \\+ 20 ms at 20[0-9-]+T[0-9:.]+Z\n"));
+  ASSERT_TRUE(WaitForOutput(*batonctl, absl::StrCat("thawing worker-1 (pid ", worker[0], ", SIGCONT) at ")))
+      << batonctl->Log();
+  // Running (or sleeping) again, not stopped: /proc/PID/stat's state after "(name) ".
+  const std::string stat = Slurp(absl::StrCat("/proc/", worker[0], "/stat"));
+  const size_t paren = stat.rfind(") ");
+  ASSERT_NE(paren, std::string::npos) << stat;
+  EXPECT_NE(stat[paren + 2], 'T') << stat;
+  batonctl->Signal(SIGINT);
+  ASSERT_TRUE(batonctl->Wait(absl::Seconds(20)).has_value());
+  ExpectNoChildrenLeft();
+}
+
+// A worker left frozen by --inject=stop is thawed when batonctl stops, so it
+// leaves on SIGTERM like the others (no SIGKILL after the grace period).
+TEST_F(LocalCommandTest, AWorkerLeftFrozenIsThawedToStopCleanly) {
+  std::vector<std::string> args = Args(Job(2, 100000));
+  args.push_back("--inject=stop:worker=worker-1@step=3");
+  auto batonctl = StartBatonctl(args);
+  ASSERT_TRUE(WaitForOutput(*batonctl, "injecting SIGSTOP into worker-1")) << batonctl->Log();
+  batonctl->Signal(SIGINT);
+  std::optional<int> code = batonctl->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.has_value()) << batonctl->Log();
+  EXPECT_EQ(*code, 130) << batonctl->Log();
+  EXPECT_THAT(Slurp(out_ + "/logs/worker-1.log"), HasSubstr("received SIGTERM"));
+  ExpectNoChildrenLeft();
+}
+
 TEST_F(LocalCommandTest, AFailedJobExitsOneWithTheErrorAndTheWorkersLog) {
   setenv("BATON_FAKE_FAIL_AT_STEP", "3", 1);
   testing::CommandResult r = testing::RunCommand(testing::RunfilePath("cli/batonctl"), Args(Job(2, 100)),
@@ -247,7 +284,11 @@ TEST_F(LocalCommandTest, BadJobsAndFlagsExitTwoBeforeStartingAnything) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("cannot find baton-coordinator"));
   for (const char* bad : {"--inject=kill:stage=1", "--inject=explode:stage=0@step=3", "--inject=kill:stage=5@step=3",
-                          "--inject=kill:node=1@step=3", "--spares=-1"}) {
+                          "--inject=kill:node=1@step=3", "--spares=-1",
+                          "--inject=kill:stage=0@step=3,for=5", "--inject=stop:stage=0@step=3,for=0",
+                          "--inject=kill:stage=0,tp=1@step=3", "--inject=kill:stage=0,dp=0,dp=0@step=3",
+                          "--inject=kill:stage=0@step=3,after_ms=-1", "--inject=kill:stage=0@after_ms=3",
+                          "--inject=stop:stage=0@step=3,soon=1"}) {
     std::vector<std::string> args = Args(Job(2, 1));
     args.push_back(bad);
     r = testing::RunCommand(testing::RunfilePath("cli/batonctl"), args);

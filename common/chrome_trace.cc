@@ -30,9 +30,14 @@ std::string ChromeTraceJson(const std::vector<TraceSpan>& spans) {
       append(metadata, absl::StrCat("{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":", pid, ",\"tid\":", tid,
                                     ",\"args\":{\"name\":", JsonQuote(s.thread), "}}"));
     }
+    std::string args;
+    for (const auto& [key, value] : s.args) {
+      absl::StrAppend(&args, args.empty() ? ",\"args\":{" : ",", JsonQuote(key), ":", JsonQuote(value));
+    }
+    if (!args.empty()) args += "}";
     append(events, absl::StrCat("{\"name\":", JsonQuote(s.name), ",\"cat\":", JsonQuote(s.category),
                                 ",\"ph\":\"X\",\"ts\":", s.start_us, ",\"dur\":", s.duration_us,
-                                ",\"pid\":", pid, ",\"tid\":", tid, "}"));
+                                ",\"pid\":", pid, ",\"tid\":", tid, args, "}"));
   }
   const char* sep = !metadata.empty() && !events.empty() ? ",\n" : "";
   return absl::StrCat("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", metadata, sep, events, "\n]}\n");

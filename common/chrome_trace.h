@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace baton {
@@ -24,6 +25,9 @@ struct TraceSpan {
   std::string category;  // compute | p2p | tp | dp | bubble | optimizer
   int64_t start_us = 0;
   int64_t duration_us = 0;
+  // Shown when the span is selected ("args"; string values), e.g. what a
+  // recovery did. Optional.
+  std::vector<std::pair<std::string, std::string>> args = {};
 };
 
 std::string ChromeTraceJson(const std::vector<TraceSpan>& spans);

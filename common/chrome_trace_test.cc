@@ -67,3 +67,24 @@ TEST(ChromeTraceTest, NoSpansIsAnEmptyTrace) {
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+TEST(ChromeTraceTest, ASpansArgsAreShownEscaped) {
+  const std::string json = ChromeTraceJson({
+      {"coordinator", "recovery", "recovery 1", "recovery", 10, 5, {{"cause", "worker_lost"}, {"detail", "a \"q\"\n"}}},
+      {"stage 0 / worker-0", "compute", "F0", "compute", 100, 20},
+  });
+  auto trace = JsonValue::Parse(json);
+  ASSERT_TRUE(trace.ok()) << trace.status() << "\n" << json;
+  const JsonValue* recovery = FindEvent(*trace->Find("traceEvents"), "X", "recovery 1");
+  ASSERT_NE(recovery, nullptr);
+  ASSERT_NE(recovery->Find("args"), nullptr) << json;
+  EXPECT_EQ(recovery->Find("args")->Find("cause")->str(), "worker_lost");
+  EXPECT_EQ(recovery->Find("args")->Find("detail")->str(), "a \"q\"\n");
+  EXPECT_EQ(FindEvent(*trace->Find("traceEvents"), "X", "F0")->Find("args"), nullptr);
+}
+
+}  // namespace
+}  // namespace baton

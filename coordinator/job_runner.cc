@@ -238,7 +238,9 @@ void JobRunner::Run() {
     if (!dir.ok()) return Fail(WithContext(dir.status(), "--resume"));
     absl::StatusOr<checkpoint::FullState> valid = checkpoint::ValidateCheckpointForJob(*dir, job_);
     if (!valid.ok()) return Fail(WithContext(valid.status(), absl::StrCat("--resume=", *dir)));
-    if (valid->manifest.step >= job_.train().steps()) {
+    // A checkpoint of the job's last step is resumed too: nothing is
+    // trained, the state is saved again (in this job's layout) as out/final.
+    if (valid->manifest.step > job_.train().steps()) {
       return Fail(absl::InvalidArgumentError(absl::StrCat("--resume=", *dir, ": the checkpoint is of step ",
                                                           valid->manifest.step, ", the job has only ",
                                                           job_.train().steps(), " steps")));
@@ -432,9 +434,19 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   AppendStepsLine(absl::StrCat("{\"recovery\": ", restarts_, ", \"cause\": \"coordinator_restart\", \"worker\": \"\"",
                                ", \"resume_step\": ", resume, ", \"replayed_steps\": ", replayed,
                                ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_), "}"));
+  recovery_started_ = clock_->Now();
+  RecoveryMark mark;
+  mark.number = restarts_;
+  mark.cause = FaultCauseName(FaultCause::kCoordinatorRestart);
+  mark.source = "every worker's own memory (adopted)";
+  mark.detail = recovery_;
+  mark.resume_step = resume;
+  mark.replayed_steps = replayed;
+  mark.generation = generation;
+  mark.started = *recovery_started_;
+  MarkRecovery(std::move(mark));
   committed_ = resume;
   next_step_ = resume + 1;
-  recovery_started_ = clock_->Now();
   error_ = absl::OkStatus();
   setup_ = Setup{std::move(plan), resume, {}, {}};
   return JobState::kConfiguring;
@@ -599,11 +611,22 @@ absl::StatusOr<JobState> JobRunner::Running() {
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
              norm, clip, wall, *done);
-  if (finite) MaybeStartCheckpoint(step);
+  if (finite && CheckpointDue(step)) {
+    absl::MutexLock lock(&mu_);
+    checkpoint_due_ = step;
+    return JobState::kSaving;
+  }
   return JobState::kRunning;
 }
 
 absl::StatusOr<JobState> JobRunner::Saving() {
+  int64_t due = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    due = checkpoint_due_;
+    checkpoint_due_ = 0;
+  }
+  if (due > 0) return SavingCheckpoint(due);
   {
     absl::MutexLock lock(&mu_);
     WaitUntil(
@@ -622,8 +645,12 @@ absl::StatusOr<JobState> JobRunner::Saving() {
     for (const auto& [name, a] : assigned_) names.insert(name);
   }
   Expect(v1::WorkerMessage::kSaved, 0, names);
+  // A complete (v2) checkpoint of the last step: weights, AdamW moments and
+  // the optimizer step, so out/final can be resumed and compared in full.
   v1::CoordinatorMessage save;
   save.mutable_save_weights()->set_dir(dir);
+  save.mutable_save_weights()->set_step(job_.train().steps());
+  save.mutable_save_weights()->set_with_state(true);
   SendAll(save);
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> saved = Collect(options_.configure_timeout, "Saved");
   if (saved.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
@@ -633,9 +660,30 @@ absl::StatusOr<JobState> JobRunner::Saving() {
     for (const std::string& f : msg.saved().files()) files.push_back(f);
   }
   std::sort(files.begin(), files.end());
-  BATON_RETURN_IF_ERROR_CTX(checkpoint::WriteManifest(dir, files, job_.name(), job_.train().steps()),
+  BATON_RETURN_IF_ERROR_CTX(checkpoint::WriteManifest(dir, checkpoint::ManifestFor(job_, job_.train().steps(), files)),
                             "saving the final weights");
   return JobState::kDone;
+}
+
+absl::StatusOr<JobState> JobRunner::SavingCheckpoint(int64_t step) {
+  BATON_RETURN_IF_ERROR(FinishCheckpoint());  // the previous one, if its files are all written
+  if (!MaybeStartCheckpoint(step)) return JobState::kRunning;
+  absl::MutexLock lock(&mu_);
+  const bool copied = WaitUntil(
+      [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !faults_.empty() || !pending_checkpoint_ || pending_checkpoint_->copying.empty();
+      },
+      clock_->Now() + options_.configure_timeout);
+  if (stopping_) return absl::CancelledError("coordinator shutting down");
+  if (!faults_.empty()) return JobState::kRecovering;
+  if (!copied) {
+    std::vector<std::string> missing;
+    for (const std::string& name : pending_checkpoint_->copying) missing.push_back(Who(name));
+    return absl::DeadlineExceededError(absl::StrCat("checkpoint of step ", step, ": ", absl::StrJoin(missing, ", "),
+                                                    " did not copy its state to host memory within ",
+                                                    absl::FormatDuration(options_.configure_timeout)));
+  }
+  return JobState::kRunning;
 }
 
 // ---------------------------------------------------------------------------
@@ -731,6 +779,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
   faults_.clear();
   generation_ = 0;
   pending_checkpoint_.reset();  // an unfinished save stays incomplete (no manifest) and is pruned later
+  checkpoint_due_ = 0;
 
   // The recovery step and where each lost shard's state comes from.
   std::map<std::string, std::pair<std::string, std::string>> sources;
@@ -741,7 +790,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
     from_checkpoint = checkpoint_dir_;
   }
   std::map<std::string, std::string> states;  // replacement name -> ShardState
-  std::vector<std::string> described;
+  std::vector<std::string> described, sources_described;
   for (const std::string& name : lost) {
     const auto src = sources.find(name);
     const std::string from =
@@ -751,6 +800,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                                                   : absl::StrCat(src->second.first, "'s snapshot");
     described.push_back(absl::StrCat(Who(name), " -> ", replacement[name].name(), ", state of step ", resume,
                                      " from ", from));
+    sources_described.push_back(absl::StrCat(name, ": ", from));
   }
   recovery_ = absl::StrCat("recovery ", restarts_, ": ", lost.empty() ? "all workers kept, " : "",
                            absl::StrJoin(described, "; "), lost.empty() ? "" : "; ", "rolling back to step ",
@@ -814,10 +864,34 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
                                JsonQuote(cause.message()), ", \"resume_step\": ", resume, ", \"replayed_steps\": ",
                                replayed, ", \"generation\": ", generation, ", \"detail\": ", JsonQuote(recovery_),
                                "}"));
+  RecoveryMark mark;
+  mark.number = restarts_;
+  mark.cause = FaultCauseName(first_fault.cause);
+  mark.worker = first_fault.worker;
+  mark.stage = StageOf(first_fault.worker);
+  mark.source = lost.empty() ? "every worker's own memory (none lost)"
+                             : absl::StrCat(absl::StrJoin(sources_described, "; "), "; survivors: their own memory");
+  mark.error = std::string(cause.message());
+  mark.detail = recovery_;
+  mark.resume_step = resume;
+  mark.replayed_steps = replayed;
+  mark.generation = generation;
+  mark.started = recovery_started_.value_or(clock_->Now());
+  MarkRecovery(std::move(mark));
   committed_ = resume;
   next_step_ = resume + 1;
   setup_ = Setup{std::move(plan), resume, std::move(states), from_checkpoint};
   return JobState::kConfiguring;
+}
+
+void JobRunner::MarkRecovery(RecoveryMark mark) {
+  for (RecoveryMark& m : recovery_marks_) {
+    if (m.ended) continue;  // a fault during that recovery started this one
+    m.ended = mark.started > m.started ? mark.started : clock_->Now();
+    m.outcome = absl::StrCat("superseded by recovery ", mark.number);
+  }
+  recovery_marks_.push_back(std::move(mark));
+  while (recovery_marks_.size() > kKeptRecoveryMarks) recovery_marks_.pop_front();
 }
 
 const JobRunner::Fault* JobRunner::FirstCause() const {
@@ -981,23 +1055,29 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
         error_fault(absl::StrCat("failed step ", message.step_done().step()), message.step_done().error(),
                     message.step_done().code());
         break;
-      case v1::WorkerMessage::kSaved:
-        if (message.saved().step() > 0) {  // a periodic checkpoint
-          if (!message.saved().ok()) {
-            error_fault(absl::StrCat("could not write checkpoint step ", message.saved().step()),
-                        message.saved().error(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
-          } else if (pending_checkpoint_ && pending_checkpoint_->step == message.saved().step()) {
+      case v1::WorkerMessage::kSaved: {
+        const v1::Saved& saved = message.saved();
+        const bool periodic =
+            saved.step() > 0 && pending_checkpoint_ && pending_checkpoint_->step == saved.step();
+        if (!saved.ok()) {
+          // A disk problem: failing the job beats training on without the checkpoint.
+          error_fault(periodic ? absl::StrCat("could not write checkpoint step ", saved.step()) : "could not save",
+                      saved.error(),
+                      periodic || saved.code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
+                                                    : saved.code());
+          break;
+        }
+        if (periodic) {
+          pending_checkpoint_->copying.erase(worker);  // the files imply the copy
+          if (!saved.copied()) {
             pending_checkpoint_->waiting.erase(worker);
-            for (const std::string& f : message.saved().files()) pending_checkpoint_->files.push_back(f);
+            for (const std::string& f : saved.files()) pending_checkpoint_->files.push_back(f);
           }
           return;
         }
-        if (!message.saved().ok()) {
-          error_fault("could not save", message.saved().error(),
-                      message.saved().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
-                                                  : message.saved().code());
-        }
+        if (saved.copied()) return;  // the final save's copy: its files follow
         break;
+      }
       case v1::WorkerMessage::kSnapshot: {
         const v1::ShardSnapshot& snap = message.snapshot();
         if (snap.owner() != worker || snap.step() <= 0) return;
@@ -1144,6 +1224,11 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
     if (recovery_started_) {
       recovered_in = clock_->Now() - *recovery_started_;
       recovery_started_.reset();
+      for (RecoveryMark& m : recovery_marks_) {
+        if (m.ended) continue;
+        m.ended = clock_->Now();
+        m.outcome = "recovered";
+      }
     }
     if (replay) {
       // The replay must reproduce the record bit for bit (data and state are
@@ -1216,23 +1301,29 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio), "}"));
 }
 
-void JobRunner::MaybeStartCheckpoint(int64_t step) {
+bool JobRunner::CheckpointDue(int64_t step) const {
   const int64_t every = job_.checkpoint().every_steps();
-  if (every <= 0 || job_.checkpoint().dir().empty() || step % every != 0) return;
+  return every > 0 && !job_.checkpoint().dir().empty() && step % every == 0;
+}
+
+bool JobRunner::MaybeStartCheckpoint(int64_t step) {
+  if (!CheckpointDue(step)) return false;
   v1::CoordinatorMessage save;
   {
     absl::MutexLock lock(&mu_);
-    if (step <= checkpoint_step_ || pending_checkpoint_) return;  // saved already, or one is being written
+    if (step <= checkpoint_step_ || pending_checkpoint_) return false;  // saved already, or one is being written
     PendingCheckpoint p;
     p.step = step;
     p.dir = job_.checkpoint().dir() + "/" + checkpoint::StepDirName(step);
     for (const auto& [name, a] : assigned_) p.waiting.insert(name);
+    p.copying = p.waiting;
     save.mutable_save_weights()->set_dir(p.dir);
     pending_checkpoint_ = std::move(p);
   }
   save.mutable_save_weights()->set_step(step);
   save.mutable_save_weights()->set_with_state(true);
   SendAll(save);
+  return true;
 }
 
 absl::Status JobRunner::FinishCheckpoint() {
@@ -1311,13 +1402,17 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
 std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   steps = std::min(steps, options_.max_kept_traces);
-  if (state_ == JobState::kRunning && wait > absl::ZeroDuration()) {
-    const int64_t after = static_cast<int64_t>(steps_.size());
+  // Training: running, or saving a periodic checkpoint between two steps.
+  auto training = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return state_ == JobState::kRunning || (state_ == JobState::kSaving && next_step_ <= job_.train().steps());
+  };
+  if (training() && wait > absl::ZeroDuration()) {
+    const int64_t after = next_step_ - 1;  // steps are numbered from the checkpoint a job resumed at
     trace_requested_ = std::max(trace_requested_, steps);
     auto traced = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       int n = 0;
       for (const auto& t : traces_) n += t.first > after;
-      return n >= steps || state_ != JobState::kRunning || stopping_;
+      return n >= steps || !training() || stopping_;
     };
     mu_.AwaitWithTimeout(absl::Condition(&traced), wait);
   }
@@ -1333,6 +1428,27 @@ std::string JobRunner::TraceJson(int steps, absl::Duration wait) {
         spans.push_back({process, compute ? "compute" : "comm", e.name(), e.cat(), e.start_us(), e.duration_us()});
       }
     }
+  }
+  const absl::Time now = clock_->Now();
+  for (const RecoveryMark& m : recovery_marks_) {
+    const absl::Time end = m.ended.value_or(now);
+    TraceSpan span{"coordinator", "recovery",
+                   absl::StrCat("recovery ", m.number, ": ", m.cause, m.worker.empty() ? "" : " of ", m.worker),
+                   "recovery", absl::ToUnixMicros(m.started), absl::ToInt64Microseconds(end - m.started)};
+    span.args = {{"cause", m.cause},
+                 {"lost_worker", m.worker},
+                 {"stage", m.worker.empty() ? "" : m.stage},
+                 {"state_from", m.source},
+                 {"resume_step", absl::StrCat(m.resume_step)},
+                 {"replayed_steps", absl::StrCat(m.replayed_steps)},
+                 {"generation", absl::StrCat(m.generation)},
+                 {"seconds", absl::StrFormat("%.3f", absl::ToDoubleSeconds(end - m.started))},
+                 {"outcome", !m.outcome.empty()                 ? m.outcome
+                             : state_ == JobState::kFailed ? "failed"
+                                                           : "in progress"},
+                 {"error", m.error},
+                 {"detail", m.detail}};
+    spans.push_back(std::move(span));
   }
   return ChromeTraceJson(spans);
 }

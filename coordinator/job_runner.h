@@ -13,8 +13,8 @@
 //   running      one step: RunStep(n) -> GradsReady from every worker ->
 //                global grad norm, clip factor, finite check -> Commit(n, clip)
 //                or Discard(n) -> StepDone from every worker
-//                -> running (next step), saving / done after the last step,
-//                or recovering on a fault
+//                -> running (next step), saving when a periodic checkpoint
+//                is due or after the last step, done, or recovering on a fault
 //   recovering   (docs/protocol.md "Recovery") a worker of the plan was lost
 //                or reported an error: survivors get Abort (their processes
 //                and in-memory snapshots stay), a replacement is found (a
@@ -25,7 +25,12 @@
 //                from a DP replica or the buddy holding its snapshot
 //                -> configuring (new generation, resume at R; steps after R
 //                are replayed), or failed
-//   saving       SaveWeights(out/final) and the manifest (with --out) -> done
+//   saving       a periodic checkpoint (checkpoint.every_steps): from the
+//                SaveWeights request until every worker copied its state to
+//                host memory (Saved{copied}); the files are written in the
+//                background while training goes on -> running.
+//                After the last step (with --out): SaveWeights(out/final),
+//                a complete (v2) checkpoint, and its manifest -> done
 //   done | failed
 //
 // The first cause wins: a job error names the worker that was lost (or, when
@@ -132,8 +137,11 @@ class JobRunner : public JobObserver {
   void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) override;
   void OnWorkerLost(const std::string& worker, const std::string& why, bool hung = false) override;
   void FillStatus(v1::GetStatusResponse* status) const override;
-  // Chrome trace of the last `steps` traced steps (all workers). While the
-  // job runs, the next `steps` steps are traced and waited for (up to `wait`).
+  // Chrome trace of the last `steps` traced steps (all workers), plus a span
+  // per recent recovery (process "coordinator", thread "recovery": cause,
+  // lost worker and stage, source of the state, step R, replayed steps,
+  // from the fault to the first step completed after it). While the job
+  // runs, the next `steps` steps are traced and waited for (up to `wait`).
   std::string TraceJson(int steps, absl::Duration wait) override;
 
   JobState state() const;
@@ -164,7 +172,8 @@ class JobRunner : public JobObserver {
   struct PendingCheckpoint {
     int64_t step = 0;
     std::string dir;
-    std::set<std::string> waiting;  // workers that have not reported Saved
+    std::set<std::string> waiting;  // workers that have not reported Saved{files}
+    std::set<std::string> copying;  // workers that have not copied their state to host memory
     std::vector<std::string> files;
   };
   // What a worker's own snapshots and its buddy copies cover (mirrors the
@@ -185,6 +194,8 @@ class JobRunner : public JobObserver {
   absl::StatusOr<JobState> Running();
   absl::StatusOr<JobState> Recovering();
   absl::StatusOr<JobState> Saving();
+  // Saving for a periodic checkpoint: until every worker copied its state.
+  absl::StatusOr<JobState> SavingCheckpoint(int64_t step);
   void Transition(JobState to);
   void Fail(const absl::Status& why);
 
@@ -221,9 +232,11 @@ class JobRunner : public JobObserver {
   std::string Who(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteOutputs() ABSL_LOCKS_EXCLUDED(mu_);
   void AppendStepsLine(const std::string& line);
-  // Periodic checkpoints: start one after committed step `step` when due;
+  // Periodic checkpoints: whether one is due after committed step `step`;
+  // start one (false: one is still being written, or saved already);
   // write the manifest (and prune) once every worker reported its files.
-  void MaybeStartCheckpoint(int64_t step);
+  bool CheckpointDue(int64_t step) const;
+  bool MaybeStartCheckpoint(int64_t step);
   absl::Status FinishCheckpoint();
 
   const v1::JobSpec job_;
@@ -279,6 +292,7 @@ class JobRunner : public JobObserver {
 
   // Checkpoints.
   std::optional<PendingCheckpoint> pending_checkpoint_ ABSL_GUARDED_BY(mu_);
+  int64_t checkpoint_due_ ABSL_GUARDED_BY(mu_) = 0;  // Running -> Saving: the step to checkpoint
   int64_t checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;  // newest complete checkpoint
   std::string checkpoint_dir_ ABSL_GUARDED_BY(mu_);
   std::string resume_checkpoint_ ABSL_GUARDED_BY(mu_);  // --resume, resolved and validated
@@ -288,6 +302,18 @@ class JobRunner : public JobObserver {
   int64_t replayed_ ABSL_GUARDED_BY(mu_) = 0;
   std::string recovery_ ABSL_GUARDED_BY(mu_);  // what the last recovery did (GetStatus)
   std::optional<absl::Time> recovery_started_ ABSL_GUARDED_BY(mu_);
+  // Recoveries as the trace shows them (the last kKeptRecoveryMarks).
+  struct RecoveryMark {
+    int number = 0;
+    std::string cause, worker, stage, source, error, detail;
+    int64_t resume_step = 0, replayed_steps = 0, generation = 0;
+    absl::Time started;
+    std::optional<absl::Time> ended;  // first step completed after it
+    std::string outcome;              // "" while open: "recovered" / "superseded by recovery N"
+  };
+  static constexpr size_t kKeptRecoveryMarks = 16;
+  void MarkRecovery(RecoveryMark mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::deque<RecoveryMark> recovery_marks_ ABSL_GUARDED_BY(mu_);
 
   // Outputs.
   std::vector<StepRecord> steps_ ABSL_GUARDED_BY(mu_);

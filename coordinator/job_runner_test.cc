@@ -4,8 +4,10 @@
 // fault during recovery and "the first cause wins".
 #include "coordinator/job_runner.h"
 
+#include <cmath>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -13,7 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "absl/strings/str_split.h"
 #include "common/file_io.h"
+#include "common/json.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -170,6 +174,7 @@ class FakeWorkers : public JobWorkers {
         rep->set_grad_sq_norm(0.25);
         rep->set_has_loss(true);
         rep->set_loss(10.0 / m.run_step().step());
+        traced_[worker] = m.run_step().trace();
         break;
       }
       case v1::CoordinatorMessage::kCommit: {
@@ -178,6 +183,13 @@ class FakeWorkers : public JobWorkers {
         r.mutable_step_done()->set_committed(true);
         r.mutable_step_done()->set_generation(generation_of_[worker]);
         r.mutable_step_done()->set_wall_seconds(0.01);
+        if (traced_[worker]) {  // one event per traced step
+          v1::TraceEvent* e = r.mutable_step_done()->add_events();
+          e->set_name(absl::StrCat("step ", step));
+          e->set_cat("compute");
+          e->set_start_us(step * 1000);
+          e->set_duration_us(10);
+        }
         model_step_[worker] = step;
         out->push_back(r);
         const std::string state = absl::StrCat(shard_[worker], "@", step);
@@ -191,11 +203,19 @@ class FakeWorkers : public JobWorkers {
         return;
       }
       case v1::CoordinatorMessage::kSaveWeights: {
+        r.mutable_saved()->set_step(m.save_weights().step());
+        r.mutable_saved()->set_generation(generation_of_[worker]);
+        if (m.save_weights().with_state()) {  // the copy to host memory is answered first
+          v1::WorkerMessage copied = r;
+          copied.mutable_saved()->set_ok(true);
+          copied.mutable_saved()->set_copied(true);
+          out->push_back(copied);
+        }
         // A real (empty) shard file, so the coordinator's manifest can list it.
         const std::string file = absl::StrCat(worker, ".safetensors");
-        r.mutable_saved()->set_ok(WriteFileAtomically(m.save_weights().dir() + "/" + file, "").ok());
+        r.mutable_saved()->set_ok(MakeDirectories(m.save_weights().dir()).ok() &&
+                                  WriteFileAtomically(m.save_weights().dir() + "/" + file, "").ok());
         r.mutable_saved()->add_files(file);
-        r.mutable_saved()->set_generation(generation_of_[worker]);
         break;
       }
       case v1::CoordinatorMessage::kHoldSnapshot:
@@ -232,6 +252,7 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, int64_t> generation_of_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> shard_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> model_step_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> traced_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<int64_t, std::string>> own_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
 };
@@ -583,6 +604,259 @@ TEST_F(JobRunnerTest, IncompleteReportsStartTheJobOverAfterTheGrace) {
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
   EXPECT_EQ(fake_->Configures("worker-0")[0].resume_step(), 0);
   EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3}));
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// A periodic checkpoint puts the job in `saving` from the SaveWeights request
+// until every worker copied its state to host memory; the files are written
+// in the background while training goes on (running), and the manifest is
+// written once every worker reported them.
+TEST_F(JobRunnerTest, APeriodicCheckpointIsSavingUntilEveryWorkerCopiedItsState) {
+  const std::string root = absl::StrCat(::testing::TempDir(), "/saving_state");
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_checkpoint()->set_dir(root);
+  job.mutable_checkpoint()->set_every_steps(2);
+  Start(job, 2);
+  absl::Mutex mu;
+  std::optional<v1::CoordinatorMessage> held;  // worker-1's SaveWeights of step 4, answered by the test
+  std::vector<std::string> states_at_save;
+  std::string metrics_at_save;
+  fake_->set_hook([&](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (m.has_save_weights()) {
+      absl::MutexLock lock(&mu);
+      states_at_save.push_back(JobStateName(runner_->state()));
+      if (w == "worker-1" && m.save_weights().step() == 4) {
+        metrics_at_save = Metrics();
+        held = m;
+        return false;
+      }
+    }
+    if (w == "worker-0" && m.has_run_step() && m.run_step().step() == 6) {
+      // worker-1's background write of step 4 finishes during step 6.
+      v1::WorkerMessage files;
+      files.mutable_saved()->set_ok(true);
+      files.mutable_saved()->set_step(4);
+      files.mutable_saved()->set_generation(1);
+      files.mutable_saved()->add_files("worker-1.safetensors");
+      EXPECT_TRUE(MakeDirectories(root + "/step-00000004").ok());
+      EXPECT_TRUE(WriteFileAtomically(root + "/step-00000004/worker-1.safetensors", "").ok());
+      runner_->OnWorkerMessage("worker-1", files);
+    }
+    return true;
+  });
+  started_ = true;
+  runner_->Start();
+  for (int i = 0; i < 20000; ++i) {
+    absl::MutexLock lock(&mu);
+    if (held) break;
+    mu.AwaitWithTimeout(absl::Condition(+[](std::optional<v1::CoordinatorMessage>* h) { return h->has_value(); },
+                                        &held),
+                        absl::Milliseconds(1));
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(held.has_value()) << "no checkpoint of step 4 was requested";
+    EXPECT_NE(metrics_at_save.find("baton_job_state{state=\"saving\",training_job=\"unit\"} 1"), std::string::npos)
+        << metrics_at_save;
+    EXPECT_NE(metrics_at_save.find("baton_job_state{state=\"running\",training_job=\"unit\"} 0"), std::string::npos);
+  }
+  // worker-1 has not copied its state: the job stays in saving and step 5 waits.
+  clock_.Advance(absl::Seconds(10));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(runner_->state(), JobState::kSaving);
+  EXPECT_EQ(Status().job_state(), "saving");
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2, 3, 4}));
+  // The copy is done: training goes on while the files are written.
+  v1::WorkerMessage copied;
+  copied.mutable_saved()->set_ok(true);
+  copied.mutable_saved()->set_copied(true);
+  copied.mutable_saved()->set_step(4);
+  copied.mutable_saved()->set_generation(1);
+  runner_->OnWorkerMessage("worker-1", copied);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  {
+    absl::MutexLock lock(&mu);
+    // Every save request (steps 2, 4 and 6, both workers) went out in saving.
+    EXPECT_EQ(states_at_save, std::vector<std::string>(6, "saving"));
+  }
+  // Step 4 became complete once its files were reported; keep: 2 pruned step 2.
+  EXPECT_TRUE(ReadFile(root + "/step-00000004/manifest.json").ok());
+  EXPECT_TRUE(ReadFile(root + "/step-00000006/manifest.json").ok());
+  EXPECT_FALSE(ReadFile(root + "/step-00000002/manifest.json").ok());
+}
+
+// A worker that never copies its state fails the job after the bound, naming it.
+TEST_F(JobRunnerTest, AWorkerThatNeverCopiesItsStateFailsTheJobNamingIt) {
+  v1::JobSpec job = Job(2, 1, 4);
+  job.mutable_checkpoint()->set_dir(absl::StrCat(::testing::TempDir(), "/never_copied"));
+  job.mutable_checkpoint()->set_every_steps(2);
+  Start(job, 2);
+  fake_->set_hook([](const std::string& w, const v1::CoordinatorMessage& m) {
+    return !(w == "worker-1" && m.has_save_weights());
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("checkpoint of step 2: stage 1 (tp 0, dp 0) (worker worker-1) did not copy its state"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{1, 2}));
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+const JsonValue* RecoverySpan(const JsonValue& trace) {
+  for (const JsonValue& e : trace.Find("traceEvents")->items()) {
+    if (e.Find("ph")->str() == "X" && e.Find("cat")->str() == "recovery") return &e;
+  }
+  return nullptr;
+}
+
+// steps.jsonl and the trace mark a recovery: what was lost, where the state
+// came from, the step rolled back to, the replayed steps, how long it took.
+TEST_F(JobRunnerTest, StepsJsonlAndTheTraceMarkARecovery) {
+  const std::string out = absl::StrCat(::testing::TempDir(), "/recovery_marks");
+  Start(Job(2, 1, 6), 3, nullptr, out);
+  // While the recovery runs, the trace shows it in progress.
+  std::string trace_during;
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([&, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && !*fired) {
+      *fired = true;
+      fake_->Kill("worker-1");
+      return false;
+    }
+    if (w == "worker-2" && m.has_configure()) trace_during = runner_->TraceJson(3, absl::ZeroDuration());
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok());
+  std::vector<JsonValue> recovery, recovered;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    auto v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    if (v->Find("recovery") != nullptr) recovery.push_back(*v);
+    if (v->Find("recovered") != nullptr) recovered.push_back(*v);
+  }
+  ASSERT_EQ(recovery.size(), 1u) << *steps;
+  EXPECT_EQ(recovery[0].Find("cause")->str(), "worker_lost");
+  EXPECT_EQ(recovery[0].Find("worker")->str(), "worker-1");
+  EXPECT_EQ(recovery[0].Find("resume_step")->number(), 3);
+  EXPECT_EQ(recovery[0].Find("replayed_steps")->number(), 0);
+  EXPECT_NE(recovery[0].Find("detail")->str().find("worker-0's snapshot"), std::string::npos) << *steps;
+  ASSERT_EQ(recovered.size(), 1u) << *steps;
+  EXPECT_EQ(recovered[0].Find("recovered")->number(), 4);
+  EXPECT_GT(recovered[0].Find("seconds")->number(), 0);
+
+  // The trace (GetTrace and out/trace.json) shows it as a span with its facts.
+  for (const std::string& json : {runner_->TraceJson(3, absl::ZeroDuration()), *ReadFile(out + "/trace.json")}) {
+    auto trace = JsonValue::Parse(json);
+    ASSERT_TRUE(trace.ok()) << json;
+    const JsonValue* span = RecoverySpan(*trace);
+    ASSERT_NE(span, nullptr) << json;
+    EXPECT_EQ(span->Find("name")->str(), "recovery 1: worker_lost of worker-1");
+    const JsonValue& args = *span->Find("args");
+    EXPECT_EQ(args.Find("cause")->str(), "worker_lost");
+    EXPECT_EQ(args.Find("lost_worker")->str(), "worker-1");
+    EXPECT_EQ(args.Find("stage")->str(), "stage 1 (tp 0, dp 0)");
+    EXPECT_EQ(args.Find("state_from")->str(), "worker-1: worker-0's snapshot; survivors: their own memory");
+    EXPECT_EQ(args.Find("resume_step")->str(), "3");
+    EXPECT_EQ(args.Find("replayed_steps")->str(), "0");
+    EXPECT_EQ(args.Find("outcome")->str(), "recovered");
+    // Fault to the first step after it, as baton_recovery_seconds.
+    EXPECT_EQ(*span->Find("dur")->integer(),
+              static_cast<int64_t>(std::llround(recovered[0].Find("seconds")->number() * 1e6)));
+    EXPECT_GT(*span->Find("dur")->integer(), 0);
+  }
+  auto during = JsonValue::Parse(trace_during);
+  ASSERT_TRUE(during.ok()) << trace_during;
+  ASSERT_NE(RecoverySpan(*during), nullptr) << trace_during;
+  EXPECT_EQ(RecoverySpan(*during)->Find("args")->Find("outcome")->str(), "in progress");
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// --resume of something that is not a complete checkpoint fails the job
+// before any worker is configured, naming the directory and the problem.
+TEST_F(JobRunnerTest, AResumeFromABrokenCheckpointFailsBeforeAnyWorkerIsConfigured) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/not_a_checkpoint");
+  ASSERT_TRUE(MakeDirectories(dir).ok());
+  ASSERT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "truncated").ok());
+  fake_ = std::make_unique<FakeWorkers>(2);
+  JobRunner::Options options;
+  options.resume_dir = dir;
+  runner_ = std::make_unique<JobRunner>(Job(2, 1, 5), fake_.get(), &clock_, options, metrics_);
+  fake_->set_runner(runner_.get());
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("--resume"), std::string::npos) << error;
+  EXPECT_NE(error.find(dir), std::string::npos) << error;
+  EXPECT_NE(error.find("manifest"), std::string::npos) << error;
+  for (const char* w : {"worker-0", "worker-1"}) EXPECT_TRUE(fake_->Configures(w).empty()) << w;
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// GetTrace waits for the next N steps across the saving periods between
+// them (a checkpoint after every step here), not just until the job leaves
+// `running` for the first time.
+TEST_F(JobRunnerTest, GetTraceWaitsForItsStepsAcrossPeriodicSaves) {
+  v1::JobSpec job = Job(2, 1, 12);
+  job.mutable_checkpoint()->set_dir(absl::StrCat(::testing::TempDir(), "/trace_across_saves"));
+  job.mutable_checkpoint()->set_every_steps(1);
+  Start(job, 2);
+  absl::Mutex mu;
+  bool at_step_3 = false, go = false;
+  fake_->set_hook([&](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-0" && m.has_run_step() && m.run_step().step() == 3) {
+      absl::MutexLock lock(&mu);
+      at_step_3 = true;
+      mu.Await(absl::Condition(&go));  // the job holds here until the trace was requested
+    }
+    return true;
+  });
+  started_ = true;
+  runner_->Start();
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&at_step_3), absl::Seconds(30)));
+  }
+  std::string trace;
+  std::thread requester([&] { trace = runner_->TraceJson(2, absl::Seconds(60)); });
+  absl::SleepFor(absl::Milliseconds(200));  // ordering only: the request is made before the job goes on
+  {
+    absl::MutexLock lock(&mu);
+    go = true;
+  }
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  requester.join();
+  auto parsed = JsonValue::Parse(trace);
+  ASSERT_TRUE(parsed.ok()) << trace;
+  std::set<std::string> names;
+  for (const JsonValue& e : parsed->Find("traceEvents")->items()) {
+    if (e.Find("ph")->str() == "X") names.insert(e.Find("name")->str());
+  }
+  // Steps 4 and 5: the first two sent after the request (step 3 was already out).
+  EXPECT_EQ(names, (std::set<std::string>{"step 4", "step 5"})) << trace;
 }
 
 }  // namespace

@@ -33,9 +33,29 @@ struct WorkerJob::Job {
   prometheus::Labels labels;
 };
 
+namespace {
+
+// The daemon's session: the WorkerAgent.
+class AgentSession : public JobSession {
+ public:
+  explicit AgentSession(WorkerAgent* agent) : agent_(agent) {}
+  bool Send(v1::WorkerMessage message) override { return agent_->Send(std::move(message)); }
+  void SetStep(int64_t step) override { agent_->SetStep(step); }
+  int64_t CoordinatorNowMicros() const override { return agent_->CoordinatorNowMicros(); }
+
+ private:
+  WorkerAgent* const agent_;
+};
+
+}  // namespace
+
 WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInterface> stub, WorkerAgent* agent,
                      prometheus::Registry& metrics)
-    : options_(std::move(options)), stub_(std::move(stub)), agent_(agent) {
+    : WorkerJob(std::move(options), std::move(stub), std::make_unique<AgentSession>(agent), metrics) {}
+
+WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInterface> stub,
+                     std::unique_ptr<JobSession> session, prometheus::Registry& metrics)
+    : options_(std::move(options)), stub_(std::move(stub)), session_(std::move(session)) {
   wall_family_ = &prometheus::BuildCounter()
                       .Name("baton_step_wall_seconds_total")
                       .Help("Wall time of training steps: step start to optimizer done")
@@ -120,7 +140,7 @@ void WorkerJob::AbortJob(const std::string& reason) {
 }
 
 void WorkerJob::Reply(v1::WorkerMessage message) {
-  if (!agent_->Send(std::move(message))) {
+  if (!session_->Send(std::move(message))) {
     BATON_LOG(WARNING) << "could not reply to the coordinator: no session";
   }
 }
@@ -172,7 +192,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       absl::StatusOr<v1::StepReport> report = job_->executor->RunStep(message.run_step().step(),
                                                                        message.run_step().trace());
       if (report.ok()) {
-        agent_->SetStep(message.run_step().step());
+        session_->SetStep(message.run_step().step());
         job_->last_report = *report;
         *reply.mutable_report() = *report;
       } else {
@@ -303,7 +323,7 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     absl::MutexLock lock(&snap_mu_);  // a rolled-back timeline: later snapshots are replayed
     own_.erase(own_.upper_bound(resume), own_.end());
   }
-  agent_->SetStep(resume);
+  session_->SetStep(resume);
   BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
                   << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
@@ -453,6 +473,11 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
     return;
   }
   checkpoint_stall_family_->Add(labels).Increment(*stall);
+  // The state is on the host: the coordinator's `saving` ends when every
+  // worker said so (the files follow in the second Saved).
+  saved->set_copied(true);
+  saved->set_stall_seconds(*stall);
+  Reply(reply);
 }
 
 void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {
@@ -598,7 +623,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   eo.tokens_per_microbatch = static_cast<int64_t>(job->spec.train().micro_batch_size()) *
                              std::max(1, job->spec.model().seq_len());
   eo.op_timeout = options_.op_timeout;
-  eo.clock_us = [agent = agent_] { return agent->CoordinatorNowMicros(); };
+  eo.clock_us = [session = session_.get()] { return session->CoordinatorNowMicros(); };
   std::map<int, StageModel*> chunks;
   for (auto& [c, m] : job->chunks) chunks[c] = m.get();
   const data::DataSource* data = job->data.get();

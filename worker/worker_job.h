@@ -52,6 +52,20 @@ namespace baton {
 
 class WorkerAgent;
 
+// What WorkerJob needs of the worker's session with the coordinator: the
+// WorkerAgent in the daemon, a fake in unit tests (worker_job_test.cc).
+class JobSession {
+ public:
+  virtual ~JobSession() = default;
+  // Sends a reply on the open session; false when none is open. Called from
+  // the job thread, the session's reader thread and the checkpoint writer.
+  virtual bool Send(v1::WorkerMessage message) = 0;
+  // The step heartbeats report.
+  virtual void SetStep(int64_t step) = 0;
+  // Now on the coordinator's clock (trace timestamps).
+  virtual int64_t CoordinatorNowMicros() const = 0;
+};
+
 class WorkerJob {
  public:
   struct Job;  // the live job: rank, communicators, chunks, executor
@@ -74,6 +88,9 @@ class WorkerJob {
   // `stub` reaches the coordinator (KV rendezvous); `agent` sends the replies.
   WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInterface> stub, WorkerAgent* agent,
             prometheus::Registry& metrics);
+  // The same with any session (unit tests).
+  WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInterface> stub,
+            std::unique_ptr<JobSession> session, prometheus::Registry& metrics);
   ~WorkerJob();
 
   // Called on the session's reader thread.
@@ -109,7 +126,7 @@ class WorkerJob {
 
   const Options options_;
   std::shared_ptr<v1::Coordinator::StubInterface> stub_;
-  WorkerAgent* const agent_;
+  const std::unique_ptr<JobSession> session_;
 
   prometheus::Family<prometheus::Counter>* wall_family_;
   prometheus::Family<prometheus::Counter>* compute_family_;

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "common/json.h"
 #include "gtest/gtest.h"
+#include "tests/fault/harness.h"
 #include "tests/testing/process.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/weights_diff.h"
@@ -34,160 +35,18 @@
 namespace baton {
 namespace {
 
+using fault::CountLines;
+using fault::ExpectBitwiseEqual;
+using fault::Job;
+using fault::kRunLimit;
+using fault::Layout;
+using fault::LocalRun;
+using fault::LossTexts;
+using fault::ReadAll;
+using fault::Reference;
 using testing::RunCommand;
 using testing::RunfilePath;
 using testing::TempDir;
-
-constexpr absl::Duration kRunLimit = absl::Seconds(240);
-
-struct Layout {
-  int pp = 3, tp = 1, dp = 1, v = 1, steps = 150;
-  std::string schedule = "1f1b";
-  std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d", schedule, pp, tp, dp, v); }
-};
-
-std::string Job(const Layout& l, const std::string& extra = "") {
-  return absl::StrFormat(R"pb(
-    name: "fault"
-    model { layers: 6 d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
-    parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
-    schedule { kind: "%s" microbatches: 4 }
-    train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 11 }
-    data { synthetic { task: "addition" } }
-    %s
-  )pb",
-                         l.pp, l.tp, l.dp, l.v, l.schedule, l.steps, extra);
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// The per-step "loss" texts of steps.jsonl (exact, for bitwise checks).
-std::vector<std::string> LossTexts(const std::string& out) {
-  std::vector<std::string> losses;
-  std::ifstream steps(out + "/steps.jsonl");
-  for (std::string line; std::getline(steps, line);) {
-    const size_t at = line.find("\"loss\": ");
-    if (at == std::string::npos) continue;
-    losses.push_back(line.substr(at, line.find(',', at) - at));
-  }
-  return losses;
-}
-
-int CountLines(const std::string& path, const std::string& needle) {
-  int n = 0;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) n += line.find(needle) != std::string::npos;
-  return n;
-}
-
-// One `batonctl local` run, driven from the test.
-class LocalRun {
- public:
-  LocalRun(const std::string& name, const std::string& job, std::vector<std::string> extra = {}) {
-    dir_ = TempDir(name);
-    out_ = dir_ + "/out";
-    std::ofstream(dir_ + "/job.textproto") << job;
-    std::vector<std::string> args = {"local", "--job=" + dir_ + "/job.textproto", "--out=" + out_,
-                                     absl::StrCat("--timeout_s=", absl::ToInt64Seconds(kRunLimit))};
-    for (std::string& a : extra) args.push_back(std::move(a));
-    local_ = std::make_unique<testing::Subprocess>(RunfilePath("cli/batonctl"), args, dir_ + "/local.log");
-  }
-
-  void Start() { ASSERT_TRUE(local_->Start().ok()); }
-  // Exit code; fails the test when the run does not end in time.
-  int Finish() {
-    auto code = local_->Wait(kRunLimit + absl::Seconds(30));
-    EXPECT_TRUE(code.has_value()) << "batonctl local hung:\n" << local_->Log();
-    return code.value_or(-1);
-  }
-  std::string Log() const { return local_->Log(); }
-  const std::string& out() const { return out_; }
-
-  // Waits until `n` steps were recorded.
-  void WaitForStep(int n) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(90);
-    while (CountLines(out_ + "/steps.jsonl", "\"step\": ") < n) {
-      ASSERT_LT(absl::Now(), deadline) << "training did not reach step " << n << ":\n" << Log();
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-  }
-  // Waits until steps.jsonl records `n` recoveries.
-  void WaitForRecoveries(int n) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(90);
-    while (CountLines(out_ + "/steps.jsonl", "\"recovery\": ") < n) {
-      ASSERT_LT(absl::Now(), deadline) << "no recovery " << n << " recorded:\n" << Log();
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-  }
-
-  // The worker configured (first generation) as (stage, tp, dp).
-  std::string WorkerAt(int stage, int tp, int dp) const {
-    const std::string want = absl::StrFormat("generation 1: stage %d, tp %d, dp %d,", stage, tp, dp);
-    for (int i = 0; i < 32; ++i) {
-      const std::string name = absl::StrCat("worker-", i);
-      if (ReadAll(absl::StrCat(out_, "/logs/", name, ".log")).find(want) != std::string::npos) return name;
-    }
-    return "";
-  }
-  // Workers configured in the first generation.
-  std::vector<std::string> PlanWorkers() const {
-    std::vector<std::string> names;
-    for (int i = 0; i < 32; ++i) {
-      const std::string name = absl::StrCat("worker-", i);
-      if (ReadAll(absl::StrCat(out_, "/logs/", name, ".log")).find("generation 1: stage") != std::string::npos) {
-        names.push_back(name);
-      }
-    }
-    return names;
-  }
-  // PID of a running worker daemon (-1 when none).
-  pid_t Pid(const std::string& worker) const {
-    auto r = RunCommand("pgrep", {"-f", "--", absl::StrCat("--port_file=", out_, "/", worker, ".ports")});
-    pid_t pid = -1;
-    for (absl::string_view line : absl::StrSplit(r.output, '\n', absl::SkipEmpty())) {
-      int v;
-      if (absl::SimpleAtoi(line, &v)) pid = v;
-    }
-    return pid;
-  }
-  std::string WorkerLog(const std::string& worker) const {
-    return ReadAll(absl::StrCat(out_, "/logs/", worker, ".log"));
-  }
-
- private:
-  std::string dir_, out_;
-  std::unique_ptr<testing::Subprocess> local_;
-};
-
-// The fault-free run of a layout (computed once per layout).
-const LocalRun& Reference(const Layout& l) {
-  static auto* runs = new std::map<std::string, std::unique_ptr<LocalRun>>();
-  auto& run = (*runs)[l.Name()];
-  if (run == nullptr) {
-    run = std::make_unique<LocalRun>("reference_" + l.Name(), Job(l));
-    run->Start();
-    EXPECT_EQ(run->Finish(), 0) << run->Log();
-  }
-  return *run;
-}
-
-void ExpectBitwiseEqual(const LocalRun& reference, const LocalRun& run) {
-  const std::vector<std::string> a = LossTexts(reference.out()), b = LossTexts(run.out());
-  EXPECT_GT(a.size(), 0u);
-  EXPECT_EQ(a, b) << "per-step losses differ from the fault-free run";
-  auto wa = checkpoint::LoadFullWeights(reference.out() + "/final");
-  auto wb = checkpoint::LoadFullWeights(run.out() + "/final");
-  ASSERT_TRUE(wa.ok()) << wa.status();
-  ASSERT_TRUE(wb.ok()) << wb.status();
-  auto diff = checkpoint::CompareWeights(*wa, *wb);
-  ASSERT_TRUE(diff.ok()) << diff.status();
-  EXPECT_EQ(diff->max_abs_diff, 0.0) << "final weights differ from the fault-free run";
-}
 
 struct Fault {
   int stage = 0, tp = 0, dp = 0;
@@ -259,7 +118,7 @@ TEST(RecoveryTest, KilledLastStageIsReplacedBySpareFromBuddySnapshot) {
 // Sparse snapshots: the job rolls back to the last snapshot step and replays
 // the steps after it, exactly.
 TEST(RecoveryTest, SparseSnapshotsRollBackAndReplayExactly) {
-  // Snapshots at steps 50, 100 and 150; the kill lands somewhere after step
+  // Snapshots at steps 50, 100, 150, ...; the kill lands somewhere after step
   // 55 (the injector polls, so a loaded machine lands it later), almost
   // surely before step 100, so the survivors roll back to 50 and replay.
   RunWithFault("sparse_snapshots", Layout{}, Fault{1, 0, 0, SIGKILL, 55}, 1,
@@ -473,6 +332,35 @@ TEST(RecoveryTest, PeriodicCheckpointsResumeBitwiseAndABadOneIsRefused) {
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(refused.WorkerLog(absl::StrCat("worker-", i)).find("configured for job"), std::string::npos);
   }
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// The trace marks the recovery (recovery-unit): a span on the coordinator's
+// recovery track naming the cause, the lost worker and its stage.
+TEST(RecoveryTest, TheTraceShowsTheRecoveryAsASpan) {
+  Layout layout;
+  layout.pp = 2;
+  layout.steps = 300;  // long enough for the injector, which polls, to land the kill mid-run
+  LocalRun run("trace_marks", Job(layout), {"--spares=1", "--inject=kill:stage=1@step=20"});
+  run.Start();
+  ASSERT_EQ(run.Finish(), 0) << run.Log();
+  auto trace = JsonValue::Parse(ReadAll(run.out() + "/trace.json"));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const JsonValue* span = nullptr;
+  for (const JsonValue& e : trace->Find("traceEvents")->items()) {
+    if (e.Find("cat") != nullptr && e.Find("cat")->str() == "recovery") span = &e;
+  }
+  ASSERT_NE(span, nullptr) << "no recovery span in trace.json";
+  const JsonValue& args = *span->Find("args");
+  EXPECT_EQ(args.Find("cause")->str(), "worker_lost");
+  EXPECT_EQ(args.Find("stage")->str().rfind("stage 1 ", 0), 0u) << args.Find("stage")->str();
+  EXPECT_EQ(args.Find("outcome")->str(), "recovered");
+  EXPECT_GT(*span->Find("dur")->integer(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,213 @@
+// Resuming a checkpoint into another layout, end to end (batonctl local: a
+// real coordinator, real worker processes, Gloo, the real GPT math):
+//   - a pp=2 job writes a complete checkpoint at step 10 (checkpoint.every_steps);
+//   - `--resume` of it with `steps: 10` in another layout (pp=1 tp=2; pp=2
+//     interleaved with 3 virtual stages) trains nothing and saves the state
+//     again in its own layout: the saved state equals the checkpoint bit for
+//     bit (weights, both AdamW moments, the optimizer step), and `batonctl
+//     checkpoint diff` reports 0 for weights and moments;
+//   - the same resume continued to step 20 stays within the drift the layout
+//     equivalence tests allow (tests/e2e/training_test.cc: per-step loss 1e-5
+//     relative, all weights 1e-5 relative, 1e-4 absolute) of the run that
+//     never stopped;
+//   - a checkpoint with a missing file, or of another model shape, is refused
+//     before any worker is configured, naming the file and the problem (a
+//     truncated one: tests/fault/recovery_test.cc).
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "common/json.h"
+#include "gtest/gtest.h"
+#include "tests/testing/process.h"
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/checkpoint/weights_diff.h"
+
+namespace baton {
+namespace {
+
+using testing::RunCommand;
+using testing::RunfilePath;
+using testing::TempDir;
+
+struct Layout {
+  int pp = 2, tp = 1, v = 1;
+  std::string schedule = "1f1b";
+  std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_v%d", schedule, pp, tp, v); }
+};
+
+std::string Job(const Layout& l, int steps, const std::string& extra = "", int vocab = 16) {
+  return absl::StrFormat(R"pb(
+    name: "resume"
+    model { layers: 6 d_model: 32 heads: 4 vocab: %d seq_len: 20 }
+    parallel { pp: %d tp: %d virtual_stages: %d }
+    schedule { kind: "%s" microbatches: 4 }
+    train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 5 }
+    data { synthetic { task: "addition" } }
+    %s
+  )pb",
+                         vocab, l.pp, l.tp, l.v, l.schedule, steps, extra);
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+struct LocalResult {
+  std::string dir, out, log;
+  int exit_code = -1;
+  std::vector<double> losses;
+};
+
+// One `batonctl local` run to its end (bounded).
+LocalResult Local(const std::string& name, const std::string& job, std::vector<std::string> extra = {}) {
+  LocalResult r;
+  r.dir = TempDir(name);
+  r.out = r.dir + "/out";
+  std::ofstream(r.dir + "/job.textproto") << job;
+  std::vector<std::string> args = {"local", "--job=" + r.dir + "/job.textproto", "--out=" + r.out, "--timeout_s=240"};
+  for (std::string& a : extra) args.push_back(std::move(a));
+  auto run = RunCommand(RunfilePath("cli/batonctl"), args, absl::Seconds(300));
+  r.exit_code = run.exit_code;
+  r.log = run.output;
+  std::ifstream steps(r.out + "/steps.jsonl");
+  for (std::string line; std::getline(steps, line);) {
+    auto v = JsonValue::Parse(line);
+    if (v.ok() && v->Find("step") != nullptr && v->Find("loss") != nullptr) r.losses.push_back(v->Find("loss")->number());
+  }
+  return r;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+// Every tensor, both moments and the optimizer step equal bit for bit.
+void ExpectSameState(const std::string& want_dir, const std::string& got_dir, const std::string& what) {
+  auto want = checkpoint::LoadFullState(want_dir);
+  auto got = checkpoint::LoadFullState(got_dir);
+  ASSERT_TRUE(want.ok()) << what << ": " << want.status();
+  ASSERT_TRUE(got.ok()) << what << ": " << got.status();
+  EXPECT_EQ(got->optimizer_step, want->optimizer_step) << what;
+  ASSERT_TRUE(want->has_moments) << what;
+  EXPECT_TRUE(got->has_moments) << what;
+  ASSERT_EQ(got->tensors.size(), want->tensors.size()) << what;
+  for (const auto& [name, w] : want->tensors) {
+    auto it = got->tensors.find(name);
+    ASSERT_NE(it, got->tensors.end()) << what << ": no tensor " << name;
+    EXPECT_EQ(it->second.shape, w.shape) << what << ": " << name;
+    EXPECT_TRUE(SameBits(it->second.values, w.values)) << what << ": values of " << name;
+    EXPECT_TRUE(SameBits(it->second.adam_m, w.adam_m)) << what << ": adam_m of " << name;
+    EXPECT_TRUE(SameBits(it->second.adam_v, w.adam_v)) << what << ": adam_v of " << name;
+  }
+  // The operator's tool says the same.
+  auto diff = RunCommand(RunfilePath("cli/batonctl"), {"checkpoint", "diff", "--json", got_dir, want_dir});
+  ASSERT_EQ(diff.exit_code, 0) << what << ": " << diff.output;
+  auto json = JsonValue::Parse(diff.output);
+  ASSERT_TRUE(json.ok()) << diff.output;
+  for (const char* key : {"max_abs_diff", "moments_max_abs_diff"}) {
+    ASSERT_NE(json->Find(key), nullptr) << what << ": " << diff.output;
+    EXPECT_EQ(json->Find(key)->number(), 0.0) << what << ": " << key;
+  }
+}
+
+// Within the layout-equivalence tolerances of tests/e2e/training_test.cc.
+void ExpectWithinLayoutDrift(const LocalResult& reference, const LocalResult& run, size_t from_step, const std::string& what) {
+  ASSERT_EQ(run.losses.size() + from_step, reference.losses.size()) << what;
+  for (size_t i = 0; i < run.losses.size(); ++i) {
+    const double ref = reference.losses[from_step + i];
+    EXPECT_NEAR(run.losses[i], ref, 1e-5 * std::abs(ref)) << what << ": step " << from_step + i + 1;
+  }
+  auto a = checkpoint::LoadFullWeights(run.out + "/final");
+  auto b = checkpoint::LoadFullWeights(reference.out + "/final");
+  ASSERT_TRUE(a.ok()) << what << ": " << a.status();
+  ASSERT_TRUE(b.ok()) << what << ": " << b.status();
+  auto diff = checkpoint::CompareWeights(*a, *b);
+  ASSERT_TRUE(diff.ok()) << what << ": " << diff.status();
+  double diff_sq = 0, ref_sq = 0;
+  for (const auto& [name, ref] : *b) {
+    const std::vector<float>& x = a->at(name).values;
+    for (size_t i = 0; i < x.size(); ++i) {
+      diff_sq += (double(x[i]) - ref.values[i]) * (double(x[i]) - ref.values[i]);
+      ref_sq += double(ref.values[i]) * ref.values[i];
+    }
+  }
+  EXPECT_LE(std::sqrt(diff_sq / ref_sq), 1e-5) << what;
+  EXPECT_LE(diff->max_abs_diff, 1e-4) << what;
+}
+
+TEST(ResumeLayoutTest, ACheckpointResumesIntoOtherLayoutsExactly) {
+  const Layout saved_by;  // pp=2, 1f1b
+  const std::string root = TempDir("resume_layout_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  const LocalResult full = Local("full", Job(saved_by, 20, ck));
+  ASSERT_EQ(full.exit_code, 0) << full.log;
+  ASSERT_EQ(full.losses.size(), 20u);
+  EXPECT_LT(full.losses.back(), full.losses.front()) << "the loss must move, or equality proves little";
+  const std::string step10 = root + "/step-00000010";
+  ASSERT_FALSE(ReadAll(step10 + "/manifest.json").empty()) << full.log;
+
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 3, "interleaved"}}) {
+    // (a) Resumed at the job's last step: nothing is trained, the state is
+    // saved again in the new layout, bit for bit.
+    const LocalResult same = Local("save_only_" + l.Name(), Job(l, 10), {"--resume=" + step10});
+    ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
+    EXPECT_TRUE(same.losses.empty()) << l.Name() << ": trained although the job has no step left";
+    ExpectSameState(step10, same.out + "/final", l.Name());
+
+    // (b) Continued to step 20: the run that never stopped, within the layout drift.
+    const LocalResult continued = Local("continued_" + l.Name(), Job(l, 20), {"--resume=" + step10});
+    ASSERT_EQ(continued.exit_code, 0) << l.Name() << ":\n" << continued.log;
+    ExpectWithinLayoutDrift(full, continued, 10, l.Name());
+  }
+}
+
+// A checkpoint that cannot be resumed is refused before any worker is
+// configured, naming the file and the problem.
+TEST(ResumeLayoutTest, ABrokenOrForeignCheckpointIsRefusedBeforeTraining) {
+  const Layout l;
+  const std::string root = TempDir("refused_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 5 }", root);
+  const LocalResult source = Local("source", Job(l, 5, ck));
+  ASSERT_EQ(source.exit_code, 0) << source.log;
+  const std::string good = root + "/step-00000005";
+  ASSERT_FALSE(ReadAll(good + "/manifest.json").empty()) << source.log;
+
+  struct Case {
+    std::string name, job, break_it, want;
+  };
+  const std::string missing = TempDir("missing_file");
+  const std::vector<Case> cases = {
+      {"missing_file", Job(l, 10), absl::StrCat("cp -r ", good, "/. ", missing, " && rm ", missing,
+                                                "/chunk1-tp0.safetensors"),
+       "chunk1-tp0.safetensors: missing (listed in manifest.json)"},
+      // The job's model has another vocabulary: the checkpoint is of another shape.
+      {"other_shape", Job(l, 10, "", 24), "", "it is from another model"},
+  };
+  for (const Case& c : cases) {
+    if (!c.break_it.empty()) ASSERT_EQ(RunCommand("sh", {"-c", c.break_it}).exit_code, 0) << c.name;
+    const std::string dir = c.name == "missing_file" ? missing : good;
+    const LocalResult refused = Local("refused_" + c.name, c.job, {"--resume=" + dir});
+    EXPECT_EQ(refused.exit_code, 1) << c.name << ":\n" << refused.log;
+    EXPECT_NE(refused.log.find(c.want), std::string::npos) << c.name << ":\n" << refused.log;
+    EXPECT_NE(refused.log.find(dir), std::string::npos) << c.name << ": the message names the checkpoint\n"
+                                                        << refused.log;
+    EXPECT_TRUE(refused.losses.empty()) << c.name;
+    for (int i = 0; i < 2; ++i) {
+      const std::string log = ReadAll(absl::StrCat(refused.out, "/logs/worker-", i, ".log"));
+      EXPECT_EQ(log.find("configured for job"), std::string::npos) << c.name << ": worker-" << i << " was configured";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace baton

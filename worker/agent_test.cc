@@ -1,0 +1,339 @@
+// WorkerAgent's session logic against a fake coordinator served on loopback
+// (real gRPC): registration, readiness, heartbeats, commands and replies,
+// registering again after a session ends (with what the worker holds), a
+// refused registration as the readiness error, and a coordinator that stops
+// answering heartbeats. Every wait is bounded; nothing asserts a duration.
+#include "worker/agent.h"
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace baton {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(30);  // a bound, not a timing assertion
+
+class FakeCoordinator : public v1::Coordinator::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    registrations_.push_back(*req);
+    if (!refuse_.ok()) return grpc::Status(static_cast<grpc::StatusCode>(refuse_.code()), std::string(refuse_.message()));
+    resp->set_worker_id(7);
+    resp->set_incarnation(static_cast<int64_t>(registrations_.size()));
+    resp->set_lease_ms(lease_ms_);
+    resp->set_heartbeat_ms(20);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Session(grpc::ServerContext* ctx,
+                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
+    int64_t session;
+    {
+      absl::MutexLock lock(&mu_);
+      session = ++sessions_;
+    }
+    // Reader: heartbeats are acked (unless silent), everything else kept.
+    std::thread reader([&] {
+      v1::WorkerMessage m;
+      while (stream->Read(&m)) {
+        absl::MutexLock lock(&mu_);
+        if (m.has_heartbeat()) {
+          ++heartbeats_;
+          last_heartbeat_ = m;
+          if (silent_) continue;
+          v1::CoordinatorMessage ack;
+          ack.mutable_ack()->set_worker_send_time_us(m.heartbeat().send_time_us());
+          ack.mutable_ack()->set_coordinator_time_us(absl::ToUnixMicros(absl::Now()));
+          outbox_.push_back(ack);
+        } else {
+          received_.push_back(m);
+        }
+      }
+      absl::MutexLock lock(&mu_);
+      reader_done_ = session;
+    });
+    for (;;) {
+      std::deque<v1::CoordinatorMessage> out;
+      bool end = false;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return !outbox_.empty() || drop_ || reader_done_ == session || ctx->IsCancelled();
+        };
+        mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(50));
+        out.swap(outbox_);
+        if (drop_ || reader_done_ == session || ctx->IsCancelled()) {
+          drop_ = false;
+          end = true;
+        }
+      }
+      for (const auto& m : out) stream->Write(m);
+      if (end) break;
+    }
+    ctx->TryCancel();  // ends the reader's Read
+    reader.join();
+    return grpc::Status::OK;
+  }
+
+  // Controls.
+  void Push(const v1::CoordinatorMessage& m) {
+    absl::MutexLock lock(&mu_);
+    outbox_.push_back(m);
+  }
+  void DropSession() {
+    absl::MutexLock lock(&mu_);
+    drop_ = true;
+  }
+  void Refuse(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    refuse_ = std::move(s);
+  }
+  void SetSilent(bool silent) {
+    absl::MutexLock lock(&mu_);
+    silent_ = silent;
+  }
+  void SetLeaseMs(int64_t ms) {
+    absl::MutexLock lock(&mu_);
+    lease_ms_ = ms;
+  }
+  // Waits (bounded) until `cond` holds on this fake's state.
+  bool WaitFor(const std::function<bool(FakeCoordinator*)>& cond) {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      if (cond(this)) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  }
+  std::vector<v1::RegisterRequest> registrations() {
+    absl::MutexLock lock(&mu_);
+    return registrations_;
+  }
+  std::vector<v1::WorkerMessage> received() {
+    absl::MutexLock lock(&mu_);
+    return received_;
+  }
+  int heartbeats() {
+    absl::MutexLock lock(&mu_);
+    return heartbeats_;
+  }
+  v1::WorkerMessage last_heartbeat() {
+    absl::MutexLock lock(&mu_);
+    return last_heartbeat_;
+  }
+  int64_t sessions() {
+    absl::MutexLock lock(&mu_);
+    return sessions_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::RegisterRequest> registrations_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::WorkerMessage> received_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::CoordinatorMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  v1::WorkerMessage last_heartbeat_ ABSL_GUARDED_BY(mu_);
+  absl::Status refuse_ ABSL_GUARDED_BY(mu_);
+  int64_t lease_ms_ ABSL_GUARDED_BY(mu_) = 60000;
+  bool drop_ ABSL_GUARDED_BY(mu_) = false;
+  bool silent_ ABSL_GUARDED_BY(mu_) = false;
+  int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reader_done_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class AgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+  void TearDown() override {
+    if (agent_) agent_->Stop(absl::Seconds(2));
+    if (run_.joinable()) run_.join();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  }
+
+  void StartAgent() {
+    WorkerAgent::Options o;
+    o.coordinator = absl::StrCat("127.0.0.1:", port_);
+    o.name = "w0";
+    o.host = "host-a";
+    o.device = "cpu";
+    o.backoff_min = absl::Milliseconds(10);
+    o.backoff_max = absl::Milliseconds(50);
+    o.describe = [this](v1::RegisterRequest* req) {
+      absl::MutexLock lock(&mu_);
+      if (!held_job_.empty()) req->mutable_held()->set_job(held_job_);
+    };
+    agent_ = std::make_unique<WorkerAgent>(
+        o, grpc::CreateChannel(o.coordinator, grpc::InsecureChannelCredentials()), metrics_,
+        [this](const v1::CoordinatorMessage& m) {
+          absl::MutexLock lock(&mu_);
+          commands_.push_back(m);
+        },
+        [this] {
+          absl::MutexLock lock(&mu_);
+          ++sessions_ended_;
+        });
+    run_ = std::thread([this] { agent_->Run(); });
+  }
+  bool WaitReady() {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      if (agent_->Readiness().ok()) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  }
+  bool WaitNotReady() {
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      if (!agent_->Readiness().ok()) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  }
+  std::string Metrics() {
+    prometheus::TextSerializer text;
+    return text.Serialize(metrics_.Collect());
+  }
+
+  FakeCoordinator fake_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  prometheus::Registry metrics_;
+  std::unique_ptr<WorkerAgent> agent_;
+  std::thread run_;
+  absl::Mutex mu_;
+  std::vector<v1::CoordinatorMessage> commands_ ABSL_GUARDED_BY(mu_);
+  int sessions_ended_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string held_job_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(AgentTest, RegistersOpensASessionAndCarriesCommandsAndReplies) {
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  const std::vector<v1::RegisterRequest> regs = fake_.registrations();
+  ASSERT_EQ(regs.size(), 1u);
+  EXPECT_EQ(regs[0].name(), "w0");
+  EXPECT_EQ(regs[0].host(), "host-a");
+  EXPECT_EQ(regs[0].device(), "cpu");
+  EXPECT_GT(regs[0].pid(), 0);
+  EXPECT_FALSE(regs[0].version().empty());
+  EXPECT_FALSE(regs[0].has_held()) << "holds nothing yet";
+  // Heartbeats carry the ids the registration gave and the step it ran.
+  agent_->SetStep(42);
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return f->last_heartbeat().heartbeat().step() == 42; }));
+  EXPECT_EQ(fake_.last_heartbeat().worker_id(), 7);
+  EXPECT_EQ(fake_.last_heartbeat().incarnation(), 1);
+  // A pushed command reaches the handler; a reply goes back with the ids.
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(3);
+  fake_.Push(run);
+  const absl::Time deadline = absl::Now() + kWait;
+  for (;;) {
+    absl::MutexLock lock(&mu_);
+    if (!commands_.empty() || absl::Now() > deadline) break;
+    mu_.AwaitWithTimeout(absl::Condition(+[](std::vector<v1::CoordinatorMessage>* c) { return !c->empty(); },
+                                         &commands_),
+                         absl::Milliseconds(10));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ASSERT_EQ(commands_.size(), 1u);
+    EXPECT_EQ(commands_[0].run_step().step(), 3);
+  }
+  v1::WorkerMessage reply;
+  reply.mutable_report()->set_step(3);
+  ASSERT_TRUE(agent_->Send(reply));
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return !f->received().empty(); }));
+  EXPECT_EQ(fake_.received()[0].report().step(), 3);
+  EXPECT_EQ(fake_.received()[0].worker_id(), 7);
+  EXPECT_EQ(fake_.received()[0].incarnation(), 1);
+  EXPECT_NE(Metrics().find("baton_coordinator_connected 1"), std::string::npos) << Metrics();
+}
+
+TEST_F(AgentTest, BeforeRegisteringItIsNotReadyAndSendsNothing) {
+  fake_.Refuse(absl::UnavailableError("starting"));
+  StartAgent();
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return f->registrations().size() >= 2; }))
+      << "it retries with backoff";
+  const absl::Status not_ready = agent_->Readiness();
+  EXPECT_EQ(not_ready.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(not_ready.message().find("coordinator unreachable"), std::string::npos) << not_ready;
+  v1::WorkerMessage reply;
+  reply.mutable_report()->set_step(1);
+  EXPECT_FALSE(agent_->Send(reply)) << "no session is open";
+  fake_.Refuse(absl::OkStatus());
+  EXPECT_TRUE(WaitReady()) << agent_->Readiness();
+}
+
+TEST_F(AgentTest, ARefusedRegistrationIsTheReadinessErrorUntilAccepted) {
+  fake_.Refuse(absl::AlreadyExistsError("worker name 'w0' is held by a live worker on host-b (pid 9)"));
+  StartAgent();
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return f->registrations().size() >= 2; }));
+  const absl::Status not_ready = agent_->Readiness();
+  EXPECT_EQ(not_ready.code(), absl::StatusCode::kAlreadyExists) << not_ready;
+  EXPECT_NE(not_ready.message().find("held by a live worker on host-b"), std::string::npos) << not_ready;
+  fake_.Refuse(absl::OkStatus());
+  EXPECT_TRUE(WaitReady()) << agent_->Readiness();
+}
+
+TEST_F(AgentTest, ItRegistersAgainWhenTheSessionEndsReportingWhatItHolds) {
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  {
+    absl::MutexLock lock(&mu_);
+    held_job_ = "demo";  // a job's snapshots survive the session
+  }
+  fake_.DropSession();
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return f->sessions() >= 2; }));
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  const std::vector<v1::RegisterRequest> regs = fake_.registrations();
+  ASSERT_GE(regs.size(), 2u);
+  EXPECT_EQ(regs.back().held().job(), "demo");
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_GE(sessions_ended_, 1) << "the job was told its session ended";
+  }
+  // The new incarnation's ids go on the heartbeats.
+  const int64_t incarnation = static_cast<int64_t>(regs.size());
+  EXPECT_TRUE(fake_.WaitFor([incarnation](FakeCoordinator* f) {
+    return f->last_heartbeat().incarnation() == incarnation;
+  }));
+  EXPECT_NE(Metrics().find("baton_session_reconnects_total 1"), std::string::npos) << Metrics();
+}
+
+TEST_F(AgentTest, ACoordinatorThatStopsAnsweringMakesItNotReadyUntilItAnswersAgain) {
+  fake_.SetLeaseMs(300);
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  fake_.SetSilent(true);
+  ASSERT_TRUE(WaitNotReady());
+  const absl::Status not_ready = agent_->Readiness();
+  EXPECT_EQ(not_ready.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(not_ready.message().find("has not answered heartbeats"), std::string::npos) << not_ready;
+  EXPECT_EQ(fake_.sessions(), 1) << "the stream is kept";
+  fake_.SetSilent(false);
+  EXPECT_TRUE(WaitReady()) << agent_->Readiness();
+  EXPECT_EQ(fake_.sessions(), 1);
+}
+
+}  // namespace
+}  // namespace baton

@@ -1,0 +1,498 @@
+// WorkerJob's logic against fakes: a fake session (collects the replies), the
+// fake coordinator KV on loopback for the rendezvous, and two WorkerJobs in
+// this process joined by real Gloo pairs, training a tiny GPT (pp=2) or one
+// worker alone (pp=1). The coordinator's messages are built here as the
+// coordinator builds them (planner + schedule lowering).
+//
+// Covered: configure, run a step, commit / discard, snapshots and
+// Describe, an abort while a step is blocked on a lost peer (the in-memory
+// state is kept and can be fetched), buddy copies, rolling back to step R
+// and replaying bit for bit, a stale generation refused, periodic
+// checkpoints (copied, then files), and a clear error for every bad message.
+#include "worker/worker_job.h"
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "coordinator/planner.h"
+#include "coordinator/schedule/builders.h"
+#include "coordinator/schedule/ir.h"
+#include "coordinator/schedule/lowering.h"
+#include "google/protobuf/text_format.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "worker/checkpoint/train_state.h"
+#include "worker/comm/fake_coordinator_kv.h"
+
+namespace baton {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(60);  // a bound, not a timing assertion
+
+// The session: every reply, in order.
+class FakeSession : public JobSession {
+ public:
+  bool Send(v1::WorkerMessage message) override {
+    absl::MutexLock lock(&mu_);
+    messages_.push_back(std::move(message));
+    return true;
+  }
+  void SetStep(int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    step_ = step;
+  }
+  int64_t CoordinatorNowMicros() const override { return absl::ToUnixMicros(absl::Now()); }
+
+  // Takes the oldest reply of kind `what` (waits up to kWait).
+  std::optional<v1::WorkerMessage> Next(v1::WorkerMessage::BodyCase what) {
+    absl::MutexLock lock(&mu_);
+    auto has = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const auto& m : messages_) {
+        if (m.body_case() == what) return true;
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&has), kWait);
+    for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+      if (it->body_case() != what) continue;
+      v1::WorkerMessage m = std::move(*it);
+      messages_.erase(it);
+      return m;
+    }
+    return std::nullopt;
+  }
+  // How many replies of kind `what` are waiting (no wait).
+  int Count(v1::WorkerMessage::BodyCase what) {
+    absl::MutexLock lock(&mu_);
+    int n = 0;
+    for (const auto& m : messages_) n += m.body_case() == what;
+    return n;
+  }
+  int64_t step() {
+    absl::MutexLock lock(&mu_);
+    return step_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
+  int64_t step_ ABSL_GUARDED_BY(mu_) = -1;
+};
+
+v1::JobSpec Spec(int pp) {
+  v1::JobSpec job;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(R"pb(
+    name: "wj"
+    model { layers: 2 d_model: 16 heads: 2 vocab: 16 seq_len: 20 }
+    schedule { kind: "1f1b" microbatches: 2 }
+    train { steps: 10 micro_batch_size: 2 lr: 0.01 weight_decay: 0.01 grad_clip: 1.0 seed: 3 }
+    data { synthetic { task: "addition" } }
+  )pb",
+                                                            &job));
+  job.mutable_parallel()->set_pp(pp);
+  return job;
+}
+
+struct Worker {
+  std::string name;
+  FakeSession* session = nullptr;  // owned by job
+  std::unique_ptr<prometheus::Registry> metrics;
+  std::unique_ptr<WorkerJob> job;
+};
+
+class WorkerJobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = comm::FakeCoordinatorKvServer::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    kv_ = std::move(*server);
+  }
+
+  // `n` workers "w0".."w<n-1>" for a job of pp = n.
+  void StartWorkers(int n) {
+    spec_ = Spec(n);
+    for (int i = 0; i < n; ++i) workers_.push_back(MakeWorker(absl::StrCat("w", i)));
+  }
+  Worker MakeWorker(const std::string& name) {
+    Worker w;
+    w.name = name;
+    auto session = std::make_unique<FakeSession>();
+    w.session = session.get();
+    w.metrics = std::make_unique<prometheus::Registry>();
+    WorkerJob::Options o;
+    o.name = name;
+    o.op_timeout = absl::Seconds(60);
+    o.rendezvous_timeout = absl::Seconds(30);
+    w.job = std::make_unique<WorkerJob>(o, comm::ConnectCoordinator(kv_->address()), std::move(session),
+                                        *w.metrics);
+    return w;
+  }
+
+  // Configure as the coordinator sends it (its own rank, the program of its stage).
+  v1::CoordinatorMessage ConfigureFor(const Worker& w, int64_t generation, int64_t resume = 0,
+                                      const std::string& state = "") {
+    std::vector<v1::WorkerInfo> ready;
+    for (const Worker& x : workers_) {
+      v1::WorkerInfo info;
+      info.set_name(x.name);
+      info.set_host("127.0.0.1");
+      info.set_device("cpu");
+      info.set_state(v1::READY);
+      ready.push_back(info);
+    }
+    absl::StatusOr<v1::Plan> plan = MakePlan(spec_, ready, generation);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    const int pp = spec_.parallel().pp();
+    absl::StatusOr<schedule::Schedule> compute =
+        schedule::BuildSchedule({spec_.schedule().kind(), pp, spec_.schedule().microbatches(), 1});
+    EXPECT_TRUE(compute.ok()) << compute.status();
+    absl::StatusOr<schedule::Schedule> lowered = schedule::Lower(*compute);
+    EXPECT_TRUE(lowered.ok()) << lowered.status();
+    const std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
+    v1::CoordinatorMessage m;
+    v1::Configure* c = m.mutable_configure();
+    *c->mutable_plan() = *plan;
+    for (const v1::RankAssignment& r : plan->ranks()) {
+      if (r.worker_name() == w.name) *c->mutable_program() = programs[r.pp_rank()];
+    }
+    *c->mutable_job() = spec_;
+    c->set_resume_step(resume);
+    c->set_state(state);
+    return m;
+  }
+
+  // Configures every worker (states: a replacement's ShardState by name) and
+  // returns their Configured replies.
+  std::vector<v1::Configured> ConfigureAll(int64_t generation, int64_t resume = 0,
+                                           const std::map<std::string, std::string>& states = {}) {
+    for (Worker& w : workers_) {
+      auto it = states.find(w.name);
+      w.job->Handle(ConfigureFor(w, generation, resume, it == states.end() ? "" : it->second));
+    }
+    std::vector<v1::Configured> out;
+    for (Worker& w : workers_) {
+      std::optional<v1::WorkerMessage> m = w.session->Next(v1::WorkerMessage::kConfigured);
+      EXPECT_TRUE(m.has_value()) << w.name << " did not answer Configure";
+      out.push_back(m ? m->configured() : v1::Configured());
+    }
+    return out;
+  }
+
+  struct StepResult {
+    std::map<std::string, v1::StepReport> reports;
+    std::map<std::string, v1::StepDone> done;
+    std::map<std::string, std::string> snapshots;  // ShardState bytes by worker
+  };
+  // RunStep(n) on every worker, then Commit(n) (or Discard).
+  StepResult Step(int64_t n, bool commit = true) {
+    StepResult r;
+    v1::CoordinatorMessage run;
+    run.mutable_run_step()->set_step(n);
+    for (Worker& w : workers_) w.job->Handle(run);
+    for (Worker& w : workers_) {
+      std::optional<v1::WorkerMessage> m = w.session->Next(v1::WorkerMessage::kReport);
+      EXPECT_TRUE(m.has_value()) << w.name << ": no report of step " << n;
+      if (m) r.reports[w.name] = m->report();
+    }
+    v1::CoordinatorMessage verdict;
+    if (commit) {
+      verdict.mutable_commit()->set_step(n);
+      verdict.mutable_commit()->set_clip_factor(1.0);
+    } else {
+      verdict.mutable_discard()->set_step(n);
+    }
+    for (Worker& w : workers_) w.job->Handle(verdict);
+    for (Worker& w : workers_) {
+      std::optional<v1::WorkerMessage> m = w.session->Next(v1::WorkerMessage::kStepDone);
+      EXPECT_TRUE(m.has_value()) << w.name << ": no StepDone of step " << n;
+      if (m) r.done[w.name] = m->step_done();
+      if (!commit) continue;
+      std::optional<v1::WorkerMessage> snap = w.session->Next(v1::WorkerMessage::kSnapshot);
+      EXPECT_TRUE(snap.has_value()) << w.name << ": no snapshot of step " << n;
+      if (snap) {
+        EXPECT_EQ(snap->snapshot().owner(), w.name);
+        EXPECT_EQ(snap->snapshot().step(), n);
+        r.snapshots[w.name] = snap->snapshot().data();
+      }
+    }
+    return r;
+  }
+
+  v1::HeldJob Describe(Worker& w) {
+    v1::HeldJob held;
+    w.job->Describe(&held);
+    return held;
+  }
+
+  v1::ShardSnapshot Fetch(Worker& w, const std::string& owner, int64_t step) {
+    v1::CoordinatorMessage m;
+    m.mutable_fetch_state()->set_owner(owner);
+    m.mutable_fetch_state()->set_step(step);
+    w.job->Handle(m);
+    std::optional<v1::WorkerMessage> r = w.session->Next(v1::WorkerMessage::kFetchedState);
+    EXPECT_TRUE(r.has_value());
+    return r ? r->fetched_state() : v1::ShardSnapshot();
+  }
+
+  std::unique_ptr<comm::FakeCoordinatorKvServer> kv_;
+  v1::JobSpec spec_;
+  std::vector<Worker> workers_;
+};
+
+std::vector<int64_t> Steps(const v1::HeldJob& held) { return {held.steps().begin(), held.steps().end()}; }
+
+TEST_F(WorkerJobTest, ConfiguresRunsAStepCommitsAndSnapshotsItsState) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) {
+    EXPECT_TRUE(c.ok()) << c.error();
+    EXPECT_EQ(c.generation(), 1);
+  }
+  StepResult s1 = Step(1);
+  for (const auto& [name, report] : s1.reports) {
+    EXPECT_TRUE(report.error().empty()) << name << ": " << report.error();
+    EXPECT_EQ(report.step(), 1);
+    EXPECT_EQ(report.generation(), 1);
+    EXPECT_TRUE(report.finite());
+    EXPECT_GT(report.grad_sq_norm(), 0) << name;
+  }
+  EXPECT_FALSE(s1.reports["w0"].has_loss()) << "only the last stage sees the loss";
+  ASSERT_TRUE(s1.reports["w1"].has_loss());
+  EXPECT_GT(s1.reports["w1"].loss(), 0);
+  for (Worker& w : workers_) {
+    const v1::StepDone& done = s1.done[w.name];
+    EXPECT_TRUE(done.committed()) << w.name << ": " << done.error();
+    EXPECT_EQ(done.step(), 1);
+    EXPECT_EQ(done.generation(), 1);
+    EXPECT_EQ(w.session->step(), 1);
+    // The snapshot is the chunk's committed state: one AdamW step taken.
+    v1::ShardState shard;
+    ASSERT_TRUE(shard.ParseFromString(s1.snapshots[w.name]));
+    EXPECT_EQ(shard.step(), 1);
+    EXPECT_EQ(shard.pp_rank(), w.name == "w0" ? 0 : 1);
+    ASSERT_EQ(shard.chunks_size(), 1);
+    absl::StatusOr<ChunkState> state = DecodeChunkState(shard.chunks(0).state());
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(state->optimizer_step, 1);
+    EXPECT_EQ(state->adam_m.size(), state->values.size());
+    EXPECT_FALSE(state->values.empty());
+    // What a restarted coordinator would be told.
+    const v1::HeldJob held = Describe(w);
+    EXPECT_EQ(held.job(), "wj");
+    EXPECT_EQ(held.generation(), 1);
+    EXPECT_EQ(held.pp_rank(), shard.pp_rank());
+    EXPECT_EQ(Steps(held), (std::vector<int64_t>{1}));
+  }
+  // A discarded step changes nothing and is not snapshotted.
+  StepResult s2 = Step(2, /*commit=*/false);
+  for (Worker& w : workers_) {
+    EXPECT_FALSE(s2.done[w.name].committed()) << w.name;
+    EXPECT_EQ(Steps(Describe(w)), (std::vector<int64_t>{1}));
+    EXPECT_EQ(w.session->Count(v1::WorkerMessage::kSnapshot), 0);
+  }
+  // Committing step 2 after all gives a state that moved on from step 1's.
+  StepResult again = Step(2);
+  EXPECT_NE(again.snapshots["w0"], s1.snapshots["w0"]);
+  EXPECT_EQ(Steps(Describe(workers_[0])), (std::vector<int64_t>{1, 2}));
+}
+
+TEST_F(WorkerJobTest, AnAbortReleasesAStepBlockedOnALostPeerAndKeepsTheState) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  StepResult s1 = Step(1), s2 = Step(2);
+  // Only w0 runs step 3: its peer w1 never answers (it "died"), so w0 blocks
+  // on the pipeline until the coordinator's Abort releases it.
+  Worker& w0 = workers_[0];
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(3);
+  w0.job->Handle(run);
+  v1::CoordinatorMessage abort;
+  abort.mutable_abort()->set_reason("worker w1 was lost; recovering");
+  w0.job->Handle(abort);
+  std::optional<v1::WorkerMessage> report = w0.session->Next(v1::WorkerMessage::kReport);
+  ASSERT_TRUE(report.has_value()) << "the blocked step was not released";
+  EXPECT_EQ(report->report().step(), 3);
+  EXPECT_FALSE(report->report().error().empty());
+  EXPECT_NE(report->report().code(), 0);
+  // The process keeps its in-memory state: both snapshots, fetchable as sent.
+  EXPECT_EQ(Steps(Describe(w0)), (std::vector<int64_t>{1, 2}));
+  const v1::ShardSnapshot fetched = Fetch(w0, "w0", 2);
+  EXPECT_TRUE(fetched.error().empty()) << fetched.error();
+  EXPECT_EQ(fetched.data(), s2.snapshots["w0"]);
+  EXPECT_EQ(fetched.generation(), 1);
+  // But the live job is gone.
+  run.mutable_run_step()->set_step(4);
+  w0.job->Handle(run);
+  report = w0.session->Next(v1::WorkerMessage::kReport);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_NE(report->report().error().find("no job is configured"), std::string::npos) << report->report().error();
+  EXPECT_EQ(report->report().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  // As a buddy it holds another worker's copies (the last kHeldSnapshots) and gives them back.
+  for (int64_t step : {1, 2, 3}) {
+    v1::CoordinatorMessage hold;
+    hold.mutable_hold_snapshot()->set_owner("w1");
+    hold.mutable_hold_snapshot()->set_step(step);
+    hold.mutable_hold_snapshot()->set_data(absl::StrCat("state of w1 at ", step));
+    w0.job->Handle(hold);
+  }
+  EXPECT_EQ(Fetch(w0, "w1", 3).data(), "state of w1 at 3");
+  EXPECT_EQ(Fetch(w0, "w1", 2).data(), "state of w1 at 2");
+  const v1::ShardSnapshot dropped = Fetch(w0, "w1", 1);
+  EXPECT_TRUE(dropped.data().empty());
+  EXPECT_EQ(dropped.error(), "w0 holds no state of w1 at step 1");
+  EXPECT_EQ(dropped.code(), static_cast<int>(absl::StatusCode::kNotFound));
+}
+
+TEST_F(WorkerJobTest, RollsBackToStepRAndReplaysBitForBit) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  std::vector<StepResult> first;
+  for (int64_t n = 1; n <= 3; ++n) first.push_back(Step(n));
+  // A new generation resuming at R = 1: w0 (a survivor) from its own memory,
+  // w1 as a replacement from the state sent (its step-1 snapshot).
+  for (const v1::Configured& c : ConfigureAll(2, 1, {{"w1", first[0].snapshots["w1"]}})) {
+    EXPECT_TRUE(c.ok()) << c.error();
+    EXPECT_EQ(c.generation(), 2);
+  }
+  EXPECT_EQ(Steps(Describe(workers_[0])), (std::vector<int64_t>{1})) << "snapshots after R belong to the old timeline";
+  EXPECT_EQ(Describe(workers_[0]).generation(), 2);
+  EXPECT_EQ(workers_[0].session->step(), 1);
+  for (int64_t n = 2; n <= 3; ++n) {
+    StepResult replay = Step(n);
+    for (Worker& w : workers_) {
+      EXPECT_EQ(replay.snapshots[w.name], first[n - 1].snapshots[w.name]) << w.name << " step " << n;
+      EXPECT_EQ(replay.reports[w.name].grad_sq_norm(), first[n - 1].reports[w.name].grad_sq_norm());
+      EXPECT_EQ(replay.reports[w.name].generation(), 2);
+    }
+    EXPECT_EQ(replay.reports["w1"].loss(), first[n - 1].reports["w1"].loss()) << "step " << n;
+  }
+}
+
+TEST_F(WorkerJobTest, AStaleGenerationIsRefused) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  // A Configure of an older world (delayed, from a superseded coordinator decision).
+  for (const v1::Configured& c : ConfigureAll(1)) {
+    EXPECT_FALSE(c.ok());
+    EXPECT_EQ(c.generation(), 1);
+    EXPECT_EQ(c.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << c.error();
+    EXPECT_NE(c.error().find("generation 1 of job 'wj' is older than the current generation 2"), std::string::npos)
+        << c.error();
+  }
+  // The refused configure left no live job behind.
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  workers_[0].job->Handle(run);
+  std::optional<v1::WorkerMessage> report = workers_[0].session->Next(v1::WorkerMessage::kReport);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_NE(report->report().error().find("no job is configured"), std::string::npos);
+}
+
+TEST_F(WorkerJobTest, APeriodicCheckpointAnswersCopiedThenItsFiles) {
+  StartWorkers(1);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  Step(1);
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/worker_job_checkpoint/step-00000001");
+  v1::CoordinatorMessage save;
+  save.mutable_save_weights()->set_dir(dir);
+  save.mutable_save_weights()->set_step(1);
+  save.mutable_save_weights()->set_with_state(true);
+  Worker& w = workers_[0];
+  w.job->Handle(save);
+  std::optional<v1::WorkerMessage> copied = w.session->Next(v1::WorkerMessage::kSaved);
+  ASSERT_TRUE(copied.has_value());
+  EXPECT_TRUE(copied->saved().ok()) << copied->saved().error();
+  EXPECT_TRUE(copied->saved().copied());
+  EXPECT_EQ(copied->saved().step(), 1);
+  EXPECT_EQ(copied->saved().files_size(), 0);
+  std::optional<v1::WorkerMessage> files = w.session->Next(v1::WorkerMessage::kSaved);
+  ASSERT_TRUE(files.has_value());
+  EXPECT_TRUE(files->saved().ok()) << files->saved().error();
+  EXPECT_FALSE(files->saved().copied());
+  EXPECT_EQ(std::vector<std::string>(files->saved().files().begin(), files->saved().files().end()),
+            std::vector<std::string>{"chunk0-tp0.safetensors"});
+  // A save the disk refuses is an error naming it, in the files answer.
+  save.mutable_save_weights()->set_dir("/proc/no_such_dir/step-00000001");
+  w.job->Handle(save);
+  std::optional<v1::WorkerMessage> first = w.session->Next(v1::WorkerMessage::kSaved);
+  ASSERT_TRUE(first.has_value());
+  std::optional<v1::WorkerMessage> failed = first->saved().copied() ? w.session->Next(v1::WorkerMessage::kSaved)
+                                                                    : first;
+  ASSERT_TRUE(failed.has_value());
+  EXPECT_FALSE(failed->saved().ok());
+  EXPECT_NE(failed->saved().error().find("/proc/no_such_dir"), std::string::npos) << failed->saved().error();
+}
+
+TEST_F(WorkerJobTest, BadMessagesGetAClearErrorAndTheWorkerStaysUsable) {
+  StartWorkers(1);
+  Worker& w = workers_[0];
+  auto configured = [&](const v1::CoordinatorMessage& m) {
+    w.job->Handle(m);
+    std::optional<v1::WorkerMessage> r = w.session->Next(v1::WorkerMessage::kConfigured);
+    EXPECT_TRUE(r.has_value());
+    return r ? r->configured() : v1::Configured();
+  };
+  // A step before any Configure.
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  w.job->Handle(run);
+  std::optional<v1::WorkerMessage> report = w.session->Next(v1::WorkerMessage::kReport);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_NE(report->report().error().find("no job is configured on this worker"), std::string::npos);
+
+  // A plan without this worker.
+  v1::CoordinatorMessage other = ConfigureFor(w, 1);
+  other.mutable_configure()->mutable_plan()->mutable_ranks(0)->set_worker_name("w9");
+  v1::Configured c = configured(other);
+  EXPECT_FALSE(c.ok());
+  EXPECT_EQ(c.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(c.error(), "the plan has no rank for worker 'w0'");
+
+  // Resuming a step it holds no snapshot of.
+  c = configured(ConfigureFor(w, 2, 5));
+  EXPECT_FALSE(c.ok());
+  EXPECT_EQ(c.code(), static_cast<int>(absl::StatusCode::kDataLoss));
+  EXPECT_NE(c.error().find("this worker holds no snapshot of step 5"), std::string::npos) << c.error();
+
+  // A state that is not a ShardState, one of another shard, one corrupted.
+  c = configured(ConfigureFor(w, 3, 1, "garbage"));
+  EXPECT_FALSE(c.ok());
+  EXPECT_NE(c.error().find("not a ShardState"), std::string::npos) << c.error();
+
+  ASSERT_TRUE(configured(ConfigureFor(w, 4)).ok());
+  const std::string good = Step(1).snapshots["w0"];
+  v1::ShardState shard;
+  ASSERT_TRUE(shard.ParseFromString(good));
+  v1::ShardState foreign = shard;
+  foreign.set_pp_rank(1);
+  c = configured(ConfigureFor(w, 5, 1, foreign.SerializeAsString()));
+  EXPECT_FALSE(c.ok());
+  EXPECT_NE(c.error().find("the state sent is of step 1, stage 1, tp 0/1 with 1 chunk(s); this worker needs step 1, "
+                           "stage 0, tp 0/1"),
+            std::string::npos)
+      << c.error();
+  v1::ShardState corrupted = shard;
+  std::string* blob = corrupted.mutable_chunks(0)->mutable_state();
+  (*blob)[blob->size() / 2] ^= 0x40;
+  c = configured(ConfigureFor(w, 6, 1, corrupted.SerializeAsString()));
+  EXPECT_FALSE(c.ok());
+  EXPECT_NE(c.error().find("chunk 0 of step 1"), std::string::npos) << c.error();
+
+  // Fetching what it does not hold.
+  const v1::ShardSnapshot none = Fetch(w, "w7", 1);
+  EXPECT_EQ(none.error(), "w0 holds no state of w7 at step 1");
+
+  // After all that, the good state still restores and training goes on.
+  c = configured(ConfigureFor(w, 7, 1, good));
+  EXPECT_TRUE(c.ok()) << c.error();
+  StepResult s2 = Step(2);
+  EXPECT_TRUE(s2.done["w0"].committed()) << s2.done["w0"].error();
+}
+
+}  // namespace
+}  // namespace baton
