@@ -2,6 +2,7 @@
 
 #include <microhttpd.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -133,24 +134,63 @@ absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::Start(const std::string& l
       setrlimit(RLIMIT_NOFILE, &files);
     }
   }
-  const unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | (addr.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  server->daemon_ = MHD_start_daemon(
-      flags, 0, nullptr, nullptr, &HandleRequest, server.get(),                                     //
-      MHD_OPTION_LISTEN_SOCKET, static_cast<MHD_socket>(server->listen_fd_),                          //
-      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, limits.threads)),               //
-      MHD_OPTION_THREAD_STACK_SIZE, kThreadStackBytes,                                               //
-      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, limits.max_connections)),       //
-      MHD_OPTION_CONNECTION_TIMEOUT,
-      static_cast<unsigned>(std::max<int64_t>(1, absl::ToInt64Seconds(limits.idle_timeout))),  //
-      MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemoryBytes,                                    //
-      MHD_OPTION_NOTIFY_CONNECTION, &NotifyConnection, server.get(),                                 //
-      MHD_OPTION_END);
-  if (server->daemon_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen,
-                                               ": libmicrohttpd did not start (out of threads or memory?)"));
+  if (absl::Status s = server->Serve(addr.ss_family == AF_INET6); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen, ": ", s.message()));
   }
-  server->deadline_thread_ = std::thread([s = server.get()] { s->EnforceDeadlines(); });
   return server;
+}
+
+absl::StatusOr<std::unique_ptr<OpsServer>> OpsServer::StartWithoutListener(
+    std::shared_ptr<prometheus::Registry> registry, ReadinessProbe readiness, ScrapeHook before_scrape,
+    OpsServerLimits limits) {
+  std::unique_ptr<OpsServer> server(new OpsServer());
+  server->registry_ = std::move(registry);
+  server->readiness_ = std::move(readiness);
+  server->before_scrape_ = std::move(before_scrape);
+  server->limits_ = limits;
+  if (absl::Status s = server->Serve(/*ipv6=*/false); !s.ok()) return s;
+  return server;
+}
+
+absl::Status OpsServer::Serve(bool ipv6) {
+  unsigned flags = MHD_USE_EPOLL_INTERNAL_THREAD | (ipv6 ? MHD_USE_IPv6 : 0);
+  // The listening socket, or none (then connections come from AddConnection,
+  // and the polling threads must be woken for them).
+  MHD_OptionItem listen_option[] = {{MHD_OPTION_LISTEN_SOCKET, listen_fd_, nullptr},
+                                    {MHD_OPTION_END, 0, nullptr}};
+  if (listen_fd_ < 0) {
+    flags |= MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC;
+    listen_option[0] = {MHD_OPTION_END, 0, nullptr};
+  }
+  daemon_ = MHD_start_daemon(
+      flags, 0, nullptr, nullptr, &HandleRequest, this,                                          //
+      MHD_OPTION_ARRAY, listen_option,                                                           //
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, limits_.threads)),           //
+      MHD_OPTION_THREAD_STACK_SIZE, kThreadStackBytes,                                           //
+      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, limits_.max_connections)),   //
+      MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned>(std::max<int64_t>(1, absl::ToInt64Seconds(limits_.idle_timeout))),  //
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, kConnectionMemoryBytes,                                //
+      MHD_OPTION_NOTIFY_CONNECTION, &NotifyConnection, this,                                     //
+      MHD_OPTION_END);
+  if (daemon_ == nullptr) {
+    return absl::UnavailableError("libmicrohttpd did not start (out of threads or memory?)");
+  }
+  deadline_thread_ = std::thread([this] { EnforceDeadlines(); });
+  return absl::OkStatus();
+}
+
+absl::Status OpsServer::AddConnection(int fd) {
+  // libmicrohttpd wants the peer's address; a handed-over socket (a
+  // socketpair) has none, so it is a loopback client.
+  struct sockaddr_in peer = {};
+  peer.sin_family = AF_INET;
+  peer.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (MHD_add_connection(daemon_, fd, reinterpret_cast<struct sockaddr*>(&peer), sizeof(peer)) != MHD_YES) {
+    // libmicrohttpd closes the socket when it refuses it.
+    return absl::ResourceExhaustedError("libmicrohttpd refused the connection (at its connection limit?)");
+  }
+  return absl::OkStatus();
 }
 
 OpsServer::~OpsServer() {

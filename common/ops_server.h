@@ -56,6 +56,15 @@ class OpsServer {
       OpsServerLimits limits = OpsServerLimits());
   ~OpsServer();
 
+  // For the HTTP fuzzer (common/ops_server_fuzz.cc): the same server with no
+  // listening socket; connections are handed to it with AddConnection.
+  static absl::StatusOr<std::unique_ptr<OpsServer>> StartWithoutListener(
+      std::shared_ptr<prometheus::Registry> registry, ReadinessProbe readiness,
+      ScrapeHook before_scrape = nullptr, OpsServerLimits limits = OpsServerLimits());
+  // Serves the connected stream socket `fd` as if it had been accepted; the
+  // server owns `fd` from the call on (it is closed on failure too).
+  absl::Status AddConnection(int fd);
+
   int port() const { return port_; }
 
   // Status code, content type and body for a GET of `path` (public for the
@@ -67,6 +76,9 @@ class OpsServer {
 
  private:
   OpsServer() = default;
+  // Starts libmicrohttpd on listen_fd_ (none when negative) and the deadline
+  // thread; `ipv6` when listen_fd_ is an IPv6 socket.
+  absl::Status Serve(bool ipv6);
   // Cuts off connections older than the request deadline.
   void EnforceDeadlines();
 

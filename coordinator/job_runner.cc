@@ -90,6 +90,13 @@ class RegistryJobWorkers : public JobWorkers {
     kv_->AdvanceGeneration(job_, generation);
     return generation;
   }
+  int64_t GenerationAbove(int64_t floor) override {
+    // `floor` is a worker's word (bounded by WorkerRegistry::Register): one
+    // step, never a loop of NextGeneration up to it.
+    const int64_t generation = std::max(kv_->CurrentGeneration(job_), floor) + 1;
+    kv_->AdvanceGeneration(job_, generation);
+    return generation;
+  }
 
  private:
   WorkerRegistry* const registry_;
@@ -374,8 +381,7 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
 absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& ready,
                                           const std::map<std::vector<int>, v1::WorkerInfo>& slots,
                                           int64_t held_generation) {
-  int64_t generation = workers_->NextGeneration();
-  while (generation <= held_generation) generation = workers_->NextGeneration();
+  const int64_t generation = workers_->GenerationAbove(held_generation);
   BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, generation));
   std::set<std::string> taken;
   for (v1::RankAssignment& r : *plan.mutable_ranks()) {

@@ -87,6 +87,15 @@ class JobWorkers {
   virtual bool Send(const std::string& worker, const v1::CoordinatorMessage& message) = 0;
   // Starts the next generation of the job's world (rendezvous scope) and returns it.
   virtual int64_t NextGeneration() = 0;
+  // Starts a generation above `floor` (adopting workers of generation
+  // `floor` after a coordinator restart) and returns it. This default steps
+  // NextGeneration up to it (fakes); the registry's jumps there at once, as
+  // `floor` comes from the workers.
+  virtual int64_t GenerationAbove(int64_t floor) {
+    int64_t generation = NextGeneration();
+    while (generation <= floor) generation = NextGeneration();
+    return generation;
+  }
 };
 
 std::unique_ptr<JobWorkers> MakeRegistryJobWorkers(WorkerRegistry* registry, KvStore* kv, std::string job);

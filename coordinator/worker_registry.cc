@@ -9,6 +9,11 @@
 namespace baton {
 namespace {
 
+// A generation counts the job's configurations (one per start or recovery);
+// a worker claiming more held a job of no coordinator. Bounded so adopting it
+// (the next generation is one above) cannot overflow.
+constexpr int64_t kMaxHeldGeneration = int64_t{1} << 53;
+
 absl::Status ValidateRequest(const v1::RegisterRequest& r) {
   if (absl::Status s = ValidateWorkerName(r.name()); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("Register: ", s.message()));
@@ -22,9 +27,10 @@ absl::Status ValidateRequest(const v1::RegisterRequest& r) {
   }
   if (r.memory_bytes() < 0) return absl::InvalidArgumentError("Register: memory_bytes must be >= 0");
   if (r.held().job().size() > 256 || r.held().steps_size() > 16 || r.held().pp_rank() < 0 || r.held().tp_rank() < 0 ||
-      r.held().dp_rank() < 0 || r.held().generation() < 0) {
-    return absl::InvalidArgumentError(
-        "Register: held must name a job of at most 256 characters, ranks and generation >= 0, at most 16 steps");
+      r.held().dp_rank() < 0 || r.held().generation() < 0 || r.held().generation() > kMaxHeldGeneration) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Register: held must name a job of at most 256 characters, ranks >= 0, a generation in [0, ",
+        kMaxHeldGeneration, "], at most 16 steps"));
   }
   return absl::OkStatus();
 }
