@@ -37,6 +37,13 @@ void InstallShutdownSignalHandlers() {
 int WaitForShutdownSignal() {
   unsigned char byte = 0;
   for (;;) {
+    // Wait in poll(), not in read(): ThreadSanitizer runs a handler only
+    // when the thread it interrupted is in a call it knows blocks (poll is
+    // one, read is not), else it defers it until that call returns -- a
+    // read() of this pipe never would (the coordinator ignored SIGTERM
+    // under scripts/tsan.sh).
+    struct pollfd p = {pipe_fds[0], POLLIN, 0};
+    if (poll(&p, 1, -1) < 0 && errno == EINTR) continue;
     ssize_t n = read(pipe_fds[0], &byte, 1);
     if (n == 1) return byte;
     if (n < 0 && errno == EINTR) continue;

@@ -14,6 +14,7 @@ PACKAGES=(
   prometheus openssl
   patchelf  # scripts/package.sh: RUNPATH of the release bundle
   clang-14 libclang-rt-14-dev llvm-14
+  cmake ninja-build dpkg-dev  # scripts/tsan.sh: apt-get source + build of an instrumented Abseil
 )
 # Test-only tools (not needed to build, e.g. in deploy/docker/Dockerfile):
 #  python3-yaml, python3-venv: tests/ops (PyYAML; a venv for kubernetes-validate)

@@ -135,7 +135,10 @@ def main():
     gpu_copies = " ".join(a for s, w, a in ins if s == "runtime-gpu" and w == "COPY")
     linked = {}  # path -> (binary, soname)
     for binary in ("coordinator/baton-coordinator", "worker/baton-worker", "cli/batonctl"):
-        out = subprocess.run(["ldd", opslib.runfile(binary)], capture_output=True, text=True).stdout
+        # What the image's loader would pick: without LD_LIBRARY_PATH (scripts/tsan.sh
+        # points it at an instrumented Abseil, which is not in the image).
+        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        out = subprocess.run(["ldd", opslib.runfile(binary)], capture_output=True, text=True, env=env).stdout
         for lib, path in re.findall(r"^\s*(\S+) => (/\S+)", out, re.M):
             if "/cuda" in path:
                 if not any(fnmatch.fnmatch(lib, os.path.basename(p)) for p in re.findall(r"(\S+\.so\S*)", gpu_copies)):

@@ -49,8 +49,13 @@ if [ "${1:-}" = "--cuda_linked" ]; then
     fail "baton-worker is not linked with the CUDA backend (no libcublasLt)"
 fi
 
+# The bundle runs with a cleared environment, all but the sanitizer options
+# of a --config=tsan run (scripts/tsan.sh: suppressions and where reports go).
+clean_env=(env -i)
+[ -z "${TSAN_OPTIONS:-}" ] || clean_env+=("TSAN_OPTIONS=$TSAN_OPTIONS")
+
 # --help exits 1 (absl's convention) after printing the usage and the flags.
-help=$(cd "$WORK/unpacked" && env -i "$root/bin/baton-worker" --help 2>&1 || true)
+help=$(cd "$WORK/unpacked" && "${clean_env[@]}" "$root/bin/baton-worker" --help 2>&1 || true)
 echo "$help" | grep -q "baton-worker --coordinator=HOST:PORT" || fail "--help printed: $help"
 echo "$help" | grep -q -- "--device" || fail "--help lists no --device flag: $help"
 
@@ -62,7 +67,7 @@ schedule { kind: "1f1b" microbatches: 2 }
 train { steps: 3 micro_batch_size: 1 lr: 0.001 seed: 1 }
 data { synthetic { task: "addition" } }
 JOB
-if ! (cd "$WORK/unpacked" && env -i "$root/bin/batonctl" local --job="$WORK/job.textproto" \
+if ! (cd "$WORK/unpacked" && "${clean_env[@]}" "$root/bin/batonctl" local --job="$WORK/job.textproto" \
         --out="$WORK/out" --timeout_s=120 > "$WORK/local.log" 2>&1); then
   cat "$WORK/local.log" >&2
   for f in "$WORK"/out/logs/*; do echo "== $f" >&2; cat "$f" >&2; done

@@ -333,7 +333,9 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   }
 
   // Direct point-to-point state (see PeerLink): set once by StartDirect
-  // before the op is posted; io_done_ belongs to whoever moves its bytes.
+  // (under mu_: the watchdog may already see the op, and PeerBroken reads
+  // link_ under mu_) before the op is posted; io_done_ belongs to whoever
+  // moves its bytes.
   std::shared_ptr<PeerLink> link_;
   bool io_recv_ = false;
   uint64_t io_tag_ = 0;
@@ -360,10 +362,12 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   // point-to-point op with it, or any collective) and has not finished
   // within `grace`, it fails with `why`.
   void PeerBroken(int peer, const absl::Status& why, absl::Duration grace) {
-    if (link_ != nullptr) return;  // its link fails it when the connection breaks
     bool p2p;
     {
+      // Under mu_: the watchdog can see the op (registered by Start) while
+      // its owner is still in StartDirect writing link_ (ThreadSanitizer).
       absl::MutexLock lock(&mu_);
+      if (link_ != nullptr) return;  // its link fails it when the connection breaks
       p2p = p2p_ub_ != nullptr;
       if (done_ || (p2p && peer_ != peer)) return;
       broken_ = absl::Status(why.code(), absl::StrCat(what_, ": ", why.message()));
