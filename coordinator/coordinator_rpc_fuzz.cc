@@ -304,7 +304,9 @@ class Run {
  public:
   Run(Script* in) : in_(in) {
     const uint8_t header = in_->Byte();
-    if (header & 4) options_.join_token = kToken;
+    // The join token and roles are checked in the transport (rpc_authorization,
+    // with its own tests), which the in-process channel bypasses; the metadata
+    // still travels so handlers see what real workers send.
     token_ = (header & 8) ? "wrong" : ((header & 4) ? kToken : "");
     options_.heartbeat = absl::Milliseconds(500);
     options_.max_kv_wait = absl::Milliseconds(50);
