@@ -276,7 +276,8 @@ JOB
   [[ -n "$port" ]] || { echo "coordinator did not start"; tail "$out/coordinator.log"; kill "${pids[@]}"; return 1; }
   for i in 0 1; do
     "$rel/bin/baton-worker" --coordinator=127.0.0.1:"$port" --name="g$i" --device="$device" \
-      --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --port_file="$out/w$i.json" >"$out/worker$i.log" 2>&1 &
+      --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --port_file="$out/w$i.json" --output_dir="$out/gpu" \
+      >"$out/worker$i.log" 2>&1 &
     pids+=($!)
   done
   for i in $(seq 1 400); do [[ -f "$out/gpu/summary.json" ]] && break; sleep 0.1; done

@@ -71,7 +71,8 @@ JobRun RunJob(const std::string& dir, const std::string& device) {
     workers.push_back(std::make_unique<Subprocess>(
         RunfilePath("worker/baton-worker-sim"),
         std::vector<std::string>{absl::StrCat("--coordinator=127.0.0.1:", cports->first), absl::StrCat("--name=w", i),
-                                 "--device=" + device, absl::StrCat("--port_file=", dir, "/w", i, ".json")},
+                                 "--device=" + device, absl::StrCat("--port_file=", dir, "/w", i, ".json"),
+                                 "--output_dir=" + out},
         absl::StrCat(dir, "/w", i, ".log")));
     EXPECT_TRUE(workers.back()->Start().ok());
   }

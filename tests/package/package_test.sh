@@ -38,14 +38,17 @@ for b in baton-coordinator baton-worker batonctl; do
             grep -v -E "^(libc|libm|libpthread|libdl|librt|libcuda|libcudart|libnccl|libcudnn|libcublas[A-Za-z]*)\.so" |
             grep -v " $root/bin/../lib/" || true)
   [ -z "$outside" ] || fail "$b loads libraries from outside the bundle: $outside"
-  if env -i /usr/bin/ldd "$root/bin/$b" | grep -q "not found"; then fail "$b has unresolved libraries"; fi
+  if env -i /usr/bin/ldd "$root/bin/$b" | grep "not found" >/dev/null; then fail "$b has unresolved libraries"; fi
   # The driver (libcuda) is opened by cudart only when a CUDA call is made,
   # so a binary never needs it to start (CPU hosts, CI).
-  if readelf -d "$root/bin/$b" | grep -q "NEEDED.*libcuda\.so"; then fail "$b needs libcuda.so at load time"; fi
+  if readelf -d "$root/bin/$b" | grep "NEEDED.*libcuda\.so" >/dev/null; then fail "$b needs libcuda.so at load time"; fi
 done
+# (grep reads all its input in these pipelines: `grep -q` would exit at the
+# first match and, under pipefail, readelf's SIGPIPE would turn a match into
+# a failure.)
 # Where the toolkit is installed the worker carries the CUDA backend (cuBLASLt).
 if [ "${1:-}" = "--cuda_linked" ]; then
-  readelf -d "$root/bin/baton-worker" | grep -q "NEEDED.*libcublasLt" ||
+  readelf -d "$root/bin/baton-worker" | grep "NEEDED.*libcublasLt" >/dev/null ||
     fail "baton-worker is not linked with the CUDA backend (no libcublasLt)"
 fi
 
