@@ -55,6 +55,7 @@ absl::StatusOr<WeightsDiff> CompareWeights(const std::map<std::string, FullTenso
         absl::StrCat("the weight sets hold different tensors (", absl::StrJoin(parts, "; "), ")"));
   }
   WeightsDiff diff;
+  double all_diff_sq = 0, all_ref_sq = 0;
   for (const auto& [name, ta] : a) {
     const FullTensor& tb = b.at(name);
     TensorDiff t;
@@ -73,6 +74,12 @@ absl::StatusOr<WeightsDiff> CompareWeights(const std::map<std::string, FullTenso
     diff.max_abs_diff = std::max(diff.max_abs_diff, t.max_abs_diff);
     diff.max_rel_diff = std::max(diff.max_rel_diff, t.rel_diff);
     diff.tensors.push_back(std::move(t));
+    all_diff_sq += diff_sq;
+    all_ref_sq += ref_sq;
+  }
+  if (all_diff_sq > 0) {
+    diff.rel_l2 = all_ref_sq > 0 ? std::sqrt(all_diff_sq) / std::sqrt(all_ref_sq)
+                                 : std::numeric_limits<double>::infinity();
   }
   return diff;
 }

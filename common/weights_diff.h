@@ -30,6 +30,7 @@ struct TensorDiff {
 struct WeightsDiff {
   double max_abs_diff = 0;
   double max_rel_diff = 0;
+  double rel_l2 = 0;  // ||a - b|| / ||b|| with all tensors as one vector
   std::vector<TensorDiff> tensors;  // in name order
 };
 

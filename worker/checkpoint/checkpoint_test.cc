@@ -219,6 +219,8 @@ TEST(WeightsDiffTest, ReportsAbsoluteAndRelativeDifferencePerTensor) {
   EXPECT_DOUBLE_EQ(diff->max_abs_diff, 0.5);
   EXPECT_NEAR(diff->max_rel_diff, 0.5 / std::sqrt(9 + 4.5 * 4.5), 1e-12);
   EXPECT_EQ(diff->tensors[1].max_abs_diff, 0.0);
+  // All tensors as one vector: ||(0, 0.5, 0)|| / ||(3, 4.5, 1)||.
+  EXPECT_NEAR(diff->rel_l2, 0.5 / std::sqrt(9 + 4.5 * 4.5 + 1), 1e-12);
 
   b["x"].shape = {1, 2};
   b.erase("y");
