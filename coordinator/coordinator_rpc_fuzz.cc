@@ -144,8 +144,9 @@ class RushingClock : public Clock {
 // One in-process gRPC server serves every input (building one costs more
 // than most inputs): it forwards each RPC to the current input's
 // CoordinatorService and counts the handlers still running, so an input ends
-// only when all of its handlers have returned.
-class Forwarder final : public v1::Coordinator::Service {
+// only when all of its handlers have returned (and, for Session streams,
+// which run on gRPC's callback API, when the service saw them done).
+class Forwarder final : public v1::Coordinator::WithCallbackMethod_Session<v1::Coordinator::Service> {
  public:
   void Set(CoordinatorService* service) {
     absl::MutexLock lock(&mu_);
@@ -161,9 +162,19 @@ class Forwarder final : public v1::Coordinator::Service {
   grpc::Status Register(grpc::ServerContext* c, const v1::RegisterRequest* q, v1::RegisterResponse* r) override {
     return Call([&](CoordinatorService* s) { return s->Register(c, q, r); });
   }
-  grpc::Status Session(grpc::ServerContext* c,
-                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
-    return Call([&](CoordinatorService* s) { return s->Session(c, stream); });
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* c) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (service_ != nullptr) return service_->Session(c);
+    }
+    // Between inputs: refused at once.
+    class Refused final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+     public:
+      Refused() { Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "fuzz: between inputs")); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused;
   }
   grpc::Status KvSet(grpc::ServerContext* c, const v1::KvSetRequest* q, v1::KvSetResponse* r) override {
     return Call([&](CoordinatorService* s) { return s->KvSet(c, q, r); });
@@ -339,6 +350,7 @@ class Run {
     // handler still running seconds later is a hang.
     if (!shared_->forwarder.AwaitIdle(absl::Seconds(5))) Die("an RPC handler still runs 5 s after its deadline");
     shared_->forwarder.Set(nullptr);
+    if (!service_->AwaitSessionsDone(absl::Seconds(5))) Die("a Session stream is still open 5 s after its cancel");
     if (runner_) runner_->Stop();
   }
 

@@ -1,6 +1,8 @@
 #include "coordinator/grpc/coordinator_service.h"
 
+#include <deque>
 #include <memory>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -11,37 +13,124 @@
 namespace baton {
 namespace {
 
-using Stream = grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>;
-
-// The server end of one Session stream. Writes are serialised; Close cancels
-// the RPC so the handler's blocking Read returns.
-class GrpcSession : public SessionHandle {
+// The coordinator's end of one Session stream, shared by the stream's reactor
+// (which lives until gRPC's OnDone) and the registry (which may keep it
+// longer). Writes are queued: at most one StartWrite is in flight; the next
+// starts from OnWriteDone. gRPC is called under mu_ only where it never
+// calls back inline (StartWrite and TryCancel: their completions run on
+// gRPC's threads); Finish, whose completion may run inline, is called
+// outside it.
+class GrpcSession final : public SessionHandle {
  public:
-  GrpcSession(grpc::ServerContext* ctx, Stream* stream) : ctx_(ctx), stream_(stream) {}
+  GrpcSession(grpc::CallbackServerContext* ctx,
+              grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* reactor, size_t max_messages,
+              size_t max_bytes)
+      : peer_(ctx->peer()), max_messages_(max_messages), max_bytes_(max_bytes), ctx_(ctx), reactor_(reactor) {}
 
   void Close(const absl::Status& reason) override {
-    absl::MutexLock lock(&mu_);
-    if (done_) return;
-    BATON_LOG(INFO) << "closing session of " << ctx_->peer() << ": " << reason;
-    ctx_->TryCancel();
+    {
+      absl::MutexLock lock(&mu_);
+      if (ended_ || closing_) return;
+      closing_ = true;
+      DropQueueLocked();
+      // Not finished yet, so the context is alive; the read fails and the
+      // reactor ends the session (SessionEnded, OnWorkerLost) as before.
+      ctx_->TryCancel();
+    }
+    BATON_LOG(INFO) << "closing session of " << peer_ << ": " << reason;
   }
 
   bool Send(const v1::CoordinatorMessage& message) override {
-    absl::MutexLock lock(&mu_);
-    return !done_ && stream_->Write(message);
+    std::string overflow;
+    {
+      absl::MutexLock lock(&mu_);
+      if (ended_ || closing_) return false;
+      if (!writing_) {
+        writing_ = true;
+        in_flight_ = message;
+        reactor_->StartWrite(&in_flight_);
+        return true;
+      }
+      const size_t bytes = message.ByteSizeLong();
+      if (queue_.size() + 1 <= max_messages_ && queued_bytes_ + bytes <= max_bytes_) {
+        queue_.emplace_back(message, bytes);
+        queued_bytes_ += bytes;
+        return true;
+      }
+      overflow = absl::StrCat("the worker does not read its session: ", queue_.size(), " messages (",
+                              queued_bytes_, " bytes) wait to be written, the limit is ", max_messages_,
+                              " messages / ", max_bytes_, " bytes");
+      closing_ = true;
+      reason_ = overflow;
+      DropQueueLocked();
+      ctx_->TryCancel();
+    }
+    BATON_LOG(WARNING) << "ending session of " << peer_ << ": " << overflow;
+    return false;
   }
 
-  // Called by the handler before it returns; later Close/Send are no-ops.
-  void Finish() {
-    absl::MutexLock lock(&mu_);
-    done_ = true;
+  // The reactor's write completed. Starts the next one, or finishes the
+  // stream when it has ended and this was the last write.
+  void WriteDone(bool ok) {
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && !closing_) {
+        closing_ = true;  // the stream broke; the read fails too and ends it
+        DropQueueLocked();
+      }
+      if (!closing_ && !ended_ && !queue_.empty()) {
+        in_flight_ = std::move(queue_.front().first);
+        queued_bytes_ -= queue_.front().second;
+        queue_.pop_front();
+        writing_ = true;
+        reactor_->StartWrite(&in_flight_);
+        return;
+      }
+      if (!ended_ || finish_called_) return;
+      finish_called_ = true;
+      finish = status_;
+    }
+    reactor_->Finish(finish);
   }
+
+  // The read side ended with `status` (called once, from the reactor's read
+  // path). No Send succeeds after it. Returns true when the caller is to
+  // Finish the stream now (no write in flight); else the last WriteDone does.
+  bool End(const grpc::Status& status, std::string* reason) {
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
+    DropQueueLocked();
+    status_ = status;
+    *reason = reason_;
+    finish_called_ = !writing_;
+    return finish_called_;
+  }
+
+  const std::string& peer() const { return peer_; }
 
  private:
+  void DropQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queue_.clear();
+    queued_bytes_ = 0;
+  }
+
+  const std::string peer_;
+  const size_t max_messages_, max_bytes_;
   absl::Mutex mu_;
-  grpc::ServerContext* const ctx_;
-  Stream* const stream_ ABSL_PT_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::CallbackServerContext* const ctx_ ABSL_PT_GUARDED_BY(mu_);  // valid until finished
+  // Writes start under mu_; Finish (once, after the last write) outside it.
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* const reactor_;
+  v1::CoordinatorMessage in_flight_ ABSL_GUARDED_BY(mu_);  // the write in flight reads it
+  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // with its size
+  size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite is in flight
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // Close, an overflow or a broken write: no more writes
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;    // the read side ended (End)
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  std::string reason_ ABSL_GUARDED_BY(mu_);  // why the coordinator ended it, if it did
 };
 
 grpc::Status Invalid(const std::string& message) {
@@ -140,53 +229,120 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::Re
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Session(grpc::ServerContext* ctx, Stream* stream) {
-  v1::WorkerMessage first;
-  if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello");
-  if (first.worker_id() == 0 || first.incarnation() == 0 || !first.has_heartbeat()) {
-    return Invalid("Session: the first message must be a heartbeat with worker_id and incarnation from Register");
+// One Session stream. Reads are handled one at a time on gRPC's threads,
+// in order; the next read starts when the previous message was handled.
+class CoordinatorService::SessionReactor final
+    : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  SessionReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx)
+      : service_(service),
+        session_(std::make_shared<GrpcSession>(ctx, this, service->options_.max_session_queue_messages,
+                                               service->options_.max_session_queue_bytes)) {
+    StartRead(&msg_);
   }
-  const int64_t id = first.worker_id(), incarnation = first.incarnation();
-  auto session = std::make_shared<GrpcSession>(ctx, stream);
-  if (absl::Status s = registry_->OpenSession(id, incarnation, session); !s.ok()) {
-    session->Finish();
-    return ToGrpcStatus(s);
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      End(opened_ ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before hello"));
+      return;
+    }
+    if (!opened_) {
+      if (msg_.worker_id() == 0 || msg_.incarnation() == 0 || !msg_.has_heartbeat()) {
+        End(Invalid("Session: the first message must be a heartbeat with worker_id and incarnation from Register"));
+        return;
+      }
+      id_ = msg_.worker_id();
+      incarnation_ = msg_.incarnation();
+      if (absl::Status s = service_->registry_->OpenSession(id_, incarnation_, session_); !s.ok()) {
+        End(ToGrpcStatus(s));
+        return;
+      }
+      opened_ = true;
+      name_ = service_->registry_->NameOf(id_);  // fixed for the session's life
+    }
+    if (grpc::Status s = Handle(); !s.ok()) {
+      End(s);
+      return;
+    }
+    StartRead(&msg_);
   }
-  grpc::Status result = grpc::Status::OK;
-  v1::WorkerMessage msg = first;
-  do {
-    if (msg.worker_id() != id || msg.incarnation() != incarnation) {
-      result = Invalid("Session: worker_id/incarnation changed within one session");
-      break;
+
+  void OnWriteDone(bool ok) override { session_->WriteDone(ok); }
+
+  void OnDone() override {
+    service_->SessionDone();
+    delete this;
+  }
+
+ private:
+  grpc::Status Handle() {
+    if (msg_.worker_id() != id_ || msg_.incarnation() != incarnation_) {
+      return Invalid("Session: worker_id/incarnation changed within one session");
     }
     absl::Status s;
-    if (msg.has_heartbeat()) {
-      s = registry_->Heartbeat(id, incarnation, msg.heartbeat());
+    if (msg_.has_heartbeat()) {
+      s = service_->registry_->Heartbeat(id_, incarnation_, msg_.heartbeat());
       if (s.ok()) {
         v1::CoordinatorMessage ack;
-        ack.mutable_ack()->set_worker_send_time_us(msg.heartbeat().send_time_us());
+        ack.mutable_ack()->set_worker_send_time_us(msg_.heartbeat().send_time_us());
         ack.mutable_ack()->set_coordinator_time_us(NowMicros());
-        session->Send(ack);
+        session_->Send(ack);
       }
-    } else if (msg.has_goodbye()) {
-      s = registry_->Goodbye(id, incarnation);
-      BATON_LOG(INFO) << "worker '" << registry_->NameOf(id) << "' says goodbye: " << msg.goodbye().reason();
-    } else if (options_.job != nullptr) {
-      options_.job->OnWorkerMessage(registry_->NameOf(id), msg);
+    } else if (msg_.has_goodbye()) {
+      s = service_->registry_->Goodbye(id_, incarnation_);
+      BATON_LOG(INFO) << "worker '" << name_ << "' says goodbye: " << msg_.goodbye().reason();
+    } else if (service_->options_.job != nullptr) {
+      service_->options_.job->OnWorkerMessage(name_, msg_);
     }
-    if (!s.ok()) {
-      result = ToGrpcStatus(s);
-      break;
-    }
-  } while (stream->Read(&msg));
-  session->Finish();
-  const std::string gone = registry_->SessionEnded(id, incarnation, session.get());
-  if (!gone.empty()) {
-    BATON_LOG(WARNING) << "worker '" << gone << "' session ended (" << (result.ok() ? "stream closed" : result.error_message())
-                       << ")";
-    if (options_.job != nullptr) options_.job->OnWorkerLost(gone, "its session ended");
+    return ToGrpcStatus(s);
   }
-  return result;
+
+  // The read side is over: the session ends (no Send succeeds after this),
+  // the registry and the job hear of it, and the stream is finished with
+  // `result` once no write is in flight.
+  void End(const grpc::Status& result) {
+    std::string reason;
+    const bool finish_now = session_->End(result, &reason);
+    if (opened_) {
+      const std::string gone = service_->registry_->SessionEnded(id_, incarnation_, session_.get());
+      if (!gone.empty()) {
+        const std::string why = !result.ok() ? result.error_message() : reason.empty() ? "stream closed" : reason;
+        BATON_LOG(WARNING) << "worker '" << gone << "' session ended (" << why << ")";
+        if (service_->options_.job != nullptr) {
+          service_->options_.job->OnWorkerLost(
+              gone, reason.empty() ? "its session ended" : absl::StrCat("its session ended: ", reason));
+        }
+      }
+    }
+    if (finish_now) Finish(result);
+  }
+
+  CoordinatorService* const service_;
+  const std::shared_ptr<GrpcSession> session_;
+  v1::WorkerMessage msg_;  // the read in flight fills it
+  bool opened_ = false;    // the registry holds session_
+  int64_t id_ = 0, incarnation_ = 0;
+  std::string name_;
+};
+
+grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* CoordinatorService::Session(
+    grpc::CallbackServerContext* ctx) {
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    ++live_sessions_;
+  }
+  return new SessionReactor(this, ctx);
+}
+
+void CoordinatorService::SessionDone() {
+  absl::MutexLock lock(&sessions_mu_);
+  --live_sessions_;
+}
+
+bool CoordinatorService::AwaitSessionsDone(absl::Duration timeout) {
+  absl::MutexLock lock(&sessions_mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sessions_mu_) { return live_sessions_ == 0; };
+  return sessions_mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
 }
 
 grpc::Status CoordinatorService::KvSet(grpc::ServerContext* /*ctx*/, const v1::KvSetRequest* req, v1::KvSetResponse*) {

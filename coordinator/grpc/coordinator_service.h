@@ -1,6 +1,14 @@
 // CoordinatorService: the gRPC skin over WorkerRegistry and KvStore. It
 // validates wire fields and translates; the logic lives in those classes.
 //
+// The Session stream runs on gRPC's callback API: no thread per stream. A
+// read completes on one of gRPC's threads and is handled there (heartbeat:
+// renew the lease and queue the ack; job messages: JobObserver). Sending to
+// a worker (SessionHandle::Send) never blocks: messages are queued, one
+// write is in flight per stream, and a worker that stops reading while its
+// queue passes `max_session_queue_messages` / `max_session_queue_bytes` has
+// its session ended (it is then a lost worker) instead of growing memory.
+//
 // Who may call which RPC (certificate roles, join token) is not decided
 // here: coordinator/grpc/rpc_authorization.h checks every call before it
 // reaches a handler. The service only keeps a worker's KV calls to the
@@ -10,8 +18,11 @@
 
 #include <atomic>
 #include <functional>
+#include <cstddef>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "coordinator/grpc/job_observer.h"
 #include "coordinator/kv_store.h"
@@ -21,7 +32,7 @@
 
 namespace baton {
 
-class CoordinatorService final : public v1::Coordinator::Service {
+class CoordinatorService final : public v1::Coordinator::WithCallbackMethod_Session<v1::Coordinator::Service> {
  public:
   struct Options {
     absl::Duration heartbeat = absl::Milliseconds(500);
@@ -31,12 +42,17 @@ class CoordinatorService final : public v1::Coordinator::Service {
     int max_pending_kv_waits = 256;
     int max_pending_traces = 4;
     prometheus::Registry* metrics = nullptr;  // baton_registrations_total, baton_rpc_refused_total
+    // Messages waiting to be written on one Session stream (beyond the one
+    // in flight); past either bound the worker is not reading and its
+    // session is ended.
+    size_t max_session_queue_messages = 4096;
+    size_t max_session_queue_bytes = size_t{64} << 20;
   };
   CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options);
 
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override;
-  grpc::Status Session(grpc::ServerContext* ctx,
-                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* ctx) override;
   grpc::Status KvSet(grpc::ServerContext* ctx, const v1::KvSetRequest* req, v1::KvSetResponse* resp) override;
   grpc::Status KvGet(grpc::ServerContext* ctx, const v1::KvGetRequest* req, v1::KvGetResponse* resp) override;
   grpc::Status KvWait(grpc::ServerContext* ctx, const v1::KvWaitRequest* req, v1::KvWaitResponse* resp) override;
@@ -53,7 +69,15 @@ class CoordinatorService final : public v1::Coordinator::Service {
   // "unauthorized" registration). Thread-safe.
   void CountRefusedRpc(const std::string& method, const std::string& reason);
 
+  // Waits until every Session stream this service accepted is done (gRPC
+  // has called its OnDone); false after `timeout`. The service must outlive
+  // its streams: a server that is shut down waits for them itself.
+  bool AwaitSessionsDone(absl::Duration timeout);
+
  private:
+  class SessionReactor;
+  void SessionDone();
+
   // INVALID_ARGUMENT unless `job` is the configured job (when there is one).
   grpc::Status CheckJob(const std::string& job, const char* rpc);
   void CountRegistration(const std::string& result);
@@ -64,6 +88,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   const Options options_;
   std::atomic<int> pending_kv_waits_{0};
   std::atomic<int> pending_traces_{0};
+  absl::Mutex sessions_mu_;
+  int live_sessions_ ABSL_GUARDED_BY(sessions_mu_) = 0;
   prometheus::Family<prometheus::Counter>* registrations_ = nullptr;
   prometheus::Family<prometheus::Counter>* refused_ = nullptr;
 };

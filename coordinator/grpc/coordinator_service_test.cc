@@ -6,6 +6,7 @@
 #include <map>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
@@ -317,6 +318,141 @@ TEST(CoordinatorServiceAuthTest, PendingTracesAreCapped) {
   job.release_.Notify();
   first.join();
   EXPECT_TRUE(trace(1).ok());  // room again
+}
+
+
+// Records what the service tells the job.
+class RecordingObserver final : public JobObserver {
+ public:
+  void OnWorkerMessage(const std::string&, const v1::WorkerMessage&) override {}
+  void OnWorkerLost(const std::string& worker, const std::string& why, bool) override {
+    absl::MutexLock lock(&mu_);
+    lost_[worker] = why;
+  }
+  void FillStatus(v1::GetStatusResponse*) const override {}
+  std::string TraceJson(int, absl::Duration) override { return "{}"; }
+  // Why `worker` was lost; "" if it was not within ~5 s.
+  std::string AwaitLost(const std::string& worker) {
+    absl::MutexLock lock(&mu_);
+    auto lost = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return lost_.count(worker) > 0; };
+    mu_.AwaitWithTimeout(absl::Condition(&lost), absl::Seconds(5));
+    return lost_.count(worker) ? lost_[worker] : "";
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> lost_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::CoordinatorMessage BigCommand(size_t bytes) {
+  v1::CoordinatorMessage m;
+  m.mutable_hold_snapshot()->set_owner("w0");
+  m.mutable_hold_snapshot()->set_data(std::string(bytes, 'x'));
+  return m;
+}
+
+// A worker whose stream stops reading: Send keeps returning at once, the
+// coordinator holds at most the configured queue for it, then ends its
+// session with the reason (the worker is lost) and Send is false.
+TEST(CoordinatorServiceSessionTest, AWorkerThatStopsReadingIsEndedNotBuffered) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  options.max_session_queue_messages = 8;
+  options.max_session_queue_bytes = size_t{1} << 20;
+  ServiceWith s(options);
+  ASSERT_TRUE(s.Register("w1", "").ok());
+  const int64_t id = s.registry_.List()[0].worker_id();
+  grpc::ClientContext ctx;
+  auto stream = s.stub_->Session(&ctx);
+  v1::WorkerMessage beat;
+  beat.set_worker_id(id);
+  beat.set_incarnation(id);
+  beat.mutable_heartbeat()->set_send_time_us(1);
+  ASSERT_TRUE(stream->Write(beat));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(stream->Read(&ack));
+  ASSERT_TRUE(ack.has_ack());
+  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  ASSERT_NE(session, nullptr);
+
+  // The worker reads nothing more. 256 KiB commands: the 1 MiB bound holds 4.
+  int accepted = 0;
+  for (int i = 0; i < 10000 && session->Send(BigCommand(256 << 10)); ++i) ++accepted;
+  EXPECT_LT(accepted, 10000) << "every command was queued: the queue grows without bound";
+  EXPECT_LE(accepted, 1 + 4 + 1) << "more than the in-flight write, the queue's 4 and one the transport took";
+  EXPECT_FALSE(session->Send(BigCommand(1))) << "a session ended for not reading takes no more commands";
+
+  const std::string why = job.AwaitLost("w1");
+  EXPECT_NE(why.find("does not read its session"), std::string::npos) << why;
+  EXPECT_NE(why.find("1048576 bytes"), std::string::npos) << "the reason names the limit: " << why;
+  v1::CoordinatorMessage msg;
+  while (stream->Read(&msg)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(s.registry_.List()[0].state(), v1::LOST);
+  EXPECT_FALSE(session->Send(BigCommand(1)));
+}
+
+// Too many small messages count like too many bytes.
+TEST(CoordinatorServiceSessionTest, TheMessageBoundEndsASessionToo) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  options.max_session_queue_messages = 16;
+  ServiceWith s(options);
+  ASSERT_TRUE(s.Register("w1", "").ok());
+  const int64_t id = s.registry_.List()[0].worker_id();
+  grpc::ClientContext ctx;
+  auto stream = s.stub_->Session(&ctx);
+  v1::WorkerMessage beat;
+  beat.set_worker_id(id);
+  beat.set_incarnation(id);
+  beat.mutable_heartbeat();
+  ASSERT_TRUE(stream->Write(beat));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(stream->Read(&ack));
+  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  ASSERT_NE(session, nullptr);
+  int accepted = 0;
+  for (int i = 0; i < 10000 && session->Send(BigCommand(10)); ++i) ++accepted;
+  EXPECT_LE(accepted, 1 + 16 + 1);
+  EXPECT_NE(job.AwaitLost("w1").find("16 messages"), std::string::npos) << job.AwaitLost("w1");
+}
+
+// Close ends the stream (the worker sees CANCELLED), the worker is lost, and
+// Send on the closed session is false at once, also while the worker is
+// not reading.
+TEST(CoordinatorServiceSessionTest, SendOnAClosedSessionIsFalse) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  ServiceWith s(options);
+  ASSERT_TRUE(s.Register("w1", "").ok());
+  const int64_t id = s.registry_.List()[0].worker_id();
+  grpc::ClientContext ctx;
+  auto stream = s.stub_->Session(&ctx);
+  v1::WorkerMessage beat;
+  beat.set_worker_id(id);
+  beat.set_incarnation(id);
+  beat.mutable_heartbeat();
+  ASSERT_TRUE(stream->Write(beat));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(stream->Read(&ack));
+  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  ASSERT_NE(session, nullptr);
+  EXPECT_TRUE(session->Send(BigCommand(10)));  // in flight: nobody reads it
+  session->Close(absl::AbortedError("test closes it"));
+  EXPECT_FALSE(session->Send(BigCommand(10)));
+  EXPECT_EQ(job.AwaitLost("w1"), "its session ended");
+  v1::CoordinatorMessage msg;
+  while (stream->Read(&msg)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(s.registry_.List()[0].state(), v1::LOST);
+  EXPECT_FALSE(session->Send(BigCommand(10)));
+  session->Close(absl::AbortedError("again"));  // harmless
+  EXPECT_TRUE(s.service_.AwaitSessionsDone(absl::Seconds(5)));
 }
 
 }  // namespace
