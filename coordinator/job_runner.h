@@ -62,7 +62,6 @@
 #include "baton/v1/plan.pb.h"
 #include "baton/v1/program.pb.h"
 #include "common/clock.h"
-#include "coordinator/fan_out.h"
 #include "coordinator/grpc/job_observer.h"
 #include "coordinator/job_state.h"
 #include "coordinator/kv_store.h"
@@ -82,9 +81,14 @@ class JobWorkers {
   virtual ~JobWorkers() = default;
   // Every registered worker (state, incarnation, host).
   virtual std::vector<v1::WorkerInfo> List() const = 0;
-  // Pushes `message` to `worker`'s session; false when it has none. Called
-  // from several threads at once for jobs of kParallelSendFrom+ workers.
+  // Pushes `message` to `worker`'s session; false when it has none. Never
+  // blocks (the session queues it).
   virtual bool Send(const std::string& worker, const v1::CoordinatorMessage& message) = 0;
+  // Send to each of `workers`; the registry's looks their sessions up under
+  // one lock.
+  virtual void SendEach(const std::vector<std::string>& workers, const v1::CoordinatorMessage& message) {
+    for (const std::string& w : workers) Send(w, message);
+  }
   // Starts the next generation of the job's world (rendezvous scope) and returns it.
   virtual int64_t NextGeneration() = 0;
   // Starts a generation above `floor` (adopting workers of generation
@@ -335,10 +339,6 @@ class JobRunner : public JobObserver {
   double sum_bubble_ ABSL_GUARDED_BY(mu_) = 0, sum_comm_ ABSL_GUARDED_BY(mu_) = 0,
          sum_worker_wall_ ABSL_GUARDED_BY(mu_) = 0;
 
-  // Commands to kParallelSendFrom or more workers go out in parallel.
-  static constexpr size_t kParallelSendFrom = 32;
-  absl::Mutex fan_out_mu_;
-  std::unique_ptr<FanOut> fan_out_ ABSL_GUARDED_BY(fan_out_mu_);  // made on first use
   std::thread thread_;
 };
 

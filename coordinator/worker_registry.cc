@@ -170,6 +170,17 @@ std::shared_ptr<SessionHandle> WorkerRegistry::SessionOf(const std::string& name
   return it == by_name_.end() ? nullptr : it->second.session;
 }
 
+std::vector<std::shared_ptr<SessionHandle>> WorkerRegistry::SessionsOf(const std::vector<std::string>& names) const {
+  std::vector<std::shared_ptr<SessionHandle>> sessions;
+  sessions.reserve(names.size());
+  absl::MutexLock lock(&mu_);
+  for (const std::string& name : names) {
+    auto it = by_name_.find(name);
+    sessions.push_back(it == by_name_.end() ? nullptr : it->second.session);
+  }
+  return sessions;
+}
+
 std::vector<WorkerRegistry::Expired> WorkerRegistry::ExpireLeases(absl::Duration* stalled) {
   std::vector<Expired> expired;
   const absl::Time now = clock_->Now();

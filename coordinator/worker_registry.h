@@ -107,6 +107,10 @@ class WorkerRegistry {
   // The current session of worker `name` (null when it has none).
   std::shared_ptr<SessionHandle> SessionOf(const std::string& name) const;
 
+  // The current sessions of `names`, in order (null where one has none);
+  // one lock for all.
+  std::vector<std::shared_ptr<SessionHandle>> SessionsOf(const std::vector<std::string>& names) const;
+
   // Every session (to tell all peers on shutdown).
   std::vector<std::shared_ptr<SessionHandle>> Sessions() const;
 

@@ -72,6 +72,21 @@ TEST_F(WorkerRegistryTest, HeartbeatsKeepTheLeaseAndSilenceLosesIt) {
   EXPECT_NE(late.message().find("register again"), std::string::npos);
 }
 
+TEST_F(WorkerRegistryTest, SessionsOfIsInOrderWithNullForNoSession) {
+  auto s1 = std::make_shared<FakeSession>(), s2 = std::make_shared<FakeSession>();
+  Join("w1", s1);
+  v1::RegisterResponse r2 = Join("w2", s2);
+  ASSERT_TRUE(registry_.Register(Request("w3"), absl::Milliseconds(500)).ok());  // no session yet
+  std::vector<std::shared_ptr<SessionHandle>> got = registry_.SessionsOf({"w2", "nobody", "w1", "w3"});
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[0], s2);
+  EXPECT_EQ(got[1], nullptr);
+  EXPECT_EQ(got[2], s1);
+  EXPECT_EQ(got[3], nullptr);
+  registry_.SessionEnded(r2.worker_id(), r2.incarnation(), s2.get());
+  EXPECT_EQ(registry_.SessionsOf({"w2"})[0], nullptr) << "a lost worker's session is gone";
+}
+
 TEST_F(WorkerRegistryTest, BrokenStreamIsLostAndSameNameComesBackReady) {
   auto s1 = std::make_shared<FakeSession>();
   v1::RegisterResponse r1 = Join("w1", s1);
