@@ -22,6 +22,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
 #include "common/grpc_credentials.h"
@@ -295,5 +296,11 @@ int Main() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("baton coordinator: baton-coordinator --listen=HOST:PORT [--job=FILE] ...");
   absl::ParseCommandLine(argc, argv);
+#ifdef NDEBUG
+  // Debian's Abseil checks lock order on every Mutex::Lock (a graph of lock
+  // ids): ~3% of the coordinator's CPU under 1024 workers (perf). Release
+  // builds skip it; debug builds and the tests keep it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   return baton::Main();
 }

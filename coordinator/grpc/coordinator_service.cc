@@ -40,20 +40,23 @@ class GrpcSession final : public SessionHandle {
     BATON_LOG(INFO) << "closing session of " << peer_ << ": " << reason;
   }
 
-  bool Send(const v1::CoordinatorMessage& message) override {
+  bool Send(const v1::CoordinatorMessage& message) override { return Push(v1::CoordinatorMessage(message)); }
+
+  // Send without a copy (the heartbeat acks).
+  bool Push(v1::CoordinatorMessage&& message) {
     std::string overflow;
     {
       absl::MutexLock lock(&mu_);
       if (ended_ || closing_) return false;
       if (!writing_) {
         writing_ = true;
-        in_flight_ = message;
+        in_flight_ = std::move(message);
         reactor_->StartWrite(&in_flight_);
         return true;
       }
       const size_t bytes = message.ByteSizeLong();
       if (queue_.size() + 1 <= max_messages_ && queued_bytes_ + bytes <= max_bytes_) {
-        queue_.emplace_back(message, bytes);
+        queue_.emplace_back(std::move(message), bytes);
         queued_bytes_ += bytes;
         return true;
       }
@@ -286,7 +289,7 @@ class CoordinatorService::SessionReactor final
         v1::CoordinatorMessage ack;
         ack.mutable_ack()->set_worker_send_time_us(msg_.heartbeat().send_time_us());
         ack.mutable_ack()->set_coordinator_time_us(NowMicros());
-        session_->Send(ack);
+        session_->Push(std::move(ack));
       }
     } else if (msg_.has_goodbye()) {
       s = service_->registry_->Goodbye(id_, incarnation_);
