@@ -162,8 +162,9 @@ int Main() {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-  // Bounded: each open RPC of the synchronous server holds a thread (Session
-  // streams, pending waits); beyond this, new RPCs are RESOURCE_EXHAUSTED.
+  // Bounded: each open unary RPC of the synchronous server holds a thread
+  // (registrations, pending KV waits; Session streams run on the callback
+  // API and hold none); beyond this, new RPCs are RESOURCE_EXHAUSTED.
   grpc::ResourceQuota quota("baton-coordinator");
   quota.SetMaxThreads(2048);
   builder.SetResourceQuota(quota);
