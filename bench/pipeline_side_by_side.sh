@@ -21,7 +21,8 @@
 # Usage: bash bench/pipeline_side_by_side.sh
 #   RUNS=3 (rounds, default 2)   SCHEDULES="1f1b zb-h1" (subset)
 #   KEEP=/some/dir (keep baton's --out directories: steps.jsonl, summary.json,
-#   trace.json, per round and schedule)
+#   trace.json, per round and schedule; PyTorch's compute order as CSV; and
+#   results.jsonl, one line per round and schedule)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TORCH_VENV:-$HOME/.cache/baton/torch2-venv}
@@ -67,12 +68,16 @@ EOF
     # (b) PyTorch
     CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 "$torch_py" bench/pipeline_torch_bench.py --schedule="$s" \
       --pp=$p --virtual=$v --microbatches=$m --forward_ms=$ms --backward_input_ms=$ms \
-      --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 > "$tmp/$name.torch.json"
+      --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 \
+      --dump_order="$tmp/$name.torch.csv" > "$tmp/$name.torch.json"
+    # the makespan of the order PyTorch ran, on baton's simulator (same costs)
+    torch_ideal=$("$ctl" schedule simulate --file="$tmp/$name.torch.csv" \
+      --forward=10 --backward_input=10 --backward_weight=10 --format=json)
     load_after=$(cut -d' ' -f1-3 /proc/loadavg)
-    python3 - "$s" "$run" "$ideal" "$tmp/$name" "$tmp/$name.torch.json" "$load_before" "$load_after" \
+    python3 - "$s" "$run" "$ideal" "$tmp/$name" "$tmp/$name.torch.json" "$load_before" "$load_after" "$torch_ideal" \
       >> "$tmp/results.jsonl" <<'PY'
 import json, statistics, sys
-s, run, ideal, out, torch_json, load0, load1 = sys.argv[1:8]
+s, run, ideal, out, torch_json, load0, load1, torch_ideal = sys.argv[1:9]
 ideal_s = json.loads(ideal)["makespan"] / 1e3  # cost units are ms
 steps = [json.loads(l) for l in open(out + "/steps.jsonl")][1:]  # drop the first (warm-up) step
 summary = json.load(open(out + "/summary.json"))
@@ -90,9 +95,14 @@ print(json.dumps({
     "torch_step_s": t["median_step_s"], "torch_ratio": t["median_step_s"] / ideal_s,
     "torch_idle": t["bubble_ratio"], "torch_steps_s": t["steps_s"],
     "torch_class": t["torch_class"], "torch": t["torch"],
+    # PyTorch's own compute order simulated with the same costs: how much of
+    # its step is the order it chose rather than its runtime
+    "torch_order_ideal_s": json.loads(torch_ideal)["makespan"] / 1e3,
 }))
 PY
-    if [[ -n "${KEEP:-}" ]]; then mkdir -p "$KEEP" && cp -r "$tmp/$name" "$KEEP/"; fi
+    if [[ -n "${KEEP:-}" ]]; then
+      mkdir -p "$KEEP" && cp -r "$tmp/$name" "$tmp/$name.torch.csv" "$KEEP/" && cp "$tmp/results.jsonl" "$KEEP/"
+    fi
   done
 done
 
@@ -104,13 +114,15 @@ for r in rows:
              (["slower than PyTorch"] if r["baton_step_s"] >= r["torch_step_s"] else [])
     r["target"] = "met" if not missed else "missed: " + ", ".join(missed)
 print(f"PyTorch {rows[0]['torch']}; p=4 m=16 activation 65536 B; step times in ms; idle = 1 - compute/step, mean over ranks")
-print("median = median step, best = fastest step (/ideal), bubble = baton's own (transfers excluded)")
+print("median = median step, best = fastest step (/ideal), bubble = baton's own (transfers excluded),"
+      " own = the makespan of PyTorch's own compute order on baton's simulator")
 print(f"{'schedule':12} {'run':>3} {'load (1/5/15 min)':>18} {'ideal':>6} | {'baton':>6} {'/ideal':>6} {'best':>6} {'bubble':>6} {'idle':>6}"
-      f" | {'torch':>6} {'/ideal':>6} {'best':>6} {'idle':>6} | {'baton/torch':>11}  target (<= 1.03, < torch)")
+      f" | {'torch':>6} {'/ideal':>6} {'best':>6} {'idle':>6} {'own':>6} | {'baton/torch':>11}  target (<= 1.03, < torch)")
 for r in rows:
     print(f"{r['schedule']:12} {r['run']:>3} {r['load_before']:>18} {r['ideal_s']*1e3:6.1f} | {r['baton_step_s']*1e3:6.1f}"
           f" {r['baton_ratio']:6.3f} {min(r['baton_steps_s'])/r['ideal_s']:6.3f} {r['baton_bubble']:6.3f} {r['baton_idle']:6.3f}"
           f" | {r['torch_step_s']*1e3:6.1f} {r['torch_ratio']:6.3f} {min(r['torch_steps_s'])/r['ideal_s']:6.3f} {r['torch_idle']:6.3f}"
+          f" {r['torch_order_ideal_s']*1e3:6.1f}"
           f" | {r['baton_step_s']/r['torch_step_s']:11.3f}  {r['target']}")
 print(json.dumps({"results": rows}))
 PY

@@ -159,6 +159,12 @@ def run_rank(rank, args, port, queue):
     all_steps = [None] * p
     dist.all_gather_object(all_steps, steps)
     if rank == 0:
+        if args.dump_order:  # the compute order PyTorch ran, as its own CSV (one row per rank)
+            order = sched.pipeline_order
+            with open(args.dump_order, "w") as f:
+                for r in range(p):
+                    cells = [a for a in order[r] if a is None or a.is_compute_op]
+                    f.write(",".join("" if a is None else str(a) for a in cells) + "\n")
         queue.put({"steps": all_steps, "torch": torch.__version__})
     dist.destroy_process_group()
 
@@ -175,6 +181,8 @@ def main():
     ap.add_argument("--activation_bytes", type=int, default=65536)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7, help="timed steps after the warm-up")
+    ap.add_argument("--dump_order", default="",
+                    help="write the schedule's compute order as PyTorch's CSV (cells 0F0, 1I3, 2W3, 0B1)")
     args = ap.parse_args()
     if args.pp < 1 or args.virtual < 1 or args.microbatches < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--pp, --virtual, --microbatches and --steps must be >= 1, --warmup >= 0")
