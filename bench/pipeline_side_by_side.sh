@@ -70,9 +70,12 @@ EOF
       --pp=$p --virtual=$v --microbatches=$m --forward_ms=$ms --backward_input_ms=$ms \
       --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 \
       --dump_order="$tmp/$name.torch.csv" > "$tmp/$name.torch.json"
-    # the makespan of the order PyTorch ran, on baton's simulator (same costs)
-    torch_ideal=$("$ctl" schedule simulate --file="$tmp/$name.torch.csv" \
-      --forward=10 --backward_input=10 --backward_weight=10 --format=json)
+    # the makespan of the order PyTorch ran (interleaved, zb-h1), on baton's simulator, same costs
+    torch_ideal='{"makespan": null}'
+    if [[ -s "$tmp/$name.torch.csv" ]]; then
+      torch_ideal=$("$ctl" schedule simulate --file="$tmp/$name.torch.csv" \
+        --forward=10 --backward_input=10 --backward_weight=10 --format=json)
+    fi
     load_after=$(cut -d' ' -f1-3 /proc/loadavg)
     python3 - "$s" "$run" "$ideal" "$tmp/$name" "$tmp/$name.torch.json" "$load_before" "$load_after" "$torch_ideal" \
       >> "$tmp/results.jsonl" <<'PY'
@@ -97,11 +100,12 @@ print(json.dumps({
     "torch_class": t["torch_class"], "torch": t["torch"],
     # PyTorch's own compute order simulated with the same costs: how much of
     # its step is the order it chose rather than its runtime
-    "torch_order_ideal_s": json.loads(torch_ideal)["makespan"] / 1e3,
+    # (null for gpipe and 1f1b: PyTorch runs the same shapes as baton there)
+    "torch_order_ideal_s": None if json.loads(torch_ideal)["makespan"] is None else json.loads(torch_ideal)["makespan"] / 1e3,
 }))
 PY
     if [[ -n "${KEEP:-}" ]]; then
-      mkdir -p "$KEEP" && cp -r "$tmp/$name" "$tmp/$name.torch.csv" "$KEEP/" && cp "$tmp/results.jsonl" "$KEEP/"
+      mkdir -p "$KEEP" && cp -r "$tmp/$name" "$KEEP/" && { [[ ! -s "$tmp/$name.torch.csv" ]] || cp "$tmp/$name.torch.csv" "$KEEP/"; } && cp "$tmp/results.jsonl" "$KEEP/"
     fi
   done
 done
@@ -122,7 +126,7 @@ for r in rows:
     print(f"{r['schedule']:12} {r['run']:>3} {r['load_before']:>18} {r['ideal_s']*1e3:6.1f} | {r['baton_step_s']*1e3:6.1f}"
           f" {r['baton_ratio']:6.3f} {min(r['baton_steps_s'])/r['ideal_s']:6.3f} {r['baton_bubble']:6.3f} {r['baton_idle']:6.3f}"
           f" | {r['torch_step_s']*1e3:6.1f} {r['torch_ratio']:6.3f} {min(r['torch_steps_s'])/r['ideal_s']:6.3f} {r['torch_idle']:6.3f}"
-          f" {r['torch_order_ideal_s']*1e3:6.1f}"
+          f" {'-' if r['torch_order_ideal_s'] is None else format(r['torch_order_ideal_s']*1e3, '6.1f'):>6}"
           f" | {r['baton_step_s']/r['torch_step_s']:11.3f}  {r['target']}")
 print(json.dumps({"results": rows}))
 PY

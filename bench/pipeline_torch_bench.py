@@ -159,7 +159,12 @@ def run_rank(rank, args, port, queue):
     all_steps = [None] * p
     dist.all_gather_object(all_steps, steps)
     if rank == 0:
-        if args.dump_order:  # the compute order PyTorch ran, as its own CSV (one row per rank)
+        # The compute order PyTorch ran, as its own CSV (one row per rank). Only
+        # the runtime schedules (interleaved, zero bubble) execute
+        # pipeline_order; ScheduleGPipe/Schedule1F1B run their own loops (their
+        # pipeline_order is a picture, and 2.15's 1F1B one is off by one on the
+        # last rank), so nothing is written for them.
+        if args.dump_order and args.schedule in ("interleaved", "zb-h1"):
             order = sched.pipeline_order
             with open(args.dump_order, "w") as f:
                 for r in range(p):
@@ -182,7 +187,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7, help="timed steps after the warm-up")
     ap.add_argument("--dump_order", default="",
-                    help="write the schedule's compute order as PyTorch's CSV (cells 0F0, 1I3, 2W3, 0B1)")
+                    help="interleaved, zb-h1: write the compute order PyTorch runs as its CSV (cells 0F0, 1I3, 2W3, 0B1)")
     args = ap.parse_args()
     if args.pp < 1 or args.virtual < 1 or args.microbatches < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--pp, --virtual, --microbatches and --steps must be >= 1, --warmup >= 0")
