@@ -95,8 +95,10 @@ print(json.dumps({
     "baton_bubble": statistics.median(x["bubble_ratio"] for x in steps),
     "baton_idle": statistics.median(x["bubble_ratio"] + x["comm_ratio"] for x in steps),
     "baton_steps_s": [x["wall_seconds"] for x in steps],
+    "baton_summary_bubble": summary["bubble_ratio"],  # summary.json: all steps, the first included
     "torch_step_s": t["median_step_s"], "torch_ratio": t["median_step_s"] / ideal_s,
     "torch_idle": t["bubble_ratio"], "torch_steps_s": t["steps_s"],
+    "torch_op_seconds_per_rank": t["op_seconds_per_rank"],
     "torch_class": t["torch_class"], "torch": t["torch"],
     # PyTorch's own compute order simulated with the same costs: how much of
     # its step is the order it chose rather than its runtime

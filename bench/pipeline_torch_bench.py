@@ -231,6 +231,10 @@ def main():
         "pp": args.pp, "virtual": args.virtual, "microbatches": args.microbatches,
         "median_step_s": statistics.median(walls), "steps_s": walls,
         "bubble_ratio": statistics.median(bubbles),
+        # time inside the op functions per rank and step (median over the timed
+        # steps, then over ranks): m * (F + I + W) when the ops cost what they should
+        "op_seconds_per_rank": statistics.median(
+            statistics.median(per_rank[r][i][2] for i in timed) for r in range(args.pp)),
     }))
 
 
