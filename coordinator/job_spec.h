@@ -28,7 +28,9 @@ struct JobLimits {
   static constexpr int kMaxMicroBatchSize = 1 << 16;
   static constexpr int kMaxMicrobatches = 1 << 16;
   static constexpr int64_t kMaxSteps = 100'000'000;
-  static constexpr int kMaxWorkers = 4096;       // pp * tp * dp
+  // pp * tp * dp that a job may plan (paper-scale meshes); how many workers one
+  // coordinator holds is its --max_workers (default 4096, worker_registry.h).
+  static constexpr int kMaxWorkers = 65536;
   static constexpr int kMaxVirtualStages = 64;
   // pp * microbatches * virtual_stages: the (rank, microbatch, chunk) cells of
   // the schedule the coordinator builds, lowers, validates and simulates.

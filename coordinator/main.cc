@@ -51,6 +51,8 @@ ABSL_FLAG(std::string, job, "", "JobSpec file (textproto, or JSON starting with 
 ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
+ABSL_FLAG(int64_t, max_workers, 4096,
+          "worker names this coordinator holds at once (live or recently lost); a job needs pp*tp*dp of them");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
 ABSL_FLAG(std::string, resume, "",
           "with --job: resume from this checkpoint directory (or the newest complete one under a checkpoint.dir); "
@@ -81,6 +83,10 @@ int Main() {
     return Fail(2, absl::StrCat("--heartbeat_ms=", absl::GetFlag(FLAGS_heartbeat_ms), " and --lease_ms=",
                                 absl::GetFlag(FLAGS_lease_ms),
                                 " must satisfy 0 < heartbeat_ms < lease_ms (e.g. 500 and 3000)"));
+  }
+  const int64_t max_workers = absl::GetFlag(FLAGS_max_workers);
+  if (max_workers < 1 || max_workers > 2 * JobLimits::kMaxWorkers) {
+    return Fail(2, absl::StrCat("--max_workers=", max_workers, " must be in 1..", 2 * JobLimits::kMaxWorkers));
   }
   std::string host;
   int port = 0;
@@ -113,6 +119,11 @@ int Main() {
     absl::StatusOr<v1::JobSpec> loaded = LoadJobSpec(absl::GetFlag(FLAGS_job));
     if (!loaded.ok()) return Fail(2, std::string(loaded.status().message()));
     job = *loaded;
+    if (DimsOf(*job).world_size() > max_workers) {
+      return Fail(2, absl::StrCat("job '", job->name(), "' needs pp*tp*dp = ", DimsOf(*job).world_size(),
+                                  " workers; this coordinator holds at most ", max_workers,
+                                  " (--max_workers): raise --max_workers"));
+    }
     BATON_LOG(INFO) << "job '" << job->name() << "' is valid";
   } else if (!absl::GetFlag(FLAGS_out).empty()) {
     return Fail(2, "--out needs --job");
@@ -120,7 +131,9 @@ int Main() {
 
   InstallShutdownSignalHandlers();
 
-  WorkerRegistry registry(RealClock::Get(), lease, absl::ToUnixMicros(absl::Now()));
+  WorkerRegistry::Limits registry_limits;
+  registry_limits.max_workers = static_cast<int>(max_workers);
+  WorkerRegistry registry(RealClock::Get(), lease, absl::ToUnixMicros(absl::Now()), registry_limits);
   KvStore kv;
   auto metrics = std::make_shared<prometheus::Registry>();
   std::unique_ptr<JobRunner> runner;

@@ -1,10 +1,13 @@
 #include "coordinator/planner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
+#include <map>
 #include <random>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/job_spec.h"
 #include "gtest/gtest.h"
 
@@ -160,6 +163,82 @@ TEST(PlannerTest, TensorGroupsStayOnOneHostAndRanksAreTpInnermost) {
   ASSERT_EQ(plan->spares_size(), 1);
   EXPECT_EQ(plan->spares(0), "c1");
   EXPECT_EQ(plan->stages_size(), 2);
+}
+
+// The placement rule, written the plain way: each TP group goes to the first
+// host (in name order) with tp free workers, taken in name order; when no
+// host has that many, the group is spread over the hosts in name order.
+std::vector<std::string> FirstFitByRule(const std::vector<v1::WorkerInfo>& workers, int groups, int tp) {
+  std::map<std::string, std::vector<std::string>> free;
+  for (const auto& w : workers) free[w.host()].push_back(w.name());
+  for (auto& [host, names] : free) std::sort(names.begin(), names.end());
+  std::vector<std::string> out;
+  for (int g = 0; g < groups; ++g) {
+    bool placed = false;
+    for (auto& [host, names] : free) {
+      if (static_cast<int>(names.size()) >= tp) {
+        out.insert(out.end(), names.begin(), names.begin() + tp);
+        names.erase(names.begin(), names.begin() + tp);
+        placed = true;
+        break;
+      }
+    }
+    for (int need = tp; !placed && need > 0;) {
+      for (auto& [host, names] : free) {
+        while (!names.empty() && need > 0) {
+          out.push_back(names.front());
+          names.erase(names.begin());
+          --need;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(PlannerTest, PlacementFollowsTheFirstFitRuleOnRaggedHosts) {
+  // Hosts of 1..11 workers, so some TP groups fit a host, some hosts keep a
+  // remainder, and the last groups must be spread.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<std::pair<std::string, std::string>> name_host;
+    const int hosts = 3 + static_cast<int>(rng() % 12);
+    for (int h = 0; h < hosts; ++h) {
+      const int n = 1 + static_cast<int>(rng() % 11);
+      for (int i = 0; i < n; ++i) name_host.push_back({absl::StrCat("w", h, "-", i), absl::StrCat("host", rng() % 100)});
+    }
+    const int tp = 4, pp = 2;
+    const int dp = static_cast<int>(name_host.size()) / (tp * pp);
+    if (dp == 0) continue;
+    auto workers = Workers(name_host);
+    v1::JobSpec job = Job(4, pp, tp, dp);
+    auto plan = MakePlan(job, workers, 1);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    std::vector<std::string> got;
+    for (const auto& r : plan->ranks()) got.push_back(r.worker_name());
+    EXPECT_EQ(got, FirstFitByRule(workers, pp * dp, tp)) << "trial " << trial;
+  }
+}
+
+TEST(PlannerTest, PlansAPaperScaleMesh) {
+  // pp=64 x tp=8 x dp=128 = 65,536 ranks on 8-GPU hosts: every worker placed
+  // once, every TP group on one host (the planner is linear in the workers;
+  // bench/plan_bench times it).
+  std::vector<std::pair<std::string, std::string>> name_host;
+  for (int i = 0; i < 65536; ++i) name_host.push_back({absl::StrCat("w", i), absl::StrCat("node", i / 8)});
+  v1::JobSpec job = Job(128, 64, 8, 128);
+  auto plan = MakePlan(job, Workers(name_host), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->ranks_size(), 65536);
+  std::set<std::string> names;
+  for (int i = 0; i < plan->ranks_size(); ++i) {
+    const auto& r = plan->ranks(i);
+    names.insert(r.worker_name());
+    ASSERT_EQ(r.global_rank(), i);
+    ASSERT_EQ(r.host(), plan->ranks(i - r.tp_rank()).host()) << "rank " << i;
+  }
+  EXPECT_EQ(names.size(), 65536u);
+  EXPECT_EQ(plan->spares_size(), 0);
 }
 
 TEST(PlannerTest, SameWorkersGiveTheSamePlanWhateverTheirOrder) {

@@ -1,5 +1,6 @@
 #include "worker/executor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -105,12 +106,70 @@ void StepExecutor::Record(const std::string& name, const char* cat, absl::Time s
   e.set_duration_us(absl::ToInt64Microseconds(end - start));
 }
 
+absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(StageModel* model, int stage) {
+  kernels::Stream* stream = model->context().stream;
+  ChunkEvents& ce = chunk_events_[stage];
+  if (ce.used == ce.pool.size()) {
+    absl::StatusOr<std::unique_ptr<kernels::Event>> e = kernels::Event::Create(stream->device());
+    if (!e.ok()) return WithContext(e.status(), absl::StrCat("creating an event for stage ", stage));
+    ce.pool.push_back(std::move(*e));
+  }
+  kernels::Event* e = ce.pool[ce.used++].get();
+  BATON_RETURN_IF_ERROR_CTX(e->Record(*stream), "recording an event on stage ", stage, "'s stream");
+  return e;
+}
+
+absl::Status StepExecutor::StartSpans() {
+  spans_.clear();
+  for (auto& [stage, model] : chunks_) {
+    if (model->context().stream == nullptr) continue;
+    ChunkEvents& ce = chunk_events_[stage];
+    ce.used = 0;
+    BATON_ASSIGN_OR_RETURN(ce.anchor, RecordEvent(model, stage));
+    ce.anchor_host = absl::Now();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::BeginSpan(StageModel* model, int stage) {
+  BATON_ASSIGN_OR_RETURN(kernels::Event * start, RecordEvent(model, stage));
+  spans_.push_back(Span{stage, start});
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string name, double tp_wait) {
+  BATON_ASSIGN_OR_RETURN(kernels::Event * end, RecordEvent(model, stage));
+  Span& span = spans_.back();
+  span.end = end;
+  span.name = std::move(name);
+  span.tp_wait = tp_wait;
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::ResolveSpans() {
+  for (const Span& span : spans_) {
+    if (span.end == nullptr) continue;  // its action failed
+    BATON_ASSIGN_OR_RETURN(const double seconds, span.end->SecondsSince(*span.start));
+    compute_ += std::max(0.0, seconds - span.tp_wait);
+    if (!trace_) continue;
+    // The anchor ran when it was recorded (the stream was idle: the previous
+    // step or Commit ended with a wait), so its host time places the span.
+    const ChunkEvents& ce = chunk_events_.at(span.stage);
+    absl::StatusOr<double> offset = span.start->SecondsSince(*ce.anchor);
+    const absl::Time start = ce.anchor_host + absl::Seconds(offset.ok() ? std::max(0.0, *offset) : 0.0);
+    Record(span.name, "compute", start, start + absl::Seconds(seconds));
+  }
+  spans_.clear();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
   trace_ = trace;
   events_.clear();
   BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
+  BATON_RETURN_IF_ERROR(StartSpans());
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
@@ -150,6 +209,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
   }
+  BATON_RETURN_IF_ERROR(ResolveSpans());  // every chunk's work is done now
   report.set_grad_sq_norm(sq);
   if (report.has_loss()) {
     report.set_loss(loss.tokens > 0 ? loss.loss_sum / loss.tokens : 0.0);
@@ -170,8 +230,10 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   StageModel* model = it->second;
   const int s = a.stage(), mb = a.microbatch();
   const bool first = s == 0, last = s == options_.num_stages - 1;
+  const bool on_stream = model->context().stream != nullptr;
   const absl::Time start = absl::Now();
   const double tp_before = tp_ ? tp_->waited_seconds() : 0;
+  if (on_stream) BATON_RETURN_IF_ERROR(BeginSpan(model, s));
 
   absl::Status status;
   if (a.kind() == Action::FORWARD) {
@@ -225,6 +287,10 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   const absl::Time end = absl::Now();
   const double tp_wait = tp_ ? tp_->waited_seconds() - tp_before : 0;
   tp_comm_ += tp_wait;
+  if (on_stream) {
+    if (status.ok()) status = EndSpan(model, s, absl::StrCat(Name(a.kind()), s, " mb", mb), tp_wait);
+    return status;
+  }
   compute_ += absl::ToDoubleSeconds(end - start) - tp_wait;
   Record(absl::StrCat(Name(a.kind()), s, " mb", mb), "compute", start, end);
   return status;
@@ -232,8 +298,6 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
 
 absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {
   if (pipeline_ == nullptr) return absl::InternalError("program sends or receives, but pp == 1");
-  const absl::Time start = absl::Now();
-  const int64_t posted_us = options_.clock_us();
   struct Pending {
     std::shared_ptr<comm::Work> work;
     Message* recv = nullptr;  // set on the side message of a receive
@@ -250,6 +314,9 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
     if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
     BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", stage, " before sending");
   }
+  // Comm time starts here: the wait above was for compute, counted as such.
+  const absl::Time start = absl::Now();
+  const int64_t posted_us = options_.clock_us();
   std::vector<Pending> pending;
   for (const Action* a : batch) {
     const int s = a->stage(), mb = a->microbatch();
@@ -313,17 +380,20 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
 
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
+  absl::Duration waited_for_compute;
   for (auto& [stage, model] : chunks_) {
     BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
+    const absl::Time wait_start = absl::Now();
     BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
+    waited_for_compute += absl::Now() - wait_start;
     BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(model::CommBuffer(g))->Wait(options_.op_timeout),
                               "data-parallel gradient all-reduce");
     kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
   }
   const absl::Time end = absl::Now();
-  dp_comm_ += absl::ToDoubleSeconds(end - start);
+  dp_comm_ += absl::ToDoubleSeconds(end - start - waited_for_compute);
   Record("reduce grads", "dp", start, end);
   return absl::OkStatus();
 }
@@ -345,13 +415,26 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
 }
 
 absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_factor) {
-  const absl::Time start = absl::Now();
+  BATON_RETURN_IF_ERROR(StartSpans());
   for (auto& [stage, model] : chunks_) {
+    const bool on_stream = model->context().stream != nullptr;
+    const absl::Time start = absl::Now();
+    if (on_stream) BATON_RETURN_IF_ERROR(BeginSpan(model, stage));
     BATON_RETURN_IF_ERROR_CTX(model->OptimizerStep(clip_factor), "optimizer step of stage ", stage);
+    if (on_stream) {
+      BATON_RETURN_IF_ERROR(EndSpan(model, stage, "optimizer", 0));
+      continue;
+    }
+    const absl::Time end = absl::Now();
+    compute_ += absl::ToDoubleSeconds(end - start);
+    Record("optimizer", "compute", start, end);
   }
-  const absl::Time end = absl::Now();
-  compute_ += absl::ToDoubleSeconds(end - start);
-  Record("optimizer", "compute", start, end);
+  // One wait per chunk on a stream, so the optimizer's device time counts in
+  // this step (and its errors are reported here).
+  for (const Span& span : spans_) {
+    BATON_RETURN_IF_ERROR_CTX(span.end->Synchronize(), "optimizer step of stage ", span.stage);
+  }
+  BATON_RETURN_IF_ERROR(ResolveSpans());
   return Finish(step, true);
 }
 

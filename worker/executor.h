@@ -14,6 +14,14 @@
 //   compute = time in F/B/I/W and the optimizer, minus TP communication inside them
 //   comm    = p2p transfers after the peer posted its send, TP all-reduces, DP all-reduce
 //   bubble  = wall - compute - comm (waiting for a peer, or for the coordinator)
+// Compute time is the device's: a chunk whose context has a stream (a GPU, the
+// simulated device) gets a pair of events recorded around each action, read
+// once the step's results have been waited for (and after the optimizer, at
+// Commit), so an action counts the time the device spent on it, not the time
+// the host took to enqueue it. A chunk without a stream (the CPU) runs its ops
+// inline, and host time around the action is its compute time. The waits for
+// a chunk before a send or the DP all-reduce count as neither comm nor compute
+// (the device work they wait for is already counted as compute).
 // Every pipeline message is followed by a small side message (same peer,
 // tag | kStampTagBit) holding the sender's post time on the coordinator clock,
 // so a receive that waited splits into bubble (before the peer posted) and
@@ -37,12 +45,14 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "baton/v1/coordinator.pb.h"
 #include "baton/v1/program.pb.h"
+#include "kernels/backend.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/stage_model.h"
@@ -87,6 +97,15 @@ class StepExecutor {
   absl::Status RunCommBatch(const std::vector<const v1::Action*>& batch);
   absl::Status ReduceGrads();
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
+  // Device-time accounting (chunks with a stream): BeginSpan records the
+  // start event of an action on the chunk's stream, EndSpan its end event;
+  // ResolveSpans (every recorded event complete) adds the spans to compute_
+  // and to the trace.
+  absl::Status StartSpans();  // a step's (or Commit's) first event on each such chunk
+  absl::Status BeginSpan(StageModel* model, int stage);
+  absl::Status EndSpan(StageModel* model, int stage, std::string name, double tp_wait);
+  absl::Status ResolveSpans();
+  absl::StatusOr<kernels::Event*> RecordEvent(StageModel* model, int stage);
   v1::StepDone Finish(int64_t step, bool committed);
   // The message of (stage, mb) in `map`, created from the pool if new.
   absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
@@ -111,6 +130,22 @@ class StepExecutor {
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
   bool trace_ = false;
   std::vector<v1::TraceEvent> events_;
+  // Events of chunks with a stream, reused step after step.
+  struct ChunkEvents {
+    std::vector<std::unique_ptr<kernels::Event>> pool;
+    size_t used = 0;
+    kernels::Event* anchor = nullptr;  // recorded first in the step (or the Commit)
+    absl::Time anchor_host;            // host time just after the anchor was recorded
+  };
+  std::map<int, ChunkEvents> chunk_events_;
+  struct Span {
+    int stage;
+    kernels::Event* start;
+    kernels::Event* end = nullptr;
+    std::string name;  // for the trace
+    double tp_wait = 0;
+  };
+  std::vector<Span> spans_;
 };
 
 }  // namespace baton

@@ -15,10 +15,12 @@
 //
 // Host synchronisations (kernels::HostSyncCount, exported by the worker as
 // baton_host_syncs_total): a one-rank step (RunStep + Commit) waits for the
-// device at most twice. With pp > 1 the pipeline's communicators are host
-// side (Gloo, in-process): each batch of sends waits for its chunk first,
-// and the tied-embedding sum once, so a rank's step waits at most
-// 2 + (its send batches) times until p2p runs on streams (NCCL).
+// device at most twice (reading the step's results, and the end of the
+// optimizer, whose device time counts in the step). With pp > 1 the
+// pipeline's communicators are host side (Gloo, in-process): each batch of
+// sends waits for its chunk first, and the tied-embedding sum once, so a
+// rank's step waits at most 3 + (its send batches) times until p2p runs on
+// streams (NCCL).
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -82,6 +84,7 @@ struct StepResult {
   double loss = 0, sq_norm = 0;
   int64_t correct = 0;
   int64_t host_syncs = 0;  // during RunStep + Commit, all ranks
+  std::vector<v1::StepDone> done;  // per rank
 };
 
 // `ranks` pipeline ranks of one schedule, each an executor over its chunks,
@@ -176,6 +179,7 @@ class Pipeline {
     for (int r = 0; r < ranks_; ++r) {
       auto done = executors_[r]->Commit(step, 0.5f);
       EXPECT_TRUE(done.ok()) << done.status();
+      if (done.ok()) result.done.push_back(*done);
     }
     result.host_syncs = kernels::HostSyncCount() - syncs_before;
     return result;
@@ -272,8 +276,9 @@ INSTANTIATE_TEST_SUITE_P(Schedules, SimExecutorTest,
                                   std::to_string(info.param.v);
                          });
 
-// A one-rank step waits for the device at most twice (here: once, reading
-// the loss and norm); a pp=2 rank at most twice plus once per send batch.
+// A one-rank step waits for the device at most twice (reading the loss and
+// norm, and the optimizer's end); a pp=2 rank three times (the tied-embedding
+// sum too) plus once per send batch.
 // The first step is not bounded: it allocates (ZerosOn zeroes each new
 // message buffer and waits).
 TEST(SimExecutorHostSyncs, AtMostTwoPerStepOnOneRank) {
@@ -297,8 +302,38 @@ TEST(SimExecutorHostSyncs, PipelineOfTwoWaitsOnlyForItsSends) {
   for (int step = 2; step <= kSteps + 1; ++step) {
     const StepResult r = p.Step(step);
     ::testing::Test::RecordProperty(absl::StrCat("host_syncs_step_", step), static_cast<int>(r.host_syncs));
-    EXPECT_LE(r.host_syncs, 2 * 2 + sends) << "step " << step << " (" << sends << " send batches on 2 ranks)";
+    EXPECT_LE(r.host_syncs, 3 * 2 + sends) << "step " << step << " (" << sends << " send batches on 2 ranks)";
   }
+}
+
+// Compute time is the device's: every op on a simulated stream sleeps 200 us
+// before it runs, and lazy streams run nothing until the host waits, so the
+// host spends almost no time inside the actions; the step's compute seconds
+// must still hold the ops' time (at least 200 us for each op run inside an
+// action), and compute + comm + bubble must still be the step's wall time.
+TEST(SimExecutorTimeAccounting, ComputeIsTheDevicesTimeNotTheHostsEnqueueTime) {
+  Pipeline p("1f1b", 1, 1, kernels::Device::Sim(0));
+  ASSERT_TRUE(p.ok());
+  p.Step(1);
+  constexpr absl::Duration kDelay = absl::Microseconds(200);
+  kernels::sim::SetSimOpDelay(kDelay);
+  const int64_t ops_before = kernels::sim::SimOpsRun();
+  const StepResult r = p.Step(2);
+  const int64_t ops = kernels::sim::SimOpsRun() - ops_before;
+  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  ASSERT_EQ(r.done.size(), 1u);
+  const v1::StepDone& d = r.done[0];
+  ::testing::Test::RecordProperty("ops", static_cast<int>(ops));
+  ::testing::Test::RecordProperty("compute_us", static_cast<int>(d.compute_seconds() * 1e6));
+  // Outside the actions only a handful of ops run (zeroing the gradients,
+  // copying the step's results out), far fewer than half.
+  ASSERT_GT(ops, 100);
+  EXPECT_GE(d.compute_seconds(), static_cast<double>(ops / 2) * absl::ToDoubleSeconds(kDelay))
+      << ops << " ops of " << kDelay << " each";
+  EXPECT_LE(d.compute_seconds(), d.wall_seconds());
+  EXPECT_NEAR(d.compute_seconds() + d.comm_p2p_seconds() + d.comm_tp_seconds() + d.comm_dp_seconds() +
+                  d.bubble_seconds(),
+              d.wall_seconds(), 1e-9);
 }
 
 // What baton-worker writes and keeps from a device chunk (worker_job.cc:

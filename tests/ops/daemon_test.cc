@@ -6,7 +6,7 @@
 //    it cannot reach its coordinator, SERVING once registered, NOT_SERVING
 //    again when the coordinator goes away; --health_listen (plaintext, for
 //    Kubernetes probes) mirrors it.
-//  - Bad listen addresses and port offsets exit 2 (the units' RestartPreventExitStatus).
+//  - Bad listen addresses, port offsets and limits exit 2 (the units' RestartPreventExitStatus).
 #include <signal.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -16,6 +16,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -220,7 +221,14 @@ TEST(DaemonTest, PortOffsetMovesBothPorts) {
   EXPECT_EQ(worker.Wait(absl::Seconds(10)), 0);
 }
 
-TEST(DaemonTest, BadAddressesExitTwoWithTheFix) {
+TEST(DaemonTest, BadAddressesAndLimitsExitTwoWithTheFix) {
+  const std::string big_job = TempDir("big_job") + "/job.textproto";
+  {
+    std::ofstream f(big_job);
+    f << "name: \"big\"\nmodel { layers: 2 synthetic { forward_ms: 0 backward_input_ms: 0 backward_weight_ms: 0 "
+         "activation_bytes: 4 } }\nparallel { pp: 2 dp: 64 }\nschedule { kind: \"1f1b\" microbatches: 2 }\n"
+         "train { steps: 1 micro_batch_size: 1 lr: 0.001 }\n";
+  }
   struct Case {
     std::string binary;
     std::vector<std::string> args;
@@ -235,6 +243,10 @@ TEST(DaemonTest, BadAddressesExitTwoWithTheFix) {
       {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--port_offset=-1"}, "--port_offset must be >= 0"},
       {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--listen=nonsense"}, "must be HOST:PORT"},
       {"coordinator/baton-coordinator", {"--http_listen=0.0.0.0:99999"}, "port must be 0..65535"},
+      {"coordinator/baton-coordinator", {"--max_workers=0"}, "--max_workers=0 must be in 1..131072"},
+      // A job larger than the coordinator holds would wait for workers forever.
+      {"coordinator/baton-coordinator", {"--job=" + big_job, "--max_workers=64"},
+       "needs pp*tp*dp = 128 workers; this coordinator holds at most 64 (--max_workers)"},
   };
   for (const Case& c : cases) {
     auto r = RunCommand(RunfilePath(c.binary), c.args, absl::Seconds(30));
