@@ -590,11 +590,15 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
 // yet are kept (bounded) until it is.
 //
 // Who moves bytes: one "reader" and one "writer" at a time. A thread in
-// Wait() on a receive takes the reader role when it is free; the
-// communicator's I/O thread takes either role when the socket is ready and
-// nobody holds it (so ops nobody waits for complete, and a broken
-// connection is seen at once). Send() writes what the socket takes without
-// blocking and leaves the rest to the I/O thread.
+// Wait() on a receive (a send) takes the reader (writer) role when it is
+// free; a reader that waits stops at the end of its own frame. The
+// communicator's I/O thread takes either role when the socket is ready,
+// nobody holds it and no thread waits for it (so ops nobody waits for
+// complete, and a broken connection is seen), and gives it up as soon as
+// a thread waits on the link: the thread that waits for a message moves it
+// itself, with no hand-off between threads per message. Send() writes what
+// the socket takes without blocking; the rest is written by the thread
+// that waits for it, or the I/O thread if none does.
 class PeerLink {
  public:
   static constexpr size_t kHeader = 16;
