@@ -133,7 +133,9 @@ absl::Status StepExecutor::StartSpans() {
 
 absl::Status StepExecutor::BeginSpan(StageModel* model, int stage) {
   BATON_ASSIGN_OR_RETURN(kernels::Event * start, RecordEvent(model, stage));
-  spans_.push_back(Span{stage, start});
+  Span& span = spans_.emplace_back();
+  span.stage = stage;
+  span.start = start;
   return absl::OkStatus();
 }
 

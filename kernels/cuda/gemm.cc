@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cublaslt_loader.h"
 #include "kernels/cuda/cuda_status.h"
 
 namespace baton::cuda {
@@ -77,6 +78,7 @@ absl::Status MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int
 
 absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::CreateWithWorkspace(
     void* workspace, size_t workspace_bytes) {
+  if (absl::Status loaded = LoadCublasLt(); !loaded.ok()) return loaded;
   cublasLtHandle_t handle = nullptr;
   BATON_LT_RETURN_IF_ERROR(cublasLtCreate(&handle), nullptr);
   auto gemm = std::unique_ptr<CublasLtGemm>(new CublasLtGemm(handle, workspace, workspace_bytes));
@@ -85,6 +87,7 @@ absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::CreateWithWorkspace(
 }
 
 absl::StatusOr<std::unique_ptr<CublasLtGemm>> CublasLtGemm::Create(size_t workspace_bytes) {
+  if (absl::Status loaded = LoadCublasLt(); !loaded.ok()) return loaded;
   cublasLtHandle_t handle = nullptr;
   BATON_LT_RETURN_IF_ERROR(cublasLtCreate(&handle), nullptr);
   void* workspace = nullptr;

@@ -3,7 +3,8 @@
 // installed, no driver) must fail the job's Configure with an error that
 // names the cause — the message of cudaGetDeviceCount — which the coordinator
 // reports as the job error, and must stay up: still registered, still
-// healthy. Real coordinator and worker processes on loopback.
+// healthy, without having loaded cuBLAS. Real coordinator and worker
+// processes on loopback.
 //
 // On a machine where CUDA works this test fails (it asserts the driver is
 // missing), so it carries the tag `no_gpu` and CI runs it; a GPU machine runs
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <string>
 
 #include <grpcpp/grpcpp.h>
 
@@ -107,6 +109,15 @@ TEST(NoDriverTest, CudaWorkerFailsConfigureWithTheCauseAndStaysUp) {
   EXPECT_EQ(workers.workers(0).name(), "w0");
   EXPECT_EQ(workers.workers(0).device(), "cuda:0");
   EXPECT_NE(workers.workers(0).state(), v1::LOST);
+
+  // cuBLASLt is opened by the first GEMM handle, never at start or by a job
+  // that failed before it computed: loading it costs ~150 MB per process.
+  std::ifstream maps(absl::StrCat("/proc/", worker.pid(), "/maps"));
+  ASSERT_TRUE(maps.good());
+  std::string line;
+  while (std::getline(maps, line)) {
+    EXPECT_FALSE(absl::StrContains(line, "libcublas")) << "the worker mapped cuBLAS: " << line;
+  }
 
   worker.Signal(SIGTERM);
   EXPECT_EQ(worker.Wait(absl::Seconds(20)), 0) << worker.Log();

@@ -46,10 +46,15 @@ done
 # (grep reads all its input in these pipelines: `grep -q` would exit at the
 # first match and, under pipefail, readelf's SIGPIPE would turn a match into
 # a failure.)
-# Where the toolkit is installed the worker carries the CUDA backend (cuBLASLt).
+# Where the toolkit is installed the worker carries the CUDA backend, which
+# opens cuBLASLt on its first GEMM, never at start (loading it costs ~150 MB
+# resident in every worker process, GPU or not).
 if [ "${1:-}" = "--cuda_linked" ]; then
-  readelf -d "$root/bin/baton-worker" | grep "NEEDED.*libcublasLt" >/dev/null ||
-    fail "baton-worker is not linked with the CUDA backend (no libcublasLt)"
+  grep -a "cublasLtMatmulAlgoGetHeuristic" "$root/bin/baton-worker" >/dev/null ||
+    fail "baton-worker is not linked with the CUDA backend (no cuBLASLt loader)"
+  if readelf -d "$root/bin/baton-worker" | grep "NEEDED.*libcublas" >/dev/null; then
+    fail "baton-worker loads cuBLAS at start; it must open it on first use (kernels/cuda/cublaslt_loader.h)"
+  fi
 fi
 
 # The bundle runs with a cleared environment, all but the sanitizer options

@@ -20,7 +20,8 @@ NVCC_FLAGS = [
 def cuda_library(name, srcs, hdrs = [], deps = [], **kwargs):
     """A cc_library whose .cu sources are compiled by nvcc into a static archive.
 
-    Links cudart; add "@local_cuda//:cublas" or ":nccl" to `deps` when needed.
+    Links cudart; add "@local_cuda//:nccl" to `deps` when needed (cuBLASLt:
+    //kernels/cuda:cublaslt_loader).
     """
     if not CUDA_AVAILABLE:
         return
@@ -51,7 +52,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], **kwargs):
 
 def cuda_cc_library(name, **kwargs):
     """A plain C++ library that calls CUDA host APIs (cudart; add
-    "@local_cuda//:nccl" or "@local_cuda//:cublas" to deps); absent without CUDA."""
+    "@local_cuda//:nccl" to deps); absent without CUDA."""
     if not CUDA_AVAILABLE:
         return
     deps = kwargs.pop("deps", [])

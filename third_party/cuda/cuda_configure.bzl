@@ -2,7 +2,7 @@
 
 Generates @local_cuda with:
   defs.bzl   CUDA_AVAILABLE, CUDA_PATH
-  BUILD      :cuda (headers + cudart, cuBLAS, NCCL link flags) when available.
+  BUILD      :cudart (headers + cudart) and :nccl when available.
 Set BATON_CUDA_PATH to use a toolkit other than /usr/local/cuda. Without nvcc
 the GPU targets are left out of the build and this rule says so once.
 """
@@ -21,9 +21,9 @@ def _cuda_configure_impl(ctx):
         ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
-# Link only what a target needs: cuBLAS brings a large static TLS block that
-# breaks libraries creating threads with small fixed stacks (civetweb in the
-# daemons' ops server), so daemons link cudart and NCCL only.
+# Link only what a target needs. cuBLASLt is never linked: kernels/cuda
+# opens it on first use (cublaslt_loader.h), since loading it costs ~150 MB
+# resident and a large static TLS block in every process.
 cc_library(
     name = "cudart",
     hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.inl", "include/**/*.cuh"]),
@@ -34,12 +34,6 @@ cc_library(
 cc_library(
     name = "nccl",
     linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lnccl"],
-    deps = [":cudart"],
-)
-
-cc_library(
-    name = "cublas",
-    linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lcublas", "-lcublasLt"],
     deps = [":cudart"],
 )
 """.format(p = cuda_path))
