@@ -2,13 +2,19 @@
 //
 //   bazel run -c opt //bench:comm_bench
 //
+//   flags: --p2p_only (no all-reduce), --latency_only (only the 8-byte
+//          ping-pong), --sizes=65536,262144 (point-to-point message sizes
+//          in bytes; default 64 KiB..64 MiB)
+//
 // The driver serves the rendezvous KV (FakeCoordinatorKv) and re-executes
 // itself once per rank. Two ranks measure point-to-point bandwidth
-// (64 KiB-64 MiB, one direction, 4 messages in flight) and 8-byte ping-pong
-// latency, each against a plain TCP socket pair (TCP_NODELAY, default
-// buffers) between the same two processes in the same run. Then 2 and 4 ranks measure all-reduce (float32
-// sum) and report algbw = bytes / time and busbw = algbw * 2(n-1)/n, the
-// nccl-tests convention. Rank 0 prints Markdown tables.
+// (one direction, 4 messages in flight, message i in buffer i % 4 on both
+// paths) and 8-byte ping-pong latency, each against a plain TCP socket pair
+// (TCP_NODELAY, default buffers, as the communicator's own connections)
+// between the same two processes in the same run, interleaved, best of 5.
+// Then 2 and 4 ranks measure all-reduce (float32 sum) and report algbw =
+// bytes / time and busbw = algbw * 2(n-1)/n, the nccl-tests convention.
+// Rank 0 prints Markdown tables.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -23,6 +29,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
@@ -104,15 +111,19 @@ int ConnectRawTcp(Store& store, int rank) {
 }
 
 // Seconds for `iters` messages of `bytes` from rank 0 to rank 1, ended by a
-// one-byte ack so the sender sees the last byte arrive.
-double RawBandwidth(int fd, int rank, std::vector<char>& buf, size_t bytes, int iters) {
+// one-byte ack so the sender sees the last byte arrive. Message i uses
+// buffer i % kWindow on both sides, as the communicator's run does (one
+// buffer for every message kept it in cache and favoured raw TCP).
+double RawBandwidth(int fd, int rank, std::vector<std::vector<char>>& bufs, size_t bytes,
+                    int iters) {
   char ack = 0;
   const absl::Time start = absl::Now();
   for (int i = 0; i < iters; ++i) {
+    char* buf = bufs[i % kWindow].data();
     if (rank == 0) {
-      WriteAll(fd, buf.data(), bytes);
+      WriteAll(fd, buf, bytes);
     } else {
-      ReadAll(fd, buf.data(), bytes);
+      ReadAll(fd, buf, bytes);
     }
   }
   if (rank == 0) {
@@ -200,10 +211,10 @@ std::unique_ptr<Communicator> Join(Store& store, const std::string& group, int r
   return std::move(*c);
 }
 
-void PointToPoint(Store& store, int rank, bool latency_only) {
+void PointToPoint(Store& store, int rank, bool latency_only, const std::vector<size_t>& sizes_in) {
   std::unique_ptr<Communicator> c = Join(store, "p2p", rank, 2);
   const int fd = ConnectRawTcp(store, rank);
-  std::vector<size_t> sizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  std::vector<size_t> sizes = sizes_in;
   if (latency_only) sizes.clear();
   std::vector<std::vector<char>> bufs(kWindow, std::vector<char>(64 << 20, 1));
   if (rank == 0 && !sizes.empty()) {
@@ -214,13 +225,13 @@ void PointToPoint(Store& store, int rank, bool latency_only) {
   for (size_t bytes : sizes) {
     const int iters = static_cast<int>(std::max<size_t>(8, (size_t{512} << 20) / bytes));
     // Warm up both paths, then interleave them to share the machine's noise.
-    RawBandwidth(fd, rank, bufs[0], bytes, 2);
+    RawBandwidth(fd, rank, bufs, bytes, 2);
     CommBandwidth(*c, bufs, bytes, 2, tag);
     tag += 1000000;
     double raw = 1e30, comm = 1e30;
     for (int rep = 0; rep < kReps; ++rep) {
       Check(c->Barrier()->Wait(kWait));
-      raw = std::min(raw, RawBandwidth(fd, rank, bufs[0], bytes, iters));
+      raw = std::min(raw, RawBandwidth(fd, rank, bufs, bytes, iters));
       Check(c->Barrier()->Wait(kWait));
       comm = std::min(comm, CommBandwidth(*c, bufs, bytes, iters, tag));
       tag += 1000000;
@@ -278,14 +289,15 @@ void AllReduce(Store& store, int rank, int size) {
 }
 
 // Runs `size` ranks of `role` as child processes of this binary.
-void RunRanks(const std::string& self, const std::string& kv, const std::string& role, int size) {
+void RunRanks(const std::string& self, const std::string& kv, const std::string& role, int size,
+              const std::string& sizes) {
   std::vector<pid_t> pids;
   for (int r = 0; r < size; ++r) {
     pid_t pid = fork();
     if (pid == 0) {
       std::string rank = absl::StrCat(r), n = absl::StrCat(size);
       execl(self.c_str(), self.c_str(), role.c_str(), kv.c_str(), rank.c_str(), n.c_str(),
-            static_cast<char*>(nullptr));
+            sizes.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     pids.push_back(pid);
@@ -298,18 +310,50 @@ void RunRanks(const std::string& self, const std::string& kv, const std::string&
   std::fflush(stdout);
 }
 
+// "65536,262144" -> sizes in bytes.
+std::vector<size_t> ParseSizes(const std::string& list) {
+  std::vector<size_t> sizes;
+  for (absl::string_view item : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    uint64_t v = 0;
+    if (!absl::SimpleAtoi(item, &v) || v == 0 || v > (uint64_t{64} << 20)) {
+      Die(absl::StrCat("--sizes: '", item, "' is not a byte count in 1..", 64 << 20));
+    }
+    sizes.push_back(v);
+  }
+  return sizes;
+}
+
+constexpr char kDefaultSizes[] = "65536,262144,1048576,4194304,16777216,67108864";
+
 int Main(int argc, char** argv) {
-  if (argc == 5) {  // a rank: <role> <kv> <rank> <size>
+  if (argc == 6 && std::string(argv[1]).rfind("--", 0) != 0) {
+    // a rank: <role> <kv> <rank> <size> <sizes>
     int rank = 0, size = 0;
     if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[4], &size)) Die("bad args");
     CoordinatorStore store(ConnectCoordinator(argv[2]), "bench", 1);
     if (std::string(argv[1]) == "p2p" || std::string(argv[1]) == "latency") {
-      PointToPoint(store, rank, std::string(argv[1]) == "latency");
+      PointToPoint(store, rank, std::string(argv[1]) == "latency", ParseSizes(argv[5]));
     } else {
       AllReduce(store, rank, size);
     }
     std::fflush(stdout);
     return 0;
+  }
+  bool latency_only = false, p2p_only = false;
+  std::string sizes = kDefaultSizes;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--latency_only") {
+      latency_only = true;
+    } else if (arg == "--p2p_only") {
+      p2p_only = true;
+    } else if (arg.rfind("--sizes=", 0) == 0) {
+      sizes = arg.substr(8);
+      ParseSizes(sizes);  // fails here, before any rank starts
+    } else {
+      Die(absl::StrCat("unknown flag ", arg,
+                       " (flags: --latency_only, --p2p_only, --sizes=BYTES,BYTES,...)"));
+    }
   }
   auto server = FakeCoordinatorKvServer::Start();
   Check(server.status());
@@ -320,13 +364,14 @@ int Main(int argc, char** argv) {
   std::printf("comm_bench: 2 processes on 127.0.0.1, %ld CPUs online\n\n",
               sysconf(_SC_NPROCESSORS_ONLN));
   std::fflush(stdout);
-  if (argc == 2 && std::string(argv[1]) == "--latency_only") {
-    RunRanks(self, (*server)->address(), "latency", 2);
+  if (latency_only) {
+    RunRanks(self, (*server)->address(), "latency", 2, sizes);
     return 0;
   }
-  RunRanks(self, (*server)->address(), "p2p", 2);
-  RunRanks(self, (*server)->address(), "allreduce", 2);
-  RunRanks(self, (*server)->address(), "allreduce", 4);
+  RunRanks(self, (*server)->address(), "p2p", 2, sizes);
+  if (p2p_only) return 0;
+  RunRanks(self, (*server)->address(), "allreduce", 2, sizes);
+  RunRanks(self, (*server)->address(), "allreduce", 4, sizes);
   return 0;
 }
 

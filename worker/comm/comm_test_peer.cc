@@ -2,7 +2,11 @@
 // the coordinator KV at <kv address>, then run <mode>:
 //   allreduce  all-reduce a known pattern and exit 0 iff the sum is right
 //   stream     send 16 MiB messages with tags 0, 1, ... to rank 0 until killed
+//   idle       post nothing and wait to be killed (the test stops it with
+//              SIGSTOP so that nothing reads its socket)
 // Usage: comm_test_peer <kv address> <job> <generation> <group> <rank> <size> <mode>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -70,6 +74,9 @@ int Main(int argc, char** argv) {
                            ->Wait(absl::Seconds(20));
       if (!s.ok()) return 6;
     }
+  }
+  if (mode == "idle") {
+    for (;;) pause();
   }
   std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
   return 2;

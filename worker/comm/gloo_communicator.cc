@@ -590,11 +590,15 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
 // yet are kept (bounded) until it is.
 //
 // Who moves bytes: one "reader" and one "writer" at a time. A thread in
-// Wait() on a receive takes the reader role when it is free; the
-// communicator's I/O thread takes either role when the socket is ready and
-// nobody holds it (so ops nobody waits for complete, and a broken
-// connection is seen at once). Send() writes what the socket takes without
-// blocking and leaves the rest to the I/O thread.
+// Wait() on a receive (a send) takes the reader (writer) role when it is
+// free; a reader that waits stops at the end of its own frame. The
+// communicator's I/O thread takes either role when the socket is ready,
+// nobody holds it and no thread waits for it (so ops nobody waits for
+// complete, and a broken connection is seen), and gives it up as soon as
+// a thread waits on the link: the thread that waits for a message moves it
+// itself, with no hand-off between threads per message. Send() writes what
+// the socket takes without blocking; the rest is written by the thread
+// that waits for it, or the I/O thread if none does.
 class PeerLink {
  public:
   static constexpr size_t kHeader = 16;
@@ -644,7 +648,10 @@ class PeerLink {
     // first (so its sender never stalls on a full socket). A small one is
     // left to the thread that will wait for it (waking the I/O thread too
     // would cost a hand-off), or to IsCompleted() or the watchdog's sweep.
-    if (op->io_bytes_ >= kArmOnPost) ArmReadLocked();
+    if (op->io_bytes_ >= kArmOnPost) {
+      ++posted_large_;
+      ArmReadLocked();
+    }
   }
 
   void PostSend(const std::shared_ptr<GlooWork>& op) {
@@ -663,6 +670,10 @@ class PeerLink {
   // Waits until `op` completes or `deadline`; reads the socket itself when
   // `op` is a receive and nobody else does. True when complete.
   bool Wait(GlooWork& op, absl::Time deadline) {
+    // While a thread waits here, the I/O thread leaves it the role it needs
+    // (and hands it over as soon as it sees it): no hand-off per message.
+    std::atomic<int>& waiters = op.io_recv_ ? read_waiters_ : write_waiters_;
+    waiters.fetch_add(1, std::memory_order_relaxed);
     mu_.Lock();
     // One try at moving bytes even with no time left (Wait(0) polls).
     for (bool tried = false;; tried = true) {
@@ -694,6 +705,13 @@ class PeerLink {
       mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
     }
     const bool done = op.settled();
+    waiters.fetch_sub(1, std::memory_order_relaxed);
+    // If the I/O thread left the socket to this thread and it is leaving
+    // without reading to the end, let the I/O thread have it again.
+    if (op.io_recv_ && !reading_ && !dead_ && (posted_large_ > 0 || cur_op_ != nullptr)) {
+      ArmReadLocked();
+    }
+    if (!op.io_recv_ && !writing_ && !dead_ && !sendq_.empty()) ArmWriteLocked();
     mu_.Unlock();
     return done;
   }
@@ -703,7 +721,9 @@ class PeerLink {
     {
       absl::MutexLock lock(&mu_);
       armed_ = false;  // one-shot: it fired
-      if (reading_ || dead_) return;  // whoever reads re-arms it
+      // Whoever reads re-arms it; a thread waiting for a receive reads
+      // itself.
+      if (reading_ || dead_ || read_waiters_.load(std::memory_order_relaxed) > 0) return;
       reading_ = true;
     }
     EndRead(ReadSome(nullptr, absl::InfinitePast()));
@@ -713,7 +733,11 @@ class PeerLink {
   void OnWritable() {
     {
       absl::MutexLock lock(&mu_);
+      write_armed_ = false;  // one-shot: it fired
       if (writing_ || dead_ || sendq_.empty()) return;
+      // A thread waiting for a send writes itself (and re-arms this when it
+      // leaves with frames still queued).
+      if (write_waiters_.load(std::memory_order_relaxed) > 0) return;
       writing_ = true;
     }
     EndWrite(WriteSome(nullptr, absl::InfinitePast()));
@@ -743,6 +767,7 @@ class PeerLink {
       for (auto& op : q) dropped.push_back(std::move(op));
     }
     posted_.clear();
+    posted_large_ = 0;
     for (auto& op : sendq_) dropped.push_back(std::move(op));
     sendq_.clear();
     if (cur_op_ != nullptr) dropped.push_back(std::move(cur_op_));
@@ -780,9 +805,17 @@ class PeerLink {
     armed_ = true;
   }
 
+  // EPOLLOUT for the I/O thread, once until it fires (one syscall saved
+  // per message when a waiting thread leaves frames queued each time).
+  void ArmWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (write_armed_) return;
+    Rearm(/*read=*/false, /*on=*/true);
+    write_armed_ = true;
+  }
+
   void Rearm(bool read, bool on) {
     epoll_event ev{};
-    ev.events = EPOLLONESHOT | (on ? (read ? EPOLLIN : EPOLLOUT) : 0);
+    ev.events = EPOLLONESHOT | (on ? static_cast<uint32_t>(read ? EPOLLIN : EPOLLOUT) : 0u);
     ev.data.u64 = (id_ << 1) | (read ? 0 : 1);
     epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, read ? fd_ : wfd_, &ev);
   }
@@ -794,11 +827,17 @@ class PeerLink {
       absl::MutexLock lock(&mu_);
       reading_ = false;
       if (st.ok()) {
-        // With nothing posted the link stays quiet until a receive is
-        // posted or the watchdog's sweep (ArmIfIdle): re-arming here would
-        // let the I/O thread take the next message from the thread about
-        // to wait for it.
-        if (!posted_.empty()) ArmReadLocked();
+        // Only large receives (which nobody may wait for before their
+        // sender stalls) keep the I/O thread reading; the rest stays in the
+        // socket for the thread that will wait for it, IsCompleted() or the
+        // watchdog's sweep (ArmIfIdle): re-arming here would let the I/O
+        // thread take the next message from the thread about to wait for
+        // it (a hand-off per message).
+        // A thread waiting for a receive arms it when it leaves (Wait).
+        if ((posted_large_ > 0 || (cur_op_ != nullptr && cur_op_->io_bytes_ >= kArmOnPost)) &&
+            read_waiters_.load(std::memory_order_relaxed) == 0) {
+          ArmReadLocked();
+        }
         return;
       }
       orphan = std::move(cur_op_);
@@ -813,7 +852,10 @@ class PeerLink {
       absl::MutexLock lock(&mu_);
       writing_ = false;
       if (st.ok()) {
-        if (!dead_ && !sendq_.empty()) Rearm(/*read=*/false, /*on=*/true);
+        // A thread waiting for a send re-arms it when it leaves (Wait).
+        if (!dead_ && !sendq_.empty() && write_waiters_.load(std::memory_order_relaxed) == 0) {
+          ArmWriteLocked();
+        }
         return;
       }
     }
@@ -836,6 +878,7 @@ class PeerLink {
         for (auto& op : q) ops.push_back(op);
       }
       posted_.clear();
+      posted_large_ = 0;
       for (auto& op : sendq_) ops.push_back(op);
       sendq_.clear();
       if (!reading_ && cur_op_ != nullptr) ops.push_back(std::move(cur_op_));
@@ -873,6 +916,11 @@ class PeerLink {
         const ssize_t w = sendmsg(fd_, &msg, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
         if (w > 0) {
           op->io_done_ += static_cast<size_t>(w);
+          // The I/O thread hands the role to a thread that waits for a send.
+          if (until == nullptr && op->io_done_ < total &&
+              write_waiters_.load(std::memory_order_relaxed) > 0) {
+            return absl::OkStatus();
+          }
           continue;
         }
         if (w < 0 && errno == EINTR) continue;
@@ -900,6 +948,15 @@ class PeerLink {
   absl::Status ReadSome(GlooWork* until, absl::Time deadline) {
     for (;;) {
       BATON_RETURN_IF_ERROR(Dispatch());
+      // A waiter whose op is complete stops at the next frame boundary (or
+      // in a frame nobody has posted a receive for): reading on would take
+      // frames whose receives are not posted yet into memory of their own
+      // (an allocation, zeroing and a second copy each; most of the
+      // receiver's cost at 64 KiB) or the next frame from the thread about
+      // to wait for it.
+      if (until != nullptr && until->settled() && (in_header_ || frame_eager_)) {
+        return absl::OkStatus();
+      }
       char* dst;
       size_t want;
       const bool direct =
@@ -925,6 +982,12 @@ class PeerLink {
           if (got_ == len_) BATON_RETURN_IF_ERROR(FinishFrame());
         } else {
           end_ += static_cast<size_t>(r);
+        }
+        // The I/O thread hands the role to a thread that waits for a
+        // receive (the frame state stays with the link).
+        if (until == nullptr && read_waiters_.load(std::memory_order_relaxed) > 0) {
+          BATON_RETURN_IF_ERROR(Dispatch());
+          return absl::OkStatus();
         }
         continue;
       }
@@ -987,6 +1050,7 @@ class PeerLink {
         cur_op_ = std::move(it->second.front());
         it->second.pop_front();
         if (it->second.empty()) posted_.erase(it);
+        if (cur_op_->io_bytes_ >= kArmOnPost) --posted_large_;
         // A size mismatch drains the payload and fails the receive.
         if (cur_op_->io_bytes_ == len) target_ = cur_op_->io_data_;
       } else if (len > kMaxUnexpected - unexpected_bytes_) {
@@ -999,6 +1063,7 @@ class PeerLink {
         eager = true;
       }
     }
+    frame_eager_ = eager;
     if (eager) {
       eager_.assign(len, 0);
       target_ = eager_.data();
@@ -1009,6 +1074,7 @@ class PeerLink {
 
   absl::Status FinishFrame() {
     in_header_ = true;
+    frame_eager_ = false;
     target_ = nullptr;
     absl::MutexLock lock(&mu_);
     if (cur_op_ != nullptr) {
@@ -1026,6 +1092,7 @@ class PeerLink {
       std::shared_ptr<GlooWork> op = std::move(it->second.front());
       it->second.pop_front();
       if (it->second.empty()) posted_.erase(it);
+      if (op->io_bytes_ >= kArmOnPost) --posted_large_;
       unexpected_bytes_ -= eager_.size();
       op->Complete(Deliver(*op, eager_.data(), eager_.size()));
       eager_.clear();
@@ -1043,16 +1110,24 @@ class PeerLink {
   const uint64_t id_;
   const std::string label_;
 
+  // Threads in Wait() for a receive / a send on this link.
+  std::atomic<int> read_waiters_{0};
+  std::atomic<int> write_waiters_{0};
+
   absl::Mutex mu_;
   bool dead_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;        // EPOLLIN
+  bool write_armed_ ABSL_GUARDED_BY(mu_) = false;  // EPOLLOUT
   absl::flat_hash_map<uint64_t, std::deque<std::shared_ptr<GlooWork>>> posted_
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::deque<std::vector<char>>> unexpected_ ABSL_GUARDED_BY(mu_);
   uint64_t unexpected_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Posted receives of kArmOnPost bytes or more (they keep the I/O thread
+  // reading).
+  size_t posted_large_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::shared_ptr<GlooWork>> sendq_ ABSL_GUARDED_BY(mu_);
   // The receive whose frame is being read (reader role, or under mu_ when
   // no one holds it).
@@ -1064,6 +1139,7 @@ class PeerLink {
   bool in_header_ = true;
   uint64_t tag_ = 0, len_ = 0, got_ = 0;
   char* target_ = nullptr;
+  bool frame_eager_ = false;  // the frame is read into eager_ (no receive posted)
   std::vector<char> eager_;
 };
 

@@ -7,9 +7,11 @@
 //
 // Point-to-point ops bypass Gloo: one TCP connection of our own per pair of
 // ranks carries them as frames (tag, length, payload). Send writes what the
-// socket takes at once; the thread that calls Work::Wait on a receive reads
-// the socket itself, straight into its buffer (no notice round trip, no
-// hand-off between threads); an I/O thread moves ops nobody waits for.
+// socket takes at once and the thread that calls Work::Wait on it the rest;
+// the thread that calls Work::Wait on a receive reads the socket itself,
+// straight into its buffer, up to its own frame's end (no notice round
+// trip, no hand-off between threads); an I/O thread moves ops nobody waits
+// for.
 // Messages whose receive is not posted yet are held (bounded). Collectives (ring all-reduce,
 // all-gather, reduce-scatter; direct broadcast; all-to-all barrier) run one
 // at a time, in call order, on an executor thread over Gloo's unbound

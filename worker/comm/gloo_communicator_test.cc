@@ -183,6 +183,114 @@ TEST(GlooRingTest, ASizeMismatchFailsTheReceiveNamingBothSizesAndTheLinkGoesOn) 
   EXPECT_EQ(ok_in[3], 2.0f);
 }
 
+// Large sends that do not fit the socket, each finished by the thread that
+// waits for it, while the receiver posts and reads one message at a time
+// with pauses between.
+TEST(GlooRingTest, LargeSendsFinishWhileThePeerReadsSlowly) {
+  InMemoryStore store;
+  auto comms = Group(store, "slow", 2);
+  constexpr int kMessages = 6;
+  const int64_t bytes = int64_t{8} << 20;
+  std::vector<std::vector<uint8_t>> out(kMessages, std::vector<uint8_t>(bytes));
+  std::vector<std::vector<uint8_t>> in(kMessages, std::vector<uint8_t>(bytes, 0));
+  for (int k = 0; k < kMessages; ++k) {
+    for (int64_t i = 0; i < bytes; i += 4093) out[k][i] = Pattern(k, i);
+    out[k][bytes - 1] = static_cast<uint8_t>(k + 1);
+  }
+  OnEachRank(2, [&](int r) {
+    if (r == 0) {
+      std::vector<std::shared_ptr<Work>> sends;
+      for (int k = 0; k < kMessages; ++k) {
+        sends.push_back(comms[0]->Send(Buffer{out[k].data(), bytes, DType::kUInt8, -1}, 1, 300 + k));
+      }
+      for (auto& w : sends) ASSERT_TRUE(w->Wait(kWait).ok()) << w->Wait(absl::ZeroDuration());
+      return;
+    }
+    for (int k = 0; k < kMessages; ++k) {
+      absl::SleepFor(absl::Milliseconds(30));
+      ASSERT_TRUE(comms[1]->Recv(Buffer{in[k].data(), bytes, DType::kUInt8, -1}, 0, 300 + k)
+                      ->Wait(kWait).ok());
+    }
+  });
+  for (int k = 0; k < kMessages; ++k) {
+    for (int64_t i = 0; i < bytes; i += 4093) ASSERT_EQ(in[k][i], Pattern(k, i)) << k << " " << i;
+    EXPECT_EQ(in[k][bytes - 1], k + 1);
+  }
+}
+
+// The thread that waited for the first send leaves the rest queued (the
+// socket is full) while the receiver drains the connection; nobody waits
+// for the other sends, yet they reach the receiver.
+TEST(GlooRingTest, QueuedSendsNobodyWaitsForStillGoOut) {
+  InMemoryStore store;
+  auto comms = Group(store, "queued", 2);
+  constexpr int kMessages = 6;
+  const int64_t bytes = int64_t{16} << 20;
+  std::vector<std::vector<uint8_t>> out(kMessages), in(kMessages);
+  std::vector<std::shared_ptr<Work>> sends;
+  for (int k = 0; k < kMessages; ++k) {
+    out[k].assign(bytes, static_cast<uint8_t>(10 + k));
+    in[k].assign(bytes, 0);
+  }
+  OnEachRank(2, [&](int r) {
+    if (r == 0) {
+      for (int k = 0; k < kMessages; ++k) {
+        sends.push_back(comms[0]->Send(Buffer{out[k].data(), bytes, DType::kUInt8, -1}, 1, k));
+      }
+      ASSERT_TRUE(sends[0]->Wait(kWait).ok());
+      return;  // only the receiver waits from here on
+    }
+    std::vector<std::shared_ptr<Work>> recvs;
+    for (int k = 0; k < kMessages; ++k) {
+      recvs.push_back(comms[1]->Recv(Buffer{in[k].data(), bytes, DType::kUInt8, -1}, 0, k));
+    }
+    for (int k = 0; k < kMessages; ++k) {
+      ASSERT_TRUE(recvs[k]->Wait(kWait).ok()) << k;
+      EXPECT_EQ(in[k][0], 10 + k);
+      EXPECT_EQ(in[k][bytes - 1], 10 + k);
+    }
+  });
+  for (auto& w : sends) EXPECT_TRUE(w->Wait(kWait).ok());
+}
+
+// A stream with 4 receives posted ahead (each next one posted after the
+// oldest completes), message sizes from 3 B to 70 KB mixed: frames arrive
+// both for posted receives and before theirs is posted, several small
+// frames share one read, and each waiter stops at its own frame's end.
+TEST(GlooRingTest, AWindowedStreamOfMixedSizesArrivesIntact) {
+  InMemoryStore store;
+  auto comms = Group(store, "window", 2);
+  constexpr int kMessages = 400, kWindow = 4;
+  const int64_t sizes[] = {17, 5000, 70001, 3, 4080, 4096, 65536, 1};
+  auto size_of = [&](int k) { return sizes[k % 8]; };
+  OnEachRank(2, [&](int r) {
+    std::vector<std::vector<uint8_t>> bufs(kMessages);
+    for (int k = 0; k < kMessages; ++k) {
+      bufs[k].assign(size_of(k), 0);
+      if (r == 0) {
+        for (int64_t i = 0; i < size_of(k); ++i) bufs[k][i] = Pattern(k, i);
+      }
+    }
+    std::vector<std::shared_ptr<Work>> inflight;
+    for (int k = 0; k < kMessages; ++k) {
+      if (inflight.size() == kWindow) {
+        ASSERT_TRUE(inflight.front()->Wait(kWait).ok()) << inflight.front()->Wait(absl::ZeroDuration());
+        inflight.erase(inflight.begin());
+      }
+      Buffer b{bufs[k].data(), size_of(k), DType::kUInt8, -1};
+      inflight.push_back(r == 0 ? comms[0]->Send(b, 1, 7000 + k) : comms[1]->Recv(b, 0, 7000 + k));
+    }
+    for (auto& w : inflight) ASSERT_TRUE(w->Wait(kWait).ok());
+    if (r == 1) {
+      for (int k = 0; k < kMessages; ++k) {
+        for (int64_t i = 0; i < size_of(k); ++i) {
+          ASSERT_EQ(bufs[k][i], Pattern(k, i)) << "message " << k << " byte " << i;
+        }
+      }
+    }
+  });
+}
+
 class GlooCollectivesTest : public TestWithParam<int> {};
 
 TEST_P(GlooCollectivesTest, MatchASequentialReference) {

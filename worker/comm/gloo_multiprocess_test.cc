@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -125,6 +126,68 @@ void GlooMultiProcessTest::KillPeerMidStream(const std::string& group) {
   EXPECT_TRUE(absl::IsAborted(later) || absl::IsUnavailable(later)) << later;
   EXPECT_LT(absl::Now() - before, absl::Seconds(1));
   EXPECT_EQ(peer->Wait(absl::Seconds(5)), 128 + SIGKILL) << "peer died by signal";
+}
+
+// A send larger than both socket buffers to a peer that stops reading (its
+// process is stopped) blocks the thread that waits for it in the write; the
+// peer then dies: the send fails at once, naming the peer, not at its
+// deadline.
+TEST_F(GlooMultiProcessTest, ASendBlockedOnAStoppedPeerFailsWhenThePeerDies) {
+  std::unique_ptr<testing::Subprocess> peer =
+      Spawn({server_->address(), "job", "1", "stopped", "1", "2", "idle"});
+  CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
+  auto comm = CreateCommunicator(store, Spec("stopped", 0, 2));
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  peer->Signal(SIGSTOP);
+  const int64_t bytes = int64_t{256} << 20;  // far beyond both socket buffers
+  std::vector<uint8_t> out(bytes, 0x33);
+  auto send = (*comm)->Send(Buffer{out.data(), bytes, DType::kUInt8, -1}, 1, 7);
+  // The waiting thread writes until the socket is full, then the op stays
+  // pending past a short wait.
+  absl::Status early = send->Wait(absl::Milliseconds(300));
+  ASSERT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded) << early;
+  EXPECT_NE(early.message().find("waiting for rank 1"), absl::string_view::npos) << early;
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(300));  // the main thread is back in the write
+    peer->Signal(SIGKILL);
+  });
+  const absl::Time start = absl::Now();
+  absl::Status s = send->Wait(absl::Seconds(60));
+  const absl::Duration took = absl::Now() - start;
+  killer.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("rank 1"), absl::string_view::npos) << s;
+  EXPECT_LT(took, absl::Seconds(20)) << "the break ends the write, not the 60 s wait";
+  EXPECT_EQ(peer->Wait(absl::Seconds(5)), 128 + SIGKILL);
+}
+
+// The same blocked send with nobody waiting for it (the I/O thread writes)
+// and a short op timeout: the watchdog fails it with DEADLINE_EXCEEDED
+// naming the peer, and aborts the communicator; it never hangs.
+TEST_F(GlooMultiProcessTest, ASendToAPeerThatNeverReadsFailsAtTheOpTimeout) {
+  std::unique_ptr<testing::Subprocess> peer =
+      Spawn({server_->address(), "job", "1", "never", "1", "2", "idle"});
+  CoordinatorStore store(ConnectCoordinator(server_->address()), "job", 1);
+  CommunicatorSpec spec = Spec("never", 0, 2);
+  spec.op_timeout = absl::Seconds(2);
+  auto comm = CreateCommunicator(store, spec);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  peer->Signal(SIGSTOP);
+  const int64_t bytes = int64_t{256} << 20;
+  std::vector<uint8_t> out(bytes, 0x44);
+  const absl::Time start = absl::Now();
+  auto send = (*comm)->Send(Buffer{out.data(), bytes, DType::kUInt8, -1}, 1, 8);
+  while (!send->IsCompleted() && absl::Now() - start < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(send->IsCompleted()) << "still pending 30 s after a 2 s op timeout";
+  absl::Status s = send->Wait(absl::ZeroDuration());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("op_timeout"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("waiting for rank 1"), absl::string_view::npos) << s;
+  EXPECT_GE(absl::Now() - start, absl::Seconds(2));
+  peer->Signal(SIGKILL);
+  EXPECT_EQ(peer->Wait(absl::Seconds(5)), 128 + SIGKILL);
 }
 
 TEST_F(GlooMultiProcessTest, StragglerOfAnOlderGenerationIsRejectedByTheKv) {
