@@ -351,6 +351,31 @@ v1::CoordinatorMessage BigCommand(size_t bytes) {
   return m;
 }
 
+using SessionStream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+// Registers w1, opens its Session with one heartbeat, reads the ack and
+// returns the coordinator's handle of the session (null, with a failure
+// recorded, if any of it failed). The stream stays open in *stream.
+std::shared_ptr<SessionHandle> OpenW1Session(ServiceWith& s, grpc::ClientContext* ctx,
+                                             std::unique_ptr<SessionStream>* stream) {
+  if (!s.Register("w1", "").ok()) {
+    ADD_FAILURE() << "Register failed";
+    return nullptr;
+  }
+  const int64_t id = s.registry_.List()[0].worker_id();
+  *stream = s.stub_->Session(ctx);
+  v1::WorkerMessage beat;
+  beat.set_worker_id(id);
+  beat.set_incarnation(id);
+  beat.mutable_heartbeat()->set_send_time_us(1);
+  v1::CoordinatorMessage ack;
+  if (!(*stream)->Write(beat) || !(*stream)->Read(&ack) || !ack.has_ack()) {
+    ADD_FAILURE() << "the first heartbeat was not acknowledged";
+    return nullptr;
+  }
+  return s.registry_.SessionOf("w1");
+}
+
 // A worker whose stream stops reading: Send keeps returning at once, the
 // coordinator holds at most the configured queue for it, then ends its
 // session with the reason (the worker is lost) and Send is false.
@@ -361,19 +386,9 @@ TEST(CoordinatorServiceSessionTest, AWorkerThatStopsReadingIsEndedNotBuffered) {
   options.max_session_queue_messages = 8;
   options.max_session_queue_bytes = size_t{1} << 20;
   ServiceWith s(options);
-  ASSERT_TRUE(s.Register("w1", "").ok());
-  const int64_t id = s.registry_.List()[0].worker_id();
   grpc::ClientContext ctx;
-  auto stream = s.stub_->Session(&ctx);
-  v1::WorkerMessage beat;
-  beat.set_worker_id(id);
-  beat.set_incarnation(id);
-  beat.mutable_heartbeat()->set_send_time_us(1);
-  ASSERT_TRUE(stream->Write(beat));
-  v1::CoordinatorMessage ack;
-  ASSERT_TRUE(stream->Read(&ack));
-  ASSERT_TRUE(ack.has_ack());
-  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
   ASSERT_NE(session, nullptr);
 
   // The worker reads nothing more. 256 KiB commands: the 1 MiB bound holds 4.
@@ -401,18 +416,9 @@ TEST(CoordinatorServiceSessionTest, TheMessageBoundEndsASessionToo) {
   options.job = &job;
   options.max_session_queue_messages = 16;
   ServiceWith s(options);
-  ASSERT_TRUE(s.Register("w1", "").ok());
-  const int64_t id = s.registry_.List()[0].worker_id();
   grpc::ClientContext ctx;
-  auto stream = s.stub_->Session(&ctx);
-  v1::WorkerMessage beat;
-  beat.set_worker_id(id);
-  beat.set_incarnation(id);
-  beat.mutable_heartbeat();
-  ASSERT_TRUE(stream->Write(beat));
-  v1::CoordinatorMessage ack;
-  ASSERT_TRUE(stream->Read(&ack));
-  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
   ASSERT_NE(session, nullptr);
   int accepted = 0;
   for (int i = 0; i < 10000 && session->Send(BigCommand(10)); ++i) ++accepted;
@@ -428,18 +434,9 @@ TEST(CoordinatorServiceSessionTest, SendOnAClosedSessionIsFalse) {
   CoordinatorService::Options options;
   options.job = &job;
   ServiceWith s(options);
-  ASSERT_TRUE(s.Register("w1", "").ok());
-  const int64_t id = s.registry_.List()[0].worker_id();
   grpc::ClientContext ctx;
-  auto stream = s.stub_->Session(&ctx);
-  v1::WorkerMessage beat;
-  beat.set_worker_id(id);
-  beat.set_incarnation(id);
-  beat.mutable_heartbeat();
-  ASSERT_TRUE(stream->Write(beat));
-  v1::CoordinatorMessage ack;
-  ASSERT_TRUE(stream->Read(&ack));
-  std::shared_ptr<SessionHandle> session = s.registry_.SessionOf("w1");
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
   ASSERT_NE(session, nullptr);
   EXPECT_TRUE(session->Send(BigCommand(10)));  // in flight: nobody reads it
   session->Close(absl::AbortedError("test closes it"));
