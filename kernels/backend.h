@@ -55,10 +55,16 @@
 //    GEMM inputs (Linear*, Attention*: x / weight / qkv tensors of dtype
 //    kBFloat16, accumulation in fp32, output dtype as given), pipeline
 //    messages may be bf16 (Cast), and AdamW writes a bf16 copy of the updated
-//    parameters when given one. The CPU backend supports float32 only and
-//    aborts on a bf16 tensor; a job with train.precision = bf16 is refused
-//    on a CPU worker at Configure. Precision::kFloat32 on CUDA means true
-//    fp32 (no TF32), so the float32 goldens hold.
+//    parameters when given one. The CPU backend is the reference for every
+//    bf16 op (kernels/cpu_backend.cc): operands widened exactly, fp32
+//    accumulation, one round to nearest even per bf16 output
+//    (kernels/bfloat16.h), attention's P and dS rounded where the CUDA path
+//    stores them; a CUDA result differs from it only by accumulation order
+//    (docs/gpu.md states the bounds). bf16 tensors are accepted by Cast,
+//    Linear* (x/weight or dout/weight or dout/x bf16; weight gradients
+//    fp32), LayerNorm's output, Attention* (every tensor bf16), AdamW's copy
+//    and Copy/FillZero; every other op is fp32 only. Precision::kFloat32 on
+//    CUDA means true fp32 (no TF32), so the float32 goldens hold.
 //
 // 7. Determinism. Same device, shapes, precision and inputs = the same bits,
 //    run to run: no atomics whose order changes a result; reductions in a

@@ -1,11 +1,24 @@
 // The CPU backend: today's kernels/cpu behind the Backend table. Every op
 // runs inline on the calling thread, so its stream is empty and events just
 // note the host clock. Results are exactly those of the kernels/cpu functions.
+//
+// bf16 (backend.h §6): the reference for what the CUDA backend computes with
+// bf16 tensors. bf16 operands are widened to float (exact), every product
+// accumulates in fp32 through the same kernels/cpu functions as fp32, and a
+// bf16 output is the fp32 result rounded once to nearest even (bfloat16.h).
+// Attention rounds P and dS to bf16 where the CUDA path stores them
+// (kernels/cpu/attention.h). Ops the CUDA backend runs in fp32 only
+// (LayerNormBackward, GELU, residual, losses, ...) take fp32 here too. With
+// only float32 tensors every op runs exactly the code it ran before bf16.
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "kernels/backend.h"
+#include "kernels/bfloat16.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -20,6 +33,57 @@ namespace baton::kernels {
 namespace {
 
 float* F32OrNull(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
+
+[[noreturn]] void Die(const char* op, const char* what) {
+  std::fprintf(stderr, "baton::kernels::%s (cpu): %s\n", op, what);
+  std::abort();
+}
+
+bool IsBf16(const Tensor& t) { return t.defined() && t.dtype() == DType::kBFloat16; }
+
+bool AnyBf16(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors) {
+    if (IsBf16(*t)) return true;
+  }
+  return false;
+}
+
+uint16_t* Bf16(const Tensor& t) { return static_cast<uint16_t*>(t.raw()); }
+
+// The values of `t` (float32 or bf16) as floats: t's own memory for float32,
+// else `buffer` holding the widened bf16 values (exact).
+const float* Widened(const char* op, const Tensor& t, std::vector<float>& buffer) {
+  if (t.dtype() == DType::kFloat32) return t.f32();
+  if (t.dtype() != DType::kBFloat16) Die(op, "operands must be float32 or bfloat16");
+  const uint16_t* src = Bf16(t);
+  buffer.resize(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) buffer[i] = Bf16BitsToFloat(src[i]);
+  return buffer.data();
+}
+
+// Writes fp32 `values` into `dst`, rounding once to bf16 when dst is bf16.
+void Store(const Tensor& dst, const float* values) {
+  if (dst.dtype() == DType::kFloat32) {
+    if (dst.f32() != values) std::memcpy(dst.f32(), values, dst.bytes());
+    return;
+  }
+  uint16_t* out = Bf16(dst);
+  for (int64_t i = 0; i < dst.numel(); ++i) out[i] = FloatToBf16Bits(values[i]);
+}
+
+// Where an op writes `dst`'s fp32 result: dst itself for float32, else
+// `buffer` (initialised from dst's values when `keep` is set), later
+// rounded into dst by Store.
+float* Target(const Tensor& dst, bool keep, std::vector<float>& buffer) {
+  if (dst.dtype() == DType::kFloat32) return dst.f32();
+  if (dst.dtype() != DType::kBFloat16) Die("Target", "output must be float32 or bfloat16");
+  if (keep) {
+    Widened("Target", dst, buffer);
+  } else {
+    buffer.assign(static_cast<size_t>(dst.numel()), 0.0f);
+  }
+  return buffer.data();
+}
 
 absl::Status Probe(int index) {
   if (index != 0) return absl::InvalidArgumentError("the CPU device has index 0 only");
@@ -58,9 +122,21 @@ void Copy(const ExecContext&, const Tensor& dst, const Tensor& src) {
 
 void FillZero(const ExecContext&, const Tensor& dst) { std::memset(dst.raw(), 0, dst.bytes()); }
 
-void Cast(const ExecContext&, const Tensor&, const Tensor&) {
-  std::fprintf(stderr, "baton::kernels::Cast: the CPU backend has no bfloat16 kernels\n");
-  std::abort();
+void Cast(const ExecContext&, const Tensor& dst, const Tensor& src) {
+  const int64_t n = src.numel();
+  if (dst.dtype() == src.dtype()) {
+    std::memcpy(dst.raw(), src.raw(), src.bytes());
+  } else if (src.dtype() == DType::kFloat32 && dst.dtype() == DType::kBFloat16) {
+    const float* x = src.f32();
+    uint16_t* y = Bf16(dst);
+    for (int64_t i = 0; i < n; ++i) y[i] = FloatToBf16Bits(x[i]);
+  } else if (src.dtype() == DType::kBFloat16 && dst.dtype() == DType::kFloat32) {
+    const uint16_t* x = Bf16(src);
+    float* y = dst.f32();
+    for (int64_t i = 0; i < n; ++i) y[i] = Bf16BitsToFloat(x[i]);
+  } else {
+    Die("Cast", "only float32 <-> bfloat16");
+  }
 }
 
 void Embedding(const ExecContext&, const Tensor& out, const Tensor& tokens, const Tensor& wte,
@@ -79,6 +155,15 @@ void EmbeddingBackward(const ExecContext&, const Tensor& dwte, int64_t vocab_beg
 void LayerNorm(const ExecContext&, const Tensor& out, const Tensor& mean, const Tensor& rstd,
                const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const int64_t c = weight.numel();
+  if (IsBf16(out)) {
+    // fp32 statistics and math; the normalised output rounded once to bf16.
+    std::vector<float> y;
+    float* target = Target(out, false, y);
+    cpu::LayerNormForward(target, mean.f32(), rstd.f32(), x.f32(), weight.f32(), bias.f32(),
+                          x.numel() / c, c);
+    Store(out, target);
+    return;
+  }
   cpu::LayerNormForward(out.f32(), mean.f32(), rstd.f32(), x.f32(), weight.f32(), bias.f32(),
                         x.numel() / c, c);
 }
@@ -94,18 +179,48 @@ void LayerNormBackward(const ExecContext&, const Tensor& dx, const Tensor& dweig
 void Linear(const ExecContext&, const Tensor& out, const Tensor& x, const Tensor& weight,
             const Tensor& bias) {
   const int64_t o = weight.dim(0), i = weight.dim(1);
+  if (AnyBf16({&out, &x, &weight, &bias})) {
+    if (x.dtype() != weight.dtype()) Die("Linear", "x and weight must have the same dtype");
+    std::vector<float> xf, wf, bf, y;
+    float* target = Target(out, false, y);
+    cpu::MatmulForward(target, Widened("Linear", x, xf), Widened("Linear", weight, wf),
+                       bias.defined() ? Widened("Linear", bias, bf) : nullptr, x.numel() / i, i,
+                       o);
+    Store(out, target);
+    return;
+  }
   cpu::MatmulForward(out.f32(), x.f32(), weight.f32(), F32OrNull(bias), x.numel() / i, i, o);
 }
 
 void LinearBackwardInput(const ExecContext&, const Tensor& dx, const Tensor& dout,
                          const Tensor& weight, bool accumulate) {
   const int64_t o = weight.dim(0), i = weight.dim(1);
+  if (AnyBf16({&dx, &dout, &weight})) {
+    if (dout.dtype() != weight.dtype()) {
+      Die("LinearBackwardInput", "dout and weight must have the same dtype");
+    }
+    std::vector<float> df, wf, g;
+    float* target = Target(dx, accumulate, g);
+    cpu::MatmulBackwardInput(target, Widened("LinearBackwardInput", dout, df),
+                             Widened("LinearBackwardInput", weight, wf), dout.numel() / o, i, o,
+                             accumulate);
+    Store(dx, target);
+    return;
+  }
   cpu::MatmulBackwardInput(dx.f32(), dout.f32(), weight.f32(), dout.numel() / o, i, o, accumulate);
 }
 
 void LinearBackwardWeight(const ExecContext&, const Tensor& dweight, const Tensor& dout,
                           const Tensor& x) {
   const int64_t o = dweight.dim(0), i = dweight.dim(1);
+  if (AnyBf16({&dout, &x})) {
+    if (dout.dtype() != x.dtype()) Die("LinearBackwardWeight", "dout and x must have the same dtype");
+    // Weight gradients stay fp32 (dweight.f32() checks it).
+    std::vector<float> df, xf;
+    cpu::MatmulBackwardWeight(dweight.f32(), Widened("LinearBackwardWeight", dout, df),
+                              Widened("LinearBackwardWeight", x, xf), x.numel() / i, i, o);
+    return;
+  }
   cpu::MatmulBackwardWeight(dweight.f32(), dout.f32(), x.f32(), x.numel() / i, i, o);
 }
 
@@ -129,12 +244,39 @@ void GeluBackward(const ExecContext&, const Tensor& dx, const Tensor& x, const T
 
 void Attention(const ExecContext&, const Tensor& out, const Tensor& att, const Tensor& qkv,
                int heads) {
+  if (AnyBf16({&out, &att, &qkv})) {
+    if (out.dtype() != qkv.dtype() || att.dtype() != qkv.dtype()) {
+      Die("Attention", "out, att and qkv must have the same dtype");
+    }
+    std::vector<float> qf, y, p;
+    float* o = Target(out, false, y);
+    float* a = Target(att, false, p);
+    cpu::AttentionForwardBf16Rounded(o, a, Widened("Attention", qkv, qf), qkv.dim(0), qkv.dim(1),
+                                     qkv.dim(2) / 3, heads);
+    Store(out, o);
+    Store(att, a);
+    return;
+  }
   cpu::AttentionForward(out.f32(), att.f32(), qkv.f32(), qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3,
                         heads);
 }
 
 void AttentionBackward(const ExecContext&, const Tensor& dqkv, const Tensor& scratch,
                        const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads) {
+  if (AnyBf16({&dqkv, &dout, &qkv, &att})) {
+    if (dqkv.dtype() != qkv.dtype() || dout.dtype() != qkv.dtype() || att.dtype() != qkv.dtype()) {
+      Die("AttentionBackward", "dqkv, dout, att and qkv must have the same dtype");
+    }
+    const int64_t t = qkv.dim(1);
+    std::vector<float> qf, df, pf, g, ds(static_cast<size_t>(t * t));
+    float* d = Target(dqkv, false, g);
+    cpu::AttentionBackwardBf16Rounded(d, ds.data(), Widened("AttentionBackward", dout, df),
+                                      Widened("AttentionBackward", qkv, qf),
+                                      Widened("AttentionBackward", att, pf), qkv.dim(0), t,
+                                      qkv.dim(2) / 3, heads);
+    Store(dqkv, d);
+    return;
+  }
   cpu::AttentionBackward(dqkv.f32(), scratch.f32(), dout.f32(), qkv.f32(), att.f32(), qkv.dim(0),
                          qkv.dim(1), qkv.dim(2) / 3, heads);
 }
@@ -192,12 +334,10 @@ void CountArgmaxHits(const ExecContext&, const Tensor& max_all, const Tensor& in
 void AdamW(const ExecContext&, const Tensor& param, const Tensor& grad, const Tensor& m,
            const Tensor& v, const cpu::AdamWConfig& config, int64_t step, float grad_scale,
            const Tensor& param_bf16) {
-  if (param_bf16.defined()) {
-    std::fprintf(stderr, "baton::kernels::AdamW: the CPU backend has no bfloat16 copy\n");
-    std::abort();
-  }
   cpu::AdamWUpdate(param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), config, step,
                    grad_scale);
+  // The bf16 copy that bf16 GEMMs read: the updated fp32 values, rounded.
+  if (param_bf16.defined()) Store(param_bf16, param.f32());
 }
 
 void SumOfSquares(const ExecContext&, const Tensor& x, const Tensor& out) {

@@ -103,7 +103,8 @@ void Scale(const Tensor& x, float factor);
 // copy).
 void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
 void FillZero(const ExecContext& ctx, const Tensor& dst);
-// float32 <-> bfloat16, same element count (device backends only).
+// float32 <-> bfloat16 (round to nearest even, kernels/bfloat16.h), same
+// element count; same dtypes copy.
 void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
 
 void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,

@@ -16,8 +16,9 @@
 
 namespace baton::kernels {
 
-// kBFloat16, kFloat64 and kInt64 are for device backends (bf16 GEMM inputs,
-// scalar accumulators); the CPU kernels take kFloat32 and kInt32.
+// kBFloat16: bf16 GEMM inputs and pipeline messages (backend.h §6; stored as
+// the upper 16 bits of a float32, kernels/bfloat16.h); kFloat64 and kInt64:
+// scalar accumulators. The kernels/cpu functions take kFloat32 and kInt32.
 enum class DType { kFloat32, kInt32, kBFloat16, kFloat64, kInt64 };
 
 size_t DTypeSize(DType dtype);

@@ -61,17 +61,21 @@ absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Messag
   auto chunk = chunks_.find(stage);
   if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
   const int64_t n = chunk->second->activation_elements();
+  const kernels::DType dtype = chunk->second->activation_dtype();
   const kernels::Device device = chunk->second->context().device;
   Message& m = map[{stage, mb}];
-  if (m.payload.defined() && m.payload.numel() == n && m.payload.device() == device) return &m;
+  auto fits = [&](const kernels::Tensor& t) {
+    return t.defined() && t.numel() == n && t.dtype() == dtype && t.device() == device;
+  };
+  if (fits(m.payload)) return &m;
   for (size_t i = 0; i < pool_.size(); ++i) {
-    if (pool_[i].numel() == n && pool_[i].device() == device) {
+    if (fits(pool_[i])) {
       m.payload = std::move(pool_[i]);
       pool_.erase(pool_.begin() + static_cast<std::ptrdiff_t>(i));
       return &m;
     }
   }
-  BATON_ASSIGN_OR_RETURN(m.payload, kernels::ZerosOn(device, {n}));
+  BATON_ASSIGN_OR_RETURN(m.payload, kernels::ZerosOn(device, {n}, dtype));
   return &m;
 }
 

@@ -178,6 +178,7 @@ absl::Status GptStageModel::RestoreState(const ChunkState& state) {
   EnqueueFromHost(ctx, state.values, params.values());
   EnqueueFromHost(ctx, state.adam_m, params.adam_m());
   EnqueueFromHost(ctx, state.adam_v, params.adam_v());
+  stage_->RefreshBf16Weights();
   // `state` must outlive the copies.
   BATON_RETURN_IF_ERROR_CTX(stage_->stream().Synchronize(), "restoring model chunk ", config_.pp_rank);
   stage_->set_optimizer_step(state.optimizer_step);

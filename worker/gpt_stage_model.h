@@ -3,8 +3,10 @@
 // and the communicator pairing its tied embedding with the other end of the
 // pipeline.
 //
-// Activations are float [micro_batch_size, model.seq_len, d_model] per
-// microbatch; data rows are model.seq_len tokens long.
+// Activations are [micro_batch_size, model.seq_len, d_model] per microbatch,
+// float32 or (config.precision bf16) bf16; data rows are model.seq_len tokens
+// long. Captured and restored state is the fp32 master state; RestoreState
+// rounds the restored weights into the bf16 copies.
 //
 // Shards() lists every parameter of the chunk under its model name
 // (docs/model.md) with its full shape and TP split. The tied embedding: the
@@ -52,6 +54,7 @@ class GptStageModel : public StageModel {
                                                                const kernels::AdamWConfig& adamw);
 
   int64_t activation_elements() const override;
+  kernels::DType activation_dtype() const override { return stage_->activation_dtype(); }
   absl::Status Forward(int mb, const MicrobatchData& data, const kernels::Tensor& input,
                        const kernels::Tensor& output) override;
   absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output,

@@ -82,6 +82,7 @@ class GptStageModelTest : public ::testing::Test {
       auto config = model::MakeChunkConfig(model_, c, n, ranges[c], 0, 1, kSeed);
       EXPECT_TRUE(config.ok()) << config.status();
       config->microbatches = 2;
+      config->precision = precision_;
       comm::Communicator* tie = c == 0 ? tie_[0].get() : c == n - 1 ? tie_[1].get() : nullptr;
       auto chunk = GptStageModel::Create(*config, kBatch, nullptr, n > 1 ? tie : nullptr,
                                          AdamWFromTrainSpec(train_));
@@ -99,8 +100,8 @@ class GptStageModelTest : public ::testing::Test {
     for (int mb = 0; mb < 2; ++mb) {
       std::vector<Tensor> acts, grads;
       for (int c = 0; c < n; ++c) {
-        acts.push_back(Tensor::Zeros({chunks[c]->activation_elements()}));
-        grads.push_back(Tensor::Zeros({chunks[c]->activation_elements()}));
+        acts.push_back(Tensor::Zeros({chunks[c]->activation_elements()}, chunks[c]->activation_dtype()));
+        grads.push_back(Tensor::Zeros({chunks[c]->activation_elements()}, chunks[c]->activation_dtype()));
       }
       for (int c = 0; c < n; ++c) {
         ASSERT_TRUE(chunks[c]
@@ -130,6 +131,7 @@ class GptStageModelTest : public ::testing::Test {
   std::vector<MicrobatchData> data_;
   std::vector<std::unique_ptr<comm::InProcCommunicator>> tie_;
   v1::TrainSpec train_;
+  kernels::Precision precision_ = kernels::Precision::kFloat32;
 };
 
 TEST_F(GptStageModelTest, ExplicitAndInterleavedChunksComputeTheUnshardedModel) {
@@ -343,6 +345,40 @@ TEST_F(GptStageModelTest, RestoredStateReproducesTheNextStepsBitForBit) {
   step(chunks);
   got = capture(chunks);
   for (int c = 0; c < 2; ++c) EXPECT_TRUE(SameState(got[c], want[c])) << "fresh chunk " << c;
+}
+
+// bf16: the state is the fp32 master state (the fp32 model's sizes), and a
+// restore rounds the restored weights into the bf16 GEMM copies, so a fresh
+// model given a saved state continues exactly as the saved one did.
+TEST_F(GptStageModelTest, Bf16StateIsTheFp32MasterStateAndARestoreRefreshesTheBf16Copies) {
+  train_.set_lr(0.01);
+  auto fp32 = MakeChunks({{0, 2}, {2, 2}});
+  precision_ = kernels::Precision::kBFloat16;
+  auto chunks = MakeChunks({{0, 2}, {2, 2}});
+  EXPECT_EQ(chunks[0]->activation_dtype(), kernels::DType::kBFloat16);
+  EXPECT_EQ(fp32[0]->activation_dtype(), kernels::DType::kFloat32);
+  auto step = [&](std::vector<std::unique_ptr<GptStageModel>>& c) {
+    RunStep(c);
+    for (auto& chunk : c) ASSERT_TRUE(chunk->OptimizerStep(1.0f).ok());
+  };
+  step(chunks);
+  std::vector<ChunkState> saved;
+  for (const auto& c : chunks) saved.push_back(c->CaptureState());
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_EQ(saved[c].values.size(), fp32[c]->CaptureState().values.size());
+  }
+  step(chunks);
+  step(chunks);
+  std::vector<ChunkState> want;
+  for (const auto& c : chunks) want.push_back(c->CaptureState());
+
+  auto fresh = MakeChunks({{0, 2}, {2, 2}});
+  for (int c = 0; c < 2; ++c) ASSERT_TRUE(fresh[c]->RestoreState(saved[c]).ok());
+  step(fresh);
+  step(fresh);
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_TRUE(SameState(fresh[c]->CaptureState(), want[c])) << "fresh chunk " << c;
+  }
 }
 
 TEST_F(GptStageModelTest, RestoringAStateOfAnotherLayoutIsRefusedAndChangesNothing) {

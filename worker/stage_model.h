@@ -4,8 +4,8 @@
 // configured size) plug in alike.
 //
 // One StageModel is one pipeline chunk (stage) on one TP rank. Activations
-// passed between stages are float32 buffers of activation_elements() per
-// microbatch. Not thread-safe: one thread drives a worker's stages.
+// passed between stages (and their gradients) are buffers of
+// activation_elements() elements of activation_dtype() per microbatch. Not thread-safe: one thread drives a worker's stages.
 //
 // Names: "stage" is one pipeline chunk on one TP rank everywhere. StageModel
 // is the executor's interface to it; GptStageModel (gpt_stage_model.h) and
@@ -63,6 +63,9 @@ class StageModel {
   virtual ~StageModel() = default;
 
   virtual int64_t activation_elements() const = 0;
+  // The dtype of the pipeline messages (activations and input gradients):
+  // float32, or bf16 for a train.precision = bf16 model (half the bytes).
+  virtual kernels::DType activation_dtype() const { return kernels::DType::kFloat32; }
 
   // `input` is the previous stage's activations (empty on the first stage,
   // which reads data.tokens); `output` receives this stage's activations

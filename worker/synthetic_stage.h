@@ -7,7 +7,9 @@
 // spinning the last 300 us, so that many workers on few cores do not compete
 // for CPU and wake-up latency does not blur bubble measurements) and passes
 // float activations and gradients of
-// activation_bytes / 4 elements. Their contents check the transfers end to
+// activation_bytes / 4 elements (whatever train.precision says: the cost
+// model's message size is activation_bytes as configured, so a bf16 job is
+// modelled by halving activation_bytes). Their contents check the transfers end to
 // end, per microbatch mb of a pipeline of S chunks:
 //   - chunk c's output activations all hold mb·S + c + 1 (chunk 0 writes
 //     mb·S + 1, every later chunk its input + 1), so chunk c expects mb·S + c;

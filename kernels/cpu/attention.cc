@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "kernels/bfloat16.h"
 #include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/gemm.h"
 
@@ -19,10 +20,13 @@ BATON_ELEMENTWISE void SoftmaxPrefix(float* row, int64_t valid, int64_t n, float
   for (int64_t j = valid; j < n; ++j) row[j] = 0.0f;
 }
 
-}  // namespace
+void RoundRowToBf16(float* row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) row[j] = RoundToBf16(row[j]);
+}
 
-void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, int64_t seq,
-                      int64_t channels, int64_t heads) {
+template <bool kBf16>
+void Forward(float* out, float* att, const float* qkv, int64_t batch, int64_t seq,
+             int64_t channels, int64_t heads) {
   const int64_t hd = channels / heads;
   const int64_t ld = 3 * channels;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -38,6 +42,7 @@ void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, i
         float max = row[0];
         for (int64_t j = 1; j <= i; ++j) max = row[j] > max ? row[j] : max;
         SoftmaxPrefix(row, i + 1, seq, max);
+        if constexpr (kBf16) RoundRowToBf16(row, i + 1);
       }
       Gemm(false, false, seq, hd, seq, 1.0f, p, seq, v, ld, 0.0f, out + b * seq * channels + h * hd,
            channels);
@@ -45,9 +50,9 @@ void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, i
   }
 }
 
-void AttentionBackward(float* dqkv, float* scratch, const float* dout, const float* qkv,
-                       const float* att, int64_t batch, int64_t seq, int64_t channels,
-                       int64_t heads) {
+template <bool kBf16>
+void Backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
+              int64_t batch, int64_t seq, int64_t channels, int64_t heads) {
   const int64_t hd = channels / heads;
   const int64_t ld = 3 * channels;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -71,11 +76,36 @@ void AttentionBackward(float* dqkv, float* scratch, const float* dout, const flo
         for (int64_t j = 0; j <= i; ++j) dot += prow[j] * drow[j];
         for (int64_t j = 0; j <= i; ++j) drow[j] = prow[j] * (drow[j] - dot) * scale;
         for (int64_t j = i + 1; j < seq; ++j) drow[j] = 0.0f;
+        if constexpr (kBf16) RoundRowToBf16(drow, i + 1);
       }
       Gemm(false, false, seq, hd, seq, 1.0f, ds, seq, k, ld, 0.0f, dq, ld);
       Gemm(true, false, seq, hd, seq, 1.0f, ds, seq, q, ld, 0.0f, dk, ld);
     }
   }
+}
+
+}  // namespace
+
+void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, int64_t seq,
+                      int64_t channels, int64_t heads) {
+  Forward<false>(out, att, qkv, batch, seq, channels, heads);
+}
+
+void AttentionBackward(float* dqkv, float* scratch, const float* dout, const float* qkv,
+                       const float* att, int64_t batch, int64_t seq, int64_t channels,
+                       int64_t heads) {
+  Backward<false>(dqkv, scratch, dout, qkv, att, batch, seq, channels, heads);
+}
+
+void AttentionForwardBf16Rounded(float* out, float* att, const float* qkv, int64_t batch,
+                                 int64_t seq, int64_t channels, int64_t heads) {
+  Forward<true>(out, att, qkv, batch, seq, channels, heads);
+}
+
+void AttentionBackwardBf16Rounded(float* dqkv, float* scratch, const float* dout,
+                                  const float* qkv, const float* att, int64_t batch, int64_t seq,
+                                  int64_t channels, int64_t heads) {
+  Backward<true>(dqkv, scratch, dout, qkv, att, batch, seq, channels, heads);
 }
 
 }  // namespace baton::kernels::cpu

@@ -5,6 +5,13 @@
 //   dP = do vᵀ,  dv = Pᵀ do,  dS = P ⊙ (dP − rowsum(P ⊙ dP)) / √hd,
 //   dq = dS k,  dk = dSᵀ q
 // The four products per head go through Gemm; the softmax runs row by row.
+//
+// bf16 (the definition kernels/cuda/attention.h implements for bf16 qkv):
+// the *Bf16Rounded forms take inputs holding bf16 values (widened to float,
+// exact), accumulate every product in fp32 and round P (forward) and dS
+// (backward) to bf16 before they enter the next product, as the CUDA path
+// stores them. Their outputs (out; dqkv) are fp32 sums for the caller to
+// round to bf16 once; att receives the bf16-rounded P. S and dP stay fp32.
 #ifndef BATON_KERNELS_CPU_ATTENTION_H_
 #define BATON_KERNELS_CPU_ATTENTION_H_
 
@@ -20,6 +27,12 @@ void AttentionForward(float* out, float* att, const float* qkv, int64_t batch, i
 void AttentionBackward(float* dqkv, float* scratch, const float* dout, const float* qkv,
                        const float* att, int64_t batch, int64_t seq, int64_t channels,
                        int64_t heads);
+
+void AttentionForwardBf16Rounded(float* out, float* att, const float* qkv, int64_t batch,
+                                 int64_t seq, int64_t channels, int64_t heads);
+void AttentionBackwardBf16Rounded(float* dqkv, float* scratch, const float* dout,
+                                  const float* qkv, const float* att, int64_t batch, int64_t seq,
+                                  int64_t channels, int64_t heads);
 
 }  // namespace baton::kernels::cpu
 

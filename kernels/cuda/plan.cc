@@ -283,19 +283,4 @@ absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
   return key;
 }
 
-uint16_t FloatToBf16Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>((u + rounding) >> 16);
-}
-
-float Bf16BitsToFloat(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-}
-
 }  // namespace baton::cuda

@@ -29,6 +29,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/bfloat16.h"
 #include "kernels/cuda/launch_math.h"
 
 namespace baton::cuda {
@@ -239,10 +240,10 @@ absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args);
 
 // ----------------------------------------------------------------- bfloat16
 
-// fp32 → bf16 bits with round-to-nearest-even (NaN stays a quiet NaN), the
-// rounding of __float2bfloat16_rn; and back (exact).
-uint16_t FloatToBf16Bits(float x);
-float Bf16BitsToFloat(uint16_t bits);
+// fp32 ↔ bf16 bits (round to nearest even, as __float2bfloat16_rn): the one
+// definition in kernels/bfloat16.h, shared with the CPU reference kernels.
+using kernels::Bf16BitsToFloat;
+using kernels::FloatToBf16Bits;
 
 }  // namespace baton::cuda
 

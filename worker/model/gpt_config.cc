@@ -133,4 +133,11 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<kernels::Precision> PrecisionFromSpec(const v1::TrainSpec& train) {
+  if (train.precision().empty() || train.precision() == "fp32") return kernels::Precision::kFloat32;
+  if (train.precision() == "bf16") return kernels::Precision::kBFloat16;
+  return absl::InvalidArgumentError(absl::StrCat("train.precision: is \"", train.precision(),
+                                                 "\"; want \"fp32\" or \"bf16\""));
+}
+
 }  // namespace baton::model

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "baton/v1/job.pb.h"
+#include "kernels/backend.h"
 #include "kernels/tensor.h"
 
 namespace baton::model {
@@ -72,10 +73,19 @@ struct StageConfig {
   // live and its ops run (kernels/backend.h). Inputs tokens/targets stay host
   // tensors; activations passed in and out are on this device.
   kernels::Device device;
+  // train.precision (kernels/backend.h §6). kBFloat16: GEMM inputs, attention
+  // activations and the stage's input/output activations and gradients in
+  // bf16; master weights, gradients, AdamW moments, LayerNorm/GELU/softmax/
+  // loss math and every reduction in fp32 (see GptStage).
+  kernels::Precision precision = kernels::Precision::kFloat32;
 
   bool is_first() const { return pp_rank == 0; }
   bool is_last() const { return pp_rank == pp_size - 1; }
 };
+
+// train.precision: "fp32" or empty → kFloat32, "bf16" → kBFloat16; anything
+// else INVALID_ARGUMENT naming the field and the accepted values.
+absl::StatusOr<kernels::Precision> PrecisionFromSpec(const v1::TrainSpec& train);
 
 // The stage config for (pp_rank, tp_rank) of a model split evenly with
 // SplitLayers; validated.

@@ -35,6 +35,7 @@ struct GptStage::Microbatch {
   Tensor x0;  // stage input
   std::vector<BlockActivations> blocks;
   Tensor xf, meanf, rstdf, dlogits;  // last stage
+  Tensor dlogits_gemm;               // dlogits as the head's GEMMs take it (bf16 or itself)
   Tensor d_x0;                       // gradient of the stage input
   bool backward_input_done = false;
 };
@@ -86,7 +87,10 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     } else {
       replicated("wte", {m.vocab, c}, InitKind::kNormal, kInitStd, true);
     }
+    // The LM head's GEMM weight (the first stage only looks rows up).
+    specs.back().gemm_weight = config.is_last();
   };
+  auto gemm_weight = [&] { specs.back().gemm_weight = true; };
   if (config.is_first()) {
     token_embedding();
     replicated("wpe", {m.seq_len, c}, InitKind::kNormal, kInitStd, true);
@@ -99,17 +103,21 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     replicated(p + "ln_1.bias", {c}, InitKind::kZeros, 0, false);
     sharded(p + "attn.c_attn.weight", {3 * c, c}, ShardSpec::QkvRows(c, c), InitKind::kNormal,
             kInitStd, true);
+    gemm_weight();
     sharded(p + "attn.c_attn.bias", {3 * c}, ShardSpec::QkvRows(c, 1), InitKind::kZeros, 0, false);
     sharded(p + "attn.c_proj.weight", {c, c}, ShardSpec::Columns(c, c), InitKind::kNormal, proj_std,
             true);
+    gemm_weight();
     replicated(p + "attn.c_proj.bias", {c}, InitKind::kZeros, 0, false);
     replicated(p + "ln_2.weight", {c}, InitKind::kOnes, 0, false);
     replicated(p + "ln_2.bias", {c}, InitKind::kZeros, 0, false);
     sharded(p + "mlp.c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd,
             true);
+    gemm_weight();
     sharded(p + "mlp.c_fc.bias", {f}, ShardSpec::Rows(f, 1), InitKind::kZeros, 0, false);
     sharded(p + "mlp.c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal, proj_std,
             true);
+    gemm_weight();
     replicated(p + "mlp.c_proj.bias", {c}, InitKind::kZeros, 0, false);
   }
   if (config.is_last()) {
@@ -151,7 +159,9 @@ GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group,
       tp_(tp_group),
       params_(std::move(specs), config.tp_rank, config.tp_size),
       vocab_parallel_(config.vocab_parallel && config.tp_size > 1),
-      vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0) {
+      vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0),
+      bf16_(config.precision == kernels::Precision::kBFloat16),
+      gemm_dtype_(bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32) {
   BindParameters();
 }
 
@@ -162,7 +172,8 @@ absl::Status GptStage::PlaceOnDevice() {
   BATON_RETURN_IF_ERROR(params_.Place(device));
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
   scratch_ = std::make_unique<kernels::Arena>(device);
-  ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get());
+  ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get(), config_.precision);
+  if (bf16_) BATON_RETURN_IF_ERROR(params_.AllocateBf16Copies(ctx_));
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
   BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
   BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -214,6 +225,27 @@ absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const ch
   return WithContext(status, absl::StrCat("tensor-parallel all-gather of ", what));
 }
 
+const Tensor& GptStage::W(const Parameter* p) const { return bf16_ ? p->value_bf16 : p->value; }
+
+Tensor GptStage::ForGemm(kernels::Arena& arena, const Tensor& t) const {
+  if (!bf16_) return t;
+  Tensor low = arena.Allocate(t.shape(), kernels::DType::kBFloat16);
+  kernels::Cast(ctx_, low, t);
+  return low;
+}
+
+void GptStage::RefreshBf16Weights() {
+  if (bf16_) params_.RefreshBf16Copies(ctx_);
+}
+
+namespace {
+
+const char* DTypeName(kernels::DType dtype) {
+  return dtype == kernels::DType::kBFloat16 ? "bf16" : "float";
+}
+
+}  // namespace
+
 absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output, int64_t* batch,
                                       int64_t* seq) const {
   const GptConfig& m = config_.model;
@@ -255,17 +287,17 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   };
   if (config_.is_first()) {
     BATON_RETURN_IF_ERROR(check_ids(in.tokens, "tokens", /*allow_ignore=*/false));
-  } else if (in.activations.dtype() != kernels::DType::kFloat32 ||
+  } else if (in.activations.dtype() != activation_dtype() ||
              in.activations.numel() != n * m.d_model) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("activations: want float [", *batch, ", ", *seq, ", ", m.d_model, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("activations: want ", DTypeName(activation_dtype()),
+                                                   " [", *batch, ", ", *seq, ", ", m.d_model, "]"));
   }
   if (config_.is_last()) {
     BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets", /*allow_ignore=*/true));
-  } else if (!output.defined() || output.dtype() != kernels::DType::kFloat32 ||
+  } else if (!output.defined() || output.dtype() != activation_dtype() ||
              output.numel() != n * m.d_model) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("output: want float [", *batch, ", ", *seq, ", ", m.d_model, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("output: want ", DTypeName(activation_dtype()),
+                                                   " [", *batch, ", ", *seq, ", ", m.d_model, "]"));
   }
   return absl::OkStatus();
 }
@@ -315,6 +347,10 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
     }
+  } else if (bf16_) {
+    // The residual stream is fp32; the message between stages is bf16.
+    s.x0 = arena.Allocate({n, c});
+    kernels::Cast(ctx_, s.x0, inputs.activations);
   } else {
     s.x0 = Copy(ctx_, arena, inputs.activations, {n, c});
   }
@@ -334,15 +370,19 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     x = s.blocks[i].x_out;
   }
   if (!config_.is_last()) {
-    kernels::Copy(ctx_, output, x);
+    if (bf16_) {
+      kernels::Cast(ctx_, output, x);
+    } else {
+      kernels::Copy(ctx_, output, x);
+    }
     return absl::OkStatus();
   }
-  s.xf = arena.Allocate({n, c});
+  s.xf = arena.Allocate({n, c}, gemm_dtype_);
   s.meanf = arena.Allocate({n});
   s.rstdf = arena.Allocate({n});
   kernels::LayerNorm(ctx_, s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
   s.dlogits = arena.Allocate({n, wte_->value.dim(0)});  // this rank's vocabulary columns
-  kernels::Linear(ctx_, s.dlogits, s.xf, wte_->value, Tensor());
+  kernels::Linear(ctx_, s.dlogits, s.xf, W(wte_), Tensor());
   const float grad_scale =
       score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
   if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale);
@@ -387,32 +427,34 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   const int64_t cl = c / tp, fl = config_.model.ffn_dim() / tp;
   const int heads = static_cast<int>(config_.model.heads / tp);
   kernels::Arena& arena = mb.arena;
-  a.ln1 = arena.Allocate({n, c});
+  const kernels::DType g16 = gemm_dtype_;  // GEMM inputs and attention tensors
+  a.ln1 = arena.Allocate({n, c}, g16);
   a.mean1 = arena.Allocate({n});
   a.rstd1 = arena.Allocate({n});
   kernels::LayerNorm(ctx_, a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
-  a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
-  kernels::Linear(ctx_, a.qkv, a.ln1, b.qkv_w->value, b.qkv_b->value);
-  a.y = arena.Allocate({n, cl});
-  a.att = arena.Allocate({mb.batch, heads, mb.seq, mb.seq});
+  a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, g16);
+  kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
+  a.y = arena.Allocate({n, cl}, g16);
+  a.att = arena.Allocate({mb.batch, heads, mb.seq, mb.seq}, g16);
   kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
   Tensor attn_out = arena.Allocate({n, c});
-  kernels::Linear(ctx_, attn_out, a.y, b.proj_w->value, Tensor());
+  kernels::Linear(ctx_, attn_out, a.y, W(b.proj_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
   kernels::AddBias(ctx_, attn_out, b.proj_b->value);
   a.x_mid = arena.Allocate({n, c});
   kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
 
-  a.ln2 = arena.Allocate({n, c});
+  a.ln2 = arena.Allocate({n, c}, g16);
   a.mean2 = arena.Allocate({n});
   a.rstd2 = arena.Allocate({n});
   kernels::LayerNorm(ctx_, a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
   a.h = arena.Allocate({n, fl});
-  kernels::Linear(ctx_, a.h, a.ln2, b.fc_w->value, b.fc_b->value);
-  a.g = arena.Allocate({n, fl});
-  kernels::Gelu(ctx_, a.g, a.h);
+  kernels::Linear(ctx_, a.h, a.ln2, W(b.fc_w), b.fc_b->value);
+  Tensor g = arena.Allocate({n, fl});
+  kernels::Gelu(ctx_, g, a.h);  // fp32 (h too: GELU's backward reads it)
+  a.g = ForGemm(arena, g);
   Tensor mlp_out = arena.Allocate({n, c});
-  kernels::Linear(ctx_, mlp_out, a.g, b.fc2_w->value, Tensor());
+  kernels::Linear(ctx_, mlp_out, a.g, W(b.fc2_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
   kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
   a.x_out = arena.Allocate({n, c});
@@ -436,21 +478,26 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
         absl::StrCat("BackwardInput(", mb, "): already done for this microbatch"));
   }
   const int64_t n = s->batch * s->seq, c = config_.model.d_model;
-  if (!config_.is_last() && (!grad_output.defined() || grad_output.numel() != n * c)) {
-    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb,
-                                                   "): grad_output: want float [", s->batch, ", ",
-                                                   s->seq, ", ", c, "]"));
+  const kernels::DType io = activation_dtype();
+  if (!config_.is_last() &&
+      (!grad_output.defined() || grad_output.numel() != n * c || grad_output.dtype() != io)) {
+    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb, "): grad_output: want ",
+                                                   DTypeName(io), " [", s->batch, ", ", s->seq,
+                                                   ", ", c, "]"));
   }
-  if (!config_.is_first() && (!grad_input.defined() || grad_input.numel() != n * c)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "BackwardInput(", mb, "): grad_input: want float [", s->batch, ", ", s->seq, ", ", c, "]"));
+  if (!config_.is_first() &&
+      (!grad_input.defined() || grad_input.numel() != n * c || grad_input.dtype() != io)) {
+    return absl::InvalidArgumentError(absl::StrCat("BackwardInput(", mb, "): grad_input: want ",
+                                                   DTypeName(io), " [", s->batch, ", ", s->seq,
+                                                   ", ", c, "]"));
   }
   kernels::Arena& arena = s->arena;
   Tensor d;  // gradient of the current block's output
   if (config_.is_last()) {
     const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
     Tensor dxf = arena.Allocate({n, c});
-    kernels::LinearBackwardInput(ctx_, dxf, s->dlogits, wte_->value, /*accumulate=*/false);
+    s->dlogits_gemm = ForGemm(arena, s->dlogits);
+    kernels::LinearBackwardInput(ctx_, dxf, s->dlogits_gemm, W(wte_), /*accumulate=*/false);
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR_CTX(AllReduceTp(dxf, "the LM head input gradient", -1),
                                 "BackwardInput(", mb, ")");
@@ -459,6 +506,9 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
     kernels::FillZero(ctx_, d);
     kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
                                s->rstdf);
+  } else if (bf16_) {
+    d = arena.Allocate({n, c});
+    kernels::Cast(ctx_, d, grad_output);
   } else {
     d = Copy(ctx_, arena, grad_output, {n, c});
   }
@@ -469,7 +519,13 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
     d = d_in;
   }
   s->d_x0 = d;
-  if (!config_.is_first()) kernels::Copy(ctx_, grad_input, d);
+  if (!config_.is_first()) {
+    if (bf16_) {
+      kernels::Cast(ctx_, grad_input, d);
+    } else {
+      kernels::Copy(ctx_, grad_input, d);
+    }
+  }
   s->backward_input_done = true;
   return absl::OkStatus();
 }
@@ -482,14 +538,18 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   const int heads = static_cast<int>(config_.model.heads / tp);
   kernels::Arena& arena = mb.arena;
   // MLP: x_out = x_mid + fc2(gelu(fc(ln2(x_mid)))).
-  a.d_out = d_out;
+  // With bf16, each gradient entering a GEMM is rounded to bf16 once (a.d_out,
+  // a.dh, a.d_mid; dqkv comes out of attention in bf16); bias and LayerNorm
+  // gradients and the residual stream stay fp32.
+  a.d_out = ForGemm(arena, d_out);
   kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
-  a.dh = arena.Allocate({n, fl});
-  kernels::LinearBackwardInput(ctx_, a.dh, d_out, b.fc2_w->value, /*accumulate=*/false);
-  kernels::GeluBackward(ctx_, a.dh, a.h, a.dh);
-  kernels::BiasBackward(ctx_, b.fc_b->grad, a.dh);
+  Tensor dh = arena.Allocate({n, fl});
+  kernels::LinearBackwardInput(ctx_, dh, a.d_out, W(b.fc2_w), /*accumulate=*/false);
+  kernels::GeluBackward(ctx_, dh, a.h, dh);
+  kernels::BiasBackward(ctx_, b.fc_b->grad, dh);
+  a.dh = ForGemm(arena, dh);
   Tensor dln2 = arena.Allocate({n, c});
-  kernels::LinearBackwardInput(ctx_, dln2, a.dh, b.fc_w->value, /*accumulate=*/false);
+  kernels::LinearBackwardInput(ctx_, dln2, a.dh, W(b.fc_w), /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
   a.d_mid = arena.Allocate({n, c});
   kernels::Copy(ctx_, a.d_mid, d_out);
@@ -497,16 +557,24 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
                              a.mean2, a.rstd2);
   // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
   kernels::BiasBackward(ctx_, b.proj_b->grad, a.d_mid);
-  Tensor dy = arena.Allocate({n, cl});
-  kernels::LinearBackwardInput(ctx_, dy, a.d_mid, b.proj_w->value, /*accumulate=*/false);
-  a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl});
+  const Tensor d_mid = a.d_mid;  // fp32, the residual stream's gradient
+  a.d_mid = ForGemm(arena, d_mid);
+  Tensor dy = arena.Allocate({n, cl}, gemm_dtype_);
+  kernels::LinearBackwardInput(ctx_, dy, a.d_mid, W(b.proj_w), /*accumulate=*/false);
+  a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, gemm_dtype_);
   Tensor scratch = arena.Allocate({mb.seq, mb.seq});
   kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
-  kernels::BiasBackward(ctx_, b.qkv_b->grad, a.dqkv);
+  if (bf16_) {
+    Tensor dqkv = arena.Allocate(a.dqkv.shape());  // bias gradients sum in fp32
+    kernels::Cast(ctx_, dqkv, a.dqkv);
+    kernels::BiasBackward(ctx_, b.qkv_b->grad, dqkv);
+  } else {
+    kernels::BiasBackward(ctx_, b.qkv_b->grad, a.dqkv);
+  }
   Tensor dln1 = arena.Allocate({n, c});
-  kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, b.qkv_w->value, /*accumulate=*/false);
+  kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, W(b.qkv_w), /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
-  kernels::Copy(ctx_, d_in, a.d_mid);
+  kernels::Copy(ctx_, d_in, d_mid);
   kernels::LayerNormBackward(ctx_, d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
                              a.mean1, a.rstd1);
   return absl::OkStatus();
@@ -518,7 +586,7 @@ absl::Status GptStage::BackwardWeight(int mb) {
     return absl::FailedPreconditionError(
         absl::StrCat("BackwardWeight(", mb, "): BackwardInput has not run"));
   }
-  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, wte_->grad, s->dlogits, s->xf);
+  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, wte_->grad, s->dlogits_gemm, s->xf);
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BlockBackwardWeight(blocks_[i], s->blocks[i]);
   }
@@ -658,7 +726,7 @@ absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float g
   no_decay.weight_decay = 0.0f;
   for (Parameter& p : params_.parameters()) {
     kernels::AdamW(ctx_, p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
-                   step_, grad_scale);
+                   step_, grad_scale, p.value_bf16);
   }
   return absl::OkStatus();
 }

@@ -43,6 +43,18 @@
 // gradients passed in and out live on the device. Outputs are complete once
 // stream() has passed them (the caller synchronises or waits on an event).
 //
+// Precision (StageConfig::precision, kernels/backend.h §6). With bf16 the
+// stage keeps fp32 master weights, gradients and AdamW moments plus a bf16
+// copy of every GEMM weight (the QKV, attention-output, MLP and LM-head
+// matrices), written by AdamW each step and rounded from the master weights
+// at Create and by RefreshBf16Weights (after a restore). The LayerNorm
+// outputs, qkv, attention (P included) and its output, the GELU output and
+// the gradients entering GEMMs are bf16; the residual stream, the GEMM
+// outputs feeding the residual, GELU and the loss, LayerNorm/GELU/softmax/
+// loss math, bias gradients, every TP all-reduce and the gradient norm stay
+// fp32. The stage's input and output activations and their gradients (the
+// pipeline messages) are bf16 tensors: activation_dtype().
+//
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool; BackwardInput(mb) computes the input gradient (plus the cheap bias and
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
@@ -72,7 +84,7 @@ namespace baton::model {
 
 struct StageInputs {
   kernels::Tensor tokens;       // first stage: int32 [B, T]
-  kernels::Tensor activations;  // other stages: float [B, T, C] from the previous stage
+  kernels::Tensor activations;  // other stages: [B, T, C] of activation_dtype(), from the previous stage
   kernels::Tensor targets;      // last stage: int32 [B, T], next-token ids or -1 (ignored)
 };
 
@@ -89,6 +101,14 @@ class GptStage {
   // Runs microbatch `mb` forward. Non-last stages write their output
   // activations [B, T, C] into `output`. Last stages compute the loss.
   absl::Status Forward(int mb, const StageInputs& inputs, const kernels::Tensor& output);
+  // The dtype of `inputs.activations`, `output`, `grad_output` and
+  // `grad_input`: float32, or bf16 for a bf16 stage.
+  kernels::DType activation_dtype() const { return bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32; }
+  // Rounds the master weights into their bf16 copies (a no-op for fp32), for
+  // after the values were set other than by OptimizerStep (a restore,
+  // ParameterStore::SetFull). Enqueued on stream().
+  void RefreshBf16Weights();
+
   // `grad_output` [B, T, C] is the gradient of the output (ignored on the
   // last stage); non-first stages write the gradient of their input
   // activations into `grad_input`.
@@ -166,12 +186,19 @@ class GptStage {
   absl::Status AllReduceTp(const kernels::Tensor& t, const char* what, int block);
   absl::Status AllGatherTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what);
   absl::StatusOr<Microbatch*> Find(int mb, const char* op);
+  // The tensor a GEMM reads for `p`: its bf16 copy for a bf16 stage, else
+  // its value.
+  const kernels::Tensor& W(const Parameter* p) const;
+  // `t` as a GEMM input: itself (fp32), or a bf16 copy in `arena`.
+  kernels::Tensor ForGemm(kernels::Arena& arena, const kernels::Tensor& t) const;
 
   StageConfig config_;
   comm::Communicator* tp_;
   ParameterStore params_;
   const bool vocab_parallel_;  // config.vocab_parallel with tp > 1
   const int64_t vocab_begin_;  // first vocabulary row of this rank's wte
+  const bool bf16_;            // config.precision is kBFloat16
+  const kernels::DType gemm_dtype_;  // of GEMM inputs and attention tensors
   std::vector<Block> blocks_;
   Parameter* wte_ = nullptr;  // first stage, and the head's copy on the last
   Parameter* wpe_ = nullptr;

@@ -15,7 +15,8 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
                                                                  int tp, uint64_t seed,
                                                                  int microbatches,
                                                                  bool vocab_parallel,
-                                                                 kernels::Device device) {
+                                                                 kernels::Device device,
+                                                                 kernels::Precision precision) {
   auto m = std::unique_ptr<InProcModel>(new InProcModel());
   m->device_ = device;
   m->pp_ = pp;
@@ -30,6 +31,7 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
       config.vocab_parallel = vocab_parallel;
       config.comm_timeout = absl::Seconds(60);
       config.device = device;
+      config.precision = precision;
       BATON_ASSIGN_OR_RETURN(auto stage, GptStage::Create(config, m->tp_groups_[s][r].get()));
       m->stages_[s].push_back(std::move(stage));
     }
@@ -51,6 +53,7 @@ absl::Status InProcModel::SetParameter(const std::string& name, absl::Span<const
     for (auto& stage : row) {
       if (stage->parameters().Find(name) == nullptr) continue;
       BATON_RETURN_IF_ERROR(stage->parameters().SetFull(name, full));
+      stage->RefreshBf16Weights();
       found = true;
     }
   }
@@ -66,8 +69,9 @@ absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
   std::vector<std::vector<Tensor>> acts(mbs), grads(mbs);
   for (int mb = 0; mb < mbs; ++mb) {
     for (int s = 0; s < pp_; ++s) {
-      BATON_ASSIGN_OR_RETURN(Tensor act, kernels::ZerosOn(device_, {b, t, c}));
-      BATON_ASSIGN_OR_RETURN(Tensor grad, kernels::ZerosOn(device_, {b, t, c}));
+      const kernels::DType dtype = stages_[s][r]->activation_dtype();  // the pipeline messages
+      BATON_ASSIGN_OR_RETURN(Tensor act, kernels::ZerosOn(device_, {b, t, c}, dtype));
+      BATON_ASSIGN_OR_RETURN(Tensor grad, kernels::ZerosOn(device_, {b, t, c}, dtype));
       acts[mb].push_back(act);
       grads[mb].push_back(grad);
     }

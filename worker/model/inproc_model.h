@@ -27,10 +27,12 @@ class InProcModel {
  public:
   // `vocab_parallel`: see StageConfig::vocab_parallel. `device`: where every
   // stage runs (StageConfig::device); stages hand activations and gradients
-  // to each other through events between their streams.
+  // to each other through events between their streams. `precision`: see
+  // StageConfig::precision (bf16: the stages exchange bf16 activations).
   static absl::StatusOr<std::unique_ptr<InProcModel>> Create(
       const GptConfig& model, int pp, int tp, uint64_t seed, int microbatches, bool vocab_parallel,
-      kernels::Device device = kernels::Device::Cpu());
+      kernels::Device device = kernels::Device::Cpu(),
+      kernels::Precision precision = kernels::Precision::kFloat32);
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);

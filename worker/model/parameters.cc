@@ -199,6 +199,32 @@ absl::Status ParameterStore::SetFull(const std::string& name, absl::Span<const f
                      kernels::Tensor::View(local.data(), p->value.shape()));
 }
 
+absl::Status ParameterStore::AllocateBf16Copies(const kernels::ExecContext& ctx) {
+  int64_t total = 0;
+  for (const Parameter& p : params_) {
+    if (p.spec.gemm_weight) total += p.value.numel();
+  }
+  absl::StatusOr<kernels::Tensor> copies =
+      kernels::ZerosOn(device(), {total}, kernels::DType::kBFloat16);
+  if (!copies.ok()) return copies.status();
+  values_bf16_ = *std::move(copies);
+  int64_t offset = 0;
+  for (Parameter& p : params_) {
+    if (!p.spec.gemm_weight) continue;
+    const int64_t n = p.value.numel();
+    p.value_bf16 = values_bf16_.Rows(offset, offset + n).Reshaped(p.value.shape());
+    offset += n;
+  }
+  RefreshBf16Copies(ctx);
+  return absl::OkStatus();
+}
+
+void ParameterStore::RefreshBf16Copies(const kernels::ExecContext& ctx) {
+  for (const Parameter& p : params_) {
+    if (p.value_bf16.defined()) kernels::Cast(ctx, p.value_bf16, p.value);
+  }
+}
+
 Parameter* ParameterStore::Find(const std::string& name) {
   for (Parameter& p : params_) {
     if (p.spec.name == name) return &p;

@@ -53,11 +53,18 @@ struct ParameterSpec {
   // replicated tensors on TP ranks > 0 and for the tied embedding copy on
   // the last pipeline stage, so every gradient is counted once.
   bool counts_in_norm = true;
+  // A GEMM weight: with bf16 copies (ParameterStore::AllocateBf16Copies) it
+  // also has a bf16 copy of its values that bf16 GEMMs read.
+  bool gemm_weight = false;
 };
 
 struct Parameter {
   ParameterSpec spec;
   kernels::Tensor value, grad, adam_m, adam_v;  // local shard, views into the store
+  // bf16 copy of `value` (GEMM weights with bf16 copies; undefined
+  // otherwise). AdamW rewrites it with every update; RefreshBf16Copies sets
+  // it from `value` (after initialisation or a restore).
+  kernels::Tensor value_bf16;
 };
 
 // Copies between a full tensor and rank `rank`'s shard (of `size` ranks).
@@ -79,7 +86,16 @@ class ParameterStore {
   // allocation each, values copied, the rest zero; parameter views rebound.
   absl::Status Place(kernels::Device device);
   kernels::Device device() const { return values_.device(); }
-  // Sets parameter `name` from its full (unsharded) values.
+  // Gives every GEMM weight (ParameterSpec::gemm_weight) a bf16 copy, one
+  // flat bf16 buffer on device() (call after Place), and fills it with
+  // RefreshBf16Copies. For train.precision = bf16.
+  absl::Status AllocateBf16Copies(const kernels::ExecContext& ctx);
+  // Rounds every value that has a bf16 copy into it (enqueued on ctx); for
+  // after the fp32 values were set other than by AdamW (SetFull, a restore).
+  void RefreshBf16Copies(const kernels::ExecContext& ctx);
+  bool has_bf16_copies() const { return values_bf16_.defined(); }
+  // Sets parameter `name` from its full (unsharded) values (its bf16 copy,
+  // if any, is the caller's to refresh).
   absl::Status SetFull(const std::string& name, absl::Span<const float> full);
   // A host copy of `t` (a view into this store, on any device); waits for it.
   static std::vector<float> ToHost(const kernels::Tensor& t);
@@ -100,6 +116,7 @@ class ParameterStore {
  private:
   std::vector<Parameter> params_;
   kernels::Tensor values_, grads_, adam_m_, adam_v_;
+  kernels::Tensor values_bf16_;  // GEMM weights' bf16 copies, when allocated
   int tp_rank_, tp_size_;
 };
 

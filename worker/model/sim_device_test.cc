@@ -2,7 +2,9 @@
 // bits — loss, scored tokens, hits, every gradient, and the weights after two
 // optimizer steps — in every layout: one stage, PP 2 and 3 (activations and
 // gradients handed between stage streams by events), TP 2 (collectives after
-// a stream sync), PP 2 × TP 2 and the vocabulary-parallel head. The simulated
+// a stream sync), PP 2 × TP 2 and the vocabulary-parallel head, in fp32 and
+// in bf16 (train.precision = bf16: the CPU backend's bf16 reference ops, bf16
+// pipeline messages). The simulated
 // streams are lazy and its memory aborts on host access, so a missing wait or
 // a leftover host access in the model fails here.
 #include <random>
@@ -53,6 +55,7 @@ Batch MakeBatch(uint32_t seed, int microbatches, int vocab) {
 struct Layout {
   int pp, tp;
   bool vocab_parallel;
+  bool bf16;
 };
 
 class SimDeviceTest : public ::testing::TestWithParam<Layout> {};
@@ -61,9 +64,12 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   const Layout l = GetParam();
   const GptConfig model = SmallModel();
   constexpr int kMicrobatches = 2;
-  auto cpu = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel);
+  const kernels::Precision precision =
+      l.bf16 ? kernels::Precision::kBFloat16 : kernels::Precision::kFloat32;
+  auto cpu = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
+                                 kernels::Device::Cpu(), precision);
   auto sim = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
-                                 kernels::Device::Sim(0));
+                                 kernels::Device::Sim(0), precision);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   ASSERT_TRUE(sim.ok()) << sim.status();
   EXPECT_EQ((*sim)->stage(0, 0).parameters().device(), kernels::Device::Sim(0));
@@ -98,13 +104,16 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
-                         ::testing::Values(Layout{1, 1, false}, Layout{2, 1, false},
-                                           Layout{3, 1, false}, Layout{1, 2, false},
-                                           Layout{2, 2, false}, Layout{2, 2, true}),
+                         ::testing::Values(Layout{1, 1, false, false}, Layout{2, 1, false, false},
+                                           Layout{3, 1, false, false}, Layout{1, 2, false, false},
+                                           Layout{2, 2, false, false}, Layout{2, 2, true, false},
+                                           Layout{1, 1, false, true}, Layout{2, 2, false, true},
+                                           Layout{2, 2, true, true}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_tp" +
                                   std::to_string(info.param.tp) +
-                                  (info.param.vocab_parallel ? "_vocab" : "");
+                                  (info.param.vocab_parallel ? "_vocab" : "") +
+                                  (info.param.bf16 ? "_bf16" : "");
                          });
 
 }  // namespace
