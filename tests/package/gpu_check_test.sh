@@ -3,7 +3,8 @@
 # reports every GPU step "not available" (never a number), and its pp2_1f1b
 # job, run from a release bundle built by scripts/package.sh with the job's
 # workers on the CPU (--pp2_device cpu), trains and compares against the
-# batonctl-local CPU run: the same bits, so both differences are exactly 0.
+# batonctl-local CPU run: the same bits, so both differences are exactly 0;
+# likewise the same job in bf16 (pp2_1f1b_bf16), whose losses are not fp32's.
 # result.json is valid JSON and the script exits 0.
 set -euo pipefail
 
@@ -32,6 +33,12 @@ grep -q '"name": "pp2_1f1b", "status": "pass"' "$result" ||
   fail "pp2_1f1b did not pass: $(tail -n 30 "$WORK/out/pp2_1f1b.out")"
 grep -q '"pp2_loss_max_rel_diff": 0' "$result" || fail "CPU vs CPU losses differ"
 grep -q '"pp2_weights_max_rel_diff": 0' "$result" || fail "CPU vs CPU weights differ"
+grep -q '"name": "pp2_1f1b_bf16", "status": "pass"' "$result" ||
+  fail "pp2_1f1b_bf16 did not pass: $(tail -n 30 "$WORK/out/pp2_1f1b_bf16.out")"
+grep -q '"pp2_bf16_loss_max_rel_diff": 0' "$result" || fail "CPU vs CPU bf16 losses differ"
+grep -q '"pp2_bf16_weights_max_rel_diff": 0' "$result" || fail "CPU vs CPU bf16 weights differ"
+# The bf16 job really ran in bf16: its losses are not the fp32 job's.
+cmp -s "$WORK/out/pp2/cpu.loss" "$WORK/out/pp2_bf16/cpu.loss" && fail "the bf16 job's losses equal the fp32 job's"
 grep -q '"name": "cuda_ops", "status": "not available' "$result" || fail "cuda_ops not reported as not available"
 if grep -E '"(gpt2_small|bf16_gemm)' "$result"; then fail "a GPU number without a GPU"; fi
 echo "PASS"
