@@ -6,7 +6,9 @@
 // written at the end. The same job on two --device=cpu workers of the same
 // binary must give the same per-step losses and byte-identical final weight
 // files; the sim workers export baton_device_memory_bytes{kind=in_use|
-// reserved} and baton_host_syncs_total.
+// reserved} and baton_host_syncs_total. The same in train.precision = bf16
+// (bf16 copies of the weights on the device, bf16 pipeline messages): the
+// simulated device gives the CPU's bf16 bits, which are not the fp32 ones.
 #include <signal.h>
 
 #include <algorithm>
@@ -45,7 +47,7 @@ struct JobRun {
   std::map<std::string, std::string> final_files;  // name -> bytes
 };
 
-JobRun RunJob(const std::string& dir, const std::string& device) {
+JobRun RunJob(const std::string& dir, const std::string& device, const std::string& precision = "fp32") {
   JobRun run;
   const std::string job_file = dir + "/job.textproto";
   std::ofstream(job_file) << R"pb(
@@ -53,9 +55,8 @@ JobRun RunJob(const std::string& dir, const std::string& device) {
     model { layers: 4 d_model: 16 heads: 2 vocab: 16 seq_len: 20 }
     parallel { pp: 2 tp: 1 dp: 1 }
     schedule { kind: "1f1b" microbatches: 4 }
-    train { steps: 4 micro_batch_size: 2 lr: 0.003 seed: 3 }
     data { synthetic { task: "addition" } }
-  )pb";
+  )pb" << "train { steps: 4 micro_batch_size: 2 lr: 0.003 seed: 3 precision: \"" << precision << "\" }\n";
   const std::string out = dir + "/out";
   Subprocess coordinator(RunfilePath("coordinator/baton-coordinator"),
                          {"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0",
@@ -109,9 +110,8 @@ JobRun RunJob(const std::string& dir, const std::string& device) {
   return run;
 }
 
-TEST(SimWorkerTest, PipelineJobOnTheSimulatedDeviceMatchesTheCpuBitForBit) {
-  const JobRun cpu = RunJob(TempDir("sim_worker_cpu"), "cpu");
-  const JobRun sim = RunJob(TempDir("sim_worker_sim"), "sim:0");
+// Same per-step losses and byte-identical final weight files.
+void ExpectSameBits(const JobRun& cpu, const JobRun& sim) {
   ASSERT_TRUE(absl::StrContains(cpu.summary, "\"state\": \"done\"")) << cpu.summary;
   ASSERT_TRUE(absl::StrContains(sim.summary, "\"state\": \"done\"")) << sim.summary;
   EXPECT_EQ(std::count(cpu.losses.begin(), cpu.losses.end(), '\n'), 4) << cpu.losses;
@@ -123,12 +123,28 @@ TEST(SimWorkerTest, PipelineJobOnTheSimulatedDeviceMatchesTheCpuBitForBit) {
     EXPECT_FALSE(bytes.empty()) << name;
     EXPECT_TRUE(sim.final_files.at(name) == bytes) << "final/" << name << " differs between cpu and sim:0";
   }
+}
+
+TEST(SimWorkerTest, PipelineJobOnTheSimulatedDeviceMatchesTheCpuBitForBit) {
+  const JobRun cpu = RunJob(TempDir("sim_worker_cpu"), "cpu");
+  const JobRun sim = RunJob(TempDir("sim_worker_sim"), "sim:0");
+  ExpectSameBits(cpu, sim);
   // Device metrics: memory on the device worker only; host waits on both.
   EXPECT_TRUE(absl::StrContains(sim.metrics, "baton_device_memory_bytes{")) << sim.metrics;
   EXPECT_TRUE(absl::StrContains(sim.metrics, "kind=\"in_use\"")) << sim.metrics;
   EXPECT_TRUE(absl::StrContains(sim.metrics, "kind=\"reserved\"")) << sim.metrics;
   EXPECT_FALSE(absl::StrContains(cpu.metrics, "baton_device_memory_bytes{")) << cpu.metrics;
   EXPECT_TRUE(absl::StrContains(sim.metrics, "baton_host_syncs_total{")) << sim.metrics;
+}
+
+TEST(SimWorkerTest, Bf16PipelineJobOnTheSimulatedDeviceMatchesTheCpuBitForBit) {
+  const JobRun cpu = RunJob(TempDir("sim_worker_bf16_cpu"), "cpu", "bf16");
+  const JobRun sim = RunJob(TempDir("sim_worker_bf16_sim"), "sim:0", "bf16");
+  ExpectSameBits(cpu, sim);
+  // bf16 really ran: the losses are not the fp32 job's.
+  const JobRun fp32 = RunJob(TempDir("sim_worker_bf16_fp32"), "cpu", "fp32");
+  ASSERT_EQ(std::count(fp32.losses.begin(), fp32.losses.end(), '\n'), 4) << fp32.losses;
+  EXPECT_NE(cpu.losses, fp32.losses);
 }
 
 }  // namespace
