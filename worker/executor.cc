@@ -130,6 +130,7 @@ absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(kernels::Stream* strea
 
 absl::Status StepExecutor::StartSpans() {
   spans_.clear();
+  tie_spans_.clear();
   comm_spans_.clear();
   for (auto& [stage, model] : chunks_) {
     kernels::Stream* stream = model->context().stream;
@@ -171,6 +172,11 @@ absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string nam
 }
 
 absl::Status StepExecutor::ResolveSpans() {
+  for (const auto& [start, end] : tie_spans_) {
+    BATON_ASSIGN_OR_RETURN(const double seconds, end->SecondsSince(*start));
+    dp_comm_ += std::max(0.0, seconds);
+  }
+  tie_spans_.clear();
   for (const Span& span : spans_) {
     if (span.end == nullptr) continue;  // its action failed
     BATON_ASSIGN_OR_RETURN(const double seconds, span.end->SecondsSince(*span.start));
@@ -540,9 +546,21 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
 
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
-  absl::Duration waited_for_compute;
+  absl::Duration waited_for_compute;  // and the tied sums timed by events
   for (auto& [stage, model] : chunks_) {
-    BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+    kernels::Stream* stream = pipeline_ != nullptr ? model->context().stream : nullptr;
+    if (stream != nullptr) {
+      // The sum may run on the chunk's stream (GptStageModel on the
+      // simulated device): an event pair times it as dp.
+      const absl::Time tie_start = absl::Now();
+      BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(stream, stage));
+      BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+      BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(stream, stage));
+      tie_spans_.push_back({before, after});
+      waited_for_compute += absl::Now() - tie_start;
+    } else {
+      BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+    }
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
     const absl::Time wait_start = absl::Now();

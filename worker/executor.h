@@ -23,7 +23,9 @@
 // the host took to enqueue it. A chunk without a stream (the CPU) runs its ops
 // inline, and host time around the action is its compute time. The waits for
 // a chunk before a send or the DP all-reduce count as neither comm nor compute
-// (the device work they wait for is already counted as compute).
+// (the device work they wait for is already counted as compute). At pp > 1 the
+// tied-embedding sum of a chunk with a stream is timed by an event pair on
+// that stream (dp): it may run there (GptStageModel on the simulated device).
 // Every pipeline message is followed by a small side message (same peer,
 // tag | kStampTagBit) holding the sender's post time on the coordinator clock,
 // so a receive that waited splits into bubble (before the peer posted) and
@@ -180,6 +182,8 @@ class StepExecutor {
     double tp_wait = 0;
   };
   std::vector<Span> spans_;
+  // Event pairs around the tied-embedding sum of chunks on a stream (dp time).
+  std::vector<std::pair<kernels::Event*, kernels::Event*>> tie_spans_;
 
   // Stream-ordered p2p (chunks on a stream, buffers the pipeline communicator
   // can carry from one): the batches run on comm_stream_ (created with the

@@ -19,10 +19,11 @@
 // optimizer, whose device time counts in the step). With pp > 1 the pipeline's
 // sends and receives run on a communication stream, ordered by events (the
 // in-process communicator's ops as host functions on the simulated stream),
-// so a send waits for nothing on the host: a step waits twice per chunk, plus
-// once on each chunk holding the tied embedding (its gradient sum, in
-// model::GptStage, waits for the stream before a host-side all-reduce). A
-// peer that never sends fails the step with DEADLINE_EXCEEDED naming the op.
+// so a send waits for nothing on the host, and the tied-embedding gradient
+// sum runs on the chunk's stream the same way (GptStageModel): a step waits
+// twice per chunk (its results, the optimizer's end), i.e. twice per rank
+// at 1F1B/ZB-H1 pp=2. A peer that never sends fails the step with
+// DEADLINE_EXCEEDED naming the op.
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -119,6 +120,7 @@ class Pipeline {
       EXPECT_TRUE(config.ok()) << config.status();
       config->microbatches = kMicrobatches;
       config->device = device;
+      config->comm_timeout = op_timeout;  // the tied-embedding sum
       comm::Communicator* t =
           stages_ == 1 ? nullptr : c == 0 ? tie_[0].get() : c == stages_ - 1 ? tie_[1].get() : nullptr;
       kernels::AdamWConfig adamw;
@@ -311,9 +313,10 @@ TEST(SimExecutorHostSyncs, AtMostTwoPerStepOnOneRank) {
   }
 }
 
-// At pp = 2 no send waits on the host: the bound does not grow with the
-// send batches (the host-side p2p of before waited once per send batch:
-// 1F1B pp=2 with 4 microbatches took 14 waits over its two ranks, not 6).
+// At pp = 2 nothing in the step but reading its results and the optimizer's
+// end waits on the host: two waits per chunk, so two per rank at v = 1 (the
+// host-side p2p of before waited once per send batch and once for the tied
+// sum: 1F1B pp=2 with 4 microbatches took 14 waits over its two ranks, not 4).
 class SimExecutorPipelineHostSyncs : public ::testing::TestWithParam<Case> {};
 
 TEST_P(SimExecutorPipelineHostSyncs, NoWaitForSendsOrReceives) {
@@ -322,9 +325,8 @@ TEST_P(SimExecutorPipelineHostSyncs, NoWaitForSendsOrReceives) {
   ASSERT_TRUE(p.ok());
   const int64_t sends = p.SendBatches();
   EXPECT_GT(sends, 0);
-  // Per chunk: its results and the optimizer's end; the two chunks holding
-  // the tied embedding once more each (the gradient sum, model::GptStage).
-  const int64_t bound = 2 * p.stages() + 2;
+  // Per chunk: its results and the optimizer's end.
+  const int64_t bound = 2 * p.stages();
   p.Step(1);
   for (int step = 2; step <= kSteps + 1; ++step) {
     const StepResult r = p.Step(step);
@@ -374,14 +376,32 @@ TEST(SimExecutorStreamComm, PeerThatNeverSendsFailsTheStepWithADeadline) {
   for (int r = 0; r < 2; ++r) p.executor(r).Discard(1);
 }
 
+// The tied-embedding sum on the stream: when the other end never sums, the
+// chunk's next host wait (reading the step's results) fails with
+// DEADLINE_EXCEEDED naming the sum, after the op timeout, without a hang;
+// SyncTiedGradients itself returned at once (no host wait).
+TEST(SimExecutorStreamComm, TiedSumWithoutItsPeerFailsTheResultsRead) {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0), nullptr, absl::Milliseconds(300));
+  ASSERT_TRUE(p.ok());
+  StageModel& last = p.chunk(1);
+  last.ZeroGrad();
+  const int64_t syncs = kernels::HostSyncCount();
+  ASSERT_TRUE(last.SyncTiedGradients().ok());
+  EXPECT_EQ(kernels::HostSyncCount(), syncs) << "the sum waited on the host";
+  model::StepScore score;
+  double sq = 0;
+  const absl::Status s = last.ReadStepResults(&score, &sq);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("all-reduce of the tied embedding gradient"), std::string::npos) << s;
+  // Reported once: the next read is clean.
+  EXPECT_TRUE(last.ReadStepResults(&score, &sq).ok());
+}
+
 // With stream-ordered p2p the comm/bubble split still means what
 // docs/metrics.md says: each rank waits for the other's activations or
 // gradients (every op sleeps 200 us), so its step has p2p time, and compute
 // and p2p never add up to more than the step (comm counts only while no chunk
-// of the rank computes: a send overlapping the next action is hidden). The
-// tied-embedding gradient sum (dp) waits for the chunk's stream inside the
-// model and counts that wait as dp time, so the parts are not checked to
-// add up here (the one-rank test above checks that).
+// of the rank computes: a send overlapping the next action is hidden).
 TEST(SimExecutorTimeAccounting, PipelineCommIsExposedDataMovement) {
   Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
   ASSERT_TRUE(p.ok());

@@ -82,4 +82,21 @@ absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Str
   });
 }
 
+bool CanEnqueueAllReduce(const Communicator& comm, const Buffer& buf) {
+  return !comm.RunsOnStreams() && buf.device < 0;
+}
+
+absl::Status EnqueueAllReduce(Communicator& comm, Buffer buf, std::string name, kernels::Stream& stream,
+                              absl::Duration timeout, std::shared_ptr<StreamCommStatus> status) {
+  if (!CanEnqueueAllReduce(comm, buf)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": a ", comm.backend(), " communicator cannot sum this buffer from a stream"));
+  }
+  return stream.LaunchHostFunc([&comm, buf, name = std::move(name), timeout, status = std::move(status)] {
+    if (status->failed()) return;
+    absl::Status s = comm.AllReduceSum(buf)->Wait(timeout);
+    if (!s.ok()) status->Fail(absl::Status(s.code(), absl::StrCat(name, ": ", s.message())));
+  });
+}
+
 }  // namespace baton::comm

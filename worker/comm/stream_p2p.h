@@ -73,6 +73,17 @@ absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Str
                         absl::Duration timeout, std::shared_ptr<StreamCommStatus> status,
                         std::function<void()> before_post);
 
+// Whether EnqueueAllReduce can sum `buf` over `comm`: host memory over a host
+// communicator (an NCCL all-reduce on a caller's stream is not wired).
+bool CanEnqueueAllReduce(const Communicator& comm, const Buffer& buf);
+
+// A host communicator's in-place sum of `buf` as one host function on
+// `stream`, waited for at most `timeout`; its failure goes to `status`
+// with `name` as context. INVALID_ARGUMENT (nothing enqueued) where
+// CanEnqueueAllReduce refuses. `comm` must outlive the stream's work.
+absl::Status EnqueueAllReduce(Communicator& comm, Buffer buf, std::string name, kernels::Stream& stream,
+                              absl::Duration timeout, std::shared_ptr<StreamCommStatus> status);
+
 }  // namespace baton::comm
 
 #endif  // BATON_WORKER_COMM_STREAM_P2P_H_
