@@ -45,8 +45,9 @@ absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Str
   for (const P2POp& op : ops) {
     if (!CanEnqueueP2P(comm, op.buf)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          op.name, ": a ", comm.backend(),
-          " communicator cannot carry CUDA memory from a stream (stream-ordered p2p needs NCCL)"));
+          op.name, ": a ", comm.backend(), " communicator cannot carry ",
+          op.buf.device < 0 ? "host memory from a stream (its groups take CUDA memory only)"
+                            : "CUDA memory from a stream (stream-ordered p2p of CUDA memory needs NCCL)"));
     }
   }
   if (comm.RunsOnStreams()) {
