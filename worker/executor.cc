@@ -607,10 +607,21 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
     compute_ += absl::ToDoubleSeconds(end - start);
     Record("optimizer", "compute", start, end);
   }
-  // One wait per chunk on a stream, so the optimizer's device time counts in
-  // this step (and its errors are reported here).
-  for (const Span& span : spans_) {
-    BATON_RETURN_IF_ERROR_CTX(span.end->Synchronize(), "optimizer step of stage ", span.stage);
+  // One wait on the device, so the optimizer's device time counts in this
+  // step (and its errors are reported here): with several chunks on streams,
+  // the first one's stream waits for the others' optimizer ends first.
+  if (!spans_.empty()) {
+    std::string stages;
+    for (const Span& span : spans_) absl::StrAppend(&stages, stages.empty() ? "" : ", ", span.stage);
+    kernels::Event* done = spans_.front().end;
+    if (spans_.size() > 1) {
+      kernels::Stream* stream = chunks_.at(spans_.front().stage)->context().stream;
+      for (size_t i = 1; i < spans_.size(); ++i) {
+        BATON_RETURN_IF_ERROR_CTX(spans_[i].end->StreamWait(*stream), "optimizer step of stage ", spans_[i].stage);
+      }
+      BATON_ASSIGN_OR_RETURN(done, RecordEvent(stream, spans_.front().stage));
+    }
+    BATON_RETURN_IF_ERROR_CTX(done->Synchronize(), "optimizer step of stage ", stages);
   }
   BATON_RETURN_IF_ERROR(ResolveSpans());
   return Finish(step, true);
