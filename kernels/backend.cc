@@ -95,6 +95,21 @@ absl::Status Stream::Synchronize() {
   return backend_->synchronize_stream(native_);
 }
 
+namespace {
+void RunHostFunc(void* arg) {
+  auto* fn = static_cast<std::function<void()>*>(arg);
+  (*fn)();
+  delete fn;
+}
+}  // namespace
+
+absl::Status Stream::LaunchHostFunc(std::function<void()> fn) {
+  auto* arg = new std::function<void()>(std::move(fn));
+  absl::Status status = backend_->launch_host_func(native_, RunHostFunc, arg);
+  if (!status.ok()) delete arg;  // not enqueued: it never runs
+  return status;
+}
+
 absl::StatusOr<std::unique_ptr<Event>> Event::Create(Device device) {
   absl::StatusOr<const Backend*> backend = BackendOf(device);
   if (!backend.ok()) return backend.status();

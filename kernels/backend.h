@@ -81,6 +81,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -111,6 +112,14 @@ class Stream {
   // Blocks the host until everything enqueued so far is done; the stream's
   // sticky error, if any. A host synchronisation.
   absl::Status Synchronize();
+  // Enqueues `fn` to run on a host thread when the stream reaches it; work
+  // enqueued afterwards starts after it returns. Does not block the caller
+  // (on the CPU, whose work runs inline, `fn` runs now). `fn` must not call
+  // into the backend (CUDA: cudaLaunchHostFunc's rule, no CUDA calls) and
+  // reports its own errors: they are not the stream's sticky error. It may
+  // block (a host communicator's op), which holds back the stream's later
+  // work, so it must be bounded (an op timeout).
+  absl::Status LaunchHostFunc(std::function<void()> fn);
 
  private:
   Stream(const Backend* backend, Device device, void* native)
@@ -216,6 +225,9 @@ struct Backend {
   absl::Status (*stream_wait_event)(void* stream, void* event);
   absl::Status (*synchronize_event)(void* event);
   absl::StatusOr<double> (*event_seconds)(void* start, void* end);
+  // Runs fn(arg) once, on a host thread, in the stream's order (see
+  // Stream::LaunchHostFunc).
+  absl::Status (*launch_host_func)(void* stream, void (*fn)(void* arg), void* arg);
 
   // --- data movement (either side may be host memory; same byte count) ---
   void (*copy)(const ExecContext& ctx, const Tensor& dst, const Tensor& src);

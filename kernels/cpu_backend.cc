@@ -115,6 +115,11 @@ absl::Status SynchronizeEvent(void*) { return absl::OkStatus(); }
 absl::StatusOr<double> EventSeconds(void* start, void* end) {
   return absl::ToDoubleSeconds(*static_cast<absl::Time*>(end) - *static_cast<absl::Time*>(start));
 }
+// Work runs inline: so does a host function.
+absl::Status LaunchHostFunc(void*, void (*fn)(void*), void* arg) {
+  fn(arg);
+  return absl::OkStatus();
+}
 
 void Copy(const ExecContext&, const Tensor& dst, const Tensor& src) {
   std::memcpy(dst.raw(), src.raw(), src.bytes());
@@ -363,6 +368,7 @@ const Backend kCpu = {
     StreamWaitEvent,
     SynchronizeEvent,
     EventSeconds,
+    LaunchHostFunc,
     Copy,
     FillZero,
     Cast,

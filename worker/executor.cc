@@ -57,6 +57,10 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       tp_(tp),
       dp_(dp) {}
 
+StepExecutor::~StepExecutor() {
+  if (comm_stream_ != nullptr) (void)comm_stream_->Synchronize();
+}
+
 absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Message>& map, int stage, int mb) {
   auto chunk = chunks_.find(stage);
   if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
@@ -89,6 +93,11 @@ absl::Status StepExecutor::ReleaseMessages(bool chunks_idle) {
       absl::Status s = model->Synchronize();
       if (status.ok() && !s.ok()) status = WithContext(s, absl::StrCat("synchronising stage ", stage));
     }
+    // Its ops end within the op timeout (after a failure it posts nothing).
+    if (comm_stream_ != nullptr) {
+      absl::Status s = comm_stream_->Synchronize();
+      if (status.ok() && !s.ok()) status = WithContext(s, "synchronising the communication stream");
+    }
   }
   if (!status.ok()) return status;  // the device may still use the buffers: keep them out of the pool
   data_.clear();  // a device stage may have been copying tokens and targets from it
@@ -110,33 +119,47 @@ void StepExecutor::Record(const std::string& name, const char* cat, absl::Time s
   e.set_duration_us(absl::ToInt64Microseconds(end - start));
 }
 
-absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(StageModel* model, int stage) {
-  kernels::Stream* stream = model->context().stream;
-  ChunkEvents& ce = chunk_events_[stage];
+absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(kernels::Stream* stream, int key) {
+  const std::string owner = key == kCommStream ? "the communication stream" : absl::StrCat("stage ", key);
+  ChunkEvents& ce = chunk_events_[key];
   if (ce.used == ce.pool.size()) {
     absl::StatusOr<std::unique_ptr<kernels::Event>> e = kernels::Event::Create(stream->device());
-    if (!e.ok()) return WithContext(e.status(), absl::StrCat("creating an event for stage ", stage));
+    if (!e.ok()) return WithContext(e.status(), absl::StrCat("creating an event for ", owner));
     ce.pool.push_back(std::move(*e));
   }
   kernels::Event* e = ce.pool[ce.used++].get();
-  BATON_RETURN_IF_ERROR_CTX(e->Record(*stream), "recording an event on stage ", stage, "'s stream");
+  BATON_RETURN_IF_ERROR_CTX(e->Record(*stream), "recording an event on ", owner);
   return e;
 }
 
 absl::Status StepExecutor::StartSpans() {
   spans_.clear();
+  tie_spans_.clear();
+  comm_spans_.clear();
   for (auto& [stage, model] : chunks_) {
-    if (model->context().stream == nullptr) continue;
+    kernels::Stream* stream = model->context().stream;
+    if (stream == nullptr) continue;
+    if (comm_stream_ == nullptr && pipeline_ != nullptr) {
+      absl::StatusOr<std::unique_ptr<kernels::Stream>> cs = kernels::Stream::Create(stream->device());
+      if (!cs.ok()) return WithContext(cs.status(), "creating the communication stream");
+      comm_stream_ = std::move(*cs);
+    }
     ChunkEvents& ce = chunk_events_[stage];
     ce.used = 0;
-    BATON_ASSIGN_OR_RETURN(ce.anchor, RecordEvent(model, stage));
+    BATON_ASSIGN_OR_RETURN(ce.anchor, RecordEvent(stream, stage));
+    ce.anchor_host = absl::Now();
+  }
+  if (comm_stream_ != nullptr) {
+    ChunkEvents& ce = chunk_events_[kCommStream];
+    ce.used = 0;
+    BATON_ASSIGN_OR_RETURN(ce.anchor, RecordEvent(comm_stream_.get(), kCommStream));
     ce.anchor_host = absl::Now();
   }
   return absl::OkStatus();
 }
 
 absl::Status StepExecutor::BeginSpan(StageModel* model, int stage) {
-  BATON_ASSIGN_OR_RETURN(kernels::Event * start, RecordEvent(model, stage));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * start, RecordEvent(model->context().stream, stage));
   Span& span = spans_.emplace_back();
   span.stage = stage;
   span.start = start;
@@ -144,7 +167,7 @@ absl::Status StepExecutor::BeginSpan(StageModel* model, int stage) {
 }
 
 absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string name, double tp_wait) {
-  BATON_ASSIGN_OR_RETURN(kernels::Event * end, RecordEvent(model, stage));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * end, RecordEvent(model->context().stream, stage));
   Span& span = spans_.back();
   span.end = end;
   span.name = std::move(name);
@@ -153,6 +176,11 @@ absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string nam
 }
 
 absl::Status StepExecutor::ResolveSpans() {
+  for (const auto& [start, end] : tie_spans_) {
+    BATON_ASSIGN_OR_RETURN(const double seconds, end->SecondsSince(*start));
+    dp_comm_ += std::max(0.0, seconds);
+  }
+  tie_spans_.clear();
   for (const Span& span : spans_) {
     if (span.end == nullptr) continue;  // its action failed
     BATON_ASSIGN_OR_RETURN(const double seconds, span.end->SecondsSince(*span.start));
@@ -175,6 +203,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   trace_ = trace;
   events_.clear();
   BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
+  comm_status_->Reset();  // the communication stream is idle: a failed step was waited for above
   BATON_RETURN_IF_ERROR(StartSpans());
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
@@ -200,6 +229,16 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     BATON_RETURN_IF_ERROR(ReduceGrads());
   }
 
+  if (!comm_spans_.empty()) {
+    // Every chunk's stream waits for the communication stream's last batch,
+    // so reading the step's results below waits for it too.
+    BATON_ASSIGN_OR_RETURN(kernels::Event * comm_end, RecordEvent(comm_stream_.get(), kCommStream));
+    for (auto& [stage, model] : chunks_) {
+      BATON_RETURN_IF_ERROR_CTX(comm_end->StreamWait(*model->context().stream), "stage ", stage,
+                                " waiting for the communication stream");
+    }
+  }
+
   v1::StepReport report;
   report.set_step(step);
   model::StepScore loss;
@@ -215,6 +254,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
   }
+  BATON_RETURN_IF_ERROR(ResolveComm());   // the communication stream's work is done now (uses spans_)
   BATON_RETURN_IF_ERROR(ResolveSpans());  // every chunk's work is done now
   report.set_grad_sq_norm(sq);
   if (report.has_loss()) {
@@ -304,28 +344,12 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
 
 absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {
   if (pipeline_ == nullptr) return absl::InternalError("program sends or receives, but pp == 1");
-  struct Pending {
-    std::shared_ptr<comm::Work> work;
-    Message* recv = nullptr;  // set on the side message of a receive
-    const Action* action;
-  };
-  // Sent data must be complete on the device before the communicator reads
-  // it: one wait per sending chunk of the batch.
-  std::set<int> sending;
-  for (const Action* a : batch) {
-    if (a->kind() == Action::SEND_F || a->kind() == Action::SEND_B) sending.insert(a->stage());
-  }
-  for (int stage : sending) {
-    auto it = chunks_.find(stage);
-    if (it == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", stage));
-    BATON_RETURN_IF_ERROR_CTX(it->second->Synchronize(), "stage ", stage, " before sending");
-  }
-  // Comm time starts here: the wait above was for compute, counted as such.
-  const absl::Time start = absl::Now();
-  const int64_t posted_us = options_.clock_us();
-  std::vector<Pending> pending;
+  std::vector<CommOp> ops;
+  bool on_stream = comm_stream_ != nullptr;
   for (const Action* a : batch) {
     const int s = a->stage(), mb = a->microbatch();
+    auto chunk = chunks_.find(s);
+    if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", s));
     absl::StatusOr<Message*> m;
     uint64_t tag = 0;
     switch (a->kind()) {
@@ -347,25 +371,169 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
         break;
     }
     if (!m.ok()) return m.status();
-    const comm::Buffer payload = model::CommBuffer((*m)->payload);
-    const comm::Buffer stamp{&(*m)->sent_us, 1, comm::DType::kInt64, -1};
     const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
-    if (send) {
-      (*m)->sent_us = posted_us;
-      pending.push_back({pipeline_->Send(payload, a->peer(), tag), nullptr, a});
-      pending.push_back({pipeline_->Send(stamp, a->peer(), tag | kStampTagBit), nullptr, a});
+    // The post-time stamp is host memory: over NCCL (CUDA memory only) the
+    // batch stays on the host until the stamp travels in device memory.
+    const comm::Buffer stamp{&(*m)->sent_us, 1, comm::DType::kInt64, -1};
+    on_stream = on_stream && chunk->second->context().stream != nullptr &&
+                comm::CanEnqueueP2P(*pipeline_, model::CommBuffer((*m)->payload)) &&
+                comm::CanEnqueueP2P(*pipeline_, stamp);
+    ops.push_back({a, *m, tag, send, chunk->second});
+  }
+  std::string name;
+  for (const Action* a : batch) {
+    absl::StrAppend(&name, name.empty() ? "" : " ", Name(a->kind()), a->stage(), ".", a->microbatch());
+  }
+  return on_stream ? EnqueueCommBatch(ops, name) : WaitCommBatch(ops, name);
+}
+
+namespace {
+
+std::string OpName(const Action& a) {
+  return absl::StrCat(Name(a.kind()), "(stage ", a.stage(), ", mb ", a.microbatch(), ") with pipeline rank ",
+                      a.peer());
+}
+
+}  // namespace
+
+absl::Status StepExecutor::EnqueueCommBatch(const std::vector<CommOp>& ops, const std::string& name) {
+  // The batch starts after the actions that filled its send buffers.
+  std::set<int> waited;
+  for (const CommOp& op : ops) {
+    if (!op.send || !waited.insert(op.action->stage()).second) continue;
+    BATON_ASSIGN_OR_RETURN(kernels::Event * produced, RecordEvent(op.model->context().stream, op.action->stage()));
+    BATON_RETURN_IF_ERROR_CTX(produced->StreamWait(*comm_stream_), "communication stream waiting for stage ",
+                              op.action->stage());
+  }
+  CommSpan span;
+  span.name = name;
+  span.posted_us = std::make_shared<int64_t>(0);
+  BATON_ASSIGN_OR_RETURN(span.start, RecordEvent(comm_stream_.get(), kCommStream));
+  std::vector<comm::P2POp> p2p;
+  std::vector<int64_t*> stamps;  // of the sends, set to the post time when the batch posts
+  for (const CommOp& op : ops) {
+    const std::string op_name = OpName(*op.action);
+    const comm::Buffer stamp{&op.message->sent_us, 1, comm::DType::kInt64, -1};
+    p2p.push_back({op.send, model::CommBuffer(op.message->payload), op.action->peer(), op.tag, op_name});
+    p2p.push_back({op.send, stamp, op.action->peer(), op.tag | kStampTagBit, op_name + " (post time)"});
+    if (op.send) {
+      stamps.push_back(&op.message->sent_us);
     } else {
-      pending.push_back({pipeline_->Recv(payload, a->peer(), tag), nullptr, a});
-      pending.push_back({pipeline_->Recv(stamp, a->peer(), tag | kStampTagBit), *m, a});
+      span.received.push_back(op.message);
+    }
+  }
+  auto before_post = [posted = span.posted_us, clock = options_.clock_us, stamps] {
+    *posted = clock();
+    for (int64_t* stamp : stamps) *stamp = *posted;
+  };
+  BATON_RETURN_IF_ERROR_CTX(comm::EnqueueP2P(*pipeline_, std::move(p2p), *comm_stream_, options_.op_timeout,
+                                             comm_status_, std::move(before_post)),
+                            "enqueueing ", name);
+  BATON_ASSIGN_OR_RETURN(span.end, RecordEvent(comm_stream_.get(), kCommStream));
+  // The actions after the batch that read what it received start after it.
+  waited.clear();
+  for (const CommOp& op : ops) {
+    if (op.send || !waited.insert(op.action->stage()).second) continue;
+    BATON_RETURN_IF_ERROR_CTX(span.end->StreamWait(*op.model->context().stream), "stage ", op.action->stage(),
+                              " waiting for ", name);
+  }
+  comm_spans_.push_back(std::move(span));
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::ResolveComm() {
+  BATON_RETURN_IF_ERROR_CTX(comm_status_->status(), "pipeline communication");
+  if (comm_spans_.empty()) return absl::OkStatus();
+  // Everything on one timeline: seconds after the communication stream's
+  // anchor (events of one device compare across its streams).
+  const ChunkEvents& ce = chunk_events_.at(kCommStream);
+  using Interval = std::pair<double, double>;
+  auto merge = [](std::vector<Interval> v) {
+    std::sort(v.begin(), v.end());
+    std::vector<Interval> out;
+    for (const Interval& i : v) {
+      if (i.second <= i.first) continue;
+      if (!out.empty() && i.first <= out.back().second) {
+        out.back().second = std::max(out.back().second, i.second);
+      } else {
+        out.push_back(i);
+      }
+    }
+    return out;
+  };
+  std::vector<Interval> compute, moving;
+  for (const Span& span : spans_) {
+    if (span.end == nullptr) continue;
+    BATON_ASSIGN_OR_RETURN(const double a, span.start->SecondsSince(*ce.anchor));
+    BATON_ASSIGN_OR_RETURN(const double b, span.end->SecondsSince(*ce.anchor));
+    compute.emplace_back(a, b);
+  }
+  for (const CommSpan& span : comm_spans_) {
+    BATON_ASSIGN_OR_RETURN(const double offset, span.start->SecondsSince(*ce.anchor));
+    BATON_ASSIGN_OR_RETURN(const double total, span.end->SecondsSince(*span.start));
+    const int64_t posted_us = *span.posted_us;
+    int64_t ready_us = posted_us;  // when the last awaited peer posted its send
+    for (const Message* m : span.received) ready_us = std::max(ready_us, m->sent_us);
+    const double busy = std::max(0.0, total);
+    // Before the peer posted: bubble; after: data moving.
+    const double waiting = std::clamp((ready_us - posted_us) * 1e-6, 0.0, busy);
+    moving.emplace_back(offset + waiting, offset + busy);
+    if (!trace_) continue;
+    const absl::Time start = ce.anchor_host + absl::Seconds(std::max(0.0, offset));
+    const absl::Time data_ready = start + absl::Seconds(waiting);
+    if (waiting > 0) Record("wait " + span.name, "bubble", start, data_ready);
+    Record(span.name, "p2p", data_ready, start + absl::Seconds(busy));
+  }
+  // Comm is the exposed part (DESIGN.md section 7): data moving while no
+  // chunk of this rank computes. A send that overlaps the next action is
+  // hidden; the rest of the step is bubble (wall - compute - comm).
+  compute = merge(std::move(compute));
+  for (const Interval& m : merge(std::move(moving))) {
+    double exposed = m.second - m.first;
+    for (const Interval& c : compute) {
+      exposed -= std::max(0.0, std::min(m.second, c.second) - std::max(m.first, c.first));
+    }
+    p2p_ += std::max(0.0, exposed);
+  }
+  comm_spans_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const std::string& name) {
+  struct Pending {
+    std::shared_ptr<comm::Work> work;
+    Message* recv = nullptr;  // set on the side message of a receive
+    const Action* action;
+  };
+  // Sent data must be complete on the device before the communicator reads
+  // it: one wait per sending chunk of the batch.
+  std::set<int> sending;
+  for (const CommOp& op : ops) {
+    if (!op.send || !sending.insert(op.action->stage()).second) continue;
+    BATON_RETURN_IF_ERROR_CTX(op.model->Synchronize(), "stage ", op.action->stage(), " before sending");
+  }
+  // Comm time starts here: the wait above was for compute, counted as such.
+  const absl::Time start = absl::Now();
+  const int64_t posted_us = options_.clock_us();
+  std::vector<Pending> pending;
+  for (const CommOp& op : ops) {
+    Message* m = op.message;
+    const Action* a = op.action;
+    const comm::Buffer payload = model::CommBuffer(m->payload);
+    const comm::Buffer stamp{&m->sent_us, 1, comm::DType::kInt64, -1};
+    if (op.send) {
+      m->sent_us = posted_us;
+      pending.push_back({pipeline_->Send(payload, a->peer(), op.tag), nullptr, a});
+      pending.push_back({pipeline_->Send(stamp, a->peer(), op.tag | kStampTagBit), nullptr, a});
+    } else {
+      pending.push_back({pipeline_->Recv(payload, a->peer(), op.tag), nullptr, a});
+      pending.push_back({pipeline_->Recv(stamp, a->peer(), op.tag | kStampTagBit), m, a});
     }
   }
   int64_t ready_us = posted_us;  // when the last awaited peer posted its send
   for (Pending& p : pending) {
     absl::Status s = p.work->Wait(options_.op_timeout);
-    if (!s.ok()) {
-      return WithContext(s, absl::StrCat(Name(p.action->kind()), "(stage ", p.action->stage(), ", mb ",
-                                         p.action->microbatch(), ") with pipeline rank ", p.action->peer()));
-    }
+    if (!s.ok()) return WithContext(s, OpName(*p.action));
     if (p.recv != nullptr) ready_us = std::max(ready_us, p.recv->sent_us);
   }
   const absl::Time end = absl::Now();
@@ -373,10 +541,6 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
   const double waiting = std::clamp((ready_us - posted_us) * 1e-6, 0.0, total);
   p2p_ += total - waiting;  // the rest is bubble: wall - compute - comm
   if (trace_) {
-    std::string name;
-    for (const Action* a : batch) {
-      absl::StrAppend(&name, name.empty() ? "" : " ", Name(a->kind()), a->stage(), ".", a->microbatch());
-    }
     const absl::Time data_ready = start + absl::Seconds(waiting);
     if (waiting > 0) Record("wait " + name, "bubble", start, data_ready);
     Record(name, "p2p", data_ready, end);
@@ -386,9 +550,21 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
 
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
-  absl::Duration waited_for_compute;
+  absl::Duration waited_for_compute;  // and the tied sums timed by events
   for (auto& [stage, model] : chunks_) {
-    BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+    kernels::Stream* stream = pipeline_ != nullptr ? model->context().stream : nullptr;
+    if (stream != nullptr) {
+      // The sum may run on the chunk's stream (GptStageModel on the
+      // simulated device): an event pair times it as dp.
+      const absl::Time tie_start = absl::Now();
+      BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(stream, stage));
+      BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+      BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(stream, stage));
+      tie_spans_.push_back({before, after});
+      waited_for_compute += absl::Now() - tie_start;
+    } else {
+      BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
+    }
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
     const absl::Time wait_start = absl::Now();
@@ -435,10 +611,21 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
     compute_ += absl::ToDoubleSeconds(end - start);
     Record("optimizer", "compute", start, end);
   }
-  // One wait per chunk on a stream, so the optimizer's device time counts in
-  // this step (and its errors are reported here).
-  for (const Span& span : spans_) {
-    BATON_RETURN_IF_ERROR_CTX(span.end->Synchronize(), "optimizer step of stage ", span.stage);
+  // One wait on the device, so the optimizer's device time counts in this
+  // step (and its errors are reported here): with several chunks on streams,
+  // the first one's stream waits for the others' optimizer ends first.
+  if (!spans_.empty()) {
+    std::string stages;
+    for (const Span& span : spans_) absl::StrAppend(&stages, stages.empty() ? "" : ", ", span.stage);
+    kernels::Event* done = spans_.front().end;
+    if (spans_.size() > 1) {
+      kernels::Stream* stream = chunks_.at(spans_.front().stage)->context().stream;
+      for (size_t i = 1; i < spans_.size(); ++i) {
+        BATON_RETURN_IF_ERROR_CTX(spans_[i].end->StreamWait(*stream), "optimizer step of stage ", spans_[i].stage);
+      }
+      BATON_ASSIGN_OR_RETURN(done, RecordEvent(stream, spans_.front().stage));
+    }
+    BATON_RETURN_IF_ERROR_CTX(done->Synchronize(), "optimizer step of stage ", stages);
   }
   BATON_RETURN_IF_ERROR(ResolveSpans());
   return Finish(step, true);

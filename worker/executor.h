@@ -12,7 +12,9 @@
 //
 // Time accounting (DESIGN.md section 7), per step:
 //   compute = time in F/B/I/W and the optimizer, minus TP communication inside them
-//   comm    = p2p transfers after the peer posted its send, TP all-reduces, DP all-reduce
+//   comm    = p2p transfers after the peer posted its send (stream-ordered:
+//             only while no chunk of this rank computes), TP all-reduces,
+//             DP all-reduce
 //   bubble  = wall - compute - comm (waiting for a peer, or for the coordinator)
 // Compute time is the device's: a chunk whose context has a stream (a GPU, the
 // simulated device) gets a pair of events recorded around each action, read
@@ -21,18 +23,32 @@
 // the host took to enqueue it. A chunk without a stream (the CPU) runs its ops
 // inline, and host time around the action is its compute time. The waits for
 // a chunk before a send or the DP all-reduce count as neither comm nor compute
-// (the device work they wait for is already counted as compute).
+// (the device work they wait for is already counted as compute). At pp > 1 the
+// tied-embedding sum of a chunk with a stream is timed by an event pair on
+// that stream (dp): it may run there (GptStageModel on the simulated device).
 // Every pipeline message is followed by a small side message (same peer,
 // tag | kStampTagBit) holding the sender's post time on the coordinator clock,
 // so a receive that waited splits into bubble (before the peer posted) and
 // comm (after); the payload itself is exactly the activations or gradients.
 //
 // Devices: message buffers live on the device of the chunk that produces or
-// consumes them (StageModel::context()); before a batch that sends, the
-// sending chunks are synchronised so the communicator reads finished data.
+// consumes them (StageModel::context()). When the chunks have streams and the
+// pipeline communicator can carry their buffers from a stream
+// (comm::CanEnqueueP2P: the simulated device over a host communicator), a
+// batch is stream-ordered, with no host wait: each sending chunk records an
+// event after the action that filled its buffer, the batch runs on a
+// communication stream that waits for those events (comm/stream_p2p.h), and
+// each receiving chunk's stream waits for the batch's end event before the
+// action that reads it. The batch's comm time is the communication stream's
+// (an event pair around it) less the part before the last peer posted (the
+// stamps); a failed or timed-out op fails the step at its host wait
+// (ReadStepResults), naming the op. Otherwise (the CPU; CUDA memory over a
+// host communicator) the sending chunks are synchronised before the batch,
+// which is posted and waited for on the host.
 // Buffers are pooled and reused across steps (no allocation after the first
 // step) and go back to the pool only at the end of a step, after every chunk
-// has been synchronised. The executor never branches on the device.
+// (and the communication stream) has finished. The executor never branches
+// on the device.
 //
 // Data: replica d runs global microbatches d*m .. d*m+m-1 of the step, so a
 // DP=k run consumes the same global batch as one replica with k*m microbatches.
@@ -54,6 +70,7 @@
 #include "baton/v1/program.pb.h"
 #include "kernels/backend.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/stream_p2p.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/stage_model.h"
 
@@ -81,6 +98,9 @@ class StepExecutor {
   // (pp, tp) rank (null when dp == 1).
   StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks, BatchFn batch,
                comm::Communicator* pipeline, comm::TimedCommunicator* tp, comm::Communicator* dp);
+  // Waits for the communication stream's work (it uses the pipeline
+  // communicator and the message buffers).
+  ~StepExecutor();
 
   absl::StatusOr<v1::StepReport> RunStep(int64_t step, bool trace);
   absl::StatusOr<v1::StepDone> Commit(int64_t step, float clip_factor);
@@ -95,6 +115,21 @@ class StepExecutor {
 
   absl::Status RunCompute(const v1::Action& a, int64_t step);
   absl::Status RunCommBatch(const std::vector<const v1::Action*>& batch);
+  // One message of a batch.
+  struct CommOp {
+    const v1::Action* action;
+    Message* message;
+    uint64_t tag;
+    bool send;
+    StageModel* model;
+  };
+  // The batch on comm_stream_, ordered by events (no host wait).
+  absl::Status EnqueueCommBatch(const std::vector<CommOp>& ops, const std::string& name);
+  // The batch posted and waited for on the host (chunks without a stream).
+  absl::Status WaitCommBatch(const std::vector<CommOp>& ops, const std::string& name);
+  // After every chunk waited for comm_stream_'s last batch: the first error
+  // of its ops, else its exposed p2p time (needs spans_: before ResolveSpans).
+  absl::Status ResolveComm();
   absl::Status ReduceGrads();
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
   // Device-time accounting (chunks with a stream): BeginSpan records the
@@ -105,7 +140,8 @@ class StepExecutor {
   absl::Status BeginSpan(StageModel* model, int stage);
   absl::Status EndSpan(StageModel* model, int stage, std::string name, double tp_wait);
   absl::Status ResolveSpans();
-  absl::StatusOr<kernels::Event*> RecordEvent(StageModel* model, int stage);
+  // An event from the pool of `key` (a stage, or kCommStream) recorded on `stream`.
+  absl::StatusOr<kernels::Event*> RecordEvent(kernels::Stream* stream, int key);
   v1::StepDone Finish(int64_t step, bool committed);
   // The message of (stage, mb) in `map`, created from the pool if new.
   absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
@@ -146,6 +182,25 @@ class StepExecutor {
     double tp_wait = 0;
   };
   std::vector<Span> spans_;
+  // Event pairs around the tied-embedding sum of chunks on a stream (dp time).
+  std::vector<std::pair<kernels::Event*, kernels::Event*>> tie_spans_;
+
+  // Stream-ordered p2p (chunks on a stream, buffers the pipeline communicator
+  // can carry from one): the batches run on comm_stream_ (created with the
+  // first step), after events of the producing chunks; a consuming chunk's
+  // stream waits for the batch's end event. comm_status_ keeps the first
+  // error of its ops, reported at the step's host wait.
+  static constexpr int kCommStream = -1;  // chunk_events_ key of comm_stream_
+  std::unique_ptr<kernels::Stream> comm_stream_;
+  const std::shared_ptr<comm::StreamCommStatus> comm_status_ = std::make_shared<comm::StreamCommStatus>();
+  struct CommSpan {
+    kernels::Event* start;
+    kernels::Event* end;
+    std::shared_ptr<int64_t> posted_us;  // set on the stream when the batch posts
+    std::vector<const Message*> received;
+    std::string name;  // for the trace
+  };
+  std::vector<CommSpan> comm_spans_;
 };
 
 }  // namespace baton

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "worker/model/comm_buffer.h"
 
 namespace baton {
 
@@ -82,7 +83,24 @@ double GptStageModel::LocalGradSqNorm() const { return stage_->LocalGradSqNorm()
 
 absl::Status GptStageModel::SyncTiedGradients() {
   if (!holds_tied_embedding()) return absl::OkStatus();
+  const int want_rank = config_.is_first() ? 0 : 1;
+  if (context().stream != nullptr && tie_->size() == 2 && tie_->rank() == want_rank) {
+    for (model::Parameter& p : stage_->parameters().parameters()) {
+      if (p.spec.name != "wte") continue;
+      const comm::Buffer grad = model::CommBuffer(p.grad);
+      if (!comm::CanEnqueueAllReduce(*tie_, grad)) break;
+      return comm::EnqueueAllReduce(*tie_, grad, "all-reduce of the tied embedding gradient", stage_->stream(),
+                                    config_.comm_timeout, tie_status_);
+    }
+  }
   return stage_->SyncTiedEmbeddingGrad(*tie_);
+}
+
+absl::Status GptStageModel::ReadStepResults(model::StepScore* score, double* grad_sq_norm) {
+  absl::Status read = stage_->ReadStepResults(score, grad_sq_norm);  // waits for the stream
+  absl::Status tie = tie_status_->status();
+  tie_status_->Reset();  // the stream is idle now
+  return tie.ok() ? read : tie;
 }
 
 absl::Status GptStageModel::OptimizerStep(float grad_scale) {

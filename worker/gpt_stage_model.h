@@ -30,6 +30,7 @@
 #include "baton/v1/job.pb.h"
 #include "kernels/ops.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/stream_p2p.h"
 #include "worker/model/gpt_config.h"
 #include "worker/model/gpt_stage.h"
 #include "worker/stage_model.h"
@@ -67,9 +68,8 @@ class GptStageModel : public StageModel {
   absl::Status SyncTiedGradients() override;
   absl::Status OptimizerStep(float grad_scale) override;
   model::StepScore score() const override;
-  absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) override {
-    return stage_->ReadStepResults(score, grad_sq_norm);
-  }
+  // Also reports a failure of the tied-embedding sum run on the stream.
+  absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) override;
   std::vector<NamedShard> Shards() override;
   // values, adam_m, adam_v: the parameter store's flat buffers (every
   // parameter's local shard, in StageParameterSpecs order); the tied
@@ -100,6 +100,10 @@ class GptStageModel : public StageModel {
   std::unique_ptr<model::GptStage> stage_;
   comm::Communicator* tie_;
   kernels::AdamWConfig adamw_;
+  // A chunk on a stream whose tie group can sum from it (the simulated device
+  // over a host communicator) runs the tied-embedding sum on its stream, no
+  // host wait (comm/stream_p2p.h); its error is reported by ReadStepResults.
+  const std::shared_ptr<comm::StreamCommStatus> tie_status_ = std::make_shared<comm::StreamCommStatus>();
 };
 
 }  // namespace baton

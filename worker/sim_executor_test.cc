@@ -16,12 +16,16 @@
 // Host synchronisations (kernels::HostSyncCount, exported by the worker as
 // baton_host_syncs_total): a one-rank step (RunStep + Commit) waits for the
 // device at most twice (reading the step's results, and the end of the
-// optimizer, whose device time counts in the step). With pp > 1 the
-// pipeline's communicators are host side (Gloo, in-process): each batch of
-// sends waits for its chunk first, and the tied-embedding sum once, so a
-// rank's step waits at most 3 + (its send batches) times until p2p runs on
-// streams (NCCL).
+// optimizer, whose device time counts in the step). With pp > 1 the pipeline's
+// sends and receives run on a communication stream, ordered by events (the
+// in-process communicator's ops as host functions on the simulated stream),
+// so a send waits for nothing on the host, and the tied-embedding gradient
+// sum runs on the chunk's stream the same way (GptStageModel): a step waits
+// once per chunk (its results) and once per rank (the optimizer's end of
+// all its chunks), i.e. twice per rank at 1F1B/ZB-H1 pp=2. A peer that never sends fails the step with
+// DEADLINE_EXCEEDED naming the op.
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -91,7 +95,11 @@ struct StepResult {
 // on `device`, driven by one thread per rank.
 class Pipeline {
  public:
-  Pipeline(const std::string& kind, int ranks, int v, kernels::Device device)
+  // `edit` may change each rank's program; `op_timeout` bounds every
+  // pipeline op.
+  Pipeline(const std::string& kind, int ranks, int v, kernels::Device device,
+           std::function<void(int rank, v1::Program*)> edit = nullptr,
+           absl::Duration op_timeout = absl::Seconds(60))
       : ranks_(ranks), stages_(ranks * v), device_(device) {
     schedule::ScheduleSpec spec{kind, ranks, kMicrobatches, v};
     auto compute = schedule::BuildSchedule(spec);
@@ -100,6 +108,9 @@ class Pipeline {
     EXPECT_TRUE(lowered.ok()) << lowered.status();
     if (!lowered.ok()) return;
     programs_ = schedule::ToPrograms(*lowered);
+    if (edit) {
+      for (int r = 0; r < ranks; ++r) edit(r, &programs_[r]);
+    }
     if (ranks > 1) pipeline_ = comm::InProcCommunicator::CreateGroup(ranks);
     if (stages_ > 1) tie_ = comm::InProcCommunicator::CreateGroup(2);
     auto ranges = model::SplitLayers(Model().layers, stages_);
@@ -109,6 +120,7 @@ class Pipeline {
       EXPECT_TRUE(config.ok()) << config.status();
       config->microbatches = kMicrobatches;
       config->device = device;
+      config->comm_timeout = op_timeout;  // the tied-embedding sum
       comm::Communicator* t =
           stages_ == 1 ? nullptr : c == 0 ? tie_[0].get() : c == stages_ - 1 ? tie_[1].get() : nullptr;
       kernels::AdamWConfig adamw;
@@ -126,7 +138,7 @@ class Pipeline {
       options.num_stages = stages_;
       options.microbatches = kMicrobatches;
       options.tokens_per_microbatch = kBatch * Model().seq_len;
-      options.op_timeout = absl::Seconds(60);
+      options.op_timeout = op_timeout;
       options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
       executors_.push_back(std::make_unique<StepExecutor>(programs_[r], options, mine, FillBatch,
                                                           ranks > 1 ? pipeline_[r].get() : nullptr, nullptr,
@@ -159,15 +171,23 @@ class Pipeline {
     return n;
   }
 
-  StepResult Step(int64_t step) {
-    StepResult result;
-    const int64_t syncs_before = kernels::HostSyncCount();
+  // RunStep on every rank at once (one thread each).
+  std::vector<absl::StatusOr<v1::StepReport>> RunSteps(int64_t step) {
     std::vector<absl::StatusOr<v1::StepReport>> reports(ranks_, absl::UnknownError("not run"));
     std::vector<std::thread> threads;
     for (int r = 0; r < ranks_; ++r) {
       threads.emplace_back([&, r] { reports[r] = executors_[r]->RunStep(step, false); });
     }
     for (auto& t : threads) t.join();
+    return reports;
+  }
+
+  StepExecutor& executor(int rank) { return *executors_[rank]; }
+
+  StepResult Step(int64_t step) {
+    StepResult result;
+    const int64_t syncs_before = kernels::HostSyncCount();
+    std::vector<absl::StatusOr<v1::StepReport>> reports = RunSteps(step);
     const int last_rank = (stages_ - 1) % ranks_;
     for (int r = 0; r < ranks_; ++r) {
       EXPECT_TRUE(reports[r].ok()) << "rank " << r << ": " << reports[r].status();
@@ -293,16 +313,114 @@ TEST(SimExecutorHostSyncs, AtMostTwoPerStepOnOneRank) {
   }
 }
 
-TEST(SimExecutorHostSyncs, PipelineOfTwoWaitsOnlyForItsSends) {
-  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
+// At pp = 2 nothing in the step but reading its results and the optimizer's
+// end waits on the host: one wait per chunk and one per rank, so two per rank
+// at v = 1 and three at v = 2 (the
+// host-side p2p of before waited once per send batch and once for the tied
+// sum: 1F1B pp=2 with 4 microbatches took 14 waits over its two ranks, not 4).
+class SimExecutorPipelineHostSyncs : public ::testing::TestWithParam<Case> {};
+
+TEST_P(SimExecutorPipelineHostSyncs, NoWaitForSendsOrReceives) {
+  const Case c = GetParam();
+  Pipeline p(c.kind, c.ranks, c.v, kernels::Device::Sim(0));
   ASSERT_TRUE(p.ok());
   const int64_t sends = p.SendBatches();
   EXPECT_GT(sends, 0);
+  // Per chunk its results, per rank the optimizer's end (one wait for all of
+  // a rank's chunks).
+  const int64_t bound = p.stages() + c.ranks;
   p.Step(1);
   for (int step = 2; step <= kSteps + 1; ++step) {
     const StepResult r = p.Step(step);
     ::testing::Test::RecordProperty(absl::StrCat("host_syncs_step_", step), static_cast<int>(r.host_syncs));
-    EXPECT_LE(r.host_syncs, 3 * 2 + sends) << "step " << step << " (" << sends << " send batches on 2 ranks)";
+    EXPECT_LE(r.host_syncs, bound) << "step " << step << " (" << sends << " send batches on " << c.ranks
+                                   << " ranks)";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, SimExecutorPipelineHostSyncs,
+                         ::testing::Values(Case{"1f1b", 2, 1}, Case{"zb-h1", 2, 1}, Case{"interleaved", 2, 2}),
+                         [](const auto& info) {
+                           return (info.param.kind == "zb-h1" ? std::string("zbh1") : info.param.kind) +
+                                  "_pp" + std::to_string(info.param.ranks) + "_v" +
+                                  std::to_string(info.param.v);
+                         });
+
+// A peer that never sends: rank 0's program loses its SEND_F of microbatch 0.
+// Rank 1's receive of it fails its step with DEADLINE_EXCEEDED naming the op
+// after the op timeout, rank 0's step fails too (rank 1 posts nothing after
+// its failure, so rank 0's next op with it times out), nothing hangs, and the
+// executors stay usable: the ranks discard the step and are destroyed with
+// their communication streams idle.
+TEST(SimExecutorStreamComm, PeerThatNeverSendsFailsTheStepWithADeadline) {
+  auto drop_first_send = [](int rank, v1::Program* program) {
+    if (rank != 0) return;
+    auto* actions = program->mutable_actions();
+    for (int i = 0; i < actions->size(); ++i) {
+      if (actions->Get(i).kind() == v1::Action::SEND_F && actions->Get(i).microbatch() == 0) {
+        actions->DeleteSubrange(i, 1);
+        return;
+      }
+    }
+    ADD_FAILURE() << "rank 0 has no SEND_F of microbatch 0";
+  };
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0), drop_first_send, absl::Milliseconds(300));
+  ASSERT_TRUE(p.ok());
+  const absl::Time start = absl::Now();
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = p.RunSteps(1);
+  ::testing::Test::RecordProperty("failed_after_ms", static_cast<int>(absl::ToInt64Milliseconds(absl::Now() - start)));
+  ASSERT_FALSE(reports[1].ok());
+  EXPECT_EQ(reports[1].status().code(), absl::StatusCode::kDeadlineExceeded) << reports[1].status();
+  EXPECT_NE(reports[1].status().message().find("RECV_F(stage 1, mb 0) with pipeline rank 0"), std::string::npos)
+      << reports[1].status();
+  ASSERT_FALSE(reports[0].ok());
+  EXPECT_EQ(reports[0].status().code(), absl::StatusCode::kDeadlineExceeded) << reports[0].status();
+  for (int r = 0; r < 2; ++r) p.executor(r).Discard(1);
+}
+
+// The tied-embedding sum on the stream: when the other end never sums, the
+// chunk's next host wait (reading the step's results) fails with
+// DEADLINE_EXCEEDED naming the sum, after the op timeout, without a hang;
+// SyncTiedGradients itself returned at once (no host wait).
+TEST(SimExecutorStreamComm, TiedSumWithoutItsPeerFailsTheResultsRead) {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0), nullptr, absl::Milliseconds(300));
+  ASSERT_TRUE(p.ok());
+  StageModel& last = p.chunk(1);
+  last.ZeroGrad();
+  const int64_t syncs = kernels::HostSyncCount();
+  ASSERT_TRUE(last.SyncTiedGradients().ok());
+  EXPECT_EQ(kernels::HostSyncCount(), syncs) << "the sum waited on the host";
+  model::StepScore score;
+  double sq = 0;
+  const absl::Status s = last.ReadStepResults(&score, &sq);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("all-reduce of the tied embedding gradient"), std::string::npos) << s;
+  // Reported once: the next read is clean.
+  EXPECT_TRUE(last.ReadStepResults(&score, &sq).ok());
+}
+
+// With stream-ordered p2p the comm/bubble split still means what
+// docs/metrics.md says: each rank waits for the other's activations or
+// gradients (every op sleeps 200 us), so its step has p2p time, and compute
+// and p2p never add up to more than the step (comm counts only while no chunk
+// of the rank computes: a send overlapping the next action is hidden).
+TEST(SimExecutorTimeAccounting, PipelineCommIsExposedDataMovement) {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
+  ASSERT_TRUE(p.ok());
+  p.Step(1);
+  kernels::sim::SetSimOpDelay(absl::Microseconds(200));
+  const StepResult r = p.Step(2);
+  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  ASSERT_EQ(r.done.size(), 2u);
+  for (int rank = 0; rank < 2; ++rank) {
+    const v1::StepDone& d = r.done[rank];
+    ::testing::Test::RecordProperty(absl::StrCat("rank", rank, "_p2p_us"), static_cast<int>(d.comm_p2p_seconds() * 1e6));
+    ::testing::Test::RecordProperty(absl::StrCat("rank", rank, "_compute_us"), static_cast<int>(d.compute_seconds() * 1e6));
+    ::testing::Test::RecordProperty(absl::StrCat("rank", rank, "_bubble_us"), static_cast<int>(d.bubble_seconds() * 1e6));
+    ::testing::Test::RecordProperty(absl::StrCat("rank", rank, "_wall_us"), static_cast<int>(d.wall_seconds() * 1e6));
+    EXPECT_GT(d.comm_p2p_seconds(), 0.0) << "rank " << rank;
+    EXPECT_GT(d.compute_seconds(), 0.0) << "rank " << rank;
+    EXPECT_LE(d.compute_seconds() + d.comm_p2p_seconds(), d.wall_seconds()) << "rank " << rank;
   }
 }
 

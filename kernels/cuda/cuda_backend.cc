@@ -260,6 +260,14 @@ absl::StatusOr<double> EventSeconds(void* start, void* end) {
   return static_cast<double>(ms) / 1000.0;
 }
 
+absl::Status LaunchHostFunc(void* native, void (*fn)(void*), void* arg) {
+  cudaStream_t stream = static_cast<cudaStream_t>(native);
+  absl::Status sticky = StickyError(stream);
+  if (!sticky.ok()) return sticky;
+  BATON_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, fn, arg));
+  return absl::OkStatus();
+}
+
 // ------------------------------------------------------------ data movement
 
 void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
@@ -646,6 +654,7 @@ const kernels::Backend kCuda = {
     StreamWaitEvent,
     SynchronizeEvent,
     EventSeconds,
+    LaunchHostFunc,
     Copy,
     FillZero,
     Cast,

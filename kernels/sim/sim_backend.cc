@@ -60,6 +60,12 @@ class SimStream {
 
   void Drain() { WaitFor(enqueued()); }
 
+  // Lets a lazy stream run up to op `seq` without waiting for it.
+  void Release(int64_t seq) {
+    absl::MutexLock lock(&mu_);
+    release_ = std::max(release_, seq);
+  }
+
  private:
   void Loop() {
     on_stream_thread = true;
@@ -212,6 +218,16 @@ absl::StatusOr<double> EventSeconds(void* start, void* end) {
                                *static_cast<SimEvent*>(start)->time);
 }
 
+// A host function runs on the stream thread. It is released at once, even on
+// a lazy stream: it stands for communication, which a device runs without the
+// host waiting for it (a peer may be blocked on it); the stream's earlier
+// work runs first.
+absl::Status LaunchHostFunc(void* s, void (*fn)(void*), void* arg) {
+  auto* stream = static_cast<SimStream*>(s);
+  stream->Release(stream->Enqueue([fn, arg] { fn(arg); }));
+  return absl::OkStatus();
+}
+
 // Each entry enqueues the CPU kernel over host views of its tensors.
 #define SIM_ENQUEUE(body) S(ctx)->Enqueue([=] { body; })
 
@@ -360,6 +376,7 @@ const Backend kSim = {
     StreamWaitEvent,
     SynchronizeEvent,
     EventSeconds,
+    LaunchHostFunc,
     Copy,
     FillZero,
     Cast,

@@ -9,7 +9,10 @@
 // it (Stream::Synchronize, Event::Synchronize, a StreamWait of another stream
 // that is itself waited for, freeing memory), so a host read or another
 // stream's op that skipped its wait deterministically sees stale data, and
-// the test comparing against the CPU's bits fails. Events are real: Record marks a point
+// the test comparing against the CPU's bits fails. A host function
+// (Stream::LaunchHostFunc) is the exception: it is released as soon as it is
+// enqueued, with the stream's work before it, since it stands for
+// communication a peer may be blocked on. Events are real: Record marks a point
 // in a stream's queue, StreamWait makes another stream's later work wait for
 // it, Synchronize blocks the host. Kernels are the CPU backend's, run on the
 // stream thread over host views of the same memory, so results are the CPU's

@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/arena.h"
 #include "kernels/backend.h"
@@ -145,6 +146,33 @@ TEST(SimBackendTest, MemoryInUseAndReservedAreCounted) {
   }
   EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes, start.in_use_bytes);
   EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes, start.reserved_bytes);
+}
+
+// A host function (Stream::LaunchHostFunc) runs in the stream's order
+// without the host waiting for it, even on a lazy stream (it stands for
+// communication a peer may be blocked on): it sees the stream's earlier
+// work done, and the stream's later work waits for it.
+TEST(SimBackendTest, HostFunctionRunsInStreamOrderWithoutAHostWait) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  Tensor d = *ZerosOn(kSim, {1});
+  Tensor one = Tensor::Zeros({1});
+  one.f32()[0] = 1.0f;
+  Copy(ctx, d, one);  // enqueued before the function: done when it runs
+  absl::Notification ran;
+  float seen = -1;
+  ASSERT_TRUE(stream
+                  ->LaunchHostFunc([&] {
+                    seen = *static_cast<const float*>(d.address());
+                    *static_cast<float*>(d.address()) = 2.0f;  // the stream's own thread
+                    ran.Notify();
+                  })
+                  .ok());
+  const int64_t syncs = HostSyncCount();
+  ran.WaitForNotification();  // would block forever if the lazy stream held it back
+  EXPECT_EQ(HostSyncCount(), syncs);
+  EXPECT_EQ(seen, 1.0f);
+  EXPECT_EQ(ToHost(ctx, d), std::vector<float>{2.0f});  // the copy out ran after the function
 }
 
 }  // namespace

@@ -1,5 +1,9 @@
 #include "worker/comm/communicator.h"
 
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
 namespace baton::comm {
 
 size_t DTypeSize(DType dtype) {
@@ -13,6 +17,25 @@ size_t DTypeSize(DType dtype) {
       return 1;
   }
   return 1;
+}
+
+namespace {
+
+class FailedWork : public Work {
+ public:
+  explicit FailedWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait(absl::Duration) override { return status_; }
+  bool IsCompleted() override { return true; }
+
+ private:
+  const absl::Status status_;
+};
+
+}  // namespace
+
+std::shared_ptr<Work> Communicator::GroupOnStream(const std::vector<P2POp>&, void*) {
+  return std::make_shared<FailedWork>(absl::UnimplementedError(
+      absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
 }
 
 }  // namespace baton::comm

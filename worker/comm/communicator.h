@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -40,6 +41,16 @@ struct Buffer {
   static Buffer Host(const float* p, int64_t n) {
     return Buffer{const_cast<float*>(p), n, DType::kFloat32, -1};
   }
+};
+
+// One operation of a stream-ordered group (Communicator::GroupOnStream,
+// comm/stream_p2p.h).
+struct P2POp {
+  bool send = false;
+  Buffer buf;
+  int peer = 0;
+  uint64_t tag = 0;
+  std::string name;  // for errors, e.g. "RECV_F(stage 1, mb 0) with pipeline rank 0"
 };
 
 class Work {
@@ -74,6 +85,17 @@ class Communicator {
 
   // Completes every pending op with ABORTED; later ops fail fast.
   virtual void Abort(absl::string_view reason) = 0;
+
+  // Stream-ordered point-to-point, for communicators whose ops run on CUDA
+  // streams (NCCL; RunsOnStreams()): enqueues `ops` as one group on the
+  // caller's CUDA stream `stream` (a cudaStream_t), after the work already
+  // enqueued on it and before the work enqueued later, without a host wait.
+  // The Work completes with the group; the op timeout bounds it (the
+  // communicator aborts a group older than that, which ends its kernels and
+  // lets the stream go on). Check it after a host wait that covers the
+  // stream. Others: a Work failed with UNIMPLEMENTED.
+  virtual bool RunsOnStreams() const { return false; }
+  virtual std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream);
 };
 
 }  // namespace baton::comm

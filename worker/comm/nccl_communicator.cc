@@ -247,7 +247,8 @@ absl::Status NcclCommunicator::CheckDevice(const Buffer& b, absl::string_view wh
 }
 
 std::shared_ptr<Work> NcclCommunicator::Issue(std::string what, int peer,
-                                              const std::function<ncclResult_t()>& launch) {
+                                              const std::function<ncclResult_t()>& launch,
+                                              cudaStream_t stream) {
   what = absl::StrCat(what, " on rank ", options_.rank, " of ", options_.label);
   const absl::Time deadline = absl::Now() + options_.op_timeout;
   auto work = std::make_shared<NcclWork>(what, peer, deadline);
@@ -272,8 +273,8 @@ std::shared_ptr<Work> NcclCommunicator::Issue(std::string what, int peer,
     } else if (r != ncclSuccess) {
       failure = NcclError(r, comm_, what);
     } else {
-      failure = cuda::CudaStatus(cudaEventRecord(work->event(), stream_), "cudaEventRecord",
-                                 __FILE__, __LINE__);
+      failure = cuda::CudaStatus(cudaEventRecord(work->event(), stream != nullptr ? stream : stream_),
+                                 "cudaEventRecord", __FILE__, __LINE__);
     }
     if (failure.ok()) {
       pending_.push_back(work);
@@ -319,6 +320,41 @@ std::shared_ptr<Work> NcclCommunicator::Recv(Buffer buf, int peer, uint64_t tag)
     ncclResult_t end = ncclGroupEnd();
     return r != ncclSuccess ? r : end;
   });
+}
+
+std::shared_ptr<Work> NcclCommunicator::GroupOnStream(const std::vector<P2POp>& ops, void* stream) {
+  std::string what = absl::StrCat("group of ", ops.size(), " p2p ops");
+  int peer = ops.empty() ? -1 : ops[0].peer;
+  for (const P2POp& op : ops) {
+    absl::StrAppend(&what, op.name.empty() ? "" : (&op == &ops[0] ? " (" : ", "), op.name);
+    if (op.peer != peer) peer = -1;
+  }
+  if (!ops.empty() && !ops[0].name.empty()) absl::StrAppend(&what, ")");
+  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                         : absl::OkStatus();
+  for (const P2POp& op : ops) {
+    if (!valid.ok()) break;
+    valid = CheckDevice(op.buf, absl::StrCat(what, ": ", op.name));
+    if (valid.ok() && (op.peer < 0 || op.peer >= options_.size || op.peer == options_.rank)) {
+      valid = absl::InvalidArgumentError(absl::StrCat(what, ": ", op.name, ": peer must be another rank"));
+    }
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  cudaStream_t on = static_cast<cudaStream_t>(stream);
+  return Issue(
+      std::move(what), peer,
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        ncclResult_t r = ncclGroupStart();
+        if (r != ncclSuccess) return r;
+        for (const P2POp& op : ops) {
+          r = op.send ? ncclSend(op.buf.data, op.buf.count, NcclType(op.buf.dtype), op.peer, comm_, on)
+                      : ncclRecv(op.buf.data, op.buf.count, NcclType(op.buf.dtype), op.peer, comm_, on);
+          if (r != ncclSuccess) break;
+        }
+        ncclResult_t end = ncclGroupEnd();
+        return r != ncclSuccess ? r : end;
+      },
+      on);
 }
 
 std::shared_ptr<Work> NcclCommunicator::AllReduceSum(Buffer buf) {

@@ -11,6 +11,8 @@
 // Point-to-point ops each run in a ncclGroupStart/End; NCCL matches them by
 // issue order per peer, not by tag, so both sides must post their sends and
 // receives to one peer in the same order (the schedule's lowering does).
+// GroupOnStream posts a batch of them as one group on the caller's stream
+// (stream-ordered p2p, comm/stream_p2p.h); its Work is watched like any op.
 //
 // Failure semantics (as in gloo_communicator.h): Wait(timeout) that expires
 // returns DEADLINE_EXCEEDED naming the op (and peer); a watchdog thread
@@ -72,14 +74,18 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Work> Barrier() override;
   void Abort(absl::string_view reason) override;
 
+  bool RunsOnStreams() const override { return true; }
+  std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override;
+
  private:
   NcclCommunicator(const NcclOptions& options, ncclComm_t comm, cudaStream_t stream,
                    void* barrier_word);
 
-  // Runs `launch` (NCCL calls on stream_) and records the op's completion
-  // event; `peer` is -1 for collectives.
+  // Runs `launch` (NCCL calls on `stream`, by default stream_) and records
+  // the op's completion event on it; `peer` is -1 for collectives.
   std::shared_ptr<Work> Issue(std::string what, int peer,
-                              const std::function<ncclResult_t()>& launch);
+                              const std::function<ncclResult_t()>& launch,
+                              cudaStream_t stream = nullptr);
   // Polls a non-blocking communicator until it leaves ncclInProgress, an
   // abort is requested or `deadline` passes.
   ncclResult_t AwaitReady(ncclResult_t result, absl::Time deadline)

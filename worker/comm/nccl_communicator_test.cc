@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_status.h"
 #include "worker/comm/communicator_factory.h"
@@ -150,6 +151,122 @@ TEST_F(NcclCommunicatorTest, TwoGpusSendRecvAndAllReduce) {
                       : (*c)->Recv(Buffer{d, n, DType::kFloat32, 1}, 0, 0);
       ASSERT_TRUE(w->Wait(kWait).ok());
       cudaFree(d);
+    });
+  }
+  for (auto& t : ranks) t.join();
+}
+
+TEST_F(NcclCommunicatorTest, GroupOnStreamRejectsHostMemory) {
+  InMemoryStore store;
+  auto comm = OneRank(store, "group-host");
+  ASSERT_NE(comm, nullptr);
+  EXPECT_TRUE(comm->RunsOnStreams());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<float> host(4);
+  P2POp op;
+  op.send = true;
+  op.buf = Buffer::Host(host.data(), 4);
+  op.peer = 1;
+  op.name = "SEND_F(stage 0, mb 0)";
+  absl::Status s = comm->GroupOnStream({op}, stream)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("host memory"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("SEND_F(stage 0, mb 0)"), absl::string_view::npos) << s;
+  cudaStreamDestroy(stream);
+}
+
+std::unique_ptr<Communicator> PairRank(Store& store, const std::string& group, int r, absl::Duration op_timeout) {
+  CommunicatorSpec spec;
+  spec.group = group;
+  spec.backend = Backend::kNccl;
+  spec.rank = r;
+  spec.size = 2;
+  spec.device = r;
+  spec.op_timeout = op_timeout;
+  auto c = CreateCommunicator(store, spec);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// A group on the caller's stream runs after the work enqueued on it before
+// (the payload is written by an async copy just before, with no host wait)
+// and before the work enqueued after (the receiver's copy out).
+TEST_F(NcclCommunicatorTest, TwoGpusGroupOnStreamIsOrderedOnTheCallersStream) {
+  ASSERT_GE(gpus_, 2) << "this test needs two GPUs (bazel test --test_tag_filters=multi_gpu on such a machine)";
+  InMemoryStore store;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      auto c = PairRank(store, "group-pair", r, absl::Seconds(60));
+      ASSERT_NE(c, nullptr);
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      cudaStream_t stream = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      const int64_t n = (1 << 20) + 3;
+      float* d = nullptr;
+      int64_t* stamp = nullptr;
+      ASSERT_EQ(cudaMalloc(&d, n * sizeof(float)), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&stamp, sizeof(int64_t)), cudaSuccess);
+      std::vector<float> x(n, 7.5f), got(n, 0.0f);
+      const int64_t sent_us = 1234567;
+      int64_t got_us = 0;
+      if (r == 0) {
+        ASSERT_EQ(cudaMemcpyAsync(d, x.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(stamp, &sent_us, sizeof(int64_t), cudaMemcpyHostToDevice, stream), cudaSuccess);
+      }
+      std::vector<P2POp> ops(2);
+      ops[0] = P2POp{r == 0, Buffer{d, n, DType::kFloat32, r}, 1 - r, 0, "payload"};
+      ops[1] = P2POp{r == 0, Buffer{stamp, 1, DType::kInt64, r}, 1 - r, 1, "stamp"};
+      std::shared_ptr<Work> w = c->GroupOnStream(ops, stream);
+      if (r == 1) {
+        ASSERT_EQ(cudaMemcpyAsync(got.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+        ASSERT_EQ(cudaMemcpyAsync(&got_us, stamp, sizeof(int64_t), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+      }
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_TRUE(w->Wait(absl::ZeroDuration()).ok()) << "complete after the stream was waited for";
+      if (r == 1) {
+        EXPECT_EQ(got, x);
+        EXPECT_EQ(got_us, sent_us);
+      }
+      cudaFree(d);
+      cudaFree(stamp);
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (auto& t : ranks) t.join();
+}
+
+// A peer that never sends: the receiving group is aborted by the watchdog
+// after the op timeout, the caller's stream goes on (its synchronise
+// returns), and the group's Work says DEADLINE_EXCEEDED naming the op.
+TEST_F(NcclCommunicatorTest, TwoGpusGroupOnStreamPeerThatNeverSendsEndsWithinTheOpTimeout) {
+  ASSERT_GE(gpus_, 2) << "this test needs two GPUs (bazel test --test_tag_filters=multi_gpu on such a machine)";
+  InMemoryStore store;
+  std::vector<std::thread> ranks;
+  absl::Notification received;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      auto c = PairRank(store, "group-silent", r, absl::Milliseconds(500));
+      ASSERT_NE(c, nullptr);
+      if (r == 0) {  // joins the communicator, never sends
+        received.WaitForNotificationWithTimeout(absl::Minutes(2));
+        return;
+      }
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      cudaStream_t stream = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      float* d = nullptr;
+      ASSERT_EQ(cudaMalloc(&d, 1024 * sizeof(float)), cudaSuccess);
+      std::shared_ptr<Work> w =
+          c->GroupOnStream({P2POp{false, Buffer{d, 1024, DType::kFloat32, 1}, 0, 0, "RECV_F(stage 1, mb 0)"}}, stream);
+      cudaStreamSynchronize(stream);  // returns once the watchdog aborted the communicator
+      absl::Status s = w->Wait(kWait);
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_NE(s.message().find("RECV_F(stage 1, mb 0)"), absl::string_view::npos) << s;
+      received.Notify();
+      cudaFree(d);
+      cudaStreamDestroy(stream);
     });
   }
   for (auto& t : ranks) t.join();
