@@ -15,6 +15,7 @@
 #include "kernels/cpu/gemm.h"
 #include "worker/model/gpt_stage.h"
 #include "worker/model/inproc_model.h"
+#include "worker/model/model_test_util.h"
 
 namespace baton::model {
 namespace {
@@ -30,22 +31,6 @@ GptConfig SmallModel() {
   c.vocab = 40;
   c.seq_len = 16;
   return c;
-}
-
-Tensor RandomIds(std::mt19937& rng, int64_t b, int64_t t, int vocab) {
-  Tensor ids = Tensor::Zeros({b, t}, kernels::DType::kInt32);
-  std::uniform_int_distribution<int> dist(0, vocab - 1);
-  for (int64_t i = 0; i < ids.numel(); ++i) ids.i32()[i] = dist(rng);
-  return ids;
-}
-
-double RelError(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
-    norm += double{want[i]} * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
 }
 
 class GptStageBf16Test : public ::testing::Test {

@@ -1,0 +1,36 @@
+// Helpers shared by the model's tests: random token ids and the relative L2
+// error the gradient checks use.
+#ifndef BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
+#define BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "kernels/tensor.h"
+
+namespace baton::model {
+
+// int32 [b, t] of ids drawn uniformly from [0, vocab).
+inline kernels::Tensor RandomIds(std::mt19937& rng, int64_t b, int64_t t, int vocab) {
+  kernels::Tensor ids = kernels::Tensor::Zeros({b, t}, kernels::DType::kInt32);
+  std::uniform_int_distribution<int> dist(0, vocab - 1);
+  for (int64_t i = 0; i < ids.numel(); ++i) ids.i32()[i] = dist(rng);
+  return ids;
+}
+
+// ‖got − want‖₂ / ‖want‖₂ (sizes must match), in double.
+inline double RelError(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
+    norm += double{want[i]} * want[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+}  // namespace baton::model
+
+#endif  // BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
