@@ -20,6 +20,8 @@
 #
 # Usage: bash bench/pipeline_side_by_side.sh
 #   RUNS=3 (rounds, default 2)   SCHEDULES="1f1b zb-h1" (subset)
+#   BATON_ONLY=1 (baton's side alone, no PyTorch and no venv: step / ideal
+#   and bubble; the PyTorch columns print as -)
 #   KEEP=/some/dir (keep baton's --out directories: steps.jsonl, summary.json,
 #   trace.json, per round and schedule; PyTorch's compute order as CSV; and
 #   results.jsonl, one line per round and schedule)
@@ -33,7 +35,8 @@ for s in $schedules; do
   case $s in gpipe|1f1b|interleaved|zb-h1) ;; *) echo "SCHEDULES: unknown schedule $s (gpipe 1f1b interleaved zb-h1)" >&2; exit 2;; esac
 done
 
-if ! "$venv/bin/python" -c 'import torch.distributed.pipelining' >/dev/null 2>&1; then
+baton_only=${BATON_ONLY:-0}
+if [[ "$baton_only" != 1 ]] && ! "$venv/bin/python" -c 'import torch.distributed.pipelining' >/dev/null 2>&1; then
   echo "no torch in $venv: creating it and installing torch from PyPI (several GB download)" >&2
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet 'torch>=2.6'
@@ -66,10 +69,13 @@ EOF
     "$ctl" local --job="$tmp/$name.textproto" --out="$tmp/$name" > "$tmp/$name.log" 2>&1 ||
       { cat "$tmp/$name.log" >&2; exit 1; }
     # (b) PyTorch
-    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 "$torch_py" bench/pipeline_torch_bench.py --schedule="$s" \
-      --pp=$p --virtual=$v --microbatches=$m --forward_ms=$ms --backward_input_ms=$ms \
-      --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 \
-      --dump_order="$tmp/$name.torch.csv" > "$tmp/$name.torch.json"
+    echo '{}' > "$tmp/$name.torch.json"
+    if [[ "$baton_only" != 1 ]]; then
+      CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 "$torch_py" bench/pipeline_torch_bench.py --schedule="$s" \
+        --pp=$p --virtual=$v --microbatches=$m --forward_ms=$ms --backward_input_ms=$ms \
+        --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 \
+        --dump_order="$tmp/$name.torch.csv" > "$tmp/$name.torch.json"
+    fi
     # the makespan of the order PyTorch ran (interleaved, zb-h1), on baton's simulator, same costs
     torch_ideal='{"makespan": null}'
     if [[ -s "$tmp/$name.torch.csv" ]]; then
@@ -96,10 +102,12 @@ print(json.dumps({
     "baton_idle": statistics.median(x["bubble_ratio"] + x["comm_ratio"] for x in steps),
     "baton_steps_s": [x["wall_seconds"] for x in steps],
     "baton_summary_bubble": summary["bubble_ratio"],  # summary.json: all steps, the first included
-    "torch_step_s": t["median_step_s"], "torch_ratio": t["median_step_s"] / ideal_s,
-    "torch_idle": t["bubble_ratio"], "torch_steps_s": t["steps_s"],
-    "torch_op_seconds_per_rank": t["op_seconds_per_rank"],
-    "torch_class": t["torch_class"], "torch": t["torch"],
+    # (null with BATON_ONLY=1)
+    "torch_step_s": t.get("median_step_s"),
+    "torch_ratio": t["median_step_s"] / ideal_s if t else None,
+    "torch_idle": t.get("bubble_ratio"), "torch_steps_s": t.get("steps_s"),
+    "torch_op_seconds_per_rank": t.get("op_seconds_per_rank"),
+    "torch_class": t.get("torch_class"), "torch": t.get("torch"),
     # PyTorch's own compute order simulated with the same costs: how much of
     # its step is the order it chose rather than its runtime
     # (null for gpipe and 1f1b: PyTorch runs the same shapes as baton there)
@@ -115,11 +123,14 @@ done
 python3 - "$tmp/results.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+torch = rows[0]["torch_step_s"] is not None
 for r in rows:
     missed = ([f"/ideal {r['baton_ratio']:.3f} > 1.03"] if r["baton_ratio"] > 1.03 else []) + \
-             (["slower than PyTorch"] if r["baton_step_s"] >= r["torch_step_s"] else [])
-    r["target"] = "met" if not missed else "missed: " + ", ".join(missed)
-print(f"PyTorch {rows[0]['torch']}; p=4 m=16 activation 65536 B; step times in ms; idle = 1 - compute/step, mean over ranks")
+             (["slower than PyTorch"] if torch and r["baton_step_s"] >= r["torch_step_s"] else [])
+    r["target"] = ("met" if not missed else "missed: " + ", ".join(missed)) + ("" if torch else " (baton only)")
+def f(x, fmt="6.3f"):
+    return "-".rjust(6) if x is None else format(x, fmt)
+print(f"PyTorch {rows[0]['torch'] if torch else 'not run (BATON_ONLY=1)'}; p=4 m=16 activation 65536 B; step times in ms; idle = 1 - compute/step, mean over ranks")
 print("median = median step, best = fastest step (/ideal), bubble = baton's own (transfers excluded),"
       " own = the makespan of PyTorch's own compute order on baton's simulator")
 print(f"{'schedule':12} {'run':>3} {'load (1/5/15 min)':>18} {'ideal':>6} | {'baton':>6} {'/ideal':>6} {'best':>6} {'bubble':>6} {'idle':>6}"
@@ -127,8 +138,9 @@ print(f"{'schedule':12} {'run':>3} {'load (1/5/15 min)':>18} {'ideal':>6} | {'ba
 for r in rows:
     print(f"{r['schedule']:12} {r['run']:>3} {r['load_before']:>18} {r['ideal_s']*1e3:6.1f} | {r['baton_step_s']*1e3:6.1f}"
           f" {r['baton_ratio']:6.3f} {min(r['baton_steps_s'])/r['ideal_s']:6.3f} {r['baton_bubble']:6.3f} {r['baton_idle']:6.3f}"
-          f" | {r['torch_step_s']*1e3:6.1f} {r['torch_ratio']:6.3f} {min(r['torch_steps_s'])/r['ideal_s']:6.3f} {r['torch_idle']:6.3f}"
+          f" | {f(r['torch_step_s'] and r['torch_step_s']*1e3, '6.1f')} {f(r['torch_ratio'])}"
+          f" {f(r['torch_steps_s'] and min(r['torch_steps_s'])/r['ideal_s'])} {f(r['torch_idle'])}"
           f" {'-' if r['torch_order_ideal_s'] is None else format(r['torch_order_ideal_s']*1e3, '6.1f'):>6}"
-          f" | {r['baton_step_s']/r['torch_step_s']:11.3f}  {r['target']}")
+          f" | {f(r['torch_step_s'] and r['baton_step_s']/r['torch_step_s'], '11.3f'):>11}  {r['target']}")
 print(json.dumps({"results": rows}))
 PY
