@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -243,11 +245,30 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   report.set_step(step);
   model::StepScore loss;
   double sq = 0;
+  // The chunks that split the read enqueue it; then the host waits once for
+  // all of them: the first one's stream waits for the others' reads.
+  std::vector<int> enqueued;
   for (auto& [stage, model] : chunks_) {
-    // One host synchronisation per chunk; afterwards the chunk is idle.
+    if (model->EnqueueStepResults()) enqueued.push_back(stage);
+  }
+  if (!enqueued.empty()) {
+    StageModel* first = chunks_.at(enqueued.front());
+    for (size_t i = 1; i < enqueued.size(); ++i) {
+      StageModel* other = chunks_.at(enqueued[i]);
+      BATON_ASSIGN_OR_RETURN(kernels::Event * read, RecordEvent(other->context().stream, enqueued[i]));
+      BATON_RETURN_IF_ERROR_CTX(read->StreamWait(*first->context().stream), "stage ", enqueued.front(),
+                                " waiting for stage ", enqueued[i], "'s results");
+    }
+    std::string stages;
+    for (int stage : enqueued) absl::StrAppend(&stages, stages.empty() ? "" : ", ", stage);
+    BATON_RETURN_IF_ERROR_CTX(first->Synchronize(), "reading the step's loss and gradient norm of stage ", stages);
+  }
+  for (auto& [stage, model] : chunks_) {
+    // Afterwards the chunk is idle (a chunk that did not split its read
+    // waits for its own stream here).
     model::StepScore s;
     double chunk_sq = 0;
-    BATON_RETURN_IF_ERROR_CTX(model->ReadStepResults(&s, &chunk_sq), "stage ", stage);
+    BATON_RETURN_IF_ERROR_CTX(model->TakeStepResults(&s, &chunk_sq), "stage ", stage);
     loss.loss_sum += s.loss_sum;
     loss.tokens += s.tokens;
     loss.correct += s.correct;

@@ -103,6 +103,20 @@ absl::Status GptStageModel::ReadStepResults(model::StepScore* score, double* gra
   return tie.ok() ? read : tie;
 }
 
+bool GptStageModel::EnqueueStepResults() {
+  if (context().stream == nullptr) return false;  // the CPU: nothing to enqueue
+  stage_->EnqueueStepResults();
+  return true;
+}
+
+absl::Status GptStageModel::TakeStepResults(model::StepScore* score, double* grad_sq_norm) {
+  if (context().stream == nullptr) return ReadStepResults(score, grad_sq_norm);
+  stage_->TakeStepResults(score, grad_sq_norm);  // the caller waited for the stream
+  absl::Status tie = tie_status_->status();
+  tie_status_->Reset();  // the stream is idle now
+  return tie;
+}
+
 absl::Status GptStageModel::OptimizerStep(float grad_scale) {
   return stage_->OptimizerStep(adamw_, grad_scale);
 }

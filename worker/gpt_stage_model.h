@@ -70,6 +70,8 @@ class GptStageModel : public StageModel {
   model::StepScore score() const override;
   // Also reports a failure of the tied-embedding sum run on the stream.
   absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) override;
+  bool EnqueueStepResults() override;
+  absl::Status TakeStepResults(model::StepScore* score, double* grad_sq_norm) override;
   std::vector<NamedShard> Shards() override;
   // values, adam_m, adam_v: the parameter store's flat buffers (every
   // parameter's local shard, in StageParameterSpecs order); the tied

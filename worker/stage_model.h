@@ -98,6 +98,16 @@ class StageModel {
     *grad_sq_norm = LocalGradSqNorm();
     return Synchronize();
   }
+  // ReadStepResults in two halves, so a rank with several chunks on one
+  // device waits on the host once for all of them: EnqueueStepResults
+  // enqueues the reads on the chunk's stream without a host wait (true when
+  // it did: the model splits the read); then, after the host waited for
+  // work that covers this chunk's stream, TakeStepResults returns them.
+  // By default nothing is enqueued and TakeStepResults is ReadStepResults.
+  virtual bool EnqueueStepResults() { return false; }
+  virtual absl::Status TakeStepResults(model::StepScore* score, double* grad_sq_norm) {
+    return ReadStepResults(score, grad_sq_norm);
+  }
 
   // Where the chunk's ops run: the device of the activations and gradients
   // passed in and out, and the context for ops on its buffers (the gradient

@@ -676,26 +676,32 @@ double GptStage::LocalGradSqNorm() const {
   return ReadScalar<double>(ctx_, norm_acc_);
 }
 
-absl::Status GptStage::ReadStepResults(StepScore* score, double* grad_sq_norm) const {
+void GptStage::EnqueueStepResults() {
   kernels::FillZero(ctx_, norm_acc_);
   for (const Parameter& p : params_.parameters()) {
     if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
   }
+  HostResults& h = *host_results_;
+  kernels::Copy(ctx_, Tensor::View(&h.sq, {1}, kernels::DType::kFloat64), norm_acc_);
+  if (config_.is_last()) {
+    kernels::Copy(ctx_, Tensor::View(&h.loss_sum, {1}, kernels::DType::kFloat64), loss_acc_);
+    kernels::Copy(ctx_, Tensor::View(&h.hits, {1}, kernels::DType::kInt64), hits_acc_);
+  }
+}
+
+void GptStage::TakeStepResults(StepScore* score, double* grad_sq_norm) const {
   *score = score_;
-  double loss_sum = 0, sq = 0;
-  int64_t hits = 0;
-  kernels::Copy(ctx_, Tensor::View(&sq, {1}, kernels::DType::kFloat64), norm_acc_);
   if (config_.is_last()) {
-    kernels::Copy(ctx_, Tensor::View(&loss_sum, {1}, kernels::DType::kFloat64), loss_acc_);
-    kernels::Copy(ctx_, Tensor::View(&hits, {1}, kernels::DType::kInt64), hits_acc_);
+    score->loss_sum = host_results_->loss_sum;
+    score->correct = host_results_->hits;
   }
-  // The copies write into this frame: wait even when the status is an error.
+  *grad_sq_norm = host_results_->sq;
+}
+
+absl::Status GptStage::ReadStepResults(StepScore* score, double* grad_sq_norm) {
+  EnqueueStepResults();
   BATON_RETURN_IF_ERROR_CTX(stream_->Synchronize(), "reading the step's loss and gradient norm");
-  if (config_.is_last()) {
-    score->loss_sum = loss_sum;
-    score->correct = hits;
-  }
-  *grad_sq_norm = sq;
+  TakeStepResults(score, grad_sq_norm);
   return absl::OkStatus();
 }
 

@@ -137,7 +137,15 @@ class GptStage {
   // the norm is computed on the stream, the loss, hits and norm are copied to
   // the host, then the stream is waited for once. On return the stream has
   // finished every op enqueued before the call. The stream's error, if any.
-  absl::Status ReadStepResults(StepScore* score, double* grad_sq_norm) const;
+  absl::Status ReadStepResults(StepScore* score, double* grad_sq_norm);
+  // ReadStepResults in two halves, for a caller that waits for several
+  // streams at once: EnqueueStepResults computes the norm and copies loss,
+  // hits and norm to host memory of the stage, on the stream, without a host
+  // wait; TakeStepResults returns them, and may be called only after the
+  // host waited for work that covers the stream's (a synchronisation of this
+  // stream, or of one that waited on an event recorded after the copies).
+  void EnqueueStepResults();
+  void TakeStepResults(StepScore* score, double* grad_sq_norm) const;
   // Sums the two copies of the tied embedding gradient over `group`, a
   // two-rank group of this TP rank's first (rank 0) and last (rank 1) stage.
   // Only for PP > 1, on the first and last stage.
@@ -212,6 +220,12 @@ class GptStage {
   std::unique_ptr<kernels::Arena> scratch_;
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
+  // Host copies of the three, written on the stream by EnqueueStepResults.
+  struct HostResults {
+    double loss_sum = 0, sq = 0;
+    int64_t hits = 0;
+  };
+  std::unique_ptr<HostResults> host_results_ = std::make_unique<HostResults>();
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
 };
