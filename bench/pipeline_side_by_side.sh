@@ -43,8 +43,10 @@ if [[ "$baton_only" != 1 ]] && ! "$venv/bin/python" -c 'import torch.distributed
 fi
 torch_py="$venv/bin/python"
 
-bazel build //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
-ctl=bazel-bin/cli/batonctl
+# Release binaries (-c opt, as scripts/package.sh builds them: NDEBUG, so
+# without Abseil's debug lock-order checks), not the test build.
+bazel build -c opt //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
+ctl=$(bazel info -c opt bazel-bin 2>/dev/null)/cli/batonctl
 tmp=$(mktemp -d /tmp/baton-side.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 p=4 m=16 act=65536

@@ -50,8 +50,10 @@ declare -A BINARIES=(
   [batonctl]=cli/batonctl
 )
 if [ -z "$BIN_DIR" ]; then
-  (cd "$ROOT" && bazel build //coordinator:baton-coordinator //worker:baton-worker //cli:batonctl)
-  BAZEL_BIN=$(cd "$ROOT" && bazel info bazel-bin 2>/dev/null)
+  # Release binaries: -c opt (NDEBUG: no debug assertions, and the daemons
+  # skip Abseil's per-lock deadlock graph).
+  (cd "$ROOT" && bazel build -c opt //coordinator:baton-coordinator //worker:baton-worker //cli:batonctl)
+  BAZEL_BIN=$(cd "$ROOT" && bazel info -c opt bazel-bin 2>/dev/null)
 fi
 
 STAGE=$(mktemp -d)
