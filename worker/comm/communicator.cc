@@ -33,8 +33,10 @@ class FailedWork : public Work {
 
 }  // namespace
 
+std::shared_ptr<Work> CompletedWork(absl::Status status) { return std::make_shared<FailedWork>(std::move(status)); }
+
 std::shared_ptr<Work> Communicator::GroupOnStream(const std::vector<P2POp>&, void*) {
-  return std::make_shared<FailedWork>(absl::UnimplementedError(
+  return CompletedWork(absl::UnimplementedError(
       absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
 }
 

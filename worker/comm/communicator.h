@@ -61,6 +61,10 @@ class Work {
   virtual bool IsCompleted() = 0;
 };
 
+// A Work that is already complete with `status` (an op refused before it
+// was posted).
+std::shared_ptr<Work> CompletedWork(absl::Status status);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

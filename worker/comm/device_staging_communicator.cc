@@ -101,15 +101,6 @@ absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
   return absl::OkStatus();
 }
 
-class FailedWork : public Work {
- public:
-  explicit FailedWork(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait(absl::Duration) override { return status_; }
-  bool IsCompleted() override { return true; }
-
- private:
-  const absl::Status status_;
-};
 
 // The inner op plus the copies back to device memory, done once by the
 // first Wait that sees the inner op succeed.
@@ -190,7 +181,7 @@ std::shared_ptr<Work> Staging(
   }
   if (!status.ok()) {
     for (const Staged& s : staged) arena->Give(s.host, s.device.bytes(), nullptr);
-    return std::make_shared<FailedWork>(
+    return CompletedWork(
         absl::Status(status.code(), absl::StrCat("staging device memory: ", status.message())));
   }
   if (staged.empty()) return post(views);
