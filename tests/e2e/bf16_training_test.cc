@@ -8,14 +8,13 @@
 //    identical (every step's loss text and the final weights).
 //  - train.precision = "fp16" is refused before any step, naming the field.
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "common/json.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"
+#include "tests/testing/steps_log.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/weights_diff.h"
 
@@ -61,14 +60,9 @@ RunResult RunJob(const std::string& name, const std::string& precision) {
                         absl::Seconds(300));
   r.exit_code = run.exit_code;
   r.output = run.output;
-  std::ifstream steps(r.dir + "/out/steps.jsonl");
-  for (std::string line; std::getline(steps, line);) {
-    auto v = JsonValue::Parse(line);
-    if (!v.ok() || v->Find("loss") == nullptr) continue;
-    r.losses.push_back(v->Find("loss")->number());
-    const size_t at = line.find("\"loss\": ");
-    r.loss_text.push_back(line.substr(at, line.find(',', at) - at));
-  }
+  testing::StepLosses losses = testing::ReadStepLosses(r.dir + "/out/steps.jsonl");
+  r.losses = std::move(losses.values);
+  r.loss_text = std::move(losses.text);
   return r;
 }
 

@@ -27,6 +27,7 @@
 #include "common/json.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"
+#include "tests/testing/steps_log.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/weights_diff.h"
 
@@ -75,14 +76,9 @@ RunResult RunJob(const std::string& name, const std::string& job, int workers = 
   if (workers > 0) args.push_back(absl::StrCat("--workers=", workers));
   auto run = RunCommand(RunfilePath("cli/batonctl"), args, absl::Seconds(300));
   EXPECT_EQ(run.exit_code, 0) << name << ":\n" << run.output;
-  std::ifstream steps(r.dir + "/out/steps.jsonl");
-  for (std::string line; std::getline(steps, line);) {
-    auto v = JsonValue::Parse(line);
-    if (!v.ok() || v->Find("loss") == nullptr) continue;
-    r.losses.push_back(v->Find("loss")->number());
-    const size_t at = line.find("\"loss\": ");
-    r.loss_text.push_back(line.substr(at, line.find(',', at) - at));
-  }
+  testing::StepLosses losses = testing::ReadStepLosses(r.dir + "/out/steps.jsonl");
+  r.losses = std::move(losses.values);
+  r.loss_text = std::move(losses.text);
   std::ifstream summary(r.dir + "/out/summary.json");
   std::stringstream text;
   text << summary.rdbuf();

@@ -26,6 +26,7 @@
 #include "common/json.h"
 #include "gtest/gtest.h"
 #include "tests/testing/process.h"
+#include "tests/testing/steps_log.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/weights_diff.h"
 
@@ -79,11 +80,7 @@ LocalResult Local(const std::string& name, const std::string& job, std::vector<s
   auto run = RunCommand(RunfilePath("cli/batonctl"), args, absl::Seconds(300));
   r.exit_code = run.exit_code;
   r.log = run.output;
-  std::ifstream steps(r.out + "/steps.jsonl");
-  for (std::string line; std::getline(steps, line);) {
-    auto v = JsonValue::Parse(line);
-    if (v.ok() && v->Find("step") != nullptr && v->Find("loss") != nullptr) r.losses.push_back(v->Find("loss")->number());
-  }
+  r.losses = testing::ReadStepLosses(r.out + "/steps.jsonl").values;
   return r;
 }
 
