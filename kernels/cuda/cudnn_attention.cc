@@ -3,6 +3,7 @@
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <unordered_map>
@@ -66,9 +67,12 @@ Loaded& LoadOnce() {
   return *loaded;
 }
 
+// The frontend's error with what was being done and the shape.
 absl::Status FeStatus(fe::error_t e, const char* what, const SdpaPlan& plan) {
   if (e.is_good()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuDNN ", what, " (", SdpaKeyToString(MakeSdpaKey(plan.shard, 0)),
+  const AttentionShard& s = plan.shard;
+  return absl::InternalError(absl::StrCat("cuDNN ", what, " (B=", s.batch, " T=", s.seq,
+                                          " H'=", s.heads, " hd=", s.head_dim,
                                           "): ", e.get_message()));
 }
 
