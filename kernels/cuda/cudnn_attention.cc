@@ -134,6 +134,9 @@ struct CudnnAttention::Graphs {
   absl::Status status;  // not OK: cuDNN cannot run this shape (cached verdict)
   fe::graph::Graph forward, backward;
   int64_t forward_workspace = 0, backward_workspace = 0;
+  // Variant packs (uid → pointer), kept so that a step assigns pointers to
+  // existing entries instead of building a map on the heap each call.
+  std::unordered_map<int64_t, void*> forward_pack, backward_pack;
 };
 
 absl::Status LoadCudnn() { return LoadOnce().status; }
@@ -238,11 +241,12 @@ absl::Status CudnnAttention::Forward(const SdpaPlan& plan, void* out, float* sta
                                      cudaStream_t stream) {
   BATON_ASSIGN_OR_RETURN(Graphs * g, Find(plan));
   BATON_RETURN_IF_ERROR(CheckWorkspace(g->forward_workspace, workspace_bytes, "SDPA forward"));
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, At(qkv, plan.q.offset)},      {kK, At(qkv, plan.k.offset)},
-      {kV, At(qkv, plan.v.offset)},      {kO, At(out, plan.o.offset)},
-      {kStats, stats},
-  };
+  std::unordered_map<int64_t, void*>& pack = g->forward_pack;
+  pack[kQ] = At(qkv, plan.q.offset);
+  pack[kK] = At(qkv, plan.k.offset);
+  pack[kV] = At(qkv, plan.v.offset);
+  pack[kO] = At(out, plan.o.offset);
+  pack[kStats] = stats;
   try {
     const cudnnStatus_t s = fe::detail::set_stream(handle_, stream);
     if (s != CUDNN_STATUS_SUCCESS) {
@@ -261,17 +265,16 @@ absl::Status CudnnAttention::Backward(const SdpaPlan& plan, void* dqkv, const vo
                                       cudaStream_t stream) {
   BATON_ASSIGN_OR_RETURN(Graphs * g, Find(plan));
   BATON_RETURN_IF_ERROR(CheckWorkspace(g->backward_workspace, workspace_bytes, "SDPA backward"));
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, At(qkv, plan.q.offset)},
-      {kK, At(qkv, plan.k.offset)},
-      {kV, At(qkv, plan.v.offset)},
-      {kO, At(out, plan.o.offset)},
-      {kDO, At(dout, plan.o.offset)},
-      {kStats, const_cast<float*>(stats)},
-      {kDQ, At(dqkv, plan.q.offset)},
-      {kDK, At(dqkv, plan.k.offset)},
-      {kDV, At(dqkv, plan.v.offset)},
-  };
+  std::unordered_map<int64_t, void*>& pack = g->backward_pack;
+  pack[kQ] = At(qkv, plan.q.offset);
+  pack[kK] = At(qkv, plan.k.offset);
+  pack[kV] = At(qkv, plan.v.offset);
+  pack[kO] = At(out, plan.o.offset);
+  pack[kDO] = At(dout, plan.o.offset);
+  pack[kStats] = const_cast<float*>(stats);
+  pack[kDQ] = At(dqkv, plan.q.offset);
+  pack[kDK] = At(dqkv, plan.k.offset);
+  pack[kDV] = At(dqkv, plan.v.offset);
   try {
     const cudnnStatus_t s = fe::detail::set_stream(handle_, stream);
     if (s != CUDNN_STATUS_SUCCESS) {
