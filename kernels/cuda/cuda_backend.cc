@@ -514,6 +514,15 @@ void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, con
   CudnnAttention* cudnn = CudnnFor(st, dtype);
   absl::StatusOr<AttentionChoice> choice = ChooseAttention(cudnn, plan->shard, dtype, att.bytes());
   if (!choice.ok()) return Note(st, "Attention", choice.status());
+  if (cudnn != nullptr && choice->path == AttentionPath::kGemmSoftmax) {
+    static absl::once_flag once;  // a slow path an operator should hear of, once
+    absl::call_once(once, [&] {
+      std::fprintf(stderr, "baton: bf16 attention with T=%ld, %ld heads of %ld on cuda:%d runs as "
+                   "GEMMs + softmax, not cuDNN: %s\n", static_cast<long>(plan->shard.seq),
+                   static_cast<long>(plan->shard.heads), static_cast<long>(plan->shard.head_dim),
+                   st.device, choice->why_not_cudnn.c_str());
+    });
+  }
   const size_t bytes = choice->scratch_bytes;
   absl::StatusOr<void*> scratch = Scratch(st, bytes);
   if (!scratch.ok()) return Note(st, "Attention", scratch.status());
