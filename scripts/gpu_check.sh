@@ -46,9 +46,10 @@ COLLECT=""
 RELEASE=""
 PP2_DEVICE="cuda:0"  # --pp2_device cpu: the job's plumbing on a CPU host (tests/package:gpu_check_test)
 # Seconds for the whole check. The steps' own limits add up to 360 s
-# (gpu 10, cuda_ops 45, cuda_backend 30, goldens 2 x 12, golden layouts
-# 3 x 10, pp2_1f1b 45, gemm 30, model fp32 40, model bf16 35, golden bf16
-# 2 x 8, pp2_1f1b_bf16 45; the last four are the new bf16 ones), so the
+# (gpu 10, cuda_ops 45, cudnn_attention 10, cuda_backend 30, goldens
+# 2 x 12, golden layouts 3 x 10, pp2_1f1b 45, gemm 30, model fp32 40, model
+# bf16 35, golden bf16 2 x 8, pp2_1f1b_bf16 45; the last four are the bf16
+# ones), so the
 # check ends within 6 minutes by construction; a step is also cut to what
 # is left (the budget), and the most wanted numbers come first.
 BUDGET=360
@@ -75,6 +76,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # Binaries by their bazel-bin path; collected bundles keep the same paths under bin/.
 BINARIES=(
   kernels/cuda/cuda_ops_test
+  kernels/cuda/cudnn_attention_test
   kernels/cuda/cuda_backend_test
   tests/golden/golden_check
   bench/gpu_golden_check
@@ -236,6 +238,12 @@ fi
 # 1. Every CUDA op against the CPU op (fp32 <= 1e-5 relative, bf16 bounds in
 #    the test, bitwise run to run).
 step cuda_ops 45 kernels/cuda/cuda_ops_test --gtest_output="xml:$OUT/cuda_ops.xml"
+# 1b. bf16 attention through cuDNN's fused SDPA against the CPU's bf16
+#     reference (<= 3e-2, bitwise run to run; prints its errors and the
+#     GPT-2-small workspace; the 10 s include building 4 cuDNN graphs).
+#     Needs libcudnn.so.9 on the host.
+step cudnn_attention 10 kernels/cuda/cudnn_attention_test \
+  --gtest_output="xml:$OUT/cudnn_attention.xml"
 # 2. The CUDA backend through kernels/ops.h against the CPU backend.
 step cuda_backend 30 kernels/cuda/cuda_backend_test --gtest_output="xml:$OUT/cuda_backend.xml"
 

@@ -8,6 +8,11 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/causal_softmax.cuh"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sdpa_plan.h"
+
+#ifdef BATON_HAVE_CUDNN
+#include "kernels/cuda/cudnn_attention.h"
+#endif
 
 namespace baton::cuda {
 namespace {
@@ -150,6 +155,101 @@ absl::Status AttentionBackward(CublasLtGemm& gemm, const AttentionPlan& plan, Ge
     }
   }
   return absl::OkStatus();
+}
+
+// ------------------------------------------------- the path chosen per shape
+
+#ifdef BATON_HAVE_CUDNN
+
+void CudnnAttentionDeleter::operator()(CudnnAttention* p) const { delete p; }
+
+absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int device) {
+  BATON_ASSIGN_OR_RETURN(std::unique_ptr<CudnnAttention> a, CudnnAttention::Create(device));
+  return CudnnAttentionPtr(a.release());
+}
+
+#else
+
+void CudnnAttentionDeleter::operator()(CudnnAttention*) const {}
+
+absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int) {
+  return absl::UnavailableError(
+      "this build has no cuDNN (no cudnn.h in the CUDA toolkit it was built with); bf16 "
+      "attention runs as GEMMs + softmax");
+}
+
+#endif
+
+absl::StatusOr<AttentionChoice> ChooseAttention(CudnnAttention* cudnn, const AttentionShard& shard,
+                                                GemmDType dtype, size_t att_bytes) {
+  AttentionChoice c;
+  if (dtype != GemmDType::kBF16) {
+    c.why_not_cudnn = "fp32 attention runs as true-fp32 GEMMs + softmax";
+  } else if (cudnn == nullptr) {
+    c.why_not_cudnn = "no cuDNN on this stream";
+  } else if (absl::Status s = SdpaApplies(shard, att_bytes); !s.ok()) {
+    c.why_not_cudnn = std::string(s.message());
+  } else {
+#ifdef BATON_HAVE_CUDNN
+    absl::StatusOr<SdpaPlan> plan = PlanSdpa(shard);
+    absl::StatusOr<size_t> ws = plan.ok() ? cudnn->Prepare(*plan) : plan.status();
+    if (ws.ok()) {
+      c.path = AttentionPath::kCudnnSdpa;
+      c.scratch_bytes = *ws;
+      return c;
+    }
+    c.why_not_cudnn = std::string(ws.status().message());
+#else
+    c.why_not_cudnn = "no cuDNN in this build";
+#endif
+  }
+  BATON_ASSIGN_OR_RETURN(c.scratch_bytes, AttentionScratchBytes(shard, dtype));
+  return c;
+}
+
+absl::Status AttentionForward(CublasLtGemm& gemm, CudnnAttention* cudnn, const AttentionPlan& plan,
+                              GemmDType dtype, void* out, void* att, size_t att_bytes,
+                              const void* qkv, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
+  BATON_ASSIGN_OR_RETURN(const AttentionChoice c,
+                         ChooseAttention(cudnn, plan.shard, dtype, att_bytes));
+  if (c.path == AttentionPath::kGemmSoftmax) {
+    return AttentionForward(gemm, plan, dtype, out, att, qkv, scratch, scratch_bytes, stream);
+  }
+#ifdef BATON_HAVE_CUDNN
+  BATON_ASSIGN_OR_RETURN(const SdpaPlan sdpa, PlanSdpa(plan.shard));
+  BATON_RETURN_IF_ERROR(cudnn->Forward(sdpa, out, static_cast<float*>(att), qkv, scratch,
+                                       scratch_bytes, stream));
+  // o's copy for the backward (it receives att, not out).
+  const size_t o_bytes = static_cast<size_t>(plan.shard.batch * plan.shard.seq *
+                                             plan.shard.channels) * 2;
+  BATON_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(att) + sdpa.saved_out_offset,
+                                             out, o_bytes, cudaMemcpyDeviceToDevice, stream));
+  return absl::OkStatus();
+#else
+  return absl::InternalError("cuDNN path chosen in a build without cuDNN");
+#endif
+}
+
+absl::Status AttentionBackward(CublasLtGemm& gemm, CudnnAttention* cudnn,
+                               const AttentionPlan& plan, GemmDType dtype, void* dqkv,
+                               void* scratch, size_t scratch_bytes, const void* dout,
+                               const void* qkv, const void* att, size_t att_bytes,
+                               cudaStream_t stream) {
+  BATON_ASSIGN_OR_RETURN(const AttentionChoice c,
+                         ChooseAttention(cudnn, plan.shard, dtype, att_bytes));
+  if (c.path == AttentionPath::kGemmSoftmax) {
+    return AttentionBackward(gemm, plan, dtype, dqkv, scratch, scratch_bytes, dout, qkv, att,
+                             stream);
+  }
+#ifdef BATON_HAVE_CUDNN
+  BATON_ASSIGN_OR_RETURN(const SdpaPlan sdpa, PlanSdpa(plan.shard));
+  return cudnn->Backward(sdpa, dqkv, dout, qkv,
+                         static_cast<const char*>(att) + sdpa.saved_out_offset,
+                         static_cast<const float*>(att), scratch, scratch_bytes, stream);
+#else
+  return absl::InternalError("cuDNN path chosen in a build without cuDNN");
+#endif
 }
 
 }  // namespace baton::cuda

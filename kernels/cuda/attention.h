@@ -9,18 +9,33 @@
 //           dq = dS k, dk = dSᵀ q.
 // fp32: every GEMM in true fp32; S and P share the att buffer [B,H',T,T].
 // bf16: qkv, out, P (att), dout and dqkv are bf16; S and dP are fp32 in
-//   `scratch`, dS bf16 after them. (cuDNN's fused flash attention is not used
-//   yet: the cuDNN frontend is not part of this build; see docs/gpu.md.)
+//   `scratch`, dS bf16 after them.
 // The full T×T scores are materialised (O(T²) memory per head) — the price of
 // the unfused path. Heads go through the GEMMs in groups as large as
 // `scratch` allows (all heads of a batch row with AttentionScratchBytes; one
 // head with T·T floats, the CPU kernel's scratch).
+//
+// Two paths, one API (the overloads taking a CudnnAttention*, which the CUDA
+// backend calls): bf16 runs cuDNN's fused SDPA (cudnn_attention.h: no T×T
+// tensor, P recomputed in the backward from the softmax stats) when the
+// build has cuDNN, libcudnn loads, the shape suits it and `att` can hold the
+// stats and a copy of o (sdpa_plan.h); everything else — fp32 always — runs
+// the GEMM + softmax path above. The choice is a function of (shape, dtype,
+// att's size, cuDNN's cached verdict for the shape), so a backward always
+// takes its forward's path. The CPU backend is unaffected: it stays the bf16
+// reference with P rounded; the fused path is held to it within the bf16
+// attention bound, 3e-2 (cudnn_attention_test).
 #ifndef BATON_KERNELS_CUDA_ATTENTION_H_
 #define BATON_KERNELS_CUDA_ATTENTION_H_
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <memory>
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/plan.h"
 
@@ -35,6 +50,7 @@ absl::StatusOr<size_t> AttentionScratchBytes(const AttentionShard& shard, GemmDT
 int64_t AttentionHeadsPerLaunch(const AttentionShard& shard, GemmDType dtype, bool backward,
                                 size_t scratch_bytes);
 
+// The GEMM + softmax path:
 // qkv [B,T,3C'] → out [B,T,C'], att [B,H',T,T] keeps P. Pointers of `dtype`
 // (att: fp32 or bf16 likewise).
 absl::Status AttentionForward(CublasLtGemm& gemm, const AttentionPlan& plan, GemmDType dtype,
@@ -45,6 +61,46 @@ absl::Status AttentionForward(CublasLtGemm& gemm, const AttentionPlan& plan, Gem
 absl::Status AttentionBackward(CublasLtGemm& gemm, const AttentionPlan& plan, GemmDType dtype,
                                void* dqkv, void* scratch, size_t scratch_bytes,
                                const void* dout, const void* qkv, const void* att,
+                               cudaStream_t stream);
+
+// ------------------------------------------------- the path chosen per shape
+
+class CudnnAttention;  // cudnn_attention.h; only in builds with cuDNN
+struct CudnnAttentionDeleter {
+  void operator()(CudnnAttention* p) const;
+};
+using CudnnAttentionPtr = std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>;
+
+// cuDNN state for one stream on `device` (current): UNAVAILABLE when this
+// build has no cuDNN or libcudnn cannot be loaded (the caller then passes
+// null below and every shape takes the GEMM path).
+absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int device);
+
+enum class AttentionPath : uint8_t { kGemmSoftmax = 0, kCudnnSdpa = 1 };
+struct AttentionChoice {
+  AttentionPath path = AttentionPath::kGemmSoftmax;
+  size_t scratch_bytes = 0;  // for that path: AttentionScratchBytes, or cuDNN's workspace
+  std::string why_not_cudnn;  // empty when cuDNN runs it
+};
+
+// The path for (shard, dtype) with a saved buffer `att` of `att_bytes`:
+// cuDNN SDPA for bf16 when `cudnn` is non-null, SdpaApplies and cuDNN builds
+// both graphs for the shape (first call per shape: built and cached); the
+// GEMM path otherwise. Errors only for a shard the GEMM path refuses too.
+absl::StatusOr<AttentionChoice> ChooseAttention(CudnnAttention* cudnn, const AttentionShard& shard,
+                                                GemmDType dtype, size_t att_bytes);
+
+// Forward / backward on ChooseAttention's path; `scratch` holds at least its
+// scratch_bytes. With the fused path `att` holds the stats and o's copy
+// instead of P.
+absl::Status AttentionForward(CublasLtGemm& gemm, CudnnAttention* cudnn, const AttentionPlan& plan,
+                              GemmDType dtype, void* out, void* att, size_t att_bytes,
+                              const void* qkv, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream);
+absl::Status AttentionBackward(CublasLtGemm& gemm, CudnnAttention* cudnn,
+                               const AttentionPlan& plan, GemmDType dtype, void* dqkv,
+                               void* scratch, size_t scratch_bytes, const void* dout,
+                               const void* qkv, const void* att, size_t att_bytes,
                                cudaStream_t stream);
 
 }  // namespace baton::cuda

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/call_once.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -43,6 +44,8 @@ using kernels::Tensor;
 struct StreamState {
   int device = 0;
   std::unique_ptr<CublasLtGemm> gemm;  // created at the first GEMM
+  CudnnAttentionPtr cudnn;             // created at the first bf16 attention; null: none
+  bool cudnn_tried = false;
   void* workspace = nullptr;
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
@@ -199,6 +202,7 @@ void DestroyStream(int index, void* native) {
   if (!UseDevice(index).ok()) return;
   cudaStreamSynchronize(stream);  // the buffers below may still be in use
   if (state != nullptr) {
+    state->cudnn.reset();
     state->gemm.reset();
     const Device device = Device::Cuda(index);
     kernels::FreeDevice(device, state->workspace, kLtWorkspaceBytes);
@@ -477,6 +481,27 @@ absl::StatusOr<AttentionPlan> PlanFor(const Tensor& qkv, int heads) {
   return PlanAttention(*shard);
 }
 
+// The stream's cuDNN attention state for bf16 (null for fp32, or where cuDNN
+// is not in the build or does not load: attention then runs as GEMMs, and the
+// first such stream says why on stderr).
+CudnnAttention* CudnnFor(StreamState& st, GemmDType dtype) {
+  if (dtype != GemmDType::kBF16) return nullptr;
+  if (!st.cudnn_tried) {
+    st.cudnn_tried = true;
+    absl::StatusOr<CudnnAttentionPtr> c = CreateCudnnAttention(st.device);
+    if (c.ok()) {
+      st.cudnn = std::move(*c);
+    } else {
+      static absl::once_flag once;
+      absl::call_once(once, [&] {
+        std::fprintf(stderr, "baton: bf16 attention on cuda:%d runs as GEMMs + softmax: %s\n",
+                     st.device, std::string(c.status().message()).c_str());
+      });
+    }
+  }
+  return st.cudnn.get();
+}
+
 void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
                int heads) {
   StreamState& st = Enter(ctx, "Attention");
@@ -486,13 +511,26 @@ void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, con
   }
   absl::StatusOr<AttentionPlan> plan = PlanFor(qkv, heads);
   if (!plan.ok()) return Note(st, "Attention", plan.status());
-  absl::StatusOr<size_t> bytes = AttentionScratchBytes(plan->shard, dtype);
-  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  CudnnAttention* cudnn = CudnnFor(st, dtype);
+  absl::StatusOr<AttentionChoice> choice = ChooseAttention(cudnn, plan->shard, dtype, att.bytes());
+  if (!choice.ok()) return Note(st, "Attention", choice.status());
+  if (cudnn != nullptr && choice->path == AttentionPath::kGemmSoftmax) {
+    static absl::once_flag once;  // a slow path an operator should hear of, once
+    absl::call_once(once, [&] {
+      std::fprintf(stderr, "baton: bf16 attention with T=%ld, %ld heads of %ld on cuda:%d runs as "
+                   "GEMMs + softmax, not cuDNN: %s\n", static_cast<long>(plan->shard.seq),
+                   static_cast<long>(plan->shard.heads), static_cast<long>(plan->shard.head_dim),
+                   st.device, choice->why_not_cudnn.c_str());
+    });
+  }
+  const size_t bytes = choice->scratch_bytes;
+  absl::StatusOr<void*> scratch = Scratch(st, bytes);
   if (!scratch.ok()) return Note(st, "Attention", scratch.status());
   absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
   if (!gemm.ok()) return Note(st, "Attention", gemm.status());
-  Note(st, "Attention", AttentionForward(**gemm, *plan, dtype, out.address(), att.address(),
-                                         qkv.address(), *scratch, *bytes, Native(ctx)));
+  Note(st, "Attention",
+       AttentionForward(**gemm, cudnn, *plan, dtype, out.address(), att.address(), att.bytes(),
+                        qkv.address(), *scratch, bytes, Native(ctx)));
 }
 
 void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor&,
@@ -505,15 +543,19 @@ void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor&
   absl::StatusOr<AttentionPlan> plan = PlanFor(qkv, heads);
   if (!plan.ok()) return Note(st, "AttentionBackward", plan.status());
   // The stream scratch, sized for all heads of a batch row (the caller's
-  // T·T scratch would force one head per launch).
-  absl::StatusOr<size_t> bytes = AttentionScratchBytes(plan->shard, dtype);
-  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  // T·T scratch would force one head per launch), or cuDNN's workspace.
+  CudnnAttention* cudnn = CudnnFor(st, dtype);
+  absl::StatusOr<AttentionChoice> choice = ChooseAttention(cudnn, plan->shard, dtype, att.bytes());
+  if (!choice.ok()) return Note(st, "AttentionBackward", choice.status());
+  const size_t bytes = choice->scratch_bytes;
+  absl::StatusOr<void*> scratch = Scratch(st, bytes);
   if (!scratch.ok()) return Note(st, "AttentionBackward", scratch.status());
   absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
   if (!gemm.ok()) return Note(st, "AttentionBackward", gemm.status());
   Note(st, "AttentionBackward",
-       cuda::AttentionBackward(**gemm, *plan, dtype, dqkv.address(), *scratch, *bytes,
-                               dout.address(), qkv.address(), att.address(), Native(ctx)));
+       cuda::AttentionBackward(**gemm, cudnn, *plan, dtype, dqkv.address(), *scratch, bytes,
+                               dout.address(), qkv.address(), att.address(), att.bytes(),
+                               Native(ctx)));
 }
 
 void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {

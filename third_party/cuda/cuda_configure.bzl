@@ -1,8 +1,9 @@
-"""Finds the CUDA toolkit (nvcc, cudart, cuBLAS, NCCL) on this machine.
+"""Finds the CUDA toolkit (nvcc, cudart, cuBLAS, NCCL, cuDNN) on this machine.
 
 Generates @local_cuda with:
-  defs.bzl   CUDA_AVAILABLE, CUDA_PATH
-  BUILD      :cudart (headers + cudart) and :nccl when available.
+  defs.bzl   CUDA_AVAILABLE, CUDA_PATH, CUDNN_AVAILABLE
+  BUILD      :cudart (headers + cudart) and :nccl when available; :cudnn when
+             cuDNN's headers are in the toolkit's include directory too.
 Set BATON_CUDA_PATH to use a toolkit other than /usr/local/cuda. Without nvcc
 the GPU targets are left out of the build and this rule says so once.
 """
@@ -12,10 +13,12 @@ def _cuda_configure_impl(ctx):
     nvcc = ctx.path(cuda_path + "/bin/nvcc")
     nccl = ctx.path(cuda_path + "/include/nccl.h")
     available = nvcc.exists and nccl.exists
+    cudnn_available = available and ctx.path(cuda_path + "/include/cudnn.h").exists
     if not available:
         print("baton: no CUDA toolkit with NCCL at %s (set BATON_CUDA_PATH); " % cuda_path +
               "GPU targets are left out of this build.")
-    ctx.file("defs.bzl", "CUDA_AVAILABLE = %s\nCUDA_PATH = %r\n" % (available, cuda_path))
+    ctx.file("defs.bzl", "CUDA_AVAILABLE = %s\nCUDA_PATH = %r\nCUDNN_AVAILABLE = %s\n" %
+                         (available, cuda_path, cudnn_available))
     if available:
         ctx.symlink(cuda_path + "/include", "include")
         ctx.file("BUILD", """
@@ -36,7 +39,16 @@ cc_library(
     linkopts = ["-L{p}/lib64", "-Wl,-rpath,{p}/lib64", "-lnccl"],
     deps = [":cudart"],
 )
-""".format(p = cuda_path))
+""".format(p = cuda_path) + ("""
+# cuDNN: its headers (in :cudart's include directory). libcudnn is never
+# linked: the cuDNN frontend opens it on first use (kernels/cuda/cudnn_attention.h LoadCudnn),
+# so a worker that never runs bf16 attention on a GPU never loads it.
+cc_library(
+    name = "cudnn",
+    linkopts = ["-ldl"],
+    deps = [":cudart"],
+)
+""" if cudnn_available else ""))
     else:
         ctx.file("BUILD", "package(default_visibility = [\"//visibility:public\"])\n")
 
