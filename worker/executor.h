@@ -109,7 +109,7 @@ class StepExecutor {
  private:
   struct Message {
     kernels::Tensor payload;  // activation_elements() floats on the chunk's device
-    int64_t sent_us = 0;      // the sender's post time (its own side message)
+    int64_t sent_us = 0;      // host path: the sender's post time (its own side message)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
@@ -196,11 +196,23 @@ class StepExecutor {
   struct CommSpan {
     kernels::Event* start;
     kernels::Event* end;
-    std::shared_ptr<int64_t> posted_us;  // set on the stream when the batch posts
-    std::vector<const Message*> received;
-    std::string name;  // for the trace
+    int64_t posted_slot;                  // stamps_ slot of the batch's post time
+    std::vector<int64_t> received_slots;  // of the peers' post times
+    std::string name;                     // for the trace
   };
   std::vector<CommSpan> comm_spans_;
+  // The post-time stamps of stream-ordered batches (int64 µs on the
+  // coordinator clock), in memory of comm_stream_'s device: one slot per
+  // batch, written on the stream just before the batch (kernels::StampTime)
+  // and sent after each of its payloads, and one per receive. Copied to
+  // stamps_host_ with the step's results read (ReadStamps). Sized from the
+  // program with the communication stream (no allocation after the first step).
+  kernels::Tensor stamps_, stamps_host_;
+  int64_t stamps_used_ = 0;
+  absl::StatusOr<kernels::Tensor> StampSlot(int64_t* slot);
+  // Enqueues the copy of the step's stamps to stamps_host_ on `stream`
+  // (covered by the host wait that reads the step's results).
+  void ReadStamps(kernels::Stream* stream);
 };
 
 }  // namespace baton
