@@ -271,28 +271,24 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   for (auto& [stage, model] : chunks_) {
     if (model->EnqueueStepResults()) enqueued.push_back(stage);
   }
-  // The batches' post-time stamps come back with the results of the chunk
-  // read first (its stream waited for the communication stream above): no
-  // wait of their own. (On CUDA the copy into pageable host memory returns
-  // once the stream got there, i.e. it is that same wait.)
-  StageModel* reader = !enqueued.empty() ? chunks_.at(enqueued.front())
-                       : chunks_.empty()   ? nullptr
-                                           : chunks_.begin()->second;
   if (!enqueued.empty()) {
-    StageModel* first = reader;
+    StageModel* first = chunks_.at(enqueued.front());
     for (size_t i = 1; i < enqueued.size(); ++i) {
       StageModel* other = chunks_.at(enqueued[i]);
       BATON_ASSIGN_OR_RETURN(kernels::Event * read, RecordEvent(other->context().stream, enqueued[i]));
       BATON_RETURN_IF_ERROR_CTX(read->StreamWait(*first->context().stream), "stage ", enqueued.front(),
                                 " waiting for stage ", enqueued[i], "'s results");
     }
-  }
-  if (!comm_spans_.empty() && reader != nullptr) ReadStamps(reader->context().stream);
-  if (!enqueued.empty()) {
-    StageModel* first = reader;
+    // The batches' post-time stamps come back with the results (the stream
+    // waited for the communication stream above): no wait of their own. (On
+    // CUDA the copy into pageable host memory returns once the stream got
+    // there, which is the wait below.)
+    if (!comm_spans_.empty()) ReadStamps(first->context().stream);
     std::string stages;
     for (int stage : enqueued) absl::StrAppend(&stages, stages.empty() ? "" : ", ", stage);
     BATON_RETURN_IF_ERROR_CTX(first->Synchronize(), "reading the step's loss and gradient norm of stage ", stages);
+  } else if (!comm_spans_.empty()) {
+    ReadStamps(chunks_.begin()->second->context().stream);  // waited for by its TakeStepResults below
   }
   for (auto& [stage, model] : chunks_) {
     // Afterwards the chunk is idle (a chunk that did not split its read

@@ -27,15 +27,20 @@
 // tied-embedding sum of a chunk with a stream is timed by an event pair on
 // that stream (dp): it may run there (GptStageModel on the simulated device).
 // Every pipeline message is followed by a small side message (same peer,
-// tag | kStampTagBit) holding the sender's post time on the coordinator clock,
-// so a receive that waited splits into bubble (before the peer posted) and
-// comm (after); the payload itself is exactly the activations or gradients.
+// tag | kStampTagBit, one int64) holding the sender's post time on the
+// coordinator clock, so a receive that waited splits into bubble (before the
+// peer posted) and comm (after); the payload itself is exactly the
+// activations or gradients. On the stream path the stamp is device memory
+// written on the communication stream just before the batch
+// (kernels::StampTime) and the received stamps are read back with the step's
+// results (no wait of their own); on the host path it is host memory.
 //
 // Devices: message buffers live on the device of the chunk that produces or
 // consumes them (StageModel::context()). When the chunks have streams and the
 // pipeline communicator can carry their buffers from a stream
-// (comm::CanEnqueueP2P: the simulated device over a host communicator), a
-// batch is stream-ordered, with no host wait: each sending chunk records an
+// (comm::CanEnqueueP2P: the simulated device over a host communicator, as a
+// host function on the stream; CUDA memory over NCCL, as one NCCL group on
+// the stream), a batch is stream-ordered, with no host wait: each sending chunk records an
 // event after the action that filled its buffer, the batch runs on a
 // communication stream that waits for those events (comm/stream_p2p.h), and
 // each receiving chunk's stream waits for the batch's end event before the
