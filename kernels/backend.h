@@ -234,6 +234,9 @@ struct Backend {
   void (*fill_zero)(const ExecContext& ctx, const Tensor& dst);
   // float32 <-> bfloat16 (round to nearest even), same element count.
   void (*cast)(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+  // out: int64 [1]; see StampTime in ops.h (the device's clock, not the host's
+  // enqueue time).
+  void (*stamp_time)(const ExecContext& ctx, const Tensor& out, int64_t offset_us);
 
   // --- kernels (see ops.h) ---
   void (*embedding)(const ExecContext&, const Tensor& out, const Tensor& tokens, const Tensor& wte,

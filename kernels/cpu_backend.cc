@@ -144,6 +144,10 @@ void Cast(const ExecContext&, const Tensor& dst, const Tensor& src) {
   }
 }
 
+void StampTime(const ExecContext&, const Tensor& out, int64_t offset_us) {
+  *static_cast<int64_t*>(out.raw()) = absl::ToUnixMicros(absl::Now()) + offset_us;
+}
+
 void Embedding(const ExecContext&, const Tensor& out, const Tensor& tokens, const Tensor& wte,
                int64_t vocab_begin, const Tensor& wpe) {
   cpu::EmbeddingForward(out.f32(), tokens.i32(), wte.f32(), vocab_begin, wte.dim(0), F32OrNull(wpe),
@@ -372,6 +376,7 @@ const Backend kCpu = {
     Copy,
     FillZero,
     Cast,
+    StampTime,
     Embedding,
     EmbeddingBackward,
     LayerNorm,

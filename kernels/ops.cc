@@ -62,6 +62,11 @@ void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   On(ctx, "Cast", {&dst, &src}).cast(ctx, dst, src);
 }
 
+void StampTime(const ExecContext& ctx, const Tensor& out, int64_t offset_us) {
+  Require(out.dtype() == DType::kInt64 && out.numel() == 1, "StampTime", "want an int64 [1] tensor");
+  On(ctx, "StampTime", {&out}).stamp_time(ctx, out, offset_us);
+}
+
 void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
                int64_t vocab_begin, const Tensor& wpe) {
   const Backend& be = On(ctx, "Embedding", {&out, &tokens, &wte, &wpe});

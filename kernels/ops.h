@@ -106,6 +106,14 @@ void FillZero(const ExecContext& ctx, const Tensor& dst);
 // float32 <-> bfloat16 (round to nearest even, kernels/bfloat16.h), same
 // element count; same dtypes copy.
 void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src);
+// out: int64 [1] on ctx.device. When the stream reaches the op (not when the
+// host enqueues it), writes the time then in microseconds on the host's Unix
+// clock (absl::Now), plus `offset_us` (e.g. coordinator clock - local clock):
+// the CPU reads the clock inline, the simulated device on its stream thread,
+// CUDA in a kernel from the %globaltimer register mapped onto the host clock
+// (kernels/cuda/stamp.cuh). For timestamps that travel with pipeline
+// messages in device memory (worker/executor.h).
+void StampTime(const ExecContext& ctx, const Tensor& out, int64_t offset_us);
 
 void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
                int64_t vocab_begin, const Tensor& wpe);

@@ -26,6 +26,20 @@ bool IsComm(Action::Kind k) {
   return k == Action::SEND_F || k == Action::RECV_F || k == Action::SEND_B || k == Action::RECV_B;
 }
 
+// Stamp slots a program needs on the stream path: one per batch (a maximal
+// run of communication actions) and one per receive.
+int64_t StampSlots(const v1::Program& program) {
+  int64_t slots = 0;
+  bool in_batch = false;
+  for (const Action& a : program.actions()) {
+    const bool comm = IsComm(a.kind());
+    if (comm && !in_batch) ++slots;
+    if (a.kind() == Action::RECV_F || a.kind() == Action::RECV_B) ++slots;
+    in_batch = comm;
+  }
+  return slots;
+}
+
 uint64_t Tag(bool forward, int stage, int mb, int num_stages, int microbatches) {
   return (static_cast<uint64_t>(forward ? 0 : 1) * num_stages + stage) * microbatches + mb;
 }
@@ -138,12 +152,18 @@ absl::Status StepExecutor::StartSpans() {
   spans_.clear();
   tie_spans_.clear();
   comm_spans_.clear();
+  stamps_used_ = 0;
   for (auto& [stage, model] : chunks_) {
     kernels::Stream* stream = model->context().stream;
     if (stream == nullptr) continue;
     if (comm_stream_ == nullptr && pipeline_ != nullptr) {
       absl::StatusOr<std::unique_ptr<kernels::Stream>> cs = kernels::Stream::Create(stream->device());
       if (!cs.ok()) return WithContext(cs.status(), "creating the communication stream");
+      const int64_t slots = std::max<int64_t>(1, StampSlots(program_));
+      absl::StatusOr<kernels::Tensor> stamps = kernels::ZerosOn(stream->device(), {slots}, kernels::DType::kInt64);
+      if (!stamps.ok()) return WithContext(stamps.status(), "allocating the pipeline's post-time stamps");
+      stamps_ = std::move(*stamps);
+      stamps_host_ = kernels::Tensor::Zeros({slots}, kernels::DType::kInt64);
       comm_stream_ = std::move(*cs);
     }
     ChunkEvents& ce = chunk_events_[stage];
@@ -259,9 +279,16 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
       BATON_RETURN_IF_ERROR_CTX(read->StreamWait(*first->context().stream), "stage ", enqueued.front(),
                                 " waiting for stage ", enqueued[i], "'s results");
     }
+    // The batches' post-time stamps come back with the results (the stream
+    // waited for the communication stream above): no wait of their own. (On
+    // CUDA the copy into pageable host memory returns once the stream got
+    // there, which is the wait below.)
+    if (!comm_spans_.empty()) ReadStamps(first->context().stream);
     std::string stages;
     for (int stage : enqueued) absl::StrAppend(&stages, stages.empty() ? "" : ", ", stage);
     BATON_RETURN_IF_ERROR_CTX(first->Synchronize(), "reading the step's loss and gradient norm of stage ", stages);
+  } else if (!comm_spans_.empty()) {
+    ReadStamps(chunks_.begin()->second->context().stream);  // waited for by its TakeStepResults below
   }
   for (auto& [stage, model] : chunks_) {
     // Afterwards the chunk is idle (a chunk that did not split its read
@@ -366,7 +393,10 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
 absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {
   if (pipeline_ == nullptr) return absl::InternalError("program sends or receives, but pp == 1");
   std::vector<CommOp> ops;
-  bool on_stream = comm_stream_ != nullptr;
+  // Stream-ordered when the communicator can carry the chunks' buffers and
+  // the stamps from the communication stream: host functions over a host
+  // communicator (the simulated device), one NCCL group over NCCL (CUDA).
+  bool on_stream = comm_stream_ != nullptr && comm::CanEnqueueP2P(*pipeline_, model::CommBuffer(stamps_));
   for (const Action* a : batch) {
     const int s = a->stage(), mb = a->microbatch();
     auto chunk = chunks_.find(s);
@@ -393,12 +423,8 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
     }
     if (!m.ok()) return m.status();
     const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
-    // The post-time stamp is host memory: over NCCL (CUDA memory only) the
-    // batch stays on the host until the stamp travels in device memory.
-    const comm::Buffer stamp{&(*m)->sent_us, 1, comm::DType::kInt64, -1};
     on_stream = on_stream && chunk->second->context().stream != nullptr &&
-                comm::CanEnqueueP2P(*pipeline_, model::CommBuffer((*m)->payload)) &&
-                comm::CanEnqueueP2P(*pipeline_, stamp);
+                comm::CanEnqueueP2P(*pipeline_, model::CommBuffer((*m)->payload));
     ops.push_back({a, *m, tag, send, chunk->second});
   }
   std::string name;
@@ -428,27 +454,28 @@ absl::Status StepExecutor::EnqueueCommBatch(const std::vector<CommOp>& ops, cons
   }
   CommSpan span;
   span.name = name;
-  span.posted_us = std::make_shared<int64_t>(0);
   BATON_ASSIGN_OR_RETURN(span.start, RecordEvent(comm_stream_.get(), kCommStream));
+  // The batch's post time, written on the communication stream just before
+  // the batch by the device (its clock when the stream gets there, shifted
+  // onto the coordinator clock) and sent after each payload of the batch.
+  BATON_ASSIGN_OR_RETURN(const kernels::Tensor posted, StampSlot(&span.posted_slot));
+  kernels::StampTime(kernels::ExecContext::On(comm_stream_.get()), posted,
+                     options_.clock_us() - absl::ToUnixMicros(absl::Now()));
   std::vector<comm::P2POp> p2p;
-  std::vector<int64_t*> stamps;  // of the sends, set to the post time when the batch posts
   for (const CommOp& op : ops) {
     const std::string op_name = OpName(*op.action);
-    const comm::Buffer stamp{&op.message->sent_us, 1, comm::DType::kInt64, -1};
-    p2p.push_back({op.send, model::CommBuffer(op.message->payload), op.action->peer(), op.tag, op_name});
-    p2p.push_back({op.send, stamp, op.action->peer(), op.tag | kStampTagBit, op_name + " (post time)"});
-    if (op.send) {
-      stamps.push_back(&op.message->sent_us);
-    } else {
-      span.received.push_back(op.message);
+    kernels::Tensor stamp = posted;
+    if (!op.send) {
+      int64_t slot = 0;
+      BATON_ASSIGN_OR_RETURN(stamp, StampSlot(&slot));
+      span.received_slots.push_back(slot);
     }
+    p2p.push_back({op.send, model::CommBuffer(op.message->payload), op.action->peer(), op.tag, op_name});
+    p2p.push_back({op.send, model::CommBuffer(stamp), op.action->peer(), op.tag | kStampTagBit,
+                   op_name + " (post time)"});
   }
-  auto before_post = [posted = span.posted_us, clock = options_.clock_us, stamps] {
-    *posted = clock();
-    for (int64_t* stamp : stamps) *stamp = *posted;
-  };
   BATON_RETURN_IF_ERROR_CTX(comm::EnqueueP2P(*pipeline_, std::move(p2p), *comm_stream_, options_.op_timeout,
-                                             comm_status_, std::move(before_post)),
+                                             comm_status_),
                             "enqueueing ", name);
   BATON_ASSIGN_OR_RETURN(span.end, RecordEvent(comm_stream_.get(), kCommStream));
   // The actions after the batch that read what it received start after it.
@@ -460,6 +487,19 @@ absl::Status StepExecutor::EnqueueCommBatch(const std::vector<CommOp>& ops, cons
   }
   comm_spans_.push_back(std::move(span));
   return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::Tensor> StepExecutor::StampSlot(int64_t* slot) {
+  if (stamps_used_ >= stamps_.numel()) {
+    return absl::InternalError(absl::StrCat("the program needs more than ", stamps_.numel(), " post-time stamps"));
+  }
+  *slot = stamps_used_++;
+  return stamps_.Rows(*slot, *slot + 1);
+}
+
+void StepExecutor::ReadStamps(kernels::Stream* stream) {
+  if (stamps_used_ == 0) return;
+  kernels::Copy(kernels::ExecContext::On(stream), stamps_host_.Rows(0, stamps_used_), stamps_.Rows(0, stamps_used_));
 }
 
 absl::Status StepExecutor::ResolveComm() {
@@ -492,9 +532,10 @@ absl::Status StepExecutor::ResolveComm() {
   for (const CommSpan& span : comm_spans_) {
     BATON_ASSIGN_OR_RETURN(const double offset, span.start->SecondsSince(*ce.anchor));
     BATON_ASSIGN_OR_RETURN(const double total, span.end->SecondsSince(*span.start));
-    const int64_t posted_us = *span.posted_us;
+    const int64_t* stamps = stamps_host_.data<int64_t>();  // copied with the step's results
+    const int64_t posted_us = stamps[span.posted_slot];
     int64_t ready_us = posted_us;  // when the last awaited peer posted its send
-    for (const Message* m : span.received) ready_us = std::max(ready_us, m->sent_us);
+    for (int64_t slot : span.received_slots) ready_us = std::max(ready_us, stamps[slot]);
     const double busy = std::max(0.0, total);
     // Before the peer posted: bubble; after: data moving.
     const double waiting = std::clamp((ready_us - posted_us) * 1e-6, 0.0, busy);

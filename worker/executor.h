@@ -27,15 +27,20 @@
 // tied-embedding sum of a chunk with a stream is timed by an event pair on
 // that stream (dp): it may run there (GptStageModel on the simulated device).
 // Every pipeline message is followed by a small side message (same peer,
-// tag | kStampTagBit) holding the sender's post time on the coordinator clock,
-// so a receive that waited splits into bubble (before the peer posted) and
-// comm (after); the payload itself is exactly the activations or gradients.
+// tag | kStampTagBit, one int64) holding the sender's post time on the
+// coordinator clock, so a receive that waited splits into bubble (before the
+// peer posted) and comm (after); the payload itself is exactly the
+// activations or gradients. On the stream path the stamp is device memory
+// written on the communication stream just before the batch
+// (kernels::StampTime) and the received stamps are read back with the step's
+// results (no wait of their own); on the host path it is host memory.
 //
 // Devices: message buffers live on the device of the chunk that produces or
 // consumes them (StageModel::context()). When the chunks have streams and the
 // pipeline communicator can carry their buffers from a stream
-// (comm::CanEnqueueP2P: the simulated device over a host communicator), a
-// batch is stream-ordered, with no host wait: each sending chunk records an
+// (comm::CanEnqueueP2P: the simulated device over a host communicator, as a
+// host function on the stream; CUDA memory over NCCL, as one NCCL group on
+// the stream), a batch is stream-ordered, with no host wait: each sending chunk records an
 // event after the action that filled its buffer, the batch runs on a
 // communication stream that waits for those events (comm/stream_p2p.h), and
 // each receiving chunk's stream waits for the batch's end event before the
@@ -109,7 +114,7 @@ class StepExecutor {
  private:
   struct Message {
     kernels::Tensor payload;  // activation_elements() floats on the chunk's device
-    int64_t sent_us = 0;      // the sender's post time (its own side message)
+    int64_t sent_us = 0;      // host path: the sender's post time (its own side message)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
@@ -196,11 +201,23 @@ class StepExecutor {
   struct CommSpan {
     kernels::Event* start;
     kernels::Event* end;
-    std::shared_ptr<int64_t> posted_us;  // set on the stream when the batch posts
-    std::vector<const Message*> received;
-    std::string name;  // for the trace
+    int64_t posted_slot;                  // stamps_ slot of the batch's post time
+    std::vector<int64_t> received_slots;  // of the peers' post times
+    std::string name;                     // for the trace
   };
   std::vector<CommSpan> comm_spans_;
+  // The post-time stamps of stream-ordered batches (int64 µs on the
+  // coordinator clock), in memory of comm_stream_'s device: one slot per
+  // batch, written on the stream just before the batch (kernels::StampTime)
+  // and sent after each of its payloads, and one per receive. Copied to
+  // stamps_host_ with the step's results read (ReadStamps). Sized from the
+  // program with the communication stream (no allocation after the first step).
+  kernels::Tensor stamps_, stamps_host_;
+  int64_t stamps_used_ = 0;
+  absl::StatusOr<kernels::Tensor> StampSlot(int64_t* slot);
+  // Enqueues the copy of the step's stamps to stamps_host_ on `stream`
+  // (covered by the host wait that reads the step's results).
+  void ReadStamps(kernels::Stream* stream);
 };
 
 }  // namespace baton

@@ -25,6 +25,7 @@
 #include "kernels/cuda/grad_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/plan.h"
+#include "kernels/cuda/stamp.cuh"
 
 namespace baton::cuda {
 namespace {
@@ -300,6 +301,30 @@ void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   } else {
     Die("Cast", "only float32 <-> bfloat16");
   }
+}
+
+// The offset from %globaltimer to the host's Unix clock, measured on the
+// device's first stamp (one host wait on a private stream, once per device
+// and process; kernels/cuda/stamp.cuh) and kept: drift between the two
+// clocks over a long job is not corrected.
+absl::StatusOr<int64_t> TimerOffset(int device) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* offsets = new absl::flat_hash_map<int, int64_t>();
+  absl::MutexLock lock(&mu);
+  auto it = offsets->find(device);
+  if (it != offsets->end()) return it->second;
+  int64_t offset = 0, uncertainty = 0;
+  BATON_CUDA_RETURN_IF_ERROR(MeasureGlobalTimerOffset(&offset, &uncertainty));
+  (*offsets)[device] = offset;
+  return offset;
+}
+
+void StampTime(const ExecContext& ctx, const Tensor& out, int64_t offset_us) {
+  StreamState& st = Enter(ctx, "StampTime");
+  absl::StatusOr<int64_t> timer_offset = TimerOffset(st.device);
+  if (!timer_offset.ok()) return Note(st, "StampTime", timer_offset.status());
+  Note(st, "StampTime",
+       LaunchStampGlobalTimer(out.data<int64_t>(), *timer_offset + offset_us, Native(ctx)));
 }
 
 // ------------------------------------------------------------------ kernels
@@ -700,6 +725,7 @@ const kernels::Backend kCuda = {
     Copy,
     FillZero,
     Cast,
+    StampTime,
     Embedding,
     EmbeddingBackward,
     LayerNorm,

@@ -243,6 +243,11 @@ void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   Tensor d = H(dst), s = H(src);
   SIM_ENQUEUE(Cpu().cast(Host(), d, s));
 }
+// The clock is read on the stream thread when the stream reaches the op.
+void StampTime(const ExecContext& ctx, const Tensor& out, int64_t offset_us) {
+  Tensor d = H(out);
+  SIM_ENQUEUE(Cpu().stamp_time(Host(), d, offset_us));
+}
 void Embedding(const ExecContext& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
                int64_t vocab_begin, const Tensor& wpe) {
   Tensor a = H(out), b = H(tokens), c = H(wte), d = H(wpe);
@@ -380,6 +385,7 @@ const Backend kSim = {
     Copy,
     FillZero,
     Cast,
+    StampTime,
     Embedding,
     EmbeddingBackward,
     LayerNorm,

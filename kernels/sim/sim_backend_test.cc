@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/arena.h"
 #include "kernels/backend.h"
@@ -173,6 +174,32 @@ TEST(SimBackendTest, HostFunctionRunsInStreamOrderWithoutAHostWait) {
   EXPECT_EQ(HostSyncCount(), syncs);
   EXPECT_EQ(seen, 1.0f);
   EXPECT_EQ(ToHost(ctx, d), std::vector<float>{2.0f});  // the copy out ran after the function
+}
+
+// StampTime reads the clock when the stream reaches it, not when the host
+// enqueues it: on the CPU (inline) between the host times around the call;
+// on a lazy simulated stream, which runs nothing until the host waits, after
+// the host time taken between enqueueing and waiting. The offset is added.
+TEST(SimBackendTest, StampTimeIsTheClockWhenTheStreamGetsThere) {
+  constexpr int64_t kOffset = 7'000'000;
+  Tensor host = Tensor::Zeros({1}, DType::kInt64);
+  const int64_t before = absl::ToUnixMicros(absl::Now());
+  StampTime(ExecContext::Host(), host, kOffset);
+  const int64_t after = absl::ToUnixMicros(absl::Now());
+  const int64_t cpu = *static_cast<int64_t*>(host.raw()) - kOffset;
+  EXPECT_GE(cpu, before);
+  EXPECT_LE(cpu, after);
+
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  Tensor stamp = *ZerosOn(kSim, {1}, DType::kInt64);
+  StampTime(ctx, stamp, kOffset);
+  absl::SleepFor(absl::Milliseconds(2));
+  const int64_t enqueued = absl::ToUnixMicros(absl::Now());
+  int64_t got = 0;
+  Copy(ctx, Tensor::View(&got, {1}, DType::kInt64), stamp);
+  ASSERT_TRUE(stream->Synchronize().ok());
+  EXPECT_GE(got - kOffset, enqueued) << "the simulated stream read the clock at enqueue time";
 }
 
 }  // namespace

@@ -40,8 +40,7 @@ bool CanEnqueueP2P(const Communicator& comm, const Buffer& buf) {
 }
 
 absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Stream& stream,
-                        absl::Duration timeout, std::shared_ptr<StreamCommStatus> status,
-                        std::function<void()> before_post) {
+                        absl::Duration timeout, std::shared_ptr<StreamCommStatus> status) {
   for (const P2POp& op : ops) {
     if (!CanEnqueueP2P(comm, op.buf)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -52,7 +51,6 @@ absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Str
   }
   if (comm.RunsOnStreams()) {
     if (status->failed()) return absl::OkStatus();  // an earlier batch failed: post nothing
-    if (before_post) BATON_RETURN_IF_ERROR(stream.LaunchHostFunc(std::move(before_post)));
     std::string names;
     for (const P2POp& op : ops) absl::StrAppend(&names, names.empty() ? "" : ", ", op.name);
     std::shared_ptr<Work> group = comm.GroupOnStream(ops, stream.native());
@@ -64,10 +62,8 @@ absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Str
     status->Track(std::move(group));
     return absl::OkStatus();
   }
-  return stream.LaunchHostFunc([&comm, ops = std::move(ops), timeout, status = std::move(status),
-                                before_post = std::move(before_post)] {
+  return stream.LaunchHostFunc([&comm, ops = std::move(ops), timeout, status = std::move(status)] {
     if (status->failed()) return;  // an earlier batch failed: post nothing
-    if (before_post) before_post();
     std::vector<std::shared_ptr<Work>> works;
     works.reserve(ops.size());
     for (const P2POp& op : ops) {

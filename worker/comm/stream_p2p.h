@@ -12,7 +12,9 @@
 // memory only, the simulated device's included (host memory that only its
 // streams touch, which is what runs the function); CUDA memory needs a
 // communicator whose ops run on CUDA streams (NCCL); every buffer of an NCCL
-// group (the post-time stamps too) must be CUDA memory.
+// group (the post-time stamps too) must be CUDA memory. Nothing of a batch
+// runs on the host over NCCL: what the ops carry (the executor's post-time
+// stamps included, kernels::StampTime) is written by work on the stream.
 //
 // Errors: the first failing op's status (DEADLINE_EXCEEDED, ABORTED, ...,
 // with the op's name as context) is kept in a StreamCommStatus, which the
@@ -62,16 +64,15 @@ class StreamCommStatus {
 // communicator, CUDA memory over one that runs on CUDA streams.
 bool CanEnqueueP2P(const Communicator& comm, const Buffer& buf);
 
-// Enqueues `ops` as one batch on `stream`. When the stream reaches it:
-// `before_post` runs (e.g. stamping the post time into a send buffer; on
-// NCCL as its own host function before the group), every op is posted, and
-// each is waited for (at most `timeout` each); the first failure goes to
-// `status`. `comm` must outlive the stream's work.
+// Enqueues `ops` as one batch on `stream`: over NCCL one group
+// (Communicator::GroupOnStream), else one host function. When the stream
+// reaches it every op is posted and each is waited for (at most `timeout`
+// each); the first failure goes to `status`. `comm` must outlive the
+// stream's work.
 // INVALID_ARGUMENT (nothing enqueued) for a buffer CanEnqueueP2P refuses; the
 // stream's error if the function could not be enqueued.
 absl::Status EnqueueP2P(Communicator& comm, std::vector<P2POp> ops, kernels::Stream& stream,
-                        absl::Duration timeout, std::shared_ptr<StreamCommStatus> status,
-                        std::function<void()> before_post);
+                        absl::Duration timeout, std::shared_ptr<StreamCommStatus> status);
 
 // Whether EnqueueAllReduce can sum `buf` over `comm`: host memory over a host
 // communicator (an NCCL all-reduce on a caller's stream is not wired).
