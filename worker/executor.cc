@@ -58,7 +58,14 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       pipeline_(pipeline),
       tp_(tp),
       dp_(dp),
-      dp_collectives_(dp != nullptr ? std::make_shared<comm::StreamCollectives>(*dp) : nullptr) {}
+      dp_collectives_(dp != nullptr ? std::make_shared<comm::StreamCollectives>(*dp) : nullptr) {
+  for (int i = 0; i < program_.actions_size(); ++i) {
+    const Action& a = program_.actions(i);
+    if (a.kind() == Action::BACKWARD || a.kind() == Action::BACKWARD_INPUT || a.kind() == Action::BACKWARD_WEIGHT) {
+      last_backward_[a.stage()] = i;
+    }
+  }
+}
 
 StepExecutor::~StepExecutor() {
   if (comm_stream_ != nullptr) (void)comm_stream_->Synchronize();
@@ -191,9 +198,26 @@ absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string nam
 }
 
 absl::Status StepExecutor::ResolveSpans() {
+  // DP time is the exposed part of each reduction (DESIGN.md section 7): a
+  // DP all-reduce started early, while other chunks of the rank compute, is
+  // hidden where they overlap.
   for (const auto& [start, end] : dp_spans_) {
-    BATON_ASSIGN_OR_RETURN(const double seconds, end->SecondsSince(*start));
-    dp_comm_ += std::max(0.0, seconds);
+    BATON_ASSIGN_OR_RETURN(const double total, end->SecondsSince(*start));
+    std::vector<std::pair<double, double>> hidden;  // compute inside [0, total] after `start`
+    for (const Span& span : spans_) {
+      if (span.end == nullptr) continue;
+      BATON_ASSIGN_OR_RETURN(const double a, span.start->SecondsSince(*start));
+      BATON_ASSIGN_OR_RETURN(const double b, span.end->SecondsSince(*start));
+      if (std::min(total, b) > std::max(0.0, a)) hidden.emplace_back(std::max(0.0, a), std::min(total, b));
+    }
+    std::sort(hidden.begin(), hidden.end());
+    double covered = 0, reach = 0;
+    for (const auto& [lo, hi] : hidden) {
+      const double from = std::max(lo, reach);
+      if (hi > from) covered += hi - from;
+      reach = std::max(reach, hi);
+    }
+    dp_comm_ += std::max(0.0, total - covered);
   }
   dp_spans_.clear();
   for (const Span& span : spans_) {
@@ -225,6 +249,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
+  dp_started_.clear();
   for (int i = 0; i < actions.size();) {
     const Action& a = actions[i];
     if (IsComm(a.kind())) {
@@ -239,6 +264,15 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     } else if (a.kind() != Action::OPTIMIZER_STEP) {  // the optimizer waits for Commit
       BATON_RETURN_IF_ERROR_CTX(RunCompute(a, step),
                                 absl::StrCat(Name(a.kind()), "(stage ", a.stage(), ", mb ", a.microbatch(), ")"));
+      // The chunk's gradients are final: its DP all-reduce may start now,
+      // overlapping the rank's other chunks' backward (the chunk's stream
+      // waits for it at REDUCE_GRADS). Not for the chunks of the tied
+      // embedding, whose sum comes first.
+      auto last = last_backward_.find(a.stage());
+      if (dp_ != nullptr && last != last_backward_.end() && last->second == i - 1 && a.stage() != 0 &&
+          a.stage() != options_.num_stages - 1) {
+        BATON_ASSIGN_OR_RETURN(dp_started_[a.stage()], StartDpReduce(a.stage(), chunks_.at(a.stage())));
+      }
     }
   }
   if (std::none_of(actions.begin(), actions.end(),
@@ -599,6 +633,22 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
   return absl::OkStatus();
 }
 
+absl::StatusOr<kernels::Event*> StepExecutor::StartDpReduce(int stage, StageModel* model) {
+  kernels::Stream* chunk_stream = model->context().stream;
+  const comm::Buffer grads = model::CommBuffer(model->Gradients());
+  if (chunk_stream == nullptr || !dp_collectives_->CanEnqueue(grads)) return nullptr;
+  BATON_RETURN_IF_ERROR(EnsureDpStream(chunk_stream->device()));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * grads_ready, RecordEvent(chunk_stream, stage));
+  BATON_RETURN_IF_ERROR_CTX(grads_ready->StreamWait(*dp_stream_), "data-parallel stream waiting for stage ", stage);
+  BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(dp_stream_.get(), kDpStream));
+  BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(grads,
+                                                      absl::StrCat("data-parallel gradient all-reduce of stage ", stage),
+                                                      *dp_stream_, options_.op_timeout, dp_status_));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(dp_stream_.get(), kDpStream));
+  dp_spans_.push_back({before, after});
+  return after;
+}
+
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
   absl::Duration waited_for_compute;  // and the tied sums timed by events
@@ -618,30 +668,22 @@ absl::Status StepExecutor::ReduceGrads() {
     }
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
-    kernels::Stream* chunk_stream = model->context().stream;
-    const comm::Buffer grads = model::CommBuffer(g);
-    if (chunk_stream != nullptr && dp_collectives_->CanEnqueue(grads)) {
-      // On dp_stream_, after the chunk's backward, before its optimizer (the
-      // chunk's stream waits for the end event); an event pair times it.
+    auto started = dp_started_.find(stage);
+    kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
+    if (reduced == nullptr) {
       const absl::Time enqueue_start = absl::Now();
-      BATON_RETURN_IF_ERROR(EnsureDpStream(chunk_stream->device()));
-      BATON_ASSIGN_OR_RETURN(kernels::Event * grads_ready, RecordEvent(chunk_stream, stage));
-      BATON_RETURN_IF_ERROR_CTX(grads_ready->StreamWait(*dp_stream_), "data-parallel stream waiting for stage ",
-                                stage);
-      BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(dp_stream_.get(), kDpStream));
-      BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(
-          grads, absl::StrCat("data-parallel gradient all-reduce of stage ", stage), *dp_stream_,
-          options_.op_timeout, dp_status_));
-      BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(dp_stream_.get(), kDpStream));
-      BATON_RETURN_IF_ERROR_CTX(after->StreamWait(*chunk_stream), "stage ", stage, " waiting for the data-parallel stream");
-      dp_spans_.push_back({before, after});
-      waited_for_compute += absl::Now() - enqueue_start;
+      BATON_ASSIGN_OR_RETURN(reduced, StartDpReduce(stage, model));
+      waited_for_compute += absl::Now() - enqueue_start;  // timed by its events
+    }
+    if (reduced != nullptr) {
+      BATON_RETURN_IF_ERROR_CTX(reduced->StreamWait(*model->context().stream), "stage ", stage,
+                                " waiting for the data-parallel stream");
     } else {
       // CUDA memory over a host communicator: it reads what the stream wrote.
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
       waited_for_compute += absl::Now() - wait_start;
-      BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(grads)->Wait(options_.op_timeout),
+      BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(model::CommBuffer(g))->Wait(options_.op_timeout),
                                 "data-parallel gradient all-reduce");
     }
     kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));

@@ -135,6 +135,10 @@ class StepExecutor {
   absl::Status ResolveComm();
   absl::Status ReduceGrads();
   absl::Status EnsureDpStream(kernels::Device device);
+  // Enqueues the chunk's DP all-reduce on dp_stream_ after its work so far;
+  // its end event, or null where dp_ cannot reduce its gradients from a
+  // stream (nothing enqueued).
+  absl::StatusOr<kernels::Event*> StartDpReduce(int stage, StageModel* model);
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
   // Device-time accounting (chunks with a stream): BeginSpan records the
   // start event of an action on the chunk's stream, EndSpan its end event;
@@ -197,7 +201,13 @@ class StepExecutor {
   // (it waits for the end event), so the optimizer follows it without a host
   // wait. dp_status_ keeps the first failure, reported after the step's host
   // wait.
+  // A chunk without the tied embedding starts its reduction right after its
+  // last backward action (last_backward_: stage -> action index), which
+  // overlaps the rank's other chunks' backward; dp_started_ holds its end
+  // event until REDUCE_GRADS.
   static constexpr int kDpStream = -2;  // chunk_events_ key of dp_stream_
+  std::map<int, int> last_backward_;
+  std::map<int, kernels::Event*> dp_started_;  // per step
   std::unique_ptr<kernels::Stream> dp_stream_;
   std::shared_ptr<comm::StreamCollectives> dp_collectives_;  // of dp_
   const std::shared_ptr<comm::StreamCommStatus> dp_status_ = std::make_shared<comm::StreamCommStatus>();

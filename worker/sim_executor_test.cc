@@ -726,12 +726,7 @@ TEST_P(SimExecutorParallelTest, SameBitsAsTheCpuAndAtMostTwoHostSyncsPerRank) {
       for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_tp_seconds(), 0.0) << "step " << step;
     }
     if (c.dp > 1) {
-      for (const v1::StepDone& d : got.done) {
-        EXPECT_GT(d.comm_dp_seconds(), 0.0) << "step " << step;
-        EXPECT_LE(d.compute_seconds() + d.comm_p2p_seconds() + d.comm_tp_seconds() + d.comm_dp_seconds(),
-                  d.wall_seconds() * (1 + 1e-9))
-            << "step " << step;
-      }
+      for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_dp_seconds(), 0.0) << "step " << step;
     }
   }
   const auto want = cpu.Weights(), got = sim.Weights();
@@ -743,7 +738,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SimExecutorParallelTest,
                          ::testing::Values(GridCase{"1f1b", 1, 1, 2, 1}, GridCase{"1f1b", 1, 1, 2, 1, true},
                                            GridCase{"1f1b", 1, 1, 1, 2}, GridCase{"1f1b", 2, 1, 2, 1},
                                            GridCase{"1f1b", 2, 1, 1, 2}, GridCase{"interleaved", 2, 2, 2, 1},
-                                           GridCase{"1f1b", 2, 1, 2, 2}),
+                                           GridCase{"interleaved", 2, 2, 1, 2}, GridCase{"1f1b", 2, 1, 2, 2}),
                          GridCaseName);
 
 // A TP peer that never joins: only TP rank 0 of a tp=2 one-stage job runs
@@ -795,6 +790,27 @@ TEST(SimExecutorStreamComm, DpReplicaThatNeverReducesFailsTheStepWithADeadline) 
   EXPECT_NE(r.status().message().find("data-parallel gradient all-reduce of stage 0"), std::string::npos)
       << r.status();
   g.executor(g.Rank(0, 0, 0)).Discard(1);
+}
+
+
+// A middle chunk's DP all-reduce starts right after its last backward, before
+// REDUCE_GRADS reduces the chunks of the tied embedding: at interleaved pp=2
+// v=2 rank 0 holds chunks 0 and 2, and with no other replica its first
+// failing all-reduce is chunk 2's (REDUCE_GRADS alone would post chunk 0's
+// first).
+TEST(SimExecutorStreamComm, MiddleChunkStartsItsDpReductionAfterItsLastBackward) {
+  Grid g("interleaved", 2, 2, 1, 2, kernels::Device::Sim(0), absl::Milliseconds(300));
+  ASSERT_TRUE(g.ok());
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = g.RunSteps(1, {g.Rank(0, 0, 0), g.Rank(0, 0, 1)});
+  for (int p = 0; p < 2; ++p) {
+    const absl::StatusOr<v1::StepReport>& r = reports[g.Rank(0, 0, p)];
+    ASSERT_FALSE(r.ok()) << "pipeline rank " << p;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    EXPECT_NE(r.status().message().find(absl::StrCat("data-parallel gradient all-reduce of stage ", p == 0 ? 2 : 1)),
+              std::string::npos)
+        << r.status();
+    g.executor(g.Rank(0, 0, p)).Discard(1);
+  }
 }
 
 }  // namespace
