@@ -71,10 +71,27 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       batch_(std::move(batch)),
       pipeline_(pipeline),
       tp_(tp),
-      dp_(dp) {}
+      dp_(dp),
+      dp_collectives_(dp != nullptr ? std::make_shared<comm::StreamCollectives>(*dp) : nullptr) {
+  for (int i = 0; i < program_.actions_size(); ++i) {
+    const Action& a = program_.actions(i);
+    if (a.kind() == Action::BACKWARD || a.kind() == Action::BACKWARD_INPUT || a.kind() == Action::BACKWARD_WEIGHT) {
+      last_backward_[a.stage()] = i;
+    }
+  }
+}
 
 StepExecutor::~StepExecutor() {
   if (comm_stream_ != nullptr) (void)comm_stream_->Synchronize();
+  if (dp_stream_ != nullptr) (void)dp_stream_->Synchronize();
+}
+
+absl::Status StepExecutor::EnsureDpStream(kernels::Device device) {
+  if (dp_stream_ != nullptr) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = kernels::Stream::Create(device);
+  if (!stream.ok()) return WithContext(stream.status(), "creating the data-parallel stream");
+  dp_stream_ = std::move(*stream);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Message>& map, int stage, int mb) {
@@ -136,7 +153,9 @@ void StepExecutor::Record(const std::string& name, const char* cat, absl::Time s
 }
 
 absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(kernels::Stream* stream, int key) {
-  const std::string owner = key == kCommStream ? "the communication stream" : absl::StrCat("stage ", key);
+  const std::string owner = key == kCommStream ? "the communication stream"
+                            : key == kDpStream  ? "the data-parallel stream"
+                                                : absl::StrCat("stage ", key);
   ChunkEvents& ce = chunk_events_[key];
   if (ce.used == ce.pool.size()) {
     absl::StatusOr<std::unique_ptr<kernels::Event>> e = kernels::Event::Create(stream->device());
@@ -150,7 +169,7 @@ absl::StatusOr<kernels::Event*> StepExecutor::RecordEvent(kernels::Stream* strea
 
 absl::Status StepExecutor::StartSpans() {
   spans_.clear();
-  tie_spans_.clear();
+  dp_spans_.clear();
   comm_spans_.clear();
   stamps_used_ = 0;
   for (auto& [stage, model] : chunks_) {
@@ -171,6 +190,7 @@ absl::Status StepExecutor::StartSpans() {
     BATON_ASSIGN_OR_RETURN(ce.anchor, RecordEvent(stream, stage));
     ce.anchor_host = absl::Now();
   }
+  chunk_events_[kDpStream].used = 0;  // its spans of the last step (or Commit) are resolved
   if (comm_stream_ != nullptr) {
     ChunkEvents& ce = chunk_events_[kCommStream];
     ce.used = 0;
@@ -198,11 +218,28 @@ absl::Status StepExecutor::EndSpan(StageModel* model, int stage, std::string nam
 }
 
 absl::Status StepExecutor::ResolveSpans() {
-  for (const auto& [start, end] : tie_spans_) {
-    BATON_ASSIGN_OR_RETURN(const double seconds, end->SecondsSince(*start));
-    dp_comm_ += std::max(0.0, seconds);
+  // DP time is the exposed part of each reduction (DESIGN.md section 7): a
+  // DP all-reduce started early, while other chunks of the rank compute, is
+  // hidden where they overlap.
+  for (const auto& [start, end] : dp_spans_) {
+    BATON_ASSIGN_OR_RETURN(const double total, end->SecondsSince(*start));
+    std::vector<std::pair<double, double>> hidden;  // compute inside [0, total] after `start`
+    for (const Span& span : spans_) {
+      if (span.end == nullptr) continue;
+      BATON_ASSIGN_OR_RETURN(const double a, span.start->SecondsSince(*start));
+      BATON_ASSIGN_OR_RETURN(const double b, span.end->SecondsSince(*start));
+      if (std::min(total, b) > std::max(0.0, a)) hidden.emplace_back(std::max(0.0, a), std::min(total, b));
+    }
+    std::sort(hidden.begin(), hidden.end());
+    double covered = 0, reach = 0;
+    for (const auto& [lo, hi] : hidden) {
+      const double from = std::max(lo, reach);
+      if (hi > from) covered += hi - from;
+      reach = std::max(reach, hi);
+    }
+    dp_comm_ += std::max(0.0, total - covered);
   }
-  tie_spans_.clear();
+  dp_spans_.clear();
   for (const Span& span : spans_) {
     if (span.end == nullptr) continue;  // its action failed
     BATON_ASSIGN_OR_RETURN(const double seconds, span.end->SecondsSince(*span.start));
@@ -222,14 +259,17 @@ absl::Status StepExecutor::ResolveSpans() {
 absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
+  tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
   trace_ = trace;
   events_.clear();
   BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
   comm_status_->Reset();  // the communication stream is idle: a failed step was waited for above
+  dp_status_->Reset();    // so is the data-parallel stream (the chunks waited for its end events)
   BATON_RETURN_IF_ERROR(StartSpans());
   for (auto& [stage, model] : chunks_) model->ZeroGrad();
 
   const auto& actions = program_.actions();
+  dp_started_.clear();
   for (int i = 0; i < actions.size();) {
     const Action& a = actions[i];
     if (IsComm(a.kind())) {
@@ -244,6 +284,15 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     } else if (a.kind() != Action::OPTIMIZER_STEP) {  // the optimizer waits for Commit
       BATON_RETURN_IF_ERROR_CTX(RunCompute(a, step),
                                 absl::StrCat(Name(a.kind()), "(stage ", a.stage(), ", mb ", a.microbatch(), ")"));
+      // The chunk's gradients are final: its DP all-reduce may start now,
+      // overlapping the rank's other chunks' backward (the chunk's stream
+      // waits for it at REDUCE_GRADS). Not for the chunks of the tied
+      // embedding, whose sum comes first.
+      auto last = last_backward_.find(a.stage());
+      if (dp_ != nullptr && last != last_backward_.end() && last->second == i - 1 && a.stage() != 0 &&
+          a.stage() != options_.num_stages - 1) {
+        BATON_ASSIGN_OR_RETURN(dp_started_[a.stage()], StartDpReduce(a.stage(), chunks_.at(a.stage())));
+      }
     }
   }
   if (std::none_of(actions.begin(), actions.end(),
@@ -302,8 +351,23 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
   }
+  // The data-parallel stream's work is done too (each chunk waited for it).
+  if (absl::Status dp = dp_status_->status(); !dp.ok()) {
+    dp_status_->Reset();
+    return dp;
+  }
   BATON_RETURN_IF_ERROR(ResolveComm());   // the communication stream's work is done now (uses spans_)
   BATON_RETURN_IF_ERROR(ResolveSpans());  // every chunk's work is done now
+  if (tp_ != nullptr) {
+    // TP collectives run on the chunks' streams as host functions may wait
+    // outside the action that enqueued them: the step's whole TP wait is TP
+    // comm, and not compute (the device spans include it).
+    const double outside = tp_->waited_seconds() - tp_waited_at_start_ - tp_comm_;
+    if (outside > 0) {
+      tp_comm_ += outside;
+      compute_ = std::max(0.0, compute_ - outside);
+    }
+  }
   report.set_grad_sq_norm(sq);
   if (report.has_loss()) {
     report.set_loss(loss.tokens > 0 ? loss.loss_sum / loss.tokens : 0.0);
@@ -610,6 +674,22 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
   return absl::OkStatus();
 }
 
+absl::StatusOr<kernels::Event*> StepExecutor::StartDpReduce(int stage, StageModel* model) {
+  kernels::Stream* chunk_stream = model->context().stream;
+  const comm::Buffer grads = model::CommBuffer(model->Gradients());
+  if (chunk_stream == nullptr || !dp_collectives_->CanEnqueue(grads)) return nullptr;
+  BATON_RETURN_IF_ERROR(EnsureDpStream(chunk_stream->device()));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * grads_ready, RecordEvent(chunk_stream, stage));
+  BATON_RETURN_IF_ERROR_CTX(grads_ready->StreamWait(*dp_stream_), "data-parallel stream waiting for stage ", stage);
+  BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(dp_stream_.get(), kDpStream));
+  BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(grads,
+                                                      absl::StrCat("data-parallel gradient all-reduce of stage ", stage),
+                                                      *dp_stream_, options_.op_timeout, dp_status_));
+  BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(dp_stream_.get(), kDpStream));
+  dp_spans_.push_back({before, after});
+  return after;
+}
+
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
   absl::Duration waited_for_compute;  // and the tied sums timed by events
@@ -622,18 +702,31 @@ absl::Status StepExecutor::ReduceGrads() {
       BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(stream, stage));
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
       BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(stream, stage));
-      tie_spans_.push_back({before, after});
+      dp_spans_.push_back({before, after});
       waited_for_compute += absl::Now() - tie_start;
     } else {
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     }
     if (dp_ == nullptr) continue;
     kernels::Tensor g = model->Gradients();
-    const absl::Time wait_start = absl::Now();
-    BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
-    waited_for_compute += absl::Now() - wait_start;
-    BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(model::CommBuffer(g))->Wait(options_.op_timeout),
-                              "data-parallel gradient all-reduce");
+    auto started = dp_started_.find(stage);
+    kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
+    if (reduced == nullptr) {
+      const absl::Time enqueue_start = absl::Now();
+      BATON_ASSIGN_OR_RETURN(reduced, StartDpReduce(stage, model));
+      waited_for_compute += absl::Now() - enqueue_start;  // timed by its events
+    }
+    if (reduced != nullptr) {
+      BATON_RETURN_IF_ERROR_CTX(reduced->StreamWait(*model->context().stream), "stage ", stage,
+                                " waiting for the data-parallel stream");
+    } else {
+      // CUDA memory over a host communicator: it reads what the stream wrote.
+      const absl::Time wait_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
+      waited_for_compute += absl::Now() - wait_start;
+      BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(model::CommBuffer(g))->Wait(options_.op_timeout),
+                                "data-parallel gradient all-reduce");
+    }
     kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
   }
   const absl::Time end = absl::Now();

@@ -6,7 +6,9 @@
 // pipeline group (a maximal run of consecutive communication actions is
 // posted as one batch and waited for together, the execution model of
 // coordinator/schedule/ir.h), REDUCE_GRADS as the tied-embedding sum and the
-// data-parallel all-reduce (gradients are averaged over DP replicas). It
+// data-parallel all-reduce (gradients are averaged over DP replicas; on its
+// own stream, ordered by events, where the DP group can reduce the chunk's
+// gradients from one). It
 // returns the GradsReady report. Commit(n, clip) applies the optimizer with
 // the coordinator's clip factor; Discard(n) drops the step's gradients.
 //
@@ -75,6 +77,7 @@
 #include "baton/v1/program.pb.h"
 #include "kernels/backend.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/stream_collectives.h"
 #include "worker/comm/stream_p2p.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/stage_model.h"
@@ -136,6 +139,11 @@ class StepExecutor {
   // of its ops, else its exposed p2p time (needs spans_: before ResolveSpans).
   absl::Status ResolveComm();
   absl::Status ReduceGrads();
+  absl::Status EnsureDpStream(kernels::Device device);
+  // Enqueues the chunk's DP all-reduce on dp_stream_ after its work so far;
+  // its end event, or null where dp_ cannot reduce its gradients from a
+  // stream (nothing enqueued).
+  absl::StatusOr<kernels::Event*> StartDpReduce(int stage, StageModel* model);
   void Record(const std::string& name, const char* cat, absl::Time start, absl::Time end);
   // Device-time accounting (chunks with a stream): BeginSpan records the
   // start event of an action on the chunk's stream, EndSpan its end event;
@@ -169,6 +177,7 @@ class StepExecutor {
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
+  double tp_waited_at_start_ = 0;  // tp_->waited_seconds() when the step started
   bool trace_ = false;
   std::vector<v1::TraceEvent> events_;
   // Events of chunks with a stream, reused step after step.
@@ -187,8 +196,26 @@ class StepExecutor {
     double tp_wait = 0;
   };
   std::vector<Span> spans_;
-  // Event pairs around the tied-embedding sum of chunks on a stream (dp time).
-  std::vector<std::pair<kernels::Event*, kernels::Event*>> tie_spans_;
+  // Event pairs around the tied-embedding sum of chunks on a stream and the
+  // data-parallel all-reduces on dp_stream_ (dp time).
+  std::vector<std::pair<kernels::Event*, kernels::Event*>> dp_spans_;
+  // The data-parallel gradient all-reduce of a chunk on a stream, where dp_
+  // can reduce its gradients from one (comm/stream_collectives.h), runs on
+  // dp_stream_ (created with the first reduction): after an event the chunk
+  // recorded when its backward was enqueued, before the chunk's later work
+  // (it waits for the end event), so the optimizer follows it without a host
+  // wait. dp_status_ keeps the first failure, reported after the step's host
+  // wait.
+  // A chunk without the tied embedding starts its reduction right after its
+  // last backward action (last_backward_: stage -> action index), which
+  // overlaps the rank's other chunks' backward; dp_started_ holds its end
+  // event until REDUCE_GRADS.
+  static constexpr int kDpStream = -2;  // chunk_events_ key of dp_stream_
+  std::map<int, int> last_backward_;
+  std::map<int, kernels::Event*> dp_started_;  // per step
+  std::unique_ptr<kernels::Stream> dp_stream_;
+  std::shared_ptr<comm::StreamCollectives> dp_collectives_;  // of dp_
+  const std::shared_ptr<comm::StreamCommStatus> dp_status_ = std::make_shared<comm::StreamCommStatus>();
 
   // Stream-ordered p2p (chunks on a stream, buffers the pipeline communicator
   // can carry from one): the batches run on comm_stream_ (created with the

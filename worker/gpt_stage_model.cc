@@ -111,10 +111,10 @@ bool GptStageModel::EnqueueStepResults() {
 
 absl::Status GptStageModel::TakeStepResults(model::StepScore* score, double* grad_sq_norm) {
   if (context().stream == nullptr) return ReadStepResults(score, grad_sq_norm);
-  stage_->TakeStepResults(score, grad_sq_norm);  // the caller waited for the stream
+  absl::Status stage = stage_->TakeStepResults(score, grad_sq_norm);  // the caller waited for the stream
   absl::Status tie = tie_status_->status();
   tie_status_->Reset();  // the stream is idle now
-  return tie;
+  return tie.ok() ? stage : tie;
 }
 
 absl::Status GptStageModel::OptimizerStep(float grad_scale) {

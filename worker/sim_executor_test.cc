@@ -24,6 +24,7 @@
 // once per chunk (its results) and once per rank (the optimizer's end of
 // all its chunks), i.e. twice per rank at 1F1B/ZB-H1 pp=2. A peer that never sends fails the step with
 // DEADLINE_EXCEEDED naming the op.
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -44,6 +45,7 @@
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/train_state.h"
 #include "worker/comm/inproc_communicator.h"
+#include "worker/comm/timed_communicator.h"
 #include "worker/executor.h"
 #include "worker/gpt_stage_model.h"
 #include "worker/model/parameters.h"
@@ -521,6 +523,294 @@ TEST(SimWorkerPaths, WeightsCheckpointsAndSnapshotsHoldTheCpuBits) {
     EXPECT_EQ(after_restore[d][0].sq_norm, after_restore[d][1].sq_norm) << "device " << d;
   }
   EXPECT_EQ(after_restore[1][0].loss, after_restore[0][0].loss);
+}
+
+
+// --- Tensor and data parallelism on streams ---
+//
+// pp × tp × dp ranks, each an executor over its chunks (one thread per rank),
+// all on one device, with in-process communicators: per (dp, tp) rank a
+// pipeline group and a tie group, per (dp, pp) rank a TP group (wrapped in a
+// TimedCommunicator, as baton-worker does), per (pp, tp) rank a DP group. The
+// TP collectives run on each chunk's stream and the DP all-reduce on the
+// executor's data-parallel stream (host functions on the simulated device,
+// inline on the CPU), so a rank's step waits on the host only for its
+// results and its optimizer's end.
+class Grid {
+ public:
+  Grid(const std::string& kind, int pp, int v, int tp, int dp, kernels::Device device,
+       absl::Duration op_timeout = absl::Seconds(60), bool vocab_parallel = false)
+      : pp_(pp), tp_(tp), dp_(dp), stages_(pp * v) {
+    auto compute = schedule::BuildSchedule(schedule::ScheduleSpec{kind, pp, kMicrobatches, v});
+    EXPECT_TRUE(compute.ok()) << compute.status();
+    if (!compute.ok()) return;
+    auto lowered = schedule::Lower(*compute);
+    EXPECT_TRUE(lowered.ok()) << lowered.status();
+    if (!lowered.ok()) return;
+    const std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
+    auto ranges = model::SplitLayers(Model().layers, stages_);
+    EXPECT_TRUE(ranges.ok());
+    if (!ranges.ok()) return;
+    const int ranks = pp * tp * dp;
+    pipeline_.resize(dp * tp);
+    tie_.resize(dp * tp);
+    tp_groups_.resize(dp * pp);
+    dp_groups_.resize(pp * tp);
+    for (int i = 0; i < dp * tp; ++i) {
+      if (pp > 1) pipeline_[i] = comm::InProcCommunicator::CreateGroup(pp);
+      if (stages_ > 1) tie_[i] = comm::InProcCommunicator::CreateGroup(2);
+    }
+    for (int i = 0; i < dp * pp; ++i) {
+      if (tp > 1) tp_groups_[i] = comm::InProcCommunicator::CreateGroup(tp);
+    }
+    for (int i = 0; i < pp * tp; ++i) {
+      if (dp > 1) dp_groups_[i] = comm::InProcCommunicator::CreateGroup(dp);
+    }
+    timed_tp_.resize(ranks);
+    chunks_.resize(ranks);
+    for (int d = 0; d < dp; ++d) {
+      for (int t = 0; t < tp; ++t) {
+        for (int p = 0; p < pp; ++p) {
+          const int rank = Rank(d, t, p);
+          if (tp > 1) timed_tp_[rank] = std::make_unique<comm::TimedCommunicator>(tp_groups_[d * pp + p][t].get());
+          std::map<int, StageModel*> mine;
+          for (int c = p; c < stages_; c += pp) {
+            auto config = model::MakeChunkConfig(Model(), c, stages_, (*ranges)[c], t, tp, 11);
+            EXPECT_TRUE(config.ok()) << config.status();
+            if (!config.ok()) return;
+            config->microbatches = kMicrobatches;
+            config->device = device;
+            config->comm_timeout = op_timeout;
+            config->vocab_parallel = vocab_parallel;
+            comm::Communicator* tie = nullptr;
+            if (stages_ > 1 && (c == 0 || c == stages_ - 1)) tie = tie_[d * tp + t][c == 0 ? 0 : 1].get();
+            kernels::AdamWConfig adamw;
+            adamw.lr = 1e-2f;
+            adamw.weight_decay = 0.1f;
+            auto chunk = GptStageModel::Create(*config, kBatch, timed_tp_[rank].get(), tie, adamw);
+            EXPECT_TRUE(chunk.ok()) << chunk.status();
+            if (!chunk.ok()) return;
+            mine[c] = chunk->get();
+            chunks_[rank].push_back(std::move(*chunk));
+          }
+          ExecutorOptions options;
+          options.num_stages = stages_;
+          options.microbatches = kMicrobatches;
+          options.dp_rank = d;
+          options.dp_size = dp;
+          options.tokens_per_microbatch = kBatch * Model().seq_len;
+          options.op_timeout = op_timeout;
+          options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+          executors_.push_back(std::make_unique<StepExecutor>(
+              programs[p], options, mine, FillBatch, pp > 1 ? pipeline_[d * tp + t][p].get() : nullptr,
+              timed_tp_[rank].get(), dp > 1 ? dp_groups_[p * tp + t][d].get() : nullptr));
+        }
+      }
+    }
+    ok_ = true;
+  }
+
+  bool ok() const { return ok_; }
+  int ranks() const { return pp_ * tp_ * dp_; }
+  int Rank(int d, int t, int p) const { return (d * tp_ + t) * pp_ + p; }
+  StepExecutor& executor(int rank) { return *executors_[rank]; }
+
+  // RunStep on the ranks `run` (all by default) at once, one thread each.
+  std::vector<absl::StatusOr<v1::StepReport>> RunSteps(int64_t step, std::vector<int> run = {}) {
+    if (run.empty()) {
+      for (int r = 0; r < ranks(); ++r) run.push_back(r);
+    }
+    std::vector<absl::StatusOr<v1::StepReport>> reports(ranks(), absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r : run) threads.emplace_back([&, r] { reports[r] = executors_[r]->RunStep(step, false); });
+    for (auto& t : threads) t.join();
+    return reports;
+  }
+
+  // Every rank's loss (0 without one) and norm share, the step's host
+  // synchronisations, and every rank's StepDone.
+  struct Step {
+    std::vector<double> loss, sq_norm;
+    int64_t host_syncs = 0;
+    std::vector<v1::StepDone> done;
+  };
+  Step RunStep(int64_t step) {
+    Step result;
+    const int64_t syncs_before = kernels::HostSyncCount();
+    const std::vector<absl::StatusOr<v1::StepReport>> reports = RunSteps(step);
+    for (int r = 0; r < ranks(); ++r) {
+      EXPECT_TRUE(reports[r].ok()) << "rank " << r << ": " << reports[r].status();
+      if (!reports[r].ok()) return result;
+      result.loss.push_back(reports[r]->has_loss() ? reports[r]->loss() : 0.0);
+      result.sq_norm.push_back(reports[r]->grad_sq_norm());
+    }
+    std::vector<std::thread> threads;
+    std::vector<absl::StatusOr<v1::StepDone>> done(ranks(), absl::UnknownError("not run"));
+    for (int r = 0; r < ranks(); ++r) threads.emplace_back([&, r] { done[r] = executors_[r]->Commit(step, 0.5f); });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ranks(); ++r) {
+      EXPECT_TRUE(done[r].ok()) << "rank " << r << ": " << done[r].status();
+      if (done[r].ok()) result.done.push_back(*done[r]);
+    }
+    result.host_syncs = kernels::HostSyncCount() - syncs_before;
+    return result;
+  }
+
+  // Every rank's parameters ("rank/chunk/name"), through the final weights' path.
+  std::map<std::string, std::vector<float>> Weights() {
+    std::map<std::string, std::vector<float>> weights;
+    for (int r = 0; r < ranks(); ++r) {
+      for (size_t i = 0; i < chunks_[r].size(); ++i) {
+        GptStageModel* chunk = chunks_[r][i].get();
+        std::vector<float> storage;
+        absl::StatusOr<std::vector<NamedShard>> shards = chunk->HostShards(&storage);
+        EXPECT_TRUE(shards.ok()) << shards.status();
+        if (!shards.ok()) return weights;
+        for (const NamedShard& s : *shards) {
+          const float* p = s.value.f32();
+          weights[absl::StrCat(r, "/", i, "/", s.name)] =
+              std::vector<float>(p, p + s.value.numel());
+        }
+      }
+    }
+    return weights;
+  }
+
+ private:
+  const int pp_, tp_, dp_, stages_;
+  bool ok_ = false;
+  using Group = std::vector<std::unique_ptr<comm::InProcCommunicator>>;
+  std::vector<Group> pipeline_, tie_, tp_groups_, dp_groups_;
+  std::vector<std::unique_ptr<comm::TimedCommunicator>> timed_tp_;
+  std::vector<std::vector<std::unique_ptr<GptStageModel>>> chunks_;  // per rank
+  std::vector<std::unique_ptr<StepExecutor>> executors_;
+};
+
+struct GridCase {
+  std::string kind;
+  int pp, v, tp, dp;
+  bool vocab_parallel = false;
+};
+
+std::string GridCaseName(const ::testing::TestParamInfo<GridCase>& info) {
+  const GridCase& c = info.param;
+  return absl::StrCat(c.kind == "zb-h1" ? std::string("zbh1") : c.kind, "_pp", c.pp, "_v", c.v, "_tp", c.tp, "_dp",
+                      c.dp, c.vocab_parallel ? "_vocab" : "");
+}
+
+class SimExecutorParallelTest : public ::testing::TestWithParam<GridCase> {};
+
+// The CPU's bits (every rank's loss and norm share per step, every parameter
+// after three committed steps), and at most two host waits per rank per step
+// after the first: no TP collective or DP all-reduce waits on the host.
+TEST_P(SimExecutorParallelTest, SameBitsAsTheCpuAndAtMostTwoHostSyncsPerRank) {
+  const GridCase c = GetParam();
+  Grid cpu(c.kind, c.pp, c.v, c.tp, c.dp, kernels::Device::Cpu(), absl::Seconds(60), c.vocab_parallel);
+  Grid sim(c.kind, c.pp, c.v, c.tp, c.dp, kernels::Device::Sim(0), absl::Seconds(60), c.vocab_parallel);
+  ASSERT_TRUE(cpu.ok());
+  ASSERT_TRUE(sim.ok());
+  for (int step = 1; step <= kSteps; ++step) {
+    const Grid::Step want = cpu.RunStep(step);
+    const Grid::Step got = sim.RunStep(step);
+    ASSERT_EQ(want.loss.size(), static_cast<size_t>(cpu.ranks())) << "step " << step;
+    ASSERT_EQ(got.loss.size(), static_cast<size_t>(sim.ranks())) << "step " << step;
+    EXPECT_EQ(got.loss, want.loss) << "step " << step;
+    EXPECT_EQ(got.sq_norm, want.sq_norm) << "step " << step;
+    EXPECT_GT(*std::max_element(want.loss.begin(), want.loss.end()), 0.0);
+    ::testing::Test::RecordProperty(absl::StrCat("host_syncs_step_", step), static_cast<int>(got.host_syncs));
+    // The first step allocates (ZerosOn waits for each new buffer's zeroing).
+    if (step > 1) {
+      EXPECT_LE(got.host_syncs, 2 * sim.ranks()) << "step " << step << ", " << sim.ranks() << " ranks";
+    }
+    if (c.tp > 1 && step > 1) {
+      for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_tp_seconds(), 0.0) << "step " << step;
+    }
+    if (c.dp > 1) {
+      for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_dp_seconds(), 0.0) << "step " << step;
+    }
+  }
+  const auto want = cpu.Weights(), got = sim.Weights();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, values] : want) EXPECT_EQ(got.at(name), values) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, SimExecutorParallelTest,
+                         ::testing::Values(GridCase{"1f1b", 1, 1, 2, 1}, GridCase{"1f1b", 1, 1, 2, 1, true},
+                                           GridCase{"1f1b", 1, 1, 1, 2}, GridCase{"1f1b", 2, 1, 2, 1},
+                                           GridCase{"1f1b", 2, 1, 1, 2}, GridCase{"interleaved", 2, 2, 2, 1},
+                                           GridCase{"interleaved", 2, 2, 1, 2}, GridCase{"1f1b", 2, 1, 2, 2}),
+                         GridCaseName);
+
+// A TP peer that never joins: only TP rank 0 of a tp=2 one-stage job runs
+// its step. Its first collective (the attention output of block 0) times out
+// on the chunk's stream, later ones post nothing, and the step fails at its
+// host wait with DEADLINE_EXCEEDED naming that collective, within about one
+// op timeout, without a hang; the executor stays usable (Discard).
+TEST(SimExecutorStreamComm, TpPeerThatNeverJoinsFailsTheStepWithADeadline) {
+  Grid g("1f1b", 1, 1, 2, 1, kernels::Device::Sim(0), absl::Milliseconds(300));
+  ASSERT_TRUE(g.ok());
+  const absl::Time start = absl::Now();
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = g.RunSteps(1, {g.Rank(0, 0, 0)});
+  ::testing::Test::RecordProperty("failed_after_ms", static_cast<int>(absl::ToInt64Milliseconds(absl::Now() - start)));
+  const absl::StatusOr<v1::StepReport>& r = reports[g.Rank(0, 0, 0)];
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find("tensor-parallel all-reduce of the attention output in block 0"),
+            std::string::npos)
+      << r.status();
+  g.executor(g.Rank(0, 0, 0)).Discard(1);
+}
+
+// The same on the CPU (inline collectives): the step fails where the
+// collective is, from the action that runs it.
+TEST(CpuExecutorStreamComm, TpPeerThatNeverJoinsFailsTheStepAtTheCollective) {
+  Grid g("1f1b", 1, 1, 2, 1, kernels::Device::Cpu(), absl::Milliseconds(300));
+  ASSERT_TRUE(g.ok());
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = g.RunSteps(1, {g.Rank(0, 0, 0)});
+  const absl::StatusOr<v1::StepReport>& r = reports[g.Rank(0, 0, 0)];
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find("F(stage 0, mb 0)"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("tensor-parallel all-reduce of the attention output in block 0"),
+            std::string::npos)
+      << r.status();
+  g.executor(g.Rank(0, 0, 0)).Discard(1);
+}
+
+// A DP replica that never reduces: replica 0's gradient all-reduce (on the
+// data-parallel stream) times out, and its step fails with
+// DEADLINE_EXCEEDED naming it, within about one op timeout.
+TEST(SimExecutorStreamComm, DpReplicaThatNeverReducesFailsTheStepWithADeadline) {
+  Grid g("1f1b", 1, 1, 1, 2, kernels::Device::Sim(0), absl::Milliseconds(300));
+  ASSERT_TRUE(g.ok());
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = g.RunSteps(1, {g.Rank(0, 0, 0)});
+  const absl::StatusOr<v1::StepReport>& r = reports[g.Rank(0, 0, 0)];
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_NE(r.status().message().find("data-parallel gradient all-reduce of stage 0"), std::string::npos)
+      << r.status();
+  g.executor(g.Rank(0, 0, 0)).Discard(1);
+}
+
+
+// A middle chunk's DP all-reduce starts right after its last backward, before
+// REDUCE_GRADS reduces the chunks of the tied embedding: at interleaved pp=2
+// v=2 rank 0 holds chunks 0 and 2, and with no other replica its first
+// failing all-reduce is chunk 2's (REDUCE_GRADS alone would post chunk 0's
+// first).
+TEST(SimExecutorStreamComm, MiddleChunkStartsItsDpReductionAfterItsLastBackward) {
+  Grid g("interleaved", 2, 2, 1, 2, kernels::Device::Sim(0), absl::Milliseconds(300));
+  ASSERT_TRUE(g.ok());
+  const std::vector<absl::StatusOr<v1::StepReport>> reports = g.RunSteps(1, {g.Rank(0, 0, 0), g.Rank(0, 0, 1)});
+  for (int p = 0; p < 2; ++p) {
+    const absl::StatusOr<v1::StepReport>& r = reports[g.Rank(0, 0, p)];
+    ASSERT_FALSE(r.ok()) << "pipeline rank " << p;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    EXPECT_NE(r.status().message().find(absl::StrCat("data-parallel gradient all-reduce of stage ", p == 0 ? 2 : 1)),
+              std::string::npos)
+        << r.status();
+    g.executor(g.Rank(0, 0, p)).Discard(1);
+  }
 }
 
 }  // namespace

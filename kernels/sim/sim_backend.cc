@@ -151,16 +151,18 @@ absl::StatusOr<void*> Allocate(int, size_t bytes) {
 }
 
 void Free(int device, void* p) {
-  // Memory may still be in use by queued work: let every stream of the
-  // device finish first (CUDA frees stream-ordered; this is the simple form).
-  if (!on_stream_thread) {
-    Streams& s = LiveStreams();
-    absl::MutexLock lock(&s.mu);
-    for (SimStream* st : s.live) {
-      if (st->device() == device) st->Drain();
-    }
+  // Memory may still be in use by queued work: it goes back once every
+  // stream of the device has passed the work enqueued on it so far
+  // (stream-ordered, as cudaFreeAsync). The host does not wait: a stream may
+  // be blocked in a collective (a host function) until a peer thread, which
+  // may be the one freeing, enqueues its side.
+  std::shared_ptr<void> memory(p, std::free);
+  if (on_stream_thread) return;
+  Streams& s = LiveStreams();
+  absl::MutexLock lock(&s.mu);
+  for (SimStream* st : s.live) {
+    if (st->device() == device) st->Enqueue([memory] {});
   }
-  std::free(p);
 }
 
 absl::StatusOr<void*> CreateStream(int index) {

@@ -7,7 +7,7 @@
 // Each stream is a thread running its queue in order, asynchronously to the
 // host. By default streams are lazy: an op runs only once something waits for
 // it (Stream::Synchronize, Event::Synchronize, a StreamWait of another stream
-// that is itself waited for, freeing memory), so a host read or another
+// that is itself waited for), so a host read or another
 // stream's op that skipped its wait deterministically sees stale data, and
 // the test comparing against the CPU's bits fails. A host function
 // (Stream::LaunchHostFunc) is the exception: it is released as soon as it is
@@ -16,7 +16,9 @@
 // in a stream's queue, StreamWait makes another stream's later work wait for
 // it, Synchronize blocks the host. Kernels are the CPU backend's, run on the
 // stream thread over host views of the same memory, so results are the CPU's
-// bits. Freeing memory waits for every stream of the device to drain.
+// bits. Freeing memory is stream-ordered: it is released once every stream
+// of the device has passed the work enqueued before the free (the host does
+// not wait).
 #ifndef BATON_KERNELS_SIM_SIM_BACKEND_H_
 #define BATON_KERNELS_SIM_SIM_BACKEND_H_
 

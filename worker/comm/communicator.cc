@@ -40,4 +40,14 @@ std::shared_ptr<Work> Communicator::GroupOnStream(const std::vector<P2POp>&, voi
       absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
 }
 
+std::shared_ptr<Work> Communicator::AllReduceSumOnStream(Buffer, void*) {
+  return CompletedWork(absl::UnimplementedError(
+      absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
+}
+
+std::shared_ptr<Work> Communicator::AllGatherOnStream(Buffer, Buffer, void*) {
+  return CompletedWork(absl::UnimplementedError(
+      absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
+}
+
 }  // namespace baton::comm

@@ -100,6 +100,11 @@ class Communicator {
   // stream. Others: a Work failed with UNIMPLEMENTED.
   virtual bool RunsOnStreams() const { return false; }
   virtual std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream);
+  // Stream-ordered collectives (comm/stream_collectives.h), same contract as
+  // GroupOnStream: AllReduceSum / AllGather enqueued on the caller's CUDA
+  // stream. Others: a Work failed with UNIMPLEMENTED.
+  virtual std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream);
+  virtual std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream);
 };
 
 }  // namespace baton::comm

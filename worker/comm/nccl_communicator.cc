@@ -482,4 +482,39 @@ void NcclCommunicator::WatchdogLoop() {
   }
 }
 
+// Stream-ordered collectives (added for comm/stream_collectives.h): the
+// plain ops' checks, the NCCL op on the caller's stream, watched like any op.
+std::shared_ptr<Work> NcclCommunicator::AllReduceSumOnStream(Buffer buf, void* stream) {
+  std::string what = absl::StrCat("AllReduceSum(", buf.count, " elements) on the caller's stream");
+  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                         : CheckDevice(buf, what);
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  cudaStream_t on = static_cast<cudaStream_t>(stream);
+  return Issue(
+      std::move(what), -1,
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return ncclAllReduce(buf.data, buf.data, buf.count, NcclType(buf.dtype), ncclSum, comm_, on);
+      },
+      on);
+}
+
+std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out, void* stream) {
+  std::string what = absl::StrCat("AllGather(", in.count, " elements per rank) on the caller's stream");
+  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                         : CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  if (valid.ok() && (out.count != in.count * options_.size || out.dtype != in.dtype)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  cudaStream_t on = static_cast<cudaStream_t>(stream);
+  return Issue(
+      std::move(what), -1,
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return ncclAllGather(in.data, out.data, in.count, NcclType(in.dtype), comm_, on);
+      },
+      on);
+}
+
 }  // namespace baton::comm

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "worker/comm/communicator.h"
 
@@ -33,6 +34,18 @@ class TimedCommunicator : public Communicator {
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner_->Broadcast(buf, root)); }
   std::shared_ptr<Work> Barrier() override { return Wrap(inner_->Barrier()); }
   void Abort(absl::string_view reason) override { inner_->Abort(reason); }
+  // Stream-ordered ops pass through untimed: nothing waits for them on the
+  // host (their time is the stream's).
+  bool RunsOnStreams() const override { return inner_->RunsOnStreams(); }
+  std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override {
+    return inner_->GroupOnStream(ops, stream);
+  }
+  std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream) override {
+    return inner_->AllReduceSumOnStream(buf, stream);
+  }
+  std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream) override {
+    return inner_->AllGatherOnStream(in, out, stream);
+  }
 
  private:
   std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work);

@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   }
   auto stage =
       std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
+  if (tp_group != nullptr) stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
   stage->params_.Initialize(config.seed);
   const std::string where = absl::StrCat("placing stage ", config.pp_rank, " (tp rank ",
                                          config.tp_rank, ") on ",
@@ -207,22 +208,32 @@ void GptStage::BindParameters() {
 
 absl::Status GptStage::AllReduceTp(const Tensor& t, const char* what, int block) {
   if (config_.tp_size == 1) return absl::OkStatus();
-  // The communicator works on memory the stream has finished writing (a
-  // no-op on the CPU). A collective enqueued on the compute stream (NCCL)
-  // would make this wait unnecessary.
-  absl::Status status = stream_->Synchronize();
-  if (status.ok()) status = tp_->AllReduceSum(CommBuffer(t))->Wait(config_.comm_timeout);
-  if (status.ok()) return status;
-  return WithContext(status, absl::StrCat("tensor-parallel all-reduce of ", what,
-                                          block >= 0 ? absl::StrCat(" in block ", block) : ""));
+  return AllReduceOnStream(*tp_collectives_, t,
+                           absl::StrCat("tensor-parallel all-reduce of ", what,
+                                        block >= 0 ? absl::StrCat(" in block ", block) : ""));
 }
 
 absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const char* what) {
-  absl::Status status = stream_->Synchronize();
-  if (status.ok()) {
-    status = tp_->AllGather(CommBuffer(in), CommBuffer(out))->Wait(config_.comm_timeout);
+  const std::string name = absl::StrCat("tensor-parallel all-gather of ", what);
+  const comm::Buffer from = CommBuffer(in), to = CommBuffer(out);
+  if (tp_collectives_->CanEnqueue(from) && tp_collectives_->CanEnqueue(to)) {
+    return tp_collectives_->AllGather(from, to, name, *stream_, config_.comm_timeout, comm_status_);
   }
-  return WithContext(status, absl::StrCat("tensor-parallel all-gather of ", what));
+  // CUDA memory over a host communicator: it reads memory the stream has
+  // finished writing.
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) status = tp_->AllGather(from, to)->Wait(config_.comm_timeout);
+  return WithContext(status, name);
+}
+
+absl::Status GptStage::AllReduceOnStream(comm::StreamCollectives& coll, const Tensor& t, const std::string& name) {
+  const comm::Buffer buf = CommBuffer(t);
+  if (coll.CanEnqueue(buf)) return coll.AllReduceSum(buf, name, *stream_, config_.comm_timeout, comm_status_);
+  // CUDA memory over a host communicator: it reads memory the stream has
+  // finished writing.
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) status = coll.communicator().AllReduceSum(buf)->Wait(config_.comm_timeout);
+  return WithContext(status, name);
 }
 
 const Tensor& GptStage::W(const Parameter* p) const { return bf16_ ? p->value_bf16 : p->value; }
@@ -653,6 +664,7 @@ StepScore GptStage::score() const {
 }
 
 void GptStage::ZeroGrad() {
+  comm_status_->Reset();
   scratch_->Reset();
   kernels::FillZero(ctx_, params_.grads());
   kernels::FillZero(ctx_, loss_acc_);
@@ -689,20 +701,24 @@ void GptStage::EnqueueStepResults() {
   }
 }
 
-void GptStage::TakeStepResults(StepScore* score, double* grad_sq_norm) const {
+absl::Status GptStage::TakeStepResults(StepScore* score, double* grad_sq_norm) {
   *score = score_;
   if (config_.is_last()) {
     score->loss_sum = host_results_->loss_sum;
     score->correct = host_results_->hits;
   }
   *grad_sq_norm = host_results_->sq;
+  absl::Status collectives = comm_status_->status();
+  comm_status_->Reset();  // the stream is idle now
+  return collectives;
 }
 
 absl::Status GptStage::ReadStepResults(StepScore* score, double* grad_sq_norm) {
   EnqueueStepResults();
-  BATON_RETURN_IF_ERROR_CTX(stream_->Synchronize(), "reading the step's loss and gradient norm");
-  TakeStepResults(score, grad_sq_norm);
-  return absl::OkStatus();
+  absl::Status waited = stream_->Synchronize();
+  absl::Status collectives = TakeStepResults(score, grad_sq_norm);
+  BATON_RETURN_IF_ERROR_CTX(waited, "reading the step's loss and gradient norm");
+  return collectives;
 }
 
 absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
@@ -715,11 +731,8 @@ absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
     return absl::InvalidArgumentError(
         "SyncTiedEmbeddingGrad: want a two-rank group, first stage rank 0, last stage rank 1");
   }
-  absl::Status status = stream_->Synchronize();
-  if (status.ok()) {
-    status = group.AllReduceSum(CommBuffer(wte_->grad))->Wait(config_.comm_timeout);
-  }
-  return WithContext(status, "all-reduce of the tied embedding gradient");
+  return AllReduceOnStream(*comm::StreamCollectives::For(group), wte_->grad,
+                           "all-reduce of the tied embedding gradient");
 }
 
 absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float grad_scale) {

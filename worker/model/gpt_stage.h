@@ -39,6 +39,16 @@
 //
 // Device: every op runs through kernels/ops.h on the stage's ExecContext
 // (StageConfig::device, one stream); the stage never branches on the device.
+// The TP collectives and the tied-embedding sum run on that stream too
+// (comm/stream_collectives.h: a host function over Gloo or the in-process
+// communicator, the NCCL op over NCCL), so forward and backward never wait on
+// the host; only CUDA memory over a host communicator (Gloo staging) still
+// synchronises the stream and waits for the op. A collective's failure
+// (DEADLINE_EXCEEDED after StageConfig::comm_timeout, ABORTED), named after
+// what it carries ("tensor-parallel all-reduce of the attention output in
+// block 3"), is returned by the call when it is already known (the CPU runs
+// the op inline), else by the next ReadStepResults / TakeStepResults; after
+// it the stage posts no further collective until ZeroGrad.
 // Inputs tokens and targets are host int32 tensors; activations, outputs and
 // gradients passed in and out live on the device. Outputs are complete once
 // stream() has passed them (the caller synchronises or waits on an event).
@@ -76,6 +86,7 @@
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/stream_collectives.h"
 #include "worker/model/gpt_config.h"
 #include "worker/model/parameters.h"
 #include "worker/model/step_score.h"
@@ -126,6 +137,9 @@ class GptStage {
   // host synchronisation; the loss and hits accumulate on the device).
   StepScore score() const;
 
+  // Starts a step: zeroes the gradients and accumulators and forgets a
+  // collective failure not yet read (the caller waited for the stream's
+  // earlier work, as the executor does after a failed step).
   void ZeroGrad();
   // Releases every microbatch still in flight (after a failed or discarded
   // step), so the next step starts clean.
@@ -136,7 +150,8 @@ class GptStage {
   // score() and LocalGradSqNorm() together with ONE host synchronisation:
   // the norm is computed on the stream, the loss, hits and norm are copied to
   // the host, then the stream is waited for once. On return the stream has
-  // finished every op enqueued before the call. The stream's error, if any.
+  // finished every op enqueued before the call. The stream's error, if any,
+  // else the first failed collective's since the last read (reported once).
   absl::Status ReadStepResults(StepScore* score, double* grad_sq_norm);
   // ReadStepResults in two halves, for a caller that waits for several
   // streams at once: EnqueueStepResults computes the norm and copies loss,
@@ -145,7 +160,8 @@ class GptStage {
   // host waited for work that covers the stream's (a synchronisation of this
   // stream, or of one that waited on an event recorded after the copies).
   void EnqueueStepResults();
-  void TakeStepResults(StepScore* score, double* grad_sq_norm) const;
+  // The first failed collective's error since the last read (once), if any.
+  absl::Status TakeStepResults(StepScore* score, double* grad_sq_norm);
   // Sums the two copies of the tied embedding gradient over `group`, a
   // two-rank group of this TP rank's first (rank 0) and last (rank 1) stage.
   // Only for PP > 1, on the first and last stage.
@@ -190,9 +206,13 @@ class GptStage {
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
   void BlockBackwardWeight(const Block& block, const BlockActivations& a);
-  // `block` names the block in errors; -1 for none.
+  // On the stream (see Device above). `block` names the block in errors; -1
+  // for none.
   absl::Status AllReduceTp(const kernels::Tensor& t, const char* what, int block);
   absl::Status AllGatherTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what);
+  // A sum of `t` over `coll`'s group on the stream, or, where it cannot run
+  // from the stream, after a stream synchronisation on the host.
+  absl::Status AllReduceOnStream(comm::StreamCollectives& coll, const kernels::Tensor& t, const std::string& name);
   absl::StatusOr<Microbatch*> Find(int mb, const char* op);
   // The tensor a GEMM reads for `p`: its bf16 copy for a bf16 stage, else
   // its value.
@@ -202,6 +222,9 @@ class GptStage {
 
   StageConfig config_;
   comm::Communicator* tp_;
+  std::shared_ptr<comm::StreamCollectives> tp_collectives_;  // of tp_; shared with the rank's other chunks
+  // The first failure of a collective run on the stream.
+  const std::shared_ptr<comm::StreamCommStatus> comm_status_ = std::make_shared<comm::StreamCommStatus>();
   ParameterStore params_;
   const bool vocab_parallel_;  // config.vocab_parallel with tp > 1
   const int64_t vocab_begin_;  // first vocabulary row of this rank's wte
