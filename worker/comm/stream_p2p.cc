@@ -13,6 +13,11 @@ void StreamCommStatus::Fail(absl::Status status) {
   if (status_.ok()) status_ = std::move(status);
 }
 
+bool StreamCommStatus::failed() const {
+  absl::MutexLock lock(&mu_);
+  return !status_.ok();
+}
+
 absl::Status StreamCommStatus::status() const {
   absl::MutexLock lock(&mu_);
   for (const std::shared_ptr<Work>& work : tracked_) {

@@ -46,7 +46,10 @@ class StreamCommStatus {
   // Keeps `status` unless an error is already kept (or it is OK).
   void Fail(absl::Status status);
   absl::Status status() const;
-  bool failed() const { return !status().ok(); }
+  // Whether an error is kept already: a failed host batch or a group refused
+  // at once. It does not look at tracked groups (they may still be in
+  // flight), so it may be called at any time.
+  bool failed() const;
   // Keeps a stream-ordered group's Work (NCCL); status() includes its
   // outcome, so read status() only after a host wait that covers the stream.
   void Track(std::shared_ptr<Work> work);

@@ -135,9 +135,26 @@ class FakeStreamCommunicator : public Communicator {
   std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override {
     groups.push_back(ops);
     streams.push_back(stream);
-    return CompletedWork(absl::OkStatus());
+    if (!in_flight) return CompletedWork(absl::OkStatus());
+    auto work = std::make_shared<InFlightWork>();
+    works.push_back(work);
+    return work;
   }
 
+  // A group the device has not finished yet (as an NCCL group behind a long
+  // kernel): waiting for it without a timeout long enough times out.
+  class InFlightWork : public Work {
+   public:
+    absl::Status Wait(absl::Duration) override {
+      if (done) return absl::OkStatus();
+      return absl::DeadlineExceededError("the group is still running");
+    }
+    bool IsCompleted() override { return done; }
+    bool done = false;
+  };
+
+  bool in_flight = false;  // groups stay in flight until their `done` is set
+  std::vector<std::shared_ptr<InFlightWork>> works;
   std::vector<std::vector<P2POp>> groups;
   std::vector<void*> streams;
   int refused = 0;
@@ -171,6 +188,26 @@ TEST(StreamP2PTest, OverAStreamCommunicatorTheBatchIsOneGroupOnTheStream) {
   EXPECT_TRUE(status->status().ok()) << status->status();
   // Host memory cannot go into such a group.
   EXPECT_FALSE(CanEnqueueP2P(comm, Buffer{&stamp, 1, DType::kInt64, -1}));
+}
+
+TEST(StreamP2PTest, AGroupStillInFlightDoesNotStopTheNextBatch) {
+  FakeStreamCommunicator comm;
+  comm.in_flight = true;
+  auto s0 = NewStream();
+  float payload = 0;
+  auto status = std::make_shared<StreamCommStatus>();
+  for (uint64_t tag : {7, 8}) {
+    ASSERT_TRUE(EnqueueP2P(comm, {P2POp{true, Buffer{&payload, 1, DType::kFloat32, 0}, 1, tag, "SEND_F"}}, *s0,
+                           absl::Seconds(1), status)
+                    .ok());
+  }
+  // The first group was running when the second was enqueued: the second is
+  // posted all the same, and nothing failed.
+  EXPECT_EQ(comm.groups.size(), 2u);
+  EXPECT_FALSE(status->failed());
+  for (auto& work : comm.works) work->done = true;
+  ASSERT_TRUE(s0->Synchronize().ok());
+  EXPECT_TRUE(status->status().ok()) << status->status();
 }
 
 }  // namespace
