@@ -508,6 +508,7 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
                                                NCCL_MINOR, " has no ncclCommSplit (2.18+)"));
 #else
   BATON_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> parent, Create(store, parent_options));
+  NcclCommunicator* const p = parent.get();
   std::vector<std::unique_ptr<NcclCommunicator>> children;
   for (size_t i = 0; i < splits.size(); ++i) {
     const Split& split = splits[i];
@@ -526,9 +527,9 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
     ncclResult_t r;
     absl::Status failure;
     {
-      absl::MutexLock lock(&parent->mu_);
+      absl::MutexLock lock(&p->mu_);
       cudaSetDevice(parent_options.device);
-      r = parent->AwaitReady(ncclCommSplit(parent->comm_, split.color, split.key, &child, &config),
+      r = p->AwaitReady(ncclCommSplit(p->comm_, split.color, split.key, &child, &config),
                              deadline);
       if (r == ncclSuccess && child != nullptr) {
         // The child's own state (ready once the parent's split is).
@@ -546,7 +547,7 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
             "; every rank of the job must make the same splits in the same order: check that "
             "all the job's workers run this generation, and NCCL_DEBUG=WARN output"));
       } else if (r != ncclSuccess) {
-        failure = NcclError(r, child != nullptr ? child : parent->comm_, what);
+        failure = NcclError(r, child != nullptr ? child : p->comm_, what);
       } else if (split.color == NCCL_SPLIT_NOCOLOR) {
         if (child != nullptr) failure = absl::InternalError(absl::StrCat(what, ": NCCL made a child"));
       } else if (child == nullptr) {
@@ -564,10 +565,10 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
       if (!failure.ok()) {
         // Ends NCCL's init thread (it honours the abort flag) and frees the
         // parent; no op ever ran on it, so this waits for no stream.
-        parent->abort_requested_.store(true);
-        parent->aborted_ = true;
-        parent->abort_status_ = absl::AbortedError(failure.message());
-        ncclCommAbort(parent->comm_);
+        p->abort_requested_.store(true);
+        p->aborted_ = true;
+        p->abort_status_ = absl::AbortedError(failure.message());
+        ncclCommAbort(p->comm_);
       }
     }
     if (!failure.ok()) {
