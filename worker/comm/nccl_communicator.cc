@@ -491,13 +491,50 @@ void NcclCommunicator::WatchdogLoop() {
 
 // --- Parent + split per job generation; abort off the caller's thread ---
 
+namespace {
+
+// The release threads still running. At exit the process waits for them (at
+// most kReleaseWaitAtExit) before CUDA and NCCL tear down their state under
+// them; the count itself is never freed, so a thread still stuck behind a
+// kernel after that may still touch it.
+struct ReleaseThreads {
+  absl::Mutex mu;
+  int running ABSL_GUARDED_BY(mu) = 0;
+};
+constexpr absl::Duration kReleaseWaitAtExit = absl::Seconds(30);
+
+ReleaseThreads& Releases() {
+  static ReleaseThreads* const threads = new ReleaseThreads;
+  // Constructed after the first release thread's CUDA calls began, so
+  // destroyed before CUDA's own state at exit.
+  static struct WaitAtExit {
+    ~WaitAtExit() {
+      absl::MutexLock lock(&threads->mu);
+      threads->mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](int* running) { return *running == 0; }, &threads->running),
+          kReleaseWaitAtExit);
+    }
+  } wait_at_exit;
+  return *threads;
+}
+
+}  // namespace
+
 void NcclCommunicator::ReleaseOffThread(ncclComm_t comm, cudaStream_t stream, void* word,
                                         int device) {
-  std::thread([comm, stream, word, device] {
+  ReleaseThreads& threads = Releases();
+  {
+    absl::MutexLock lock(&threads.mu);
+    ++threads.running;
+  }
+  std::thread([comm, stream, word, device, &threads] {
     cudaSetDevice(device);
     if (comm != nullptr) ncclCommAbort(comm);
     if (stream != nullptr) cudaStreamDestroy(stream);
     if (word != nullptr) cudaFree(word);
+    absl::MutexLock lock(&threads.mu);
+    --threads.running;
   }).detach();
 }
 
