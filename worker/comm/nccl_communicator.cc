@@ -566,8 +566,7 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
     {
       absl::MutexLock lock(&p->mu_);
       cudaSetDevice(parent_options.device);
-      r = p->AwaitReady(ncclCommSplit(p->comm_, split.color, split.key, &child, &config),
-                             deadline);
+      r = p->AwaitReady(ncclCommSplit(p->comm_, split.color, split.key, &child, &config), deadline);
       if (r == ncclSuccess && child != nullptr) {
         // The child's own state (ready once the parent's split is).
         ncclResult_t state = ncclInProgress;
