@@ -12,6 +12,8 @@
 
 #include <iostream>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -99,6 +101,74 @@ TEST(NcclWatchdogTest, OpBehindALongKernelFailsAndAbortAndDestroyDoNotWaitForThe
   EXPECT_EQ(*state, testing::kReleased);
   cudaEventDestroy(after_spin);
   cudaFree(data);
+  cudaFreeHost(flags);
+}
+
+// Runs only in the `multi_gpu` target (nccl_watchdog_two_gpu_test): the
+// all-reduce's NCCL kernel on rank 0 is queued behind the spin kernel, so
+// NCCL's own abort (which synchronises its internal stream, made to wait for
+// that kernel) would block; rank 1's all-reduce waits for rank 0. Both
+// watchdogs end their op, and rank 0's Abort and destroy return while the
+// kernel still spins.
+TEST(NcclWatchdogTest, TwoGpusCollectiveBehindALongKernelOnOneRank) {
+  int gpus = 0;
+  absl::Status s = cuda::CudaDeviceCount(&gpus);
+  ASSERT_TRUE(s.ok()) << "this test needs two GPUs: " << s;
+  ASSERT_GE(gpus, 2) << "this test needs two GPUs (bazel test --test_tag_filters=multi_gpu on such a machine)";
+  InMemoryStore store;
+  int* flags = nullptr;  // [0] release, [1] state; mapped host memory
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&flags), 2 * sizeof(int),
+                          cudaHostAllocMapped | cudaHostAllocPortable),
+            cudaSuccess);
+  volatile int* release = flags;
+  volatile int* state = flags + 1;
+  *release = 0;
+  *state = 0;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      NcclOptions options;
+      options.rank = r;
+      options.size = 2;
+      options.device = r;
+      options.label = "watchdog2 gen 1";
+      options.op_timeout = absl::Milliseconds(500);
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> created = NcclCommunicator::Create(store, options);
+      ASSERT_TRUE(created.ok()) << created.status();
+      std::unique_ptr<NcclCommunicator> comm = std::move(*created);
+      float* data = nullptr;
+      ASSERT_EQ(cudaMalloc(&data, 1 << 20), cudaSuccess);
+      cudaEvent_t after_spin = nullptr;
+      if (r == 0) {
+        int* dev_flags = nullptr;
+        ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_flags), flags, 0), cudaSuccess);
+        cudaStream_t stream = NcclCommunicatorTestPeer::Stream(*comm);
+        ASSERT_EQ(cudaEventCreateWithFlags(&after_spin, cudaEventDisableTiming), cudaSuccess);
+        ASSERT_EQ(testing::LaunchSpinUntilReleased(dev_flags, dev_flags + 1, kSpinLimitNs, stream),
+                  cudaSuccess);
+        ASSERT_EQ(cudaEventRecord(after_spin, stream), cudaSuccess);
+        for (int i = 0; i < 60000 && *state == 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+        ASSERT_EQ(*state, testing::kSpinning);
+      }
+      absl::Status waited =
+          comm->AllReduceSum(Buffer{data, (1 << 20) / 4, DType::kFloat32, r})->Wait(absl::Seconds(100));
+      EXPECT_TRUE(absl::IsDeadlineExceeded(waited) || absl::IsAborted(waited)) << "rank " << r << ": " << waited;
+      EXPECT_NE(waited.message().find("AllReduceSum"), absl::string_view::npos) << waited;
+      comm->Abort("test");
+      comm.reset();
+      if (r == 0) {
+        EXPECT_EQ(*state, testing::kSpinning) << "Wait, Abort or the destructor waited for the kernel";
+        *release = 1;
+        EXPECT_EQ(cudaEventSynchronize(after_spin), cudaSuccess);
+        EXPECT_EQ(*state, testing::kReleased);
+        cudaEventDestroy(after_spin);
+      }
+      cudaFree(data);
+    });
+  }
+  for (auto& t : ranks) t.join();
   cudaFreeHost(flags);
 }
 
