@@ -600,37 +600,44 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
                  {"worker", options_.name}};
 
   // Rendezvous: every worker creates its groups in the same order (tp,
-  // pipeline, dp, tie), so no two groups can wait on each other.
+  // pipeline, dp, tie; comm/job_groups.h), so no two groups can wait on each
+  // other; over NCCL as splits of one parent communicator of the job.
   job->store = std::make_unique<comm::CoordinatorStore>(stub_, plan.job(), plan.generation());
-  auto make = [&](const std::string& group, int rank, int size) -> absl::StatusOr<std::unique_ptr<comm::Communicator>> {
-    comm::CommunicatorSpec spec;
-    spec.group = group;
-    spec.generation = plan.generation();
-    spec.rank = rank;
-    spec.size = size;
-    spec.hostname = options_.comm_host;
-    spec.rendezvous_timeout = options_.rendezvous_timeout;
-    spec.op_timeout = options_.op_timeout;
-    spec.device = device.type == kernels::DeviceType::kCuda ? device.index : -1;  // stage CUDA memory
-    auto c = comm::CreateCommunicator(*job->store, spec);
-    if (!c.ok()) return WithContext(c.status(), absl::StrCat("rendezvous of group ", group));
+  comm::JobCommSpec comm_spec;
+  comm_spec.generation = plan.generation();
+  comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic()};
+  comm_spec.rank = comm::RankCoords{p, t, d};
+  comm_spec.backend = options_.comm_backend;
+  comm_spec.rendezvous_timeout = options_.rendezvous_timeout;
+  comm_spec.op_timeout = options_.op_timeout;
+  comm_spec.hostname = options_.comm_host;
+  comm_spec.device = device.type == kernels::DeviceType::kCuda ? device.index : -1;  // stage CUDA memory
+  BATON_ASSIGN_OR_RETURN(const std::vector<comm::GroupRound> rounds,
+                         comm::PlanJobGroups(comm_spec.layout, comm_spec.rank));
+  BATON_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
+                         comm::CreateJobCommunicators(*job->store, comm_spec));
+  {
     absl::MutexLock lock(&mu_);
-    live_comms_.push_back(c->get());
-    return c;
-  };
-  if (tp > 1) {
-    BATON_ASSIGN_OR_RETURN(job->tp, make(absl::StrCat("tp-d", d, "-p", p), t, tp));
-    job->timed_tp = std::make_unique<comm::TimedCommunicator>(job->tp.get());
+    for (const auto& c : comms) {
+      if (c != nullptr) live_comms_.push_back(c.get());
+    }
   }
-  if (pp > 1) {
-    BATON_ASSIGN_OR_RETURN(job->pipeline, make(absl::StrCat("pp-d", d, "-t", t), p, pp));
-  }
-  if (dp > 1) {
-    BATON_ASSIGN_OR_RETURN(job->dp, make(absl::StrCat("dp-p", p, "-t", t), d, dp));
-  }
-  const bool holds_first = p == 0, holds_last = (stages - 1) % pp == p;
-  if (pp > 1 && !job->spec.model().has_synthetic() && (holds_first || holds_last)) {
-    BATON_ASSIGN_OR_RETURN(job->tie, make(absl::StrCat("tie-d", d, "-t", t), holds_first ? 0 : 1, 2));
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    switch (rounds[i].kind) {
+      case comm::GroupKind::kTp:
+        job->tp = std::move(comms[i]);
+        job->timed_tp = std::make_unique<comm::TimedCommunicator>(job->tp.get());
+        break;
+      case comm::GroupKind::kPipeline:
+        job->pipeline = std::move(comms[i]);
+        break;
+      case comm::GroupKind::kDp:
+        job->dp = std::move(comms[i]);
+        break;
+      case comm::GroupKind::kTie:
+        job->tie = std::move(comms[i]);  // null on the middle pipeline ranks
+        break;
+    }
   }
 
   // Model chunks this rank holds: stages p, p + pp, p + 2pp, ...

@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/job_groups.h"
 #include "worker/comm/store.h"
 
 namespace baton::comm {
@@ -37,6 +39,34 @@ struct CommunicatorSpec {
 // or device tensors in a build without CUDA.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateCommunicator(
     Store& store, const CommunicatorSpec& spec);
+
+// The communicators of one rank's groups in a job generation.
+struct JobCommSpec {
+  int64_t generation = 0;
+  JobLayout layout;
+  RankCoords rank;
+  Backend backend = Backend::kGloo;
+  absl::Duration rendezvous_timeout = absl::Seconds(60);
+  absl::Duration op_timeout = absl::Minutes(5);
+  std::string hostname = "127.0.0.1";
+  int device = -1;
+};
+
+// One communicator per round of PlanJobGroups(spec.layout, spec.rank), in
+// that order; nullptr for a round this rank is in no group of.
+//
+// NCCL (CUDA builds with NCCL 2.18+): every rank joins one parent
+// communicator over all the job's ranks (group "job": keys under
+// "comm/job/gen<generation>/"), then derives each group with ncclCommSplit
+// (NcclCommunicator::CreateSplit), one split per round on every rank. Where
+// splitting is not possible (an older NCCL) and for Gloo: one
+// CreateCommunicator per group, in the same order. Errors name the group
+// ("rendezvous of group tp-d0-p1: ...").
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateJobCommunicators(
+    Store& store, const JobCommSpec& spec);
+
+// Whether CreateJobCommunicators splits one parent for `backend` in this build.
+bool SplitsParentCommunicator(Backend backend);
 
 }  // namespace baton::comm
 

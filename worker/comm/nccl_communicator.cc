@@ -217,12 +217,18 @@ NcclCommunicator::~NcclCommunicator() {
     if (r == ncclSuccess) {
       ncclCommDestroy(comm_);
       aborted_ = true;  // the handle is gone
+    } else {
+      clean = false;
     }
   }
   Abort("communicator destroyed");
   absl::MutexLock lock(&mu_);
-  cudaStreamDestroy(stream_);
-  cudaFree(barrier_word_);
+  if (clean) {
+    cudaStreamDestroy(stream_);
+    cudaFree(barrier_word_);
+  } else {  // ops may still be queued behind other work on the device
+    ReleaseOffThread(nullptr, stream_, barrier_word_, options_.device);
+  }
 }
 
 ncclResult_t NcclCommunicator::AwaitReady(ncclResult_t result, absl::Time deadline) {
@@ -432,8 +438,9 @@ void NcclCommunicator::AbortWith(absl::Status status, const NcclWork* culprit,
     aborted_ = true;
     abort_status_ = status;
     pending.swap(pending_);
-    cudaSetDevice(options_.device);
-    ncclCommAbort(comm_);  // kills in-flight kernels; no buffer is touched after
+    // Kills in-flight kernels; ones still queued behind other work exit when
+    // they start. Off this thread: it would wait for that work.
+    ReleaseOffThread(comm_, nullptr, nullptr, options_.device);
   }
   for (const std::shared_ptr<NcclWork>& work : pending) {
     work->Complete(work.get() == culprit
@@ -515,6 +522,161 @@ std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out,
         return ncclAllGather(in.data, out.data, in.count, NcclType(in.dtype), comm_, on);
       },
       on);
+}
+
+// --- Parent + split per job generation; abort off the caller's thread ---
+
+namespace {
+
+// The release threads still running. At exit the process waits for them (at
+// most kReleaseWaitAtExit) before CUDA and NCCL tear down their state under
+// them; the count itself is never freed, so a thread still stuck behind a
+// kernel after that may still touch it.
+struct ReleaseThreads {
+  absl::Mutex mu;
+  int running ABSL_GUARDED_BY(mu) = 0;
+};
+constexpr absl::Duration kReleaseWaitAtExit = absl::Seconds(30);
+
+ReleaseThreads& Releases() {
+  static ReleaseThreads* const threads = new ReleaseThreads;
+  // Constructed after the first release thread's CUDA calls began, so
+  // destroyed before CUDA's own state at exit.
+  static struct WaitAtExit {
+    ~WaitAtExit() {
+      absl::MutexLock lock(&threads->mu);
+      threads->mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](int* running) { return *running == 0; }, &threads->running),
+          kReleaseWaitAtExit);
+    }
+  } wait_at_exit;
+  return *threads;
+}
+
+}  // namespace
+
+void NcclCommunicator::ReleaseOffThread(ncclComm_t comm, cudaStream_t stream, void* word,
+                                        int device) {
+  ReleaseThreads& threads = Releases();
+  {
+    absl::MutexLock lock(&threads.mu);
+    ++threads.running;
+  }
+  std::thread([comm, stream, word, device, &threads] {
+    cudaSetDevice(device);
+    if (comm != nullptr) ncclCommAbort(comm);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (word != nullptr) cudaFree(word);
+    absl::MutexLock lock(&threads.mu);
+    --threads.running;
+  }).detach();
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::CreateSplit(
+    Store& store, const NcclOptions& parent_options, const std::vector<Split>& splits) {
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+  return absl::UnimplementedError(absl::StrCat(parent_options.label, ": NCCL ", NCCL_MAJOR, ".",
+                                               NCCL_MINOR, " has no ncclCommSplit (2.18+)"));
+#else
+  BATON_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> parent, Create(store, parent_options));
+  NcclCommunicator* const p = parent.get();
+  std::vector<std::unique_ptr<NcclCommunicator>> children;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    const Split& split = splits[i];
+    const NcclOptions& o = split.options;
+    const std::string what = absl::StrCat(
+        o.label, ": split ", i + 1, " of ", splits.size(), " of the parent communicator ",
+        parent_options.label, " (color ",
+        split.color == NCCL_SPLIT_NOCOLOR ? std::string("none") : absl::StrCat(split.color),
+        ", key ", split.key, ")");
+    const absl::Time deadline = absl::Now() + parent_options.rendezvous_timeout;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    // NCCL writes the child from its init thread when the split completes;
+    // that thread is joined (by polling or by ncclCommAbort) before we leave.
+    ncclComm_t child = nullptr;
+    ncclResult_t r;
+    absl::Status failure;
+    {
+      absl::MutexLock lock(&p->mu_);
+      cudaSetDevice(parent_options.device);
+      r = p->AwaitReady(ncclCommSplit(p->comm_, split.color, split.key, &child, &config), deadline);
+      if (r == ncclSuccess && child != nullptr) {
+        // The child's own state (ready once the parent's split is).
+        ncclResult_t state = ncclInProgress;
+        while (ncclCommGetAsyncError(child, &state) == ncclSuccess && state == ncclInProgress &&
+               absl::Now() <= deadline) {
+          absl::SleepFor(kPollInterval);
+        }
+        r = state;
+      }
+      if (r == ncclInProgress) {
+        failure = absl::DeadlineExceededError(absl::StrCat(
+            what, " not complete within the rendezvous timeout ",
+            absl::FormatDuration(parent_options.rendezvous_timeout),
+            "; every rank of the job must make the same splits in the same order: check that "
+            "all the job's workers run this generation, and NCCL_DEBUG=WARN output"));
+      } else if (r != ncclSuccess) {
+        failure = NcclError(r, child != nullptr ? child : p->comm_, what);
+      } else if (split.color == NCCL_SPLIT_NOCOLOR) {
+        if (child != nullptr) failure = absl::InternalError(absl::StrCat(what, ": NCCL made a child"));
+      } else if (child == nullptr) {
+        failure = absl::InternalError(absl::StrCat(what, ": NCCL made no child"));
+      } else {
+        int rank = -1, count = -1;
+        ncclCommUserRank(child, &rank);
+        ncclCommCount(child, &count);
+        if (rank != o.rank || count != o.size) {
+          failure = absl::InternalError(absl::StrCat(
+              what, ": NCCL made rank ", rank, " of ", count, ", the plan says rank ", o.rank,
+              " of ", o.size, " (the ranks of the job disagree on the groups)"));
+        }
+      }
+      if (!failure.ok()) {
+        // Ends NCCL's init thread (it honours the abort flag) and frees the
+        // parent; no op ever ran on it, so this waits for no stream.
+        p->abort_requested_.store(true);
+        p->aborted_ = true;
+        p->abort_status_ = absl::AbortedError(failure.message());
+        ncclCommAbort(p->comm_);
+      }
+    }
+    if (!failure.ok()) {
+      if (child != nullptr) ncclCommAbort(child);
+      return failure;
+    }
+    if (child == nullptr) {
+      children.push_back(nullptr);
+      continue;
+    }
+    cudaStream_t stream = nullptr;
+    void* barrier_word = nullptr;
+    absl::Status ready = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                          "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+    if (ready.ok()) {
+      ready = cuda::CudaStatus(cudaMalloc(&barrier_word, sizeof(float)), "cudaMalloc", __FILE__,
+                               __LINE__);
+    }
+    if (!ready.ok()) {
+      ncclCommAbort(child);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+      return absl::Status(ready.code(), absl::StrCat(o.label, ": ", ready.message()));
+    }
+    NcclOptions options = o;
+    options.device = parent_options.device;
+    children.push_back(
+        std::unique_ptr<NcclCommunicator>(new NcclCommunicator(options, child, stream, barrier_word)));
+  }
+  // The parent's bootstrap connections carried the splits: free it only once
+  // every rank has all its children.
+  PrefixStore done(&store, "split-done");
+  BATON_RETURN_IF_ERROR(ArriveAll(done, parent_options.rank, parent_options.size,
+                                  absl::Now() + parent_options.rendezvous_timeout,
+                                  absl::StrCat(parent_options.label, " (splits done)")));
+  parent.reset();
+  return children;
+#endif
 }
 
 }  // namespace baton::comm

@@ -112,6 +112,37 @@ class NcclCommunicator : public Communicator {
   // Lets Abort() and the watchdog cut short a poll that holds mu_.
   std::atomic<bool> abort_requested_{false};
   std::thread watchdog_;
+
+  // --- Parent + split per job generation (communicator_factory.h) ---
+ public:
+  // One child of the job's parent communicator.
+  struct Split {
+    int color = NCCL_SPLIT_NOCOLOR;  // ranks of one group share it; NOCOLOR: in no group
+    int key = 0;                     // rank within the group (NCCL orders by key)
+    NcclOptions options;             // the child's rank, size, label and op timeout
+  };
+  // Joins one parent communicator over `parent.size` ranks (Create's
+  // rendezvous in `store`), then calls ncclCommSplit once per element of
+  // `splits`, in order: each split is collective over the parent, so every
+  // rank must pass as many splits in the same order (comm/job_groups.h).
+  // Parent and children are non-blocking; each step is polled until ready
+  // and bounded by the rendezvous timeout (DEADLINE_EXCEEDED naming the
+  // child's label, then the parent and that child are aborted: no hang).
+  // Then every rank waits in `store` ("split-done/") for the others to have
+  // their children and frees the parent. Element i of the result is the
+  // child of splits[i]; nullptr where splits[i].color is NOCOLOR.
+  static absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> CreateSplit(
+      Store& store, const NcclOptions& parent, const std::vector<Split>& splits);
+
+ private:
+  friend class NcclCommunicatorTestPeer;  // tests reach stream_
+  // ncclCommAbort on a thread of its own, then frees `stream` and `word`
+  // (each may be null): NCCL's abort synchronises the communicator's
+  // internal streams, which wait for the user streams its kernels were
+  // enqueued on (so for any kernel queued before them), and cudaFree waits
+  // for the whole device; neither may hold up Abort, the watchdog or the
+  // destructor.
+  static void ReleaseOffThread(ncclComm_t comm, cudaStream_t stream, void* word, int device);
 };
 
 }  // namespace baton::comm

@@ -1,0 +1,67 @@
+// JobGroups: the communicator groups one rank of a job generation belongs to
+// (TP group, pipeline group, DP group, tied-embedding pair), named and
+// ordered the same way on every rank.
+//
+// The result is one GroupRound per kind of group, in the one global order
+// every rank uses (tp, pp, dp, tie; kinds the layout does not have are left
+// out on every rank). A round is exactly what one ncclCommSplit call of the
+// job's parent communicator needs: ranks of the same group share `color`
+// (distinct per group, >= 0), `key` is the rank's rank within its group, and
+// a rank in none of the round's groups (the middle pipeline stages in the
+// tie round) gets kNoColor. The per-group path (Gloo, or NCCL without
+// splitting) creates the rounds' groups in the same order, skipping kNoColor.
+//
+// Global (job) rank of (pp rank p, tp rank t, dp rank d): (d * pp + p) * tp + t.
+//
+// Pure functions: no I/O, thread-safe.
+#ifndef BATON_WORKER_COMM_JOB_GROUPS_H_
+#define BATON_WORKER_COMM_JOB_GROUPS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace baton::comm {
+
+struct JobLayout {
+  int pp = 1;
+  int tp = 1;
+  int dp = 1;
+  // Pipeline ranks 0 and pp - 1 share the tied embedding (pp > 1, a GPT
+  // model rather than the synthetic cost model).
+  bool tied_embedding = false;
+};
+
+struct RankCoords {
+  int pp_rank = 0;
+  int tp_rank = 0;
+  int dp_rank = 0;
+};
+
+enum class GroupKind { kTp, kPipeline, kDp, kTie };
+
+// Equals NCCL_SPLIT_NOCOLOR; the rank joins no group in this round.
+inline constexpr int kNoColor = -1;
+
+struct GroupRound {
+  GroupKind kind = GroupKind::kTp;
+  int color = kNoColor;  // the group's index in this round, or kNoColor
+  int key = 0;           // rank within the group (NCCL orders a split's ranks by key)
+  int size = 0;          // ranks in the group (0 with kNoColor)
+  std::string group;     // e.g. "tp-d0-p1", the key scope "comm/<group>/gen<g>" (empty with kNoColor)
+};
+
+const char* GroupKindName(GroupKind kind);  // "tp", "pp", "dp", "tie"
+
+int JobSize(const JobLayout& layout);
+int JobRank(const JobLayout& layout, const RankCoords& rank);
+
+// The rounds of `rank` in `layout`. INVALID_ARGUMENT for a non-positive
+// degree or coordinates outside the layout.
+absl::StatusOr<std::vector<GroupRound>> PlanJobGroups(const JobLayout& layout,
+                                                      const RankCoords& rank);
+
+}  // namespace baton::comm
+
+#endif  // BATON_WORKER_COMM_JOB_GROUPS_H_
