@@ -848,8 +848,10 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
     if (it == replacement.end()) continue;
     r.set_worker_name(it->second.name());
     r.set_host(it->second.host());
+    r.set_device(it->second.device());
     taken.insert(it->second.name());
   }
+  plan.set_comm_backend(CommBackendOf(job_, plan));
   plan.clear_spares();
   for (const std::string& s : plan_.spares()) {
     if (!taken.count(s)) plan.add_spares(s);

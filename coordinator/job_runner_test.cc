@@ -46,6 +46,10 @@ class FakeWorkers : public JobWorkers {
     w.set_state(v1::READY);
     workers_[name] = w;
   }
+  void SetDevice(const std::string& name, const std::string& device) {
+    absl::MutexLock lock(&mu_);
+    workers_[name].set_device(device);
+  }
   // `name` held shard (pp, 0, dp) of job "unit" at `generation` with snapshots of `steps`.
   void SetHeld(const std::string& name, int pp, int dp, int64_t generation, std::vector<int64_t> steps) {
     absl::MutexLock lock(&mu_);
@@ -349,6 +353,33 @@ TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
   EXPECT_NE(m.find("baton_job_state{state=\"running\",training_job=\"unit\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("baton_expected_bubble_ratio{stage=\"1\",training_job=\"unit\"}"), std::string::npos) << m;
   EXPECT_EQ(m.find("job=\"unit\""), m.find("training_job=\"unit\"") + 9) << "no label named job";
+}
+
+// The data plane is chosen again when a rank changes hands: a GPU job on two
+// GPUs runs NCCL; once the spare sharing worker-0's GPU takes the lost rank,
+// Gloo.
+TEST_F(JobRunnerTest, TheDataPlaneIsChosenAgainWhenARankChangesHands) {
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_model()->clear_synthetic();
+  job.mutable_model()->set_d_model(32);
+  job.mutable_model()->set_heads(4);
+  job.mutable_model()->set_vocab(64);
+  job.mutable_model()->set_seq_len(8);
+  Start(job, 3, [](FakeWorkers* f) {  // worker-2 is a spare
+    f->SetDevice("worker-0", "cuda:0");
+    f->SetDevice("worker-1", "cuda:1");
+    f->SetDevice("worker-2", "cuda:0");
+  });
+  KillAt("worker-1", 4);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> survivor = fake_->Configures("worker-0");
+  ASSERT_EQ(survivor.size(), 2u);
+  EXPECT_EQ(survivor[0].plan().comm_backend(), "nccl");
+  EXPECT_EQ(survivor[1].plan().comm_backend(), "gloo");
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].plan().comm_backend(), "gloo");
+  EXPECT_EQ(spare[0].plan().ranks(0).device(), "cuda:0");
 }
 
 TEST_F(JobRunnerTest, ALostWorkerIsReplacedByASpareFromItsBuddysSnapshot) {

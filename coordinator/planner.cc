@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "coordinator/job_spec.h"
@@ -147,6 +148,7 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
         v1::RankAssignment* r = plan.add_ranks();
         r->set_worker_name(group[tp]->name());
         r->set_host(group[tp]->host());
+        r->set_device(group[tp]->device());
         r->set_global_rank((dp * d.pp + pp) * d.tp + tp);
         r->set_pp_rank(pp);
         r->set_tp_rank(tp);
@@ -161,8 +163,18 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
        PartitionLayers(job.model().layers(), d.pp * d.virtual_stages, CostsOf(job.model()))) {
     *plan.add_stages() = std::move(p);
   }
+  plan.set_comm_backend(CommBackendOf(job, plan));
   BATON_RETURN_IF_ERROR(CheckPlanFitsMemory(job, plan, ready));
   return plan;
+}
+
+std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {
+  if (job.model().has_synthetic()) return "gloo";  // its tensors live in host memory on every device
+  std::set<std::pair<std::string, std::string>> gpus;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    if (!absl::StartsWith(r.device(), "cuda:") || !gpus.emplace(r.host(), r.device()).second) return "gloo";
+  }
+  return plan.ranks_size() > 0 ? "nccl" : "gloo";
 }
 
 }  // namespace baton

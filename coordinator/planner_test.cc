@@ -262,6 +262,42 @@ TEST(PlannerTest, DataParallelReplicasGetDistinctWorkers) {
   EXPECT_EQ(plan->ranks(7).global_rank(), 7);
 }
 
+// The data plane: NCCL only when every rank has a GPU of its own.
+TEST(PlannerTest, NcclOnlyWhenEveryRankHasAGpuOfItsOwn) {
+  auto with_devices = [](std::vector<std::pair<std::string, std::string>> host_device) {
+    std::vector<std::pair<std::string, std::string>> names;
+    for (size_t i = 0; i < host_device.size(); ++i) names.push_back({absl::StrCat("w", i), host_device[i].first});
+    std::vector<v1::WorkerInfo> workers = Workers(names);
+    for (size_t i = 0; i < workers.size(); ++i) workers[i].set_device(host_device[i].second);
+    return workers;
+  };
+  auto backend = [](const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& workers) {
+    auto plan = MakePlan(job, workers, 1);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    if (!plan.ok()) return std::string("error");
+    for (const v1::RankAssignment& r : plan->ranks()) {
+      auto w = std::find_if(workers.begin(), workers.end(),
+                            [&](const v1::WorkerInfo& i) { return i.name() == r.worker_name(); });
+      EXPECT_EQ(r.device(), w->device()) << r.worker_name();
+    }
+    return plan->comm_backend();
+  };
+  const v1::JobSpec gpt = Job(4, 2, 2, 1);
+  // Four GPUs of one host, and two GPUs on each of two hosts: NCCL.
+  EXPECT_EQ(backend(gpt, with_devices({{"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cuda:2"}, {"h", "cuda:3"}})), "nccl");
+  EXPECT_EQ(backend(gpt, with_devices({{"a", "cuda:0"}, {"a", "cuda:1"}, {"b", "cuda:0"}, {"b", "cuda:1"}})), "nccl");
+  // Two ranks on one GPU (one GPU shared by a pipeline on one machine): Gloo.
+  EXPECT_EQ(backend(gpt, with_devices({{"h", "cuda:0"}, {"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cuda:2"}})), "gloo");
+  // A CPU or simulated device anywhere: Gloo.
+  EXPECT_EQ(backend(gpt, with_devices({{"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cpu"}, {"h", "cuda:2"}})), "gloo");
+  EXPECT_EQ(backend(gpt, with_devices({{"h", "sim:0"}, {"h", "sim:1"}, {"h", "sim:2"}, {"h", "sim:3"}})), "gloo");
+  // A synthetic model keeps its tensors in host memory: Gloo on GPUs too.
+  v1::JobSpec synthetic = gpt;
+  synthetic.mutable_model()->mutable_synthetic()->set_activation_bytes(64);
+  EXPECT_EQ(backend(synthetic, with_devices({{"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cuda:2"}, {"h", "cuda:3"}})),
+            "gloo");
+}
+
 TEST(PlannerTest, TooFewWorkersSaysHowManyAreMissing) {
   auto plan = MakePlan(Job(4, 2, 2, 1), Workers({{"a", "h"}, {"b", "h"}}), 1);
   ASSERT_FALSE(plan.ok());

@@ -607,7 +607,22 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   comm_spec.generation = plan.generation();
   comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic()};
   comm_spec.rank = comm::RankCoords{p, t, d};
-  comm_spec.backend = options_.comm_backend;
+  // The coordinator's choice for the whole generation (plan.proto
+  // comm_backend): NCCL splits one parent communicator per generation
+  // (comm::CreateJobCommunicators); Gloo stages CUDA tensors through host
+  // memory.
+  if (plan.comm_backend() == "nccl") {
+    if (device.type != kernels::DeviceType::kCuda) {
+      return absl::InvalidArgumentError(absl::StrCat("the plan's data plane is NCCL, but this worker's device is ",
+                                                     options_.device, ": NCCL needs a CUDA device"));
+    }
+    comm_spec.backend = comm::Backend::kNccl;
+  } else if (plan.comm_backend().empty() || plan.comm_backend() == "gloo") {
+    comm_spec.backend = comm::Backend::kGloo;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("the plan's data plane '", plan.comm_backend(),
+                                                   "' is unknown to this worker (gloo or nccl)"));
+  }
   comm_spec.rendezvous_timeout = options_.rendezvous_timeout;
   comm_spec.op_timeout = options_.op_timeout;
   comm_spec.hostname = options_.comm_host;

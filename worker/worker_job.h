@@ -85,10 +85,6 @@ class WorkerJob {
     std::vector<std::string> output_dirs;  // --output_dir: weights and checkpoints only under these (none = no saves)
     absl::Duration op_timeout = absl::Minutes(5);
     absl::Duration rendezvous_timeout = absl::Minutes(2);
-    // Data-plane backend of the job's groups. NCCL (CUDA devices only) splits
-    // one parent communicator per generation (comm::CreateJobCommunicators);
-    // Gloo stages CUDA tensors through host memory. No flag selects NCCL yet.
-    comm::Backend comm_backend = comm::Backend::kGloo;
   };
 
   // `stub` reaches the coordinator (KV rendezvous); `agent` sends the replies.

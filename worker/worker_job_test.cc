@@ -488,8 +488,24 @@ TEST_F(WorkerJobTest, BadMessagesGetAClearErrorAndTheWorkerStaysUsable) {
   const v1::ShardSnapshot none = Fetch(w, "w7", 1);
   EXPECT_EQ(none.error(), "w0 holds no state of w7 at step 1");
 
+  // A data plane this worker cannot run: NCCL on a CPU device, an unknown one.
+  v1::CoordinatorMessage nccl = ConfigureFor(w, 7, 1, good);
+  nccl.mutable_configure()->mutable_plan()->set_comm_backend("nccl");
+  c = configured(nccl);
+  EXPECT_FALSE(c.ok());
+  EXPECT_EQ(c.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(c.error().find("the plan's data plane is NCCL, but this worker's device is cpu"), std::string::npos)
+      << c.error();
+  v1::CoordinatorMessage mpi = ConfigureFor(w, 8, 1, good);
+  mpi.mutable_configure()->mutable_plan()->set_comm_backend("mpi");
+  c = configured(mpi);
+  EXPECT_FALSE(c.ok());
+  EXPECT_NE(c.error().find("the plan's data plane 'mpi' is unknown to this worker (gloo or nccl)"),
+            std::string::npos)
+      << c.error();
+
   // After all that, the good state still restores and training goes on.
-  c = configured(ConfigureFor(w, 7, 1, good));
+  c = configured(ConfigureFor(w, 9, 1, good));
   EXPECT_TRUE(c.ok()) << c.error();
   StepResult s2 = Step(2);
   EXPECT_TRUE(s2.done["w0"].committed()) << s2.done["w0"].error();
