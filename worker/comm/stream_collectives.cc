@@ -103,7 +103,9 @@ absl::Status StreamCollectives::Enqueue(kernels::Stream& stream, std::string nam
   auto outcome = std::make_shared<Outcome>();
   BATON_RETURN_IF_ERROR_CTX(
       stream.LaunchHostFunc([post = std::move(post), name, timeout, status, outcome] {
-        absl::Status s = status->status();  // an earlier op failed: post nothing
+        // An earlier op failed: post nothing. (failed() reads only the kept
+        // error, never a tracked group still in flight.)
+        absl::Status s = status->failed() ? status->status() : absl::OkStatus();
         if (s.ok()) {
           s = WithContext(post()->Wait(timeout), name);
           status->Fail(s);
