@@ -36,10 +36,12 @@ for s in $schedules; do
 done
 
 baton_only=${BATON_ONLY:-0}
-if [[ "$baton_only" != 1 ]] && ! "$venv/bin/python" -c 'import torch.distributed.pipelining' >/dev/null 2>&1; then
-  echo "no torch in $venv: creating it and installing torch from PyPI (several GB download)" >&2
+# torch's pipelining sends its shape metadata with recv_object_list, which
+# needs numpy (torch 2.15 does not install it): without it every stage dies.
+if [[ "$baton_only" != 1 ]] && ! "$venv/bin/python" -c 'import numpy, torch.distributed.pipelining' >/dev/null 2>&1; then
+  echo "no torch or numpy in $venv: creating it and installing torch and numpy from PyPI (several GB download)" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet 'torch>=2.6'
+  "$venv/bin/pip" install --quiet 'torch>=2.6' numpy
 fi
 torch_py="$venv/bin/python"
 
@@ -73,7 +75,8 @@ EOF
     # (b) PyTorch
     echo '{}' > "$tmp/$name.torch.json"
     if [[ "$baton_only" != 1 ]]; then
-      CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 "$torch_py" bench/pipeline_torch_bench.py --schedule="$s" \
+      # Bounded: a stage that dies can leave the others waiting on Gloo.
+      CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 timeout 600 "$torch_py" bench/pipeline_torch_bench.py --schedule="$s" \
         --pp=$p --virtual=$v --microbatches=$m --forward_ms=$ms --backward_input_ms=$ms \
         --backward_weight_ms=$ms --activation_bytes=$act --warmup=2 --steps=7 \
         --dump_order="$tmp/$name.torch.csv" > "$tmp/$name.torch.json"
