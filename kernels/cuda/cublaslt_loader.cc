@@ -8,6 +8,7 @@
 
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/open_library.h"
 
 namespace baton::cuda {
 namespace {
@@ -63,24 +64,8 @@ Library& Lib() {
 
 void Load(Library* lib) {
   const std::string name = absl::StrCat("libcublasLt.so.", CUBLAS_VER_MAJOR);
-  // RTLD_LOCAL: its symbols must not interpose the forwarding functions below.
-  void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
   std::string error;
-  if (handle == nullptr) {
-    const char* e = dlerror();
-    error = e != nullptr ? e : "unknown error";
-  }
-#ifdef BATON_CUDA_LIB_DIR
-  // Then the toolkit baton was built with, as the rpath of a cudart link.
-  if (handle == nullptr) {
-    const std::string path = absl::StrCat(BATON_CUDA_LIB_DIR, "/", name);
-    handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) {
-      const char* e = dlerror();
-      absl::StrAppend(&error, "; ", e != nullptr ? e : path + ": unknown error");
-    }
-  }
-#endif
+  void* handle = OpenCudaLibrary(name, &error);
   if (handle == nullptr) {
     lib->status = absl::UnavailableError(
         absl::StrCat("cannot load ", name, " (cuBLASLt, needed for GEMMs on a CUDA device): ", error,

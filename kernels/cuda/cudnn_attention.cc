@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/open_library.h"
 
 // The frontend, built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, reaches
 // cuDNN through this handle (dlsym); LoadCudnn sets it.
@@ -34,22 +35,8 @@ Loaded& LoadOnce() {
   static Loaded* loaded = [] {
     auto* l = new Loaded();  // never destroyed: handles may outlive static destructors
     const std::string name = absl::StrCat("libcudnn.so.", CUDNN_MAJOR);
-    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     std::string error;
-    if (handle == nullptr) {
-      const char* e = dlerror();
-      error = e != nullptr ? e : "unknown error";
-    }
-#ifdef BATON_CUDA_LIB_DIR
-    if (handle == nullptr) {
-      const std::string path = absl::StrCat(BATON_CUDA_LIB_DIR, "/", name);
-      handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle == nullptr) {
-        const char* e = dlerror();
-        absl::StrAppend(&error, "; ", e != nullptr ? e : path + ": unknown error");
-      }
-    }
-#endif
+    void* handle = OpenCudaLibrary(name, &error);
     if (handle == nullptr) {
       l->status = absl::UnavailableError(absl::StrCat(
           "cannot load ", name, " (cuDNN, for fused bf16 attention): ", error, "; install cuDNN ",

@@ -123,6 +123,23 @@ std::shared_ptr<Work> Failed(std::string what, absl::Status status) {
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(const NcclOptions& options,
+                                                                           ncclComm_t comm) {
+  cudaStream_t stream = nullptr;
+  void* barrier_word = nullptr;
+  absl::Status ready = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                        "cudaStreamCreateWithFlags", __FILE__, __LINE__);
+  if (ready.ok()) {
+    ready = cuda::CudaStatus(cudaMalloc(&barrier_word, sizeof(float)), "cudaMalloc", __FILE__, __LINE__);
+  }
+  if (!ready.ok()) {
+    ncclCommAbort(comm);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    return ready;
+  }
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(options, comm, stream, barrier_word));
+}
+
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     Store& store, const NcclOptions& options) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
@@ -173,21 +190,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (comm != nullptr) ncclCommAbort(comm);
     return s;
   }
-  cudaStream_t stream = nullptr;
-  void* barrier_word = nullptr;
-  absl::Status ready = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                                        "cudaStreamCreateWithFlags", __FILE__, __LINE__);
-  if (ready.ok()) {
-    ready = cuda::CudaStatus(cudaMalloc(&barrier_word, sizeof(float)), "cudaMalloc", __FILE__,
-                             __LINE__);
-  }
-  if (!ready.ok()) {
-    ncclCommAbort(comm);
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    return ready;
-  }
-  return std::unique_ptr<NcclCommunicator>(
-      new NcclCommunicator(options, comm, stream, barrier_word));
+  return Wrap(options, comm);
 }
 
 NcclCommunicator::NcclCommunicator(const NcclOptions& options, ncclComm_t comm,
@@ -650,23 +653,11 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator:
       children.push_back(nullptr);
       continue;
     }
-    cudaStream_t stream = nullptr;
-    void* barrier_word = nullptr;
-    absl::Status ready = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                                          "cudaStreamCreateWithFlags", __FILE__, __LINE__);
-    if (ready.ok()) {
-      ready = cuda::CudaStatus(cudaMalloc(&barrier_word, sizeof(float)), "cudaMalloc", __FILE__,
-                               __LINE__);
-    }
-    if (!ready.ok()) {
-      ncclCommAbort(child);
-      if (stream != nullptr) cudaStreamDestroy(stream);
-      return absl::Status(ready.code(), absl::StrCat(o.label, ": ", ready.message()));
-    }
     NcclOptions options = o;
     options.device = parent_options.device;
-    children.push_back(
-        std::unique_ptr<NcclCommunicator>(new NcclCommunicator(options, child, stream, barrier_word)));
+    absl::StatusOr<std::unique_ptr<NcclCommunicator>> wrapped = Wrap(options, child);
+    if (!wrapped.ok()) return WithContext(wrapped.status(), o.label);
+    children.push_back(std::move(*wrapped));
   }
   // The parent's bootstrap connections carried the splits: free it only once
   // every rank has all its children.

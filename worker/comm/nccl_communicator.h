@@ -84,6 +84,10 @@ class NcclCommunicator : public Communicator {
  private:
   NcclCommunicator(const NcclOptions& options, ncclComm_t comm, cudaStream_t stream,
                    void* barrier_word);
+  // The communicator over an initialised `comm`: creates its stream and
+  // barrier word; on failure aborts `comm` and frees what it made.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(const NcclOptions& options,
+                                                                 ncclComm_t comm);
 
   // Runs `launch` (NCCL calls on `stream`, by default stream_) and records
   // the op's completion event on it; `peer` is -1 for collectives.
