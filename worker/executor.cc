@@ -260,6 +260,10 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
+  if (tp_ != nullptr) {
+    // What a failed step's collectives left (they may never have run).
+    if (std::shared_ptr<comm::StreamCollectives> coll = comm::StreamCollectives::Find(*tp_)) coll->ForgetStreamSeconds();
+  }
   trace_ = trace;
   events_.clear();
   BATON_RETURN_IF_ERROR(ReleaseMessages(false));  // after a failed step (no wait otherwise)
@@ -362,7 +366,13 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     // TP collectives run on the chunks' streams as host functions may wait
     // outside the action that enqueued them: the step's whole TP wait is TP
     // comm, and not compute (the device spans include it).
-    const double outside = tp_->waited_seconds() - tp_waited_at_start_ - tp_comm_;
+    double outside = tp_->waited_seconds() - tp_waited_at_start_ - tp_comm_;
+    // Over NCCL nothing waits on the host: the collectives' own events time
+    // them (every chunk's stream was waited for above).
+    if (std::shared_ptr<comm::StreamCollectives> coll = comm::StreamCollectives::Find(*tp_); coll != nullptr) {
+      BATON_ASSIGN_OR_RETURN(const double on_streams, coll->TakeStreamSeconds());
+      outside = std::max(0.0, outside) + on_streams;
+    }
     if (outside > 0) {
       tp_comm_ += outside;
       compute_ = std::max(0.0, compute_ - outside);

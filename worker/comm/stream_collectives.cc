@@ -1,5 +1,6 @@
 #include "worker/comm/stream_collectives.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -38,6 +39,13 @@ std::shared_ptr<StreamCollectives> StreamCollectives::For(Communicator& comm) {
     slot = live;
   }
   return live;
+}
+
+std::shared_ptr<StreamCollectives> StreamCollectives::Find(const Communicator& comm) {
+  Registry& r = GetRegistry();
+  absl::MutexLock lock(&r.mu);
+  auto it = r.live.find(&comm);
+  return it == r.live.end() ? nullptr : it->second.lock();
 }
 
 bool StreamCollectives::CanEnqueue(const Buffer& buf) const {
@@ -84,6 +92,33 @@ absl::Status StreamCollectives::FollowLastStream(kernels::Stream& stream) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<StreamCollectives::Timer*> StreamCollectives::NextTimer(kernels::Device device) {
+  if (timers_used_ == timers_.size()) {
+    Timer t;
+    BATON_ASSIGN_OR_RETURN(t.start, kernels::Event::Create(device));
+    BATON_ASSIGN_OR_RETURN(t.end, kernels::Event::Create(device));
+    timers_.push_back(std::move(t));
+  }
+  return &timers_[timers_used_++];
+}
+
+absl::StatusOr<double> StreamCollectives::TakeStreamSeconds() {
+  absl::MutexLock lock(&mu_);
+  double seconds = 0;
+  const size_t used = timers_used_;
+  timers_used_ = 0;
+  for (size_t i = 0; i < used; ++i) {
+    BATON_ASSIGN_OR_RETURN(const double s, timers_[i].end->SecondsSince(*timers_[i].start));
+    seconds += std::max(0.0, s);
+  }
+  return seconds;
+}
+
+void StreamCollectives::ForgetStreamSeconds() {
+  absl::MutexLock lock(&mu_);
+  timers_used_ = 0;
+}
+
 absl::Status StreamCollectives::Enqueue(kernels::Stream& stream, std::string name, absl::Duration timeout,
                                         const std::shared_ptr<StreamCommStatus>& status,
                                         std::function<std::shared_ptr<Work>()> post,
@@ -91,7 +126,12 @@ absl::Status StreamCollectives::Enqueue(kernels::Stream& stream, std::string nam
   absl::MutexLock lock(&mu_);
   BATON_RETURN_IF_ERROR_CTX(FollowLastStream(stream), name, ": ordering after the previous collective's stream");
   if (comm_.RunsOnStreams()) {
+    absl::StatusOr<Timer*> timer_or = NextTimer(stream.device());
+    if (!timer_or.ok()) return WithContext(timer_or.status(), absl::StrCat(name, ": timing it"));
+    Timer* timer = *timer_or;
+    BATON_RETURN_IF_ERROR_CTX(timer->start->Record(stream), name, ": timing it");
     std::shared_ptr<Work> work = post_on_stream(stream.native());
+    BATON_RETURN_IF_ERROR_CTX(timer->end->Record(stream), name, ": timing it");
     if (work->IsCompleted()) {  // refused at once (validation, an aborted communicator)
       absl::Status s = WithContext(work->Wait(absl::ZeroDuration()), name);
       status->Fail(s);

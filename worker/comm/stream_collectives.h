@@ -40,9 +40,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
@@ -56,6 +58,8 @@ class StreamCollectives {
   // The instance of `comm` shared by every caller holding one (a new one
   // when none is alive).
   static std::shared_ptr<StreamCollectives> For(Communicator& comm);
+  // The live instance of `comm`, or null when nobody holds one.
+  static std::shared_ptr<StreamCollectives> Find(const Communicator& comm);
   explicit StreamCollectives(Communicator& comm) : comm_(comm) {}
 
   Communicator& communicator() const { return comm_; }
@@ -72,6 +76,17 @@ class StreamCollectives {
   absl::Status AllGather(Buffer in, Buffer out, std::string name, kernels::Stream& stream,
                          absl::Duration timeout, const std::shared_ptr<StreamCommStatus>& status);
 
+  // Seconds the ops enqueued on CUDA streams (NCCL) took, timed by an event
+  // pair around each on its stream, since the last call; forgets them. Their
+  // time is in no host wait, so the communicator's own clock
+  // (TimedCommunicator) never sees it. Call after a host wait that covers
+  // every stream they were enqueued on. The host path's ops are not counted
+  // here: their host function's wait is the communicator's.
+  absl::StatusOr<double> TakeStreamSeconds();
+  // Forgets the timed ops unread (after a failed step, whose ops may never
+  // have run).
+  void ForgetStreamSeconds();
+
  private:
   absl::Status Enqueue(kernels::Stream& stream, std::string name, absl::Duration timeout,
                        const std::shared_ptr<StreamCommStatus>& status,
@@ -80,10 +95,19 @@ class StreamCollectives {
   // Makes `stream` wait for the previous stream's work when it changes.
   absl::Status FollowLastStream(kernels::Stream& stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  struct Timer {
+    std::unique_ptr<kernels::Event> start, end;
+  };
+  // The next unused event pair (reused step after step: no event is created
+  // once the first step has run).
+  absl::StatusOr<Timer*> NextTimer(kernels::Device device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   Communicator& comm_;
   absl::Mutex mu_;  // held while enqueuing, so the order is the call order
   kernels::Stream* last_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::unique_ptr<kernels::Event> handoff_ ABSL_GUARDED_BY(mu_);
+  std::vector<Timer> timers_ ABSL_GUARDED_BY(mu_);
+  size_t timers_used_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace baton::comm

@@ -146,5 +146,69 @@ TEST(StreamCollectivesTest, RefusesDeviceMemoryOverAHostCommunicator) {
   EXPECT_EQ(coll->AllReduceSum(cuda, "x", *s, absl::Seconds(1), status).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A communicator whose collectives run on streams (as NCCL's do). Its
+// all-reduce is work on `on` that takes `takes` (a host function standing for
+// the NCCL kernel); nothing waits for it on the host.
+class FakeStreamCommunicator : public Communicator {
+ public:
+  FakeStreamCommunicator(kernels::Stream* on, absl::Duration takes) : on_(on), takes_(takes) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string backend() const override { return "fake-stream"; }
+  std::shared_ptr<Work> Send(Buffer, int, uint64_t) override { return Refuse(); }
+  std::shared_ptr<Work> Recv(Buffer, int, uint64_t) override { return Refuse(); }
+  std::shared_ptr<Work> AllReduceSum(Buffer) override { return Refuse(); }
+  std::shared_ptr<Work> AllGather(Buffer, Buffer) override { return Refuse(); }
+  std::shared_ptr<Work> ReduceScatterSum(Buffer, Buffer) override { return Refuse(); }
+  std::shared_ptr<Work> Broadcast(Buffer, int) override { return Refuse(); }
+  std::shared_ptr<Work> Barrier() override { return Refuse(); }
+  void Abort(absl::string_view) override {}
+  bool RunsOnStreams() const override { return true; }
+  std::shared_ptr<Work> AllReduceSumOnStream(Buffer, void* stream) override {
+    EXPECT_EQ(stream, on_->native());
+    const absl::Duration takes = takes_;
+    EXPECT_TRUE(on_->LaunchHostFunc([takes] { absl::SleepFor(takes); }).ok());
+    return CompletedWork(absl::OkStatus());
+  }
+
+ private:
+  std::shared_ptr<Work> Refuse() { return CompletedWork(absl::UnimplementedError("host op")); }
+  kernels::Stream* on_;
+  absl::Duration takes_;
+};
+
+// Over NCCL no host wait sees a collective's time: events around it on its
+// stream do, and the host path's ops are left to the communicator's clock.
+TEST(StreamCollectivesTest, OpsOnCudaStreamsAreTimedByEventsAndTheHostPathIsNot) {
+  auto s = NewStream();
+  FakeStreamCommunicator comm(s.get(), absl::Milliseconds(30));
+  SimBuffer x(4);
+  const Buffer dev{x.p, 4, DType::kFloat32, 0};
+  auto status = std::make_shared<StreamCommStatus>();
+  auto coll = StreamCollectives::For(comm);
+  ASSERT_TRUE(coll->AllReduceSum(dev, "the attention output", *s, absl::Seconds(1), status).ok());
+  ASSERT_TRUE(coll->AllReduceSum(dev, "the MLP output", *s, absl::Seconds(1), status).ok());
+  ASSERT_TRUE(s->Synchronize().ok());
+  absl::StatusOr<double> seconds = coll->TakeStreamSeconds();
+  ASSERT_TRUE(seconds.ok()) << seconds.status();
+  EXPECT_GE(*seconds, 0.060) << "two ops of at least 30 ms each";
+  // Taken: the next read starts from nothing; a forgotten op is not counted.
+  EXPECT_EQ(*coll->TakeStreamSeconds(), 0.0);
+  ASSERT_TRUE(coll->AllReduceSum(dev, "the MLP output", *s, absl::Seconds(1), status).ok());
+  ASSERT_TRUE(s->Synchronize().ok());
+  coll->ForgetStreamSeconds();
+  EXPECT_EQ(*coll->TakeStreamSeconds(), 0.0);
+  EXPECT_EQ(StreamCollectives::Find(comm), coll);
+
+  // The host path: an in-process group's sum is not timed here.
+  auto group = InProcCommunicator::CreateGroup(1);
+  auto host = StreamCollectives::For(*group[0]);
+  SimBuffer y(4);
+  ASSERT_TRUE(host->AllReduceSum(y.buf(), "x", *s, absl::Seconds(1), status).ok());
+  ASSERT_TRUE(s->Synchronize().ok());
+  EXPECT_EQ(*host->TakeStreamSeconds(), 0.0);
+  EXPECT_TRUE(status->status().ok()) << status->status();
+}
+
 }  // namespace
 }  // namespace baton::comm
