@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "worker/comm/fake_stream_communicator.h"
 #include "worker/comm/inproc_communicator.h"
 
 namespace baton::comm {
@@ -146,42 +147,13 @@ TEST(StreamCollectivesTest, RefusesDeviceMemoryOverAHostCommunicator) {
   EXPECT_EQ(coll->AllReduceSum(cuda, "x", *s, absl::Seconds(1), status).code(), absl::StatusCode::kInvalidArgument);
 }
 
-// A communicator whose collectives run on streams (as NCCL's do). Its
-// all-reduce is work on `on` that takes `takes` (a host function standing for
-// the NCCL kernel); nothing waits for it on the host.
-class FakeStreamCommunicator : public Communicator {
- public:
-  FakeStreamCommunicator(kernels::Stream* on, absl::Duration takes) : on_(on), takes_(takes) {}
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  std::string backend() const override { return "fake-stream"; }
-  std::shared_ptr<Work> Send(Buffer, int, uint64_t) override { return Refuse(); }
-  std::shared_ptr<Work> Recv(Buffer, int, uint64_t) override { return Refuse(); }
-  std::shared_ptr<Work> AllReduceSum(Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> AllGather(Buffer, Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> ReduceScatterSum(Buffer, Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> Broadcast(Buffer, int) override { return Refuse(); }
-  std::shared_ptr<Work> Barrier() override { return Refuse(); }
-  void Abort(absl::string_view) override {}
-  bool RunsOnStreams() const override { return true; }
-  std::shared_ptr<Work> AllReduceSumOnStream(Buffer, void* stream) override {
-    EXPECT_EQ(stream, on_->native());
-    const absl::Duration takes = takes_;
-    EXPECT_TRUE(on_->LaunchHostFunc([takes] { absl::SleepFor(takes); }).ok());
-    return CompletedWork(absl::OkStatus());
-  }
-
- private:
-  std::shared_ptr<Work> Refuse() { return CompletedWork(absl::UnimplementedError("host op")); }
-  kernels::Stream* on_;
-  absl::Duration takes_;
-};
-
 // Over NCCL no host wait sees a collective's time: events around it on its
 // stream do, and the host path's ops are left to the communicator's clock.
 TEST(StreamCollectivesTest, OpsOnCudaStreamsAreTimedByEventsAndTheHostPathIsNot) {
   auto s = NewStream();
-  FakeStreamCommunicator comm(s.get(), absl::Milliseconds(30));
+  FakeStreamCommunicator comm;
+  comm.kernel_stream = s.get();
+  comm.op_time = absl::Milliseconds(30);
   SimBuffer x(4);
   const Buffer dev{x.p, 4, DType::kFloat32, 0};
   auto status = std::make_shared<StreamCommStatus>();

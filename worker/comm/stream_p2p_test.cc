@@ -15,6 +15,7 @@
 #include "kernels/backend.h"
 #include "kernels/sim/sim_backend.h"
 #include "kernels/ops.h"
+#include "worker/comm/fake_stream_communicator.h"
 #include "worker/comm/inproc_communicator.h"
 
 namespace baton::comm {
@@ -115,56 +116,6 @@ TEST(StreamP2PTest, CudaMemoryOverAHostCommunicatorIsRefused) {
   EXPECT_NE(s.message().find("needs NCCL"), std::string::npos) << s;
   EXPECT_FALSE(CanEnqueueAllReduce(*group[0], Buffer{&x, 1, DType::kFloat32, 0}));
 }
-
-// A communicator whose ops run on streams (as NCCL's do): records the
-// groups it is given; its Work completes at once.
-class FakeStreamCommunicator : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  std::string backend() const override { return "fake-stream"; }
-  std::shared_ptr<Work> Send(Buffer, int, uint64_t) override { return Refuse(); }
-  std::shared_ptr<Work> Recv(Buffer, int, uint64_t) override { return Refuse(); }
-  std::shared_ptr<Work> AllReduceSum(Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> AllGather(Buffer, Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> ReduceScatterSum(Buffer, Buffer) override { return Refuse(); }
-  std::shared_ptr<Work> Broadcast(Buffer, int) override { return Refuse(); }
-  std::shared_ptr<Work> Barrier() override { return Refuse(); }
-  void Abort(absl::string_view) override {}
-  bool RunsOnStreams() const override { return true; }
-  std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override {
-    groups.push_back(ops);
-    streams.push_back(stream);
-    if (!in_flight) return CompletedWork(absl::OkStatus());
-    auto work = std::make_shared<InFlightWork>();
-    works.push_back(work);
-    return work;
-  }
-
-  // A group the device has not finished yet (as an NCCL group behind a long
-  // kernel): waiting for it without a timeout long enough times out.
-  class InFlightWork : public Work {
-   public:
-    absl::Status Wait(absl::Duration) override {
-      if (done) return absl::OkStatus();
-      return absl::DeadlineExceededError("the group is still running");
-    }
-    bool IsCompleted() override { return done; }
-    bool done = false;
-  };
-
-  bool in_flight = false;  // groups stay in flight until their `done` is set
-  std::vector<std::shared_ptr<InFlightWork>> works;
-  std::vector<std::vector<P2POp>> groups;
-  std::vector<void*> streams;
-  int refused = 0;
-
- private:
-  std::shared_ptr<Work> Refuse() {
-    ++refused;
-    return CompletedWork(absl::UnimplementedError("host op on a stream communicator"));
-  }
-};
 
 TEST(StreamP2PTest, OverAStreamCommunicatorTheBatchIsOneGroupOnTheStream) {
   FakeStreamCommunicator comm;
