@@ -42,40 +42,13 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/grad_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/device_buffer_testing.h"
 #include "kernels/cuda/plan.h"
 
 namespace baton::cuda {
 namespace {
 
 namespace cpu = ::baton::kernels::cpu;
-
-// A device buffer of T, freed on destruction.
-template <typename T>
-class Dev {
- public:
-  explicit Dev(size_t n) : n_(n) {
-    EXPECT_EQ(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-  }
-  explicit Dev(const std::vector<T>& host) : Dev(host.size()) { Upload(host); }
-  ~Dev() { cudaFree(p_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  T* get() const { return p_; }
-  void Upload(const std::vector<T>& host) {
-    ASSERT_EQ(host.size(), n_);
-    ASSERT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  std::vector<T> Download() const {
-    std::vector<T> host(n_);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-
- private:
-  T* p_ = nullptr;
-  size_t n_;
-};
 
 std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

@@ -24,6 +24,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/device_buffer_testing.h"
 #include "kernels/cuda/plan.h"
 #include "kernels/cuda/sdpa_plan.h"
 
@@ -31,32 +32,6 @@ namespace baton::cuda {
 namespace {
 
 namespace cpu = ::baton::kernels::cpu;
-
-template <typename T>
-class Dev {
- public:
-  explicit Dev(size_t n) : n_(n) {
-    EXPECT_EQ(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-  }
-  ~Dev() { cudaFree(p_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  T* get() { return static_cast<T*>(p_); }
-  void Upload(const std::vector<T>& host) {
-    ASSERT_EQ(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void FillNaN() { ASSERT_EQ(cudaMemset(p_, 0xff, n_ * sizeof(T)), cudaSuccess); }
-  std::vector<T> Download() {
-    std::vector<T> host(n_);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-
- private:
-  size_t n_;
-  void* p_ = nullptr;
-};
 
 std::vector<float> Random(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
