@@ -41,6 +41,8 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
         "{\"name\":", JsonQuote(w.name()),
         ",\"state\":", JsonQuote(StateName(w.state())),
         ",\"device\":", JsonQuote(w.device()),
+        ",\"device_uuid\":", JsonQuote(w.device_uuid()),
+        ",\"memory_bytes\":", w.memory_bytes(),
         ",\"host\":", JsonQuote(w.host()),
         ",\"last_heartbeat_age_seconds\":", absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()), "}"));
   }

@@ -18,6 +18,14 @@ absl::Status ValidateWorkerName(const std::string& name) {
   return absl::OkStatus();
 }
 
+bool IsValidGpuUuid(const std::string& uuid) {
+  if (uuid.size() > 64) return false;
+  for (char c : uuid) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-') return false;
+  }
+  return true;
+}
+
 bool IsValidDevice(const std::string& device) {
   if (device == "cpu") return true;
   // "sim:N" is the test-only simulated device (kernels/sim): valid as a name;

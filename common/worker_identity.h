@@ -12,6 +12,11 @@ namespace baton {
 // "cpu", "cuda:N" or "sim:N" (the test-only simulated device).
 bool IsValidDevice(const std::string& device);
 
+// A GPU's UUID as a worker registers it ("GPU-" and hex in 8-4-4-4-12 groups,
+// kernels::FormatGpuUuid): 1..64 of [A-Za-z0-9-]; empty (unknown, or not a
+// GPU) is valid too. Only its equality matters to the coordinator.
+bool IsValidGpuUuid(const std::string& uuid);
+
 // 1..128 of [A-Za-z0-9._-]; INVALID_ARGUMENT saying so otherwise.
 absl::Status ValidateWorkerName(const std::string& name);
 

@@ -491,6 +491,7 @@ class Run {
     req.set_host(flags & 2 ? in_->Str() : "fuzzhost");
     req.set_pid(in_->Byte());
     req.set_memory_bytes(flags & 4 ? static_cast<int64_t>(in_->U64()) : int64_t{8} << 30);
+    if (flags & 64) req.set_device_uuid(in_->Str());  // GPU identity: the planner's NCCL choice and memory pools
     if (flags & 16) {  // what a worker holds of the job after a coordinator restart (adoption)
       v1::HeldJob* held = req.mutable_held();
       held->set_job(flags & 32 ? "other" : kJob);

@@ -391,10 +391,10 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   std::set<std::string> taken;
   for (v1::RankAssignment& r : *plan.mutable_ranks()) {
     const v1::WorkerInfo& w = slots.at({r.pp_rank(), r.tp_rank(), r.dp_rank()});
-    r.set_worker_name(w.name());
-    r.set_host(w.host());
+    PlaceRank(w, &r);
     taken.insert(w.name());
   }
+  plan.set_comm_backend(CommBackendOf(job_, plan));  // MakePlan chose it for its own placement
   plan.clear_spares();
   for (const v1::WorkerInfo& w : ready) {
     if (!taken.count(w.name())) plan.add_spares(w.name());
@@ -846,9 +846,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
   for (v1::RankAssignment& r : *plan.mutable_ranks()) {
     auto it = replacement.find(r.worker_name());
     if (it == replacement.end()) continue;
-    r.set_worker_name(it->second.name());
-    r.set_host(it->second.host());
-    r.set_device(it->second.device());
+    PlaceRank(it->second, &r);
     taken.insert(it->second.name());
   }
   plan.set_comm_backend(CommBackendOf(job_, plan));

@@ -46,9 +46,10 @@ class FakeWorkers : public JobWorkers {
     w.set_state(v1::READY);
     workers_[name] = w;
   }
-  void SetDevice(const std::string& name, const std::string& device) {
+  void SetDevice(const std::string& name, const std::string& device, const std::string& uuid = "") {
     absl::MutexLock lock(&mu_);
     workers_[name].set_device(device);
+    workers_[name].set_device_uuid(uuid);
   }
   // `name` held shard (pp, 0, dp) of job "unit" at `generation` with snapshots of `steps`.
   void SetHeld(const std::string& name, int pp, int dp, int64_t generation, std::vector<int64_t> steps) {
@@ -594,6 +595,37 @@ TEST_F(JobRunnerTest, ARestartedCoordinatorAdoptsTheJobTheWorkersHold) {
   EXPECT_TRUE(fake_->Configures("worker-2").empty()) << "the spare stays a spare";
   EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"coordinator_restart\",training_job=\"unit\"} 1"),
             std::string::npos);
+}
+
+// An adopted worker keeps its slot, and the plan says where it really runs:
+// its own device and GPU, and the data plane chosen for those (not for the
+// placement a fresh plan would have made: worker-0 and worker-1, one a CPU).
+TEST_F(JobRunnerTest, AnAdoptedPlanNamesEachWorkersOwnDeviceAndDataPlane) {
+  v1::JobSpec job = Job(2, 1, 8);
+  job.mutable_model()->clear_synthetic();
+  job.mutable_model()->set_d_model(32);
+  job.mutable_model()->set_heads(4);
+  job.mutable_model()->set_vocab(64);
+  job.mutable_model()->set_seq_len(8);
+  Start(job, 3, [](FakeWorkers* f) {
+    f->SetDevice("worker-0", "cuda:0", "GPU-a");
+    f->SetDevice("worker-1", "cpu");
+    f->SetDevice("worker-2", "cuda:1", "GPU-b");
+    f->SetHeld("worker-0", 1, 0, 3, {4, 5, 6});
+    f->SetHeld("worker-2", 0, 0, 3, {4, 5, 6});
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> c0 = fake_->Configures("worker-0"), c2 = fake_->Configures("worker-2");
+  ASSERT_EQ(c0.size(), 1u);
+  ASSERT_EQ(c2.size(), 1u);
+  ASSERT_EQ(c0[0].plan().ranks_size(), 1);
+  EXPECT_EQ(c0[0].plan().ranks(0).pp_rank(), 1);
+  EXPECT_EQ(c0[0].plan().ranks(0).device(), "cuda:0");
+  EXPECT_EQ(c0[0].plan().ranks(0).device_uuid(), "GPU-a");
+  EXPECT_EQ(c2[0].plan().ranks(0).device(), "cuda:1");
+  EXPECT_EQ(c2[0].plan().ranks(0).device_uuid(), "GPU-b");
+  EXPECT_EQ(c0[0].plan().comm_backend(), "nccl");
+  EXPECT_TRUE(fake_->Configures("worker-1").empty()) << "the CPU worker stays a spare";
 }
 
 // The old coordinator died after the workers committed step 5 but before it

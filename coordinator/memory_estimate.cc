@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/job_spec.h"
@@ -83,6 +84,19 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   return w;
 }
 
+namespace {
+
+// The memory a worker's registered memory_bytes is part of, shared by every
+// worker in it, as it is named in messages: its GPU (by UUID, or host and
+// cuda:N without one) or its host's RAM.
+std::string MemoryPoolOf(const v1::WorkerInfo& w) {
+  if (!absl::StartsWith(w.device(), "cuda:")) return absl::StrCat("host '", w.host(), "'");
+  if (!w.device_uuid().empty()) return absl::StrCat("GPU ", w.device_uuid());
+  return absl::StrCat("GPU ", w.device(), " of host '", w.host(), "'");
+}
+
+}  // namespace
+
 absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                                  const std::vector<v1::WorkerInfo>& workers) {
   std::map<std::string, const v1::WorkerInfo*> by_name;
@@ -115,7 +129,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
           r.dp_rank(), ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
           "' has ", FormatBytes(has), " (", detail(need), "); ", fix));
     }
-    Host& h = hosts[it->second->host()];
+    Host& h = hosts[MemoryPoolOf(*it->second)];
     h.need += need.total();
     h.has = std::max(h.has, has);
     h.names.push_back(r.worker_name());
@@ -123,9 +137,10 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
   for (const auto& [host, h] : hosts) {
     if (h.names.size() > 1 && h.need > h.has) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "job '", job.name(), "': the ", h.names.size(), " workers the plan puts on host '", host,
-          "' need about ", FormatBytes(h.need), " together but the host has ", FormatBytes(h.has),
-          " (per stage: ", detail(per_stage[0]), " for stage 0); ", fix, ", or spread the workers over more hosts"));
+          "job '", job.name(), "': the ", h.names.size(), " workers the plan puts on ", host, " need about ",
+          FormatBytes(h.need), " together but it has ", FormatBytes(h.has), " (per stage: ", detail(per_stage[0]),
+          " for stage 0); ", fix, ", or spread the workers over more ",
+          absl::StartsWith(host, "GPU") ? "GPUs" : "hosts"));
     }
   }
   return absl::OkStatus();

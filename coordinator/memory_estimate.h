@@ -56,8 +56,11 @@ std::string FormatBytes(double bytes);
 
 // RESOURCE_EXHAUSTED naming the stage, the worker and the numbers when a
 // worker of the plan reported (RegisterRequest.memory_bytes) less memory than
-// its estimate, or when the workers the plan puts on one host need together
-// more than that host has. Workers that reported 0 (unknown) are not checked.
+// its estimate, or when the workers the plan puts on one memory need together
+// more than it has: one host's RAM for CPU workers, one GPU for CUDA workers
+// (told apart by UUID, else by host and cuda:N; workers sharing a GPU share
+// its memory, workers on different GPUs of one host do not). Workers that
+// reported 0 (unknown) are not checked.
 absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                                  const std::vector<v1::WorkerInfo>& workers);
 

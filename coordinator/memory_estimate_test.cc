@@ -1,5 +1,7 @@
 #include "coordinator/memory_estimate.h"
 
+#include <algorithm>
+
 #include "coordinator/job_spec.h"
 #include "coordinator/planner.h"
 #include "gtest/gtest.h"
@@ -110,6 +112,42 @@ TEST(MemoryEstimateTest, WorkersSharingAHostMustFitTogether) {
   EXPECT_NE(refused.status().message().find("4 workers the plan puts on host 'box'"), std::string::npos)
       << refused.status();
   EXPECT_TRUE(MakePlan(job, Workers(4, host_memory), 1).ok());  // one per host
+}
+
+// A GPU worker registers its GPU's memory: four workers on four GPUs of one
+// host each have their own, while workers that see one GPU (by UUID, however
+// they name it) share it.
+TEST(MemoryEstimateTest, GpuWorkersShareOnlyTheGpuTheyRunOn) {
+  v1::JobSpec job = Demo("layers: 2 d_model: 1024 heads: 4 vocab: 256 seq_len: 128", "kind: \"1f1b\" microbatches: 4", 4);
+  auto plan = MakePlan(job, Workers(4, 0), 1);
+  ASSERT_TRUE(plan.ok());
+  // Room for one worker of either stage, not for two.
+  const double e0 = EstimateWorkerMemory(job, *plan, 0).total(), e1 = EstimateWorkerMemory(job, *plan, 1).total();
+  const int64_t gpu_memory = static_cast<int64_t>(std::max(e0, e1) * 1.05);
+  ASSERT_LT(gpu_memory, 2 * std::min(e0, e1));
+  std::vector<v1::WorkerInfo> gpus = Workers(4, gpu_memory);
+  for (int i = 0; i < 4; ++i) {
+    gpus[i].set_host("box");
+    gpus[i].set_device("cuda:" + std::to_string(i));
+    gpus[i].set_device_uuid("GPU-" + std::to_string(i));
+  }
+  EXPECT_TRUE(MakePlan(job, gpus, 1).ok()) << MakePlan(job, gpus, 1).status();  // one GPU each
+
+  for (auto& w : gpus) w.clear_device_uuid();  // no UUIDs: host and cuda:N tell them apart
+  EXPECT_TRUE(MakePlan(job, gpus, 1).ok()) << MakePlan(job, gpus, 1).status();
+
+  // Two containers on one node name one GPU cuda:0 each (and cuda:1 twice).
+  for (int i = 0; i < 4; ++i) {
+    gpus[i].set_host("pod-" + std::to_string(i));
+    gpus[i].set_device("cuda:0");
+    gpus[i].set_device_uuid(i < 2 ? "GPU-a" : "GPU-b");
+  }
+  auto refused = MakePlan(job, gpus, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("2 workers the plan puts on GPU GPU-a"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("more GPUs"), std::string::npos) << refused.status();
 }
 
 TEST(MemoryEstimateTest, WorkersThatReportNoMemoryAreNotChecked) {

@@ -146,9 +146,7 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
       std::vector<const v1::WorkerInfo*> group = take_group();
       for (int tp = 0; tp < d.tp; ++tp) {
         v1::RankAssignment* r = plan.add_ranks();
-        r->set_worker_name(group[tp]->name());
-        r->set_host(group[tp]->host());
-        r->set_device(group[tp]->device());
+        PlaceRank(*group[tp], r);
         r->set_global_rank((dp * d.pp + pp) * d.tp + tp);
         r->set_pp_rank(pp);
         r->set_tp_rank(tp);
@@ -168,11 +166,23 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
   return plan;
 }
 
+void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {
+  r->set_worker_name(w.name());
+  r->set_host(w.host());
+  r->set_device(w.device());
+  r->set_device_uuid(w.device_uuid());
+}
+
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {
   if (job.model().has_synthetic()) return "gloo";  // its tensors live in host memory on every device
-  std::set<std::pair<std::string, std::string>> gpus;
+  // A GPU's UUID names it on every host and in every container; without one,
+  // host and ordinal (two containers on one node with their own host names
+  // and one GPU each look distinct then, and NCCL would refuse them).
+  std::set<std::string> gpus;
   for (const v1::RankAssignment& r : plan.ranks()) {
-    if (!absl::StartsWith(r.device(), "cuda:") || !gpus.emplace(r.host(), r.device()).second) return "gloo";
+    if (!absl::StartsWith(r.device(), "cuda:")) return "gloo";
+    const std::string id = r.device_uuid().empty() ? absl::StrCat(r.host(), "/", r.device()) : r.device_uuid();
+    if (!gpus.insert(id).second) return "gloo";
   }
   return plan.ranks_size() > 0 ? "nccl" : "gloo";
 }

@@ -44,11 +44,17 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
 absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
                                   int64_t generation);
 
+// Puts worker `w` in rank `r`: its name and what the plan knows of where it
+// runs (host, device, GPU UUID). Every placement (planning, replacement,
+// adoption) goes through it, so no field is left behind.
+void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r);
+
 // The data-plane backend of `plan`'s groups: "nccl" when the model is the GPT
 // (a synthetic model's tensors are host memory on any device), every rank is
-// a CUDA device ("cuda:N") and no two ranks share one GPU of one host (NCCL
-// refuses a communicator with a GPU twice, and every group of a generation
-// is split from one communicator over all ranks); otherwise "gloo", which
+// a CUDA device ("cuda:N") and no two ranks share one GPU (NCCL refuses a
+// communicator with a GPU twice, and every group of a generation is split
+// from one communicator over all ranks; GPUs are told apart by their UUID,
+// or by host and cuda:N where a worker registered none); otherwise "gloo", which
 // stages CUDA tensors through host memory. Recomputed whenever ranks change
 // hands.
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan);

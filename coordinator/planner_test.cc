@@ -279,8 +279,13 @@ TEST(PlannerTest, NcclOnlyWhenEveryRankHasAGpuOfItsOwn) {
       auto w = std::find_if(workers.begin(), workers.end(),
                             [&](const v1::WorkerInfo& i) { return i.name() == r.worker_name(); });
       EXPECT_EQ(r.device(), w->device()) << r.worker_name();
+      EXPECT_EQ(r.device_uuid(), w->device_uuid()) << r.worker_name();
     }
     return plan->comm_backend();
+  };
+  auto with_uuids = [](std::vector<v1::WorkerInfo> workers, std::vector<std::string> uuids) {
+    for (size_t i = 0; i < workers.size(); ++i) workers[i].set_device_uuid(uuids[i]);
+    return workers;
   };
   const v1::JobSpec gpt = Job(4, 2, 2, 1);
   // Four GPUs of one host, and two GPUs on each of two hosts: NCCL.
@@ -288,6 +293,15 @@ TEST(PlannerTest, NcclOnlyWhenEveryRankHasAGpuOfItsOwn) {
   EXPECT_EQ(backend(gpt, with_devices({{"a", "cuda:0"}, {"a", "cuda:1"}, {"b", "cuda:0"}, {"b", "cuda:1"}})), "nccl");
   // Two ranks on one GPU (one GPU shared by a pipeline on one machine): Gloo.
   EXPECT_EQ(backend(gpt, with_devices({{"h", "cuda:0"}, {"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cuda:2"}})), "gloo");
+  // Pods with host names of their own on one node: by name four distinct
+  // GPUs, by UUID two of them the same GPU (time-slicing): Gloo. Four UUIDs: NCCL.
+  const auto pods = with_devices({{"p0", "cuda:0"}, {"p1", "cuda:0"}, {"p2", "cuda:0"}, {"p3", "cuda:0"}});
+  EXPECT_EQ(backend(gpt, with_uuids(pods, {"GPU-a", "GPU-b", "GPU-a", "GPU-c"})), "gloo");
+  EXPECT_EQ(backend(gpt, with_uuids(pods, {"GPU-a", "GPU-b", "GPU-c", "GPU-d"})), "nccl");
+  // One host whose workers see their GPUs through different
+  // CUDA_VISIBLE_DEVICES: cuda:0 and cuda:1 may be one GPU; the UUID says so.
+  const auto one_host = with_devices({{"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cuda:2"}, {"h", "cuda:3"}});
+  EXPECT_EQ(backend(gpt, with_uuids(one_host, {"GPU-a", "GPU-a", "GPU-b", "GPU-c"})), "gloo");
   // A CPU or simulated device anywhere: Gloo.
   EXPECT_EQ(backend(gpt, with_devices({{"h", "cuda:0"}, {"h", "cuda:1"}, {"h", "cpu"}, {"h", "cuda:2"}})), "gloo");
   EXPECT_EQ(backend(gpt, with_devices({{"h", "sim:0"}, {"h", "sim:1"}, {"h", "sim:2"}, {"h", "sim:3"}})), "gloo");

@@ -191,18 +191,30 @@ TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
   bad_port.set_http_port(70000);
   v1::RegisterRequest bad_mem = Request("w1");
   bad_mem.set_memory_bytes(-1);
+  v1::RegisterRequest long_uuid = Request("w1", "cuda:0");
+  long_uuid.set_device_uuid(std::string(65, 'a'));
+  v1::RegisterRequest odd_uuid = Request("w1", "cuda:0");
+  odd_uuid.set_device_uuid("GPU-1\n2");
+  v1::RegisterRequest cpu_uuid = Request("w1", "cpu");
+  cpu_uuid.set_device_uuid("GPU-1");
   const Case cases[] = {{Request(""), "name"},          {Request("a b"), "name"},
                         {Request("w", "gpu0"), "device"}, {Request("w", "cuda:"), "device"},
                         {Request("w", "cuda:x"), "device"}, {bad_port, "http_port"},
-                        {bad_mem, "memory_bytes"}};
+                        {bad_mem, "memory_bytes"},        {long_uuid, "device_uuid"},
+                        {odd_uuid, "device_uuid"},        {cpu_uuid, "device_uuid"}};
   for (const Case& c : cases) {
     auto reg = registry_.Register(c.req, absl::Milliseconds(500));
     ASSERT_FALSE(reg.ok()) << c.field;
     EXPECT_EQ(reg.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(reg.status().message().find(c.field), std::string::npos) << reg.status();
   }
-  EXPECT_TRUE(registry_.Register(Request("w-1.a_b", "cuda:7"), absl::Milliseconds(500)).ok());
-  EXPECT_TRUE(registry_.List().size() == 1);
+  v1::RegisterRequest gpu = Request("w-1.a_b", "cuda:7");
+  gpu.set_device_uuid("GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
+  gpu.set_memory_bytes(int64_t{141} << 30);
+  EXPECT_TRUE(registry_.Register(gpu, absl::Milliseconds(500)).ok());
+  ASSERT_TRUE(registry_.List().size() == 1);
+  EXPECT_EQ(registry_.List()[0].device_uuid(), "GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
+  EXPECT_EQ(registry_.List()[0].memory_bytes(), int64_t{141} << 30);
 }
 
 TEST_F(WorkerRegistryTest, CountByStateCountsEachWorkerOnce) {

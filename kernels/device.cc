@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/backend.h"
 
 #ifdef BATON_WITH_CUDA
@@ -40,6 +41,36 @@ absl::Status ProbeCudaDevice(int index) {
 #else
   return absl::UnavailableError(
       absl::StrCat("cuda:", index, " is unavailable: this build of baton has no CUDA support"));
+#endif
+}
+
+std::string FormatGpuUuid(const unsigned char (&bytes)[16]) {
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    absl::StrAppendFormat(&out, "%02x", bytes[i]);
+  }
+  return out;
+}
+
+absl::StatusOr<CudaDeviceInfo> DescribeCudaDevice(int index) {
+  if (absl::Status s = ProbeCudaDevice(index); !s.ok()) return s;
+#ifdef BATON_WITH_CUDA
+  cudaDeviceProp prop{};
+  const cudaError_t err = cudaGetDeviceProperties(&prop, index);
+  if (err != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cuda:", index, " is unavailable: cudaGetDeviceProperties failed: ",
+                                               cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  }
+  unsigned char uuid[16];
+  for (int i = 0; i < 16; ++i) uuid[i] = static_cast<unsigned char>(prop.uuid.bytes[i]);
+  CudaDeviceInfo info;
+  info.uuid = FormatGpuUuid(uuid);
+  info.name = prop.name;
+  info.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  return info;
+#else
+  return absl::InternalError("unreachable: the probe fails without CUDA");
 #endif
 }
 

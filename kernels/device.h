@@ -6,6 +6,8 @@
 //                                  cudaGetDeviceCount (no driver, driver too
 //                                  old, no device), an ordinal past the visible
 //                                  devices, or a build without CUDA.
+//   DescribeCudaDevice(N)          its UUID, name and memory (what the worker
+//                                  registers), or the probe's error.
 //
 // The probe only asks the CUDA runtime; whether a kernel backend for CUDA is
 // linked is kernels::ProbeDevice's question (backend.h). A worker checks both
@@ -13,6 +15,7 @@
 #ifndef BATON_KERNELS_DEVICE_H_
 #define BATON_KERNELS_DEVICE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -27,6 +30,19 @@ namespace baton::kernels {
 absl::StatusOr<Device> ParseDevice(absl::string_view name);
 
 absl::Status ProbeCudaDevice(int index);
+
+// What tells one GPU from another, whatever CUDA_VISIBLE_DEVICES or the
+// container calls it.
+struct CudaDeviceInfo {
+  std::string uuid;  // as nvidia-smi prints it: "GPU-" and 32 hex digits in 8-4-4-4-12 groups
+  std::string name;  // "NVIDIA H200"
+  int64_t memory_bytes = 0;  // the device's total memory
+};
+
+absl::StatusOr<CudaDeviceInfo> DescribeCudaDevice(int index);
+
+// The 16 bytes of a CUDA UUID (cudaUUID_t) in nvidia-smi's form.
+std::string FormatGpuUuid(const unsigned char (&bytes)[16]);
 
 // ProbeCudaDevice for CUDA devices, then ProbeDevice (a backend is linked and
 // accepts the device); OK for the CPU.

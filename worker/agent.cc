@@ -100,6 +100,7 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   req.set_device(options_.device);
   req.set_http_port(options_.http_port);
   req.set_memory_bytes(options_.memory_bytes);
+  req.set_device_uuid(options_.device_uuid);
   req.set_version(kVersion);
   req.set_pid(getpid());
   if (options_.describe) options_.describe(&req);

@@ -43,6 +43,7 @@ class WorkerAgent {
     std::string device = "cpu";
     int http_port = 0;
     int64_t memory_bytes = 0;
+    std::string device_uuid;  // the GPU's UUID (kernels::DescribeCudaDevice); empty for cpu or unknown
     absl::Duration rpc_timeout = absl::Seconds(5);
     absl::Duration backoff_min = absl::Milliseconds(100);
     absl::Duration backoff_max = absl::Seconds(2);

@@ -21,6 +21,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_credentials.h"
 #include "common/join_token.h"
@@ -31,6 +32,7 @@
 #include "common/version.h"
 #include "common/worker_identity.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/device.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "worker/agent.h"
@@ -97,6 +99,27 @@ std::string Hostname() {
   char buf[256] = {};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
   return buf;
+}
+
+// What the worker registers of the memory it computes in: the GPU's memory
+// and UUID for cuda:N (0 and none when the GPU cannot be asked: the planner
+// then skips the memory check, and a job on it fails Configure naming the
+// cause), the host's RAM otherwise.
+void DescribeDevice(const std::string& device, WorkerAgent::Options* options) {
+  absl::StatusOr<kernels::Device> parsed = kernels::ParseDevice(device);
+  if (parsed.ok() && parsed->type == kernels::DeviceType::kCuda) {
+    absl::StatusOr<kernels::CudaDeviceInfo> info = kernels::DescribeCudaDevice(parsed->index);
+    if (!info.ok()) {
+      BATON_LOG(WARNING) << info.status().message() << "; registering its memory as unknown";
+      return;
+    }
+    options->memory_bytes = info->memory_bytes;
+    options->device_uuid = info->uuid;
+    BATON_LOG(INFO) << device << " is " << info->name << " " << info->uuid << " with "
+                    << absl::StrFormat("%.1f GiB", info->memory_bytes / 1073741824.0);
+    return;
+  }
+  options->memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
 }
 
 int Main() {
@@ -213,7 +236,7 @@ int Main() {
   options.name = name;
   options.host = Hostname();
   options.device = device;
-  options.memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  DescribeDevice(device, &options);
   std::unique_ptr<WorkerAgent> agent;
   auto ops = OpsServer::Start(*http_listen, metrics, [&agent]() {
     return agent ? agent->Readiness() : absl::UnavailableError("starting");

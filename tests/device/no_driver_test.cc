@@ -109,6 +109,11 @@ TEST(NoDriverTest, CudaWorkerFailsConfigureWithTheCauseAndStaysUp) {
   EXPECT_EQ(workers.workers(0).name(), "w0");
   EXPECT_EQ(workers.workers(0).device(), "cuda:0");
   EXPECT_NE(workers.workers(0).state(), v1::LOST);
+  // Its GPU could not be asked: memory unknown (the planner's check skips
+  // it), no UUID; never the host's RAM passed off as the GPU's memory.
+  EXPECT_EQ(workers.workers(0).memory_bytes(), 0);
+  EXPECT_EQ(workers.workers(0).device_uuid(), "");
+  EXPECT_TRUE(absl::StrContains(worker.Log(), "registering its memory as unknown")) << worker.Log();
 
   // cuBLASLt is opened by the first GEMM handle, never at start or by a job
   // that failed before it computed: loading it costs ~150 MB per process.
