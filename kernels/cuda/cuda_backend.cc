@@ -131,9 +131,14 @@ absl::StatusOr<void*> Scratch(StreamState& state, size_t bytes) {
 
 absl::StatusOr<CublasLtGemm*> Gemm(StreamState& state) {
   if (state.gemm != nullptr) return state.gemm.get();
-  absl::StatusOr<void*> ws = kernels::AllocateDevice(Device::Cuda(state.device), kLtWorkspaceBytes);
-  if (!ws.ok()) return ws.status();
-  state.workspace = *ws;
+  // Allocated once: a handle that fails to build (no libcublasLt) must not
+  // cost another workspace at every GEMM of the step.
+  if (state.workspace == nullptr) {
+    absl::StatusOr<void*> ws =
+        kernels::AllocateDevice(Device::Cuda(state.device), kLtWorkspaceBytes);
+    if (!ws.ok()) return ws.status();
+    state.workspace = *ws;
+  }
   absl::StatusOr<std::unique_ptr<CublasLtGemm>> g =
       CublasLtGemm::CreateWithWorkspace(state.workspace, kLtWorkspaceBytes);
   if (!g.ok()) return g.status();
