@@ -432,7 +432,26 @@ void Linear(const ExecContext& ctx, const Tensor& out, const Tensor& x, const Te
     g.bias = bias.address();
     g.bias_type = GemmType("Linear", bias);
   }
-  RunGemm(st, "Linear", g, Native(ctx));
+  absl::StatusOr<CublasLtGemm*> gemm = Gemm(st);
+  if (!gemm.ok()) return Note(st, "Linear", gemm.status());
+  absl::Status s = (*gemm)->Run(g, Native(ctx));
+  if (absl::IsUnimplemented(s) && g.epilogue == GemmEpilogue::kBias &&
+      g.c_type == GemmDType::kBF16 && g.bias_type == GemmDType::kF32) {
+    // No bf16-output kernel takes the fp32 bias: the same sum into fp32
+    // scratch, then one rounding to bf16 (plan.h WithFp32BiasOutput).
+    const size_t bytes = static_cast<size_t>(n) * static_cast<size_t>(o) * sizeof(float);
+    absl::StatusOr<void*> scratch = Scratch(st, bytes);
+    if (!scratch.ok()) return Note(st, "Linear", scratch.status());
+    absl::StatusOr<GemmArgs> wide = WithFp32BiasOutput(g, *scratch);
+    if (!wide.ok()) return Note(st, "Linear", wide.status());
+    s = (*gemm)->Run(*wide, Native(ctx));
+    if (s.ok()) {
+      s = CudaStatus(LaunchCastF32ToBf16(out.data<__nv_bfloat16>(),
+                                         static_cast<const float*>(*scratch), n * o, Native(ctx)),
+                     "LaunchCastF32ToBf16", __FILE__, __LINE__);
+    }
+  }
+  Note(st, "Linear", s);
 }
 
 void LinearBackwardInput(const ExecContext& ctx, const Tensor& dx, const Tensor& dout,

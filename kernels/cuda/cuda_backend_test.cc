@@ -221,6 +221,34 @@ TEST_F(CudaBackendTest, Bf16LinearThroughCastsStaysWithinBf16Rounding) {
   EXPECT_LE(MaxRel(Down(y32), want), 2e-2);
 }
 
+// The qkv projection in bf16: bf16 x and W, the fp32 master bias, a bf16
+// output; against the CPU backend's bf16 reference (fp32 sum with the bias,
+// one rounding), whichever way cuBLASLt runs it (fused bias, or the fp32
+// output form and a cast).
+TEST_F(CudaBackendTest, Bf16LinearWithAnFp32BiasIntoBf16MatchesTheCpuBackend) {
+  const int64_t N = 64, I = 96, O = 3 * 96;
+  const Tensor x = HostRandom({N, I}, 17), w = HostRandom({O, I}, 18, 0.2f);
+  const Tensor bias = HostRandom({O}, 19);
+  Tensor x16 = Tensor::Zeros({N, I}, DType::kBFloat16), w16 = Tensor::Zeros({O, I}, DType::kBFloat16);
+  kernels::Cast(ExecContext::Host(), x16, x);
+  kernels::Cast(ExecContext::Host(), w16, w);
+  Tensor want16 = Tensor::Zeros({N, O}, DType::kBFloat16), want = Tensor::Zeros({N, O});
+  kernels::Linear(want16, x16, w16, bias);
+  kernels::Cast(ExecContext::Host(), want, want16);
+  Tensor d_x16 = Up(x16), d_w16 = Up(w16), d_bias = Up(bias);
+  for (int run = 0; run < 2; ++run) {  // the second run takes the remembered path
+    absl::StatusOr<Tensor> y16 = kernels::ZerosOn(Device::Cuda(0), {N, O}, DType::kBFloat16);
+    ASSERT_TRUE(y16.ok());
+    kernels::Linear(ctx_, *y16, d_x16, d_w16, d_bias);
+    Tensor y32 = Up(Tensor::Zeros({N, O}));
+    kernels::Cast(ctx_, y32, *y16);
+    const absl::Status synced = stream_->Synchronize();
+    ASSERT_TRUE(synced.ok()) << synced;
+    // Both round the same fp32 sums once; only the summation order differs.
+    EXPECT_LE(MaxRel(Down(y32), want), 8e-3) << "run " << run;
+  }
+}
+
 TEST_F(CudaBackendTest, EventsTimeTheStreamsWork) {
   absl::StatusOr<std::unique_ptr<kernels::Event>> start = kernels::Event::Create(Device::Cuda(0));
   absl::StatusOr<std::unique_ptr<kernels::Event>> end = kernels::Event::Create(Device::Cuda(0));

@@ -1,5 +1,6 @@
 #include "kernels/cuda/gemm.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -111,6 +112,10 @@ absl::Status CublasLtGemm::Run(const GemmArgs& args, cudaStream_t stream) {
   if (!key_or.ok()) return key_or.status();
   const GemmKey& key = *key_or;
   const LtGemm& lt = key.shape;
+  if (cache_.IsUnsupported(key)) {
+    return absl::UnimplementedError(
+        absl::StrCat("cuBLASLt has no algorithm for ", GemmKeyToString(key)));
+  }
 
   Descriptors d;
   BATON_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), &key);
@@ -185,13 +190,21 @@ absl::Status CublasLtGemm::Run(const GemmArgs& args, cudaStream_t stream) {
         &key);
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
-    BATON_LT_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c,
-                                                            d.pref, 1, &result, &found),
-                             &key);
-    if (found == 0) {
+    const cublasStatus_t heuristic = cublasLtMatmulAlgoGetHeuristic(
+        handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &found);
+    // No algorithm for this combination (e.g. a bias type other than the
+    // output's): UNIMPLEMENTED, remembered, so that a caller with another
+    // form of the problem (plan.h WithFp32BiasOutput) takes it every time.
+    if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || heuristic == CUBLAS_STATUS_INVALID_VALUE ||
+        (heuristic == CUBLAS_STATUS_SUCCESS && found == 0)) {
+      cache_.MarkUnsupported(key);
+      const std::string status = heuristic == CUBLAS_STATUS_SUCCESS
+                                     ? ""
+                                     : absl::StrCat(" (", cublasLtGetStatusName(heuristic), ")");
       return absl::UnimplementedError(
-          absl::StrCat("cuBLASLt has no algorithm for ", GemmKeyToString(key)));
+          absl::StrCat("cuBLASLt has no algorithm for ", GemmKeyToString(key), status));
     }
+    BATON_LT_RETURN_IF_ERROR(heuristic, &key);
     absl::Status inserted = cache_.Insert(key, result.algo);
     if (!inserted.ok()) return inserted;
     chosen = result.algo;

@@ -45,7 +45,9 @@ class CublasLtGemm {
   CublasLtGemm(const CublasLtGemm&) = delete;
   CublasLtGemm& operator=(const CublasLtGemm&) = delete;
 
-  // Enqueues the GEMM on `stream`. Errors name the problem (GemmKeyToString).
+  // Enqueues the GEMM on `stream`. Errors name the problem (GemmKeyToString);
+  // UNIMPLEMENTED when cuBLASLt has no algorithm for it (a verdict kept per
+  // key: later calls answer at once).
   absl::Status Run(const GemmArgs& args, cudaStream_t stream);
 
   int64_t cache_hits() const { return cache_.hits(); }

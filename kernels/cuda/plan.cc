@@ -225,8 +225,11 @@ std::string GemmKeyToString(const GemmKey& k) {
                       s.trans_b ? " B^T" : "", " ld=", s.lda, "/", s.ldb, "/", s.ldc,
                       " batch=", s.batch, " ab=", k.ab_type == GemmDType::kBF16 ? "bf16" : "f32",
                       " c=", k.c_type == GemmDType::kBF16 ? "bf16" : "f32",
-                      " epilogue=", static_cast<int>(k.epilogue), " beta=", k.accumulate ? 1 : 0,
-                      " align=", static_cast<int>(k.alignment));
+                      " epilogue=", static_cast<int>(k.epilogue),
+                      k.epilogue == GemmEpilogue::kBias || k.epilogue == GemmEpilogue::kGeluAuxBias
+                          ? (k.bias_type == GemmDType::kBF16 ? " bias=bf16" : " bias=f32")
+                          : "",
+                      " beta=", k.accumulate ? 1 : 0, " align=", static_cast<int>(k.alignment));
 }
 
 absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
@@ -281,6 +284,25 @@ absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args) {
   key.aux_type = wants_aux ? args.aux_type : GemmDType::kF32;
   key.bias_type = wants_bias ? args.bias_type : GemmDType::kF32;
   return key;
+}
+
+absl::StatusOr<GemmArgs> WithFp32BiasOutput(const GemmArgs& args, void* fp32_out) {
+  if (args.epilogue != GemmEpilogue::kBias || args.bias == nullptr ||
+      args.bias_type != GemmDType::kF32 || args.c_type != GemmDType::kBF16) {
+    return absl::InvalidArgumentError(
+        "the fp32-output form is for a bias epilogue with an fp32 bias and a bf16 output");
+  }
+  if (args.shape.batch != 1 || args.shape.ldc != args.shape.n || args.beta != 0.0f ||
+      fp32_out == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the fp32-output form needs one contiguous output that it overwrites (batch=",
+        args.shape.batch, ", ldc=", args.shape.ldc, ", n=", args.shape.n, ", beta=", args.beta,
+        ") and a buffer for it"));
+  }
+  GemmArgs g = args;
+  g.c_type = GemmDType::kF32;
+  g.c = fp32_out;
+  return g;
 }
 
 }  // namespace baton::cuda

@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/bfloat16.h"
@@ -208,8 +209,16 @@ class GemmAlgoCache {
   int64_t hits() const { return hits_; }
   int64_t misses() const { return misses_; }
 
+  // Problems the heuristic found no algorithm for, remembered (up to
+  // kMaxEntries) so that a caller with a fallback does not ask again per call.
+  void MarkUnsupported(const GemmKey& key) {
+    if (unsupported_.size() < kMaxEntries) unsupported_.insert(key);
+  }
+  bool IsUnsupported(const GemmKey& key) const { return unsupported_.contains(key); }
+
  private:
   absl::flat_hash_map<GemmKey, Algo> map_;
+  absl::flat_hash_set<GemmKey> unsupported_;
   int64_t hits_ = 0;
   int64_t misses_ = 0;
 };
@@ -236,6 +245,17 @@ struct GemmArgs {
 // operands, epilogue without its bias/aux, aux_ld not a multiple of 8, fp32
 // inputs with bf16 output) and returns the key; host-only.
 absl::StatusOr<GemmKey> MakeGemmKey(const GemmArgs& args);
+
+// cuBLASLt documents a bias epilogue's vector as having the output's type
+// (int8 and fp8 kernels aside), so a bf16 output with an fp32 bias — the
+// model's qkv projection: bf16 activations, fp32 master bias — may have no
+// algorithm (CublasLtGemm::Run then says UNIMPLEMENTED). This is the same
+// problem with an fp32 output into `fp32_out` (contiguous [m, n]), which
+// cuBLASLt supports; casting that to bf16 rounds once, as the fused epilogue
+// would (fp32 sum plus bias, one rounding) and as the CPU reference does.
+// INVALID_ARGUMENT unless `args` is such a GEMM (bias epilogue with an fp32
+// bias, bf16 output, not batched, ldc = n, β = 0).
+absl::StatusOr<GemmArgs> WithFp32BiasOutput(const GemmArgs& args, void* fp32_out);
 
 
 // ----------------------------------------------------------------- bfloat16

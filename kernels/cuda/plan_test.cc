@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -327,7 +328,7 @@ TEST(GemmAlgoCacheTest, SameProblemHitsAndEveryDistinguishingFieldMisses) {
   ASSERT_NE(hit, nullptr);
   EXPECT_EQ(*hit, 7);
 
-  std::vector<GemmKey> variants(9, base);
+  std::vector<GemmKey> variants(11, base);
   variants[0].shape = KeyFor(LinearForwardGemm(1024, 768, 768)).shape;
   variants[1].shape = KeyFor(LinearBackwardInputGemm(1024, 2304, 768)).shape;  // same m,n,k; ops differ
   variants[2].ab_type = GemmDType::kBF16;
@@ -338,12 +339,78 @@ TEST(GemmAlgoCacheTest, SameProblemHitsAndEveryDistinguishingFieldMisses) {
   variants[7].aux_ld = 2304;
   variants[8].shape.batch = 2;
   variants[8].shape.stride_c = 1;
+  variants[9].bias_type = GemmDType::kBF16;  // the bias's type changes the kernel too
+  variants[10].aux_type = GemmDType::kBF16;
   for (size_t i = 0; i < variants.size(); ++i) {
     EXPECT_FALSE(variants[i] == base) << i;
     EXPECT_EQ(cache.Find(variants[i]), nullptr) << "variant " << i << " " << GemmKeyToString(variants[i]);
   }
   EXPECT_EQ(cache.hits(), 1);
-  EXPECT_EQ(cache.misses(), 9);
+  EXPECT_EQ(cache.misses(), 11);
+}
+
+TEST(GemmAlgoCacheTest, RemembersProblemsWithoutAnAlgorithmApartFromTheirVariants) {
+  GemmAlgoCache<int> cache;
+  GemmKey bf16_out = KeyFor(LinearForwardGemm(1024, 768, 2304));
+  bf16_out.ab_type = GemmDType::kBF16;
+  bf16_out.c_type = GemmDType::kBF16;
+  bf16_out.epilogue = GemmEpilogue::kBias;
+  GemmKey fp32_out = bf16_out;
+  fp32_out.c_type = GemmDType::kF32;
+  EXPECT_FALSE(cache.IsUnsupported(bf16_out));
+  cache.MarkUnsupported(bf16_out);
+  EXPECT_TRUE(cache.IsUnsupported(bf16_out));
+  EXPECT_FALSE(cache.IsUnsupported(fp32_out)) << "the fp32-output form is asked on its own";
+  EXPECT_EQ(cache.Find(bf16_out), nullptr);
+  EXPECT_EQ(cache.size(), 0u) << "a verdict is not an algorithm";
+  EXPECT_NE(GemmKeyToString(bf16_out).find("bias=f32"), std::string::npos)
+      << GemmKeyToString(bf16_out);
+}
+
+TEST(WithFp32BiasOutputTest, ThePlainProblemIntoAnFp32BufferOrAClearRefusal) {
+  alignas(256) static float buf[4096];
+  GemmArgs g;
+  g.shape = LinearForwardGemm(16, 32, 48);  // qkv-like: out [16, 48] = x [16, 32] · Wᵀ + b
+  g.ab_type = GemmDType::kBF16;
+  g.c_type = GemmDType::kBF16;
+  g.a = buf;
+  g.b = buf + 1024;
+  g.c = buf + 2048;
+  g.epilogue = GemmEpilogue::kBias;
+  g.bias = buf + 3072;
+  g.bias_type = GemmDType::kF32;
+  absl::StatusOr<GemmArgs> wide = WithFp32BiasOutput(g, buf + 3584);
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  EXPECT_EQ(wide->c_type, GemmDType::kF32);
+  EXPECT_EQ(wide->c, buf + 3584);
+  EXPECT_EQ(wide->ab_type, GemmDType::kBF16);
+  EXPECT_EQ(wide->a, g.a);
+  EXPECT_EQ(wide->b, g.b);
+  EXPECT_EQ(wide->bias, g.bias);
+  EXPECT_EQ(wide->bias_type, GemmDType::kF32);
+  EXPECT_EQ(wide->epilogue, GemmEpilogue::kBias);
+  EXPECT_EQ(wide->shape.ldc, 48) << "contiguous: the cast reads m·n floats";
+  absl::StatusOr<GemmKey> wide_key = MakeGemmKey(*wide);
+  ASSERT_TRUE(wide_key.ok()) << wide_key.status();
+  EXPECT_FALSE(*wide_key == *MakeGemmKey(g));
+
+  GemmArgs bad = g;
+  bad.c_type = GemmDType::kF32;  // already fp32: nothing to do
+  EXPECT_EQ(WithFp32BiasOutput(bad, buf).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = g;
+  bad.bias_type = GemmDType::kBF16;  // the bias already has the output's type
+  EXPECT_FALSE(WithFp32BiasOutput(bad, buf).ok());
+  bad = g;
+  bad.epilogue = GemmEpilogue::kNone;
+  bad.bias = nullptr;
+  EXPECT_FALSE(WithFp32BiasOutput(bad, buf).ok());
+  bad = g;
+  bad.shape.ldc = 64;  // padded rows: the cast would read the padding
+  EXPECT_FALSE(WithFp32BiasOutput(bad, buf).ok());
+  bad = g;
+  bad.beta = 1.0f;  // would read the scratch as C
+  EXPECT_FALSE(WithFp32BiasOutput(bad, buf).ok());
+  EXPECT_FALSE(WithFp32BiasOutput(g, nullptr).ok());
 }
 
 TEST(GemmAlgoCacheTest, IsBoundedAndSaysWhichShapeOverflowed) {
