@@ -604,6 +604,13 @@ TEST_F(CudaOpsTest, ElementwiseOpsAndCastsMatchTheCpu) {
   cpu::GeluBackward(want.data(), x.data(), y.data(), n);
   ASSERT_EQ(LaunchGeluBackward(d_out.get(), d_x.get(), d_y.get(), n, stream_), cudaSuccess);
   EXPECT_LE(MaxRelError(d_out.Download(), want), 1e-5);
+  {  // in place (dinp = dout), as the model's MLP backward calls it: the same bits
+    const std::vector<float> out_of_place = d_out.Download();
+    Dev<float> d_inplace(y);
+    ASSERT_EQ(LaunchGeluBackward(d_inplace.get(), d_x.get(), d_inplace.get(), n, stream_),
+              cudaSuccess);
+    EXPECT_TRUE(Bitwise(d_inplace.Download(), out_of_place));
+  }
 
   cpu::ResidualForward(want.data(), x.data(), y.data(), n);
   ASSERT_EQ(LaunchResidualForward(d_out.get(), d_x.get(), d_y.get(), n, stream_), cudaSuccess);

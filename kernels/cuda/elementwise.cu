@@ -18,8 +18,9 @@ __global__ void GeluForwardKernel(float* __restrict__ out, const float* __restri
   }
 }
 
-__global__ void GeluBackwardKernel(float* __restrict__ dinp, const float* __restrict__ inp,
-                                   const float* __restrict__ dout, int64_t n) {
+// dinp may alias dout (the model computes dh in place): neither is __restrict__.
+__global__ void GeluBackwardKernel(float* dinp, const float* __restrict__ inp, const float* dout,
+                                   int64_t n) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
     const float x = inp[i];
     const float u = kSqrt2OverPi * (x + kCubic * x * x * x);

@@ -17,6 +17,7 @@
 namespace baton::cuda {
 
 cudaError_t LaunchGeluForward(float* out, const float* inp, int64_t n, cudaStream_t stream);
+// `dinp` may be `dout` (in place, as worker/model/gpt_stage.cc calls it).
 cudaError_t LaunchGeluBackward(float* dinp, const float* inp, const float* dout, int64_t n,
                                cudaStream_t stream);
 cudaError_t LaunchResidualForward(float* out, const float* a, const float* b, int64_t n,
