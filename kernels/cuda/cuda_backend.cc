@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/call_once.h"
 #include "absl/base/thread_annotations.h"
@@ -50,6 +52,11 @@ struct StreamState {
   void* workspace = nullptr;
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
+  // Scratch buffers outgrown (step 1 only: sizes repeat from step to step),
+  // freed with the stream: a cudaFree now would wait for the whole device,
+  // i.e. for an NCCL kernel or a host function on another stream that waits
+  // for a peer, which may wait for work this thread has yet to enqueue.
+  std::vector<std::pair<void*, size_t>> retired;
   // The first failure of an op on this stream. Ops enqueue from one thread,
   // but Record / StreamWait on this stream may come from another.
   absl::Mutex mu;
@@ -113,12 +120,13 @@ void Note(StreamState& state, const char* op, cudaError_t err) {
   if (err != cudaSuccess) Note(state, op, CudaStatus(err, op, __FILE__, __LINE__));
 }
 
-// The stream's scratch, grown to at least `bytes`. Growing frees the old
-// buffer first: cudaFree waits for the device, so work still using it is done.
+// The stream's scratch, grown to at least `bytes`. The outgrown buffer is
+// retired, not freed (StreamState::retired): work enqueued on this stream may
+// still use it, and cudaFree would wait for the whole device.
 absl::StatusOr<void*> Scratch(StreamState& state, size_t bytes) {
   if (bytes <= state.scratch_bytes) return state.scratch;
   const Device device = Device::Cuda(state.device);
-  kernels::FreeDevice(device, state.scratch, state.scratch_bytes);
+  if (state.scratch != nullptr) state.retired.emplace_back(state.scratch, state.scratch_bytes);
   state.scratch = nullptr;
   state.scratch_bytes = 0;
   const size_t rounded = (bytes + (size_t{1} << 20) - 1) & ~((size_t{1} << 20) - 1);
@@ -213,6 +221,7 @@ void DestroyStream(int index, void* native) {
     const Device device = Device::Cuda(index);
     kernels::FreeDevice(device, state->workspace, kLtWorkspaceBytes);
     kernels::FreeDevice(device, state->scratch, state->scratch_bytes);
+    for (const auto& [p, bytes] : state->retired) kernels::FreeDevice(device, p, bytes);
   }
   cudaStreamDestroy(stream);
 }
