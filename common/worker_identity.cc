@@ -18,6 +18,17 @@ absl::Status ValidateWorkerName(const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateHostName(const std::string& host) {
+  if (host.empty() || host.size() > 253) return absl::InvalidArgumentError("host must be 1..253 characters");
+  for (char c : host) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host '", host, "' may only hold letters, digits, '-', '_' and '.' (a DNS name)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 bool IsValidGpuUuid(const std::string& uuid) {
   if (uuid.size() > 64) return false;
   for (char c : uuid) {

@@ -1,4 +1,4 @@
-// What names a worker: its --name and --device, checked the same way by the
+// What names a worker: its --name, --host and --device, checked the same way by the
 // worker's flags and the coordinator's Register (shared by both binaries).
 #ifndef BATON_COMMON_WORKER_IDENTITY_H_
 #define BATON_COMMON_WORKER_IDENTITY_H_
@@ -19,6 +19,11 @@ bool IsValidGpuUuid(const std::string& uuid);
 
 // 1..128 of [A-Za-z0-9._-]; INVALID_ARGUMENT saying so otherwise.
 absl::Status ValidateWorkerName(const std::string& name);
+
+// The machine a worker registers (--host; its hostname by default): 1..253
+// of [A-Za-z0-9._-] (a DNS name, e.g. a Kubernetes node name);
+// INVALID_ARGUMENT saying so otherwise.
+absl::Status ValidateHostName(const std::string& host);
 
 }  // namespace baton
 

@@ -31,5 +31,17 @@ TEST(WorkerIdentityTest, NamesAreBoundedAndPlain) {
   EXPECT_FALSE(ValidateWorkerName("a/b").ok());
 }
 
+TEST(WorkerIdentityTest, HostsAreDnsNames) {
+  EXPECT_TRUE(ValidateHostName("gpu-node-17.us-east1.internal").ok());
+  EXPECT_TRUE(ValidateHostName(std::string(253, 'a')).ok());
+  EXPECT_FALSE(ValidateHostName("").ok());
+  EXPECT_FALSE(ValidateHostName(std::string(254, 'a')).ok());
+  const absl::Status bad = ValidateHostName("node 1");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("DNS name"), std::string::npos) << bad;
+  EXPECT_FALSE(ValidateHostName("a/b").ok());
+  EXPECT_FALSE(ValidateHostName(std::string("a\0b", 3)).ok());
+}
+
 }  // namespace
 }  // namespace baton

@@ -18,6 +18,9 @@ absl::Status ValidateRequest(const v1::RegisterRequest& r) {
   if (absl::Status s = ValidateWorkerName(r.name()); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("Register: ", s.message()));
   }
+  if (absl::Status s = ValidateHostName(r.host()); !s.ok() && !r.host().empty()) {  // empty: one unnamed host
+    return absl::InvalidArgumentError(absl::StrCat("Register: ", s.message()));
+  }
   if (!IsValidDevice(r.device())) {
     return absl::InvalidArgumentError(
         absl::StrCat("Register: device '", r.device(), "' must be \"cpu\" or \"cuda:N\""));

@@ -195,13 +195,18 @@ TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
   long_uuid.set_device_uuid(std::string(65, 'a'));
   v1::RegisterRequest odd_uuid = Request("w1", "cuda:0");
   odd_uuid.set_device_uuid("GPU-1\n2");
+  v1::RegisterRequest long_host = Request("w1");
+  long_host.set_host(std::string(254, 'h'));
+  v1::RegisterRequest odd_host = Request("w1");
+  odd_host.set_host("node 1");
   v1::RegisterRequest cpu_uuid = Request("w1", "cpu");
   cpu_uuid.set_device_uuid("GPU-1");
   const Case cases[] = {{Request(""), "name"},          {Request("a b"), "name"},
                         {Request("w", "gpu0"), "device"}, {Request("w", "cuda:"), "device"},
                         {Request("w", "cuda:x"), "device"}, {bad_port, "http_port"},
                         {bad_mem, "memory_bytes"},        {long_uuid, "device_uuid"},
-                        {odd_uuid, "device_uuid"},        {cpu_uuid, "device_uuid"}};
+                        {odd_uuid, "device_uuid"},        {cpu_uuid, "device_uuid"},
+                        {long_host, "host"},                {odd_host, "host"}};
   for (const Case& c : cases) {
     auto reg = registry_.Register(c.req, absl::Milliseconds(500));
     ASSERT_FALSE(reg.ok()) << c.field;

@@ -36,6 +36,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "worker/agent.h"
+#include "worker/host_memory.h"
 #include "worker/worker_job.h"
 
 ABSL_FLAG(std::string, coordinator, "", "coordinator gRPC address HOST:PORT (required)");
@@ -47,6 +48,10 @@ ABSL_FLAG(std::vector<std::string>, output_dir, {},
           "comma-separated list for several; symlinks and '..' resolved). Empty (the default): this worker saves "
           "nothing, and a job that asks it to fails naming the path");
 ABSL_FLAG(std::string, device, "cpu", "\"cpu\" or \"cuda:N\"");
+ABSL_FLAG(std::string, host, "",
+          "the machine this worker runs on, as the planner sees it (default: the hostname): a TP group is placed "
+          "on one host, and CPU workers of one host share its memory. In a container set it to the node's name "
+          "(Kubernetes: spec.nodeName) so TP groups stay within a node");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address for health and reflection (port 0 picks one)");
 ABSL_FLAG(std::string, health_listen, "",
           "plaintext gRPC address serving only grpc.health.v1, mirroring the main port's health (for "
@@ -104,7 +109,8 @@ std::string Hostname() {
 // What the worker registers of the memory it computes in: the GPU's memory
 // and UUID for cuda:N (0 and none when the GPU cannot be asked: the planner
 // then skips the memory check, and a job on it fails Configure naming the
-// cause), the host's RAM otherwise.
+// cause), the host's RAM (or the container's memory limit, when lower)
+// otherwise.
 void DescribeDevice(const std::string& device, WorkerAgent::Options* options) {
   absl::StatusOr<kernels::Device> parsed = kernels::ParseDevice(device);
   if (parsed.ok() && parsed->type == kernels::DeviceType::kCuda) {
@@ -119,7 +125,8 @@ void DescribeDevice(const std::string& device, WorkerAgent::Options* options) {
                     << absl::StrFormat("%.1f GiB", info->memory_bytes / 1073741824.0);
     return;
   }
-  options->memory_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  options->memory_bytes = UsableHostMemory(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE),
+                                           DefaultCgroupMemoryLimitFiles());
 }
 
 int Main() {
@@ -147,6 +154,11 @@ int Main() {
       : OffsetListen(absl::GetFlag(FLAGS_health_listen), "health_listen", absl::GetFlag(FLAGS_port_offset));
   if (!health_listen.ok()) return Fail(2, std::string(health_listen.status().message()));
   if (absl::GetFlag(FLAGS_keepalive_ms) < 1000) return Fail(2, "--keepalive_ms must be >= 1000");
+  if (!absl::GetFlag(FLAGS_host).empty()) {
+    if (absl::Status s = ValidateHostName(absl::GetFlag(FLAGS_host)); !s.ok()) {
+      return Fail(2, absl::StrCat("--host: ", s.message()));
+    }
+  }
   if (!absl::GetFlag(FLAGS_name).empty()) {
     if (absl::Status s = ValidateWorkerName(absl::GetFlag(FLAGS_name)); !s.ok()) {
       return Fail(2, absl::StrCat("--name: ", s.message()));
@@ -234,7 +246,7 @@ int Main() {
   WorkerAgent::Options options;
   options.coordinator = coordinator;
   options.name = name;
-  options.host = Hostname();
+  options.host = absl::GetFlag(FLAGS_host).empty() ? Hostname() : absl::GetFlag(FLAGS_host);
   options.device = device;
   DescribeDevice(device, &options);
   std::unique_ptr<WorkerAgent> agent;

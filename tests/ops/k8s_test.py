@@ -198,6 +198,9 @@ def check_objects(where, objs, overlay):
                 if overlay == "gpu":
                     if gpus != "1" or flags.get("device") != "cuda:0":
                         fail(cw, f"GPU workers need nvidia.com/gpu: 1 and --device=cuda:0 (have {gpus}, {flags.get('device')})")
+                    if flags.get("host") != "$(NODE_NAME)" or \
+                            env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
+                        fail(cw, "GPU workers need --host=$(NODE_NAME) from spec.nodeName (TP groups on one node)")
                     tolerated = any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", []))
                     if not tolerated or not any("nvidia.com" in k for k in spec.get("nodeSelector", {})):
                         fail(cw, "GPU workers need a nodeSelector and a toleration for GPU nodes")
@@ -338,7 +341,8 @@ def smoke(where, objs, work):
         out = []
         for a in args:
             flag, _, value = a.partition("=")
-            value = value.replace("$(POD_NAME)", "baton-worker-0").replace("$(POD_IP)", "127.0.0.1")
+            value = value.replace("$(POD_NAME)", "baton-worker-0").replace("$(POD_IP)", "127.0.0.1") \
+                .replace("$(NODE_NAME)", "node-0")
             if flag in ("--listen", "--http_listen", "--health_listen"):
                 value = value.rsplit(":", 1)[0] + ":0"
             elif flag == "--tls_cert":
