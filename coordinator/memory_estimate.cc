@@ -14,13 +14,47 @@ namespace {
 
 constexpr double kFloat = 4;
 
+// What attention keeps per block and microbatch (kernels::AttentionBuffersFor,
+// which the worker's GptStage allocates): the probabilities P [B,H',T,T] in
+// the GEMM inputs' precision, and on CPU and simulated devices T·T floats of
+// backward scratch (CUDA uses its stream's scratch).
+//
+// An upper bound on CUDA with bf16: there cuDNN's fused attention, when
+// libcudnn loads on the worker, keeps only the softmax statistics and a copy
+// of the output (B·H'·T·4 + B·T·C'·2 bytes: 1.5 MiB per sequence and layer
+// for GPT-2 small instead of P's 24 MiB); without cuDNN the same worker runs
+// the GEMM + softmax path and keeps P. The coordinator cannot know which (the
+// worker does not report it), and a fit check must not under-count, so it
+// counts P.
+struct AttentionTerms {
+  double p_element_bytes = kFloat;
+  bool backward_scratch = true;
+};
+
+AttentionTerms AttentionTermsFor(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
+  AttentionTerms t;
+  if (job.train().precision() == "bf16") t.p_element_bytes = 2;
+  // Scratch unless every rank of this stage is known to be a CUDA device.
+  bool all_cuda = false;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    if (r.pp_rank() != pp_rank) continue;
+    if (!absl::StartsWith(r.device(), "cuda")) return t;
+    all_cuda = true;
+  }
+  t.backward_scratch = !all_cuda;
+  return t;
+}
+
 // Bytes of one microbatch's arena for one transformer block (forward stash
 // plus backward temporaries; see GptStage::BlockForward / BlockBackward*).
-double BlockActivationBytes(double n, double b, double s, double c, double heads, double tp) {
+double BlockActivationBytes(double n, double b, double s, double c, double heads, double tp,
+                            const AttentionTerms& att) {
   const double cl = c / tp, fl = 4 * c / tp, h = heads / tp;
-  const double forward = 6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl + b * h * s * s;
-  const double backward = 3 * n * c + n * fl + 4 * n * cl + s * s;
-  return kFloat * (forward + backward);
+  const double forward = kFloat * (6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl);
+  const double backward = kFloat * (3 * n * c + n * fl + 4 * n * cl);
+  const double attention =
+      att.p_element_bytes * b * h * s * s + (att.backward_scratch ? kFloat * s * s : 0);
+  return forward + backward + attention;
 }
 
 }  // namespace
@@ -55,6 +89,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double b = job.train().micro_batch_size(), n = b * s;
   const double block_params = 6 * c + (12 * c * c + 7 * c) / tp;
   double params = 0, max_chunk_activations = 0;
+  const AttentionTerms att = AttentionTermsFor(job, plan, pp_rank);
   for (int chunk = pp_rank; chunk < stages; chunk += d.pp) {
     double layers = 0;
     bool first = chunk == 0, last = chunk == stages - 1;
@@ -64,7 +99,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       last = plan.stages(chunk).has_head();
     }
     double chunk_params = layers * block_params;
-    double act = layers * BlockActivationBytes(n, b, s, c, heads, tp);
+    double act = layers * BlockActivationBytes(n, b, s, c, heads, tp, att);
     if (first) {
       chunk_params += v * c + s * c;            // token + position embeddings
       act += kFloat * (2 * n * c + n);           // tokens, x0 and its gradient

@@ -55,6 +55,34 @@ TEST(MemoryEstimateTest, ParametersAndOptimizerStateFollowTheModelShape) {
   EXPECT_LT(m.total(), 8 * kGiB);
 }
 
+// Attention keeps P [B,H,T,T] in the GEMM inputs' precision, plus T·T floats
+// of backward scratch on CPU workers (CUDA uses its stream's scratch). With
+// bf16 on CUDA the estimate stays an upper bound: P's bf16 bytes, in case
+// cuDNN does not load on the worker.
+TEST(MemoryEstimateTest, AttentionCountsPInTheTrainingPrecisionAndScratchOnlyOffCuda) {
+  auto gpt2 = [](const char* precision) {
+    return Job((std::string(R"pb(name: "g" model { layers: 12 d_model: 768 heads: 12 vocab: 50304 seq_len: 1024 }
+                                schedule { kind: "gpipe" microbatches: 1 }
+                                train { steps: 1 micro_batch_size: 2 precision: ")pb") +
+                precision + "\" }")
+                   .c_str());
+  };
+  const v1::JobSpec fp32 = gpt2("fp32"), bf16 = gpt2("bf16");
+  auto plan = MakePlan(fp32, Workers(1, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const double layers = 12, p_elements = 2 * 12 * 1024.0 * 1024, scratch = 1024.0 * 1024 * 4;
+  const double cpu32 = EstimateWorkerMemory(fp32, *plan, 0).activation_bytes;
+  const double cpu16 = EstimateWorkerMemory(bf16, *plan, 0).activation_bytes;
+  EXPECT_DOUBLE_EQ(cpu32 - cpu16, layers * p_elements * 2);  // 4 -> 2 bytes per P element
+
+  v1::Plan on_cuda = *plan;
+  for (v1::RankAssignment& r : *on_cuda.mutable_ranks()) r.set_device("cuda:0");
+  const double cuda16 = EstimateWorkerMemory(bf16, on_cuda, 0).activation_bytes;
+  EXPECT_DOUBLE_EQ(cpu16 - cuda16, layers * scratch);
+  // Still counts P (bf16) on CUDA: 24 MiB per sequence and layer.
+  EXPECT_GT(cuda16, layers * p_elements * 2);
+}
+
 TEST(MemoryEstimateTest, PeakMicrobatchesFollowTheSchedule) {
   v1::JobSpec gpipe = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"gpipe\" microbatches: 8");
   v1::JobSpec one_f_one_b = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"1f1b\" microbatches: 8");

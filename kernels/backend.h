@@ -176,6 +176,18 @@ struct ExecContext {
   bool on_host() const { return device.is_cpu(); }
 };
 
+// What attention keeps from its forward for its backward, for one call shape
+// on one backend path: the `att` tensor of Attention / AttentionBackward (its
+// shape and dtype; its contents are the backend's business) and the floats of
+// AttentionBackward's `scratch`. The model allocates exactly these (see
+// AttentionBuffersFor in ops.h), so a fused path that keeps only softmax
+// statistics does not pay for the T×T probabilities.
+struct AttentionBuffers {
+  Shape saved;                          // att's shape
+  DType saved_dtype = DType::kFloat32;  // att's dtype
+  int64_t backward_scratch = 0;         // AttentionBackward's scratch, in floats
+};
+
 // Device memory counters (bytes), for metrics and tests.
 struct MemoryStats {
   int64_t reserved_bytes = 0;      // held from the system now
@@ -262,6 +274,12 @@ struct Backend {
                     int heads);
   void (*attention_backward)(const ExecContext&, const Tensor& dqkv, const Tensor& scratch,
                              const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads);
+  // The buffers of attention over qkv [batch, seq, 3·channels] of `dtype` with
+  // `heads` heads on ctx's stream. The same answer for the same stream and
+  // arguments, and a forward and backward given these buffers take the path
+  // they were sized for.
+  AttentionBuffers (*attention_buffers)(const ExecContext&, int64_t batch, int64_t seq,
+                                        int64_t channels, int heads, DType dtype);
   void (*residual)(const ExecContext&, const Tensor& out, const Tensor& a, const Tensor& b);
   void (*residual_backward)(const ExecContext&, const Tensor& da, const Tensor& db,
                             const Tensor& dout);

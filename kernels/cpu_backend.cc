@@ -290,6 +290,16 @@ void AttentionBackward(const ExecContext&, const Tensor& dqkv, const Tensor& scr
                          qkv.dim(1), qkv.dim(2) / 3, heads);
 }
 
+// P [B,H,T,T] (of the tensors' dtype) and the fp32 kernel's T·T floats.
+AttentionBuffers AttentionBuffersOf(const ExecContext&, int64_t batch, int64_t seq, int64_t,
+                                    int heads, DType dtype) {
+  AttentionBuffers b;
+  b.saved = {batch, heads, seq, seq};
+  b.saved_dtype = dtype;
+  b.backward_scratch = seq * seq;
+  return b;
+}
+
 void Residual(const ExecContext&, const Tensor& out, const Tensor& a, const Tensor& b) {
   cpu::ResidualForward(out.f32(), a.f32(), b.f32(), a.numel());
 }
@@ -390,6 +400,7 @@ const Backend kCpu = {
     GeluBackward,
     Attention,
     AttentionBackward,
+    AttentionBuffersOf,
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

@@ -157,22 +157,45 @@ void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, con
   be.gelu_backward(ctx, dx, x, dout);
 }
 
+AttentionBuffers AttentionBuffersFor(const ExecContext& ctx, int64_t batch, int64_t seq,
+                                     int64_t channels, int heads, DType dtype) {
+  const Backend& be = On(ctx, "AttentionBuffersFor", {});
+  Require(batch > 0 && seq > 0 && heads > 0 && channels % heads == 0, "AttentionBuffersFor",
+          "shape mismatch");
+  return be.attention_buffers(ctx, batch, seq, channels, heads, dtype);
+}
+
+namespace {
+
+// att as AttentionBuffersFor sizes it for qkv; the buffers.
+AttentionBuffers RequireSaved(const ExecContext& ctx, const Backend& be, const char* op,
+                              const Tensor& qkv, const Tensor& att, int heads) {
+  Require(qkv.ndim() == 3 && heads > 0 && (qkv.dim(2) / 3) % heads == 0, op, "shape mismatch");
+  AttentionBuffers buffers =
+      be.attention_buffers(ctx, qkv.dim(0), qkv.dim(1), qkv.dim(2) / 3, heads, qkv.dtype());
+  Require(att.dtype() == buffers.saved_dtype && att.numel() >= NumElements(buffers.saved), op,
+          "att is smaller than AttentionBuffersFor's saved buffer, or of another dtype");
+  return buffers;
+}
+
+}  // namespace
+
 void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
                int heads) {
   const Backend& be = On(ctx, "Attention", {&out, &att, &qkv});
+  RequireSaved(ctx, be, "Attention", qkv, att, heads);
   const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  Require(qkv.ndim() == 3 && c % heads == 0 && out.numel() == b * t * c &&
-              att.numel() == b * heads * t * t,
-          "Attention", "shape mismatch");
+  Require(out.numel() == b * t * c, "Attention", "shape mismatch");
   be.attention(ctx, out, att, qkv, heads);
 }
 
 void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& scratch,
                        const Tensor& dout, const Tensor& qkv, const Tensor& att, int heads) {
   const Backend& be = On(ctx, "AttentionBackward", {&dqkv, &scratch, &dout, &qkv, &att});
+  const AttentionBuffers buffers = RequireSaved(ctx, be, "AttentionBackward", qkv, att, heads);
   const int64_t b = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
-  Require(qkv.ndim() == 3 && dqkv.numel() == qkv.numel() && dout.numel() == b * t * c &&
-              att.numel() == b * heads * t * t && scratch.numel() >= t * t,
+  Require(dqkv.numel() == qkv.numel() && dout.numel() == b * t * c &&
+              scratch.numel() >= buffers.backward_scratch,
           "AttentionBackward", "shape mismatch");
   be.attention_backward(ctx, dqkv, scratch, dout, qkv, att, heads);
 }

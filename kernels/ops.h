@@ -54,7 +54,8 @@ void BiasBackward(const Tensor& dbias, const Tensor& dout);
 void Gelu(const Tensor& out, const Tensor& x);
 void GeluBackward(const Tensor& dx, const Tensor& x, const Tensor& dout);
 
-// qkv [B,T,3C], out [B,T,C], att [B,H,T,T]; scratch holds ≥ T·T floats.
+// qkv [B,T,3C], out [B,T,C], att [B,H,T,T] (P); scratch holds ≥ T·T floats
+// (on the CPU: AttentionBuffersFor(Host(), ...) says so).
 void Attention(const Tensor& out, const Tensor& att, const Tensor& qkv, int heads);
 void AttentionBackward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout,
                        const Tensor& qkv, const Tensor& att, int heads);
@@ -134,6 +135,18 @@ void AddBias(const ExecContext& ctx, const Tensor& out, const Tensor& bias);
 void BiasBackward(const ExecContext& ctx, const Tensor& dbias, const Tensor& dout);
 void Gelu(const ExecContext& ctx, const Tensor& out, const Tensor& x);
 void GeluBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& x, const Tensor& dout);
+// What to allocate for attention over qkv [batch, seq, 3·channels] of `dtype`
+// with `heads` heads on ctx's device: att (`saved`, `saved_dtype`) and the
+// backward's scratch (`backward_scratch` floats), as the backend's path needs
+// them. CPU and sim, and CUDA's GEMM + softmax path (fp32, or bf16 without
+// cuDNN): P [B,H,T,T] of dtype (T·T floats of scratch on the CPU and sim;
+// none on CUDA, which uses its stream's scratch). CUDA's fused bf16 path
+// (cuDNN SDPA): the softmax statistics (B·H·T fp32) and a copy of the output
+// in one flat bf16 buffer (kernels/cuda/sdpa_plan.h), no T×T tensor.
+// Attention and AttentionBackward on ctx accept an att of this dtype with at
+// least this many elements.
+AttentionBuffers AttentionBuffersFor(const ExecContext& ctx, int64_t batch, int64_t seq,
+                                     int64_t channels, int heads, DType dtype);
 void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
                int heads);
 void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& scratch,

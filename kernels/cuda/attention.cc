@@ -207,6 +207,31 @@ absl::StatusOr<AttentionChoice> ChooseAttention(CudnnAttention* cudnn, const Att
   return c;
 }
 
+size_t AttentionSavedShape::bytes() const {
+  size_t n = ElemSize(dtype);
+  for (int64_t d : dims) n *= static_cast<size_t>(d);
+  return n;
+}
+
+AttentionSavedShape AttentionSaved(AttentionPath path, const AttentionShard& shard,
+                                   GemmDType dtype) {
+  AttentionSavedShape saved;
+  if (path == AttentionPath::kCudnnSdpa) {
+    saved.dtype = GemmDType::kBF16;
+    saved.dims = {static_cast<int64_t>((SdpaSavedBytes(shard) + 1) / 2)};
+  } else {
+    saved.dtype = dtype;
+    saved.dims = {shard.batch, shard.heads, shard.seq, shard.seq};
+  }
+  return saved;
+}
+
+absl::StatusOr<AttentionChoice> ChooseAttentionToSave(CudnnAttention* cudnn,
+                                                      const AttentionShard& shard,
+                                                      GemmDType dtype) {
+  return ChooseAttention(cudnn, shard, dtype, SdpaSavedBytes(shard));
+}
+
 absl::Status AttentionForward(CublasLtGemm& gemm, CudnnAttention* cudnn, const AttentionPlan& plan,
                               GemmDType dtype, void* out, void* att, size_t att_bytes,
                               const void* qkv, void* scratch, size_t scratch_bytes,

@@ -20,7 +20,9 @@
 // tensor, P recomputed in the backward from the softmax stats) when the
 // build has cuDNN, libcudnn loads, the shape suits it and `att` can hold the
 // stats and a copy of o (sdpa_plan.h); everything else — fp32 always — runs
-// the GEMM + softmax path above. The choice is a function of (shape, dtype,
+// the GEMM + softmax path above. The model sizes `att` for the path it will
+// take (ChooseAttentionToSave, AttentionSaved; kernels::AttentionBuffersFor),
+// so the fused path never allocates the T×T probabilities. The choice is a function of (shape, dtype,
 // att's size, cuDNN's cached verdict for the shape), so a backward always
 // takes its forward's path. The CPU backend is unaffected: it stays the bf16
 // reference with P rounded; the fused path is held to it within the bf16
@@ -33,6 +35,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -89,6 +92,29 @@ struct AttentionChoice {
 // GEMM path otherwise. Errors only for a shard the GEMM path refuses too.
 absl::StatusOr<AttentionChoice> ChooseAttention(CudnnAttention* cudnn, const AttentionShard& shard,
                                                 GemmDType dtype, size_t att_bytes);
+
+// The saved buffer (`att`) as the model allocates it for `path`: dims and
+// element type. The GEMM path keeps P, [B,H',T,T] of dtype; cuDNN SDPA keeps
+// the softmax stats and a copy of o (SdpaSavedBytes: B·H'·T·4 bytes, padding
+// to 256, B·T·C'·2 bytes) as one flat bf16 buffer of SdpaSavedBytes/2
+// elements — for GPT-2 small (T 1024, 12 heads of 64) 1.5 MiB per sequence
+// and layer instead of P's 24 MiB.
+struct AttentionSavedShape {
+  std::vector<int64_t> dims;
+  GemmDType dtype = GemmDType::kF32;
+  size_t bytes() const;
+};
+AttentionSavedShape AttentionSaved(AttentionPath path, const AttentionShard& shard,
+                                   GemmDType dtype);
+
+// The path for (shard, dtype) on `cudnn`'s stream when the saved buffer is
+// exactly what that path needs: ChooseAttention with SdpaSavedBytes(shard)
+// (the fused path's need). Forward and backward given an att of
+// AttentionSaved(path) bytes choose the same path again: the verdict is a
+// function of (cudnn, shard, dtype) and cuDNN's cached verdict per shape.
+absl::StatusOr<AttentionChoice> ChooseAttentionToSave(CudnnAttention* cudnn,
+                                                      const AttentionShard& shard,
+                                                      GemmDType dtype);
 
 // Forward / backward on ChooseAttention's path; `scratch` holds at least its
 // scratch_bytes. With the fused path `att` holds the stats and o's copy

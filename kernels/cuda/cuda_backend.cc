@@ -616,6 +616,25 @@ void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor&
                                Native(ctx)));
 }
 
+// att as the path this stream takes for the shape keeps it (attention.h
+// AttentionSaved); the backward uses the stream's scratch, not the caller's.
+kernels::AttentionBuffers AttentionBuffersOf(const ExecContext& ctx, int64_t batch, int64_t seq,
+                                             int64_t channels, int heads, DType dtype) {
+  kernels::AttentionBuffers b;
+  b.saved = {batch, heads, seq, seq};  // P, also where the attention op will report an error
+  b.saved_dtype = dtype;
+  if (dtype != DType::kBFloat16) return b;
+  StreamState& st = Enter(ctx, "AttentionBuffersFor");
+  absl::StatusOr<AttentionShard> shard = ShardAttention(batch, seq, channels, heads, 1);
+  if (!shard.ok()) return b;
+  absl::StatusOr<AttentionChoice> choice =
+      ChooseAttentionToSave(CudnnFor(st, GemmDType::kBF16), *shard, GemmDType::kBF16);
+  if (!choice.ok()) return b;
+  const AttentionSavedShape saved = AttentionSaved(choice->path, *shard, GemmDType::kBF16);
+  b.saved.assign(saved.dims.begin(), saved.dims.end());
+  return b;
+}
+
 void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
   StreamState& st = Enter(ctx, "Residual");
   RequireF32("Residual", {&out, &a, &b});
@@ -772,6 +791,7 @@ const kernels::Backend kCuda = {
     GeluBackward,
     Attention,
     AttentionBackward,
+    AttentionBuffersOf,
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

@@ -16,14 +16,13 @@
 //
 // What the backward needs besides qkv and dout is the stats and o; the
 // backend's attention ops receive neither o nor a stats tensor, only the
-// saved-for-backward buffer `att` (bf16 [B, H', T, T], B·H'·T·T·2 bytes,
-// sized for the unfused path's P). So the fused path keeps both in it:
+// saved-for-backward buffer `att`. So the fused path keeps both in it:
 //   bytes [0, B·H'·T·4)                          stats (fp32)
 //   bytes [saved_out_offset, + B·T·C'·2)         a copy of o (out's layout)
-// which fits when T·T·2 ≥ T·4 + T·C'/H'·2 + alignment, i.e. roughly T ≥ hd+2
-// (GPT-2 small: T = 1024, hd = 64). The model's calls do not change;
-// SdpaApplies says when the fused path can be taken. (Shrinking `att` to
-// SdpaSavedBytes needs the model to ask for its size: not done.)
+// SdpaSavedBytes in all. The model allocates `att` of just that size where
+// the fused path runs (attention.h AttentionSaved, kernels::
+// AttentionBuffersFor), P's size (bf16 [B, H', T, T]) elsewhere; SdpaApplies
+// says whether a given `att` can take the fused path.
 #ifndef BATON_KERNELS_CUDA_SDPA_PLAN_H_
 #define BATON_KERNELS_CUDA_SDPA_PLAN_H_
 

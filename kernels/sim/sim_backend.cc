@@ -313,6 +313,11 @@ void AttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor&
   Tensor a = H(dqkv), b = H(scratch), c = H(dout), d = H(qkv), e = H(att);
   SIM_ENQUEUE(Cpu().attention_backward(Host(), a, b, c, d, e, heads));
 }
+// The CPU's buffers (the CPU kernels run on the stream thread).
+AttentionBuffers AttentionBuffersOf(const ExecContext&, int64_t batch, int64_t seq,
+                                    int64_t channels, int heads, DType dtype) {
+  return Cpu().attention_buffers(Host(), batch, seq, channels, heads, dtype);
+}
 void Residual(const ExecContext& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {
   Tensor x = H(out), y = H(a), z = H(b);
   SIM_ENQUEUE(Cpu().residual(Host(), x, y, z));
@@ -401,6 +406,7 @@ const Backend kSim = {
     GeluBackward,
     Attention,
     AttentionBackward,
+    AttentionBuffersOf,
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

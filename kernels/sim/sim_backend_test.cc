@@ -72,6 +72,29 @@ TEST(SimBackendTest, OpsGiveTheCpuBits) {
   EXPECT_EQ(sim_sq, cpu_sq);
 }
 
+// The CPU and the simulated device keep P for attention's backward (the
+// model allocates what AttentionBuffersFor says) and read T·T floats of
+// scratch; an att smaller than that is refused.
+TEST(SimBackendTest, AttentionKeepsTheProbabilitiesOnTheCpuAndTheSimulatedDevice) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext sim = ExecContext::On(stream.get());
+  for (const ExecContext* ctx : {&ExecContext::Host(), &sim}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      const AttentionBuffers b = AttentionBuffersFor(*ctx, 2, 7, 12, 3, dtype);
+      EXPECT_EQ(b.saved, Shape({2, 3, 7, 7})) << ctx->backend->name;
+      EXPECT_EQ(b.saved_dtype, dtype);
+      EXPECT_EQ(b.backward_scratch, 7 * 7);
+    }
+  }
+}
+
+TEST(SimBackendDeathTest, AttentionRefusesASavedBufferSmallerThanP) {
+  const int64_t b = 1, t = 4, c = 4;
+  Tensor qkv = Random({b, t, 3 * c}, 7), out = Tensor::Zeros({b, t, c});
+  Tensor att = Tensor::Zeros({b, 2, t, t - 1});
+  EXPECT_DEATH(Attention(out, att, qkv, 2), "smaller than AttentionBuffersFor");
+}
+
 TEST(SimBackendDeathTest, HostAccessToDeviceMemoryAborts) {
   Tensor d = *ZerosOn(kSim, {4});
   EXPECT_DEATH(d.f32(), "host access to a tensor on sim:0 \\[4\\]");

@@ -446,7 +446,11 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, g16);
   kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
   a.y = arena.Allocate({n, cl}, g16);
-  a.att = arena.Allocate({mb.batch, heads, mb.seq, mb.seq}, g16);
+  // What this device's attention keeps for the backward: P [B,H,T,T], or
+  // only the softmax statistics and the output where a fused kernel runs.
+  const kernels::AttentionBuffers att =
+      kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
+  a.att = arena.Allocate(att.saved, att.saved_dtype);
   kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
   Tensor attn_out = arena.Allocate({n, c});
   kernels::Linear(ctx_, attn_out, a.y, W(b.proj_w), Tensor());
@@ -573,7 +577,9 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   Tensor dy = arena.Allocate({n, cl}, gemm_dtype_);
   kernels::LinearBackwardInput(ctx_, dy, a.d_mid, W(b.proj_w), /*accumulate=*/false);
   a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, gemm_dtype_);
-  Tensor scratch = arena.Allocate({mb.seq, mb.seq});
+  const kernels::AttentionBuffers att =
+      kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
+  Tensor scratch = arena.Allocate({att.backward_scratch});
   kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
   if (bf16_) {
     Tensor dqkv = arena.Allocate(a.dqkv.shape());  // bias gradients sum in fp32

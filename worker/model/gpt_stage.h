@@ -58,7 +58,7 @@
 // copy of every GEMM weight (the QKV, attention-output, MLP and LM-head
 // matrices), written by AdamW each step and rounded from the master weights
 // at Create and by RefreshBf16Weights (after a restore). The LayerNorm
-// outputs, qkv, attention (P included) and its output, the GELU output and
+// outputs, qkv, attention's saved state and its output, the GELU output and
 // the gradients entering GEMMs are bf16; the residual stream, the GEMM
 // outputs feeding the residual, GELU and the loss, LayerNorm/GELU/softmax/
 // loss math, bias gradients, every TP all-reduce and the gradient norm stay
@@ -66,7 +66,9 @@
 // pipeline messages) are bf16 tensors: activation_dtype().
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
-// pool; BackwardInput(mb) computes the input gradient (plus the cheap bias and
+// pool (for attention, what the device's attention path keeps:
+// kernels::AttentionBuffersFor — P [B,H,T,T], or with cuDNN's fused bf16
+// attention only the softmax statistics and the output); BackwardInput(mb) computes the input gradient (plus the cheap bias and
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
 // the embedding gradient and returns the arena; Backward(mb) does both.
 // Gradients accumulate across microbatches until ZeroGrad().
