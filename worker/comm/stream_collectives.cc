@@ -92,6 +92,16 @@ absl::Status StreamCollectives::FollowLastStream(kernels::Stream& stream) {
   return absl::OkStatus();
 }
 
+void StreamCollectives::TimeOpsOnStreams() {
+  absl::MutexLock lock(&mu_);
+  timed_ = true;
+}
+
+size_t StreamCollectives::event_pairs() const {
+  absl::MutexLock lock(&mu_);
+  return timers_.size();
+}
+
 absl::StatusOr<StreamCollectives::Timer*> StreamCollectives::NextTimer(kernels::Device device) {
   if (timers_used_ == timers_.size()) {
     Timer t;
@@ -126,12 +136,15 @@ absl::Status StreamCollectives::Enqueue(kernels::Stream& stream, std::string nam
   absl::MutexLock lock(&mu_);
   BATON_RETURN_IF_ERROR_CTX(FollowLastStream(stream), name, ": ordering after the previous collective's stream");
   if (comm_.RunsOnStreams()) {
-    absl::StatusOr<Timer*> timer_or = NextTimer(stream.device());
-    if (!timer_or.ok()) return WithContext(timer_or.status(), absl::StrCat(name, ": timing it"));
-    Timer* timer = *timer_or;
-    BATON_RETURN_IF_ERROR_CTX(timer->start->Record(stream), name, ": timing it");
+    Timer* timer = nullptr;
+    if (timed_) {
+      absl::StatusOr<Timer*> timer_or = NextTimer(stream.device());
+      if (!timer_or.ok()) return WithContext(timer_or.status(), absl::StrCat(name, ": timing it"));
+      timer = *timer_or;
+      BATON_RETURN_IF_ERROR_CTX(timer->start->Record(stream), name, ": timing it");
+    }
     std::shared_ptr<Work> work = post_on_stream(stream.native());
-    BATON_RETURN_IF_ERROR_CTX(timer->end->Record(stream), name, ": timing it");
+    if (timer != nullptr) BATON_RETURN_IF_ERROR_CTX(timer->end->Record(stream), name, ": timing it");
     if (work->IsCompleted()) {  // refused at once (validation, an aborted communicator)
       absl::Status s = WithContext(work->Wait(absl::ZeroDuration()), name);
       status->Fail(s);

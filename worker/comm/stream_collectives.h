@@ -76,8 +76,18 @@ class StreamCollectives {
   absl::Status AllGather(Buffer in, Buffer out, std::string name, kernels::Stream& stream,
                          absl::Duration timeout, const std::shared_ptr<StreamCommStatus>& status);
 
-  // Seconds the ops enqueued on CUDA streams (NCCL) took, timed by an event
-  // pair around each on its stream, since the last call; forgets them. Their
+  // From now on, times every op enqueued on a CUDA stream (NCCL) by an event
+  // pair around it on its stream, for TakeStreamSeconds. Off by default: the
+  // pairs are reused only once taken or forgotten, so whoever turns it on
+  // (the TP group's owner) must take or forget them after every step. Groups
+  // timed otherwise (the DP all-reduce by its own stream's events) or not at
+  // all leave it off and create no event.
+  void TimeOpsOnStreams();
+  // Event pairs held (created once, reused step after step), for tests.
+  size_t event_pairs() const;
+
+  // Seconds the timed ops enqueued on CUDA streams took, since the last
+  // call; forgets them. Their
   // time is in no host wait, so the communicator's own clock
   // (TimedCommunicator) never sees it. Call after a host wait that covers
   // every stream they were enqueued on. The host path's ops are not counted
@@ -103,9 +113,10 @@ class StreamCollectives {
   absl::StatusOr<Timer*> NextTimer(kernels::Device device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Communicator& comm_;
-  absl::Mutex mu_;  // held while enqueuing, so the order is the call order
+  mutable absl::Mutex mu_;  // held while enqueuing, so the order is the call order
   kernels::Stream* last_stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::unique_ptr<kernels::Event> handoff_ ABSL_GUARDED_BY(mu_);
+  bool timed_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<Timer> timers_ ABSL_GUARDED_BY(mu_);
   size_t timers_used_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -158,6 +158,7 @@ TEST(StreamCollectivesTest, OpsOnCudaStreamsAreTimedByEventsAndTheHostPathIsNot)
   const Buffer dev{x.p, 4, DType::kFloat32, 0};
   auto status = std::make_shared<StreamCommStatus>();
   auto coll = StreamCollectives::For(comm);
+  coll->TimeOpsOnStreams();
   ASSERT_TRUE(coll->AllReduceSum(dev, "the attention output", *s, absl::Seconds(1), status).ok());
   ASSERT_TRUE(coll->AllReduceSum(dev, "the MLP output", *s, absl::Seconds(1), status).ok());
   ASSERT_TRUE(s->Synchronize().ok());
@@ -171,6 +172,7 @@ TEST(StreamCollectivesTest, OpsOnCudaStreamsAreTimedByEventsAndTheHostPathIsNot)
   coll->ForgetStreamSeconds();
   EXPECT_EQ(*coll->TakeStreamSeconds(), 0.0);
   EXPECT_EQ(StreamCollectives::Find(comm), coll);
+  EXPECT_EQ(coll->event_pairs(), 2u) << "the pairs of the first step, reused";
 
   // The host path: an in-process group's sum is not timed here.
   auto group = InProcCommunicator::CreateGroup(1);
@@ -179,6 +181,37 @@ TEST(StreamCollectivesTest, OpsOnCudaStreamsAreTimedByEventsAndTheHostPathIsNot)
   ASSERT_TRUE(host->AllReduceSum(y.buf(), "x", *s, absl::Seconds(1), status).ok());
   ASSERT_TRUE(s->Synchronize().ok());
   EXPECT_EQ(*host->TakeStreamSeconds(), 0.0);
+  EXPECT_TRUE(status->status().ok()) << status->status();
+}
+
+// A group nobody times (the DP all-reduce, the tied-embedding sum) creates no
+// event, however many steps run; a timed one holds the pairs of its busiest
+// step, reused from step to step (no device object created after step 1).
+TEST(StreamCollectivesTest, OnlyATimedGroupHoldsEventsAndNeverMoreThanOneStepsWorth) {
+  auto s = NewStream();
+  FakeStreamCommunicator comm;
+  comm.kernel_stream = s.get();
+  SimBuffer x(4);
+  const Buffer dev{x.p, 4, DType::kFloat32, 0};
+  auto status = std::make_shared<StreamCommStatus>();
+  StreamCollectives untimed(comm);
+  for (int step = 0; step < 50; ++step) {
+    ASSERT_TRUE(untimed.AllReduceSum(dev, "dp", *s, absl::Seconds(1), status).ok());
+  }
+  ASSERT_TRUE(s->Synchronize().ok());
+  EXPECT_EQ(untimed.event_pairs(), 0u);
+  EXPECT_EQ(*untimed.TakeStreamSeconds(), 0.0);
+
+  FakeStreamCommunicator tp_comm;
+  tp_comm.kernel_stream = s.get();
+  StreamCollectives timed(tp_comm);
+  timed.TimeOpsOnStreams();
+  for (int step = 0; step < 20; ++step) {
+    for (int op = 0; op < 3; ++op) ASSERT_TRUE(timed.AllReduceSum(dev, "tp", *s, absl::Seconds(1), status).ok());
+    ASSERT_TRUE(s->Synchronize().ok());
+    ASSERT_TRUE(timed.TakeStreamSeconds().ok());
+  }
+  EXPECT_EQ(timed.event_pairs(), 3u);
   EXPECT_TRUE(status->status().ok()) << status->status();
 }
 

@@ -145,7 +145,12 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   }
   auto stage =
       std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
-  if (tp_group != nullptr) stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
+  if (tp_group != nullptr) {
+    stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
+    // TP time over NCCL is in no host wait: event pairs time it, taken by the
+    // executor after every step (Executor::Run, TakeStreamSeconds).
+    stage->tp_collectives_->TimeOpsOnStreams();
+  }
   stage->params_.Initialize(config.seed);
   const std::string where = absl::StrCat("placing stage ", config.pp_rank, " (tp rank ",
                                          config.tp_rank, ") on ",
