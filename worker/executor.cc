@@ -705,16 +705,26 @@ absl::Status StepExecutor::ReduceGrads() {
   absl::Duration waited_for_compute;  // and the tied sums timed by events
   for (auto& [stage, model] : chunks_) {
     kernels::Stream* stream = pipeline_ != nullptr ? model->context().stream : nullptr;
+    // The wait for the tie's other holder (its last backward) is bubble, not
+    // dp: AwaitTiedPeer, outside the dp span, then the sum itself.
     if (stream != nullptr) {
       // The sum may run on the chunk's stream (GptStageModel on the
       // simulated device): an event pair times it as dp.
       const absl::Time tie_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->AwaitTiedPeer(), "tied embedding gradient sum");
       BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(stream, stage));
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
       BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(stream, stage));
       dp_spans_.push_back({before, after});
       waited_for_compute += absl::Now() - tie_start;
     } else {
+      const absl::Time wait_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->AwaitTiedPeer(), "tied embedding gradient sum");
+      const absl::Time arrived = absl::Now();
+      waited_for_compute += arrived - wait_start;
+      if (arrived - wait_start >= absl::Microseconds(1)) {  // a chunk without the tie returns at once
+        Record("wait for the tied embedding's peer", "bubble", wait_start, arrived);
+      }
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     }
     if (dp_ == nullptr) continue;

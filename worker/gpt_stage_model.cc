@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/backend.h"
 #include "worker/model/comm_buffer.h"
 
 namespace baton {
@@ -40,8 +41,12 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
   }
   BATON_ASSIGN_OR_RETURN(std::unique_ptr<model::GptStage> stage,
                          model::GptStage::Create(config, tp_group));
-  return std::unique_ptr<GptStageModel>(
+  std::unique_ptr<GptStageModel> model(
       new GptStageModel(config, micro_batch_size, std::move(stage), tie_group, adamw));
+  if (needs_tie) {
+    BATON_ASSIGN_OR_RETURN(model->tie_arrival_, kernels::ZerosOn(config.device, {1}, kernels::DType::kFloat32));
+  }
+  return model;
 }
 
 int64_t GptStageModel::activation_elements() const {
@@ -80,6 +85,16 @@ void GptStageModel::DropInFlight() { stage_->DropInFlight(); }
 Tensor GptStageModel::Gradients() { return stage_->parameters().grads(); }
 
 double GptStageModel::LocalGradSqNorm() const { return stage_->LocalGradSqNorm(); }
+
+absl::Status GptStageModel::AwaitTiedPeer() {
+  if (!holds_tied_embedding()) return absl::OkStatus();
+  constexpr char kName[] = "arrival at the tied embedding's sum";
+  const comm::Buffer arrival = model::CommBuffer(tie_arrival_);
+  if (context().stream != nullptr && comm::CanEnqueueAllReduce(*tie_, arrival)) {
+    return comm::EnqueueAllReduce(*tie_, arrival, kName, stage_->stream(), config_.comm_timeout, tie_status_);
+  }
+  return stage_->SumOverGroup(*tie_, tie_arrival_, kName);
+}
 
 absl::Status GptStageModel::SyncTiedGradients() {
   if (!holds_tied_embedding()) return absl::OkStatus();

@@ -66,6 +66,7 @@ class GptStageModel : public StageModel {
   kernels::Tensor Gradients() override;
   double LocalGradSqNorm() const override;
   absl::Status SyncTiedGradients() override;
+  absl::Status AwaitTiedPeer() override;
   absl::Status OptimizerStep(float grad_scale) override;
   model::StepScore score() const override;
   // Also reports a failure of the tied-embedding sum run on the stream.
@@ -106,6 +107,8 @@ class GptStageModel : public StageModel {
   // over a host communicator) runs the tied-embedding sum on its stream, no
   // host wait (comm/stream_p2p.h); its error is reported by ReadStepResults.
   const std::shared_ptr<comm::StreamCommStatus> tie_status_ = std::make_shared<comm::StreamCommStatus>();
+  // One float on the chunk's device that AwaitTiedPeer sums (never read).
+  kernels::Tensor tie_arrival_;
 };
 
 }  // namespace baton

@@ -427,6 +427,31 @@ TEST(SimExecutorTimeAccounting, PipelineCommIsExposedDataMovement) {
   }
 }
 
+// The last stage of a 1F1B pipeline reaches the tied embedding's sum long
+// before the first stage, whose last backward ends the schedule. That wait is
+// bubble (docs/metrics.md: time a rank has nothing to do), not data-parallel
+// communication, so both holders of the tie show the sum's own dp time. Every
+// op sleeps 200 us, which makes the first stage's last backward about 90 ops
+// (~18 ms) long: counted as dp, the last stage's dp time was 18.7 ms against
+// the first stage's 0.7 ms (measured before the fix); now both are ~0.7 ms.
+TEST(SimExecutorTimeAccounting, TheWaitForTheTiedEmbeddingsPeerIsBubbleNotDp) {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
+  ASSERT_TRUE(p.ok());
+  p.Step(1);
+  kernels::sim::SetSimOpDelay(absl::Microseconds(200));
+  const StepResult r = p.Step(2);
+  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  ASSERT_EQ(r.done.size(), 2u);
+  const v1::StepDone &first = r.done[0], &last = r.done[1];
+  ::testing::Test::RecordProperty("first_dp_us", static_cast<int>(first.comm_dp_seconds() * 1e6));
+  ::testing::Test::RecordProperty("last_dp_us", static_cast<int>(last.comm_dp_seconds() * 1e6));
+  ::testing::Test::RecordProperty("last_bubble_us", static_cast<int>(last.bubble_seconds() * 1e6));
+  // 5 ms: 25 ops of slack, a quarter of the wait.
+  EXPECT_LT(last.comm_dp_seconds(), first.comm_dp_seconds() + 0.005)
+      << "the last stage's wait for the first stage's last backward was counted as dp";
+  EXPECT_GT(last.bubble_seconds(), 0.005);
+}
+
 // Compute time is the device's: every op on a simulated stream sleeps 200 us
 // before it runs, and lazy streams run nothing until the host waits, so the
 // host spends almost no time inside the actions; the step's compute seconds

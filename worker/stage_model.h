@@ -87,6 +87,12 @@ class StageModel {
   // Sums the tied embedding gradient copies (PP > 1, first/last stage only;
   // others return OK without communicating).
   virtual absl::Status SyncTiedGradients() = 0;
+  // Returns (or, on a stream, orders the chunk's stream) once the other
+  // holder of the tied embedding has reached its sum too: a one-float
+  // all-reduce, so that SyncTiedGradients' time is the sum's own, and the
+  // wait for the peer's last backward is bubble (docs/metrics.md). OK at once
+  // for chunks without the tie.
+  virtual absl::Status AwaitTiedPeer() { return absl::OkStatus(); }
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
   virtual model::StepScore score() const = 0;  // last stage; zero elsewhere

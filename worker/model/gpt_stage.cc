@@ -742,8 +742,11 @@ absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
     return absl::InvalidArgumentError(
         "SyncTiedEmbeddingGrad: want a two-rank group, first stage rank 0, last stage rank 1");
   }
-  return AllReduceOnStream(*comm::StreamCollectives::For(group), wte_->grad,
-                           "all-reduce of the tied embedding gradient");
+  return SumOverGroup(group, wte_->grad, "all-reduce of the tied embedding gradient");
+}
+
+absl::Status GptStage::SumOverGroup(comm::Communicator& group, const Tensor& t, const std::string& name) {
+  return AllReduceOnStream(*comm::StreamCollectives::For(group), t, name);
 }
 
 absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float grad_scale) {

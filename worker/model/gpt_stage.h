@@ -168,6 +168,10 @@ class GptStage {
   // two-rank group of this TP rank's first (rank 0) and last (rank 1) stage.
   // Only for PP > 1, on the first and last stage.
   absl::Status SyncTiedEmbeddingGrad(comm::Communicator& group);
+  // In-place sum of `t` (on this stage's device) over `group`, in stream
+  // order like the tied embedding's sum (its errors come with the step's
+  // results).
+  absl::Status SumOverGroup(comm::Communicator& group, const kernels::Tensor& t, const std::string& name);
   // One AdamW step on every parameter with gradients multiplied by
   // `grad_scale` (the clip factor). Weight decay applies to matrices only.
   absl::Status OptimizerStep(const kernels::AdamWConfig& config, float grad_scale);
