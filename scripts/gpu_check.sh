@@ -38,9 +38,10 @@
 # Steps and their limits in seconds, in order (they add up to 358 of the 360 s
 # budget, and each step is also cut to what is left of the budget less the
 # 5 s it may take to die, so the check ends within 6 minutes by construction,
-# plus its own bookkeeping: 5 s for 23 steps on a loaded 2-core machine):
-#   gpu 10 (nvidia-smi), libs 5 (every binary's libraries resolve; cuBLASLt
-#   and cuDNN found), cuda_ops 40, vector_ops 5, stamp 5, cudnn_attention 15,
+# plus its own bookkeeping: 5 s for 24 steps on a loaded 2-core machine):
+#   gpu 8 (nvidia-smi), libs 5 (every binary's libraries resolve; cuBLASLt
+#   and cuDNN found), cuda_ops 40, vector_ops 5, stamp 5, device_identity 2,
+#   cudnn_attention 15,
 #   cuda_backend 30, golden_gpu_{a,b} 2 x 10, golden_gpu_a_{pp2,tp2,pp3}
 #   3 x 8, pp2_1f1b 35, gemm_bench 20, model_fp32 30, model_bf16 30,
 #   golden_bf16_{a,b} 2 x 8, pp2_1f1b_bf16 35, nccl_communicator 10,
@@ -103,6 +104,7 @@ BINARIES=(
   kernels/cuda/cuda_ops_test
   kernels/cuda/vector_ops_test
   kernels/cuda/stamp_test
+  kernels/device_gpu_test
   kernels/cuda/cudnn_attention_test
   kernels/cuda/cuda_backend_test
   tests/golden/golden_check
@@ -400,7 +402,7 @@ report
 # 0. The GPU itself, and the libraries.
 if command -v nvidia-smi >/dev/null; then
   t0=$(date +%s)
-  if timeout --kill-after=2 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+  if timeout --kill-after=2 8 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
        --format=csv,noheader >"$OUT/gpu.out" 2>&1; then
     METRICS+=("\"gpu\": \"$(json_escape "$(head -n 1 "$OUT/gpu.out")")\"")
     # CUDA 13's runtime (libcudart.so.13) needs a driver of branch 580 or later.
@@ -437,6 +439,8 @@ step vector_ops 5 kernels/cuda/vector_ops_test --gtest_output="xml:$OUT/vector_o
 #     measured uncertainty, stamps in stream order (the pipeline's post-time
 #     stamps on NCCL).
 step stamp 5 kernels/cuda/stamp_test --gtest_output="xml:$OUT/stamp.xml"
+# 1b'. What a cuda:0 worker registers of its GPU: nvidia-smi's UUID, memory.
+step device_identity 2 kernels/device_gpu_test --gtest_output="xml:$OUT/device_identity.xml"
 # 1b. bf16 attention through cuDNN's fused SDPA against the CPU's bf16
 #     reference (<= 3e-2, bitwise run to run; prints its errors and the
 #     GPT-2-small workspace; the limit includes building 4 cuDNN graphs).

@@ -55,7 +55,7 @@ if grep -E '"(gpt2_small|bf16_gemm)' "$result"; then fail "a GPU number without 
 
 if [ "${1:-}" = "--cuda" ]; then
   # Every GPU step of the check: its name in result.json.
-  gpu_steps=(cuda_ops vector_ops stamp cudnn_attention cuda_backend golden_gpu_gpt_a golden_gpu_gpt_b
+  gpu_steps=(cuda_ops vector_ops stamp device_identity cudnn_attention cuda_backend golden_gpu_gpt_a golden_gpu_gpt_b
              golden_gpu_a_pp2 golden_gpu_a_tp2 golden_gpu_a_pp3 gemm_bench model_fp32 model_bf16
              golden_bf16_gpt_a golden_bf16_gpt_b nccl_communicator nccl_split device_staging nccl_watchdog)
   for s in "${gpu_steps[@]}"; do
