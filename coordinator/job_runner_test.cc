@@ -587,10 +587,13 @@ TEST_F(JobRunnerTest, ARestartedCoordinatorAdoptsTheJobTheWorkersHold) {
   EXPECT_EQ(c0[0].resume_step(), 5);
   EXPECT_TRUE(c0[0].state().empty());  // from its own memory
   EXPECT_GT(c0[0].plan().generation(), 3);
-  for (const auto& r : c0[0].plan().ranks()) {
-    if (r.worker_name() == "worker-0") EXPECT_EQ(r.pp_rank(), 1);
-    if (r.worker_name() == "worker-1") EXPECT_EQ(r.pp_rank(), 0);
-  }
+  // Each Configure's plan holds the worker's own rank only: the slots it held.
+  ASSERT_EQ(c0[0].plan().ranks_size(), 1);
+  ASSERT_EQ(c1[0].plan().ranks_size(), 1);
+  EXPECT_EQ(c0[0].plan().ranks(0).worker_name(), "worker-0");
+  EXPECT_EQ(c0[0].plan().ranks(0).pp_rank(), 1);
+  EXPECT_EQ(c1[0].plan().ranks(0).worker_name(), "worker-1");
+  EXPECT_EQ(c1[0].plan().ranks(0).pp_rank(), 0);
   EXPECT_EQ(fake_->StepsRun("worker-0"), (std::vector<int64_t>{6, 7, 8}));
   EXPECT_TRUE(fake_->Configures("worker-2").empty()) << "the spare stays a spare";
   EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"coordinator_restart\",training_job=\"unit\"} 1"),

@@ -183,7 +183,9 @@ TEST(ResumeLayoutTest, ABrokenOrForeignCheckpointIsRefusedBeforeTraining) {
       {"other_shape", Job(l, 10, "", 24), "", "it is from another model"},
   };
   for (const Case& c : cases) {
-    if (!c.break_it.empty()) ASSERT_EQ(RunCommand("sh", {"-c", c.break_it}).exit_code, 0) << c.name;
+    if (!c.break_it.empty()) {
+      ASSERT_EQ(RunCommand("sh", {"-c", c.break_it}).exit_code, 0) << c.name;
+    }
     const std::string dir = c.name == "missing_file" ? missing : good;
     const LocalResult refused = Local("refused_" + c.name, c.job, {"--resume=" + dir});
     EXPECT_EQ(refused.exit_code, 1) << c.name << ":\n" << refused.log;
