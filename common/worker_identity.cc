@@ -7,26 +7,28 @@
 
 namespace baton {
 
-absl::Status ValidateWorkerName(const std::string& name) {
-  if (name.empty() || name.size() > 128) return absl::InvalidArgumentError("name must be 1..128 characters");
-  for (char c : name) {
+namespace {
+
+// 1..`max` of [A-Za-z0-9._-]; INVALID_ARGUMENT naming `what` otherwise.
+absl::Status ValidatePlainName(const char* what, const std::string& text, size_t max, const char* hint) {
+  if (text.empty() || text.size() > max) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be 1..", max, " characters"));
+  }
+  for (char c : text) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
       return absl::InvalidArgumentError(
-          absl::StrCat("name '", name, "' may only hold letters, digits, '-', '_' and '.'"));
+          absl::StrCat(what, " '", text, "' may only hold letters, digits, '-', '_' and '.'", hint));
     }
   }
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::Status ValidateWorkerName(const std::string& name) { return ValidatePlainName("name", name, 128, ""); }
+
 absl::Status ValidateHostName(const std::string& host) {
-  if (host.empty() || host.size() > 253) return absl::InvalidArgumentError("host must be 1..253 characters");
-  for (char c : host) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("host '", host, "' may only hold letters, digits, '-', '_' and '.' (a DNS name)"));
-    }
-  }
-  return absl::OkStatus();
+  return ValidatePlainName("host", host, 253, " (a DNS name)");
 }
 
 bool IsValidGpuUuid(const std::string& uuid) {

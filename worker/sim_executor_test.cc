@@ -402,18 +402,26 @@ TEST(SimExecutorStreamComm, TiedSumWithoutItsPeerFailsTheResultsRead) {
   EXPECT_TRUE(last.ReadStepResults(&score, &sq).ok());
 }
 
+// Step 2 of a 1F1B pp=2 pipeline on the simulated device, every op sleeping
+// 200 us (after a step 1 at full speed).
+StepResult SlowOneFOneBStep() {
+  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
+  EXPECT_TRUE(p.ok());
+  if (!p.ok()) return {};
+  p.Step(1);
+  kernels::sim::SetSimOpDelay(absl::Microseconds(200));
+  StepResult r = p.Step(2);
+  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  return r;
+}
+
 // With stream-ordered p2p the comm/bubble split still means what
 // docs/metrics.md says: each rank waits for the other's activations or
 // gradients (every op sleeps 200 us), so its step has p2p time, and compute
 // and p2p never add up to more than the step (comm counts only while no chunk
 // of the rank computes: a send overlapping the next action is hidden).
 TEST(SimExecutorTimeAccounting, PipelineCommIsExposedDataMovement) {
-  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
-  ASSERT_TRUE(p.ok());
-  p.Step(1);
-  kernels::sim::SetSimOpDelay(absl::Microseconds(200));
-  const StepResult r = p.Step(2);
-  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  const StepResult r = SlowOneFOneBStep();
   ASSERT_EQ(r.done.size(), 2u);
   for (int rank = 0; rank < 2; ++rank) {
     const v1::StepDone& d = r.done[rank];
@@ -435,12 +443,7 @@ TEST(SimExecutorTimeAccounting, PipelineCommIsExposedDataMovement) {
 // (~18 ms) long: counted as dp, the last stage's dp time was 18.7 ms against
 // the first stage's 0.7 ms (measured before the fix); now both are ~0.7 ms.
 TEST(SimExecutorTimeAccounting, TheWaitForTheTiedEmbeddingsPeerIsBubbleNotDp) {
-  Pipeline p("1f1b", 2, 1, kernels::Device::Sim(0));
-  ASSERT_TRUE(p.ok());
-  p.Step(1);
-  kernels::sim::SetSimOpDelay(absl::Microseconds(200));
-  const StepResult r = p.Step(2);
-  kernels::sim::SetSimOpDelay(absl::ZeroDuration());
+  const StepResult r = SlowOneFOneBStep();
   ASSERT_EQ(r.done.size(), 2u);
   const v1::StepDone &first = r.done[0], &last = r.done[1];
   ::testing::Test::RecordProperty("first_dp_us", static_cast<int>(first.comm_dp_seconds() * 1e6));
