@@ -154,10 +154,10 @@ int Main() {
       : OffsetListen(absl::GetFlag(FLAGS_health_listen), "health_listen", absl::GetFlag(FLAGS_port_offset));
   if (!health_listen.ok()) return Fail(2, std::string(health_listen.status().message()));
   if (absl::GetFlag(FLAGS_keepalive_ms) < 1000) return Fail(2, "--keepalive_ms must be >= 1000");
-  if (!absl::GetFlag(FLAGS_host).empty()) {
-    if (absl::Status s = ValidateHostName(absl::GetFlag(FLAGS_host)); !s.ok()) {
-      return Fail(2, absl::StrCat("--host: ", s.message()));
-    }
+  const std::string worker_host = absl::GetFlag(FLAGS_host).empty() ? Hostname() : absl::GetFlag(FLAGS_host);
+  if (absl::Status s = ValidateHostName(worker_host); !s.ok()) {
+    return Fail(2, absl::StrCat("--host", absl::GetFlag(FLAGS_host).empty() ? " (default: the hostname)" : "", ": ",
+                                s.message(), "; give --host=NAME"));
   }
   if (!absl::GetFlag(FLAGS_name).empty()) {
     if (absl::Status s = ValidateWorkerName(absl::GetFlag(FLAGS_name)); !s.ok()) {
@@ -246,7 +246,7 @@ int Main() {
   WorkerAgent::Options options;
   options.coordinator = coordinator;
   options.name = name;
-  options.host = absl::GetFlag(FLAGS_host).empty() ? Hostname() : absl::GetFlag(FLAGS_host);
+  options.host = worker_host;
   options.device = device;
   DescribeDevice(device, &options);
   std::unique_ptr<WorkerAgent> agent;

@@ -242,6 +242,8 @@ TEST(DaemonTest, BadAddressesAndLimitsExitTwoWithTheFix) {
        "gives port 65540, outside 1..65535"},
       {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--port_offset=-1"}, "--port_offset must be >= 0"},
       {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--listen=nonsense"}, "must be HOST:PORT"},
+      {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--host=node 7"}, "a DNS name"},
+      {"worker/baton-worker", {"--coordinator=127.0.0.1:7070", "--host=" + std::string(254, 'h')}, "1..253"},
       {"coordinator/baton-coordinator", {"--http_listen=0.0.0.0:99999"}, "port must be 0..65535"},
       {"coordinator/baton-coordinator", {"--max_workers=0"}, "--max_workers=0 must be in 1..131072"},
       // A job larger than the coordinator holds would wait for workers forever.
