@@ -1,8 +1,11 @@
 #include "kernels/backend.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <utility>
 
@@ -42,6 +45,17 @@ MemoryBook& Book() {
 }
 
 std::atomic<int64_t> host_syncs{0};
+
+// Address ranges handed out by PinnedHostZeros: start -> end.
+struct PinnedBook {
+  absl::Mutex mu;
+  std::map<uintptr_t, uintptr_t> ranges ABSL_GUARDED_BY(mu);
+};
+
+PinnedBook& Pinned() {
+  static PinnedBook* book = new PinnedBook();
+  return *book;
+}
 
 absl::StatusOr<const Backend*> BackendOf(Device device) {
   const Backend* backend = FindBackend(device.type);
@@ -148,6 +162,8 @@ absl::StatusOr<double> Event::SecondsSince(const Event& start) const {
 
 int64_t HostSyncCount() { return host_syncs.load(std::memory_order_relaxed); }
 
+void NoteHostSync() { host_syncs.fetch_add(1, std::memory_order_relaxed); }
+
 // --- ExecContext ---
 
 const ExecContext& ExecContext::Host() {
@@ -212,6 +228,47 @@ MemoryStats GetMemoryStats(Device device) {
   absl::MutexLock lock(&book.mu);
   auto it = book.stats.find({device.type, device.index});
   return it == book.stats.end() ? MemoryStats() : it->second;
+}
+
+absl::StatusOr<Tensor> PinnedHostZeros(Device device, Shape shape, DType dtype) {
+  if (device.is_cpu()) return Tensor::Zeros(std::move(shape), dtype);
+  absl::StatusOr<const Backend*> backend = BackendOf(device);
+  if (!backend.ok()) return backend.status();
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype));
+  absl::StatusOr<void*> p = (*backend)->allocate_host(device.index, bytes);
+  if (!p.ok()) {
+    return absl::Status(p.status().code(), absl::StrCat("allocating ", bytes, " bytes of pinned host memory for ",
+                                                        DeviceToString(device), ": ", p.status().message()));
+  }
+  std::memset(*p, 0, bytes);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(*p);
+  {
+    PinnedBook& book = Pinned();
+    absl::MutexLock lock(&book.mu);
+    book.ranges[start] = start + bytes;
+  }
+  const Backend* be = *backend;
+  const int index = device.index;
+  std::shared_ptr<void> storage(*p, [be, index, start](void* q) {
+    {
+      PinnedBook& book = Pinned();
+      absl::MutexLock lock(&book.mu);
+      book.ranges.erase(start);
+    }
+    be->free_host(index, q);
+  });
+  return Tensor::Adopt(std::move(storage), std::move(shape), dtype, Device::Cpu());
+}
+
+bool IsPinnedHost(const Tensor& t) {
+  if (!t.device().is_cpu() || t.address() == nullptr) return false;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.address());
+  PinnedBook& book = Pinned();
+  absl::MutexLock lock(&book.mu);
+  auto it = book.ranges.upper_bound(begin);  // the first range starting after t
+  if (it == book.ranges.begin()) return false;
+  --it;
+  return begin + t.bytes() <= it->second;
 }
 
 absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype) {

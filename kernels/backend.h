@@ -198,9 +198,13 @@ struct MemoryStats {
   int64_t system_allocations = 0;  // calls to the backend's allocate, ever
 };
 MemoryStats GetMemoryStats(Device device);
-// Host synchronisations (Stream::Synchronize, Event::Synchronize) so far,
-// over every device of this process.
+// Host synchronisations (Stream::Synchronize, Event::Synchronize, and a
+// Copy whose host side is pageable memory, which waits for the stream as
+// cudaMemcpyAsync does) so far, over every device of this process.
 int64_t HostSyncCount();
+// For backends: counts one host synchronisation that is not a
+// Stream/Event::Synchronize (a Copy to or from pageable host memory).
+void NoteHostSync();
 
 // Allocates `bytes` of memory on `device` through its backend (64-byte
 // aligned, uninitialised; counted in MemoryStats). Frees it with FreeDevice.
@@ -212,6 +216,18 @@ void CountInUse(Device device, int64_t delta);
 // An owning tensor on `device`, zero-filled (on the device's stream order:
 // the fill is complete when this returns).
 absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype = DType::kFloat32);
+
+// A zero-filled host tensor (Device::Cpu()) in page-locked memory of
+// `device`'s backend, which that device copies to and from asynchronously:
+// Copy between a device tensor and pageable host memory waits for the
+// stream on the host first (CUDA's rule for cudaMemcpyAsync, which the
+// simulated device follows), so a step's host-side buffers (tokens and
+// targets, the step's results, the post-time stamps) are pinned. The caller
+// keeps it unchanged until the stream has run the copy. On the CPU:
+// Tensor::Zeros.
+absl::StatusOr<Tensor> PinnedHostZeros(Device device, Shape shape, DType dtype = DType::kFloat32);
+// True when all of host tensor `t` lies in memory from PinnedHostZeros.
+bool IsPinnedHost(const Tensor& t);
 
 // OK when `device` can run ops now; UNAVAILABLE naming why not (no backend
 // linked for its type, no driver, no such ordinal).
@@ -228,6 +244,10 @@ struct Backend {
   absl::Status (*probe)(int index);
   absl::StatusOr<void*> (*allocate)(int index, size_t bytes);
   void (*free)(int index, void* p);
+  // Page-locked host memory this device copies to and from without a host
+  // wait (CUDA: cudaHostAlloc); see PinnedHostZeros.
+  absl::StatusOr<void*> (*allocate_host)(int index, size_t bytes);
+  void (*free_host)(int index, void* p);
   absl::StatusOr<void*> (*create_stream)(int index);
   void (*destroy_stream)(int index, void* stream);
   absl::Status (*synchronize_stream)(void* stream);

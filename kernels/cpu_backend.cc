@@ -373,6 +373,8 @@ const Backend kCpu = {
     Probe,
     Allocate,
     Free,
+    Allocate,  // host memory is all the CPU copies from
+    Free,
     CreateStream,
     DestroyStream,
     SynchronizeStream,

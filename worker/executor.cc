@@ -40,6 +40,20 @@ int64_t StampSlots(const v1::Program& program) {
   return slots;
 }
 
+// Moves a microbatch's tokens and targets into pinned host memory of
+// `device` (once per buffer: the data source refills them in place at later
+// steps), so that the stage's copy of them waits for nothing on the host.
+absl::Status PinData(kernels::Device device, MicrobatchData* data) {
+  for (kernels::Tensor* t : {&data->tokens, &data->targets}) {
+    if (!t->defined() || kernels::IsPinnedHost(*t)) continue;
+    absl::StatusOr<kernels::Tensor> pinned = kernels::PinnedHostZeros(device, t->shape(), t->dtype());
+    if (!pinned.ok()) return WithContext(pinned.status(), "pinning a microbatch's tokens and targets");
+    std::memcpy(pinned->raw(), t->raw(), t->bytes());
+    *t = std::move(*pinned);
+  }
+  return absl::OkStatus();
+}
+
 uint64_t Tag(bool forward, int stage, int mb, int num_stages, int microbatches) {
   return (static_cast<uint64_t>(forward ? 0 : 1) * num_stages + stage) * microbatches + mb;
 }
@@ -117,7 +131,7 @@ absl::StatusOr<StepExecutor::Message*> StepExecutor::Buffer(std::map<Key, Messag
 }
 
 absl::Status StepExecutor::ReleaseMessages(bool chunks_idle) {
-  const bool any = !data_.empty() || !act_out_.empty() || !act_in_.empty() || !grad_out_.empty() ||
+  const bool any = !filled_.empty() || !act_out_.empty() || !act_in_.empty() || !grad_out_.empty() ||
                    !grad_in_.empty();
   if (!any) return absl::OkStatus();
   absl::Status status;
@@ -133,7 +147,7 @@ absl::Status StepExecutor::ReleaseMessages(bool chunks_idle) {
     }
   }
   if (!status.ok()) return status;  // the device may still use the buffers: keep them out of the pool
-  data_.clear();  // a device stage may have been copying tokens and targets from it
+  filled_.clear();  // data_ keeps its buffers: the next step refills them in place
   for (auto* map : {&act_out_, &act_in_, &grad_out_, &grad_in_}) {
     for (auto& [key, m] : *map) pool_.push_back(std::move(m.payload));
     map->clear();
@@ -182,7 +196,9 @@ absl::Status StepExecutor::StartSpans() {
       absl::StatusOr<kernels::Tensor> stamps = kernels::ZerosOn(stream->device(), {slots}, kernels::DType::kInt64);
       if (!stamps.ok()) return WithContext(stamps.status(), "allocating the pipeline's post-time stamps");
       stamps_ = std::move(*stamps);
-      stamps_host_ = kernels::Tensor::Zeros({slots}, kernels::DType::kInt64);
+      absl::StatusOr<kernels::Tensor> host = kernels::PinnedHostZeros(stream->device(), {slots}, kernels::DType::kInt64);
+      if (!host.ok()) return WithContext(host.status(), "allocating the host copy of the post-time stamps");
+      stamps_host_ = std::move(*host);
       comm_stream_ = std::move(*cs);
     }
     ChunkEvents& ce = chunk_events_[stage];
@@ -408,8 +424,9 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
     MicrobatchData* data = nullptr;
     if (first || last) {
       data = &data_[mb];
-      if (!data->tokens.defined()) {
+      if (filled_.insert(mb).second) {
         BATON_RETURN_IF_ERROR(batch_(step, options_.dp_rank * options_.microbatches + mb, data));
+        if (on_stream) BATON_RETURN_IF_ERROR(PinData(model->context().device, data));
       }
     }
     kernels::Tensor input, output;
@@ -427,8 +444,8 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
       BATON_ASSIGN_OR_RETURN(Message * m, Buffer(act_out_, s, mb));
       output = m->payload;
     }
-    // The data stays in data_ until the step ends: a device stage may still
-    // be copying from it.
+    // The data stays unchanged in data_ until the step ends: a device stage
+    // may still be copying from it.
     status = model->Forward(mb, data ? *data : MicrobatchData(), input, output);
   } else if (a.kind() == Action::BACKWARD || a.kind() == Action::BACKWARD_INPUT) {
     kernels::Tensor grad_output, grad_input;

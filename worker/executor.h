@@ -67,6 +67,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -173,7 +174,8 @@ class StepExecutor {
 
   // Per step.
   std::map<Key, Message> act_out_, act_in_, grad_out_, grad_in_;
-  std::map<int, MicrobatchData> data_;
+  std::map<int, MicrobatchData> data_;  // kept across steps, refilled in place
+  std::set<int> filled_;                // microbatches whose data this step has read
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;

@@ -186,6 +186,24 @@ void Free(int index, void* p) {
   if (UseDevice(index).ok()) cudaFree(p);
 }
 
+// Portable: every context of the process sees it as pinned.
+absl::StatusOr<void*> AllocateHost(int index, size_t bytes) {
+  absl::Status s = UseDevice(index);
+  if (!s.ok()) return s;
+  void* p = nullptr;
+  cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaHostAlloc of ", bytes, " bytes: out of pinned host memory"));
+  }
+  if (err != cudaSuccess) return CudaStatus(err, "cudaHostAlloc", __FILE__, __LINE__);
+  return p;
+}
+
+void FreeHost(int, void* p) {
+  if (p != nullptr) cudaFreeHost(p);
+}
+
 absl::StatusOr<void*> CreateStream(int index) {
   absl::Status s = Probe(index);
   if (!s.ok()) return s;
@@ -289,8 +307,15 @@ absl::Status LaunchHostFunc(void* native, void (*fn)(void*), void* arg) {
 
 // ------------------------------------------------------------ data movement
 
+// With pageable host memory on either side cudaMemcpyAsync waits on the
+// host for the stream's earlier work (and, to the host, for the copy): a
+// host synchronisation, counted as one. Pinned memory (PinnedHostZeros) and
+// device memory are copied in stream order.
 void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   StreamState& st = Enter(ctx, "Copy");
+  if ((dst.device().is_cpu() && !kernels::IsPinnedHost(dst)) || (src.device().is_cpu() && !kernels::IsPinnedHost(src))) {
+    kernels::NoteHostSync();
+  }
   Note(st, "Copy",
        cudaMemcpyAsync(dst.address(), src.address(), src.bytes(), cudaMemcpyDefault, Native(ctx)));
 }
@@ -764,6 +789,8 @@ const kernels::Backend kCuda = {
     Probe,
     Allocate,
     Free,
+    AllocateHost,
+    FreeHost,
     CreateStream,
     DestroyStream,
     SynchronizeStream,

@@ -233,9 +233,24 @@ absl::Status LaunchHostFunc(void* s, void (*fn)(void*), void* arg) {
 // Each entry enqueues the CPU kernel over host views of its tensors.
 #define SIM_ENQUEUE(body) S(ctx)->Enqueue([=] { body; })
 
+// Page-locked host memory: plain host memory here; what matters is that
+// Copy (below) tells it from pageable memory, as CUDA does.
+absl::StatusOr<void*> AllocateHost(int, size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) return absl::ResourceExhaustedError("out of host memory");
+  return p;
+}
+void FreeHost(int, void* p) { std::free(p); }
+
+// As cudaMemcpyAsync: with a pinned (or device) host side the copy is
+// enqueued and the host goes on; with pageable host memory on either side
+// the host waits for the stream's earlier work and the copy (a host
+// synchronisation, counted as one).
 void Copy(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   Tensor d = H(dst), s = H(src);
   SIM_ENQUEUE(Cpu().copy(Host(), d, s));
+  const bool pageable = (dst.device().is_cpu() && !IsPinnedHost(dst)) || (src.device().is_cpu() && !IsPinnedHost(src));
+  if (pageable) (void)ctx.stream->Synchronize();  // its error, if any, stays on the stream
 }
 void FillZero(const ExecContext& ctx, const Tensor& dst) {
   Tensor d = H(dst);
@@ -379,6 +394,8 @@ const Backend kSim = {
     Probe,
     Allocate,
     Free,
+    AllocateHost,
+    FreeHost,
     CreateStream,
     DestroyStream,
     SynchronizeStream,

@@ -105,39 +105,87 @@ TEST(SimBackendDeathTest, HostAccessToDeviceMemoryAborts) {
   EXPECT_DEATH(a.f32()[0] = 1.0f, "host access to a tensor on sim:0 \\[2, 3\\]");
 }
 
+// Host memory the simulated device copies without a host wait, holding `values`.
+Tensor Pinned(const std::vector<float>& values) {
+  Tensor t = *PinnedHostZeros(kSim, {static_cast<int64_t>(values.size())});
+  std::copy(values.begin(), values.end(), t.f32());
+  return t;
+}
+
 TEST(SimBackendTest, AReadWithoutWaitingSeesStaleDataAWaitedOneTheResult) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  Tensor src = Pinned({1, 2, 3, 4}), dst = Pinned(std::vector<float>(4, -1.0f));
+  Tensor d = *ZerosOn(kSim, {4});
+  const int64_t syncs = HostSyncCount();
+  Copy(ctx, d, src);
+  Copy(ctx, dst, d);
+  // Nothing waited: the copies have not run.
+  EXPECT_EQ(Values(dst), std::vector<float>(4, -1.0f));
+  EXPECT_EQ(HostSyncCount(), syncs);
+  ASSERT_TRUE(stream->Synchronize().ok());
+  EXPECT_EQ(Values(dst), Values(src));
+}
+
+// As cudaMemcpyAsync: a copy to or from pageable host memory waits on the
+// host for the stream (and counts as a host synchronisation); only pinned
+// memory is copied in stream order.
+TEST(SimBackendTest, ACopyWithPageableHostMemoryWaitsForTheStream) {
   auto stream = *Stream::Create(kSim);
   const ExecContext ctx = ExecContext::On(stream.get());
   std::vector<float> src = {1, 2, 3, 4}, dst(4, -1.0f);
   Tensor d = *ZerosOn(kSim, {4});
+  const int64_t syncs = HostSyncCount();
   Copy(ctx, d, Tensor::View(src.data(), {4}));
+  EXPECT_EQ(HostSyncCount(), syncs + 1);
+  src.assign(4, 9.0f);  // the copy has run: changing the source changes nothing
   Copy(ctx, Tensor::View(dst.data(), {4}), d);
-  // Nothing waited: the copies have not run.
-  EXPECT_EQ(dst, std::vector<float>(4, -1.0f));
-  ASSERT_TRUE(stream->Synchronize().ok());
-  EXPECT_EQ(dst, src);
+  EXPECT_EQ(HostSyncCount(), syncs + 2);
+  EXPECT_EQ(dst, std::vector<float>({1, 2, 3, 4}));  // read with no Synchronize
+}
+
+TEST(SimBackendTest, PinnedHostMemoryIsKnownByItsRange) {
+  Tensor pinned = *PinnedHostZeros(kSim, {8});
+  EXPECT_EQ(pinned.device(), Device::Cpu());
+  EXPECT_EQ(Values(pinned), std::vector<float>(8, 0.0f));
+  EXPECT_TRUE(IsPinnedHost(pinned));
+  EXPECT_TRUE(IsPinnedHost(pinned.Rows(2, 5)));
+  // A view that runs past the allocation is not pinned as a whole.
+  EXPECT_FALSE(IsPinnedHost(Tensor::View(pinned.f32() + 4, {8})));
+  std::vector<float> pageable(8);
+  EXPECT_FALSE(IsPinnedHost(Tensor::View(pageable.data(), {8})));
+  EXPECT_FALSE(IsPinnedHost(*ZerosOn(kSim, {8})));  // device memory
+  // On the CPU there is nothing to pin: plain host memory.
+  EXPECT_FALSE(IsPinnedHost(*PinnedHostZeros(Device::Cpu(), {8})));
+  const void* freed = nullptr;
+  {
+    Tensor gone = *PinnedHostZeros(kSim, {4});
+    freed = gone.address();
+  }
+  EXPECT_FALSE(IsPinnedHost(Tensor::View(const_cast<void*>(freed), {1})));
 }
 
 TEST(SimBackendTest, EventsOrderTwoStreams) {
   auto producer = *Stream::Create(kSim);
   auto consumer = *Stream::Create(kSim);
   const ExecContext p = ExecContext::On(producer.get()), c = ExecContext::On(consumer.get());
-  std::vector<float> src = {5, 6, 7}, missed(3, -1.0f), ordered(3, -1.0f);
+  Tensor src = Pinned({5, 6, 7}), missed = Pinned(std::vector<float>(3, -1.0f)),
+         ordered = Pinned(std::vector<float>(3, -1.0f));
   Tensor d = *ZerosOn(kSim, {3});
-  Copy(p, d, Tensor::View(src.data(), {3}));
+  Copy(p, d, src);
   auto ready = *Event::Create(kSim);
   ASSERT_TRUE(ready->Record(*producer).ok());
 
   // Without a wait the consumer reads d before the producer wrote it.
-  Copy(c, Tensor::View(missed.data(), {3}), d);
+  Copy(c, missed, d);
   ASSERT_TRUE(consumer->Synchronize().ok());
-  EXPECT_EQ(missed, std::vector<float>(3, 0.0f));
+  EXPECT_EQ(Values(missed), std::vector<float>(3, 0.0f));
 
   // With the event the consumer's copy runs after the producer's.
   ASSERT_TRUE(ready->StreamWait(*consumer).ok());
-  Copy(c, Tensor::View(ordered.data(), {3}), d);
+  Copy(c, ordered, d);
   ASSERT_TRUE(consumer->Synchronize().ok());
-  EXPECT_EQ(ordered, src);
+  EXPECT_EQ(Values(ordered), Values(src));
   ASSERT_TRUE(ready->Synchronize().ok());
 }
 

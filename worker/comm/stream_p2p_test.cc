@@ -57,7 +57,7 @@ TEST(StreamP2PTest, BatchRunsInStreamOrderWithoutAHostWait) {
                   .ok());
   // Rank 1: receives, then the stream copies the payload and stamp out.
   std::vector<float> got(kN, -1);
-  int64_t stamp = 0;
+  const kernels::Tensor stamp_host = *kernels::PinnedHostZeros(kSim, {1}, kernels::DType::kInt64);
   ASSERT_TRUE(EnqueueP2P(*group[1],
                          {P2POp{false, Buffer{b.p, kN, DType::kFloat32, -1}, 0, 7, "recv"},
                           P2POp{false, Buffer{got_stamp.address(), 1, DType::kInt64, -1}, 0, 7 | (1ull << 62),
@@ -65,12 +65,12 @@ TEST(StreamP2PTest, BatchRunsInStreamOrderWithoutAHostWait) {
                          *s1, absl::Seconds(30), status1)
                   .ok());
   ASSERT_TRUE(s1->LaunchHostFunc([&] { std::memcpy(got.data(), b.p, kN * sizeof(float)); }).ok());
-  kernels::Copy(kernels::ExecContext::On(s1.get()), kernels::Tensor::View(&stamp, {1}, kernels::DType::kInt64),
-                got_stamp);
+  kernels::Copy(kernels::ExecContext::On(s1.get()), stamp_host, got_stamp);  // pinned: no host wait
   EXPECT_EQ(kernels::HostSyncCount(), syncs) << "enqueueing waited on the host";
   ASSERT_TRUE(s1->Synchronize().ok());
   ASSERT_TRUE(s0->Synchronize().ok());
   const int64_t after = absl::ToUnixMicros(absl::Now());
+  const int64_t stamp = *static_cast<const int64_t*>(stamp_host.address());
   EXPECT_TRUE(status0->status().ok()) << status0->status();
   EXPECT_TRUE(status1->status().ok()) << status1->status();
   // The sender's stream wrote it when it got there, between these host times.

@@ -183,6 +183,9 @@ absl::Status GptStage::PlaceOnDevice() {
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
   BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
   BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
+  // Pinned, so that copying the results into it waits for nothing on the host.
+  static_assert(sizeof(HostResults) == 3 * sizeof(int64_t));
+  BATON_ASSIGN_OR_RETURN(host_results_, kernels::PinnedHostZeros(device, {3}, kernels::DType::kInt64));
   return absl::OkStatus();
 }
 
@@ -704,7 +707,7 @@ void GptStage::EnqueueStepResults() {
   for (const Parameter& p : params_.parameters()) {
     if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
   }
-  HostResults& h = *host_results_;
+  HostResults& h = Results();
   kernels::Copy(ctx_, Tensor::View(&h.sq, {1}, kernels::DType::kFloat64), norm_acc_);
   if (config_.is_last()) {
     kernels::Copy(ctx_, Tensor::View(&h.loss_sum, {1}, kernels::DType::kFloat64), loss_acc_);
@@ -714,11 +717,12 @@ void GptStage::EnqueueStepResults() {
 
 absl::Status GptStage::TakeStepResults(StepScore* score, double* grad_sq_norm) {
   *score = score_;
+  const HostResults& h = Results();
   if (config_.is_last()) {
-    score->loss_sum = host_results_->loss_sum;
-    score->correct = host_results_->hits;
+    score->loss_sum = h.loss_sum;
+    score->correct = h.hits;
   }
-  *grad_sq_norm = host_results_->sq;
+  *grad_sq_norm = h.sq;
   absl::Status collectives = comm_status_->status();
   comm_status_->Reset();  // the stream is idle now
   return collectives;

@@ -249,12 +249,14 @@ class GptStage {
   std::unique_ptr<kernels::Arena> scratch_;
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
-  // Host copies of the three, written on the stream by EnqueueStepResults.
+  // Host copies of the three, written on the stream by EnqueueStepResults,
+  // in pinned memory (kernels::PinnedHostZeros) viewed as HostResults.
   struct HostResults {
-    double loss_sum = 0, sq = 0;
-    int64_t hits = 0;
+    double loss_sum, sq;
+    int64_t hits;
   };
-  std::unique_ptr<HostResults> host_results_ = std::make_unique<HostResults>();
+  kernels::Tensor host_results_;
+  HostResults& Results() const { return *static_cast<HostResults*>(host_results_.address()); }
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
 };
