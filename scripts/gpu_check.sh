@@ -205,6 +205,14 @@ if [[ -n "$COLLECT" ]]; then
     echo "gpu_check --collect: no release bundle in $COLLECT/release: pp2_1f1b and pp2_1f1b_bf16 will report 'not available'" >&2
   tar czf "$COLLECT.tar.gz" -C "$(dirname "$COLLECT")" "$(basename "$COLLECT")" || die "tar failed"
   du -sh "$COLLECT" "$COLLECT.tar.gz"
+  # The device tool carries at most 64 MiB: the working tree's files plus
+  # what `carry` names (this tarball). Say so here, before device time is spent.
+  bundle_bytes=$(stat -c %s "$COLLECT.tar.gz")
+  tree_bytes=$(cd "$ROOT" && git ls-files -z 2>/dev/null | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  if (( bundle_bytes + tree_bytes > 64 * 1024 * 1024 )); then
+    echo "gpu_check --collect: WARNING: the bundle ($((bundle_bytes >> 20)) MiB) and the tracked tree" \
+         "($((tree_bytes >> 20)) MiB) exceed the device tool's 64 MiB carry limit: the run will not get there" >&2
+  fi
   echo "gpu_check --collect: on the GPU host run: scripts/gpu_check.sh --bin $(basename "$COLLECT").tar.gz --out OUT"
   exit 0
 fi
