@@ -33,6 +33,14 @@ const Backend& On(const ExecContext& ctx, const char* op,
   return *ctx.backend;
 }
 
+// The row count of a per-row op (the numel of its per-row tensor), which
+// the op divides by: an empty batch is a caller's error, named, not a
+// division by zero.
+int64_t RowsOf(const Tensor& per_row, const char* op) {
+  Require(per_row.numel() > 0, op, "no rows (an empty batch)");
+  return per_row.numel();
+}
+
 void RequireScalar(const Tensor& t, DType dtype, const char* op) {
   Require(t.numel() == 1 && t.dtype() == dtype, op, "accumulator must be a one-element tensor "
                                                     "of float64 (loss, sums) or int64 (hits)");
@@ -218,7 +226,7 @@ void ResidualBackward(const ExecContext& ctx, const Tensor& da, const Tensor& db
 void SoftmaxCrossEntropy(const ExecContext& ctx, const Tensor& logits_to_grad,
                          const Tensor& targets, float grad_scale, const Tensor& loss_sum) {
   const Backend& be = On(ctx, "SoftmaxCrossEntropy", {&logits_to_grad, &targets, &loss_sum});
-  const int64_t n = targets.numel(), v = logits_to_grad.numel() / n;
+  const int64_t n = RowsOf(targets, "SoftmaxCrossEntropy"), v = logits_to_grad.numel() / n;
   Require(logits_to_grad.numel() == n * v, "SoftmaxCrossEntropy", "shape mismatch");
   RequireScalar(loss_sum, DType::kFloat64, "SoftmaxCrossEntropy");
   be.softmax_cross_entropy(ctx, logits_to_grad, targets, grad_scale, loss_sum);
@@ -229,7 +237,7 @@ void ShardedCrossEntropyStats(const ExecContext& ctx, const Tensor& logits_to_ex
                               const Tensor& lse, const Tensor& target_logit) {
   const Backend& be = On(ctx, "ShardedCrossEntropyStats",
                          {&logits_to_exp, &targets, &row_max, &lse, &target_logit});
-  const int64_t n = targets.numel(), v = logits_to_exp.numel() / n;
+  const int64_t n = RowsOf(targets, "ShardedCrossEntropyStats"), v = logits_to_exp.numel() / n;
   Require(logits_to_exp.numel() == n * v && row_max.numel() == n && lse.numel() == n &&
               target_logit.numel() == n,
           "ShardedCrossEntropyStats", "shape mismatch");
@@ -244,7 +252,8 @@ void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad
   const Backend& be =
       On(ctx, "ShardedCrossEntropyFinish",
          {&exp_to_grad, &targets, &row_max, &lse_all, &target_logit, &loss_sum});
-  const int64_t n = targets.numel(), v = exp_to_grad.numel() / n, shards = lse_all.numel() / n;
+  const int64_t n = RowsOf(targets, "ShardedCrossEntropyFinish"), v = exp_to_grad.numel() / n,
+                shards = lse_all.numel() / n;
   Require(exp_to_grad.numel() == n * v && row_max.numel() == n && lse_all.numel() == n * shards &&
               target_logit.numel() == n,
           "ShardedCrossEntropyFinish", "shape mismatch");
@@ -256,7 +265,7 @@ void ShardedCrossEntropyFinish(const ExecContext& ctx, const Tensor& exp_to_grad
 void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_begin,
                  const Tensor& max, const Tensor& index) {
   const Backend& be = On(ctx, "ShardArgmax", {&logits, &max, &index});
-  const int64_t n = max.numel(), v = logits.numel() / n;
+  const int64_t n = RowsOf(max, "ShardArgmax"), v = logits.numel() / n;
   Require(logits.numel() == n * v && index.numel() == n, "ShardArgmax", "shape mismatch");
   Require(vocab_begin + v <= kMaxArgmaxVocab, "ShardArgmax",
           "vocabulary indices past 2^24 do not fit a float exactly");
@@ -266,7 +275,7 @@ void ShardArgmax(const ExecContext& ctx, const Tensor& logits, int64_t vocab_beg
 void CountArgmaxHits(const ExecContext& ctx, const Tensor& max_all, const Tensor& index_all,
                      const Tensor& targets, const Tensor& hits) {
   const Backend& be = On(ctx, "CountArgmaxHits", {&max_all, &index_all, &targets, &hits});
-  const int64_t n = targets.numel(), shards = max_all.numel() / n;
+  const int64_t n = RowsOf(targets, "CountArgmaxHits"), shards = max_all.numel() / n;
   Require(max_all.numel() == n * shards && index_all.numel() == n * shards, "CountArgmaxHits",
           "shape mismatch");
   RequireScalar(hits, DType::kInt64, "CountArgmaxHits");

@@ -445,6 +445,16 @@ TEST_F(KernelsTest, CrossEntropyOfAVeryUnlikelyTargetIsExact) {
   EXPECT_NEAR(logits.f32()[2], -1.0f, 1e-6);  // softmax ≈ 0 minus one-hot
 }
 
+// Per-row ops divide by their row count: an empty batch is refused by
+// name, not a division by zero (SIGFPE).
+TEST(KernelsDeathTest, PerRowOpsRefuseAnEmptyBatchByName) {
+  Tensor logits = Tensor::Zeros({0, 4}), targets = Tensor::Zeros({0}, DType::kInt32);
+  EXPECT_DEATH(SoftmaxCrossEntropy(logits, targets, 1.0f), "SoftmaxCrossEntropy: no rows");
+  Tensor max = Tensor::Zeros({0}), index = Tensor::Zeros({0});
+  EXPECT_DEATH(ShardArgmax(logits, 0, max, index), "ShardArgmax: no rows");
+  EXPECT_DEATH(CountArgmaxHits(max, index, targets), "CountArgmaxHits: no rows");
+}
+
 TEST_F(KernelsTest, AdamWMatchesFloat64Reference) {
   const int64_t n = 8;
   Tensor p = Random({n}), m = Tensor::Zeros({n}), v = Tensor::Zeros({n});
