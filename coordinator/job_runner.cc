@@ -151,6 +151,16 @@ FaultTolerance FaultToleranceOf(const v1::JobSpec& job) {
   return ft;
 }
 
+bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds) {
+  if (every.has_value()) return *every > 0 && step % *every == 0;
+  if (last <= 0) return true;
+  double k = 1;  // also while no step or no snapshot has been timed
+  if (stall_seconds > 0 && step_seconds > 0) {
+    k = std::max(1.0, std::ceil(stall_seconds / (kMaxSnapshotOverhead * step_seconds)));
+  }
+  return static_cast<double>(step - last) >= k;
+}
+
 JobRunner::JobRunner(v1::JobSpec job, WorkerRegistry* registry, KvStore* kv, Options options,
                      prometheus::Registry& metrics)
     : JobRunner(job, nullptr, RealClock::Get(), std::move(options), metrics) {
@@ -568,10 +578,11 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
       Collect(options_.configure_timeout, "Configured");
   if (configured.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
   if (!configured.ok()) return WithContext(configured.status(), "configuring the job");
+  absl::MutexLock lock(&mu_);
   if (!setup.checkpoint_dir.empty()) {  // every worker now holds the checkpoint's step in memory
-    absl::MutexLock lock(&mu_);
     for (const auto& [name, a] : assigned_) own_snapshots_[name] = {setup.resume_step};
   }
+  last_snapshot_step_ = setup.resume_step;  // 0: the first step's snapshot measures what one costs
   return JobState::kRunning;
 }
 
@@ -608,6 +619,11 @@ absl::StatusOr<JobState> JobRunner::Running() {
   if (finite) {
     verdict.mutable_commit()->set_step(step);
     verdict.mutable_commit()->set_clip_factor(clip);
+    absl::MutexLock lock(&mu_);
+    if (SnapshotDue(ft_.snapshot_every_steps, step, last_snapshot_step_, snapshot_stall_seconds_, step_seconds_)) {
+      verdict.mutable_commit()->set_snapshot(true);
+      last_snapshot_step_ = step;
+    }
   } else {
     verdict.mutable_discard()->set_step(step);
     verdict.mutable_discard()->set_reason("non-finite loss or gradient");
@@ -618,6 +634,10 @@ absl::StatusOr<JobState> JobRunner::Running() {
   if (done.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
   if (!done.ok()) return WithContext(done.status(), absl::StrCat("step ", step));
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    absl::MutexLock lock(&mu_);
+    step_seconds_ = step_seconds_ > 0 ? 0.8 * step_seconds_ + 0.2 * wall : wall;
+  }
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
              norm, clip, wall, *done);
   if (finite && CheckpointDue(step)) {
@@ -1090,6 +1110,13 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
         const v1::ShardSnapshot& snap = message.snapshot();
         if (snap.owner() != worker || snap.step() <= 0) return;
         PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
+        if (snap.step() > stall_step_) {
+          stall_step_ = snap.step();
+          snapshot_stall_seconds_ = 0;
+        }
+        if (snap.step() == stall_step_ && std::isfinite(snap.capture_seconds())) {
+          snapshot_stall_seconds_ = std::max(snapshot_stall_seconds_, std::clamp(snap.capture_seconds(), 0.0, 3600.0));
+        }
         auto buddy = buddy_.find(worker);
         if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
         if (snap.data().size() > kMaxRelayedSnapshotBytes) {

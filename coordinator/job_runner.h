@@ -108,9 +108,24 @@ std::unique_ptr<JobWorkers> MakeRegistryJobWorkers(WorkerRegistry* registry, KvS
 struct FaultTolerance {
   int max_restarts = 10;
   absl::Duration replacement_timeout = absl::Seconds(60);
-  int snapshot_every_steps = 1;
+  std::optional<int> snapshot_every_steps;  // unset: SnapshotDue's adaptive rule
 };
 FaultTolerance FaultToleranceOf(const v1::JobSpec& job);
+
+// The share of the step time a worker's snapshot may stall it, with
+// snapshot_every_steps unset.
+inline constexpr double kMaxSnapshotOverhead = 0.05;
+
+// Whether committed step `step` is snapshotted (Commit.snapshot), every
+// worker the same. With `every` set: every `every`-th step (0: never).
+// Unset: the first step after `last` == 0 (none yet: it measures the cost),
+// then every k-th step after `last`, k = ceil(stall / (kMaxSnapshotOverhead
+// * step)) >= 1, where `stall` is the longest capture of the last snapshot
+// (ShardSnapshot.capture_seconds) and `step` a step's wall time: a snapshot
+// that costs well under 5% of a step is taken every step (every CPU test
+// model), a large model on GPUs whose state takes longer to copy than a step
+// is snapshotted every few seconds instead of slowing every step.
+bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds);
 
 class JobRunner : public JobObserver {
  public:
@@ -295,6 +310,13 @@ class JobRunner : public JobObserver {
   int64_t committed_ ABSL_GUARDED_BY(mu_) = 0;  // newest step every worker finished
   int64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;   // newest step in steps_ / steps.jsonl
   std::map<std::string, std::deque<int64_t>> own_snapshots_ ABSL_GUARDED_BY(mu_);   // worker -> steps
+  // SnapshotDue's inputs: the newest step every worker was asked to
+  // snapshot (or holds, after configuring), the longest capture of the
+  // newest snapshot reported, and a step's wall time (moving average).
+  int64_t last_snapshot_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t stall_step_ ABSL_GUARDED_BY(mu_) = 0;
+  double snapshot_stall_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double step_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   // Buddy copies by shard slot ("pp.tp.dp"): which worker holds them, under
   // which owner name (the slot's worker when it was sent), and their steps.
   struct Held {

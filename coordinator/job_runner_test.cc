@@ -65,6 +65,19 @@ class FakeWorkers : public JobWorkers {
     }
   }
   void set_runner(JobRunner* runner) { runner_ = runner; }
+  // What each snapshot reports as its capture stall.
+  void set_capture_seconds(double seconds) {
+    absl::MutexLock lock(&mu_);
+    capture_seconds_ = seconds;
+  }
+  // The steps whose Commit asked `worker` for a snapshot, in order.
+  std::vector<int64_t> SnapshotSteps(const std::string& worker) const {
+    std::vector<int64_t> steps;
+    for (const auto& m : Sent(worker)) {
+      if (m.has_commit() && m.commit().snapshot()) steps.push_back(m.commit().step());
+    }
+    return steps;
+  }
   void set_hook(Hook hook) {
     absl::MutexLock lock(&mu_);
     hook_ = std::move(hook);
@@ -197,6 +210,7 @@ class FakeWorkers : public JobWorkers {
         }
         model_step_[worker] = step;
         out->push_back(r);
+        if (!m.commit().snapshot()) return;
         const std::string state = absl::StrCat(shard_[worker], "@", step);
         own_[worker][step] = state;
         v1::WorkerMessage snap;
@@ -204,6 +218,7 @@ class FakeWorkers : public JobWorkers {
         snap.mutable_snapshot()->set_step(step);
         snap.mutable_snapshot()->set_generation(generation_of_[worker]);
         snap.mutable_snapshot()->set_data(state);
+        snap.mutable_snapshot()->set_capture_seconds(capture_seconds_);
         out->push_back(snap);
         return;
       }
@@ -251,6 +266,7 @@ class FakeWorkers : public JobWorkers {
   JobRunner* runner_ = nullptr;
   Hook hook_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 100;
+  double capture_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, v1::WorkerInfo> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_ ABSL_GUARDED_BY(mu_);
@@ -336,6 +352,55 @@ class JobRunnerTest : public ::testing::Test {
   std::unique_ptr<JobRunner> runner_;
   bool started_ = false;
 };
+
+TEST(SnapshotDueTest, EveryNStepsWhenSetElseByWhatASnapshotCosts) {
+  std::vector<int64_t> due;
+  for (int64_t s = 1; s <= 6; ++s) {
+    if (SnapshotDue(2, s, 0, 0, 0)) due.push_back(s);
+  }
+  EXPECT_EQ(due, (std::vector<int64_t>{2, 4, 6}));
+  for (int64_t s = 1; s <= 6; ++s) EXPECT_FALSE(SnapshotDue(0, s, 0, 0, 0)) << "0: no snapshots";
+  // Unset: the first step measures the cost.
+  EXPECT_TRUE(SnapshotDue(std::nullopt, 1, 0, 100.0, 0.01));
+  // Cheap (4 ms against a 100 ms step, under 5%) or not measured: every step.
+  EXPECT_TRUE(SnapshotDue(std::nullopt, 8, 7, 0.004, 0.1));
+  EXPECT_TRUE(SnapshotDue(std::nullopt, 8, 7, 0.0, 0.1));
+  EXPECT_TRUE(SnapshotDue(std::nullopt, 8, 7, 0.5, 0.0));
+  // 100 ms against a 100 ms step: every 20th step keeps it at 5%.
+  EXPECT_FALSE(SnapshotDue(std::nullopt, 26, 7, 0.1, 0.1));
+  EXPECT_TRUE(SnapshotDue(std::nullopt, 27, 7, 0.1, 0.1));
+}
+
+// A worker's snapshot that stalls it far longer than a step is not taken at
+// every step: after the first (which measures it), the next one is due only
+// once 5% of the steps' time since covers it, the same steps on every
+// worker. Set explicitly, snapshot_every_steps wins.
+TEST_F(JobRunnerTest, SnapshotsAreSpacedByWhatTheyCost) {
+  Start(Job(2, 1, 6), 2, [](FakeWorkers* f) { f->set_capture_seconds(1000); });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4, 5, 6})) << w;
+    EXPECT_EQ(fake_->SnapshotSteps(w), (std::vector<int64_t>{1})) << w;
+  }
+}
+
+TEST_F(JobRunnerTest, CheapSnapshotsAreTakenEveryStep) {
+  Start(Job(2, 1, 4), 2);  // the fakes' snapshots cost nothing
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->SnapshotSteps(w), (std::vector<int64_t>{1, 2, 3, 4})) << w;
+  }
+}
+
+TEST_F(JobRunnerTest, AnExplicitSnapshotIntervalWinsOverTheCost) {
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_fault_tolerance()->set_snapshot_every_steps(3);
+  Start(job, 2, [](FakeWorkers* f) { f->set_capture_seconds(1000); });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->SnapshotSteps(w), (std::vector<int64_t>{3, 6})) << w;
+  }
+}
 
 TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
   Start(Job(2, 1, 5), 2);

@@ -236,12 +236,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       }
       reply.mutable_step_done()->set_generation(job_->plan.generation());
       Reply(reply);
-      // After the reply: the coordinator gathers the others meanwhile.
-      const v1::FaultToleranceSpec& ft = job_->spec.fault_tolerance();
-      const int64_t every = ft.has_snapshot_every_steps() ? ft.snapshot_every_steps() : 1;
-      if (done.ok() && message.has_commit() && every > 0 && message.commit().step() % every == 0) {
-        Snapshot(message.commit().step());
-      }
+      // After the reply: the coordinator gathers the others meanwhile. It
+      // picks the steps (every worker snapshots the same ones).
+      if (done.ok() && message.has_commit() && message.commit().snapshot()) Snapshot(message.commit().step());
       return;
     }
     case v1::CoordinatorMessage::kSaveWeights: {
@@ -405,7 +402,9 @@ void WorkerJob::Snapshot(int64_t step) {
     own_[step] = std::move(bytes);
     while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
   }
-  snapshot_stall_family_->Add(job_->labels).Increment(absl::ToDoubleSeconds(absl::Now() - start));
+  const double stall = absl::ToDoubleSeconds(absl::Now() - start);
+  snapshot_stall_family_->Add(job_->labels).Increment(stall);
+  snap->set_capture_seconds(stall);  // the coordinator spaces snapshots by it
   Reply(std::move(msg));
 }
 

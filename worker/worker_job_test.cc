@@ -190,8 +190,9 @@ class WorkerJobTest : public ::testing::Test {
     std::map<std::string, v1::StepDone> done;
     std::map<std::string, std::string> snapshots;  // ShardState bytes by worker
   };
-  // RunStep(n) on every worker, then Commit(n) (or Discard).
-  StepResult Step(int64_t n, bool commit = true) {
+  // RunStep(n) on every worker, then Commit(n) (or Discard), asking for a
+  // snapshot when `snapshot`.
+  StepResult Step(int64_t n, bool commit = true, bool snapshot = true) {
     StepResult r;
     v1::CoordinatorMessage run;
     run.mutable_run_step()->set_step(n);
@@ -205,6 +206,7 @@ class WorkerJobTest : public ::testing::Test {
     if (commit) {
       verdict.mutable_commit()->set_step(n);
       verdict.mutable_commit()->set_clip_factor(1.0);
+      verdict.mutable_commit()->set_snapshot(snapshot);
     } else {
       verdict.mutable_discard()->set_step(n);
     }
@@ -213,12 +215,13 @@ class WorkerJobTest : public ::testing::Test {
       std::optional<v1::WorkerMessage> m = w.session->Next(v1::WorkerMessage::kStepDone);
       EXPECT_TRUE(m.has_value()) << w.name << ": no StepDone of step " << n;
       if (m) r.done[w.name] = m->step_done();
-      if (!commit) continue;
+      if (!commit || !snapshot) continue;
       std::optional<v1::WorkerMessage> snap = w.session->Next(v1::WorkerMessage::kSnapshot);
       EXPECT_TRUE(snap.has_value()) << w.name << ": no snapshot of step " << n;
       if (snap) {
         EXPECT_EQ(snap->snapshot().owner(), w.name);
         EXPECT_EQ(snap->snapshot().step(), n);
+        EXPECT_GT(snap->snapshot().capture_seconds(), 0) << "the coordinator spaces snapshots by their cost";
         r.snapshots[w.name] = snap->snapshot().data();
       }
     }
@@ -300,6 +303,14 @@ TEST_F(WorkerJobTest, ConfiguresRunsAStepCommitsAndSnapshotsItsState) {
   StepResult again = Step(2);
   EXPECT_NE(again.snapshots["w0"], s1.snapshots["w0"]);
   EXPECT_EQ(Steps(Describe(workers_[0])), (std::vector<int64_t>{1, 2}));
+  // A commit that does not ask for a snapshot takes none (the coordinator
+  // picks the steps, the same on every worker).
+  StepResult s3 = Step(3, /*commit=*/true, /*snapshot=*/false);
+  for (Worker& w : workers_) {
+    EXPECT_TRUE(s3.done[w.name].committed()) << w.name;
+    EXPECT_EQ(w.session->Count(v1::WorkerMessage::kSnapshot), 0) << w.name;
+    EXPECT_EQ(Steps(Describe(w)), (std::vector<int64_t>{1, 2})) << w.name;
+  }
 }
 
 TEST_F(WorkerJobTest, AnAbortReleasesAStepBlockedOnALostPeerAndKeepsTheState) {
