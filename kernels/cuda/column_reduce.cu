@@ -44,6 +44,7 @@ cudaError_t LaunchColumnSum(float* out, const float* x, int64_t rows, int64_t co
                             float* partial, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const ColumnReducePlan p = PlanColumnReduce(rows, cols);
+  if (!ColumnReduceCoversColumns(p, cols)) return cudaErrorInvalidValue;
   ChunkSumKernel<<<dim3(p.column_blocks, p.chunks), p.threads, 0, stream>>>(partial, x, rows, cols,
                                                                             p.rows_per_chunk);
   cudaError_t err = cudaGetLastError();

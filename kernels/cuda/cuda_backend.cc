@@ -204,11 +204,19 @@ void FreeHost(int, void* p) {
   if (p != nullptr) cudaFreeHost(p);
 }
 
+absl::StatusOr<int64_t> TimerOffset(int device);
+
 absl::StatusOr<void*> CreateStream(int index) {
   absl::Status s = Probe(index);
   if (!s.ok()) return s;
   s = UseDevice(index);
   if (!s.ok()) return s;
+  // Measure the device's timer offset now, before any step: the measurement
+  // allocates and frees pinned memory (cudaHostAlloc / cudaFreeHost wait for
+  // the whole device), which inside a step — at the first StampTime — would
+  // stall every stream of the device mid-step. A failure here is reported by
+  // StampTime, which measures again.
+  (void)TimerOffset(index);
   cudaStream_t stream = nullptr;
   BATON_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto state = std::make_unique<StreamState>();
@@ -342,10 +350,11 @@ void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   }
 }
 
-// The offset from %globaltimer to the host's Unix clock, measured on the
-// device's first stamp (one host wait on a private stream, once per device
-// and process; kernels/cuda/stamp.cuh) and kept: drift between the two
-// clocks over a long job is not corrected.
+// The offset from %globaltimer to the host's Unix clock, measured when the
+// device's first stream is created (one host wait on a private stream, once
+// per device and process; kernels/cuda/stamp.cuh; again at a stamp if that
+// failed) and kept: drift between the two clocks over a long job is not
+// corrected. The device must be current.
 absl::StatusOr<int64_t> TimerOffset(int device) {
   static absl::Mutex mu(absl::kConstInit);
   static auto* offsets = new absl::flat_hash_map<int, int64_t>();

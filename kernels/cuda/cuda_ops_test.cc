@@ -34,6 +34,7 @@
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/causal_softmax.cuh"
 #include "kernels/cuda/column_reduce.cuh"
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/cuda_status.h"
@@ -632,6 +633,87 @@ TEST_F(CudaOpsTest, ElementwiseOpsAndCastsMatchTheCpu) {
   ASSERT_EQ(LaunchCastF32ToBf16(d_16.get(), d_out.get(), n, stream_), cudaSuccess);
   ASSERT_EQ(LaunchCastBf16ToF32(d_x.get(), d_16.get(), n, stream_), cudaSuccess);
   EXPECT_TRUE(Bitwise(d_x.Download(), RoundBf16(want)));
+}
+
+// ------------------------------------------------------ past 2^31 elements
+
+// Buffers past 2^31 elements are real at scale — logits [B·T, V] =
+// [16·2048, 128256] (4.2e9), a 7B stage's flat parameter and gradient buffers
+// (1.75e9) — and an int32 index anywhere in a kernel wraps there. One buffer
+// of 2^31 + 2^17 floats (8.6 GB) goes through each launch pattern: grid-stride
+// elementwise, the fixed-grid squared norm, warp per row (causal softmax) and
+// block per row (cross-entropy), each checked on the buffer's last row.
+TEST_F(CudaOpsTest, KernelsReachTheLastElementOfABufferPast2To31) {
+  constexpr int64_t kCols = 131072, kRows = 16385;
+  constexpr int64_t n = kRows * kCols;
+  static_assert(n > (int64_t{1} << 31), "the buffer must pass int32's range");
+  Dev<float> big(n);
+  float* const last = big.get() + (kRows - 1) * kCols;
+  const std::vector<float> head = Random(kCols, 90), tail = Random(kCols, 91);
+  auto put = [&](float* at, const std::vector<float>& v) {
+    ASSERT_EQ(cudaMemcpyAsync(at, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice,
+                              stream_),
+              cudaSuccess);
+  };
+  auto get = [&](const float* at, int64_t count) {
+    std::vector<float> v(count);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(v.data(), at, count * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return v;
+  };
+  ASSERT_EQ(cudaMemsetAsync(big.get(), 0, n * sizeof(float), stream_), cudaSuccess);
+  put(big.get(), head);
+  put(last, tail);
+
+  // Grid-stride elementwise: the first and the last row scaled.
+  ASSERT_EQ(LaunchScale(big.get(), n, 0.5f, stream_), cudaSuccess);
+  std::vector<float> want_head = head, want_tail = tail;
+  cpu::Scale(want_head.data(), kCols, 0.5f);
+  cpu::Scale(want_tail.data(), kCols, 0.5f);
+  EXPECT_TRUE(Bitwise(get(big.get(), kCols), want_head));
+  EXPECT_TRUE(Bitwise(get(last, kCols), want_tail));
+
+  // Fixed-grid reduction: the norm holds both rows (every other element is 0).
+  Dev<double> partial(kNormBlocks), norm(1);
+  ASSERT_EQ(LaunchSumOfSquares(big.get(), n, partial.get(), norm.get(), false, stream_),
+            cudaSuccess);
+  const double want_norm = cpu::SumOfSquares(want_head.data(), kCols) +
+                           cpu::SumOfSquares(want_tail.data(), kCols);
+  EXPECT_NEAR(norm.Download()[0], want_norm, 1e-12 * want_norm);
+
+  // Warp per row: causal softmax in place over [n / T, T]; the last row is
+  // query (rows − 1) mod T = 63.
+  constexpr int64_t kSeq = 2048, kSoftmaxRows = n / kSeq;
+  const int64_t query = (kSoftmaxRows - 1) % kSeq;
+  ASSERT_EQ(LaunchCausalSoftmaxForward(big.get(), big.get(), kSoftmaxRows, kSeq, stream_),
+            cudaSuccess);
+  {
+    const float* s = want_tail.data() + kCols - kSeq;
+    double max = -INFINITY, sum = 0;
+    for (int64_t j = 0; j <= query; ++j) max = std::max(max, static_cast<double>(s[j]));
+    for (int64_t j = 0; j <= query; ++j) sum += std::exp(s[j] - max);
+    std::vector<float> want(kSeq, 0.0f);
+    for (int64_t j = 0; j <= query; ++j) want[j] = static_cast<float>(std::exp(s[j] - max) / sum);
+    EXPECT_LE(MaxRelError(get(big.get() + n - kSeq, kSeq), want), 1e-5);
+  }
+
+  // Block per row: cross-entropy over [kRows, kCols] with only the last row
+  // scored; every other row is ignored and gets a zero gradient.
+  put(last, tail);
+  std::vector<int32_t> targets(kRows, cpu::kIgnoreTarget);
+  targets[kRows - 1] = 12345;
+  Dev<int32_t> d_targets(targets);
+  Dev<double> d_rows(kRows), d_sum(std::vector<double>{0.0});
+  ASSERT_EQ(LaunchSoftmaxCrossEntropy(big.get(), d_targets.get(), kRows, kCols, 1.0f,
+                                      d_rows.get(), d_sum.get(), stream_),
+            cudaSuccess);
+  std::vector<float> want_grad = tail;
+  const double want_loss =
+      cpu::SoftmaxCrossEntropy(want_grad.data(), &targets[kRows - 1], 1, kCols, 1.0f);
+  EXPECT_LE(MaxRelError(get(last, kCols), want_grad), 1e-5);
+  EXPECT_NEAR(d_sum.Download()[0], want_loss, 1e-5 * std::fabs(want_loss));
+  EXPECT_TRUE(Bitwise(get(big.get(), kCols), std::vector<float>(kCols, 0.0f)));
 }
 
 }  // namespace

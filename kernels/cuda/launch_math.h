@@ -21,6 +21,8 @@ struct LaunchShape {
 inline constexpr int kThreadsPerBlock = 256;
 inline constexpr int kWarpSize = 32;
 inline constexpr int kMaxGridX = 65535 * 16;  // well under CUDA's 2^31-1
+// CUDA's own limit on gridDim.x, for kernels that are not grid-stride.
+inline constexpr int64_t kMaxGridXHardware = 2147483647;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -62,7 +64,12 @@ inline ColumnReducePlan PlanColumnReduce(int64_t rows, int64_t cols) {
   cols = cols < 1 ? 1 : cols;
   ColumnReducePlan p;
   p.threads = kThreadsPerBlock;
-  p.column_blocks = ClampGrid(CeilDiv(cols, p.threads));
+  // One thread per column and no grid-stride loop over columns: the grid must
+  // cover them all (ClampGrid's kMaxGridX would drop every column past
+  // 268M). ColumnReduceCoversColumns says whether it does.
+  const int64_t column_blocks = CeilDiv(cols, p.threads);
+  p.column_blocks = static_cast<int>(column_blocks > kMaxGridXHardware ? kMaxGridXHardware
+                                                                       : column_blocks);
   // About 64 rows per chunk, at most 256 chunks: enough blocks to fill a GPU
   // at C = 768 and a short second pass.
   int64_t chunks = CeilDiv(rows, 64);
@@ -70,6 +77,12 @@ inline ColumnReducePlan PlanColumnReduce(int64_t rows, int64_t cols) {
   p.rows_per_chunk = CeilDiv(rows, chunks);
   p.chunks = static_cast<int>(CeilDiv(rows, p.rows_per_chunk));
   return p;
+}
+
+// Whether p's grid has a thread for each of `cols` columns (launchers refuse
+// a plan that does not, rather than leave columns unsummed).
+inline bool ColumnReduceCoversColumns(const ColumnReducePlan& p, int64_t cols) {
+  return static_cast<int64_t>(p.column_blocks) * p.threads >= cols;
 }
 
 // Fixed grid for the squared-norm reduction: block b's partial covers a

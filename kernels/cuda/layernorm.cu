@@ -156,6 +156,7 @@ cudaError_t LaunchLayerNormBackward(float* dinp, float* dweight, float* dbias, c
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const ColumnReducePlan p = PlanColumnReduce(rows, channels);
+  if (!ColumnReduceCoversColumns(p, channels)) return cudaErrorInvalidValue;
   LayerNormParamPartialKernel<<<dim3(p.column_blocks, p.chunks), p.threads, 0, stream>>>(
       scratch, dout, inp, mean, rstd, rows, channels, p.rows_per_chunk, p.chunks);
   err = cudaGetLastError();

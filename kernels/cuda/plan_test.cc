@@ -295,6 +295,24 @@ TEST(LaunchShapeTest, ColumnReduceChunksPartitionTheRowsExactly) {
   }
 }
 
+// The column kernels have one thread per column and no grid-stride loop, so
+// the grid must reach the widest matrix ColumnReduceScratchBytes accepts
+// (2^30 columns); a grid clamped like the grid-stride kernels' stopped at
+// 268M columns and left the rest unsummed.
+TEST(LaunchShapeTest, ColumnReduceGridReachesEveryColumnOfTheWidestAcceptedMatrix) {
+  for (int64_t cols : std::vector<int64_t>{int64_t{kMaxGridX} * kThreadsPerBlock + 1,
+                                           int64_t{1} << 30}) {
+    ASSERT_TRUE(ColumnReduceScratchBytes(1, cols, 1).ok()) << cols;
+    const ColumnReducePlan p = PlanColumnReduce(1, cols);
+    EXPECT_TRUE(ColumnReduceCoversColumns(p, cols)) << cols;
+    EXPECT_GE(int64_t{p.column_blocks} * p.threads, cols) << cols;
+    EXPECT_LT(int64_t{p.column_blocks - 1} * p.threads, cols) << "an idle block for " << cols;
+  }
+  ColumnReducePlan clamped = PlanColumnReduce(1, 1000);
+  clamped.column_blocks = 1;
+  EXPECT_FALSE(ColumnReduceCoversColumns(clamped, 1000));
+}
+
 TEST(WorkspaceTest, SizesFollowTheShapesAndHugeRequestsAreRefused) {
   absl::StatusOr<AttentionShard> s = ShardAttention(8, 1024, 768, 12, 1);
   ASSERT_TRUE(s.ok());
