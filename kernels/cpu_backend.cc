@@ -401,6 +401,7 @@ const Backend kCpu = {
     Attention,
     AttentionBackward,
     AttentionBuffersOf,
+    nullptr,  // fused_attention: the CPU keeps P
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,
