@@ -36,7 +36,8 @@ constexpr double kFloat = 4;
 // The fused backward's workspace (cuDNN's deterministic dP buffer,
 // B·H'·⌈T/64⌉·64·⌈T/64⌉·64·2 bytes, sdpa_plan.h) is the stream's scratch:
 // one microbatch's worth per worker, counted once, not per microbatch. (The
-// GEMM path's stream scratch is not counted; see the report in the commit.)
+// GEMM path's stream scratch, H'·T·T floats and bf16 per batch row, is not
+// counted, as before.)
 //
 // The sizes are restated here, not called: the coordinator depends on proto,
 // common and its own packages only (DESIGN.md §12; //kernels is not visible
