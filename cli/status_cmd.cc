@@ -18,6 +18,8 @@ namespace {
 
 std::string StateName(v1::WorkerState s) { return absl::AsciiStrToLower(v1::WorkerState_Name(s)); }
 
+}  // namespace
+
 // Every field the text output shows, for scripts and probes. One field per
 // line here so that additions merge cleanly.
 std::string StatusJson(const std::string& target, const v1::GetStatusResponse& status) {
@@ -42,6 +44,7 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
         ",\"state\":", JsonQuote(StateName(w.state())),
         ",\"device\":", JsonQuote(w.device()),
         ",\"device_uuid\":", JsonQuote(w.device_uuid()),
+        ",\"fused_attention_bf16\":", w.fused_attention_bf16() ? "true" : "false",
         ",\"memory_bytes\":", w.memory_bytes(),
         ",\"host\":", JsonQuote(w.host()),
         ",\"last_heartbeat_age_seconds\":", absl::StrFormat("%.3f", w.last_heartbeat_age_seconds()), "}"));
@@ -67,8 +70,6 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
       ",\"stages\":[", absl::StrJoin(stages, ","), "]",
       ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
 }
-
-}  // namespace
 
 int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
   absl::StatusOr<Args> args = Args::Parse(argv, WithTlsFlags({"coordinator", "timeout_ms"}), {"json", "insecure"});

@@ -6,7 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "baton/v1/coordinator.pb.h"
+
 namespace baton::cli {
+
+// `batonctl status --json`'s document for the coordinator at `target`: every
+// field the text output shows, and per worker its device facts as registered
+// (device, device_uuid, fused_attention_bf16, memory_bytes).
+std::string StatusJson(const std::string& target, const v1::GetStatusResponse& status);
 
 // `args` are the words after "batonctl" other than the subcommand itself.
 // Flags: --coordinator=HOST:PORT (required), --json, --timeout_ms (default 5000).

@@ -1,6 +1,8 @@
 #include "coordinator/memory_estimate.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <map>
 
 #include "absl/strings/match.h"
@@ -19,29 +21,60 @@ constexpr double kFloat = 4;
 // the GEMM inputs' precision, and on CPU and simulated devices T·T floats of
 // backward scratch (CUDA uses its stream's scratch).
 //
-// An upper bound on CUDA with bf16: there cuDNN's fused attention, when
-// libcudnn loads on the worker, keeps only the softmax statistics and a copy
-// of the output (B·H'·T·4 + B·T·C'·2 bytes: 1.5 MiB per sequence and layer
-// for GPT-2 small instead of P's 24 MiB); without cuDNN the same worker runs
-// the GEMM + softmax path and keeps P. The coordinator cannot know which (the
-// worker does not report it), and a fit check must not under-count, so it
-// counts P.
+// On CUDA with bf16, a worker whose device runs cuDNN's fused attention
+// (RegisterRequest.fused_attention_bf16, carried on its RankAssignment) keeps
+// instead only the softmax statistics and a copy of the output: B·H'·T·4
+// bytes padded to 256, then B·T·C'·2 bytes (kernels/cuda/sdpa_plan.h
+// SdpaSavedBytes; 1.5 MiB per sequence and layer for GPT-2 small instead of
+// P's 24 MiB). That is counted only where every rank of the stage reported it
+// and the backend takes the fused path for the shape (SdpaApplies: a head
+// dimension that is a multiple of 8, T ≥ 2); heads wider than 128 count P,
+// since Ampere's cuDNN has no fused backward for them (Hopper's has, up to
+// 256: an upper bound there). Otherwise P: without cuDNN the worker runs the
+// GEMM + softmax path, and a fit check must not under-count.
+//
+// The fused backward's workspace (cuDNN's deterministic dP buffer,
+// B·H'·⌈T/64⌉·64·⌈T/64⌉·64·2 bytes, sdpa_plan.h) is the stream's scratch:
+// one microbatch's worth per worker, counted once, not per microbatch. (The
+// GEMM path's stream scratch, H'·T·T floats and bf16 per batch row, is not
+// counted, as before.)
+//
+// The sizes are restated here, not called: the coordinator depends on proto,
+// common and its own packages only (DESIGN.md §12; //kernels is not visible
+// to it), and kernels::AttentionBuffersFor needs a live stream.
+constexpr int64_t kFusedHeadDimMultiple = 8;   // sdpa_plan.h kSdpaHeadDimMultiple
+constexpr int64_t kFusedMaxHeadDim = 128;      // cuDNN's bf16 SDPA backward on Ampere/Ada
+
 struct AttentionTerms {
   double p_element_bytes = kFloat;
   bool backward_scratch = true;
+  bool fused = false;  // stats + o's copy instead of P
 };
+
+// Whether the fused path takes attention of `heads` heads over d_model `c`
+// and `seq` tokens (the head dimension does not change with TP).
+bool FusedAttentionApplies(int64_t c, int64_t heads, int64_t seq) {
+  if (heads <= 0 || c % heads != 0) return false;
+  const int64_t hd = c / heads;
+  return hd % kFusedHeadDimMultiple == 0 && hd <= kFusedMaxHeadDim && seq >= 2;
+}
 
 AttentionTerms AttentionTermsFor(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
   AttentionTerms t;
-  if (job.train().precision() == "bf16") t.p_element_bytes = 2;
-  // Scratch unless every rank of this stage is known to be a CUDA device.
-  bool all_cuda = false;
+  const bool bf16 = job.train().precision() == "bf16";
+  if (bf16) t.p_element_bytes = 2;
+  // Scratch unless every rank of this stage is known to be a CUDA device;
+  // fused only if every one of them also reported fused attention.
+  bool all_cuda = false, all_fused = true;
   for (const v1::RankAssignment& r : plan.ranks()) {
     if (r.pp_rank() != pp_rank) continue;
     if (!absl::StartsWith(r.device(), "cuda")) return t;
     all_cuda = true;
+    all_fused = all_fused && r.fused_attention_bf16();
   }
   t.backward_scratch = !all_cuda;
+  const v1::ModelSpec& m = job.model();
+  t.fused = bf16 && all_cuda && all_fused && FusedAttentionApplies(m.d_model(), m.heads(), m.seq_len());
   return t;
 }
 
@@ -52,9 +85,16 @@ double BlockActivationBytes(double n, double b, double s, double c, double heads
   const double cl = c / tp, fl = 4 * c / tp, h = heads / tp;
   const double forward = kFloat * (6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl);
   const double backward = kFloat * (3 * n * c + n * fl + 4 * n * cl);
-  const double attention =
-      att.p_element_bytes * b * h * s * s + (att.backward_scratch ? kFloat * s * s : 0);
+  const double saved = att.fused ? std::ceil(kFloat * b * h * s / 256) * 256 + 2 * n * cl
+                                 : att.p_element_bytes * b * h * s * s;
+  const double attention = saved + (att.backward_scratch ? kFloat * s * s : 0);
   return forward + backward + attention;
+}
+
+// The fused backward's workspace for one microbatch (stream scratch, once).
+double FusedWorkspaceBytes(double b, double s, double heads, double tp) {
+  const double t = std::ceil(s / 64) * 64;
+  return 2 * b * (heads / tp) * t * t;
 }
 
 }  // namespace
@@ -114,6 +154,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   w.parameter_bytes = kFloat * params;
   w.optimizer_bytes = 3 * w.parameter_bytes;  // gradients, AdamW m and v
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
+  if (att.fused) w.activation_bytes += FusedWorkspaceBytes(b, s, heads, tp);
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
   w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp > 1 ? w.parameter_bytes : 0);
   return w;

@@ -12,9 +12,11 @@
 //                plus the backward's temporaries (the arena of
 //                worker/model/gpt_stage.cc), times the schedule's peak of
 //                microbatch-chunks in flight on this rank (ActivationBound);
-//                attention's P in train.precision's bytes — an upper bound
-//                for bf16 on CUDA, where cuDNN, if it loads on the worker,
-//                keeps only the softmax statistics (memory_estimate.cc)
+//                attention's P in train.precision's bytes; for bf16 on a
+//                stage whose every rank reported fused attention
+//                (RankAssignment.fused_attention_bf16), cuDNN's softmax
+//                statistics and o's copy instead, plus its backward
+//                workspace once (memory_estimate.cc)
 //   comm         point-to-point activation and gradient buffers, the TP
 //                all-reduce buffer and, with dp > 1, a flat gradient buffer
 // Synthetic models: activation_bytes per stored microbatch-chunk and message.

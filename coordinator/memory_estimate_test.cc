@@ -83,6 +83,98 @@ TEST(MemoryEstimateTest, AttentionCountsPInTheTrainingPrecisionAndScratchOnlyOff
   EXPECT_GT(cuda16, layers * p_elements * 2);
 }
 
+// A long-sequence bf16 job (T 4096, 32 heads of 64: P is 1 GiB per block and
+// microbatch) on GPUs whose workers registered fused attention: the estimate
+// counts cuDNN's softmax stats and o's copy instead of P, plus its backward
+// workspace once, and the job fits where it was refused before.
+v1::JobSpec LongBf16(const std::string& precision = "bf16", int heads = 32) {
+  return Job(("name: \"long\" model { layers: 8 d_model: 2048 heads: " + std::to_string(heads) +
+              " vocab: 256 seq_len: 4096 } parallel { pp: 2 } schedule { kind: \"gpipe\" microbatches: 4 }"
+              " train { steps: 1 micro_batch_size: 1 precision: \"" + precision + "\" }")
+                 .c_str());
+}
+
+std::vector<v1::WorkerInfo> Gpus(int n, int64_t memory, bool fused) {
+  std::vector<v1::WorkerInfo> gpus = Workers(n, memory);
+  for (int i = 0; i < n; ++i) {
+    gpus[i].set_device("cuda:0");
+    gpus[i].set_device_uuid("GPU-" + std::to_string(i));
+    gpus[i].set_fused_attention_bf16(fused);
+  }
+  return gpus;
+}
+
+TEST(MemoryEstimateTest, FusedAttentionCountsStatsAndOutputInsteadOfP) {
+  const v1::JobSpec job = LongBf16();
+  const int64_t gpu = int64_t{24} << 30;
+  auto without = MakePlan(job, Gpus(2, gpu, false), 1);
+  ASSERT_FALSE(without.ok());  // P: 4 layers x 4 microbatches x 1 GiB on each stage
+  EXPECT_EQ(without.status().code(), absl::StatusCode::kResourceExhausted) << without.status();
+  auto with = MakePlan(job, Gpus(2, gpu, true), 1);
+  ASSERT_TRUE(with.ok()) << with.status();
+  for (const v1::RankAssignment& r : with->ranks()) EXPECT_TRUE(r.fused_attention_bf16());
+
+  // Per block and microbatch: P (B·H·T·T bf16) gives way to the stats
+  // (B·H·T floats, a multiple of 256 here) and o (B·T·C bf16); the workspace
+  // (B·H·T·T bf16, T a multiple of 64) is counted once.
+  const double b = 1, h = 32, t = 4096, c = 2048, layers = 4, peak = 4;
+  const double p = 2 * b * h * t * t, saved = 4 * b * h * t + 2 * b * t * c, workspace = 2 * b * h * t * t;
+  auto p_plan = MakePlan(job, Gpus(2, 0, false), 1);
+  ASSERT_TRUE(p_plan.ok()) << p_plan.status();
+  for (int stage = 0; stage < 2; ++stage) {
+    const WorkerMemory keeps_p = EstimateWorkerMemory(job, *p_plan, stage);
+    const WorkerMemory fused = EstimateWorkerMemory(job, *with, stage);
+    EXPECT_DOUBLE_EQ(keeps_p.activation_bytes - fused.activation_bytes, layers * peak * (p - saved) - workspace);
+    EXPECT_LT(fused.total(), static_cast<double>(gpu)) << stage;
+    EXPECT_GT(keeps_p.total(), static_cast<double>(gpu)) << stage;
+  }
+}
+
+TEST(MemoryEstimateTest, FusedAttentionOnlyWhereEveryRankHasItAndTheBackendTakesIt) {
+  const v1::JobSpec job = LongBf16();
+  auto p_plan = MakePlan(job, Gpus(2, 0, false), 1);
+  auto fused_plan = MakePlan(job, Gpus(2, 0, true), 1);
+  ASSERT_TRUE(p_plan.ok() && fused_plan.ok());
+  const double keeps_p = EstimateWorkerMemory(job, *p_plan, 0).activation_bytes;
+  const double fused = EstimateWorkerMemory(job, *fused_plan, 0).activation_bytes;
+  ASSERT_LT(fused, keeps_p);
+
+  // One rank of the stage lacks it (dp 2: two workers per stage), whichever: P.
+  v1::JobSpec dp2 = job;
+  dp2.mutable_parallel()->set_dp(2);
+  auto dp2_fused = MakePlan(dp2, Gpus(4, 0, true), 1);
+  auto dp2_p = MakePlan(dp2, Gpus(4, 0, false), 1);
+  ASSERT_TRUE(dp2_fused.ok() && dp2_p.ok());
+  const double all_fused = EstimateWorkerMemory(dp2, *dp2_fused, 0).activation_bytes;
+  const double stage1_fused = EstimateWorkerMemory(dp2, *dp2_fused, 1).activation_bytes;
+  const double all_p = EstimateWorkerMemory(dp2, *dp2_p, 0).activation_bytes;
+  ASSERT_LT(all_fused, all_p);
+  for (int lacking = 0; lacking < 2; ++lacking) {
+    v1::Plan mixed = *dp2_fused;
+    for (v1::RankAssignment& r : *mixed.mutable_ranks()) {
+      if (r.pp_rank() == 0 && r.dp_rank() == lacking) r.set_fused_attention_bf16(false);
+    }
+    EXPECT_DOUBLE_EQ(EstimateWorkerMemory(dp2, mixed, 0).activation_bytes, all_p) << lacking;
+    EXPECT_DOUBLE_EQ(EstimateWorkerMemory(dp2, mixed, 1).activation_bytes, stage1_fused) << lacking;
+  }
+
+  // fp32 never takes it: P in floats, as without the flag.
+  const v1::JobSpec fp32 = LongBf16("fp32");
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(fp32, *fused_plan, 0).activation_bytes,
+                   EstimateWorkerMemory(fp32, *p_plan, 0).activation_bytes);
+  // Heads of 256 (8 heads over 2048): Ampere's cuDNN has no fused backward
+  // for them, so P; heads of 128 (16) take it.
+  const v1::JobSpec wide = LongBf16("bf16", 8), hd128 = LongBf16("bf16", 16);
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(wide, *fused_plan, 0).activation_bytes,
+                   EstimateWorkerMemory(wide, *p_plan, 0).activation_bytes);
+  EXPECT_LT(EstimateWorkerMemory(hd128, *fused_plan, 0).activation_bytes,
+            EstimateWorkerMemory(hd128, *p_plan, 0).activation_bytes);
+  // A CPU rank never has it (the registry refuses the flag there): P and scratch.
+  v1::Plan on_cpu = *fused_plan;
+  for (v1::RankAssignment& r : *on_cpu.mutable_ranks()) r.set_device("cpu");
+  EXPECT_GT(EstimateWorkerMemory(job, on_cpu, 0).activation_bytes, keeps_p);
+}
+
 TEST(MemoryEstimateTest, PeakMicrobatchesFollowTheSchedule) {
   v1::JobSpec gpipe = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"gpipe\" microbatches: 8");
   v1::JobSpec one_f_one_b = Demo("layers: 2 d_model: 64 heads: 4 vocab: 16 seq_len: 20", "kind: \"1f1b\" microbatches: 8");

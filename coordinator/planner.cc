@@ -171,6 +171,7 @@ void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {
   r->set_host(w.host());
   r->set_device(w.device());
   r->set_device_uuid(w.device_uuid());
+  r->set_fused_attention_bf16(w.fused_attention_bf16());
 }
 
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {

@@ -312,6 +312,30 @@ TEST(PlannerTest, NcclOnlyWhenEveryRankHasAGpuOfItsOwn) {
             "gloo");
 }
 
+// PlaceRank copies what the worker registered of its device onto its rank
+// (recovery's replacements go through it too), fused attention included: the
+// memory estimate reads it from the plan.
+TEST(PlannerTest, PlaceRankCarriesTheWorkersDeviceFacts) {
+  v1::WorkerInfo w;
+  w.set_name("w3");
+  w.set_host("box");
+  w.set_device("cuda:1");
+  w.set_device_uuid("GPU-a");
+  w.set_fused_attention_bf16(true);
+  v1::RankAssignment r;
+  r.set_pp_rank(2);
+  PlaceRank(w, &r);
+  EXPECT_EQ(r.worker_name(), "w3");
+  EXPECT_EQ(r.host(), "box");
+  EXPECT_EQ(r.device(), "cuda:1");
+  EXPECT_EQ(r.device_uuid(), "GPU-a");
+  EXPECT_TRUE(r.fused_attention_bf16());
+  EXPECT_EQ(r.pp_rank(), 2);  // the rank's place is the caller's
+  w.set_fused_attention_bf16(false);  // a replacement without it clears it
+  PlaceRank(w, &r);
+  EXPECT_FALSE(r.fused_attention_bf16());
+}
+
 TEST(PlannerTest, TooFewWorkersSaysHowManyAreMissing) {
   auto plan = MakePlan(Job(4, 2, 2, 1), Workers({{"a", "h"}, {"b", "h"}}), 1);
   ASSERT_FALSE(plan.ok());

@@ -37,6 +37,10 @@ absl::Status ValidateRequest(const v1::RegisterRequest& r) {
     return absl::InvalidArgumentError(
         absl::StrCat("Register: device_uuid is set but device '", r.device(), "' is not a GPU"));
   }
+  if (r.fused_attention_bf16() && !absl::StartsWith(r.device(), "cuda:")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Register: fused_attention_bf16 is set but device '", r.device(), "' is not a GPU"));
+  }
   if (r.held().job().size() > 256 || r.held().steps_size() > 16 || r.held().pp_rank() < 0 || r.held().tp_rank() < 0 ||
       r.held().dp_rank() < 0 || r.held().generation() < 0 || r.held().generation() > kMaxHeldGeneration) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -91,6 +95,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   w.info.set_device(request.device());
   w.info.set_memory_bytes(request.memory_bytes());
   w.info.set_device_uuid(request.device_uuid());
+  w.info.set_fused_attention_bf16(request.fused_attention_bf16());
   w.info.set_http_port(request.http_port());
   if (request.has_held()) *w.info.mutable_held() = request.held();  // job adoption (owner: recovery)
   w.info.set_state(v1::JOINING);

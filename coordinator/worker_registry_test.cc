@@ -201,12 +201,15 @@ TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
   odd_host.set_host("node 1");
   v1::RegisterRequest cpu_uuid = Request("w1", "cpu");
   cpu_uuid.set_device_uuid("GPU-1");
+  v1::RegisterRequest cpu_fused = Request("w1", "cpu");
+  cpu_fused.set_fused_attention_bf16(true);
   const Case cases[] = {{Request(""), "name"},          {Request("a b"), "name"},
                         {Request("w", "gpu0"), "device"}, {Request("w", "cuda:"), "device"},
                         {Request("w", "cuda:x"), "device"}, {bad_port, "http_port"},
                         {bad_mem, "memory_bytes"},        {long_uuid, "device_uuid"},
                         {odd_uuid, "device_uuid"},        {cpu_uuid, "device_uuid"},
-                        {long_host, "host"},                {odd_host, "host"}};
+                        {long_host, "host"},                {odd_host, "host"},
+                        {cpu_fused, "fused_attention_bf16"}};
   for (const Case& c : cases) {
     auto reg = registry_.Register(c.req, absl::Milliseconds(500));
     ASSERT_FALSE(reg.ok()) << c.field;
@@ -216,8 +219,10 @@ TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
   v1::RegisterRequest gpu = Request("w-1.a_b", "cuda:7");
   gpu.set_device_uuid("GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
   gpu.set_memory_bytes(int64_t{141} << 30);
+  gpu.set_fused_attention_bf16(true);
   EXPECT_TRUE(registry_.Register(gpu, absl::Milliseconds(500)).ok());
   ASSERT_TRUE(registry_.List().size() == 1);
+  EXPECT_TRUE(registry_.List()[0].fused_attention_bf16());
   EXPECT_EQ(registry_.List()[0].device_uuid(), "GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
   EXPECT_EQ(registry_.List()[0].memory_bytes(), int64_t{141} << 30);
 }

@@ -92,6 +92,16 @@ absl::Status ProbeDevice(Device device) {
   return (*backend)->probe(device.index);
 }
 
+absl::Status ProbeFusedAttention(Device device) {
+  absl::StatusOr<const Backend*> backend = BackendOf(device);
+  if (!backend.ok()) return backend.status();
+  if ((*backend)->fused_attention == nullptr) {
+    return absl::UnimplementedError(absl::StrCat("the ", (*backend)->name,
+                                                 " backend has no fused attention: it keeps P"));
+  }
+  return (*backend)->fused_attention(device.index);
+}
+
 // --- Stream / Event ---
 
 absl::StatusOr<std::unique_ptr<Stream>> Stream::Create(Device device) {

@@ -233,6 +233,15 @@ bool IsPinnedHost(const Tensor& t);
 // linked for its type, no driver, no such ordinal).
 absl::Status ProbeDevice(Device device);
 
+// OK when bf16 attention on `device` takes a fused path that keeps only the
+// softmax statistics and a copy of o (AttentionBuffers.saved) instead of the
+// probabilities P — for the shapes that path accepts (on CUDA: sdpa_plan.h
+// SdpaApplies, and cuDNN building the shape's graphs); otherwise the reason
+// (no such path on this backend, no driver, no cuDNN, GPU too old). What a
+// worker registers as RegisterRequest.fused_attention_bf16. Cheap: it
+// creates no stream or context.
+absl::Status ProbeFusedAttention(Device device);
+
 // The function table of one device type. Kernel entries receive tensors
 // already checked by ops.cc (see ops.h for shapes and semantics, which are
 // the same on every backend) and enqueue on ctx.stream.
@@ -300,6 +309,9 @@ struct Backend {
   // they were sized for.
   AttentionBuffers (*attention_buffers)(const ExecContext&, int64_t batch, int64_t seq,
                                         int64_t channels, int heads, DType dtype);
+  // ProbeFusedAttention for device `index`; null where the backend has no
+  // fused attention (CPU, sim: attention keeps P).
+  absl::Status (*fused_attention)(int index);
   void (*residual)(const ExecContext&, const Tensor& out, const Tensor& a, const Tensor& b);
   void (*residual_backward)(const ExecContext&, const Tensor& da, const Tensor& db,
                             const Tensor& dout);

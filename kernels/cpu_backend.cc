@@ -403,6 +403,7 @@ const Backend kCpu = {
     Attention,
     AttentionBackward,
     AttentionBuffersOf,
+    nullptr,  // fused_attention: the CPU keeps P
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

@@ -68,6 +68,11 @@ absl::StatusOr<CudaDeviceInfo> DescribeCudaDevice(int index) {
   info.uuid = FormatGpuUuid(uuid);
   info.name = prop.name;
   info.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  // Asked of the backend that will run the worker's attention (the CUDA
+  // backend's own check; UNAVAILABLE where none is linked).
+  const absl::Status fused = ProbeFusedAttention(Device::Cuda(index));
+  info.fused_attention_bf16 = fused.ok();
+  if (!fused.ok()) info.fused_attention_why_not = std::string(fused.message());
   return info;
 #else
   return absl::InternalError("unreachable: the probe fails without CUDA");

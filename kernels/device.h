@@ -6,7 +6,8 @@
 //                                  cudaGetDeviceCount (no driver, driver too
 //                                  old, no device), an ordinal past the visible
 //                                  devices, or a build without CUDA.
-//   DescribeCudaDevice(N)          its UUID, name and memory (what the worker
+//   DescribeCudaDevice(N)          its UUID, name, memory and whether its bf16
+//                                  attention runs fused (what the worker
 //                                  registers), or the probe's error.
 //
 // The probe only asks the CUDA runtime; whether a kernel backend for CUDA is
@@ -37,6 +38,10 @@ struct CudaDeviceInfo {
   std::string uuid;  // as nvidia-smi prints it: "GPU-" and 32 hex digits in 8-4-4-4-12 groups
   std::string name;  // "NVIDIA H200"
   int64_t memory_bytes = 0;  // the device's total memory
+  // ProbeFusedAttention(cuda:N): bf16 attention keeps the softmax stats and o,
+  // not P (RegisterRequest.fused_attention_bf16); when false, why not.
+  bool fused_attention_bf16 = false;
+  std::string fused_attention_why_not;
 };
 
 absl::StatusOr<CudaDeviceInfo> DescribeCudaDevice(int index);

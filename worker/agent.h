@@ -44,6 +44,9 @@ class WorkerAgent {
     int http_port = 0;
     int64_t memory_bytes = 0;
     std::string device_uuid;  // the GPU's UUID (kernels::DescribeCudaDevice); empty for cpu or unknown
+    // Its bf16 attention keeps the softmax stats and o, not P
+    // (kernels::DescribeCudaDevice); false for cpu or unknown.
+    bool fused_attention_bf16 = false;
     absl::Duration rpc_timeout = absl::Seconds(5);
     absl::Duration backoff_min = absl::Milliseconds(100);
     absl::Duration backoff_max = absl::Seconds(2);

@@ -106,9 +106,10 @@ std::string Hostname() {
   return buf;
 }
 
-// What the worker registers of the memory it computes in: the GPU's memory
-// and UUID for cuda:N (0 and none when the GPU cannot be asked: the planner
-// then skips the memory check, and a job on it fails Configure naming the
+// What the worker registers of the memory it computes in: the GPU's memory,
+// UUID and fused-attention capability for cuda:N (0, none and false when the
+// GPU cannot be asked: the planner then skips the memory check, and a job on
+// it fails Configure naming the
 // cause), the host's RAM (or the container's memory limit, when lower)
 // otherwise.
 void DescribeDevice(const std::string& device, WorkerAgent::Options* options) {
@@ -121,8 +122,11 @@ void DescribeDevice(const std::string& device, WorkerAgent::Options* options) {
     }
     options->memory_bytes = info->memory_bytes;
     options->device_uuid = info->uuid;
+    options->fused_attention_bf16 = info->fused_attention_bf16;
     BATON_LOG(INFO) << device << " is " << info->name << " " << info->uuid << " with "
-                    << absl::StrFormat("%.1f GiB", info->memory_bytes / 1073741824.0);
+                    << absl::StrFormat("%.1f GiB", info->memory_bytes / 1073741824.0) << "; bf16 attention "
+                    << (info->fused_attention_bf16 ? "runs fused (cuDNN SDPA: keeps softmax stats, not P)"
+                                                   : absl::StrCat("keeps P: ", info->fused_attention_why_not));
     return;
   }
   options->memory_bytes = UsableHostMemory(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE),

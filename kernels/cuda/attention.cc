@@ -168,6 +168,8 @@ absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int device) {
   return CudnnAttentionPtr(a.release());
 }
 
+absl::Status ProbeCudnnAttentionOn(int device) { return ProbeCudnnAttention(device); }
+
 #else
 
 void CudnnAttentionDeleter::operator()(CudnnAttention*) const {}
@@ -177,6 +179,8 @@ absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int) {
       "this build has no cuDNN (no cudnn.h in the CUDA toolkit it was built with); bf16 "
       "attention runs as GEMMs + softmax");
 }
+
+absl::Status ProbeCudnnAttentionOn(int) { return CreateCudnnAttention(0).status(); }
 
 #endif
 

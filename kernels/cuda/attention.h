@@ -79,6 +79,13 @@ using CudnnAttentionPtr = std::unique_ptr<CudnnAttention, CudnnAttentionDeleter>
 // null below and every shape takes the GEMM path).
 absl::StatusOr<CudnnAttentionPtr> CreateCudnnAttention(int device);
 
+// The device-level half of the choice, for every shape at once:
+// ProbeCudnnAttention (compute capability, libcudnn loads) in builds with
+// cuDNN, UNAVAILABLE otherwise. The CUDA backend creates a stream's
+// CudnnAttention only where this is OK (and reports it as
+// kernels::ProbeFusedAttention).
+absl::Status ProbeCudnnAttentionOn(int device);
+
 enum class AttentionPath : uint8_t { kGemmSoftmax = 0, kCudnnSdpa = 1 };
 struct AttentionChoice {
   AttentionPath path = AttentionPath::kGemmSoftmax;

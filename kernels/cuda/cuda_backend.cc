@@ -580,7 +580,11 @@ CudnnAttention* CudnnFor(StreamState& st, GemmDType dtype) {
   if (dtype != GemmDType::kBF16) return nullptr;
   if (!st.cudnn_tried) {
     st.cudnn_tried = true;
-    absl::StatusOr<CudnnAttentionPtr> c = CreateCudnnAttention(st.device);
+    // FusedAttention's check first: what the worker registered
+    // (RegisterRequest.fused_attention_bf16) is what its streams do.
+    absl::Status supported = ProbeCudnnAttentionOn(st.device);
+    absl::StatusOr<CudnnAttentionPtr> c =
+        supported.ok() ? CreateCudnnAttention(st.device) : absl::StatusOr<CudnnAttentionPtr>(supported);
     if (c.ok()) {
       st.cudnn = std::move(*c);
     } else {
@@ -592,6 +596,15 @@ CudnnAttention* CudnnFor(StreamState& st, GemmDType dtype) {
     }
   }
   return st.cudnn.get();
+}
+
+// kernels::ProbeFusedAttention: the device exists (Probe) and CudnnFor's
+// device-level check passes. The one step not taken is creating the cuDNN
+// handle (it would create a CUDA context in an idle worker daemon); should
+// that fail on a stream, it runs attention as GEMMs and keeps P.
+absl::Status FusedAttention(int index) {
+  if (absl::Status s = Probe(index); !s.ok()) return s;
+  return ProbeCudnnAttentionOn(index);
 }
 
 void Attention(const ExecContext& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
@@ -828,6 +841,7 @@ const kernels::Backend kCuda = {
     Attention,
     AttentionBackward,
     AttentionBuffersOf,
+    FusedAttention,
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

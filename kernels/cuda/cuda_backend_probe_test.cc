@@ -5,8 +5,12 @@
 // this error and stays up). With a GPU, the same calls succeed.
 #include <cuda_runtime.h>
 
+#include <fstream>
+#include <string>
+
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/ops.h"
 #include "kernels/cuda/cuda_backend.h"
 
 namespace baton::cuda {
@@ -40,6 +44,36 @@ TEST(CudaBackendProbeTest, ProbeStreamAndAllocationAgreeWithTheDriver) {
   // An ordinal past the visible devices is never usable.
   const absl::Status far = kernels::ProbeDevice(Device::Cuda(count + 7));
   EXPECT_EQ(far.code(), absl::StatusCode::kUnavailable) << far;
+}
+
+// What a worker registers as RegisterRequest.fused_attention_bf16 is the
+// backend's own check. Without a driver: UNAVAILABLE, without loading cuDNN.
+// With a GPU: OK exactly when a bf16 stream sizes attention's saved buffer
+// for the fused path (AttentionBuffersFor: a flat buffer of stats and o, not
+// P [B,H,T,T]) for a shape that path takes (GPT-2 small's heads of 64).
+TEST(CudaBackendProbeTest, FusedAttentionIsTheBackendsOwnChoice) {
+  EXPECT_EQ(kernels::ProbeFusedAttention(Device::Cpu()).code(), absl::StatusCode::kUnimplemented);
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  const absl::Status fused = kernels::ProbeFusedAttention(Device::Cuda(0));
+  if (err != cudaSuccess || count == 0) {
+    EXPECT_EQ(fused.code(), absl::StatusCode::kUnavailable) << fused;
+    std::ifstream maps("/proc/self/maps");
+    ASSERT_TRUE(maps.good());
+    std::string line;
+    while (std::getline(maps, line)) {
+      EXPECT_EQ(line.find("libcudnn.so"), std::string::npos) << "the probe loaded cuDNN: " << line;
+    }
+    return;
+  }
+  std::printf("cuda:0 fused attention: %s\n", fused.ok() ? "yes" : std::string(fused.message()).c_str());
+  absl::StatusOr<std::unique_ptr<kernels::Stream>> stream = kernels::Stream::Create(Device::Cuda(0));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const kernels::ExecContext ctx = kernels::ExecContext::On(stream->get());
+  const kernels::AttentionBuffers b =
+      kernels::AttentionBuffersFor(ctx, 2, 128, 768, 12, kernels::DType::kBFloat16);
+  EXPECT_EQ(b.saved.size() == 1, fused.ok()) << "saved rank " << b.saved.size() << "; probe: " << fused;
+  EXPECT_EQ(kernels::ProbeFusedAttention(Device::Cuda(count + 7)).code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -128,6 +128,25 @@ struct CudnnAttention::Graphs {
 
 absl::Status LoadCudnn() { return LoadOnce().status; }
 
+absl::Status ProbeCudnnAttention(int device) {
+  int major = 0, minor = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky; keep it from the next launch check
+    return absl::UnavailableError(absl::StrCat("cuda:", device, "'s compute capability: ",
+                                               cudaGetErrorName(err), ": ", cudaGetErrorString(err)));
+  }
+  if (major < kSdpaMinComputeCapabilityMajor) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuDNN's fused attention needs compute capability ", kSdpaMinComputeCapabilityMajor,
+        ".0 or newer; cuda:", device, " is ", major, ".", minor));
+  }
+  return LoadCudnn();
+}
+
 absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(int device) {
   BATON_RETURN_IF_ERROR(LoadCudnn());
   cudnnHandle_t handle = nullptr;

@@ -48,6 +48,19 @@ namespace baton::cuda {
 // library and the loader's error (the same answer on every later call).
 absl::Status LoadCudnn();
 
+// cuDNN's fused SDPA runs on compute capability 8.0 (Ampere) and newer
+// (cuDNN's support matrix); on older GPUs every graph build fails.
+inline constexpr int kSdpaMinComputeCapabilityMajor = 8;
+
+// Whether bf16 attention on `device` can take the fused path at all, before
+// any shape: OK when its compute capability is at least
+// kSdpaMinComputeCapabilityMajor.0 and libcudnn loads (LoadCudnn); otherwise
+// UNAVAILABLE (the GPU cannot be asked, or no libcudnn) or FAILED_PRECONDITION
+// (the GPU is too old), saying why. Creates no context and no handle. The CUDA
+// backend asks this before it creates a stream's CudnnAttention, and the
+// worker registers its answer (RegisterRequest.fused_attention_bf16).
+absl::Status ProbeCudnnAttention(int device);
+
 class CudnnAttention {
  public:
   // A handle on `device` (made current by the caller). UNAVAILABLE when

@@ -424,6 +424,7 @@ const Backend kSim = {
     Attention,
     AttentionBackward,
     AttentionBuffersOf,
+    nullptr,  // fused_attention: the CPU path it runs keeps P
     Residual,
     ResidualBackward,
     SoftmaxCrossEntropy,

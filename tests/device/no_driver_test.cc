@@ -113,6 +113,9 @@ TEST(NoDriverTest, CudaWorkerFailsConfigureWithTheCauseAndStaysUp) {
   // it), no UUID; never the host's RAM passed off as the GPU's memory.
   EXPECT_EQ(workers.workers(0).memory_bytes(), 0);
   EXPECT_EQ(workers.workers(0).device_uuid(), "");
+  // Nor fused attention: without a driver the probe says no (and loads no
+  // cuDNN, below), so the memory estimate keeps counting P.
+  EXPECT_FALSE(workers.workers(0).fused_attention_bf16());
   EXPECT_TRUE(absl::StrContains(worker.Log(), "registering its memory as unknown")) << worker.Log();
 
   // cuBLASLt is opened by the first GEMM handle, never at start or by a job
@@ -122,6 +125,7 @@ TEST(NoDriverTest, CudaWorkerFailsConfigureWithTheCauseAndStaysUp) {
   std::string line;
   while (std::getline(maps, line)) {
     EXPECT_FALSE(absl::StrContains(line, "libcublas")) << "the worker mapped cuBLAS: " << line;
+    EXPECT_FALSE(absl::StrContains(line, "libcudnn.so")) << "the worker mapped cuDNN: " << line;
   }
 
   worker.Signal(SIGTERM);

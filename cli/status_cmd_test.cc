@@ -1,0 +1,40 @@
+#include "cli/status_cmd.h"
+
+#include "common/json.h"
+#include "gtest/gtest.h"
+
+namespace baton::cli {
+namespace {
+
+// Scripts read each worker's device facts as it registered them, fused
+// attention included (it decides whether the memory estimate counts P).
+TEST(StatusJsonTest, WorkersShowTheirDeviceFactsFusedAttentionIncluded) {
+  v1::GetStatusResponse status;
+  v1::WorkerInfo* gpu = status.add_workers();
+  gpu->set_name("w0");
+  gpu->set_device("cuda:0");
+  gpu->set_device_uuid("GPU-a");
+  gpu->set_memory_bytes(int64_t{141} << 30);
+  gpu->set_fused_attention_bf16(true);
+  v1::WorkerInfo* cpu = status.add_workers();
+  cpu->set_name("w1");
+  cpu->set_device("cpu");
+
+  absl::StatusOr<JsonValue> json = JsonValue::Parse(StatusJson("127.0.0.1:7000", status));
+  ASSERT_TRUE(json.ok()) << json.status();
+  const JsonValue* workers = json->Find("workers");
+  ASSERT_NE(workers, nullptr);
+  ASSERT_EQ(workers->items().size(), 2u);
+  const JsonValue& w0 = workers->items()[0];
+  ASSERT_NE(w0.Find("fused_attention_bf16"), nullptr);
+  EXPECT_TRUE(w0.Find("fused_attention_bf16")->bool_value());
+  EXPECT_EQ(w0.Find("device_uuid")->str(), "GPU-a");
+  EXPECT_EQ(w0.Find("memory_bytes")->integer(), int64_t{141} << 30);
+  const JsonValue& w1 = workers->items()[1];
+  ASSERT_NE(w1.Find("fused_attention_bf16"), nullptr);
+  EXPECT_FALSE(w1.Find("fused_attention_bf16")->bool_value());
+  EXPECT_EQ(w1.Find("device")->str(), "cpu");
+}
+
+}  // namespace
+}  // namespace baton::cli
