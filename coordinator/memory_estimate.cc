@@ -35,9 +35,9 @@ constexpr double kFloat = 4;
 //
 // The fused backward's workspace (cuDNN's deterministic dP buffer,
 // B·H'·⌈T/64⌉·64·⌈T/64⌉·64·2 bytes, sdpa_plan.h) is the stream's scratch:
-// one microbatch's worth per worker, counted once, not per microbatch. (The
-// GEMM path's stream scratch, H'·T·T floats and bf16 per batch row, is not
-// counted, as before.)
+// one microbatch's worth per chunk stream, not per microbatch; so is the
+// GEMM path's (H'·T·T floats, and bf16, for one batch row):
+// CudaStreamScratchBytes.
 //
 // The sizes are restated here, not called: the coordinator depends on proto,
 // common and its own packages only (DESIGN.md §12; //kernels is not visible
@@ -91,10 +91,31 @@ double BlockActivationBytes(double n, double b, double s, double c, double heads
   return forward + backward + attention;
 }
 
-// The fused backward's workspace for one microbatch (stream scratch, once).
+// The fused backward's workspace for one microbatch (stream scratch).
 double FusedWorkspaceBytes(double b, double s, double heads, double tp) {
   const double t = std::ceil(s / 64) * 64;
   return 2 * b * (heads / tp) * t * t;
+}
+
+// cuBLASLt's workspace, one per CUDA stream (kernels/cuda/plan.h kLtWorkspaceBytes).
+constexpr double kLtWorkspaceBytes = 32.0 * (1 << 20);
+
+// What one chunk's CUDA stream holds for op temporaries (kernels/cuda/
+// cuda_backend.cc Scratch, sized per op and grown, never shrunk; an outgrown
+// buffer stays until the stream goes, so the kinds below are summed, an
+// upper bound of the sizes it grows through): cuBLASLt's workspace; the
+// attention backward's (cuDNN's workspace when fused, else the GEMM path's
+// H'·T·T floats for one batch row, plus their bf16 copy in bf16); in bf16
+// the fp32 output of the QKV projection when cuBLASLt has no bf16 kernel
+// for its fp32 bias (Linear's fallback, [N, 3C']); and the small ones
+// (embedding backward, loss and norm partials).
+double CudaStreamScratchBytes(double n, double b, double s, double c, double heads, double tp, bool bf16,
+                              bool fused) {
+  const double h = heads / tp, cl = c / tp;
+  double bytes = kLtWorkspaceBytes + 16 * n + (1 << 20);
+  bytes += fused ? FusedWorkspaceBytes(b, s, heads, tp) : (bf16 ? 6 : 4) * h * s * s;
+  if (bf16) bytes += kFloat * n * 3 * cl;
+  return bytes;
 }
 
 }  // namespace
@@ -128,9 +149,11 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double c = m.d_model(), v = m.vocab(), s = m.seq_len(), heads = m.heads(), tp = d.tp;
   const double b = job.train().micro_batch_size(), n = b * s;
   const double block_params = 6 * c + (12 * c * c + 7 * c) / tp;
-  double params = 0, max_chunk_activations = 0;
+  double params = 0, gemm_weights = 0, max_chunk_activations = 0;
+  int chunks = 0;
   const AttentionTerms att = AttentionTermsFor(job, plan, pp_rank);
   for (int chunk = pp_rank; chunk < stages; chunk += d.pp) {
+    ++chunks;
     double layers = 0;
     bool first = chunk == 0, last = chunk == stages - 1;
     if (chunk < plan.stages_size()) {
@@ -139,6 +162,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       last = plan.stages(chunk).has_head();
     }
     double chunk_params = layers * block_params;
+    gemm_weights += layers * 12 * c * c / tp + (last ? v * c : 0);  // the tied head's GEMM weight
     double act = layers * BlockActivationBytes(n, b, s, c, heads, tp, att);
     if (first) {
       chunk_params += v * c + s * c;            // token + position embeddings
@@ -151,10 +175,14 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
     params += chunk_params;
     max_chunk_activations = std::max(max_chunk_activations, act);
   }
-  w.parameter_bytes = kFloat * params;
-  w.optimizer_bytes = 3 * w.parameter_bytes;  // gradients, AdamW m and v
+  const bool bf16 = job.train().precision() == "bf16";
+  // fp32 master values, and in bf16 the GEMM weights' bf16 copy (ParameterStore::AllocateBf16Copies).
+  w.parameter_bytes = kFloat * params + (bf16 ? 2 * gemm_weights : 0);
+  w.optimizer_bytes = 3 * kFloat * params;  // gradients, AdamW m and v
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
-  if (att.fused) w.activation_bytes += FusedWorkspaceBytes(b, s, heads, tp);
+  if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
+    w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused);
+  }
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
   w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp > 1 ? w.parameter_bytes : 0);
   return w;
@@ -183,8 +211,10 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
   auto detail = [](const WorkerMemory& m) {
     return absl::StrCat("parameters ", FormatBytes(m.parameter_bytes), ", gradients and AdamW state ",
                         FormatBytes(m.optimizer_bytes), ", activations of ", m.peak_microbatches,
-                        " microbatch-chunks in flight ", FormatBytes(m.activation_bytes), ", communication ",
-                        FormatBytes(m.comm_bytes), ", runtime ", FormatBytes(kRuntimeOverheadBytes));
+                        " microbatch-chunks in flight ", FormatBytes(m.activation_bytes),
+                        m.scratch_bytes > 0 ? absl::StrCat(", op scratch ", FormatBytes(m.scratch_bytes)) : "",
+                        ", communication ", FormatBytes(m.comm_bytes), ", runtime ",
+                        FormatBytes(kRuntimeOverheadBytes));
   };
   const char* fix =
       "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise parallel.pp or "

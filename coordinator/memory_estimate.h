@@ -6,8 +6,9 @@
 // Per worker (one pipeline rank's chunks, one TP shard), in bytes:
 //   parameters   fp32 values of the chunks' parameters (TP-sharded matrices,
 //                replicated norms and biases; the first chunk holds the token
-//                and position embeddings, the last the tied LM head's copy)
-//   optimizer    gradients + AdamW's two moments: 3x the parameters
+//                and position embeddings, the last the tied LM head's copy),
+//                and with bf16 the GEMM weights' bf16 copy
+//   optimizer    gradients + AdamW's two moments: 3x the fp32 parameters
 //   activations  what a microbatch keeps from its forward until its backward
 //                plus the backward's temporaries (the arena of
 //                worker/model/gpt_stage.cc), times the schedule's peak of
@@ -15,8 +16,11 @@
 //                attention's P in train.precision's bytes; for bf16 on a
 //                stage whose every rank reported fused attention
 //                (RankAssignment.fused_attention_bf16), cuDNN's softmax
-//                statistics and o's copy instead, plus its backward
-//                workspace once (memory_estimate.cc)
+//                statistics and o's copy instead (memory_estimate.cc)
+//   scratch      on CUDA, each chunk's stream's op temporaries: cuBLASLt's
+//                workspace, the attention backward's (cuDNN's workspace,
+//                or the GEMM path's H'·T·T floats for one batch row), the
+//                bf16 QKV projection's fp32 fallback output
 //   comm         point-to-point activation and gradient buffers, the TP
 //                all-reduce buffer and, with dp > 1, a flat gradient buffer
 // Synthetic models: activation_bytes per stored microbatch-chunk and message.
@@ -47,8 +51,10 @@ struct WorkerMemory {
   double optimizer_bytes = 0;
   double activation_bytes = 0;
   double comm_bytes = 0;
+  double scratch_bytes = 0;  // CUDA: op temporaries held by each chunk's stream
   double total() const {
-    return parameter_bytes + optimizer_bytes + activation_bytes + comm_bytes + kRuntimeOverheadBytes;
+    return parameter_bytes + optimizer_bytes + activation_bytes + scratch_bytes + comm_bytes +
+           kRuntimeOverheadBytes;
   }
 };
 

@@ -83,6 +83,49 @@ TEST(MemoryEstimateTest, AttentionCountsPInTheTrainingPrecisionAndScratchOnlyOff
   EXPECT_GT(cuda16, layers * p_elements * 2);
 }
 
+// On CUDA each chunk's stream keeps its op temporaries (the GEMM path's
+// attention backward over one batch row, the bf16 QKV projection's fp32
+// fallback, cuBLASLt's workspace), grown and never shrunk; in bf16 the GEMM
+// weights also have a bf16 copy. Neither is in the CPU's estimate.
+TEST(MemoryEstimateTest, CudaCountsEachChunkStreamsScratchAndBf16WeightCopies) {
+  auto gpt2 = [](const char* precision, const char* schedule) {
+    return Job((std::string(R"pb(name: "g" model { layers: 12 d_model: 768 heads: 12 vocab: 50304 seq_len: 1024 }
+                                train { steps: 1 micro_batch_size: 2 precision: ")pb") +
+                precision + "\" } " + schedule)
+                   .c_str());
+  };
+  const char* one_chunk = "parallel { pp: 2 } schedule { kind: \"1f1b\" microbatches: 4 }";
+  const char* two_chunks =
+      "parallel { pp: 2 virtual_stages: 2 } schedule { kind: \"interleaved\" microbatches: 4 }";
+  auto cpu_plan = MakePlan(gpt2("bf16", one_chunk), Workers(2, 0), 1);
+  ASSERT_TRUE(cpu_plan.ok()) << cpu_plan.status();
+  v1::Plan cuda_plan = *cpu_plan;
+  for (v1::RankAssignment& r : *cuda_plan.mutable_ranks()) r.set_device("cuda:0");
+
+  const double n = 2 * 1024, c = 768, h = 12, t = 1024;
+  const double per_stream = 32.0 * (1 << 20) + 16 * n + (1 << 20) + 6 * h * t * t + 4 * n * 3 * c;
+  EXPECT_EQ(EstimateWorkerMemory(gpt2("bf16", one_chunk), *cpu_plan, 0).scratch_bytes, 0);
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(gpt2("bf16", one_chunk), cuda_plan, 0).scratch_bytes, per_stream);
+  auto interleaved = MakePlan(gpt2("bf16", two_chunks), Workers(2, 0), 1);
+  ASSERT_TRUE(interleaved.ok()) << interleaved.status();
+  v1::Plan cuda_interleaved = *interleaved;
+  for (v1::RankAssignment& r : *cuda_interleaved.mutable_ranks()) r.set_device("cuda:0");
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(gpt2("bf16", two_chunks), cuda_interleaved, 0).scratch_bytes, 2 * per_stream);
+  // fp32 on CUDA: the attention backward's floats and cuBLASLt's workspace only.
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(gpt2("fp32", one_chunk), cuda_plan, 0).scratch_bytes,
+                   32.0 * (1 << 20) + 16 * n + (1 << 20) + 4 * h * t * t);
+
+  // bf16's copy of the GEMM weights: 12 d^2 per layer of the stage, and the
+  // tied head's vocab x d on the last stage.
+  for (int stage = 0; stage < 2; ++stage) {
+    const double copies = cpu_plan->stages(stage).num_layers() * 12 * c * c + (stage == 1 ? 50304 * c : 0);
+    EXPECT_DOUBLE_EQ(EstimateWorkerMemory(gpt2("bf16", one_chunk), *cpu_plan, stage).parameter_bytes -
+                         EstimateWorkerMemory(gpt2("fp32", one_chunk), *cpu_plan, stage).parameter_bytes,
+                     2 * copies)
+        << stage;
+  }
+}
+
 // A long-sequence bf16 job (T 4096, 32 heads of 64: P is 1 GiB per block and
 // microbatch) on GPUs whose workers registered fused attention: the estimate
 // counts cuDNN's softmax stats and o's copy instead of P, plus its backward
@@ -115,8 +158,9 @@ TEST(MemoryEstimateTest, FusedAttentionCountsStatsAndOutputInsteadOfP) {
   for (const v1::RankAssignment& r : with->ranks()) EXPECT_TRUE(r.fused_attention_bf16());
 
   // Per block and microbatch: P (B·H·T·T bf16) gives way to the stats
-  // (B·H·T floats, a multiple of 256 here) and o (B·T·C bf16); the workspace
-  // (B·H·T·T bf16, T a multiple of 64) is counted once.
+  // (B·H·T floats, a multiple of 256 here) and o (B·T·C bf16); the stream's
+  // scratch holds cuDNN's workspace (B·H·T·T bf16, T a multiple of 64)
+  // instead of the GEMM path's H·T·T floats and bf16 (one batch row).
   const double b = 1, h = 32, t = 4096, c = 2048, layers = 4, peak = 4;
   const double p = 2 * b * h * t * t, saved = 4 * b * h * t + 2 * b * t * c, workspace = 2 * b * h * t * t;
   auto p_plan = MakePlan(job, Gpus(2, 0, false), 1);
@@ -124,7 +168,8 @@ TEST(MemoryEstimateTest, FusedAttentionCountsStatsAndOutputInsteadOfP) {
   for (int stage = 0; stage < 2; ++stage) {
     const WorkerMemory keeps_p = EstimateWorkerMemory(job, *p_plan, stage);
     const WorkerMemory fused = EstimateWorkerMemory(job, *with, stage);
-    EXPECT_DOUBLE_EQ(keeps_p.activation_bytes - fused.activation_bytes, layers * peak * (p - saved) - workspace);
+    EXPECT_DOUBLE_EQ(keeps_p.activation_bytes - fused.activation_bytes, layers * peak * (p - saved));
+    EXPECT_DOUBLE_EQ(keeps_p.scratch_bytes - fused.scratch_bytes, 6 * h * t * t - workspace);
     EXPECT_LT(fused.total(), static_cast<double>(gpu)) << stage;
     EXPECT_GT(keeps_p.total(), static_cast<double>(gpu)) << stage;
   }
@@ -239,18 +284,19 @@ TEST(MemoryEstimateTest, WorkersSharingAHostMustFitTogether) {
 // they name it) share it.
 TEST(MemoryEstimateTest, GpuWorkersShareOnlyTheGpuTheyRunOn) {
   v1::JobSpec job = Demo("layers: 2 d_model: 1024 heads: 4 vocab: 256 seq_len: 128", "kind: \"1f1b\" microbatches: 4", 4);
-  auto plan = MakePlan(job, Workers(4, 0), 1);
-  ASSERT_TRUE(plan.ok());
-  // Room for one worker of either stage, not for two.
-  const double e0 = EstimateWorkerMemory(job, *plan, 0).total(), e1 = EstimateWorkerMemory(job, *plan, 1).total();
-  const int64_t gpu_memory = static_cast<int64_t>(std::max(e0, e1) * 1.05);
-  ASSERT_LT(gpu_memory, 2 * std::min(e0, e1));
-  std::vector<v1::WorkerInfo> gpus = Workers(4, gpu_memory);
+  std::vector<v1::WorkerInfo> gpus = Workers(4, 0);
   for (int i = 0; i < 4; ++i) {
     gpus[i].set_host("box");
     gpus[i].set_device("cuda:" + std::to_string(i));
     gpus[i].set_device_uuid("GPU-" + std::to_string(i));
   }
+  auto plan = MakePlan(job, gpus, 1);  // memory 0: not checked
+  ASSERT_TRUE(plan.ok());
+  // Room for one worker of either stage, not for two.
+  const double e0 = EstimateWorkerMemory(job, *plan, 0).total(), e1 = EstimateWorkerMemory(job, *plan, 1).total();
+  const int64_t gpu_memory = static_cast<int64_t>(std::max(e0, e1) * 1.05);
+  ASSERT_LT(gpu_memory, 2 * std::min(e0, e1));
+  for (auto& w : gpus) w.set_memory_bytes(gpu_memory);
   EXPECT_TRUE(MakePlan(job, gpus, 1).ok()) << MakePlan(job, gpus, 1).status();  // one GPU each
 
   for (auto& w : gpus) w.clear_device_uuid();  // no UUIDs: host and cuda:N tell them apart
