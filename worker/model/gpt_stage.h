@@ -208,6 +208,9 @@ class GptStage {
   absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
                           StepScore* score);
   absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale);
+  // BackwardInput after its argument checks.
+  absl::Status RunBackwardInput(Microbatch& s, const kernels::Tensor& grad_output,
+                                const kernels::Tensor& grad_input);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
@@ -224,7 +227,7 @@ class GptStage {
   // its value.
   const kernels::Tensor& W(const Parameter* p) const;
   // `t` as a GEMM input: itself (fp32), or a bf16 copy in `arena`.
-  kernels::Tensor ForGemm(kernels::Arena& arena, const kernels::Tensor& t) const;
+  absl::StatusOr<kernels::Tensor> ForGemm(kernels::Arena& arena, const kernels::Tensor& t) const;
 
   StageConfig config_;
   comm::Communicator* tp_;
