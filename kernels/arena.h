@@ -8,10 +8,13 @@
 //
 // Errors. When the device (or the host) cannot give the arena a new block,
 // Allocate returns RESOURCE_EXHAUSTED naming the device, the bytes asked, the
-// arena's capacity and what the device holds for this process, e.g.
-// "cuda:0 is out of memory: an activation arena needs 512 MiB more (it holds
-// 3.1 GiB; 78.2 GiB held on the device by this process)". Another failure of
-// the device's allocator keeps its code. A shape whose byte count does not
+// arena's capacity and what the device holds for this process
+// (GetMemoryStats reserved_bytes), e.g. "cuda:0 is out of memory: an
+// activation arena needs 512 MiB more (536870912 bytes; the arena holds
+// 3.1 GiB; 78.2 GiB held on the device by this process)"; the caller adds
+// what to change (GptStage: the micro-batch size). Another failure of the
+// device's allocator keeps its code and message. A host arena reports a
+// failed aligned_alloc the same way. A shape whose byte count does not
 // fit in size_t (or has a negative dimension) is INVALID_ARGUMENT, checked
 // before anything is allocated. A failed Allocate changes nothing: tensors
 // allocated before stay valid, used_bytes(), capacity_bytes() and the

@@ -409,7 +409,8 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   BATON_ASSIGN_OR_RETURN(s.meanf, arena.Allocate({n}));
   BATON_ASSIGN_OR_RETURN(s.rstdf, arena.Allocate({n}));
   kernels::LayerNorm(ctx_, s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
-  BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, wte_->value.dim(0)}));  // this rank's vocabulary columns
+  // This rank's vocabulary columns.
+  BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, wte_->value.dim(0)}));
   kernels::Linear(ctx_, s.dlogits, s.xf, W(wte_), Tensor());
   const float grad_scale =
       score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
@@ -527,28 +528,28 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
                                                    DTypeName(io), " [", s->batch, ", ", s->seq,
                                                    ", ", c, "]"));
   }
-  return ActivationError(RunBackwardInput(*s, grad_output, grad_input),
-                         absl::StrCat("BackwardInput(", mb, ")"));
+  const absl::Status status = RunBackwardInput(*s, grad_output, grad_input);
+  if (status.ok()) return status;
+  return ActivationError(status, absl::StrCat("BackwardInput(", mb, ")"));
 }
 
-absl::Status GptStage::RunBackwardInput(Microbatch& mb, const Tensor& grad_output,
+absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output,
                                         const Tensor& grad_input) {
-  Microbatch* s = &mb;
-  const int64_t n = s->batch * s->seq, c = config_.model.d_model;
-  kernels::Arena& arena = s->arena;
+  const int64_t n = s.batch * s.seq, c = config_.model.d_model;
+  kernels::Arena& arena = s.arena;
   Tensor d;  // gradient of the current block's output
   if (config_.is_last()) {
-    const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
+    const Tensor x_last = s.blocks.empty() ? s.x0 : s.blocks.back().x_out;
     BATON_ASSIGN_OR_RETURN(Tensor dxf, arena.Allocate({n, c}));
-    BATON_ASSIGN_OR_RETURN(s->dlogits_gemm, ForGemm(arena, s->dlogits));
-    kernels::LinearBackwardInput(ctx_, dxf, s->dlogits_gemm, W(wte_), /*accumulate=*/false);
+    BATON_ASSIGN_OR_RETURN(s.dlogits_gemm, ForGemm(arena, s.dlogits));
+    kernels::LinearBackwardInput(ctx_, dxf, s.dlogits_gemm, W(wte_), /*accumulate=*/false);
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR(AllReduceTp(dxf, "the LM head input gradient", -1));
     }
     BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::FillZero(ctx_, d);
-    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
-                               s->rstdf);
+    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s.meanf,
+                               s.rstdf);
   } else if (bf16_) {
     BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::Cast(ctx_, d, grad_output);
@@ -557,11 +558,11 @@ absl::Status GptStage::RunBackwardInput(Microbatch& mb, const Tensor& grad_outpu
   }
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BATON_ASSIGN_OR_RETURN(Tensor d_in, arena.Allocate({n, c}));
-    BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], *s, s->blocks[i], d, d_in), "block ",
+    BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], s, s.blocks[i], d, d_in), "block ",
                               blocks_[i].index, " backward");
     d = d_in;
   }
-  s->d_x0 = d;
+  s.d_x0 = d;
   if (!config_.is_first()) {
     if (bf16_) {
       kernels::Cast(ctx_, grad_input, d);
@@ -569,7 +570,7 @@ absl::Status GptStage::RunBackwardInput(Microbatch& mb, const Tensor& grad_outpu
       kernels::Copy(ctx_, grad_input, d);
     }
   }
-  s->backward_input_done = true;
+  s.backward_input_done = true;
   return absl::OkStatus();
 }
 

@@ -72,6 +72,13 @@
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
 // the embedding gradient and returns the arena; Backward(mb) does both.
 // Gradients accumulate across microbatches until ZeroGrad().
+// When the device cannot hold a microbatch's activations (the arena cannot
+// grow), Forward / BackwardInput return RESOURCE_EXHAUSTED naming the
+// microbatch, the block, the device and the bytes, and what to lower
+// (train.micro_batch_size, model.seq_len) — never an abort. A failed Forward
+// releases its microbatch; after a failed BackwardInput the step is broken:
+// the caller drops it with DropInFlight and starts the next with ZeroGrad
+// (partial gradients are discarded there; no optimizer step ran).
 //
 // Not thread-safe: one thread drives a stage.
 #ifndef BATON_WORKER_MODEL_GPT_STAGE_H_
