@@ -1,12 +1,15 @@
 #include "kernels/arena.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
 
 #include "absl/base/internal/raw_logging.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/backend.h"
 
 namespace baton::kernels {
@@ -17,38 +20,94 @@ constexpr size_t kMinBlockBytes = size_t{1} << 20;
 
 size_t RoundUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
+// "512 MiB", "3.1 GiB", "960 bytes".
+std::string HumanBytes(double bytes) {
+  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
+  if (bytes < 1024) return absl::StrCat(static_cast<int64_t>(bytes), " bytes");
+  int unit = -1;
+  while (bytes >= 1024 && unit < 3) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return bytes >= 100 || bytes == static_cast<int64_t>(bytes)
+             ? absl::StrFormat("%.0f %s", bytes, kUnits[unit])
+             : absl::StrFormat("%.1f %s", bytes, kUnits[unit]);
+}
+
+// The bytes of a tensor of `shape` and `dtype`, rounded up to the alignment;
+// INVALID_ARGUMENT when a dimension is negative or the count overflows.
+absl::StatusOr<size_t> AlignedBytes(const Shape& shape, DType dtype) {
+  size_t bytes = DTypeSize(dtype);
+  for (int64_t dim : shape) {
+    if (dim < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(dim), &bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("arena allocation of shape ", ShapeToString(shape),
+                       dim < 0 ? " has a negative dimension" : ": its byte count overflows"));
+    }
+  }
+  if (bytes > std::numeric_limits<size_t>::max() - kAlignment) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("arena allocation of shape ", ShapeToString(shape), ": its byte count overflows"));
+  }
+  return RoundUp(bytes);
+}
+
 }  // namespace
 
 Arena::~Arena() {
   if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));
 }
 
-void Arena::AddBlock(size_t min_bytes) {
+absl::Status Arena::AddBlock(size_t min_bytes) {
   const size_t size = RoundUp(std::max(min_bytes, kMinBlockBytes));
   Block block;
+  absl::Status failed;
   if (device_.is_cpu()) {
     void* p = std::aligned_alloc(kAlignment, size);
-    ABSL_RAW_CHECK(p != nullptr, "Arena: out of host memory");
-    block.data = std::shared_ptr<char>(static_cast<char*>(p), std::free);
+    if (p == nullptr) {
+      failed = absl::ResourceExhaustedError(absl::StrCat("aligned_alloc of ", size, " bytes failed"));
+    } else {
+      block.data = std::shared_ptr<char>(static_cast<char*>(p), std::free);
+    }
   } else {
     absl::StatusOr<void*> p = AllocateDevice(device_, size);
     if (!p.ok()) {
-      std::fprintf(stderr, "baton::kernels::Arena: %s\n", std::string(p.status().message()).c_str());
-      std::abort();
+      failed = p.status();
+    } else {
+      const Device device = device_;
+      block.data = std::shared_ptr<char>(static_cast<char*>(*p),
+                                         [device, size](char* q) { FreeDevice(device, q, size); });
     }
-    const Device device = device_;
-    block.data = std::shared_ptr<char>(static_cast<char*>(*p),
-                                       [device, size](char* q) { FreeDevice(device, q, size); });
+  }
+  if (!failed.ok()) {
+    const std::string held =
+        device_.is_cpu()
+            ? ""
+            : absl::StrCat("; ", HumanBytes(static_cast<double>(GetMemoryStats(device_).reserved_bytes)),
+                           " held on the device by this process");
+    const std::string what =
+        absl::StrCat(what_, " needs ", HumanBytes(static_cast<double>(size)), " more (", size,
+                     " bytes; the arena holds ", HumanBytes(static_cast<double>(capacity_bytes())), held, ")");
+    if (absl::IsResourceExhausted(failed)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(DeviceToString(device_), " is out of memory: ", what));
+    }
+    return absl::Status(failed.code(), absl::StrCat(DeviceToString(device_), ": ", what, ": ",
+                                                    failed.message()));
   }
   ++system_allocations_;
   block.size = size;
   blocks_.push_back(std::move(block));
+  return absl::OkStatus();
 }
 
-Tensor Arena::Allocate(Shape shape, DType dtype) {
-  const size_t bytes = RoundUp(static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype));
-  if (blocks_.empty() || blocks_.back().offset + bytes > blocks_.back().size) {
-    AddBlock(bytes);
+absl::StatusOr<Tensor> Arena::Allocate(Shape shape, DType dtype) {
+  absl::StatusOr<size_t> aligned = AlignedBytes(shape, dtype);
+  if (!aligned.ok()) return aligned.status();
+  const size_t bytes = *aligned;
+  if (blocks_.empty() || bytes > blocks_.back().size - blocks_.back().offset) {
+    absl::Status grown = AddBlock(bytes);
+    if (!grown.ok()) return grown;
   }
   Block& block = blocks_.back();
   char* p = block.data.get() + block.offset;
@@ -58,10 +117,10 @@ Tensor Arena::Allocate(Shape shape, DType dtype) {
   return Tensor::View(p, std::move(shape), dtype, device_);
 }
 
-Tensor Arena::AllocateZeroed(Shape shape, DType dtype) {
+absl::StatusOr<Tensor> Arena::AllocateZeroed(Shape shape, DType dtype) {
   ABSL_RAW_CHECK(device_.is_cpu(), "Arena::AllocateZeroed on a device arena");
-  Tensor t = Allocate(std::move(shape), dtype);
-  std::memset(t.raw(), 0, t.bytes());
+  absl::StatusOr<Tensor> t = Allocate(std::move(shape), dtype);
+  if (t.ok()) std::memset(t->raw(), 0, t->bytes());
   return t;
 }
 
@@ -69,7 +128,9 @@ void Arena::Reset() {
   if (blocks_.size() > 1) {
     const size_t total = capacity_bytes();
     blocks_.clear();
-    AddBlock(total);
+    // On failure the arena is empty; the next Allocate grows it again and
+    // reports the shortage.
+    AddBlock(total).IgnoreError();
   }
   for (Block& block : blocks_) block.offset = 0;
   if (!device_.is_cpu()) CountInUse(device_, -static_cast<int64_t>(used_));

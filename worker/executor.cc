@@ -286,7 +286,10 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   comm_status_->Reset();  // the communication stream is idle: a failed step was waited for above
   dp_status_->Reset();    // so is the data-parallel stream (the chunks waited for its end events)
   BATON_RETURN_IF_ERROR(StartSpans());
-  for (auto& [stage, model] : chunks_) model->ZeroGrad();
+  for (auto& [stage, model] : chunks_) {
+    model->DropInFlight();  // what a failed step left, when no Discard came
+    model->ZeroGrad();
+  }
 
   const auto& actions = program_.actions();
   dp_started_.clear();

@@ -402,6 +402,43 @@ TEST(SimExecutorStreamComm, TiedSumWithoutItsPeerFailsTheResultsRead) {
   EXPECT_TRUE(last.ReadStepResults(&score, &sq).ok());
 }
 
+// A step whose activations do not fit in the device's memory fails with
+// RESOURCE_EXHAUSTED naming the action and what to lower (the worker reports
+// it to the coordinator as the step's error and code) instead of aborting
+// the worker. GPipe runs every forward first, so microbatches 0 and 1 are in
+// flight when microbatch 2's arena cannot grow. The step fails the same way
+// again after a Discard; once the memory is there, the next step (with no
+// Discard after the failed one) gives the bits of a pipeline that never failed.
+TEST(SimExecutorOutOfMemory, AStepThatDoesNotFitFailsAndALaterStepRuns) {
+  const kernels::Device device = kernels::Device::Sim(7);  // no other test uses it
+  Pipeline p("gpipe", 1, 1, device);
+  Pipeline reference("gpipe", 1, 1, kernels::Device::Cpu());
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(reference.ok());
+  // Two 1 MiB activation arenas fit, with room for the step's small buffers;
+  // a third does not.
+  kernels::sim::SetSimDeviceMemoryLimitForTesting(kernels::GetMemoryStats(device).reserved_bytes +
+                                                  (int64_t{5} << 19));
+  for (int64_t step : {1, 2}) {
+    const std::vector<absl::StatusOr<v1::StepReport>> reports = p.RunSteps(step);
+    ASSERT_FALSE(reports[0].ok()) << "step " << step;
+    const absl::Status& s = reports[0].status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_NE(s.message().find("F(stage 0, mb 2): Forward(2): sim:7 is out of memory: an activation arena"),
+              std::string::npos)
+        << s;
+    EXPECT_NE(s.message().find("lower train.micro_batch_size"), std::string::npos) << s;
+    if (step == 1) p.executor(0).Discard(step);
+  }
+  kernels::sim::SetSimDeviceMemoryLimitForTesting(0);
+  const StepResult got = p.Step(3);
+  const StepResult want = reference.Step(3);
+  EXPECT_EQ(got.loss, want.loss);
+  EXPECT_EQ(got.sq_norm, want.sq_norm);
+  EXPECT_EQ(got.correct, want.correct);
+  EXPECT_EQ(p.Weights(), reference.Weights());
+}
+
 // Step 2 of a 1F1B pp=2 pipeline on the simulated device, every op sleeping
 // 200 us (after a step 1 at full speed).
 StepResult SlowOneFOneBStep() {

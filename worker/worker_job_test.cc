@@ -26,6 +26,8 @@
 #include "coordinator/schedule/lowering.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/sim/sim_backend.h"
 #include "prometheus/registry.h"
 #include "worker/checkpoint/train_state.h"
 #include "worker/comm/fake_coordinator_kv.h"
@@ -119,7 +121,7 @@ class WorkerJobTest : public ::testing::Test {
     spec_ = Spec(n);
     for (int i = 0; i < n; ++i) workers_.push_back(MakeWorker(absl::StrCat("w", i)));
   }
-  Worker MakeWorker(const std::string& name) {
+  Worker MakeWorker(const std::string& name, const std::string& device = "cpu") {
     Worker w;
     w.name = name;
     auto session = std::make_unique<FakeSession>();
@@ -127,6 +129,7 @@ class WorkerJobTest : public ::testing::Test {
     w.metrics = std::make_unique<prometheus::Registry>();
     WorkerJob::Options o;
     o.name = name;
+    o.device = device;
     o.op_timeout = absl::Seconds(60);
     o.rendezvous_timeout = absl::Seconds(30);
     o.output_dirs = {::testing::TempDir()};  // checkpoints are written only under --output_dir
@@ -311,6 +314,33 @@ TEST_F(WorkerJobTest, ConfiguresRunsAStepCommitsAndSnapshotsItsState) {
     EXPECT_EQ(w.session->Count(v1::WorkerMessage::kSnapshot), 0) << w.name;
     EXPECT_EQ(Steps(Describe(w)), (std::vector<int64_t>{1, 2})) << w.name;
   }
+}
+
+// A job too large for its device: the step fails with RESOURCE_EXHAUSTED in
+// the step report (error and code, what the coordinator turns into the job's
+// fault), the worker does not crash, and once the device has the memory the
+// same job's next step runs and commits.
+TEST_F(WorkerJobTest, AStepOutOfDeviceMemoryIsReportedAndTheWorkerStaysUsable) {
+  spec_ = Spec(1);
+  const kernels::Device device = kernels::Device::Sim(4);
+  workers_.push_back(MakeWorker("w0", "sim:4"));
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  // Room for the step's small buffers, not for a 1 MiB activation arena.
+  kernels::sim::SetSimDeviceMemoryLimitForTesting(kernels::GetMemoryStats(device).reserved_bytes +
+                                                  (int64_t{64} << 10));
+  StepResult failed = Step(1, /*commit=*/false);
+  kernels::sim::SetSimDeviceMemoryLimitForTesting(0);
+  const v1::StepReport& report = failed.reports["w0"];
+  EXPECT_EQ(report.code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << report.error();
+  EXPECT_NE(report.error().find("sim:4 is out of memory"), std::string::npos) << report.error();
+  EXPECT_NE(report.error().find("lower train.micro_batch_size"), std::string::npos) << report.error();
+  EXPECT_FALSE(failed.done["w0"].committed());
+
+  StepResult ok = Step(1);
+  EXPECT_TRUE(ok.reports["w0"].error().empty()) << ok.reports["w0"].error();
+  EXPECT_TRUE(ok.reports["w0"].finite());
+  EXPECT_TRUE(ok.done["w0"].committed()) << ok.done["w0"].error();
+  EXPECT_EQ(Steps(Describe(workers_[0])), (std::vector<int64_t>{1}));
 }
 
 TEST_F(WorkerJobTest, AnAbortReleasesAStepBlockedOnALostPeerAndKeepsTheState) {

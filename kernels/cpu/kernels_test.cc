@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -540,7 +541,7 @@ TEST(ArenaTest, SecondCycleReusesMemoryWithoutSystemAllocation) {
   Arena arena;
   auto cycle = [&] {
     for (int i = 0; i < 5; ++i) {
-      Tensor t = arena.Allocate({1 << 17});  // 512 KiB each: spills past one block
+      Tensor t = *arena.Allocate({1 << 17});  // 512 KiB each: spills past one block
       EXPECT_EQ(reinterpret_cast<uintptr_t>(t.raw()) % 64, 0u);
       t.f32()[0] = 1.0f;
     }
@@ -554,8 +555,26 @@ TEST(ArenaTest, SecondCycleReusesMemoryWithoutSystemAllocation) {
   arena.Reset();
   cycle();
   EXPECT_EQ(arena.system_allocations(), first + 1);  // one merge, then none
-  Tensor zero = arena.AllocateZeroed({3});
+  Tensor zero = *arena.AllocateZeroed({3});
   EXPECT_EQ(zero.f32()[2], 0.0f);
+}
+
+// A shape whose byte count does not fit in size_t fails before anything is
+// allocated, and the arena is unchanged.
+TEST(ArenaTest, OverflowingOrNegativeShapeIsInvalidArgument) {
+  Arena arena;
+  ASSERT_TRUE(arena.Allocate({16}).ok());
+  const size_t used = arena.used_bytes(), capacity = arena.capacity_bytes();
+  const int64_t allocations = arena.system_allocations();
+  absl::StatusOr<Tensor> huge = arena.Allocate({int64_t{1} << 40, int64_t{1} << 40});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("overflows"), std::string::npos) << huge.status();
+  absl::StatusOr<Tensor> negative = arena.Allocate({4, -1});
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(arena.used_bytes(), used);
+  EXPECT_EQ(arena.capacity_bytes(), capacity);
+  EXPECT_EQ(arena.system_allocations(), allocations);
+  EXPECT_TRUE(arena.Allocate({16}).ok());
 }
 
 TEST(TensorTest, ViewsShareStorage) {

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kernels/backend.h"
@@ -21,6 +22,7 @@ namespace {
 std::atomic<int64_t> op_delay_us{0};
 std::atomic<bool> lazy{true};
 std::atomic<int64_t> ops_run{0};
+std::atomic<int64_t> memory_limit{0};  // bytes per device; 0: none
 thread_local bool on_stream_thread = false;
 
 // One stream: a thread running closures in order.
@@ -144,7 +146,15 @@ absl::Status Probe(int index) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<void*> Allocate(int, size_t bytes) {
+absl::StatusOr<void*> Allocate(int index, size_t bytes) {
+  const int64_t limit = memory_limit.load(std::memory_order_relaxed);
+  if (limit > 0) {
+    const int64_t held = GetMemoryStats(Device::Sim(index)).reserved_bytes;
+    if (bytes > static_cast<size_t>(limit) || held > limit - static_cast<int64_t>(bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "out of (simulated device) memory: ", held, " of ", limit, " bytes held"));
+    }
+  }
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (p == nullptr) return absl::ResourceExhaustedError("out of (simulated device) memory");
   return p;
@@ -448,5 +458,9 @@ void SetSimOpDelay(absl::Duration delay) {
 }
 
 int64_t SimOpsRun() { return ops_run.load(std::memory_order_relaxed); }
+
+void SetSimDeviceMemoryLimitForTesting(int64_t bytes) {
+  memory_limit.store(bytes, std::memory_order_relaxed);
+}
 
 }  // namespace baton::kernels::sim

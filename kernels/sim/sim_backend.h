@@ -34,6 +34,12 @@ void SetSimLazy(bool on);
 void SetSimOpDelay(absl::Duration delay);
 // Ops run on simulated streams so far (for tests that want to see work move).
 int64_t SimOpsRun();
+// Caps what each simulated device may hold (its GetMemoryStats
+// reserved_bytes) at `bytes`; an allocation past it fails with
+// RESOURCE_EXHAUSTED as cudaMalloc does on a full GPU. 0 (the default): no
+// limit. Checked per allocation against the device's current reserved bytes,
+// so concurrent allocations on one device may together overshoot it slightly.
+void SetSimDeviceMemoryLimitForTesting(int64_t bytes);
 
 }  // namespace baton::kernels::sim
 

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -100,7 +101,7 @@ TEST(SimBackendDeathTest, HostAccessToDeviceMemoryAborts) {
   EXPECT_DEATH(d.f32(), "host access to a tensor on sim:0 \\[4\\]");
   EXPECT_DEATH(d.raw(), "host access");
   Arena arena(kSim);
-  Tensor a = arena.Allocate({2, 3});
+  Tensor a = *arena.Allocate({2, 3});
   EXPECT_EQ(a.device(), kSim);
   EXPECT_DEATH(a.f32()[0] = 1.0f, "host access to a tensor on sim:0 \\[2, 3\\]");
 }
@@ -193,8 +194,8 @@ TEST(SimBackendTest, DeviceArenaAllocatesOnceAcrossCycles) {
   Arena arena(kSim);
   const int64_t before = GetMemoryStats(kSim).system_allocations;
   for (int step = 0; step < 5; ++step) {
-    arena.Allocate({1000});
-    arena.Allocate({300000});  // forces a second block in the first cycle
+    ASSERT_TRUE(arena.Allocate({1000}).ok());
+    ASSERT_TRUE(arena.Allocate({300000}).ok());  // forces a second block in the first cycle
     arena.Reset();
   }
   // Two blocks in the first cycle, one merged block after its Reset, none later.
@@ -209,15 +210,61 @@ TEST(SimBackendTest, MemoryInUseAndReservedAreCounted) {
     EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
     EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000);
     Arena arena(kSim);
-    arena.Allocate({16});  // 64 bytes, in a 1 MiB block
+    ASSERT_TRUE(arena.Allocate({16}).ok());  // 64 bytes, in a 1 MiB block
     EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000 + 64);
     EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes - start.reserved_bytes, 4000 + (1 << 20));
     arena.Reset();
     EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes - start.in_use_bytes, 4000);
-    arena.Allocate({16});
+    ASSERT_TRUE(arena.Allocate({16}).ok());
   }
   EXPECT_EQ(GetMemoryStats(kSim).in_use_bytes, start.in_use_bytes);
   EXPECT_EQ(GetMemoryStats(kSim).reserved_bytes, start.reserved_bytes);
+}
+
+// A device arena that cannot grow past the device's memory fails the
+// allocation with RESOURCE_EXHAUSTED naming device and bytes (as cudaMalloc
+// on a full GPU), and stays usable: counters as before, allocations that fit
+// still work, and with the limit lifted the large one does too.
+TEST(SimBackendTest, ArenaOutOfDeviceMemoryIsResourceExhaustedAndStaysUsable) {
+  const Device sim5 = Device::Sim(5);  // no other test uses it
+  const int64_t base = GetMemoryStats(sim5).reserved_bytes;
+  sim::SetSimDeviceMemoryLimitForTesting(base + (int64_t{4} << 20));
+  {
+    Arena arena(sim5, "an activation arena");
+    ASSERT_TRUE(arena.Allocate({1 << 18}).ok());  // 1 MiB: the first block, full
+    const MemoryStats before = GetMemoryStats(sim5);
+    const int64_t allocations = arena.system_allocations();
+
+    absl::StatusOr<Tensor> big = arena.Allocate({1 << 20});  // 4 MiB more: past the limit
+    ASSERT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+    const std::string message(big.status().message());
+    EXPECT_NE(message.find("sim:5 is out of memory: an activation arena needs 4 MiB more (4194304 "
+                           "bytes; the arena holds 1 MiB; 1 MiB held on the device"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(arena.used_bytes(), size_t{1} << 20);
+    EXPECT_EQ(arena.capacity_bytes(), size_t{1} << 20);
+    EXPECT_EQ(arena.system_allocations(), allocations);
+    EXPECT_EQ(GetMemoryStats(sim5).in_use_bytes, before.in_use_bytes);
+    EXPECT_EQ(GetMemoryStats(sim5).reserved_bytes, before.reserved_bytes);
+
+    // What fits still comes: a second 1 MiB block.
+    absl::StatusOr<Tensor> small = arena.Allocate({1000});
+    ASSERT_TRUE(small.ok()) << small.status();
+    EXPECT_EQ(small->device(), sim5);
+    EXPECT_EQ(arena.used_bytes(), (size_t{1} << 20) + 4032);
+    EXPECT_EQ(GetMemoryStats(sim5).in_use_bytes, before.in_use_bytes + 4032);
+    arena.Reset();  // merges into one 2 MiB block
+    EXPECT_EQ(arena.used_bytes(), 0u);
+    EXPECT_EQ(arena.capacity_bytes(), size_t{2} << 20);
+
+    sim::SetSimDeviceMemoryLimitForTesting(0);
+    absl::StatusOr<Tensor> lifted = arena.Allocate({1 << 20});
+    EXPECT_TRUE(lifted.ok()) << lifted.status();
+  }
+  sim::SetSimDeviceMemoryLimitForTesting(0);
+  EXPECT_EQ(GetMemoryStats(sim5).reserved_bytes, base);
+  EXPECT_EQ(GetMemoryStats(sim5).in_use_bytes, 0);
 }
 
 // A host function (Stream::LaunchHostFunc) runs in the stream's order

@@ -28,7 +28,7 @@ struct GptStage::BlockActivations {
 };
 
 struct GptStage::Microbatch {
-  explicit Microbatch(kernels::Device device) : arena(device) {}
+  Microbatch(kernels::Device device, std::string what) : arena(device, std::move(what)) {}
   kernels::Arena arena;
   int64_t batch = 0, seq = 0;
   Tensor tokens, targets;
@@ -46,10 +46,21 @@ constexpr float kInitStd = 0.02f;
 static_assert(kMaxVocab <= kernels::kMaxArgmaxVocab, "token ids must pass exactly as floats");
 
 // A copy of `src` (host or device) in the arena, enqueued on ctx's stream.
-Tensor Copy(const kernels::ExecContext& ctx, kernels::Arena& arena, const Tensor& src, Shape shape) {
-  Tensor dst = arena.Allocate(std::move(shape), src.dtype());
+absl::StatusOr<Tensor> Copy(const kernels::ExecContext& ctx, kernels::Arena& arena, const Tensor& src,
+                            Shape shape) {
+  BATON_ASSIGN_OR_RETURN(Tensor dst, arena.Allocate(std::move(shape), src.dtype()));
   kernels::Copy(ctx, dst, src);
   return dst;
+}
+
+// `status` with `context`; an activation arena out of device memory also says
+// what the operator can change.
+absl::Status ActivationError(const absl::Status& status, const std::string& context) {
+  absl::Status with = WithContext(status, context);
+  if (!absl::IsResourceExhausted(with)) return with;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      with.message(), "; lower train.micro_batch_size or model.seq_len, or use more pipeline "
+      "stages (parallel.pp) or tensor parallelism (parallel.tp)"));
 }
 
 }  // namespace
@@ -177,7 +188,7 @@ absl::Status GptStage::PlaceOnDevice() {
   const kernels::Device device = config_.device;
   BATON_RETURN_IF_ERROR(params_.Place(device));
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
-  scratch_ = std::make_unique<kernels::Arena>(device);
+  scratch_ = std::make_unique<kernels::Arena>(device, "the op scratch arena");
   ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get(), config_.precision);
   if (bf16_) BATON_RETURN_IF_ERROR(params_.AllocateBf16Copies(ctx_));
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -246,9 +257,9 @@ absl::Status GptStage::AllReduceOnStream(comm::StreamCollectives& coll, const Te
 
 const Tensor& GptStage::W(const Parameter* p) const { return bf16_ ? p->value_bf16 : p->value; }
 
-Tensor GptStage::ForGemm(kernels::Arena& arena, const Tensor& t) const {
+absl::StatusOr<Tensor> GptStage::ForGemm(kernels::Arena& arena, const Tensor& t) const {
   if (!bf16_) return t;
-  Tensor low = arena.Allocate(t.shape(), kernels::DType::kBFloat16);
+  BATON_ASSIGN_OR_RETURN(Tensor low, arena.Allocate(t.shape(), kernels::DType::kBFloat16));
   kernels::Cast(ctx_, low, t);
   return low;
 }
@@ -330,7 +341,7 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, output, &batch, &seq), "Forward(", mb, ")");
   std::unique_ptr<Microbatch> state;
   if (free_.empty()) {
-    state = std::make_unique<Microbatch>(config_.device);
+    state = std::make_unique<Microbatch>(config_.device, "an activation arena");
   } else {
     state = std::move(free_.back());
     free_.pop_back();
@@ -343,7 +354,7 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   if (!status.ok()) {
     state->arena.Reset();
     free_.push_back(std::move(state));
-    return WithContext(status, absl::StrCat("Forward(", mb, ")"));
+    return ActivationError(status, absl::StrCat("Forward(", mb, ")"));
   }
   // The loss and hits went into the device accumulators (see score()).
   score_.tokens += score.tokens;
@@ -356,8 +367,8 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
   kernels::Arena& arena = s.arena;
   if (config_.is_first()) {
-    s.tokens = Copy(ctx_, arena, inputs.tokens, {s.batch, s.seq});
-    s.x0 = arena.Allocate({n, c});
+    BATON_ASSIGN_OR_RETURN(s.tokens, Copy(ctx_, arena, inputs.tokens, {s.batch, s.seq}));
+    BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({n, c}));
     // With a vocabulary-parallel table each rank embeds the tokens it holds,
     // rank 0 adds the positions, and the all-reduce assembles the whole.
     const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
@@ -368,10 +379,10 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     }
   } else if (bf16_) {
     // The residual stream is fp32; the message between stages is bf16.
-    s.x0 = arena.Allocate({n, c});
+    BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({n, c}));
     kernels::Cast(ctx_, s.x0, inputs.activations);
   } else {
-    s.x0 = Copy(ctx_, arena, inputs.activations, {n, c});
+    BATON_ASSIGN_OR_RETURN(s.x0, Copy(ctx_, arena, inputs.activations, {n, c}));
   }
   if (config_.is_last()) {
     // Scored tokens are counted on the host, from the host targets.
@@ -379,13 +390,14 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     for (int64_t i = 0; i < n; ++i) {
       if (targets[i] != kernels::kIgnoreTarget) ++score->tokens;
     }
-    s.targets = Copy(ctx_, arena, inputs.targets, {n});
+    BATON_ASSIGN_OR_RETURN(s.targets, Copy(ctx_, arena, inputs.targets, {n}));
   }
   s.blocks.resize(blocks_.size());
   Tensor x = s.x0;
   for (size_t i = 0; i < blocks_.size(); ++i) {
     s.blocks[i].x_in = x;
-    BATON_RETURN_IF_ERROR(BlockForward(blocks_[i], s, s.blocks[i]));
+    BATON_RETURN_IF_ERROR_CTX(BlockForward(blocks_[i], s, s.blocks[i]), "block ", blocks_[i].index,
+                              " forward");
     x = s.blocks[i].x_out;
   }
   if (!config_.is_last()) {
@@ -396,16 +408,18 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     }
     return absl::OkStatus();
   }
-  s.xf = arena.Allocate({n, c}, gemm_dtype_);
-  s.meanf = arena.Allocate({n});
-  s.rstdf = arena.Allocate({n});
+  BATON_ASSIGN_OR_RETURN(s.xf, arena.Allocate({n, c}, gemm_dtype_));
+  BATON_ASSIGN_OR_RETURN(s.meanf, arena.Allocate({n}));
+  BATON_ASSIGN_OR_RETURN(s.rstdf, arena.Allocate({n}));
   kernels::LayerNorm(ctx_, s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
-  s.dlogits = arena.Allocate({n, wte_->value.dim(0)});  // this rank's vocabulary columns
+  // This rank's vocabulary columns.
+  BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, wte_->value.dim(0)}));
   kernels::Linear(ctx_, s.dlogits, s.xf, W(wte_), Tensor());
   const float grad_scale =
       score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
   if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale);
-  Tensor max = arena.Allocate({n}), index = arena.Allocate({n});
+  BATON_ASSIGN_OR_RETURN(Tensor max, arena.Allocate({n}));
+  BATON_ASSIGN_OR_RETURN(Tensor index, arena.Allocate({n}));
   kernels::ShardArgmax(ctx_, s.dlogits, 0, max, index);
   kernels::CountArgmaxHits(ctx_, max, index, s.targets, hits_acc_);
   kernels::SoftmaxCrossEntropy(ctx_, s.dlogits, s.targets, grad_scale, loss_acc_);
@@ -417,17 +431,20 @@ absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale) 
   kernels::Arena& arena = s.arena;
   // Each rank's log-sum-exps, largest logits and their indices travel in one
   // all-gather: stats [3, n] → stats_all [tp, 3, n].
-  Tensor stats = arena.Allocate({3, n}), stats_all = arena.Allocate({tp, 3, n});
+  BATON_ASSIGN_OR_RETURN(Tensor stats, arena.Allocate({3, n}));
+  BATON_ASSIGN_OR_RETURN(Tensor stats_all, arena.Allocate({tp, 3, n}));
   Tensor lse = stats.Rows(0, 1).Reshaped({n});
   Tensor max = stats.Rows(1, 2).Reshaped({n});
   Tensor index = stats.Rows(2, 3).Reshaped({n});
-  Tensor row_max = arena.Allocate({n}), target_logit = arena.Allocate({n});
+  BATON_ASSIGN_OR_RETURN(Tensor row_max, arena.Allocate({n}));
+  BATON_ASSIGN_OR_RETURN(Tensor target_logit, arena.Allocate({n}));
   kernels::ShardArgmax(ctx_, s.dlogits, vocab_begin_, max, index);
   kernels::ShardedCrossEntropyStats(ctx_, s.dlogits, s.targets, vocab_begin_, row_max, lse, target_logit);
   BATON_RETURN_IF_ERROR(AllGatherTp(stats, stats_all, "the vocabulary-shard loss statistics"));
   BATON_RETURN_IF_ERROR(AllReduceTp(target_logit, "the target logits", -1));
-  Tensor lse_all = arena.Allocate({tp, n}), max_all = arena.Allocate({tp, n});
-  Tensor index_all = arena.Allocate({tp, n});
+  BATON_ASSIGN_OR_RETURN(Tensor lse_all, arena.Allocate({tp, n}));
+  BATON_ASSIGN_OR_RETURN(Tensor max_all, arena.Allocate({tp, n}));
+  BATON_ASSIGN_OR_RETURN(Tensor index_all, arena.Allocate({tp, n}));
   const Tensor rows = stats_all.Reshaped({tp * 3, n});
   for (int64_t r = 0; r < tp; ++r) {
     kernels::Copy(ctx_, lse_all.Rows(r, r + 1), rows.Rows(3 * r, 3 * r + 1));
@@ -447,40 +464,40 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   const int heads = static_cast<int>(config_.model.heads / tp);
   kernels::Arena& arena = mb.arena;
   const kernels::DType g16 = gemm_dtype_;  // GEMM inputs and attention tensors
-  a.ln1 = arena.Allocate({n, c}, g16);
-  a.mean1 = arena.Allocate({n});
-  a.rstd1 = arena.Allocate({n});
+  BATON_ASSIGN_OR_RETURN(a.ln1, arena.Allocate({n, c}, g16));
+  BATON_ASSIGN_OR_RETURN(a.mean1, arena.Allocate({n}));
+  BATON_ASSIGN_OR_RETURN(a.rstd1, arena.Allocate({n}));
   kernels::LayerNorm(ctx_, a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
-  a.qkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, g16);
+  BATON_ASSIGN_OR_RETURN(a.qkv, arena.Allocate({mb.batch, mb.seq, 3 * cl}, g16));
   kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
-  a.y = arena.Allocate({n, cl}, g16);
+  BATON_ASSIGN_OR_RETURN(a.y, arena.Allocate({n, cl}, g16));
   // What this device's attention keeps for the backward: P [B,H,T,T], or
   // only the softmax statistics and the output where a fused kernel runs.
   const kernels::AttentionBuffers att =
       kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
-  a.att = arena.Allocate(att.saved, att.saved_dtype);
+  BATON_ASSIGN_OR_RETURN(a.att, arena.Allocate(att.saved, att.saved_dtype));
   kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
-  Tensor attn_out = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(Tensor attn_out, arena.Allocate({n, c}));
   kernels::Linear(ctx_, attn_out, a.y, W(b.proj_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
   kernels::AddBias(ctx_, attn_out, b.proj_b->value);
-  a.x_mid = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({n, c}));
   kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
 
-  a.ln2 = arena.Allocate({n, c}, g16);
-  a.mean2 = arena.Allocate({n});
-  a.rstd2 = arena.Allocate({n});
+  BATON_ASSIGN_OR_RETURN(a.ln2, arena.Allocate({n, c}, g16));
+  BATON_ASSIGN_OR_RETURN(a.mean2, arena.Allocate({n}));
+  BATON_ASSIGN_OR_RETURN(a.rstd2, arena.Allocate({n}));
   kernels::LayerNorm(ctx_, a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
-  a.h = arena.Allocate({n, fl});
+  BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({n, fl}));
   kernels::Linear(ctx_, a.h, a.ln2, W(b.fc_w), b.fc_b->value);
-  Tensor g = arena.Allocate({n, fl});
+  BATON_ASSIGN_OR_RETURN(Tensor g, arena.Allocate({n, fl}));
   kernels::Gelu(ctx_, g, a.h);  // fp32 (h too: GELU's backward reads it)
-  a.g = ForGemm(arena, g);
-  Tensor mlp_out = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(a.g, ForGemm(arena, g));
+  BATON_ASSIGN_OR_RETURN(Tensor mlp_out, arena.Allocate({n, c}));
   kernels::Linear(ctx_, mlp_out, a.g, W(b.fc2_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
   kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
-  a.x_out = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({n, c}));
   kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
   return absl::OkStatus();
 }
@@ -514,34 +531,41 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
                                                    DTypeName(io), " [", s->batch, ", ", s->seq,
                                                    ", ", c, "]"));
   }
-  kernels::Arena& arena = s->arena;
+  const absl::Status status = RunBackwardInput(*s, grad_output, grad_input);
+  if (status.ok()) return status;
+  return ActivationError(status, absl::StrCat("BackwardInput(", mb, ")"));
+}
+
+absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output,
+                                        const Tensor& grad_input) {
+  const int64_t n = s.batch * s.seq, c = config_.model.d_model;
+  kernels::Arena& arena = s.arena;
   Tensor d;  // gradient of the current block's output
   if (config_.is_last()) {
-    const Tensor x_last = s->blocks.empty() ? s->x0 : s->blocks.back().x_out;
-    Tensor dxf = arena.Allocate({n, c});
-    s->dlogits_gemm = ForGemm(arena, s->dlogits);
-    kernels::LinearBackwardInput(ctx_, dxf, s->dlogits_gemm, W(wte_), /*accumulate=*/false);
+    const Tensor x_last = s.blocks.empty() ? s.x0 : s.blocks.back().x_out;
+    BATON_ASSIGN_OR_RETURN(Tensor dxf, arena.Allocate({n, c}));
+    BATON_ASSIGN_OR_RETURN(s.dlogits_gemm, ForGemm(arena, s.dlogits));
+    kernels::LinearBackwardInput(ctx_, dxf, s.dlogits_gemm, W(wte_), /*accumulate=*/false);
     if (vocab_parallel_) {
-      BATON_RETURN_IF_ERROR_CTX(AllReduceTp(dxf, "the LM head input gradient", -1),
-                                "BackwardInput(", mb, ")");
+      BATON_RETURN_IF_ERROR(AllReduceTp(dxf, "the LM head input gradient", -1));
     }
-    d = arena.Allocate({n, c});
+    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::FillZero(ctx_, d);
-    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s->meanf,
-                               s->rstdf);
+    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s.meanf,
+                               s.rstdf);
   } else if (bf16_) {
-    d = arena.Allocate({n, c});
+    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::Cast(ctx_, d, grad_output);
   } else {
-    d = Copy(ctx_, arena, grad_output, {n, c});
+    BATON_ASSIGN_OR_RETURN(d, Copy(ctx_, arena, grad_output, {n, c}));
   }
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
-    Tensor d_in = arena.Allocate({n, c});
-    BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], *s, s->blocks[i], d, d_in),
-                              "BackwardInput(", mb, ")");
+    BATON_ASSIGN_OR_RETURN(Tensor d_in, arena.Allocate({n, c}));
+    BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], s, s.blocks[i], d, d_in), "block ",
+                              blocks_[i].index, " backward");
     d = d_in;
   }
-  s->d_x0 = d;
+  s.d_x0 = d;
   if (!config_.is_first()) {
     if (bf16_) {
       kernels::Cast(ctx_, grad_input, d);
@@ -549,7 +573,7 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
       kernels::Copy(ctx_, grad_input, d);
     }
   }
-  s->backward_input_done = true;
+  s.backward_input_done = true;
   return absl::OkStatus();
 }
 
@@ -564,39 +588,39 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   // With bf16, each gradient entering a GEMM is rounded to bf16 once (a.d_out,
   // a.dh, a.d_mid; dqkv comes out of attention in bf16); bias and LayerNorm
   // gradients and the residual stream stay fp32.
-  a.d_out = ForGemm(arena, d_out);
+  BATON_ASSIGN_OR_RETURN(a.d_out, ForGemm(arena, d_out));
   kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
-  Tensor dh = arena.Allocate({n, fl});
+  BATON_ASSIGN_OR_RETURN(Tensor dh, arena.Allocate({n, fl}));
   kernels::LinearBackwardInput(ctx_, dh, a.d_out, W(b.fc2_w), /*accumulate=*/false);
   kernels::GeluBackward(ctx_, dh, a.h, dh);
   kernels::BiasBackward(ctx_, b.fc_b->grad, dh);
-  a.dh = ForGemm(arena, dh);
-  Tensor dln2 = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(a.dh, ForGemm(arena, dh));
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, arena.Allocate({n, c}));
   kernels::LinearBackwardInput(ctx_, dln2, a.dh, W(b.fc_w), /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
-  a.d_mid = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(a.d_mid, arena.Allocate({n, c}));
   kernels::Copy(ctx_, a.d_mid, d_out);
   kernels::LayerNormBackward(ctx_, a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
                              a.mean2, a.rstd2);
   // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
   kernels::BiasBackward(ctx_, b.proj_b->grad, a.d_mid);
   const Tensor d_mid = a.d_mid;  // fp32, the residual stream's gradient
-  a.d_mid = ForGemm(arena, d_mid);
-  Tensor dy = arena.Allocate({n, cl}, gemm_dtype_);
+  BATON_ASSIGN_OR_RETURN(a.d_mid, ForGemm(arena, d_mid));
+  BATON_ASSIGN_OR_RETURN(Tensor dy, arena.Allocate({n, cl}, gemm_dtype_));
   kernels::LinearBackwardInput(ctx_, dy, a.d_mid, W(b.proj_w), /*accumulate=*/false);
-  a.dqkv = arena.Allocate({mb.batch, mb.seq, 3 * cl}, gemm_dtype_);
+  BATON_ASSIGN_OR_RETURN(a.dqkv, arena.Allocate({mb.batch, mb.seq, 3 * cl}, gemm_dtype_));
   const kernels::AttentionBuffers att =
       kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
-  Tensor scratch = arena.Allocate({att.backward_scratch});
+  BATON_ASSIGN_OR_RETURN(Tensor scratch, arena.Allocate({att.backward_scratch}));
   kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
   if (bf16_) {
-    Tensor dqkv = arena.Allocate(a.dqkv.shape());  // bias gradients sum in fp32
+    BATON_ASSIGN_OR_RETURN(Tensor dqkv, arena.Allocate(a.dqkv.shape()));  // bias gradients sum in fp32
     kernels::Cast(ctx_, dqkv, a.dqkv);
     kernels::BiasBackward(ctx_, b.qkv_b->grad, dqkv);
   } else {
     kernels::BiasBackward(ctx_, b.qkv_b->grad, a.dqkv);
   }
-  Tensor dln1 = arena.Allocate({n, c});
+  BATON_ASSIGN_OR_RETURN(Tensor dln1, arena.Allocate({n, c}));
   kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, W(b.qkv_w), /*accumulate=*/false);
   BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
   kernels::Copy(ctx_, d_in, d_mid);

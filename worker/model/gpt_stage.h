@@ -72,6 +72,13 @@
 // LayerNorm gradients); BackwardWeight(mb) runs the weight-gradient GEMMs and
 // the embedding gradient and returns the arena; Backward(mb) does both.
 // Gradients accumulate across microbatches until ZeroGrad().
+// When the device cannot hold a microbatch's activations (the arena cannot
+// grow), Forward / BackwardInput return RESOURCE_EXHAUSTED naming the
+// microbatch, the block, the device and the bytes, and what to lower
+// (train.micro_batch_size, model.seq_len) — never an abort. A failed Forward
+// releases its microbatch; after a failed BackwardInput the step is broken:
+// the caller drops it with DropInFlight and starts the next with ZeroGrad
+// (partial gradients are discarded there; no optimizer step ran).
 //
 // Not thread-safe: one thread drives a stage.
 #ifndef BATON_WORKER_MODEL_GPT_STAGE_H_
@@ -208,6 +215,9 @@ class GptStage {
   absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
                           StepScore* score);
   absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale);
+  // BackwardInput after its argument checks.
+  absl::Status RunBackwardInput(Microbatch& s, const kernels::Tensor& grad_output,
+                                const kernels::Tensor& grad_input);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
@@ -224,7 +234,7 @@ class GptStage {
   // its value.
   const kernels::Tensor& W(const Parameter* p) const;
   // `t` as a GEMM input: itself (fp32), or a bf16 copy in `arena`.
-  kernels::Tensor ForGemm(kernels::Arena& arena, const kernels::Tensor& t) const;
+  absl::StatusOr<kernels::Tensor> ForGemm(kernels::Arena& arena, const kernels::Tensor& t) const;
 
   StageConfig config_;
   comm::Communicator* tp_;

@@ -7,6 +7,7 @@
 // pipeline messages). The simulated
 // streams are lazy and its memory aborts on host access, so a missing wait or
 // a leftover host access in the model fails here.
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/sim/sim_backend.h"
+#include "worker/model/gpt_stage.h"
 #include "worker/model/inproc_model.h"
 
 namespace baton::model {
@@ -101,6 +103,99 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   }
   // The work really ran on the simulated streams.
   EXPECT_GT(kernels::sim::SimOpsRun() - ops_before, 100);
+}
+
+// Tokens and targets [batch, 12] of a microbatch (host int32).
+StageInputs Microbatch(int64_t batch, uint32_t seed, int vocab) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> dist(0, vocab - 1);
+  StageInputs in;
+  in.tokens = Tensor::Zeros({batch, 12}, kernels::DType::kInt32);
+  in.targets = Tensor::Zeros({batch, 12}, kernels::DType::kInt32);
+  for (int64_t i = 0; i < in.tokens.numel(); ++i) {
+    in.tokens.i32()[i] = dist(rng);
+    in.targets.i32()[i] = dist(rng);
+  }
+  return in;
+}
+
+// Lifts the simulated memory limit however the test ends.
+struct SimMemoryLimit {
+  explicit SimMemoryLimit(int64_t bytes) { kernels::sim::SetSimDeviceMemoryLimitForTesting(bytes); }
+  ~SimMemoryLimit() { kernels::sim::SetSimDeviceMemoryLimitForTesting(0); }
+};
+
+// A microbatch whose activations do not fit in the device's memory fails the
+// stage's Forward (or BackwardInput) with RESOURCE_EXHAUSTED saying what to
+// lower, instead of aborting the process; the stage stays consistent: no
+// microbatch left in flight after DropInFlight, the device's in-use bytes
+// back where they were, and the next step, smaller or with memory freed,
+// gives the bits of a stage that never failed.
+TEST(SimDeviceOutOfMemoryTest, ForwardAndBackwardFailAndTheStageRecovers) {
+  const kernels::Device device = kernels::Device::Sim(6);  // no other test uses it
+  const GptConfig model = SmallModel();
+  auto config = MakeStageConfig(model, 0, 1, 0, 1, /*seed=*/5);
+  ASSERT_TRUE(config.ok()) << config.status();
+  config->device = device;
+  auto stage = GptStage::Create(*config, nullptr);
+  ASSERT_TRUE(stage.ok()) << stage.status();
+  config->device = kernels::Device::Cpu();
+  auto reference = GptStage::Create(*config, nullptr);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+
+  const StageInputs big = Microbatch(64, 1, model.vocab);   // ~3 MiB of activations
+  const StageInputs small = Microbatch(2, 2, model.vocab);  // fits in one 1 MiB block
+  const kernels::MemoryStats before = kernels::GetMemoryStats(device);
+  {
+    SimMemoryLimit limit(before.reserved_bytes + (int64_t{2} << 20));
+    (*stage)->ZeroGrad();
+    absl::Status forward = (*stage)->Forward(0, big, Tensor());
+    ASSERT_EQ(forward.code(), absl::StatusCode::kResourceExhausted) << forward;
+    const std::string message(forward.message());
+    EXPECT_NE(message.find("Forward(0): block "), std::string::npos) << message;
+    EXPECT_NE(message.find("sim:6 is out of memory: an activation arena needs"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("lower train.micro_batch_size"), std::string::npos) << message;
+    EXPECT_EQ((*stage)->microbatches_in_flight(), 0);
+    EXPECT_EQ(kernels::GetMemoryStats(device).in_use_bytes, before.in_use_bytes);
+
+    // The next step's smaller microbatch fits, with the reference's bits.
+    (*stage)->ZeroGrad();
+    (*reference)->ZeroGrad();
+    ASSERT_TRUE((*stage)->Forward(0, small, Tensor()).ok());
+    ASSERT_TRUE((*stage)->Backward(0, Tensor(), Tensor()).ok());
+    ASSERT_TRUE((*reference)->Forward(0, small, Tensor()).ok());
+    ASSERT_TRUE((*reference)->Backward(0, Tensor(), Tensor()).ok());
+    EXPECT_EQ((*stage)->score().loss_sum, (*reference)->score().loss_sum);
+    EXPECT_EQ((*stage)->LocalGradSqNorm(), (*reference)->LocalGradSqNorm());
+  }
+
+  // Without the limit the big microbatch's forward fits; with the device then
+  // full, its backward fails, and DropInFlight leaves the stage clean.
+  (*stage)->ZeroGrad();
+  ASSERT_TRUE((*stage)->Forward(0, big, Tensor()).ok());
+  {
+    SimMemoryLimit limit(kernels::GetMemoryStats(device).reserved_bytes);
+    absl::Status backward = (*stage)->BackwardInput(0, Tensor(), Tensor());
+    ASSERT_EQ(backward.code(), absl::StatusCode::kResourceExhausted) << backward;
+    EXPECT_NE(backward.message().find("BackwardInput(0): "), std::string::npos) << backward;
+    EXPECT_NE(backward.message().find("sim:6 is out of memory"), std::string::npos) << backward;
+    ASSERT_TRUE((*stage)->stream().Synchronize().ok());
+    (*stage)->DropInFlight();
+    EXPECT_EQ((*stage)->microbatches_in_flight(), 0);
+    EXPECT_EQ(kernels::GetMemoryStats(device).in_use_bytes, before.in_use_bytes);
+
+    // Still under the limit: a step that fits in the arenas' memory runs.
+    (*stage)->ZeroGrad();
+    (*reference)->ZeroGrad();
+    ASSERT_TRUE((*stage)->Forward(1, small, Tensor()).ok());
+    ASSERT_TRUE((*stage)->Backward(1, Tensor(), Tensor()).ok());
+    ASSERT_TRUE((*reference)->Forward(1, small, Tensor()).ok());
+    ASSERT_TRUE((*reference)->Backward(1, Tensor(), Tensor()).ok());
+    EXPECT_EQ((*stage)->score().loss_sum, (*reference)->score().loss_sum);
+    EXPECT_EQ((*stage)->LocalGradSqNorm(), (*reference)->LocalGradSqNorm());
+    EXPECT_TRUE(std::isfinite((*stage)->score().loss_sum));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
