@@ -740,6 +740,11 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
       first_fault.code == absl::StatusCode::kFailedPrecondition) {
     return cause;  // a configuration or disk problem: replaying would fail the same way
   }
+  if (first_fault.cause == FaultCause::kWorkerError && first_fault.code == absl::StatusCode::kResourceExhausted) {
+    // A worker out of memory: the same layout on the same workers runs out
+    // again at the same step; the error says what to lower.
+    return absl::Status(cause.code(), absl::StrCat(cause.message(), "; not recovering: the job does not fit"));
+  }
   if (restarts_ >= ft_.max_restarts) {
     return absl::Status(cause.code(), absl::StrCat(cause.message(), "; not recovering: ", restarts_,
                                                    " recoveries already (fault_tolerance.max_restarts = ",

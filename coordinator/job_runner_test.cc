@@ -595,6 +595,34 @@ TEST_F(JobRunnerTest, AConfigurationErrorIsNotRetried) {
   EXPECT_EQ(Status().recoveries(), 0);
 }
 
+// A worker whose step runs out of memory (the arena's RESOURCE_EXHAUSTED)
+// would run out again at the same step after any number of replays: the
+// job fails at once with the worker's message, which says what to lower.
+TEST_F(JobRunnerTest, AWorkerOutOfMemoryFailsTheJobWithoutReplaying) {
+  Start(Job(2, 1, 5), 2);
+  fake_->set_hook([this](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 2) {
+      v1::WorkerMessage r;
+      r.mutable_report()->set_step(2);
+      r.mutable_report()->set_generation(1);
+      r.mutable_report()->set_error("cuda:0 is out of memory: an activation arena needs 512 MiB more; lower "
+                                    "train.micro_batch_size");
+      r.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+      runner_->OnWorkerMessage("worker-1", r);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  EXPECT_EQ(runner_->error().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(runner_->error().message().find("failed step 2: cuda:0 is out of memory"), std::string::npos)
+      << runner_->error();
+  EXPECT_NE(runner_->error().message().find("not recovering: the job does not fit"), std::string::npos)
+      << runner_->error();
+  EXPECT_EQ(Status().recoveries(), 0);
+  EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2}));
+}
+
 TEST_F(JobRunnerTest, TooManyFaultsFailTheJobNamingTheLimit) {
   v1::JobSpec job = Job(2, 1, 8);
   job.mutable_fault_tolerance()->set_max_restarts(1);
