@@ -605,7 +605,7 @@ TEST_F(JobRunnerTest, AWorkerOutOfMemoryFailsTheJobWithoutReplaying) {
       v1::WorkerMessage r;
       r.mutable_report()->set_step(2);
       r.mutable_report()->set_generation(1);
-      r.mutable_report()->set_error("cuda:0 is out of memory: an activation arena needs 512 MiB more; lower "
+      r.mutable_report()->set_error("cuda:0 is out of memory: an activation arena needs 512.0 MiB more; lower "
                                     "train.micro_batch_size");
       r.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
       runner_->OnWorkerMessage("worker-1", r);

@@ -7,7 +7,6 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/schedule/builders.h"
 
@@ -119,16 +118,6 @@ double CudaStreamScratchBytes(double n, double b, double s, double c, double hea
 }
 
 }  // namespace
-
-std::string FormatBytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 6) {
-    bytes /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrFormat("%.0f B", bytes) : absl::StrFormat("%.1f %s", bytes, units[u]);
-}
 
 WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
   const ParallelDims d = DimsOf(job);

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/format_bytes.h"  // FormatBytes, used with these estimates
 #include "baton/v1/coordinator.pb.h"
 #include "baton/v1/job.pb.h"
 #include "baton/v1/plan.pb.h"
@@ -62,8 +63,6 @@ struct WorkerMemory {
 // for every TP and DP rank of it). `job` must be valid (ValidateJobSpec).
 WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank);
 
-// "1.5 GiB" style, for messages.
-std::string FormatBytes(double bytes);
 
 // RESOURCE_EXHAUSTED naming the stage, the worker and the numbers when a
 // worker of the plan reported (RegisterRequest.memory_bytes) less memory than

@@ -9,7 +9,7 @@
 
 #include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "common/format_bytes.h"
 #include "kernels/backend.h"
 
 namespace baton::kernels {
@@ -19,20 +19,6 @@ constexpr size_t kAlignment = 64;
 constexpr size_t kMinBlockBytes = size_t{1} << 20;
 
 size_t RoundUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
-
-// "512 MiB", "3.1 GiB", "960 bytes".
-std::string HumanBytes(double bytes) {
-  constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
-  if (bytes < 1024) return absl::StrCat(static_cast<int64_t>(bytes), " bytes");
-  int unit = -1;
-  while (bytes >= 1024 && unit < 3) {
-    bytes /= 1024;
-    ++unit;
-  }
-  return bytes >= 100 || bytes == static_cast<int64_t>(bytes)
-             ? absl::StrFormat("%.0f %s", bytes, kUnits[unit])
-             : absl::StrFormat("%.1f %s", bytes, kUnits[unit]);
-}
 
 // The bytes of a tensor of `shape` and `dtype`, rounded up to the alignment;
 // INVALID_ARGUMENT when a dimension is negative or the count overflows.
@@ -83,11 +69,11 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
     const std::string held =
         device_.is_cpu()
             ? ""
-            : absl::StrCat("; ", HumanBytes(static_cast<double>(GetMemoryStats(device_).reserved_bytes)),
+            : absl::StrCat("; ", FormatBytes(static_cast<double>(GetMemoryStats(device_).reserved_bytes)),
                            " held on the device by this process");
     const std::string what =
-        absl::StrCat(what_, " needs ", HumanBytes(static_cast<double>(size)), " more (", size,
-                     " bytes; the arena holds ", HumanBytes(static_cast<double>(capacity_bytes())), held, ")");
+        absl::StrCat(what_, " needs ", FormatBytes(static_cast<double>(size)), " more (", size,
+                     " bytes; the arena holds ", FormatBytes(static_cast<double>(capacity_bytes())), held, ")");
     if (absl::IsResourceExhausted(failed)) {
       return absl::ResourceExhaustedError(
           absl::StrCat(DeviceToString(device_), " is out of memory: ", what));

@@ -238,8 +238,8 @@ TEST(SimBackendTest, ArenaOutOfDeviceMemoryIsResourceExhaustedAndStaysUsable) {
     absl::StatusOr<Tensor> big = arena.Allocate({1 << 20});  // 4 MiB more: past the limit
     ASSERT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
     const std::string message(big.status().message());
-    EXPECT_NE(message.find("sim:5 is out of memory: an activation arena needs 4 MiB more (4194304 "
-                           "bytes; the arena holds 1 MiB; 1 MiB held on the device"),
+    EXPECT_NE(message.find("sim:5 is out of memory: an activation arena needs 4.0 MiB more (4194304 "
+                           "bytes; the arena holds 1.0 MiB; 1.0 MiB held on the device"),
               std::string::npos)
         << message;
     EXPECT_EQ(arena.used_bytes(), size_t{1} << 20);
