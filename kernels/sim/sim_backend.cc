@@ -243,14 +243,10 @@ absl::Status LaunchHostFunc(void* s, void (*fn)(void*), void* arg) {
 // Each entry enqueues the CPU kernel over host views of its tensors.
 #define SIM_ENQUEUE(body) S(ctx)->Enqueue([=] { body; })
 
-// Page-locked host memory: plain host memory here; what matters is that
+// Page-locked host memory: the CPU's memory here; what matters is that
 // Copy (below) tells it from pageable memory, as CUDA does.
-absl::StatusOr<void*> AllocateHost(int, size_t bytes) {
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) return absl::ResourceExhaustedError("out of host memory");
-  return p;
-}
-void FreeHost(int, void* p) { std::free(p); }
+absl::StatusOr<void*> AllocateHost(int, size_t bytes) { return Cpu().allocate(0, bytes); }
+void FreeHost(int, void* p) { Cpu().free(0, p); }
 
 // As cudaMemcpyAsync: with a pinned (or device) host side the copy is
 // enqueued and the host goes on; with pageable host memory on either side
