@@ -5,7 +5,8 @@
 #   1. synthetic model, p=4, m=16, F=10 ms, B=20 ms (I=W=10 ms), 1f1b:
 #      measured step time / simulated makespan (target <= 1.03)
 #   2. coordinator round trip per step: a one-worker job whose ops cost 0 ms
-#      (RunStep -> GradsReady -> Commit -> StepDone)
+#      (RunStep -> GradsReady, then Commit; its StepDone overlaps the next
+#      step, docs/protocol.md; bench/step_latency.sh compares two builds)
 #   3. real GPT (layers=4 d_model=256 heads=8 vocab=256 seq_len=128,
 #      micro_batch=8, m=8, one BLAS thread per worker): tokens/s at PP=2
 #      against one worker (ideal 2m/(m+1) = 1.78), and at PP=4 (ideal 1F1B

@@ -590,20 +590,34 @@ absl::StatusOr<JobState> JobRunner::Running() {
   int64_t step;
   std::set<std::string> names;
   v1::CoordinatorMessage run;
+  bool sent = false;  // ahead, while the previous step's StepDone were collected
+  absl::Time start;
   {
     absl::MutexLock lock(&mu_);
     step = next_step_;
     for (const auto& [name, a] : assigned_) names.insert(name);
-    const bool requested = trace_requested_ > 0;
-    if (requested) --trace_requested_;
-    run.mutable_run_step()->set_trace(requested || step > job_.train().steps() - options_.traced_steps);
+    if (ahead_ && ahead_->step == step && ahead_->from == names) {
+      // Its GradsReady so far become the inbox (Expect without clearing it).
+      sent = true;
+      start = ahead_->sent;
+      run.mutable_run_step()->set_step(step);
+      run.mutable_run_step()->set_trace(ahead_->trace);
+      expect_case_ = v1::WorkerMessage::kReport;
+      expect_step_ = step;
+      expect_from_ = std::move(ahead_->from);
+      inbox_ = std::move(ahead_->inbox);
+    } else if (step <= job_.train().steps()) {
+      run = RunStepMessage(step);
+    }
+    ahead_.reset();
   }
   BATON_RETURN_IF_ERROR(FinishCheckpoint());
   if (step > job_.train().steps()) return options_.out_dir.empty() ? JobState::kDone : JobState::kSaving;
-  const absl::Time start = absl::Now();
-  run.mutable_run_step()->set_step(step);
-  Expect(v1::WorkerMessage::kReport, step, names);
-  SendAll(run);
+  if (!sent) {
+    start = absl::Now();
+    Expect(v1::WorkerMessage::kReport, step, names);
+    SendAll(run);
+  }
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> reports =
       Collect(options_.step_timeout, "GradsReady");
   if (reports.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
@@ -628,24 +642,67 @@ absl::StatusOr<JobState> JobRunner::Running() {
     verdict.mutable_discard()->set_step(step);
     verdict.mutable_discard()->set_reason("non-finite loss or gradient");
   }
+  // The next step goes out right behind the verdict: each worker takes its
+  // messages in order (applies the verdict, answers StepDone, snapshots if
+  // asked, then runs it), so the workers do not wait a round trip to the
+  // coordinator between steps. Not before a checkpoint (SaveWeights comes
+  // first) or past the last step.
+  const bool checkpoint = finite && CheckpointDue(step);
+  const bool ahead = !checkpoint && step < job_.train().steps();
   Expect(v1::WorkerMessage::kStepDone, step, names);
   SendAll(verdict);
-  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> done = Collect(options_.step_timeout, "StepDone");
+  absl::Time end;
+  if (ahead) end = SendAhead(step + 1, names);  // the next step's start
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> done =
+      Collect(options_.step_timeout, "StepDone", /*complete_wins=*/ahead);
+  if (!done.ok()) {
+    absl::MutexLock lock(&mu_);
+    ahead_.reset();
+  }
   if (done.status().code() == absl::StatusCode::kAborted) return JobState::kRecovering;
   if (!done.ok()) return WithContext(done.status(), absl::StrCat("step ", step));
-  const double wall = absl::ToDoubleSeconds(absl::Now() - start);
+  // The step's share of the job's time: until the next step went out, else
+  // until every worker answered.
+  if (!ahead) end = absl::Now();
+  const double wall = absl::ToDoubleSeconds(end - start);
   {
     absl::MutexLock lock(&mu_);
     step_seconds_ = step_seconds_ > 0 ? 0.8 * step_seconds_ + 0.2 * wall : wall;
   }
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
              norm, clip, wall, *done);
-  if (finite && CheckpointDue(step)) {
+  if (checkpoint) {
     absl::MutexLock lock(&mu_);
     checkpoint_due_ = step;
     return JobState::kSaving;
   }
   return JobState::kRunning;
+}
+
+v1::CoordinatorMessage JobRunner::RunStepMessage(int64_t step) {
+  v1::CoordinatorMessage run;
+  const bool requested = trace_requested_ > 0;
+  if (requested) --trace_requested_;
+  run.mutable_run_step()->set_step(step);
+  run.mutable_run_step()->set_trace(requested || step > job_.train().steps() - options_.traced_steps);
+  return run;
+}
+
+absl::Time JobRunner::SendAhead(int64_t step, const std::set<std::string>& names) {
+  v1::CoordinatorMessage run;
+  absl::Time sent;
+  {
+    absl::MutexLock lock(&mu_);
+    run = RunStepMessage(step);
+    Ahead a;
+    a.step = step;
+    a.trace = run.run_step().trace();
+    a.sent = sent = absl::Now();
+    a.from = names;
+    ahead_ = std::move(a);
+  }
+  SendAll(run);
+  return sent;
 }
 
 absl::StatusOr<JobState> JobRunner::Saving() {
@@ -1143,6 +1200,9 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
     if (message.body_case() == expect_case_ && expect_from_.count(worker) &&
         (expect_step_ == 0 || StepOf(message) == expect_step_)) {
       inbox_[worker] = message;
+    } else if (ahead_ && message.body_case() == v1::WorkerMessage::kReport && ahead_->from.count(worker) &&
+               StepOf(message) == ahead_->step) {
+      ahead_->inbox[worker] = message;
     }
   }
   if (!relay_to.empty()) workers_->Send(relay_to, relay);
@@ -1167,6 +1227,7 @@ void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<
   expect_step_ = step;
   expect_from_ = std::move(from);
   inbox_.clear();
+  if (what != v1::WorkerMessage::kStepDone) ahead_.reset();
 }
 
 bool JobRunner::WaitUntil(const std::function<bool()>& cond, absl::Time deadline) {
@@ -1179,7 +1240,7 @@ bool JobRunner::WaitUntil(const std::function<bool()>& cond, absl::Time deadline
 }
 
 absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(absl::Duration timeout,
-                                                                          const char* what) {
+                                                                          const char* what, bool complete_wins) {
   absl::MutexLock lock(&mu_);
   WaitUntil(
       [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1188,7 +1249,15 @@ absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(absl
       clock_->Now() + timeout);
   expect_case_ = v1::WorkerMessage::BODY_NOT_SET;
   if (stopping_) return absl::CancelledError("coordinator shutting down");
-  if (!faults_.empty()) return absl::AbortedError("a worker failed");
+  if (!faults_.empty()) {
+    // Every answer in, none failed: the fault is the next step's (sent
+    // ahead), and this step stands.
+    const bool stands = complete_wins && inbox_.size() >= expect_from_.size() &&
+                        std::none_of(inbox_.begin(), inbox_.end(), [](const auto& kv) {
+                          return kv.second.has_step_done() && !kv.second.step_done().error().empty();
+                        });
+    if (!stands) return absl::AbortedError("a worker failed");
+  }
   if (inbox_.size() < expect_from_.size()) {
     std::vector<std::string> missing;
     for (const std::string& name : expect_from_) {

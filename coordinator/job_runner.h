@@ -247,12 +247,24 @@ class JobRunner : public JobObserver {
 
   // Messaging.
   void SendAll(const v1::CoordinatorMessage& message);
-  // Starts collecting `what` (a WorkerMessage body case) for `step` from `from`.
+  // Starts collecting `what` (a WorkerMessage body case) for `step` from
+  // `from`. Forgets a step sent ahead (ahead_): a recovery or a save comes
+  // between.
   void Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until every expected worker answered (or a fault, stop, timeout).
-  // ABORTED when a fault arrived (see faults_).
-  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> Collect(absl::Duration timeout, const char* what)
+  // ABORTED when a fault arrived (see faults_) — unless `complete_wins` and
+  // every expected answer is in without an error of its own: then the
+  // answers are returned and the fault (of a step sent ahead) is left for
+  // the next Collect.
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> Collect(absl::Duration timeout, const char* what,
+                                                                   bool complete_wins = false)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Sends RunStep of `step` while the previous step's StepDone are still
+  // being collected, and collects its GradsReady aside (ahead_) until
+  // Running takes them over. Returns when it was sent (the step's start).
+  absl::Time SendAhead(int64_t step, const std::set<std::string>& names) ABSL_LOCKS_EXCLUDED(mu_);
+  // RunStep of `step` with its trace flag (consumes one requested trace).
+  v1::CoordinatorMessage RunStepMessage(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits until `cond` holds (true) or the clock passes `deadline` (false).
   bool WaitUntil(const std::function<bool()>& cond, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string StageOf(const std::string& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -303,6 +315,17 @@ class JobRunner : public JobObserver {
   int64_t expect_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> expect_from_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::WorkerMessage> inbox_ ABSL_GUARDED_BY(mu_);
+  // A step whose RunStep went out before the previous step's StepDone were
+  // all in (docs/protocol.md "Steps overlap their commit"): its GradsReady
+  // gather here until Running collects them.
+  struct Ahead {
+    int64_t step = 0;
+    bool trace = false;
+    absl::Time sent;
+    std::set<std::string> from;
+    std::map<std::string, v1::WorkerMessage> inbox;
+  };
+  std::optional<Ahead> ahead_ ABSL_GUARDED_BY(mu_);
   std::vector<Fault> faults_ ABSL_GUARDED_BY(mu_);  // since the last recovery, in arrival order
 
   // Progress.

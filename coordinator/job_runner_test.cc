@@ -421,6 +421,99 @@ TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
   EXPECT_EQ(m.find("job=\"unit\""), m.find("training_job=\"unit\"") + 9) << "no label named job";
 }
 
+// A worker is sent the next step right behind the verdict of the last one:
+// it does not wait a round trip to the coordinator between steps. Here
+// worker-0 answers Commit(2) only when RunStep(3) has reached it; a
+// coordinator that waited for every StepDone first would time out.
+TEST_F(JobRunnerTest, TheNextStepGoesOutBeforeTheCommitIsAnswered) {
+  Start(Job(2, 1, 4), 2);
+  auto held = std::make_shared<std::optional<v1::WorkerMessage>>();
+  fake_->set_hook([this, held](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w != "worker-0") return true;
+    if (m.has_commit() && m.commit().step() == 2) {
+      v1::WorkerMessage done;
+      done.mutable_step_done()->set_step(2);
+      done.mutable_step_done()->set_committed(true);
+      done.mutable_step_done()->set_wall_seconds(0.01);
+      done.mutable_step_done()->set_generation(Status().generation());
+      *held = done;
+      return false;  // answered below, once RunStep(3) is here
+    }
+    if (m.has_run_step() && m.run_step().step() == 3 && held->has_value()) {
+      runner_->OnWorkerMessage(w, **held);
+      held->reset();
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_FALSE(held->has_value());
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4})) << w;
+  }
+  EXPECT_EQ(Status().recoveries(), 0);
+  EXPECT_EQ(Status().step(), 4);
+}
+
+// What a worker is sent, in order: each verdict followed at once by the next
+// step, except before a periodic checkpoint (its SaveWeights comes first)
+// and after the last step (the final save).
+TEST_F(JobRunnerTest, TheNextStepFollowsEachVerdictExceptBeforeASave) {
+  const std::string root = absl::StrCat(::testing::TempDir(), "/ahead_order");
+  v1::JobSpec job = Job(1, 1, 4);
+  job.mutable_checkpoint()->set_dir(root);
+  job.mutable_checkpoint()->set_every_steps(2);
+  Start(job, 1, nullptr, root + "/out");
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  std::vector<std::string> order;
+  for (const v1::CoordinatorMessage& m : fake_->Sent("worker-0")) {
+    if (m.has_run_step()) order.push_back(absl::StrCat("run ", m.run_step().step()));
+    if (m.has_commit()) order.push_back(absl::StrCat("commit ", m.commit().step()));
+    if (m.has_save_weights()) order.push_back(absl::StrCat("save ", m.save_weights().step()));
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"run 1", "commit 1", "run 2", "commit 2", "save 2", "run 3", "commit 3",
+                                             "run 4", "commit 4", "save 4", "save 4"}));
+}
+
+// A worker lost in the step sent ahead does not undo the step before it when
+// every worker had answered that one's Commit: the job resumes after it.
+TEST_F(JobRunnerTest, AFailureInTheStepSentAheadKeepsTheCommittedStep) {
+  const std::string out = absl::StrCat(::testing::TempDir(), "/ahead_failure");
+  Start(Job(2, 1, 5), 2, nullptr, out);
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && !*fired) {
+      *fired = true;
+      v1::WorkerMessage failed;
+      failed.mutable_report()->set_step(4);
+      failed.mutable_report()->set_error("device lost");
+      failed.mutable_report()->set_code(static_cast<int>(absl::StatusCode::kInternal));
+      failed.mutable_report()->set_generation(Status().generation());
+      runner_->OnWorkerMessage(w, failed);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(Status().recoveries(), 1);
+  for (const char* w : {"worker-0", "worker-1"}) {
+    // Step 3 stood: the retry starts at step 4, not earlier.
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4, 4, 5})) << w;
+    EXPECT_EQ(fake_->ModelStep(w), 5) << w;
+  }
+  // ...and it is on record, once.
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok());
+  std::vector<int64_t> recorded;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    auto v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    if (const JsonValue* step = v->Find("step"); step != nullptr && v->Find("loss") != nullptr) {
+      recorded.push_back(static_cast<int64_t>(step->number()));
+    }
+  }
+  EXPECT_EQ(recorded, (std::vector<int64_t>{1, 2, 3, 4, 5})) << *steps;
+}
+
 // The data plane is chosen again when a rank changes hands: a GPU job on two
 // GPUs runs NCCL; once the spare sharing worker-0's GPU takes the lost rank,
 // Gloo.
