@@ -18,6 +18,7 @@
 #include "worker/data/data_source.h"
 #include "worker/data/make_data_source.h"
 #include "worker/gpt_stage_model.h"
+#include "worker/model/gpt_stage.h"
 #include "worker/synthetic_stage.h"
 
 namespace baton {
@@ -211,10 +212,13 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         job_->last_report = *report;
         *reply.mutable_report() = *report;
       } else {
-        BATON_LOG(ERROR) << "step " << message.run_step().step() << " failed: " << report.status();
+        // Out of memory where the step's arena did not see it (an op's
+        // scratch, reported by its stream) still says what to lower.
+        const absl::Status failed = model::WithOutOfMemoryAdvice(report.status());
+        BATON_LOG(ERROR) << "step " << message.run_step().step() << " failed: " << failed;
         reply.mutable_report()->set_step(message.run_step().step());
-        reply.mutable_report()->set_error(std::string(report.status().message()));
-        reply.mutable_report()->set_code(static_cast<int>(report.status().code()));
+        reply.mutable_report()->set_error(std::string(failed.message()));
+        reply.mutable_report()->set_code(static_cast<int>(failed.code()));
       }
       reply.mutable_report()->set_generation(job_->plan.generation());
       Reply(reply);

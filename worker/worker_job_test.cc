@@ -343,6 +343,33 @@ TEST_F(WorkerJobTest, AStepOutOfDeviceMemoryIsReportedAndTheWorkerStaysUsable) {
   EXPECT_EQ(Steps(Describe(workers_[0])), (std::vector<int64_t>{1}));
 }
 
+// An op that ran out of device memory inside the stream (CUDA: a scratch
+// buffer that could not grow) leaves the stream's sticky error, which the
+// step meets at its next stream call, outside any arena: the report still
+// says RESOURCE_EXHAUSTED with the device's words and what to lower, once.
+// The worker stays up, and a new Configure (fresh streams) runs again.
+TEST_F(WorkerJobTest, AStreamOutOfMemoryErrorIsReportedWithWhatToLower) {
+  spec_ = Spec(1);
+  workers_.push_back(MakeWorker("w0", "sim:5"));
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  kernels::sim::SetSimStreamErrorForTesting(
+      5, absl::ResourceExhaustedError("AttentionForward on sim:5: allocating 1073741824 bytes on sim:5: out of device "
+                                      "memory"));
+  StepResult failed = Step(1, /*commit=*/false);
+  const v1::StepReport& report = failed.reports["w0"];
+  EXPECT_EQ(report.code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << report.error();
+  EXPECT_NE(report.error().find("AttentionForward on sim:5: allocating 1073741824 bytes"), std::string::npos)
+      << report.error();
+  const size_t advice = report.error().find("lower train.micro_batch_size");
+  EXPECT_NE(advice, std::string::npos) << report.error();
+  EXPECT_EQ(report.error().find("lower train.micro_batch_size", advice + 1), std::string::npos) << report.error();
+
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  StepResult ok = Step(1);
+  EXPECT_TRUE(ok.reports["w0"].error().empty()) << ok.reports["w0"].error();
+  EXPECT_TRUE(ok.done["w0"].committed()) << ok.done["w0"].error();
+}
+
 TEST_F(WorkerJobTest, AnAbortReleasesAStepBlockedOnALostPeerAndKeepsTheState) {
   StartWorkers(2);
   for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();

@@ -62,6 +62,17 @@ class SimStream {
 
   void Drain() { WaitFor(enqueued()); }
 
+  // The stream's sticky error (SetSimStreamErrorForTesting), as the CUDA
+  // backend keeps an op's failure.
+  absl::Status error() {
+    absl::MutexLock lock(&mu_);
+    return error_;
+  }
+  void set_error(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (error_.ok()) error_ = std::move(status);
+  }
+
   // Lets a lazy stream run up to op `seq` without waiting for it.
   void Release(int64_t seq) {
     absl::MutexLock lock(&mu_);
@@ -100,6 +111,7 @@ class SimStream {
   int64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t done_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t release_ ABSL_GUARDED_BY(mu_) = 0;  // lazy mode: run ops up to this one
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
   const bool lazy_ = lazy.load();
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
@@ -195,7 +207,7 @@ void DestroyStream(int, void* p) {
 
 absl::Status SynchronizeStream(void* p) {
   static_cast<SimStream*>(p)->Drain();
-  return absl::OkStatus();
+  return static_cast<SimStream*>(p)->error();
 }
 
 absl::StatusOr<void*> CreateEvent(int) { return static_cast<void*>(new SimEvent()); }
@@ -204,6 +216,7 @@ void DestroyEvent(int, void* e) { delete static_cast<SimEvent*>(e); }
 absl::Status RecordEvent(void* e, void* s) {
   auto* event = static_cast<SimEvent*>(e);
   auto* stream = static_cast<SimStream*>(s);
+  if (absl::Status sticky = stream->error(); !sticky.ok()) return sticky;
   std::shared_ptr<absl::Time> time = event->time;
   event->stream = stream;
   event->seq = stream->Enqueue([time] { *time = absl::Now(); });
@@ -212,6 +225,7 @@ absl::Status RecordEvent(void* e, void* s) {
 
 absl::Status StreamWaitEvent(void* s, void* e) {
   auto* event = static_cast<SimEvent*>(e);
+  if (absl::Status sticky = static_cast<SimStream*>(s)->error(); !sticky.ok()) return sticky;
   if (event->stream == nullptr) return absl::OkStatus();  // never recorded: nothing to wait for
   SimStream* producer = event->stream;
   const int64_t seq = event->seq;
@@ -236,6 +250,7 @@ absl::StatusOr<double> EventSeconds(void* start, void* end) {
 // work runs first.
 absl::Status LaunchHostFunc(void* s, void (*fn)(void*), void* arg) {
   auto* stream = static_cast<SimStream*>(s);
+  if (absl::Status sticky = stream->error(); !sticky.ok()) return sticky;
   stream->Release(stream->Enqueue([fn, arg] { fn(arg); }));
   return absl::OkStatus();
 }
@@ -457,6 +472,14 @@ int64_t SimOpsRun() { return ops_run.load(std::memory_order_relaxed); }
 
 void SetSimDeviceMemoryLimitForTesting(int64_t bytes) {
   memory_limit.store(bytes, std::memory_order_relaxed);
+}
+
+void SetSimStreamErrorForTesting(int device, absl::Status status) {
+  Streams& s = LiveStreams();
+  absl::MutexLock lock(&s.mu);
+  for (SimStream* st : s.live) {
+    if (st->device() == device) st->set_error(status);
+  }
 }
 
 }  // namespace baton::kernels::sim

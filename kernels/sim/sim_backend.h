@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace baton::kernels::sim {
@@ -40,6 +41,12 @@ int64_t SimOpsRun();
 // limit. Checked per allocation against the device's current reserved bytes,
 // so concurrent allocations on one device may together overshoot it slightly.
 void SetSimDeviceMemoryLimitForTesting(int64_t bytes);
+// Gives every live stream of sim:`device` the sticky error `status` (kept if
+// it has one), as the CUDA backend keeps the first failure of an op enqueued
+// on a stream (e.g. a scratch buffer that could not grow): the stream's
+// Synchronize, event record and wait, and host function launch return it
+// from then on. Streams created later start clean.
+void SetSimStreamErrorForTesting(int device, absl::Status status);
 
 }  // namespace baton::kernels::sim
 

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "worker/model/comm_buffer.h"
@@ -55,15 +56,20 @@ absl::StatusOr<Tensor> Copy(const kernels::ExecContext& ctx, kernels::Arena& are
 
 // `status` with `context`; an activation arena out of device memory also says
 // what the operator can change.
+constexpr absl::string_view kOutOfMemoryAdvice =
+    "; lower train.micro_batch_size or model.seq_len, or use more pipeline stages (parallel.pp) or tensor "
+    "parallelism (parallel.tp)";
+
 absl::Status ActivationError(const absl::Status& status, const std::string& context) {
-  absl::Status with = WithContext(status, context);
-  if (!absl::IsResourceExhausted(with)) return with;
-  return absl::ResourceExhaustedError(absl::StrCat(
-      with.message(), "; lower train.micro_batch_size or model.seq_len, or use more pipeline "
-      "stages (parallel.pp) or tensor parallelism (parallel.tp)"));
+  return WithOutOfMemoryAdvice(WithContext(status, context));
 }
 
 }  // namespace
+
+absl::Status WithOutOfMemoryAdvice(const absl::Status& status) {
+  if (!absl::IsResourceExhausted(status) || absl::StrContains(status.message(), kOutOfMemoryAdvice)) return status;
+  return absl::ResourceExhaustedError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
+}
 
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
   const GptConfig& m = config.model;

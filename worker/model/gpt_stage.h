@@ -274,6 +274,11 @@ class GptStage {
 // Parameter specs of one stage, in the order the stage stores them.
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config);
 
+// `status`, and when it is RESOURCE_EXHAUSTED (the device or host ran out of
+// memory: an arena block, or an op's stream scratch reported by the stream)
+// what to lower so the stage fits. Said once.
+absl::Status WithOutOfMemoryAdvice(const absl::Status& status);
+
 }  // namespace baton::model
 
 #endif  // BATON_WORKER_MODEL_GPT_STAGE_H_
