@@ -54,12 +54,12 @@ absl::StatusOr<Tensor> Copy(const kernels::ExecContext& ctx, kernels::Arena& are
   return dst;
 }
 
-// `status` with `context`; an activation arena out of device memory also says
-// what the operator can change.
 constexpr absl::string_view kOutOfMemoryAdvice =
     "; lower train.micro_batch_size or model.seq_len, or use more pipeline stages (parallel.pp) or tensor "
     "parallelism (parallel.tp)";
 
+// `status` with `context`; an activation arena out of device memory also says
+// what the operator can change.
 absl::Status ActivationError(const absl::Status& status, const std::string& context) {
   return WithOutOfMemoryAdvice(WithContext(status, context));
 }
@@ -67,7 +67,12 @@ absl::Status ActivationError(const absl::Status& status, const std::string& cont
 }  // namespace
 
 absl::Status WithOutOfMemoryAdvice(const absl::Status& status) {
-  if (!absl::IsResourceExhausted(status) || absl::StrContains(status.message(), kOutOfMemoryAdvice)) return status;
+  // Other exhausted resources (a communicator's bound on early messages, a
+  // workspace over its bound) say what to change themselves.
+  if (!absl::IsResourceExhausted(status) || !absl::StrContains(status.message(), "memory") ||
+      absl::StrContains(status.message(), kOutOfMemoryAdvice)) {
+    return status;
+  }
   return absl::ResourceExhaustedError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
 }
 

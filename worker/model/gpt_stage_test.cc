@@ -427,5 +427,22 @@ TEST_F(GptStageTest, BadInputsAreErrorsNotCrashes) {
   EXPECT_TRUE((*stage)->OptimizerStep({}, 1.0f).ok());
 }
 
+// Out-of-memory advice goes on memory errors only, once: a communicator's
+// bound on early messages or a workspace bound says what to change itself.
+TEST(OutOfMemoryAdviceTest, NamesWhatToLowerForMemoryOnlyAndOnce) {
+  const absl::Status device =
+      WithOutOfMemoryAdvice(absl::ResourceExhaustedError("cudaMalloc of 8 bytes on cuda:0: out of device memory"));
+  EXPECT_EQ(device.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(device.message().find("out of device memory; lower train.micro_batch_size"), std::string::npos)
+      << device;
+  EXPECT_EQ(WithOutOfMemoryAdvice(device), device);
+  const absl::Status early = absl::ResourceExhaustedError(
+      "connection to rank 1: a 9-byte message (tag 3) arrived before its receive was posted, over the limit of 8 "
+      "bytes held for receives not yet posted");
+  EXPECT_EQ(WithOutOfMemoryAdvice(early), early);
+  const absl::Status other = absl::InternalError("out of device memory");
+  EXPECT_EQ(WithOutOfMemoryAdvice(other), other);
+}
+
 }  // namespace
 }  // namespace baton::model
