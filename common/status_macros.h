@@ -9,14 +9,19 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace baton {
 
 // Returns `status` with `context` prepended to its message, code kept.
+// Keeps the status's payloads (e.g. kernels::IsOutOfMemory's mark).
 inline absl::Status WithContext(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+  absl::Status with(status.code(), absl::StrCat(context, ": ", status.message()));
+  status.ForEachPayload([&with](absl::string_view type, const absl::Cord& payload) { with.SetPayload(type, payload); });
+  return with;
 }
 
 }  // namespace baton

@@ -36,5 +36,16 @@ TEST(StatusMacrosTest, ContextIsPrependedAndCodeKept) {
   EXPECT_TRUE(Load(8).ok());
 }
 
+// A status's payloads (what kind of failure it is, e.g. out of memory) ride
+// along as context is added.
+TEST(StatusMacrosTest, ContextKeepsPayloads) {
+  absl::Status s = absl::ResourceExhaustedError("out of memory");
+  s.SetPayload("type.baton.dev/test", absl::Cord("x"));
+  const absl::Status with = WithContext(WithContext(s, "inner"), "outer");
+  EXPECT_EQ(with.message(), "outer: inner: out of memory");
+  ASSERT_TRUE(with.GetPayload("type.baton.dev/test").has_value());
+  EXPECT_EQ(*with.GetPayload("type.baton.dev/test"), "x");
+}
+
 }  // namespace
 }  // namespace baton

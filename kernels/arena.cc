@@ -51,7 +51,7 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
   if (device_.is_cpu()) {
     void* p = std::aligned_alloc(kAlignment, size);
     if (p == nullptr) {
-      failed = absl::ResourceExhaustedError(absl::StrCat("aligned_alloc of ", size, " bytes failed"));
+      failed = OutOfMemoryError(absl::StrCat("aligned_alloc of ", size, " bytes failed"));
     } else {
       block.data = std::shared_ptr<char>(static_cast<char*>(p), std::free);
     }
@@ -74,10 +74,7 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
     const std::string what =
         absl::StrCat(what_, " needs ", FormatBytes(static_cast<double>(size)), " more (", size,
                      " bytes; the arena holds ", FormatBytes(static_cast<double>(capacity_bytes())), held, ")");
-    if (absl::IsResourceExhausted(failed)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(DeviceToString(device_), " is out of memory: ", what));
-    }
+    if (IsOutOfMemory(failed)) return OutOfMemoryError(absl::StrCat(DeviceToString(device_), " is out of memory: ", what));
     return absl::Status(failed.code(), absl::StrCat(DeviceToString(device_), ": ", what, ": ",
                                                     failed.message()));
   }

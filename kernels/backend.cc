@@ -10,7 +10,9 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "absl/synchronization/mutex.h"
 
 namespace baton::kernels {
@@ -198,15 +200,25 @@ ExecContext ExecContext::On(Stream* stream, Arena* scratch, Precision precision)
 
 // --- memory ---
 
+namespace {
+constexpr absl::string_view kOutOfMemoryPayload = "type.baton.dev/out_of_memory";
+}  // namespace
+
+absl::Status OutOfMemoryError(absl::string_view message) {
+  absl::Status s = absl::ResourceExhaustedError(message);
+  s.SetPayload(kOutOfMemoryPayload, absl::Cord());
+  return s;
+}
+
+bool IsOutOfMemory(const absl::Status& status) {
+  return absl::IsResourceExhausted(status) && status.GetPayload(kOutOfMemoryPayload).has_value();
+}
+
 absl::StatusOr<void*> AllocateDevice(Device device, size_t bytes) {
   absl::StatusOr<const Backend*> backend = BackendOf(device);
   if (!backend.ok()) return backend.status();
   absl::StatusOr<void*> p = (*backend)->allocate(device.index, bytes == 0 ? 64 : bytes);
-  if (!p.ok()) {
-    return absl::Status(p.status().code(), absl::StrCat("allocating ", bytes, " bytes on ",
-                                                        DeviceToString(device), ": ",
-                                                        p.status().message()));
-  }
+  if (!p.ok()) return WithContext(p.status(), absl::StrCat("allocating ", bytes, " bytes on ", DeviceToString(device)));
   MemoryBook& book = Book();
   absl::MutexLock lock(&book.mu);
   MemoryStats& s = book.stats[{device.type, device.index}];
@@ -247,8 +259,8 @@ absl::StatusOr<Tensor> PinnedHostZeros(Device device, Shape shape, DType dtype) 
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype));
   absl::StatusOr<void*> p = (*backend)->allocate_host(device.index, bytes);
   if (!p.ok()) {
-    return absl::Status(p.status().code(), absl::StrCat("allocating ", bytes, " bytes of pinned host memory for ",
-                                                        DeviceToString(device), ": ", p.status().message()));
+    return WithContext(p.status(),
+                       absl::StrCat("allocating ", bytes, " bytes of pinned host memory for ", DeviceToString(device)));
   }
   std::memset(*p, 0, bytes);
   const uintptr_t start = reinterpret_cast<uintptr_t>(*p);

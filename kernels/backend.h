@@ -87,6 +87,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/tensor.h"
 
@@ -205,6 +206,14 @@ int64_t HostSyncCount();
 // For backends: counts one host synchronisation that is not a
 // Stream/Event::Synchronize (a Copy to or from pageable host memory).
 void NoteHostSync();
+
+// RESOURCE_EXHAUSTED marked (a status payload) as a device or host that ran
+// out of memory, as opposed to other exhausted bounds (a communicator's,
+// a workspace's): backends' allocators return it, and the mark survives
+// context added on the way up (WithContext keeps payloads), so the worker
+// can say what to lower (model::WithOutOfMemoryAdvice).
+absl::Status OutOfMemoryError(absl::string_view message);
+bool IsOutOfMemory(const absl::Status& status);
 
 // Allocates `bytes` of memory on `device` through its backend (64-byte
 // aligned, uninitialised; counted in MemoryStats). Frees it with FreeDevice.

@@ -92,7 +92,7 @@ absl::Status Probe(int index) {
 
 absl::StatusOr<void*> Allocate(int, size_t bytes) {
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) return absl::ResourceExhaustedError("out of host memory");
+  if (p == nullptr) return OutOfMemoryError("out of host memory");
   return p;
 }
 

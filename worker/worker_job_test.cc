@@ -353,8 +353,8 @@ TEST_F(WorkerJobTest, AStreamOutOfMemoryErrorIsReportedWithWhatToLower) {
   workers_.push_back(MakeWorker("w0", "sim:5"));
   for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
   kernels::sim::SetSimStreamErrorForTesting(
-      5, absl::ResourceExhaustedError("AttentionForward on sim:5: allocating 1073741824 bytes on sim:5: out of device "
-                                      "memory"));
+      5, kernels::OutOfMemoryError("AttentionForward on sim:5: allocating 1073741824 bytes on sim:5: out of device "
+                                   "memory"));
   StepResult failed = Step(1, /*commit=*/false);
   const v1::StepReport& report = failed.reports["w0"];
   EXPECT_EQ(report.code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << report.error();

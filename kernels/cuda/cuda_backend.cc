@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cast.cuh"
@@ -114,7 +115,7 @@ void Note(StreamState& state, const char* op, const absl::Status& s) {
   if (s.ok()) return;
   absl::MutexLock lock(&state.mu);
   if (!state.error.ok()) return;
-  state.error = absl::Status(s.code(), absl::StrCat(op, " on cuda:", state.device, ": ", s.message()));
+  state.error = WithContext(s, absl::StrCat(op, " on cuda:", state.device));  // keeps IsOutOfMemory
 }
 void Note(StreamState& state, const char* op, cudaError_t err) {
   if (err != cudaSuccess) Note(state, op, CudaStatus(err, op, __FILE__, __LINE__));
@@ -174,8 +175,7 @@ absl::StatusOr<void*> Allocate(int index, size_t bytes) {
   cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:",
-                                                     index, ": out of device memory"));
+    return kernels::OutOfMemoryError(absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:", index, ": out of device memory"));
   }
   if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc", __FILE__, __LINE__);
   return p;
@@ -194,7 +194,7 @@ absl::StatusOr<void*> AllocateHost(int index, size_t bytes) {
   cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("cudaHostAlloc of ", bytes, " bytes: out of pinned host memory"));
+    return kernels::OutOfMemoryError(absl::StrCat("cudaHostAlloc of ", bytes, " bytes: out of pinned host memory"));
   }
   if (err != cudaSuccess) return CudaStatus(err, "cudaHostAlloc", __FILE__, __LINE__);
   return p;

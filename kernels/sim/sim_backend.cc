@@ -163,12 +163,11 @@ absl::StatusOr<void*> Allocate(int index, size_t bytes) {
   if (limit > 0) {
     const int64_t held = GetMemoryStats(Device::Sim(index)).reserved_bytes;
     if (bytes > static_cast<size_t>(limit) || held > limit - static_cast<int64_t>(bytes)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "out of (simulated device) memory: ", held, " of ", limit, " bytes held"));
+      return OutOfMemoryError(absl::StrCat("out of (simulated device) memory: ", held, " of ", limit, " bytes held"));
     }
   }
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) return absl::ResourceExhaustedError("out of (simulated device) memory");
+  if (p == nullptr) return OutOfMemoryError("out of (simulated device) memory");
   return p;
 }
 

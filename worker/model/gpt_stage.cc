@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/backend.h"
 #include "worker/model/comm_buffer.h"
 
 namespace baton::model {
@@ -69,11 +70,8 @@ absl::Status ActivationError(const absl::Status& status, const std::string& cont
 absl::Status WithOutOfMemoryAdvice(const absl::Status& status) {
   // Other exhausted resources (a communicator's bound on early messages, a
   // workspace over its bound) say what to change themselves.
-  if (!absl::IsResourceExhausted(status) || !absl::StrContains(status.message(), "memory") ||
-      absl::StrContains(status.message(), kOutOfMemoryAdvice)) {
-    return status;
-  }
-  return absl::ResourceExhaustedError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
+  if (!kernels::IsOutOfMemory(status) || absl::StrContains(status.message(), kOutOfMemoryAdvice)) return status;
+  return kernels::OutOfMemoryError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
 }
 
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {

@@ -274,10 +274,9 @@ class GptStage {
 // Parameter specs of one stage, in the order the stage stores them.
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config);
 
-// `status`, and when it says the device or host ran out of memory
-// (RESOURCE_EXHAUSTED naming memory: an arena block, or an op's stream
-// scratch reported by the stream) what to lower so the stage fits. Said
-// once.
+// `status`, and when the device or host ran out of memory
+// (kernels::IsOutOfMemory: an arena block, or an op's stream scratch
+// reported by the stream) what to lower so the stage fits. Said once.
 absl::Status WithOutOfMemoryAdvice(const absl::Status& status);
 
 }  // namespace baton::model

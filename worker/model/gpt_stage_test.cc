@@ -7,7 +7,9 @@
 #include <cstring>
 #include <random>
 
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
+#include "kernels/backend.h"
 #include "kernels/cpu/gemm.h"
 #include "worker/model/inproc_model.h"
 #include "worker/model/model_test_util.h"
@@ -430,10 +432,12 @@ TEST_F(GptStageTest, BadInputsAreErrorsNotCrashes) {
 // Out-of-memory advice goes on memory errors only, once: a communicator's
 // bound on early messages or a workspace bound says what to change itself.
 TEST(OutOfMemoryAdviceTest, NamesWhatToLowerForMemoryOnlyAndOnce) {
-  const absl::Status device =
-      WithOutOfMemoryAdvice(absl::ResourceExhaustedError("cudaMalloc of 8 bytes on cuda:0: out of device memory"));
-  EXPECT_EQ(device.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(device.message().find("out of device memory; lower train.micro_batch_size"), std::string::npos)
+  const absl::Status device = WithOutOfMemoryAdvice(
+      WithContext(kernels::OutOfMemoryError("cudaMalloc of 8 bytes on cuda:0: out of device memory"), "Forward(0)"));
+  EXPECT_TRUE(kernels::IsOutOfMemory(device)) << device;
+  EXPECT_NE(device.message().find("Forward(0): cudaMalloc of 8 bytes on cuda:0: out of device memory; lower "
+                                  "train.micro_batch_size"),
+            std::string::npos)
       << device;
   EXPECT_EQ(WithOutOfMemoryAdvice(device), device);
   const absl::Status early = absl::ResourceExhaustedError(
