@@ -74,7 +74,9 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
     const std::string what =
         absl::StrCat(what_, " needs ", FormatBytes(static_cast<double>(size)), " more (", size,
                      " bytes; the arena holds ", FormatBytes(static_cast<double>(capacity_bytes())), held, ")");
-    if (IsOutOfMemory(failed)) return OutOfMemoryError(absl::StrCat(DeviceToString(device_), " is out of memory: ", what));
+    if (IsOutOfMemory(failed)) {
+      return OutOfMemoryError(absl::StrCat(DeviceToString(device_), " is out of memory: ", what));
+    }
     return absl::Status(failed.code(), absl::StrCat(DeviceToString(device_), ": ", what, ": ",
                                                     failed.message()));
   }

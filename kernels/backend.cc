@@ -12,8 +12,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 
 namespace baton::kernels {
 

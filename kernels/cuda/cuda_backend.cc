@@ -175,7 +175,8 @@ absl::StatusOr<void*> Allocate(int index, size_t bytes) {
   cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
-    return kernels::OutOfMemoryError(absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:", index, ": out of device memory"));
+    return kernels::OutOfMemoryError(
+        absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:", index, ": out of device memory"));
   }
   if (err != cudaSuccess) return CudaStatus(err, "cudaMalloc", __FILE__, __LINE__);
   return p;
