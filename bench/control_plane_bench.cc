@@ -20,6 +20,13 @@
 //   step_overhead_ms             median over steps 2.. of the coordinator's step
 //                                wall (steps.jsonl) minus the slowest worker's
 //                                own time in that step
+//   coordinator_cpu_ms_per_step  CPU time of the coordinator (and, sims_*, of
+//                                the simulated workers' processes) per step,
+//                                between two status polls while running
+//
+// --verdict_in_run_step=false registers the workers as ones from before
+// RunStep carried the previous step's verdict (each verdict a message of its
+// own): the same coordinator, one message per worker and step more.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -53,6 +60,8 @@ ABSL_FLAG(int, procs, 4, "processes the simulated workers are packed into");
 ABSL_FLAG(int, steps, 12, "training steps of the synthetic job");
 ABSL_FLAG(int, idle_s, 8, "seconds of heartbeats only, after the job, for CPU and latency");
 ABSL_FLAG(std::string, coordinator, "", "baton-coordinator binary (default: beside bazel-bin/bench)");
+ABSL_FLAG(bool, verdict_in_run_step, true,
+          "the workers register verdict_in_run_step (false: as workers before it, each verdict a message of its own)");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
 // Internal: a process of simulated workers.
 ABSL_FLAG(std::string, sim, "", "internal: ADDRESS:FIRST:COUNT:OUTFILE");
@@ -90,6 +99,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     req_.set_device("cpu");
     req_.set_version("bench");
     req_.set_pid(getpid());
+    req_.set_verdict_in_run_step(absl::GetFlag(FLAGS_verdict_in_run_step));
     reg_ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     stub_->async()->Register(&reg_ctx_, &req_, &reg_, [this](grpc::Status s) { OnRegistered(s); });
   }
@@ -146,6 +156,9 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       reply.mutable_configured()->set_generation(generation_);
       Send(std::move(reply));
     } else if (m.has_run_step()) {
+      // The previous step's verdict, when it rides along, first.
+      if (m.run_step().has_commit()) OnVerdict(m.run_step().commit().step(), true, now);
+      if (m.run_step().has_discard()) OnVerdict(m.run_step().discard().step(), false, now);
       step_ = m.run_step().step();
       run_at_ = now;
       v1::WorkerMessage reply;
@@ -156,21 +169,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       own_ = NowUs() - now;
       Send(std::move(reply));
     } else if (m.has_commit() || m.has_discard()) {
-      const int64_t step = m.has_commit() ? m.commit().step() : m.discard().step();
-      v1::WorkerMessage reply;
-      reply.mutable_step_done()->set_step(step);
-      reply.mutable_step_done()->set_committed(m.has_commit());
-      reply.mutable_step_done()->set_generation(generation_);
-      const int64_t sent = NowUs();
-      own_ += sent - now;
-      Send(std::move(reply));
-      absl::MutexLock lock(&rec_->mu);
-      auto [it, fresh] = rec_->steps.try_emplace(step, std::array<int64_t, 3>{run_at_, sent, own_});
-      if (!fresh) {
-        it->second[0] = std::min(it->second[0], run_at_);
-        it->second[1] = std::max(it->second[1], sent);
-        it->second[2] = std::max(it->second[2], own_);
-      }
+      OnVerdict(m.has_commit() ? m.commit().step() : m.discard().step(), m.has_commit(), now);
     } else if (m.has_save_weights()) {  // an empty shard file, so the manifest has something to list
       v1::WorkerMessage reply;
       const std::string file = absl::StrCat(name_, ".bench");
@@ -183,6 +182,24 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       Error(absl::StrCat("abort: ", m.abort().reason()));
     }
     StartRead(&in_);
+  }
+
+  // Commit or Discard of `step`, received at `now`: StepDone.
+  void OnVerdict(int64_t step, bool committed, int64_t now) {
+    v1::WorkerMessage reply;
+    reply.mutable_step_done()->set_step(step);
+    reply.mutable_step_done()->set_committed(committed);
+    reply.mutable_step_done()->set_generation(generation_);
+    const int64_t sent = NowUs();
+    own_ += sent - now;
+    Send(std::move(reply));
+    absl::MutexLock lock(&rec_->mu);
+    auto [it, fresh] = rec_->steps.try_emplace(step, std::array<int64_t, 3>{run_at_, sent, own_});
+    if (!fresh) {
+      it->second[0] = std::min(it->second[0], run_at_);
+      it->second[1] = std::max(it->second[1], sent);
+      it->second[2] = std::max(it->second[2], own_);
+    }
   }
 
   void OnDone(const grpc::Status& s) override {
@@ -404,13 +421,23 @@ int Main(int argc, char** argv) {
   const absl::Time start = absl::Now();
   for (int p = 0; p < procs; ++p) {
     const int first = n * p / procs, count = n * (p + 1) / procs - first;
-    sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt")},
+    sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
+                          absl::GetFlag(FLAGS_verdict_in_run_step) ? "--verdict_in_run_step=true" : "--verdict_in_run_step=false"},
                          absl::StrCat(dir, "/sim", p, ".log")));
   }
   // Wait for the job to end (GetStatus).
   auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   std::string state;
   absl::Time job_end;
+  // CPU time of the coordinator and of the simulated workers over the steps
+  // after the first one seen done (heartbeats included).
+  int64_t cpu_from_step = -1, cpu_to_step = -1;
+  double coord_cpu_from = 0, sims_cpu_from = 0, coord_cpu_to = 0, sims_cpu_to = 0;
+  auto sims_cpu = [&sims]() {
+    double s = 0;
+    for (pid_t pid : sims) s += CpuSeconds(pid);
+    return s;
+  };
   for (;;) {
     absl::SleepFor(absl::Milliseconds(200));
     grpc::ClientContext ctx;
@@ -419,6 +446,16 @@ int Main(int argc, char** argv) {
     v1::GetStatusResponse resp;
     if (grpc::Status s = stub->GetStatus(&ctx, req, &resp); s.ok()) {
       state = resp.job_state();
+      if (cpu_from_step < 0 && resp.step() >= 1) {
+        cpu_from_step = resp.step();
+        coord_cpu_from = CpuSeconds(cpid);
+        sims_cpu_from = sims_cpu();
+      }
+      if (cpu_from_step >= 0 && resp.step() > cpu_to_step && state == "running") {
+        cpu_to_step = resp.step();
+        coord_cpu_to = CpuSeconds(cpid);
+        sims_cpu_to = sims_cpu();
+      }
       if (state == "done" || state == "failed") {
         if (state == "failed") std::fprintf(stderr, "job failed: %s\n", resp.job_error().c_str());
         job_end = absl::Now();
@@ -505,6 +542,7 @@ int Main(int argc, char** argv) {
     }
   }
   const double idle_s = (idle_to - idle_from) / 1e6;
+  const int64_t cpu_steps = cpu_from_step >= 0 ? cpu_to_step - cpu_from_step : 0;
   const double beats_per_s = n * 1e3 / 500.0;  // default --heartbeat_ms
   std::printf(
       "{\"workers\": %d, \"pp\": %d, \"tp\": %d, \"dp\": %d, \"microbatches\": %d, \"sim_processes\": %d, "
@@ -512,12 +550,17 @@ int Main(int argc, char** argv) {
       "\"heartbeat_p50_ms\": %.3f, \"heartbeat_p99_ms\": %.3f, \"heartbeats_measured\": %zu, "
       "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
-      "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, \"dir\": \"%s\"}\n",
+      "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
+      "\"verdict_in_run_step\": %s, \"coordinator_cpu_ms_per_step\": %.2f, \"sims_cpu_ms_per_step\": %.2f, "
+      "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
       Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
-      overhead.size(), dir.c_str());
+      overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
+      cpu_steps > 0 ? (coord_cpu_to - coord_cpu_from) * 1e3 / cpu_steps : 0.0,
+      cpu_steps > 0 ? (sims_cpu_to - sims_cpu_from) * 1e3 / cpu_steps : 0.0, static_cast<long>(cpu_steps),
+      dir.c_str());
   (void)argc;
   (void)argv;
   return 0;

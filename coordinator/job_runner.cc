@@ -650,9 +650,12 @@ absl::StatusOr<JobState> JobRunner::Running() {
   const bool checkpoint = finite && CheckpointDue(step);
   const bool ahead = !checkpoint && step < job_.train().steps();
   Expect(v1::WorkerMessage::kStepDone, step, names);
-  SendAll(verdict);
   absl::Time end;
-  if (ahead) end = SendAhead(step + 1, names);  // the next step's start
+  if (ahead) {
+    end = SendAhead(verdict, step + 1, names);  // the next step's start
+  } else {
+    SendAll(verdict);
+  }
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> done =
       Collect(options_.step_timeout, "StepDone", /*complete_wins=*/ahead);
   if (!done.ok()) {
@@ -688,12 +691,19 @@ v1::CoordinatorMessage JobRunner::RunStepMessage(int64_t step) {
   return run;
 }
 
-absl::Time JobRunner::SendAhead(int64_t step, const std::set<std::string>& names) {
+absl::Time JobRunner::SendAhead(const v1::CoordinatorMessage& verdict, int64_t step,
+                                const std::set<std::string>& names) {
   v1::CoordinatorMessage run;
+  v1::CoordinatorMessage folded;  // the RunStep with the verdict inside
+  std::vector<std::string> fold_to, apart_to;
   absl::Time sent;
   {
     absl::MutexLock lock(&mu_);
+    for (const auto& [name, a] : assigned_) (a.verdict_in_run_step() ? fold_to : apart_to).push_back(name);
     run = RunStepMessage(step);
+    folded = run;
+    if (verdict.has_commit()) *folded.mutable_run_step()->mutable_commit() = verdict.commit();
+    if (verdict.has_discard()) *folded.mutable_run_step()->mutable_discard() = verdict.discard();
     Ahead a;
     a.step = step;
     a.trace = run.run_step().trace();
@@ -701,7 +711,13 @@ absl::Time JobRunner::SendAhead(int64_t step, const std::set<std::string>& names
     a.from = names;
     ahead_ = std::move(a);
   }
-  SendAll(run);
+  // Session sends only queue (coordinator_service.h): one thread sends to
+  // every worker.
+  if (!fold_to.empty()) workers_->SendEach(fold_to, folded);
+  if (!apart_to.empty()) {
+    workers_->SendEach(apart_to, verdict);
+    workers_->SendEach(apart_to, run);
+  }
   return sent;
 }
 

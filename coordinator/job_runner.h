@@ -259,10 +259,14 @@ class JobRunner : public JobObserver {
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> Collect(absl::Duration timeout, const char* what,
                                                                    bool complete_wins = false)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Sends RunStep of `step` while the previous step's StepDone are still
-  // being collected, and collects its GradsReady aside (ahead_) until
-  // Running takes them over. Returns when it was sent (the step's start).
-  absl::Time SendAhead(int64_t step, const std::set<std::string>& names) ABSL_LOCKS_EXCLUDED(mu_);
+  // Sends `verdict` on the previous step and RunStep of `step` right behind
+  // it, while the previous step's StepDone are still being collected, and
+  // collects the step's GradsReady aside (ahead_) until Running takes them
+  // over. Workers that registered verdict_in_run_step get one message, the
+  // RunStep carrying the verdict; the others get two. Returns when the
+  // RunSteps were sent (the step's start).
+  absl::Time SendAhead(const v1::CoordinatorMessage& verdict, int64_t step, const std::set<std::string>& names)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // RunStep of `step` with its trace flag (consumes one requested trace).
   v1::CoordinatorMessage RunStepMessage(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits until `cond` holds (true) or the clock passes `deadline` (false).

@@ -44,7 +44,15 @@ class FakeWorkers : public JobWorkers {
     w.set_host("host");
     w.set_device("cpu");
     w.set_state(v1::READY);
+    w.set_verdict_in_run_step(true);  // as every baton worker registers
     workers_[name] = w;
+  }
+  // `name` registers as a worker from before RunStep carried verdicts: it
+  // ignores RunStep.commit / discard, as an older binary ignores fields it
+  // does not know.
+  void SetOldProtocol(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    workers_[name].set_verdict_in_run_step(false);
   }
   void SetDevice(const std::string& name, const std::string& device, const std::string& uuid = "") {
     absl::MutexLock lock(&mu_);
@@ -70,11 +78,13 @@ class FakeWorkers : public JobWorkers {
     absl::MutexLock lock(&mu_);
     capture_seconds_ = seconds;
   }
-  // The steps whose Commit asked `worker` for a snapshot, in order.
+  // The steps whose Commit (a message or inside RunStep) asked `worker` for
+  // a snapshot, in order.
   std::vector<int64_t> SnapshotSteps(const std::string& worker) const {
     std::vector<int64_t> steps;
     for (const auto& m : Sent(worker)) {
-      if (m.has_commit() && m.commit().snapshot()) steps.push_back(m.commit().step());
+      const v1::Commit* c = m.has_commit() ? &m.commit() : m.run_step().has_commit() ? &m.run_step().commit() : nullptr;
+      if (c != nullptr && c->snapshot()) steps.push_back(c->step());
     }
     return steps;
   }
@@ -111,23 +121,25 @@ class FakeWorkers : public JobWorkers {
     return ++generation_;
   }
 
+  // A RunStep that carries the previous step's verdict reaches the hook and
+  // is answered as the two messages it stands for, the verdict first (what
+  // WorkerJob does); a worker of the old protocol sees only the RunStep.
   bool Send(const std::string& worker, const v1::CoordinatorMessage& m) override {
-    Hook hook;
+    bool folds;
     {
       absl::MutexLock lock(&mu_);
       if (workers_[worker].state() != v1::READY) return false;
       sent_[worker].push_back(m);
-      hook = hook_;
+      folds = workers_[worker].verdict_in_run_step();
     }
-    if (hook && !hook(worker, m)) return true;
-    std::vector<v1::WorkerMessage> replies;
-    {
-      absl::MutexLock lock(&mu_);
-      if (workers_[worker].state() != v1::READY) return true;
-      Answer(worker, m, &replies);
-    }
-    for (const v1::WorkerMessage& r : replies) runner_->OnWorkerMessage(worker, r);
-    return true;
+    if (!m.has_run_step() || !(m.run_step().has_commit() || m.run_step().has_discard())) return Take(worker, m);
+    v1::CoordinatorMessage verdict, run = m;
+    if (m.run_step().has_commit()) *verdict.mutable_commit() = m.run_step().commit();
+    if (m.run_step().has_discard()) *verdict.mutable_discard() = m.run_step().discard();
+    run.mutable_run_step()->clear_commit();
+    run.mutable_run_step()->clear_discard();
+    if (folds) Take(worker, verdict);
+    return Take(worker, run);
   }
 
   std::vector<v1::CoordinatorMessage> Sent(const std::string& worker) const {
@@ -158,6 +170,25 @@ class FakeWorkers : public JobWorkers {
   }
 
  private:
+  // One message reaches the worker: the hook, then its answers.
+  bool Take(const std::string& worker, const v1::CoordinatorMessage& m) {
+    Hook hook;
+    {
+      absl::MutexLock lock(&mu_);
+      if (workers_[worker].state() != v1::READY) return true;
+      hook = hook_;
+    }
+    if (hook && !hook(worker, m)) return true;
+    std::vector<v1::WorkerMessage> replies;
+    {
+      absl::MutexLock lock(&mu_);
+      if (workers_[worker].state() != v1::READY) return true;
+      Answer(worker, m, &replies);
+    }
+    for (const v1::WorkerMessage& r : replies) runner_->OnWorkerMessage(worker, r);
+    return true;
+  }
+
   // A worker's state after step s is the string "<pp>.<tp>@<s>" (DP replicas equal).
   void Answer(const std::string& worker, const v1::CoordinatorMessage& m, std::vector<v1::WorkerMessage>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -324,6 +355,21 @@ class JobRunnerTest : public ::testing::Test {
     }
     return runner_->state();
   }
+  // The steps, verdicts and saves sent to `worker`, in order.
+  std::vector<std::string> MessageOrder(const std::string& worker) {
+    std::vector<std::string> order;
+    for (const v1::CoordinatorMessage& m : fake_->Sent(worker)) {
+      if (m.has_run_step()) {
+        order.push_back(absl::StrCat("run ", m.run_step().step()));
+        if (m.run_step().has_commit()) absl::StrAppend(&order.back(), " with commit ", m.run_step().commit().step());
+        if (m.run_step().has_discard()) absl::StrAppend(&order.back(), " with discard ", m.run_step().discard().step());
+      }
+      if (m.has_commit()) order.push_back(absl::StrCat("commit ", m.commit().step()));
+      if (m.has_discard()) order.push_back(absl::StrCat("discard ", m.discard().step()));
+      if (m.has_save_weights()) order.push_back(absl::StrCat("save ", m.save_weights().step()));
+    }
+    return order;
+  }
   v1::GetStatusResponse Status() {
     v1::GetStatusResponse s;
     runner_->FillStatus(&s);
@@ -464,14 +510,26 @@ TEST_F(JobRunnerTest, TheNextStepFollowsEachVerdictExceptBeforeASave) {
   job.mutable_checkpoint()->set_every_steps(2);
   Start(job, 1, nullptr, root + "/out");
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
-  std::vector<std::string> order;
-  for (const v1::CoordinatorMessage& m : fake_->Sent("worker-0")) {
-    if (m.has_run_step()) order.push_back(absl::StrCat("run ", m.run_step().step()));
-    if (m.has_commit()) order.push_back(absl::StrCat("commit ", m.commit().step()));
-    if (m.has_save_weights()) order.push_back(absl::StrCat("save ", m.save_weights().step()));
-  }
-  EXPECT_EQ(order, (std::vector<std::string>{"run 1", "commit 1", "run 2", "commit 2", "save 2", "run 3", "commit 3",
-                                             "run 4", "commit 4", "save 4", "save 4"}));
+  // The verdict rides inside the next RunStep: one message, not two.
+  EXPECT_EQ(MessageOrder("worker-0"), (std::vector<std::string>{"run 1", "run 2 with commit 1", "commit 2", "save 2",
+                                                                "run 3", "run 4 with commit 3", "commit 4", "save 4",
+                                                                "save 4"}));
+}
+
+// A worker that registered without verdict_in_run_step (an older binary,
+// which would ignore RunStep.commit and never commit) gets each verdict as a
+// message of its own, right before the next step; the others in the same
+// job get it inside the RunStep. Both commit every step.
+TEST_F(JobRunnerTest, AnOlderWorkerGetsTheVerdictApart) {
+  Start(Job(2, 1, 3), 2, [](FakeWorkers* f) { f->SetOldProtocol("worker-1"); });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(MessageOrder("worker-0"), (std::vector<std::string>{"run 1", "run 2 with commit 1", "run 3 with commit 2",
+                                                                "commit 3"}));
+  EXPECT_EQ(MessageOrder("worker-1"),
+            (std::vector<std::string>{"run 1", "commit 1", "run 2", "commit 2", "run 3", "commit 3"}));
+  for (const char* w : {"worker-0", "worker-1"}) EXPECT_EQ(fake_->ModelStep(w), 3) << w;
+  EXPECT_EQ(Status().step(), 3);
+  EXPECT_EQ(Status().recoveries(), 0);
 }
 
 // A worker lost in the step sent ahead does not undo the step before it when

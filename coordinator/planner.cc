@@ -172,6 +172,7 @@ void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {
   r->set_device(w.device());
   r->set_device_uuid(w.device_uuid());
   r->set_fused_attention_bf16(w.fused_attention_bf16());
+  r->set_verdict_in_run_step(w.verdict_in_run_step());
 }
 
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {

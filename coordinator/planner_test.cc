@@ -322,6 +322,7 @@ TEST(PlannerTest, PlaceRankCarriesTheWorkersDeviceFacts) {
   w.set_device("cuda:1");
   w.set_device_uuid("GPU-a");
   w.set_fused_attention_bf16(true);
+  w.set_verdict_in_run_step(true);
   v1::RankAssignment r;
   r.set_pp_rank(2);
   PlaceRank(w, &r);
@@ -330,10 +331,13 @@ TEST(PlannerTest, PlaceRankCarriesTheWorkersDeviceFacts) {
   EXPECT_EQ(r.device(), "cuda:1");
   EXPECT_EQ(r.device_uuid(), "GPU-a");
   EXPECT_TRUE(r.fused_attention_bf16());
+  EXPECT_TRUE(r.verdict_in_run_step());
   EXPECT_EQ(r.pp_rank(), 2);  // the rank's place is the caller's
-  w.set_fused_attention_bf16(false);  // a replacement without it clears it
+  w.set_fused_attention_bf16(false);  // a replacement without them clears them
+  w.set_verdict_in_run_step(false);
   PlaceRank(w, &r);
   EXPECT_FALSE(r.fused_attention_bf16());
+  EXPECT_FALSE(r.verdict_in_run_step());
 }
 
 TEST(PlannerTest, TooFewWorkersSaysHowManyAreMissing) {

@@ -220,9 +220,11 @@ TEST_F(WorkerRegistryTest, MalformedRegistrationsNameTheField) {
   gpu.set_device_uuid("GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
   gpu.set_memory_bytes(int64_t{141} << 30);
   gpu.set_fused_attention_bf16(true);
+  gpu.set_verdict_in_run_step(true);
   EXPECT_TRUE(registry_.Register(gpu, absl::Milliseconds(500)).ok());
   ASSERT_TRUE(registry_.List().size() == 1);
   EXPECT_TRUE(registry_.List()[0].fused_attention_bf16());
+  EXPECT_TRUE(registry_.List()[0].verdict_in_run_step());
   EXPECT_EQ(registry_.List()[0].device_uuid(), "GPU-5fb0e0a4-5cf0-7c1e-3d31-5b0e6f3e2a19");
   EXPECT_EQ(registry_.List()[0].memory_bytes(), int64_t{141} << 30);
 }

@@ -102,6 +102,7 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   req.set_memory_bytes(options_.memory_bytes);
   req.set_device_uuid(options_.device_uuid);
   req.set_fused_attention_bf16(options_.fused_attention_bf16);
+  req.set_verdict_in_run_step(true);  // WorkerJob applies RunStep.commit / discard
   req.set_version(kVersion);
   req.set_pid(getpid());
   if (options_.describe) options_.describe(&req);

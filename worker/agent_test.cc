@@ -236,6 +236,7 @@ TEST_F(AgentTest, RegistersOpensASessionAndCarriesCommandsAndReplies) {
   EXPECT_EQ(regs[0].device(), "cpu");
   EXPECT_GT(regs[0].pid(), 0);
   EXPECT_FALSE(regs[0].version().empty());
+  EXPECT_TRUE(regs[0].verdict_in_run_step()) << "WorkerJob takes a verdict inside RunStep";
   EXPECT_FALSE(regs[0].has_held()) << "holds nothing yet";
   // Heartbeats carry the ids the registration gave and the step it ran.
   agent_->SetStep(42);

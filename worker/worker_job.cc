@@ -198,6 +198,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kRunStep: {
+      // The previous step's verdict, sent ahead with this step, comes first.
+      if (message.run_step().has_commit()) ApplyVerdict(&message.run_step().commit(), nullptr);
+      if (message.run_step().has_discard()) ApplyVerdict(nullptr, &message.run_step().discard());
       if (!job_) {
         reply.mutable_report()->set_step(message.run_step().step());
         reply.mutable_report()->set_error("no job is configured on this worker (it was aborted or never configured)");
@@ -225,26 +228,11 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kCommit:
-    case v1::CoordinatorMessage::kDiscard: {
-      if (!job_) return;
-      absl::StatusOr<v1::StepDone> done =
-          message.has_commit()
-              ? job_->executor->Commit(message.commit().step(), static_cast<float>(message.commit().clip_factor()))
-              : absl::StatusOr<v1::StepDone>(job_->executor->Discard(message.discard().step()));
-      if (done.ok()) {
-        RecordMetrics(*done, job_->last_report);
-        *reply.mutable_step_done() = *done;
-      } else {
-        reply.mutable_step_done()->set_error(std::string(done.status().message()));
-        reply.mutable_step_done()->set_code(static_cast<int>(done.status().code()));
-      }
-      reply.mutable_step_done()->set_generation(job_->plan.generation());
-      Reply(reply);
-      // After the reply: the coordinator gathers the others meanwhile. It
-      // picks the steps (every worker snapshots the same ones).
-      if (done.ok() && message.has_commit() && message.commit().snapshot()) Snapshot(message.commit().step());
+      ApplyVerdict(&message.commit(), nullptr);
       return;
-    }
+    case v1::CoordinatorMessage::kDiscard:
+      ApplyVerdict(nullptr, &message.discard());
+      return;
     case v1::CoordinatorMessage::kSaveWeights: {
       if (!job_) return;
       if (message.save_weights().with_state()) return SaveCheckpoint(message.save_weights());
@@ -294,6 +282,26 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     default:
       return;
   }
+}
+
+void WorkerJob::ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard) {
+  if (!job_) return;
+  absl::StatusOr<v1::StepDone> done =
+      commit != nullptr ? job_->executor->Commit(commit->step(), static_cast<float>(commit->clip_factor()))
+                        : absl::StatusOr<v1::StepDone>(job_->executor->Discard(discard->step()));
+  v1::WorkerMessage reply;
+  if (done.ok()) {
+    RecordMetrics(*done, job_->last_report);
+    *reply.mutable_step_done() = *done;
+  } else {
+    reply.mutable_step_done()->set_error(std::string(done.status().message()));
+    reply.mutable_step_done()->set_code(static_cast<int>(done.status().code()));
+  }
+  reply.mutable_step_done()->set_generation(job_->plan.generation());
+  Reply(reply);
+  // After the reply: the coordinator gathers the others meanwhile. It picks
+  // the steps (every worker snapshots the same ones).
+  if (done.ok() && commit != nullptr && commit->snapshot()) Snapshot(commit->step());
 }
 
 void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& report) {

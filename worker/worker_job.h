@@ -108,6 +108,10 @@ class WorkerJob {
 
   void Loop();
   void Process(const v1::CoordinatorMessage& message);
+  // Applies a step's verdict (exactly one of `commit` and `discard` is
+  // non-null), a message of its own or RunStep.commit / discard: answers
+  // StepDone, then snapshots if the Commit asks for it.
+  void ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard);
   absl::Status Configure(const v1::Configure& configure);
   absl::Status Build(const v1::Configure& configure, Job* job);
   void AbortJob(const std::string& reason);

@@ -69,6 +69,18 @@ class FakeSession : public JobSession {
     }
     return std::nullopt;
   }
+  // The kinds of the waiting replies, in order, once one of kind `what` is
+  // among them (waits up to kWait).
+  std::vector<v1::WorkerMessage::BodyCase> KindsOnceThere(v1::WorkerMessage::BodyCase what) {
+    absl::MutexLock lock(&mu_);
+    auto has = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return std::any_of(messages_.begin(), messages_.end(), [&](const auto& m) { return m.body_case() == what; });
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&has), kWait);
+    std::vector<v1::WorkerMessage::BodyCase> kinds;
+    for (const auto& m : messages_) kinds.push_back(m.body_case());
+    return kinds;
+  }
   // How many replies of kind `what` are waiting (no wait).
   int Count(v1::WorkerMessage::BodyCase what) {
     absl::MutexLock lock(&mu_);
@@ -439,6 +451,55 @@ TEST_F(WorkerJobTest, RollsBackToStepRAndReplaysBitForBit) {
       EXPECT_EQ(replay.reports[w.name].generation(), 2);
     }
     EXPECT_EQ(replay.reports["w1"].loss(), first[n - 1].reports["w1"].loss()) << "step " << n;
+  }
+}
+
+// The verdict on step n inside RunStep(n+1) (RunStep.commit, what the
+// coordinator sends workers that register verdict_in_run_step) is applied
+// first, answered as a Commit message is (StepDone, then the snapshot it
+// asks for), and only then does step n+1 run: the same bits as the two
+// messages apart.
+TEST_F(WorkerJobTest, AVerdictInsideRunStepIsAnsweredBeforeTheStepRuns) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  std::vector<StepResult> apart;
+  for (int64_t n = 1; n <= 3; ++n) apart.push_back(Step(n));
+  // The same steps again from the seed, each verdict inside the next RunStep.
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  for (Worker& w : workers_) w.job->Handle(run);
+  for (int64_t n = 2; n <= 3; ++n) {
+    run.mutable_run_step()->set_step(n);
+    v1::Commit* commit = run.mutable_run_step()->mutable_commit();
+    commit->set_step(n - 1);
+    commit->set_clip_factor(1.0);
+    commit->set_snapshot(true);
+    for (Worker& w : workers_) w.job->Handle(run);
+    for (Worker& w : workers_) {
+      using M = v1::WorkerMessage;
+      // Step n-1's report first; then, in order, what RunStep(n) brought.
+      std::optional<M> report = w.session->Next(M::kReport);
+      ASSERT_TRUE(report.has_value());
+      EXPECT_EQ(report->report().step(), n - 1);
+      EXPECT_EQ(report->report().grad_sq_norm(), apart[n - 2].reports[w.name].grad_sq_norm()) << w.name;
+      EXPECT_EQ(w.session->KindsOnceThere(M::kReport), (std::vector<M::BodyCase>{M::kStepDone, M::kSnapshot, M::kReport}))
+          << w.name << " step " << n;
+      std::optional<M> done = w.session->Next(M::kStepDone);
+      ASSERT_TRUE(done.has_value());
+      EXPECT_EQ(done->step_done().step(), n - 1);
+      EXPECT_TRUE(done->step_done().committed()) << done->step_done().error();
+      std::optional<M> snap = w.session->Next(M::kSnapshot);
+      ASSERT_TRUE(snap.has_value());
+      EXPECT_EQ(snap->snapshot().step(), n - 1);
+      EXPECT_EQ(snap->snapshot().data(), apart[n - 2].snapshots[w.name]) << w.name << " step " << n - 1;
+    }
+  }
+  for (Worker& w : workers_) {
+    std::optional<v1::WorkerMessage> report = w.session->Next(v1::WorkerMessage::kReport);
+    ASSERT_TRUE(report.has_value());
+    EXPECT_EQ(report->report().step(), 3);
+    EXPECT_EQ(report->report().grad_sq_norm(), apart[2].reports[w.name].grad_sq_norm()) << w.name;
   }
 }
 
