@@ -49,6 +49,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -446,7 +447,7 @@ int Main(int argc, char** argv) {
     v1::GetStatusResponse resp;
     if (grpc::Status s = stub->GetStatus(&ctx, req, &resp); s.ok()) {
       state = resp.job_state();
-      if (cpu_from_step < 0 && resp.step() >= 1) {
+      if (cpu_from_step < 0 && resp.step() >= 1 && state == "running") {
         cpu_from_step = resp.step();
         coord_cpu_from = CpuSeconds(cpid);
         sims_cpu_from = sims_cpu();
@@ -542,7 +543,11 @@ int Main(int argc, char** argv) {
     }
   }
   const double idle_s = (idle_to - idle_from) / 1e6;
-  const int64_t cpu_steps = cpu_from_step >= 0 ? cpu_to_step - cpu_from_step : 0;
+  const int64_t cpu_steps = std::max<int64_t>(0, cpu_to_step - cpu_from_step);
+  // null when the job ran too few steps between two status polls (200 ms).
+  auto per_step_ms = [cpu_steps](double seconds) {
+    return cpu_steps > 0 ? absl::StrFormat("%.2f", seconds * 1e3 / cpu_steps) : std::string("null");
+  };
   const double beats_per_s = n * 1e3 / 500.0;  // default --heartbeat_ms
   std::printf(
       "{\"workers\": %d, \"pp\": %d, \"tp\": %d, \"dp\": %d, \"microbatches\": %d, \"sim_processes\": %d, "
@@ -551,15 +556,15 @@ int Main(int argc, char** argv) {
       "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
-      "\"verdict_in_run_step\": %s, \"coordinator_cpu_ms_per_step\": %.2f, \"sims_cpu_ms_per_step\": %.2f, "
+      "\"verdict_in_run_step\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
       Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
       overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
-      cpu_steps > 0 ? (coord_cpu_to - coord_cpu_from) * 1e3 / cpu_steps : 0.0,
-      cpu_steps > 0 ? (sims_cpu_to - sims_cpu_from) * 1e3 / cpu_steps : 0.0, static_cast<long>(cpu_steps),
+      per_step_ms(coord_cpu_to - coord_cpu_from).c_str(), per_step_ms(sims_cpu_to - sims_cpu_from).c_str(),
+      static_cast<long>(cpu_steps),
       dir.c_str());
   (void)argc;
   (void)argv;
