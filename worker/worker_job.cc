@@ -199,8 +199,11 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     }
     case v1::CoordinatorMessage::kRunStep: {
       // The previous step's verdict, sent ahead with this step, comes first.
-      if (message.run_step().has_commit()) ApplyVerdict(&message.run_step().commit(), nullptr);
-      if (message.run_step().has_discard()) ApplyVerdict(nullptr, &message.run_step().discard());
+      if (message.run_step().has_commit()) {
+        ApplyVerdict(&message.run_step().commit(), nullptr);
+      } else if (message.run_step().has_discard()) {
+        ApplyVerdict(nullptr, &message.run_step().discard());
+      }
       if (!job_) {
         reply.mutable_report()->set_step(message.run_step().step());
         reply.mutable_report()->set_error("no job is configured on this worker (it was aborted or never configured)");

@@ -9,6 +9,8 @@
 //                                  -> Configured
 //   RunStep{n}                     StepExecutor::RunStep -> GradsReady report
 //   Commit{n, clip} / Discard{n}   optimizer step or drop -> StepDone
+//   RunStep{n+1, commit / discard} the verdict on step n first (-> StepDone),
+//                                  then step n+1 (-> GradsReady report)
 //   SaveWeights{dir}               DP rank 0 writes its shards -> Saved
 //   Abort                          aborts the communicators, drops the job
 //                                  (the snapshots below stay)
