@@ -1102,7 +1102,11 @@ void JobRunner::OnWorkerLost(const std::string& worker, const std::string& why, 
   f.cause = hung ? FaultCause::kWorkerHung : FaultCause::kWorkerLost;
   f.code = absl::StatusCode::kUnavailable;
   f.generation = generation_;
-  f.why = absl::StrCat(Who(worker), " was lost: ", why, "; step ", next_step_, " did not finish");
+  // The first step it did not finish: the one sent ahead once it answered
+  // the verdict on the step before.
+  const int64_t unfinished =
+      ahead_ && expect_case_ == v1::WorkerMessage::kStepDone && inbox_.count(worker) ? ahead_->step : next_step_;
+  f.why = absl::StrCat(Who(worker), " was lost: ", why, "; step ", unfinished, " did not finish");
   BATON_LOG(ERROR) << f.why;
   faults_.push_back(std::move(f));
 }

@@ -1062,6 +1062,10 @@ TEST_F(JobRunnerTest, StepsJsonlAndTheTraceMarkARecovery) {
   ASSERT_EQ(recovery.size(), 1u) << *steps;
   EXPECT_EQ(recovery[0].Find("cause")->str(), "worker_lost");
   EXPECT_EQ(recovery[0].Find("worker")->str(), "worker-1");
+  // It answered the verdict on step 3 (inside RunStep(4)) and was lost in step 4.
+  EXPECT_NE(recovery[0].Find("error")->str().find("was lost: its session ended; step 4 did not finish"),
+            std::string::npos)
+      << *steps;
   EXPECT_EQ(recovery[0].Find("resume_step")->number(), 3);
   EXPECT_EQ(recovery[0].Find("replayed_steps")->number(), 0);
   EXPECT_NE(recovery[0].Find("detail")->str().find("worker-0's snapshot"), std::string::npos) << *steps;
