@@ -492,6 +492,7 @@ class Run {
     req.set_pid(in_->Byte());
     req.set_memory_bytes(flags & 4 ? static_cast<int64_t>(in_->U64()) : int64_t{8} << 30);
     if (flags & 64) req.set_device_uuid(in_->Str());  // GPU identity: the planner's NCCL choice and memory pools
+    if (flags & 128) req.set_verdict_in_run_step(true);  // verdicts then ride inside RunStep
     if (flags & 16) {  // what a worker holds of the job after a coordinator restart (adoption)
       v1::HeldJob* held = req.mutable_held();
       held->set_job(flags & 32 ? "other" : kJob);
@@ -550,6 +551,14 @@ class Run {
         break;
       }
       case v1::CoordinatorMessage::kRunStep: {
+        // A RunStep carrying the previous step's verdict stands for two
+        // commands: answer either.
+        if ((c.run_step().has_commit() || c.run_step().has_discard()) && (in_->Byte() & 1)) {
+          v1::CoordinatorMessage verdict;
+          if (c.run_step().has_commit()) *verdict.mutable_commit() = c.run_step().commit();
+          if (c.run_step().has_discard()) *verdict.mutable_discard() = c.run_step().discard();
+          return Answer(who, verdict, error, code);
+        }
         v1::StepReport* r = m.mutable_report();
         r->set_step(c.run_step().step());
         r->set_generation(generation_);
