@@ -420,10 +420,12 @@ int Main(int argc, char** argv) {
   const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), n));
   std::vector<pid_t> sims;
   const absl::Time start = absl::Now();
+  const std::string verdict_flag =
+      absl::StrCat("--verdict_in_run_step=", absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false");
   for (int p = 0; p < procs; ++p) {
     const int first = n * p / procs, count = n * (p + 1) / procs - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
-                          absl::GetFlag(FLAGS_verdict_in_run_step) ? "--verdict_in_run_step=true" : "--verdict_in_run_step=false"},
+                          verdict_flag},
                          absl::StrCat(dir, "/sim", p, ".log")));
   }
   // Wait for the job to end (GetStatus).

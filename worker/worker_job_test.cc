@@ -483,7 +483,8 @@ TEST_F(WorkerJobTest, AVerdictInsideRunStepIsAnsweredBeforeTheStepRuns) {
       ASSERT_TRUE(report.has_value());
       EXPECT_EQ(report->report().step(), n - 1);
       EXPECT_EQ(report->report().grad_sq_norm(), apart[n - 2].reports[w.name].grad_sq_norm()) << w.name;
-      EXPECT_EQ(w.session->KindsOnceThere(M::kReport), (std::vector<M::BodyCase>{M::kStepDone, M::kSnapshot, M::kReport}))
+      EXPECT_EQ(w.session->KindsOnceThere(M::kReport),
+                (std::vector<M::BodyCase>{M::kStepDone, M::kSnapshot, M::kReport}))
           << w.name << " step " << n;
       std::optional<M> done = w.session->Next(M::kStepDone);
       ASSERT_TRUE(done.has_value());
