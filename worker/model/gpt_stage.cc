@@ -682,31 +682,23 @@ double GptStage::MeanLoss() const {
   return score.tokens == 0 ? 0.0 : score.loss_sum / static_cast<double>(score.tokens);
 }
 
-namespace {
-
-// The value of a one-element accumulator, copied to the host after the
-// stream has passed everything enqueued so far (a host synchronisation).
-template <typename T>
-T ReadScalar(const kernels::ExecContext& ctx, const Tensor& acc) {
-  T value{};
-  kernels::Copy(ctx, Tensor::View(&value, {1}, acc.dtype()), acc);
-  const absl::Status s = ctx.stream->Synchronize();
-  if (!s.ok()) {
-    // A failed device cannot report; a NaN (or -1 hits) fails the step's
-    // finiteness check rather than passing a stale value.
-    return static_cast<T>(std::is_floating_point<T>::value ? NAN : -1);
-  }
-  return value;
-}
-
-}  // namespace
-
 StepScore GptStage::score() const {
   StepScore score = score_;
-  if (config_.is_last()) {
-    score.loss_sum = ReadScalar<double>(ctx_, loss_acc_);
-    score.correct = ReadScalar<int64_t>(ctx_, hits_acc_);
+  if (!config_.is_last()) return score;
+  // Both accumulators are copied into pinned memory behind everything
+  // enqueued so far (no wait), then one host synchronisation.
+  HostResults& h = Results();
+  kernels::Copy(ctx_, Tensor::View(&h.loss_sum, {1}, kernels::DType::kFloat64), loss_acc_);
+  kernels::Copy(ctx_, Tensor::View(&h.hits, {1}, kernels::DType::kInt64), hits_acc_);
+  if (!ctx_.stream->Synchronize().ok()) {
+    // A failed device cannot report; a NaN (and -1 hits) fails the step's
+    // finiteness check rather than passing a stale value.
+    score.loss_sum = NAN;
+    score.correct = -1;
+    return score;
   }
+  score.loss_sum = h.loss_sum;
+  score.correct = h.hits;
   return score;
 }
 
@@ -732,7 +724,9 @@ double GptStage::LocalGradSqNorm() const {
   for (const Parameter& p : params_.parameters()) {
     if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
   }
-  return ReadScalar<double>(ctx_, norm_acc_);
+  HostResults& h = Results();
+  kernels::Copy(ctx_, Tensor::View(&h.sq, {1}, kernels::DType::kFloat64), norm_acc_);  // pinned: no wait
+  return ctx_.stream->Synchronize().ok() ? h.sq : NAN;  // a failed device fails the finiteness check
 }
 
 void GptStage::EnqueueStepResults() {

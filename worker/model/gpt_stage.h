@@ -259,7 +259,8 @@ class GptStage {
   std::unique_ptr<kernels::Arena> scratch_;
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
-  // Host copies of the three, written on the stream by EnqueueStepResults,
+  // Host copies of the three, written on the stream by EnqueueStepResults
+  // (and by score() and LocalGradSqNorm, which then wait once),
   // in pinned memory (kernels::PinnedHostZeros) viewed as HostResults.
   struct HostResults {
     double loss_sum, sq;

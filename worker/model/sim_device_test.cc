@@ -4,7 +4,7 @@
 // gradients handed between stage streams by events), TP 2 (collectives after
 // a stream sync), PP 2 × TP 2 and the vocabulary-parallel head, in fp32 and
 // in bf16 (train.precision = bf16: the CPU backend's bf16 reference ops, bf16
-// pipeline messages). The simulated
+// pipeline messages). Reading the score waits for the device once. The simulated
 // streams are lazy and its memory aborts on host access, so a missing wait or
 // a leftover host access in the model fails here.
 #include <cmath>
@@ -87,7 +87,9 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
     ASSERT_TRUE(sim_loss.ok()) << sim_loss.status();
     EXPECT_EQ(*sim_loss, *cpu_loss) << "step " << step;
     const StepScore want = (*cpu)->stage(l.pp - 1, 0).score();
+    const int64_t syncs = kernels::HostSyncCount();
     const StepScore got = (*sim)->stage(l.pp - 1, 0).score();
+    EXPECT_EQ(kernels::HostSyncCount() - syncs, 1) << "reading the loss and the hits waits once";
     EXPECT_EQ(got.loss_sum, want.loss_sum);
     EXPECT_EQ(got.tokens, want.tokens);
     EXPECT_EQ(got.correct, want.correct);
