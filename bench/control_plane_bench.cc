@@ -27,6 +27,9 @@
 // --verdict_in_run_step=false registers the workers as ones from before
 // RunStep carried the previous step's verdict (each verdict a message of its
 // own): the same coordinator, one message per worker and step more.
+// --step_done_in_report=false answers every StepDone apart, as workers from
+// before RunStep.step_done_in_report (the sims never snapshot, so with it
+// each step's StepDone rides in the next report).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,6 +66,8 @@ ABSL_FLAG(int, idle_s, 8, "seconds of heartbeats only, after the job, for CPU an
 ABSL_FLAG(std::string, coordinator, "", "baton-coordinator binary (default: beside bazel-bin/bench)");
 ABSL_FLAG(bool, verdict_in_run_step, true,
           "the workers register verdict_in_run_step (false: as workers before it, each verdict a message of its own)");
+ABSL_FLAG(bool, step_done_in_report, true,
+          "the workers put a StepDone in the next report where RunStep allows it (false: as workers before it)");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
 // Internal: a process of simulated workers.
 ABSL_FLAG(std::string, sim, "", "internal: ADDRESS:FIRST:COUNT:OUTFILE");
@@ -157,20 +162,22 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       reply.mutable_configured()->set_generation(generation_);
       Send(std::move(reply));
     } else if (m.has_run_step()) {
-      // The previous step's verdict, when it rides along, first.
-      if (m.run_step().has_commit()) OnVerdict(m.run_step().commit().step(), true, now);
-      if (m.run_step().has_discard()) OnVerdict(m.run_step().discard().step(), false, now);
-      step_ = m.run_step().step();
-      run_at_ = now;
+      // The previous step's verdict, when it rides along, first; its
+      // StepDone in this step's report where the coordinator allows it.
+      const bool hold = m.run_step().step_done_in_report() && absl::GetFlag(FLAGS_step_done_in_report);
       v1::WorkerMessage reply;
       v1::StepReport* r = reply.mutable_report();
+      if (m.run_step().has_commit()) OnVerdict(m.run_step().commit().step(), true, now, hold ? r : nullptr);
+      if (m.run_step().has_discard()) OnVerdict(m.run_step().discard().step(), false, now, hold ? r : nullptr);
+      step_ = m.run_step().step();
+      run_at_ = now;
       r->set_step(m.run_step().step());
       r->set_finite(true);
       r->set_generation(generation_);
       own_ = NowUs() - now;
       Send(std::move(reply));
     } else if (m.has_commit() || m.has_discard()) {
-      OnVerdict(m.has_commit() ? m.commit().step() : m.discard().step(), m.has_commit(), now);
+      OnVerdict(m.has_commit() ? m.commit().step() : m.discard().step(), m.has_commit(), now, nullptr);
     } else if (m.has_save_weights()) {  // an empty shard file, so the manifest has something to list
       v1::WorkerMessage reply;
       const std::string file = absl::StrCat(name_, ".bench");
@@ -185,15 +192,17 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     StartRead(&in_);
   }
 
-  // Commit or Discard of `step`, received at `now`: StepDone.
-  void OnVerdict(int64_t step, bool committed, int64_t now) {
+  // Commit or Discard of `step`, received at `now`: StepDone, inside
+  // `report` when not null.
+  void OnVerdict(int64_t step, bool committed, int64_t now, v1::StepReport* report) {
     v1::WorkerMessage reply;
-    reply.mutable_step_done()->set_step(step);
-    reply.mutable_step_done()->set_committed(committed);
-    reply.mutable_step_done()->set_generation(generation_);
+    v1::StepDone* done = report != nullptr ? report->mutable_step_done() : reply.mutable_step_done();
+    done->set_step(step);
+    done->set_committed(committed);
+    done->set_generation(generation_);
     const int64_t sent = NowUs();
     own_ += sent - now;
-    Send(std::move(reply));
+    if (report == nullptr) Send(std::move(reply));
     absl::MutexLock lock(&rec_->mu);
     auto [it, fresh] = rec_->steps.try_emplace(step, std::array<int64_t, 3>{run_at_, sent, own_});
     if (!fresh) {
@@ -422,10 +431,12 @@ int Main(int argc, char** argv) {
   const absl::Time start = absl::Now();
   const std::string verdict_flag =
       absl::StrCat("--verdict_in_run_step=", absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false");
+  const std::string done_flag =
+      absl::StrCat("--step_done_in_report=", absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false");
   for (int p = 0; p < procs; ++p) {
     const int first = n * p / procs, count = n * (p + 1) / procs - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
-                          verdict_flag},
+                          verdict_flag, done_flag},
                          absl::StrCat(dir, "/sim", p, ".log")));
   }
   // Wait for the job to end (GetStatus).
@@ -558,13 +569,14 @@ int Main(int argc, char** argv) {
       "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
-      "\"verdict_in_run_step\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
+      "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
       Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
       overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
+      absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false",
       per_step_ms(coord_cpu_to - coord_cpu_from).c_str(), per_step_ms(sims_cpu_to - sims_cpu_from).c_str(),
       static_cast<long>(cpu_steps),
       dir.c_str());

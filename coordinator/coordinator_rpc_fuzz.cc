@@ -14,7 +14,8 @@
 //    0 Register      flags, name, [device], [host], pid, [memory], [held job], [raw proto merged in]
 //    1 OpenSession   slot, who (a registration, or raw ids), [raw first message]
 //    2 Send          slot, kind: heartbeat, goodbye, the answer to the last
-//                    command (ok / with an error and code), a raw message
+//                    command (ok / with an error and code; a RunStep with a
+//                    verdict: which half, or the StepDone in the report), a raw message
 //                    (own / raw ids), a snapshot, a heartbeat with wrong ids
 //    3 Await         slot: waits up to 20 ms for a command on the session
 //    4 CloseSession  slot, clean (WritesDone) or cancelled
@@ -552,14 +553,17 @@ class Run {
       }
       case v1::CoordinatorMessage::kRunStep: {
         // A RunStep carrying the previous step's verdict stands for two
-        // commands: answer either.
-        if ((c.run_step().has_commit() || c.run_step().has_discard()) && (in_->Byte() & 1)) {
+        // commands: answer either (bit 0), or the step with the verdict's
+        // StepDone inside its report (bit 1; asked for or not).
+        v1::StepReport* r = m.mutable_report();
+        if (c.run_step().has_commit() || c.run_step().has_discard()) {
+          const uint8_t how = in_->Byte();
           v1::CoordinatorMessage verdict;
           if (c.run_step().has_commit()) *verdict.mutable_commit() = c.run_step().commit();
           if (c.run_step().has_discard()) *verdict.mutable_discard() = c.run_step().discard();
-          return Answer(who, verdict, error, code);
+          if (how & 1) return Answer(who, verdict, error, code);
+          if (how & 2) *r->mutable_step_done() = Answer(who, verdict, error, code).step_done();
         }
-        v1::StepReport* r = m.mutable_report();
         r->set_step(c.run_step().step());
         r->set_generation(generation_);
         r->set_loss(1.0 / (1 + c.run_step().step()));

@@ -704,6 +704,9 @@ absl::Time JobRunner::SendAhead(const v1::CoordinatorMessage& verdict, int64_t s
     folded = run;
     if (verdict.has_commit()) *folded.mutable_run_step()->mutable_commit() = verdict.commit();
     if (verdict.has_discard()) *folded.mutable_run_step()->mutable_discard() = verdict.discard();
+    // Handle() takes a StepDone held in the report as its own message, and
+    // the StepDone still being collected waits for it there.
+    folded.mutable_run_step()->set_step_done_in_report(true);
     Ahead a;
     a.step = step;
     a.trace = run.run_step().trace();
@@ -1134,98 +1137,111 @@ void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessa
   {
     absl::MutexLock lock(&mu_);
     if (!assigned_.count(worker)) return;
-    const int64_t generation = GenerationOf(message);
-    // From a world that no longer exists (a fetched state is matched by its request instead).
-    if (generation != 0 && generation != generation_ && !message.has_fetched_state()) return;
-    auto error_fault = [&](const std::string& what, const std::string& error, int32_t code)
-                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (error.empty()) return;
-      Fault f;
-      f.worker = worker;
-      f.cause = FaultCause::kWorkerError;
-      f.code = CodeOr(code, absl::StatusCode::kInternal);
-      f.generation = generation_;
-      f.why = absl::StrCat(Who(worker), " ", what, ": ", error);
-      BATON_LOG(ERROR) << f.why;
-      faults_.push_back(std::move(f));
-    };
-    switch (message.body_case()) {
-      case v1::WorkerMessage::kConfigured:
-        if (!message.configured().ok()) {
-          error_fault("cannot start", message.configured().error(),
-                      message.configured().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
-                                                       : message.configured().code());
-        }
-        break;
-      case v1::WorkerMessage::kReport:
-        error_fault(absl::StrCat("failed step ", message.report().step()), message.report().error(),
-                    message.report().code());
-        break;
-      case v1::WorkerMessage::kStepDone:
-        error_fault(absl::StrCat("failed step ", message.step_done().step()), message.step_done().error(),
-                    message.step_done().code());
-        break;
-      case v1::WorkerMessage::kSaved: {
-        const v1::Saved& saved = message.saved();
-        const bool periodic =
-            saved.step() > 0 && pending_checkpoint_ && pending_checkpoint_->step == saved.step();
-        if (!saved.ok()) {
-          // A disk problem: failing the job beats training on without the checkpoint.
-          error_fault(periodic ? absl::StrCat("could not write checkpoint step ", saved.step()) : "could not save",
-                      saved.error(),
-                      periodic || saved.code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
-                                                    : saved.code());
-          break;
-        }
-        if (periodic) {
-          pending_checkpoint_->copying.erase(worker);  // the files imply the copy
-          if (!saved.copied()) {
-            pending_checkpoint_->waiting.erase(worker);
-            for (const std::string& f : saved.files()) pending_checkpoint_->files.push_back(f);
-          }
-          return;
-        }
-        if (saved.copied()) return;  // the final save's copy: its files follow
-        break;
-      }
-      case v1::WorkerMessage::kSnapshot: {
-        const v1::ShardSnapshot& snap = message.snapshot();
-        if (snap.owner() != worker || snap.step() <= 0) return;
-        PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
-        if (snap.step() > stall_step_) {
-          stall_step_ = snap.step();
-          snapshot_stall_seconds_ = 0;
-        }
-        if (snap.step() == stall_step_ && std::isfinite(snap.capture_seconds())) {
-          snapshot_stall_seconds_ = std::max(snapshot_stall_seconds_, std::clamp(snap.capture_seconds(), 0.0, 3600.0));
-        }
-        auto buddy = buddy_.find(worker);
-        if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
-        if (snap.data().size() > kMaxRelayedSnapshotBytes) {
-          BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
-                             << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
-                             << "; its buddy keeps none";
-          return;
-        }
-        Held& held = held_snapshots_[SlotOf(worker)];
-        if (held.holder != buddy->second || held.owner != worker) held = Held{buddy->second, worker, {}};
-        PushBounded(&held.steps, snap.step(), kHeldSnapshots);
-        relay_to = buddy->second;
-        *relay.mutable_hold_snapshot() = snap;
-        break;
-      }
-      default:
-        break;
+    if (message.has_report() && message.report().has_step_done()) {
+      // The previous step's StepDone, held back for this report
+      // (RunStep.step_done_in_report): handled as the message it stands
+      // for, before the report.
+      v1::WorkerMessage done;
+      *done.mutable_step_done() = message.report().step_done();
+      Handle(worker, done, &relay_to, &relay);
     }
-    if (message.body_case() == expect_case_ && expect_from_.count(worker) &&
-        (expect_step_ == 0 || StepOf(message) == expect_step_)) {
-      inbox_[worker] = message;
-    } else if (ahead_ && message.body_case() == v1::WorkerMessage::kReport && ahead_->from.count(worker) &&
-               StepOf(message) == ahead_->step) {
-      ahead_->inbox[worker] = message;
-    }
+    Handle(worker, message, &relay_to, &relay);
   }
   if (!relay_to.empty()) workers_->Send(relay_to, relay);
+}
+
+void JobRunner::Handle(const std::string& worker, const v1::WorkerMessage& message, std::string* relay_to,
+                       v1::CoordinatorMessage* relay) {
+  const int64_t generation = GenerationOf(message);
+  // From a world that no longer exists (a fetched state is matched by its request instead).
+  if (generation != 0 && generation != generation_ && !message.has_fetched_state()) return;
+  auto error_fault = [&](const std::string& what, const std::string& error, int32_t code)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (error.empty()) return;
+    Fault f;
+    f.worker = worker;
+    f.cause = FaultCause::kWorkerError;
+    f.code = CodeOr(code, absl::StatusCode::kInternal);
+    f.generation = generation_;
+    f.why = absl::StrCat(Who(worker), " ", what, ": ", error);
+    BATON_LOG(ERROR) << f.why;
+    faults_.push_back(std::move(f));
+  };
+  switch (message.body_case()) {
+    case v1::WorkerMessage::kConfigured:
+      if (!message.configured().ok()) {
+        error_fault("cannot start", message.configured().error(),
+                    message.configured().code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
+                                                     : message.configured().code());
+      }
+      break;
+    case v1::WorkerMessage::kReport:
+      error_fault(absl::StrCat("failed step ", message.report().step()), message.report().error(),
+                  message.report().code());
+      break;
+    case v1::WorkerMessage::kStepDone:
+      error_fault(absl::StrCat("failed step ", message.step_done().step()), message.step_done().error(),
+                  message.step_done().code());
+      break;
+    case v1::WorkerMessage::kSaved: {
+      const v1::Saved& saved = message.saved();
+      const bool periodic =
+          saved.step() > 0 && pending_checkpoint_ && pending_checkpoint_->step == saved.step();
+      if (!saved.ok()) {
+        // A disk problem: failing the job beats training on without the checkpoint.
+        error_fault(periodic ? absl::StrCat("could not write checkpoint step ", saved.step()) : "could not save",
+                    saved.error(),
+                    periodic || saved.code() == 0 ? static_cast<int>(absl::StatusCode::kFailedPrecondition)
+                                                  : saved.code());
+        break;
+      }
+      if (periodic) {
+        pending_checkpoint_->copying.erase(worker);  // the files imply the copy
+        if (!saved.copied()) {
+          pending_checkpoint_->waiting.erase(worker);
+          for (const std::string& f : saved.files()) pending_checkpoint_->files.push_back(f);
+        }
+        return;
+      }
+      if (saved.copied()) return;  // the final save's copy: its files follow
+      break;
+    }
+    case v1::WorkerMessage::kSnapshot: {
+      const v1::ShardSnapshot& snap = message.snapshot();
+      if (snap.owner() != worker || snap.step() <= 0) return;
+      PushBounded(&own_snapshots_[worker], snap.step(), kOwnSnapshots);
+      if (snap.step() > stall_step_) {
+        stall_step_ = snap.step();
+        snapshot_stall_seconds_ = 0;
+      }
+      if (snap.step() == stall_step_ && std::isfinite(snap.capture_seconds())) {
+        snapshot_stall_seconds_ = std::max(snapshot_stall_seconds_, std::clamp(snap.capture_seconds(), 0.0, 3600.0));
+      }
+      auto buddy = buddy_.find(worker);
+      if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
+      if (snap.data().size() > kMaxRelayedSnapshotBytes) {
+        BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
+                           << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
+                           << "; its buddy keeps none";
+        return;
+      }
+      Held& held = held_snapshots_[SlotOf(worker)];
+      if (held.holder != buddy->second || held.owner != worker) held = Held{buddy->second, worker, {}};
+      PushBounded(&held.steps, snap.step(), kHeldSnapshots);
+      *relay_to = buddy->second;
+      *relay->mutable_hold_snapshot() = snap;
+      break;
+    }
+    default:
+      break;
+  }
+  if (message.body_case() == expect_case_ && expect_from_.count(worker) &&
+      (expect_step_ == 0 || StepOf(message) == expect_step_)) {
+    inbox_[worker] = message;
+  } else if (ahead_ && message.body_case() == v1::WorkerMessage::kReport && ahead_->from.count(worker) &&
+             StepOf(message) == ahead_->step) {
+    ahead_->inbox[worker] = message;
+  }
 }
 
 void JobRunner::SendAll(const v1::CoordinatorMessage& message) {

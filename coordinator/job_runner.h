@@ -246,6 +246,10 @@ class JobRunner : public JobObserver {
   std::map<std::string, std::string> Buddies(const v1::Plan& plan) const;
 
   // Messaging.
+  // One message from `worker` (OnWorkerMessage: a StepDone held in a report
+  // comes here on its own first); a snapshot to relay fills `relay_to`, `relay`.
+  void Handle(const std::string& worker, const v1::WorkerMessage& message, std::string* relay_to,
+              v1::CoordinatorMessage* relay) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAll(const v1::CoordinatorMessage& message);
   // Starts collecting `what` (a WorkerMessage body case) for `step` from
   // `from`. Forgets a step sent ahead (ahead_): a recovery or a save comes
@@ -263,8 +267,9 @@ class JobRunner : public JobObserver {
   // it, while the previous step's StepDone are still being collected, and
   // collects the step's GradsReady aside (ahead_) until Running takes them
   // over. Workers that registered verdict_in_run_step get one message, the
-  // RunStep carrying the verdict; the others get two. Returns when the
-  // RunSteps were sent (the step's start).
+  // RunStep carrying the verdict (and allowing its StepDone inside the
+  // step's report); the others get two. Returns when the RunSteps were sent
+  // (the step's start).
   absl::Time SendAhead(const v1::CoordinatorMessage& verdict, int64_t step, const std::set<std::string>& names)
       ABSL_LOCKS_EXCLUDED(mu_);
   // RunStep of `step` with its trace flag (consumes one requested trace).

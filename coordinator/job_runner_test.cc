@@ -54,6 +54,24 @@ class FakeWorkers : public JobWorkers {
     absl::MutexLock lock(&mu_);
     workers_[name].set_verdict_in_run_step(false);
   }
+  // `name` answers every StepDone apart, as a worker from before
+  // RunStep.step_done_in_report (it ignores the field).
+  void SetStepDoneApart(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    done_apart_.insert(name);
+  }
+  // How many StepDone messages of their own `worker` sent, and how many
+  // rode inside a report.
+  int StepDonesApart(const std::string& worker) const {
+    absl::MutexLock lock(&mu_);
+    auto it = dones_apart_.find(worker);
+    return it == dones_apart_.end() ? 0 : it->second;
+  }
+  int StepDonesInReports(const std::string& worker) const {
+    absl::MutexLock lock(&mu_);
+    auto it = dones_in_reports_.find(worker);
+    return it == dones_in_reports_.end() ? 0 : it->second;
+  }
   void SetDevice(const std::string& name, const std::string& device, const std::string& uuid = "") {
     absl::MutexLock lock(&mu_);
     workers_[name].set_device(device);
@@ -123,7 +141,9 @@ class FakeWorkers : public JobWorkers {
 
   // A RunStep that carries the previous step's verdict reaches the hook and
   // is answered as the two messages it stands for, the verdict first (what
-  // WorkerJob does); a worker of the old protocol sees only the RunStep.
+  // WorkerJob does; with step_done_in_report the StepDone of a verdict that
+  // asks no snapshot rides in the report); a worker of the old protocol sees
+  // only the RunStep.
   bool Send(const std::string& worker, const v1::CoordinatorMessage& m) override {
     bool folds;
     {
@@ -131,6 +151,8 @@ class FakeWorkers : public JobWorkers {
       if (workers_[worker].state() != v1::READY) return false;
       sent_[worker].push_back(m);
       folds = workers_[worker].verdict_in_run_step();
+      hold_done_[worker] = folds && m.has_run_step() && m.run_step().step_done_in_report() &&
+                           !done_apart_.count(worker) && !m.run_step().commit().snapshot();
     }
     if (!m.has_run_step() || !(m.run_step().has_commit() || m.run_step().has_discard())) return Take(worker, m);
     v1::CoordinatorMessage verdict, run = m;
@@ -217,6 +239,12 @@ class FakeWorkers : public JobWorkers {
       }
       case v1::CoordinatorMessage::kRunStep: {
         v1::StepReport* rep = r.mutable_report();
+        auto held = held_done_.find(worker);
+        if (held != held_done_.end()) {
+          *rep->mutable_step_done() = std::move(held->second);
+          held_done_.erase(held);
+          ++dones_in_reports_[worker];
+        }
         rep->set_step(m.run_step().step());
         rep->set_generation(generation_of_[worker]);
         rep->set_finite(true);
@@ -240,6 +268,11 @@ class FakeWorkers : public JobWorkers {
           e->set_duration_us(10);
         }
         model_step_[worker] = step;
+        if (hold_done_[worker]) {  // for the report of the RunStep it came in
+          held_done_[worker] = r.step_done();
+          return;
+        }
+        ++dones_apart_[worker];
         out->push_back(r);
         if (!m.commit().snapshot()) return;
         const std::string state = absl::StrCat(shard_[worker], "@", step);
@@ -307,6 +340,10 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, bool> traced_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<int64_t, std::string>> own_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> done_apart_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> hold_done_ ABSL_GUARDED_BY(mu_);  // the RunStep being answered allows it
+  std::map<std::string, v1::StepDone> held_done_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> dones_apart_ ABSL_GUARDED_BY(mu_), dones_in_reports_ ABSL_GUARDED_BY(mu_);
 };
 
 v1::JobSpec Job(int pp, int dp, int steps, const std::string& /*extra*/ = "") {
@@ -531,6 +568,86 @@ TEST_F(JobRunnerTest, AnOlderWorkerGetsTheVerdictApart) {
   EXPECT_EQ(Status().step(), 3);
   EXPECT_EQ(Status().recoveries(), 0);
 }
+
+// The StepDone of a verdict sent inside RunStep rides in that step's report,
+// except a snapshot step's (and the last step's, whose verdict goes alone);
+// a worker that answers it apart (an older release) is taken as well.
+TEST_F(JobRunnerTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
+  const std::string out = absl::StrCat(::testing::TempDir(), "/step_done_in_report");
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_fault_tolerance()->set_snapshot_every_steps(3);
+  Start(job, 2, [](FakeWorkers* f) { f->SetStepDoneApart("worker-1"); }, out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->StepDonesInReports("worker-0"), 4);  // steps 1, 2, 4, 5
+  EXPECT_EQ(fake_->StepDonesApart("worker-0"), 2);      // 3 (snapshot) and 6 (last)
+  EXPECT_EQ(fake_->StepDonesInReports("worker-1"), 0);
+  EXPECT_EQ(fake_->StepDonesApart("worker-1"), 6);
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4, 5, 6})) << w;
+    EXPECT_EQ(fake_->ModelStep(w), 6) << w;
+  }
+  EXPECT_EQ(Status().step(), 6);
+  // Every step on record once, committed, with the worker's account of it.
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok());
+  std::vector<int64_t> recorded;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    auto v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    const JsonValue* step = v->Find("step");
+    if (step == nullptr || v->Find("loss") == nullptr) continue;
+    recorded.push_back(static_cast<int64_t>(step->number()));
+    const JsonValue* committed = v->Find("committed");
+    ASSERT_NE(committed, nullptr) << line;
+    EXPECT_TRUE(committed->bool_value()) << line;
+  }
+  EXPECT_EQ(recorded, (std::vector<int64_t>{1, 2, 3, 4, 5, 6})) << *steps;
+}
+
+// A worker lost while it holds a StepDone for its report resumes the job
+// from the same step as when every StepDone comes apart: the newest
+// snapshot, which the coordinator knew committed at once.
+class HeldStepDoneTest : public JobRunnerTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(HeldStepDoneTest, AWorkerLostWhileItHoldsAStepDoneResumesFromTheNewestSnapshot) {
+  const bool apart = GetParam();
+  v1::JobSpec job = Job(2, 1, 6);
+  job.mutable_fault_tolerance()->set_snapshot_every_steps(2);
+  Start(job, 2, [apart](FakeWorkers* f) {
+    if (apart) {
+      f->SetStepDoneApart("worker-0");
+      f->SetStepDoneApart("worker-1");
+    }
+  });
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    // RunStep(4) carries the commit of step 3 (no snapshot; the hook sees
+    // the RunStep after the verdict): worker-1 applies it and dies
+    // computing step 4.
+    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && !m.run_step().has_commit() &&
+        !*fired) {
+      *fired = true;
+      fake_->Kill("worker-1");
+      fake_->Restart("worker-1");
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> c = fake_->Configures("worker-1");
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[1].resume_step(), 2);
+  EXPECT_EQ(c[1].state(), "1.0@2");
+  EXPECT_EQ(fake_->StepDonesInReports("worker-0") > 0, !apart);
+  for (const char* w : {"worker-0", "worker-1"}) {
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3, 4, 3, 4, 5, 6})) << w;
+    EXPECT_EQ(fake_->ModelStep(w), 6) << w;
+  }
+  EXPECT_EQ(Status().recoveries(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(StepDone, HeldStepDoneTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Apart" : "InTheReport"; });
 
 // A worker lost in the step sent ahead does not undo the step before it when
 // every worker had answered that one's Commit: the job resumes after it.

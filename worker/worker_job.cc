@@ -198,11 +198,15 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kRunStep: {
-      // The previous step's verdict, sent ahead with this step, comes first.
+      // The previous step's verdict, sent ahead with this step, comes first;
+      // its StepDone rides in this step's report where the coordinator
+      // allows it.
+      const bool hold = message.run_step().step_done_in_report();
+      std::optional<v1::StepDone> held;
       if (message.run_step().has_commit()) {
-        ApplyVerdict(&message.run_step().commit(), nullptr);
+        held = ApplyVerdict(&message.run_step().commit(), nullptr, hold);
       } else if (message.run_step().has_discard()) {
-        ApplyVerdict(nullptr, &message.run_step().discard());
+        held = ApplyVerdict(nullptr, &message.run_step().discard(), hold);
       }
       if (!job_) {
         reply.mutable_report()->set_step(message.run_step().step());
@@ -227,14 +231,15 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         reply.mutable_report()->set_code(static_cast<int>(failed.code()));
       }
       reply.mutable_report()->set_generation(job_->plan.generation());
+      if (held) *reply.mutable_report()->mutable_step_done() = *std::move(held);
       Reply(reply);
       return;
     }
     case v1::CoordinatorMessage::kCommit:
-      ApplyVerdict(&message.commit(), nullptr);
+      ApplyVerdict(&message.commit(), nullptr, /*hold=*/false);
       return;
     case v1::CoordinatorMessage::kDiscard:
-      ApplyVerdict(nullptr, &message.discard());
+      ApplyVerdict(nullptr, &message.discard(), /*hold=*/false);
       return;
     case v1::CoordinatorMessage::kSaveWeights: {
       if (!job_) return;
@@ -287,8 +292,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
   }
 }
 
-void WorkerJob::ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard) {
-  if (!job_) return;
+std::optional<v1::StepDone> WorkerJob::ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard,
+                                                    bool hold) {
+  if (!job_) return std::nullopt;
   absl::StatusOr<v1::StepDone> done =
       commit != nullptr ? job_->executor->Commit(commit->step(), static_cast<float>(commit->clip_factor()))
                         : absl::StatusOr<v1::StepDone>(job_->executor->Discard(discard->step()));
@@ -301,10 +307,15 @@ void WorkerJob::ApplyVerdict(const v1::Commit* commit, const v1::Discard* discar
     reply.mutable_step_done()->set_code(static_cast<int>(done.status().code()));
   }
   reply.mutable_step_done()->set_generation(job_->plan.generation());
+  const bool snapshot = done.ok() && commit != nullptr && commit->snapshot();
+  // A failure is told at once; so is a snapshot step, which a recovery may
+  // resume from only once the coordinator knows it committed.
+  if (hold && done.ok() && !snapshot) return std::move(*reply.mutable_step_done());
   Reply(reply);
   // After the reply: the coordinator gathers the others meanwhile. It picks
   // the steps (every worker snapshots the same ones).
-  if (done.ok() && commit != nullptr && commit->snapshot()) Snapshot(commit->step());
+  if (snapshot) Snapshot(commit->step());
+  return std::nullopt;
 }
 
 void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& report) {

@@ -10,7 +10,10 @@
 //   RunStep{n}                     StepExecutor::RunStep -> GradsReady report
 //   Commit{n, clip} / Discard{n}   optimizer step or drop -> StepDone
 //   RunStep{n+1, commit / discard} the verdict on step n first (-> StepDone),
-//                                  then step n+1 (-> GradsReady report)
+//                                  then step n+1 (-> GradsReady report); with
+//                                  step_done_in_report the StepDone rides in
+//                                  that report unless it failed or the
+//                                  Commit asks for a snapshot
 //   SaveWeights{dir}               DP rank 0 writes its shards -> Saved
 //   Abort                          aborts the communicators, drops the job
 //                                  (the snapshots below stay)
@@ -33,6 +36,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -112,8 +116,10 @@ class WorkerJob {
   void Process(const v1::CoordinatorMessage& message);
   // Applies a step's verdict (exactly one of `commit` and `discard` is
   // non-null), a message of its own or RunStep.commit / discard: answers
-  // StepDone, then snapshots if the Commit asks for it.
-  void ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard);
+  // StepDone, then snapshots if the Commit asks for it. With `hold`
+  // (RunStep.step_done_in_report) a StepDone that is neither a failure nor
+  // a snapshot step's is returned instead, for the step's report.
+  std::optional<v1::StepDone> ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard, bool hold);
   absl::Status Configure(const v1::Configure& configure);
   absl::Status Build(const v1::Configure& configure, Job* job);
   void AbortJob(const std::string& reason);

@@ -504,6 +504,62 @@ TEST_F(WorkerJobTest, AVerdictInsideRunStepIsAnsweredBeforeTheStepRuns) {
   }
 }
 
+TEST_F(WorkerJobTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  // Every verdict apart; step 2 snapshotted.
+  std::vector<StepResult> apart;
+  for (int64_t n = 1; n <= 4; ++n) apart.push_back(Step(n, /*commit=*/true, /*snapshot=*/n == 2));
+  // The same steps from the seed, each verdict inside the next RunStep, whose
+  // StepDone the coordinator takes inside the report.
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  for (Worker& w : workers_) w.job->Handle(run);
+  using M = v1::WorkerMessage;
+  for (Worker& w : workers_) ASSERT_TRUE(w.session->Next(M::kReport).has_value()) << w.name;
+  for (int64_t n = 2; n <= 4; ++n) {
+    const bool snapshot = n - 1 == 2;
+    run.mutable_run_step()->set_step(n);
+    run.mutable_run_step()->set_step_done_in_report(true);
+    v1::Commit* commit = run.mutable_run_step()->mutable_commit();
+    commit->set_step(n - 1);
+    commit->set_clip_factor(1.0);
+    commit->set_snapshot(snapshot);
+    for (Worker& w : workers_) w.job->Handle(run);
+    for (Worker& w : workers_) {
+      const std::string at = absl::StrCat(w.name, " step ", n);
+      if (snapshot) {  // the snapshot step's StepDone at once, then the snapshot, then the report
+        EXPECT_EQ(w.session->KindsOnceThere(M::kReport),
+                  (std::vector<M::BodyCase>{M::kStepDone, M::kSnapshot, M::kReport}))
+            << at;
+        std::optional<M> done = w.session->Next(M::kStepDone);
+        ASSERT_TRUE(done.has_value()) << at;
+        EXPECT_EQ(done->step_done().step(), n - 1);
+        EXPECT_TRUE(done->step_done().committed()) << done->step_done().error();
+        std::optional<M> snap = w.session->Next(M::kSnapshot);
+        ASSERT_TRUE(snap.has_value()) << at;
+        EXPECT_EQ(snap->snapshot().data(), apart[n - 2].snapshots[w.name]) << at;
+      } else {  // one message: the report, with the StepDone inside
+        EXPECT_EQ(w.session->KindsOnceThere(M::kReport), (std::vector<M::BodyCase>{M::kReport})) << at;
+      }
+      std::optional<M> report = w.session->Next(M::kReport);
+      ASSERT_TRUE(report.has_value()) << at;
+      EXPECT_EQ(report->report().step(), n);
+      EXPECT_EQ(report->report().grad_sq_norm(), apart[n - 1].reports[w.name].grad_sq_norm()) << at;
+      EXPECT_EQ(report->report().loss(), apart[n - 1].reports[w.name].loss()) << at;
+      EXPECT_EQ(report->report().has_step_done(), !snapshot) << at;
+      if (!snapshot) {
+        const v1::StepDone& done = report->report().step_done();
+        EXPECT_EQ(done.step(), n - 1) << at;
+        EXPECT_TRUE(done.committed()) << at << ": " << done.error();
+        EXPECT_EQ(done.generation(), 2) << at;
+        EXPECT_TRUE(done.error().empty()) << done.error();
+      }
+    }
+  }
+}
+
 TEST_F(WorkerJobTest, AStaleGenerationIsRefused) {
   StartWorkers(2);
   for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
