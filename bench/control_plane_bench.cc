@@ -12,7 +12,8 @@
 // the job is done the workers keep heartbeating for --idle_s seconds while
 // the coordinator's CPU time is read from /proc. Prints one JSON object:
 //   heartbeat_p50_ms / _p99_ms   heartbeat round trips (ack received - sent)
-//                                while idle; *_steps_ms: while steps ran
+//                                while idle; *_steps_ms: while the job ran
+//                                (heartbeats_measured_steps of them)
 //   coordinator_cpu_s_per_s      coordinator CPU seconds per wall second while
 //                                idle (heartbeats only); cpu_us_per_heartbeat
 //   configure_seconds            last worker ready -> every worker configured
@@ -27,6 +28,9 @@
 // --verdict_in_run_step=false registers the workers as ones from before
 // RunStep carried the previous step's verdict (each verdict a message of its
 // own): the same coordinator, one message per worker and step more.
+// --heartbeat_while_busy=true heartbeats every period, as workers before any
+// message renewed the lease (baton's workers leave heartbeats out while
+// they send others).
 // --step_done_in_report=false answers every StepDone apart, as workers from
 // before RunStep.step_done_in_report (the sims never snapshot, so with it
 // each step's StepDone rides in the next report).
@@ -66,6 +70,9 @@ ABSL_FLAG(int, idle_s, 8, "seconds of heartbeats only, after the job, for CPU an
 ABSL_FLAG(std::string, coordinator, "", "baton-coordinator binary (default: beside bazel-bin/bench)");
 ABSL_FLAG(bool, verdict_in_run_step, true,
           "the workers register verdict_in_run_step (false: as workers before it, each verdict a message of its own)");
+ABSL_FLAG(bool, heartbeat_while_busy, false,
+          "the workers heartbeat every period (false: as baton's workers, only when nothing else went out for a "
+          "period, and at least every 10 periods)");
 ABSL_FLAG(bool, step_done_in_report, true,
           "the workers put a StepDone in the next report where RunStep allows it (false: as workers before it)");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
@@ -114,6 +121,12 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   void Tick(int64_t now) {
     if (!open_.load() || now < next_beat_.load()) return;
     next_beat_ = now + period_us_;
+    // As WorkerAgent::HeartbeatDue: any message renews the lease.
+    if (!absl::GetFlag(FLAGS_heartbeat_while_busy) && now - last_sent_.load() < period_us_ && skipped_ < 9) {
+      ++skipped_;
+      return;
+    }
+    skipped_ = 0;
     v1::WorkerMessage beat;
     beat.mutable_heartbeat()->set_step(step_.load());
     beat.mutable_heartbeat()->set_send_time_us(NowUs());
@@ -242,6 +255,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   void Send(v1::WorkerMessage m) {
     m.set_worker_id(reg_.worker_id());
     m.set_incarnation(reg_.incarnation());
+    if (!m.has_heartbeat()) last_sent_ = NowUs();
     {
       absl::MutexLock lock(&mu_);
       if (failed_) return;
@@ -270,7 +284,8 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   bool ready_ = false;
   int64_t run_at_ = 0, own_ = 0, generation_ = 0;
   std::atomic<bool> open_{false}, stopping_{false};
-  std::atomic<int64_t> next_beat_{0}, step_{0};
+  std::atomic<int64_t> next_beat_{0}, step_{0}, last_sent_{0};
+  int skipped_ = 0;  // the ticker's
   int64_t period_us_ = 500000;
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -433,10 +448,12 @@ int Main(int argc, char** argv) {
       absl::StrCat("--verdict_in_run_step=", absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false");
   const std::string done_flag =
       absl::StrCat("--step_done_in_report=", absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false");
+  const std::string beat_flag =
+      absl::StrCat("--heartbeat_while_busy=", absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false");
   for (int p = 0; p < procs; ++p) {
     const int first = n * p / procs, count = n * (p + 1) / procs - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
-                          verdict_flag, done_flag},
+                          verdict_flag, done_flag, beat_flag},
                          absl::StrCat(dir, "/sim", p, ".log")));
   }
   // Wait for the job to end (GetStatus).
@@ -566,17 +583,18 @@ int Main(int argc, char** argv) {
       "{\"workers\": %d, \"pp\": %d, \"tp\": %d, \"dp\": %d, \"microbatches\": %d, \"sim_processes\": %d, "
       "\"job_state\": \"%s\", \"errors\": %d, \"first_error\": \"%s\", \"ready\": %ld, \"configured\": %ld, "
       "\"heartbeat_p50_ms\": %.3f, \"heartbeat_p99_ms\": %.3f, \"heartbeats_measured\": %zu, "
-      "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, "
+      "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, \"heartbeats_measured_steps\": %zu, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
-      "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
+      "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"heartbeat_while_busy\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
-      Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), (cpu1 - cpu0) / idle_s,
+      Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), step_rtt.size(), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
       overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
       absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false",
+      absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false",
       per_step_ms(coord_cpu_to - coord_cpu_from).c_str(), per_step_ms(sims_cpu_to - sims_cpu_from).c_str(),
       static_cast<long>(cpu_steps),
       dir.c_str());

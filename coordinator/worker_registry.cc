@@ -144,11 +144,15 @@ absl::Status WorkerRegistry::OpenSession(int64_t worker_id, int64_t incarnation,
 }
 
 absl::Status WorkerRegistry::Heartbeat(int64_t worker_id, int64_t incarnation, const v1::Heartbeat& heartbeat) {
+  return Renew(worker_id, incarnation, std::max<int64_t>(0, heartbeat.step()));
+}
+
+absl::Status WorkerRegistry::Renew(int64_t worker_id, int64_t incarnation, int64_t step) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Worker*> w = FindLocked(worker_id, incarnation);
   if (!w.ok()) return w.status();
   (*w)->last_heartbeat = clock_->Now();
-  (*w)->info.set_step(heartbeat.step());
+  if (step >= 0) (*w)->info.set_step(step);
   return absl::OkStatus();
 }
 

@@ -82,6 +82,10 @@ class WorkerRegistry {
 
   // Renews the lease. Same errors as OpenSession.
   absl::Status Heartbeat(int64_t worker_id, int64_t incarnation, const v1::Heartbeat& heartbeat);
+  // Renews the lease for any other message on the session (a worker leaves
+  // heartbeats out while it sends others); `step` >= 0 is the worker's step
+  // (a StepReport's). Same errors as OpenSession.
+  absl::Status Renew(int64_t worker_id, int64_t incarnation, int64_t step);
 
   // The worker is leaving on purpose: READY -> DRAINING.
   absl::Status Goodbye(int64_t worker_id, int64_t incarnation);

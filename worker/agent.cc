@@ -51,9 +51,9 @@ WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel
 absl::Status WorkerAgent::Readiness() const {
   absl::MutexLock lock(&mu_);
   if (session_open_) {
-    const absl::Duration silent = absl::Now() - last_ack_;
+    const absl::Duration silent = absl::Now() - last_heard_;
     if (silent <= lease_) return absl::OkStatus();
-    return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator, " has not answered heartbeats for ",
+    return absl::UnavailableError(absl::StrCat("coordinator ", options_.coordinator, " has not been heard from for ",
                                                absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(100))),
                                                " (lease ", absl::FormatDuration(lease_), ")"));
   }
@@ -149,37 +149,40 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
     registration_ = reg;
     session_ctx_ = &ctx;
     stream_ = stream.get();
+    last_sent_ = absl::InfinitePast();  // the first message must be a heartbeat
   }
   const absl::Duration period = absl::Milliseconds(std::max<int64_t>(10, reg.heartbeat_ms()));
   std::thread beats([&]() { Heartbeats(stream.get(), reg, period); });
   v1::CoordinatorMessage msg;
   while (stream->Read(&msg)) {
-    if (msg.has_ack()) {
+    {
       absl::MutexLock lock(&mu_);
-      const int64_t now = NowMicros(), sent = msg.ack().worker_send_time_us();
-      const int64_t rtt = now - sent;
-      // Prefer the fastest round trip (least asymmetric delay); forget it after a minute.
-      if (sent > 0 && rtt >= 0 && (rtt <= best_rtt_us_ || absl::Now() - best_rtt_at_ > absl::Minutes(1))) {
-        best_rtt_us_ = rtt;
-        best_rtt_at_ = absl::Now();
-        clock_offset_us_ = msg.ack().coordinator_time_us() - (sent + now) / 2;
-      }
-      last_ack_ = absl::Now();
-      if (unresponsive_) {
+      last_heard_ = absl::Now();
+      if (unresponsive_ && session_open_) {
         unresponsive_ = false;
-        BATON_LOG(INFO) << "coordinator " << options_.coordinator << " answers heartbeats again";
+        BATON_LOG(INFO) << "coordinator " << options_.coordinator << " is heard from again";
       }
-      if (!session_open_) {
-        session_open_ = true;
-        lease_ = absl::Milliseconds(std::max<int64_t>(1, reg.lease_ms()));
-        *opened = true;
-        if (sessions_opened_++ > 0) reconnects_->Increment();
-        connected_->Set(1);
-        BATON_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as '" << options_.name
-                        << "' (id " << reg.worker_id() << ", lease " << reg.lease_ms() << " ms)";
+      if (msg.has_ack()) {
+        const int64_t now = NowMicros(), sent = msg.ack().worker_send_time_us();
+        const int64_t rtt = now - sent;
+        // Prefer the fastest round trip (least asymmetric delay); forget it after a minute.
+        if (sent > 0 && rtt >= 0 && (rtt <= best_rtt_us_ || absl::Now() - best_rtt_at_ > absl::Minutes(1))) {
+          best_rtt_us_ = rtt;
+          best_rtt_at_ = absl::Now();
+          clock_offset_us_ = msg.ack().coordinator_time_us() - (sent + now) / 2;
+        }
+        if (!session_open_) {
+          session_open_ = true;
+          lease_ = absl::Milliseconds(std::max<int64_t>(1, reg.lease_ms()));
+          *opened = true;
+          if (sessions_opened_++ > 0) reconnects_->Increment();
+          connected_->Set(1);
+          BATON_LOG(INFO) << "registered with coordinator " << options_.coordinator << " as '" << options_.name
+                          << "' (id " << reg.worker_id() << ", lease " << reg.lease_ms() << " ms)";
+        }
       }
-      continue;
     }
+    if (msg.has_ack()) continue;
     if (on_command_) on_command_(msg);
   }
   {
@@ -213,11 +216,13 @@ bool WorkerAgent::Send(v1::WorkerMessage message) {
   if (stream_ == nullptr) return false;
   message.set_worker_id(registration_.worker_id());
   message.set_incarnation(registration_.incarnation());
-  return stream_->Write(message);
+  if (!stream_->Write(message)) return false;
+  last_sent_ = absl::Now();
+  return true;
 }
 
 void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, absl::Duration period) {
-  for (;;) {
+  for (int skipped = 0;;) {
     v1::WorkerMessage beat;
     beat.set_worker_id(reg.worker_id());
     beat.set_incarnation(reg.incarnation());
@@ -227,17 +232,26 @@ void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, ab
       beat.mutable_heartbeat()->set_step(step_);
     }
     beat.mutable_heartbeat()->set_send_time_us(NowMicros());
+    bool sent = false;
     {
       absl::MutexLock lock(&stream_mu_);
-      if (!stream->Write(beat)) return;  // the reader sees the stream end
+      // Any message renews the lease: while the job keeps the session busy
+      // (a report or StepDone within the last period) the heartbeat is left
+      // out, but not more than kMaxSkippedHeartbeats in a row (its ack
+      // keeps the clock offset fresh).
+      if (HeartbeatDue(absl::Now() - last_sent_, period, skipped)) {
+        if (!stream->Write(beat)) return;  // the reader sees the stream end
+        sent = true;
+      }
     }
-    heartbeats_->Increment();
+    skipped = sent ? 0 : skipped + 1;
+    if (sent) heartbeats_->Increment();
     absl::MutexLock lock(&mu_);
-    if (session_open_ && !unresponsive_ && absl::Now() - last_ack_ > lease_) {
+    if (session_open_ && !unresponsive_ && absl::Now() - last_heard_ > lease_) {
       unresponsive_ = true;
       unresponsive_total_->Increment();
-      BATON_LOG(WARNING) << "coordinator " << options_.coordinator << " has not answered heartbeats for a lease ("
-                         << lease_ << "); not ready until it does";
+      BATON_LOG(WARNING) << "coordinator " << options_.coordinator << " has not been heard from for a lease ("
+                         << lease_ << "); not ready until it is";
     }
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_session_ || stopping_; };
     if (mu_.AwaitWithTimeout(absl::Condition(&done), period)) return;

@@ -1,12 +1,14 @@
 // WorkerAgent: the worker's session with the coordinator.
 //
-// Registers, opens the Session stream and heartbeats on it; when the stream
+// Registers, opens the Session stream and heartbeats on it (only when nothing
+// else went out for a heartbeat period: any message renews the lease; at
+// least every kMaxSkippedHeartbeats + 1 periods, for the clock offset); when the stream
 // ends for any reason (coordinator restart, lease expiry, network) it
 // registers again with exponential backoff and never exits on its own.
 // Commands pushed by the coordinator go to the handler given at construction.
 //
-// A coordinator that stops answering heartbeats (frozen, partitioned) makes
-// the worker not ready once no ack came for a lease (counted in
+// A coordinator that goes silent (frozen, partitioned) makes the worker not
+// ready once nothing came from it for a lease, no ack nor command (counted in
 // baton_coordinator_unresponsive_total); the stream itself is kept, so a
 // coordinator that resumes finds its workers still there. gRPC keepalive on
 // the channel (see worker/main.cc) ends a connection whose peer is gone.
@@ -73,6 +75,14 @@ class WorkerAgent {
   // OK while a session is open; otherwise why not (e.g. coordinator unreachable).
   absl::Status Readiness() const;
 
+  // Heartbeats left out in a row at most while other messages renew the lease.
+  static constexpr int kMaxSkippedHeartbeats = 9;
+  // Whether a heartbeat goes out now: when nothing else went out for a
+  // `period` (`since_sent` ago), or after kMaxSkippedHeartbeats left out.
+  static bool HeartbeatDue(absl::Duration since_sent, absl::Duration period, int skipped) {
+    return since_sent >= period || skipped >= kMaxSkippedHeartbeats;
+  }
+
   // The training step heartbeats report (the last one this worker ran).
   void SetStep(int64_t step);
 
@@ -92,6 +102,7 @@ class WorkerAgent {
 
   const Options options_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+
   CommandHandler on_command_;
   std::function<void()> on_session_end_;
   prometheus::Counter* heartbeats_;
@@ -107,7 +118,7 @@ class WorkerAgent {
   absl::Status not_ready_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("not registered yet");
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time last_ack_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_heard_ ABSL_GUARDED_BY(mu_);  // any message from the coordinator
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(3);
   bool unresponsive_ ABSL_GUARDED_BY(mu_) = false;
   // Clock offset to the coordinator, from the best recent round trip.
@@ -122,6 +133,7 @@ class WorkerAgent {
   grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ ABSL_GUARDED_BY(stream_mu_) =
       nullptr;
   v1::RegisterResponse registration_ ABSL_GUARDED_BY(stream_mu_);
+  absl::Time last_sent_ ABSL_GUARDED_BY(stream_mu_) = absl::InfinitePast();  // a message other than a heartbeat
 };
 
 }  // namespace baton

@@ -294,8 +294,12 @@ class CoordinatorService::SessionReactor final
     } else if (msg_.has_goodbye()) {
       s = service_->registry_->Goodbye(id_, incarnation_);
       BATON_LOG(INFO) << "worker '" << name_ << "' says goodbye: " << msg_.goodbye().reason();
-    } else if (service_->options_.job != nullptr) {
-      service_->options_.job->OnWorkerMessage(name_, msg_);
+    } else {
+      // Any message renews the lease: a worker leaves heartbeats out while
+      // it sends others (worker/agent.h). Not refused here when stale: the
+      // job judges its messages by generation.
+      service_->registry_->Renew(id_, incarnation_, msg_.has_report() ? msg_.report().step() : -1).IgnoreError();
+      if (service_->options_.job != nullptr) service_->options_.job->OnWorkerMessage(name_, msg_);
     }
     return ToGrpcStatus(s);
   }

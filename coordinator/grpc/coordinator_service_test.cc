@@ -81,6 +81,43 @@ TEST_F(CoordinatorServiceTest, SessionHeartbeatsAreAckedAndStreamEndMeansLost) {
   EXPECT_TRUE(AwaitState("w1", v1::LOST));
 }
 
+// A worker leaves heartbeats out while it sends other messages (worker/
+// agent.h): any message on the session renews its lease, and a report
+// carries the worker's step.
+TEST_F(CoordinatorServiceTest, AnyMessageRenewsTheLeaseAndAReportCarriesTheStep) {
+  v1::RegisterResponse r = Register("w1");
+  grpc::ClientContext ctx;
+  auto stream = stub_->Session(&ctx);
+  ASSERT_TRUE(stream->Write(Beat(r)));
+  v1::CoordinatorMessage ack;
+  ASSERT_TRUE(stream->Read(&ack));
+  for (int64_t step = 1; step <= 5; ++step) {
+    clock_.Advance(absl::Seconds(2));  // under the 3 s lease since the last message, over it since the heartbeat
+    v1::WorkerMessage report;
+    report.set_worker_id(r.worker_id());
+    report.set_incarnation(r.incarnation());
+    report.mutable_report()->set_step(step);
+    ASSERT_TRUE(stream->Write(report));
+    // Handled once ListWorkers shows its step (one stream: in order).
+    bool seen = false;
+    for (int i = 0; i < 500 && !seen; ++i) {
+      grpc::ClientContext list_ctx;
+      v1::ListWorkersResponse list;
+      ASSERT_TRUE(stub_->ListWorkers(&list_ctx, {}, &list).ok());
+      seen = list.workers_size() == 1 && list.workers(0).step() == step;
+      if (!seen) absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_TRUE(seen) << "step " << step;
+    EXPECT_TRUE(registry_.ExpireLeases().empty()) << "step " << step;
+  }
+  EXPECT_EQ(StateOf("w1"), v1::READY);
+  clock_.Advance(absl::Seconds(2));  // then silence: lost once a lease passed
+  EXPECT_TRUE(registry_.ExpireLeases().empty());
+  clock_.Advance(absl::Milliseconds(1001));
+  EXPECT_EQ(registry_.ExpireLeases().size(), 1u);
+  EXPECT_EQ(StateOf("w1"), v1::LOST);
+}
+
 TEST_F(CoordinatorServiceTest, GoodbyeThenCloseIsLeftNotLost) {
   v1::RegisterResponse r = Register("w1");
   grpc::ClientContext ctx;
