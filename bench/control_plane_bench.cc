@@ -12,8 +12,9 @@
 // the job is done the workers keep heartbeating for --idle_s seconds while
 // the coordinator's CPU time is read from /proc. Prints one JSON object:
 //   heartbeat_p50_ms / _p99_ms   heartbeat round trips (ack received - sent)
-//                                while idle; *_steps_ms: while the job ran
-//                                (heartbeats_measured_steps of them)
+//                                while idle; *_steps_ms: while steps ran
+//                                (heartbeats_measured_steps of them; -1
+//                                when none: reports carried the liveness)
 //   coordinator_cpu_s_per_s      coordinator CPU seconds per wall second while
 //                                idle (heartbeats only); cpu_us_per_heartbeat
 //   configure_seconds            last worker ready -> every worker configured
@@ -509,6 +510,7 @@ int Main(int argc, char** argv) {
 
   // Aggregate.
   std::vector<double> idle_rtt, step_rtt;
+  std::vector<std::pair<int64_t, double>> job_rtt;  // (ack time, ms) before the job ended
   int64_t last_ready = 0, last_configured = 0, first_step_at = INT64_MAX, ready_count = 0, configured_count = 0;
   int errors = 0;
   std::string first_error;
@@ -528,7 +530,7 @@ int Main(int argc, char** argv) {
         int64_t t, r;
         in >> t >> r;
         if (t >= idle_from && t <= idle_to) idle_rtt.push_back(r / 1e3);
-        if (t < absl::ToUnixMicros(job_end)) step_rtt.push_back(r / 1e3);
+        if (t < absl::ToUnixMicros(job_end)) job_rtt.emplace_back(t, r / 1e3);
       } else if (kind == "ready") {
         int64_t t;
         in >> t;
@@ -552,7 +554,10 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  (void)first_step_at;
+  // While steps ran: from the first RunStep a worker saw to the job's end.
+  for (const auto& [t, ms] : job_rtt) {
+    if (t >= first_step_at) step_rtt.push_back(ms);
+  }
   // The coordinator's step walls.
   std::vector<double> overhead;
   {
