@@ -416,13 +416,37 @@ class JobRunnerTest : public ::testing::Test {
     prometheus::TextSerializer text;
     return text.Serialize(metrics_.Collect());
   }
-  // Kills `victim` when it is asked to run step `step` (once).
-  void KillAt(const std::string& victim, int64_t step) {
+  // The steps on record in `out_dir`/steps.jsonl (lines with a loss), in
+  // order; `uncommitted` gets those whose "committed" is not true.
+  std::vector<int64_t> RecordedSteps(const std::string& out_dir, std::vector<int64_t>* uncommitted = nullptr) {
+    std::vector<int64_t> recorded;
+    absl::StatusOr<std::string> steps = ReadFile(out_dir + "/steps.jsonl");
+    EXPECT_TRUE(steps.ok()) << steps.status();
+    if (!steps.ok()) return recorded;
+    for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+      auto v = JsonValue::Parse(line);
+      EXPECT_TRUE(v.ok()) << line;
+      if (!v.ok()) continue;
+      const JsonValue* step = v->Find("step");
+      if (step == nullptr || v->Find("loss") == nullptr) continue;
+      recorded.push_back(static_cast<int64_t>(step->number()));
+      const JsonValue* committed = v->Find("committed");
+      if (uncommitted != nullptr && (committed == nullptr || !committed->bool_value())) {
+        uncommitted->push_back(recorded.back());
+      }
+    }
+    return recorded;
+  }
+  // Kills `victim` when it is asked to run step `step` (once; a verdict
+  // inside that RunStep reaches it first); with `restart` the same name
+  // registers again at once (systemd Restart=on-failure).
+  void KillAt(const std::string& victim, int64_t step, bool restart = false) {
     auto fired = std::make_shared<bool>(false);
-    fake_->set_hook([this, victim, step, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    fake_->set_hook([this, victim, step, restart, fired](const std::string& w, const v1::CoordinatorMessage& m) {
       if (w == victim && m.has_run_step() && m.run_step().step() == step && !*fired) {
         *fired = true;
         fake_->Kill(victim);
+        if (restart) fake_->Restart(victim);
         return false;
       }
       return true;
@@ -587,21 +611,10 @@ TEST_F(JobRunnerTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
     EXPECT_EQ(fake_->ModelStep(w), 6) << w;
   }
   EXPECT_EQ(Status().step(), 6);
-  // Every step on record once, committed, with the worker's account of it.
-  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
-  ASSERT_TRUE(steps.ok());
-  std::vector<int64_t> recorded;
-  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
-    auto v = JsonValue::Parse(line);
-    ASSERT_TRUE(v.ok()) << line;
-    const JsonValue* step = v->Find("step");
-    if (step == nullptr || v->Find("loss") == nullptr) continue;
-    recorded.push_back(static_cast<int64_t>(step->number()));
-    const JsonValue* committed = v->Find("committed");
-    ASSERT_NE(committed, nullptr) << line;
-    EXPECT_TRUE(committed->bool_value()) << line;
-  }
-  EXPECT_EQ(recorded, (std::vector<int64_t>{1, 2, 3, 4, 5, 6})) << *steps;
+  // Every step on record once, committed.
+  std::vector<int64_t> uncommitted;
+  EXPECT_EQ(RecordedSteps(out, &uncommitted), (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_TRUE(uncommitted.empty());
 }
 
 // A worker lost while it holds a StepDone for its report resumes the job
@@ -619,20 +632,9 @@ TEST_P(HeldStepDoneTest, AWorkerLostWhileItHoldsAStepDoneResumesFromTheNewestSna
       f->SetStepDoneApart("worker-1");
     }
   });
-  auto fired = std::make_shared<bool>(false);
-  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
-    // RunStep(4) carries the commit of step 3 (no snapshot; the hook sees
-    // the RunStep after the verdict): worker-1 applies it and dies
-    // computing step 4.
-    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 4 && !m.run_step().has_commit() &&
-        !*fired) {
-      *fired = true;
-      fake_->Kill("worker-1");
-      fake_->Restart("worker-1");
-      return false;
-    }
-    return true;
-  });
+  // RunStep(4) carries the commit of step 3 (no snapshot): worker-1
+  // applies it and dies computing step 4.
+  KillAt("worker-1", 4, /*restart=*/true);
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
   const std::vector<v1::Configure> c = fake_->Configures("worker-1");
   ASSERT_EQ(c.size(), 2u);
@@ -676,17 +678,7 @@ TEST_F(JobRunnerTest, AFailureInTheStepSentAheadKeepsTheCommittedStep) {
     EXPECT_EQ(fake_->ModelStep(w), 5) << w;
   }
   // ...and it is on record, once.
-  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
-  ASSERT_TRUE(steps.ok());
-  std::vector<int64_t> recorded;
-  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
-    auto v = JsonValue::Parse(line);
-    ASSERT_TRUE(v.ok()) << line;
-    if (const JsonValue* step = v->Find("step"); step != nullptr && v->Find("loss") != nullptr) {
-      recorded.push_back(static_cast<int64_t>(step->number()));
-    }
-  }
-  EXPECT_EQ(recorded, (std::vector<int64_t>{1, 2, 3, 4, 5})) << *steps;
+  EXPECT_EQ(RecordedSteps(out), (std::vector<int64_t>{1, 2, 3, 4, 5}));
 }
 
 // The data plane is chosen again when a rank changes hands: a GPU job on two
@@ -744,16 +736,7 @@ TEST_F(JobRunnerTest, ALostWorkerIsReplacedByASpareFromItsBuddysSnapshot) {
 
 TEST_F(JobRunnerTest, TheLostNameRegisteringAgainIsItsOwnReplacement) {
   Start(Job(2, 1, 5), 2);
-  auto fired = std::make_shared<bool>(false);
-  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
-    if (w == "worker-1" && m.has_run_step() && m.run_step().step() == 3 && !*fired) {
-      *fired = true;
-      fake_->Kill("worker-1");
-      fake_->Restart("worker-1");  // systemd Restart=on-failure
-      return false;
-    }
-    return true;
-  });
+  KillAt("worker-1", 3, /*restart=*/true);
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
   const std::vector<v1::Configure> c = fake_->Configures("worker-1");
   ASSERT_EQ(c.size(), 2u);
