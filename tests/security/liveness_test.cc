@@ -163,7 +163,7 @@ TEST_F(LivenessTest, AFrozenCoordinatorMakesWorkersNotReadyAndEvictsNobodyWhenIt
       absl::Seconds(10));
   const absl::Duration noticed = absl::Now() - stopped;
   EXPECT_TRUE(not_ready) << body;
-  EXPECT_NE(body.find("has not answered heartbeats"), std::string::npos) << body;
+  EXPECT_NE(body.find("has not been heard from"), std::string::npos) << body;
   std::printf("worker /readyz went 503 %.2f s after the coordinator froze (lease %.1f s)\n",
               absl::ToDoubleSeconds(noticed), kLeaseMs / 1000.0);
   // Frozen for more than three leases.
