@@ -122,8 +122,10 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   void Tick(int64_t now) {
     if (!open_.load() || now < next_beat_.load()) return;
     next_beat_ = now + period_us_;
-    // As WorkerAgent::HeartbeatDue: any message renews the lease.
-    if (!absl::GetFlag(FLAGS_heartbeat_while_busy) && now - last_sent_.load() < period_us_ && skipped_ < 9) {
+    // As WorkerAgent::HeartbeatDue: any message renews the lease where the
+    // coordinator says so.
+    if (!absl::GetFlag(FLAGS_heartbeat_while_busy) && reg_.any_message_renews_lease() &&
+        now - last_sent_.load() < period_us_ && skipped_ < 9) {
       ++skipped_;
       return;
     }

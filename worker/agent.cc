@@ -30,6 +30,13 @@ WorkerAgent::WorkerAgent(Options options, std::shared_ptr<grpc::Channel> channel
                      .Help("Heartbeats sent to the coordinator")
                      .Register(metrics)
                      .Add({});
+  heartbeats_left_out_ = &prometheus::BuildCounter()
+                              .Name("baton_heartbeats_left_out_total")
+                              .Help("Heartbeats left out because another message went out on the session within "
+                                    "the heartbeat period (only with a coordinator that renews the lease on any "
+                                    "message)")
+                              .Register(metrics)
+                              .Add({});
   reconnects_ = &prometheus::BuildCounter()
                      .Name("baton_session_reconnects_total")
                      .Help("Sessions with the coordinator re-established after one ended")
@@ -239,13 +246,13 @@ void WorkerAgent::Heartbeats(Stream* stream, const v1::RegisterResponse& reg, ab
       // (a report or StepDone within the last period) the heartbeat is left
       // out, but not more than kMaxSkippedHeartbeats in a row (its ack
       // keeps the clock offset fresh).
-      if (HeartbeatDue(absl::Now() - last_sent_, period, skipped)) {
+      if (HeartbeatDue(reg.any_message_renews_lease(), absl::Now() - last_sent_, period, skipped)) {
         if (!stream->Write(beat)) return;  // the reader sees the stream end
         sent = true;
       }
     }
     skipped = sent ? 0 : skipped + 1;
-    if (sent) heartbeats_->Increment();
+    (sent ? heartbeats_ : heartbeats_left_out_)->Increment();
     absl::MutexLock lock(&mu_);
     if (session_open_ && !unresponsive_ && absl::Now() - last_heard_ > lease_) {
       unresponsive_ = true;

@@ -1,8 +1,9 @@
 // WorkerAgent: the worker's session with the coordinator.
 //
-// Registers, opens the Session stream and heartbeats on it (only when nothing
-// else went out for a heartbeat period: any message renews the lease; at
-// least every kMaxSkippedHeartbeats + 1 periods, for the clock offset); when the stream
+// Registers, opens the Session stream and heartbeats on it (when the
+// coordinator says any message renews the lease, only when nothing else went
+// out for a heartbeat period, and at least every kMaxSkippedHeartbeats + 1
+// periods for the clock offset; else every period); when the stream
 // ends for any reason (coordinator restart, lease expiry, network) it
 // registers again with exponential backoff and never exits on its own.
 // Commands pushed by the coordinator go to the handler given at construction.
@@ -77,10 +78,13 @@ class WorkerAgent {
 
   // Heartbeats left out in a row at most while other messages renew the lease.
   static constexpr int kMaxSkippedHeartbeats = 9;
-  // Whether a heartbeat goes out now: when nothing else went out for a
-  // `period` (`since_sent` ago), or after kMaxSkippedHeartbeats left out.
-  static bool HeartbeatDue(absl::Duration since_sent, absl::Duration period, int skipped) {
-    return since_sent >= period || skipped >= kMaxSkippedHeartbeats;
+  // Whether a heartbeat goes out now: always when the coordinator renews
+  // leases on heartbeats only (`any_message_renews_lease` false in its
+  // RegisterResponse); else when nothing else went out for a `period`
+  // (`since_sent` ago), or after kMaxSkippedHeartbeats left out.
+  static bool HeartbeatDue(bool any_message_renews_lease, absl::Duration since_sent, absl::Duration period,
+                           int skipped) {
+    return !any_message_renews_lease || since_sent >= period || skipped >= kMaxSkippedHeartbeats;
   }
 
   // The training step heartbeats report (the last one this worker ran).
@@ -106,6 +110,7 @@ class WorkerAgent {
   CommandHandler on_command_;
   std::function<void()> on_session_end_;
   prometheus::Counter* heartbeats_;
+  prometheus::Counter* heartbeats_left_out_;
   prometheus::Counter* reconnects_;
   prometheus::Counter* unresponsive_total_;
   prometheus::Gauge* connected_;

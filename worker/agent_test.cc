@@ -36,6 +36,7 @@ class FakeCoordinator : public v1::Coordinator::Service {
     resp->set_incarnation(static_cast<int64_t>(registrations_.size()));
     resp->set_lease_ms(lease_ms_);
     resp->set_heartbeat_ms(20);
+    resp->set_any_message_renews_lease(any_message_renews_lease_);
     return grpc::Status::OK;
   }
 
@@ -106,6 +107,11 @@ class FakeCoordinator : public v1::Coordinator::Service {
     absl::MutexLock lock(&mu_);
     silent_ = silent;
   }
+  // False plays a coordinator from before the lease rule (heartbeats only).
+  void SetAnyMessageRenewsLease(bool renews) {
+    absl::MutexLock lock(&mu_);
+    any_message_renews_lease_ = renews;
+  }
   void SetLeaseMs(int64_t ms) {
     absl::MutexLock lock(&mu_);
     lease_ms_ = ms;
@@ -148,6 +154,7 @@ class FakeCoordinator : public v1::Coordinator::Service {
   v1::WorkerMessage last_heartbeat_ ABSL_GUARDED_BY(mu_);
   absl::Status refuse_ ABSL_GUARDED_BY(mu_);
   int64_t lease_ms_ ABSL_GUARDED_BY(mu_) = 60000;
+  bool any_message_renews_lease_ ABSL_GUARDED_BY(mu_) = true;
   bool drop_ ABSL_GUARDED_BY(mu_) = false;
   bool silent_ ABSL_GUARDED_BY(mu_) = false;
   int heartbeats_ ABSL_GUARDED_BY(mu_) = 0;
@@ -214,6 +221,13 @@ class AgentTest : public ::testing::Test {
     prometheus::TextSerializer text;
     return text.Serialize(metrics_.Collect());
   }
+  // The value of the unlabelled counter `name` (-1 when absent).
+  double MetricValue(const std::string& name) {
+    for (const prometheus::MetricFamily& f : metrics_.Collect()) {
+      if (f.name == name && f.metric.size() == 1) return f.metric[0].counter.value;
+    }
+    return -1;
+  }
 
   FakeCoordinator fake_;
   int port_ = 0;
@@ -273,33 +287,67 @@ TEST_F(AgentTest, RegistersOpensASessionAndCarriesCommandsAndReplies) {
 
 TEST(HeartbeatDueTest, OnlyWhenNothingElseWentOutForAPeriodOrAfterTheMostSkipped) {
   const absl::Duration period = absl::Milliseconds(500);
-  EXPECT_TRUE(WorkerAgent::HeartbeatDue(absl::InfiniteDuration(), period, 0)) << "nothing sent yet";
-  EXPECT_TRUE(WorkerAgent::HeartbeatDue(period, period, 0));
-  EXPECT_FALSE(WorkerAgent::HeartbeatDue(absl::Milliseconds(499), period, 0)) << "a report renewed the lease";
-  EXPECT_FALSE(WorkerAgent::HeartbeatDue(absl::ZeroDuration(), period, WorkerAgent::kMaxSkippedHeartbeats - 1));
-  EXPECT_TRUE(WorkerAgent::HeartbeatDue(absl::ZeroDuration(), period, WorkerAgent::kMaxSkippedHeartbeats))
+  EXPECT_TRUE(WorkerAgent::HeartbeatDue(true, absl::InfiniteDuration(), period, 0)) << "nothing sent yet";
+  EXPECT_TRUE(WorkerAgent::HeartbeatDue(true, period, period, 0));
+  EXPECT_FALSE(WorkerAgent::HeartbeatDue(true, absl::Milliseconds(499), period, 0)) << "a report renewed the lease";
+  EXPECT_FALSE(WorkerAgent::HeartbeatDue(true, absl::ZeroDuration(), period, WorkerAgent::kMaxSkippedHeartbeats - 1));
+  EXPECT_TRUE(WorkerAgent::HeartbeatDue(true, absl::ZeroDuration(), period, WorkerAgent::kMaxSkippedHeartbeats))
       << "the clock offset needs an ack now and then";
 }
 
-// A worker busy sending (reports every 2 ms, heartbeats every 20 ms) still
-// heartbeats now and then, and stays ready.
+TEST(HeartbeatDueTest, EveryPeriodForACoordinatorThatRenewsOnHeartbeatsOnly) {
+  const absl::Duration period = absl::Milliseconds(500);
+  EXPECT_TRUE(WorkerAgent::HeartbeatDue(false, absl::ZeroDuration(), period, 0)) << "a report renews nothing there";
+  EXPECT_TRUE(WorkerAgent::HeartbeatDue(false, absl::Milliseconds(499), period, 0));
+}
+
+// Reports every 2 ms on a session whose heartbeats come every 20 ms.
+class BusySender {
+ public:
+  explicit BusySender(WorkerAgent* agent)
+      : thread_([this, agent] {
+          v1::WorkerMessage report;
+          report.mutable_report()->set_step(1);
+          while (!stop_.load()) {
+            agent->Send(report);
+            absl::SleepFor(absl::Milliseconds(2));
+          }
+        }) {}
+  ~BusySender() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A worker busy sending still heartbeats now and then (at least every 10
+// periods), and stays ready; the heartbeats it leaves out are counted.
 TEST_F(AgentTest, AWorkerBusySendingStillHeartbeatsNowAndThen) {
   StartAgent();
   ASSERT_TRUE(WaitReady()) << agent_->Readiness();
-  std::atomic<bool> stop{false};
-  std::thread sender([&] {
-    v1::WorkerMessage report;
-    report.mutable_report()->set_step(1);
-    while (!stop.load()) {
-      agent_->Send(report);
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-  });
+  BusySender sender(agent_.get());
   const int before = fake_.heartbeats();
   EXPECT_TRUE(fake_.WaitFor([before](FakeCoordinator* f) { return f->heartbeats() >= before + 2; }));
+  EXPECT_TRUE(fake_.WaitFor([this](FakeCoordinator*) { return MetricValue("baton_heartbeats_left_out_total") > 0; }))
+      << Metrics();
   EXPECT_TRUE(agent_->Readiness().ok()) << agent_->Readiness();
-  stop = true;
-  sender.join();
+}
+
+// A coordinator from before the lease rule does not say it renews on any
+// message: there a busy worker heartbeats every period and leaves none out,
+// or that coordinator would take it for lost.
+TEST_F(AgentTest, ACoordinatorThatRenewsOnHeartbeatsOnlyGetsEveryHeartbeat) {
+  fake_.SetAnyMessageRenewsLease(false);
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  BusySender sender(agent_.get());
+  const int before = fake_.heartbeats();
+  ASSERT_TRUE(fake_.WaitFor([before](FakeCoordinator* f) { return f->heartbeats() >= before + 15; }));
+  EXPECT_GT(fake_.received().size(), 0u) << "the reports went out meanwhile";
+  EXPECT_EQ(MetricValue("baton_heartbeats_left_out_total"), 0) << Metrics();
 }
 
 TEST_F(AgentTest, BeforeRegisteringItIsNotReadyAndSendsNothing) {

@@ -223,6 +223,7 @@ grpc::Status CoordinatorService::Register(grpc::ServerContext* ctx, const v1::Re
     reg->replaced->Close(absl::AbortedError(absl::StrCat("replaced by a new incarnation of ", req->name())));
   }
   *resp = reg->response;
+  resp->set_any_message_renews_lease(true);  // SessionReactor::Handle renews on every message
   BATON_LOG(INFO) << "worker '" << req->name() << "' registered from " << req->host() << " (" << req->device()
                   << ", baton " << req->version().substr(0, 64) << "), id " << resp->worker_id();
   if (req->version() != kVersion) {

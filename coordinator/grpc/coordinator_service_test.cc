@@ -86,6 +86,7 @@ TEST_F(CoordinatorServiceTest, SessionHeartbeatsAreAckedAndStreamEndMeansLost) {
 // carries the worker's step.
 TEST_F(CoordinatorServiceTest, AnyMessageRenewsTheLeaseAndAReportCarriesTheStep) {
   v1::RegisterResponse r = Register("w1");
+  EXPECT_TRUE(r.any_message_renews_lease()) << "the worker leaves heartbeats out only when told so";
   grpc::ClientContext ctx;
   auto stream = stub_->Session(&ctx);
   ASSERT_TRUE(stream->Write(Beat(r)));
