@@ -15,28 +15,9 @@
 namespace baton::kernels {
 namespace {
 
-constexpr size_t kAlignment = 64;
 constexpr size_t kMinBlockBytes = size_t{1} << 20;
 
-size_t RoundUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
-
-// The bytes of a tensor of `shape` and `dtype`, rounded up to the alignment;
-// INVALID_ARGUMENT when a dimension is negative or the count overflows.
-absl::StatusOr<size_t> AlignedBytes(const Shape& shape, DType dtype) {
-  size_t bytes = DTypeSize(dtype);
-  for (int64_t dim : shape) {
-    if (dim < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(dim), &bytes)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("arena allocation of shape ", ShapeToString(shape),
-                       dim < 0 ? " has a negative dimension" : ": its byte count overflows"));
-    }
-  }
-  if (bytes > std::numeric_limits<size_t>::max() - kAlignment) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("arena allocation of shape ", ShapeToString(shape), ": its byte count overflows"));
-  }
-  return RoundUp(bytes);
-}
+size_t RoundUp(size_t n) { return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment; }
 
 }  // namespace
 
@@ -49,7 +30,7 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
   Block block;
   absl::Status failed;
   if (device_.is_cpu()) {
-    void* p = std::aligned_alloc(kAlignment, size);
+    void* p = std::aligned_alloc(kTensorAlignment, size);
     if (p == nullptr) {
       failed = OutOfMemoryError(absl::StrCat("aligned_alloc of ", size, " bytes failed"));
     } else {
@@ -88,7 +69,7 @@ absl::Status Arena::AddBlock(size_t min_bytes) {
 
 absl::StatusOr<Tensor> Arena::Allocate(Shape shape, DType dtype) {
   absl::StatusOr<size_t> aligned = AlignedBytes(shape, dtype);
-  if (!aligned.ok()) return aligned.status();
+  if (!aligned.ok()) return absl::InvalidArgumentError(absl::StrCat("arena allocation: ", aligned.status().message()));
   const size_t bytes = *aligned;
   if (blocks_.empty() || bytes > blocks_.back().size - blocks_.back().offset) {
     absl::Status grown = AddBlock(bytes);

@@ -252,8 +252,20 @@ MemoryStats GetMemoryStats(Device device) {
   return it == book.stats.end() ? MemoryStats() : it->second;
 }
 
+namespace {
+
+// Tensor::TryZeros, its failed allocation marked as out of memory.
+absl::StatusOr<Tensor> HostZeros(Shape shape, DType dtype) {
+  absl::StatusOr<Tensor> t = Tensor::TryZeros(std::move(shape), dtype);
+  if (t.status().code() == absl::StatusCode::kResourceExhausted) return OutOfMemoryError(t.status().message());
+  return t;
+}
+
+}  // namespace
+
 absl::StatusOr<Tensor> PinnedHostZeros(Device device, Shape shape, DType dtype) {
-  if (device.is_cpu()) return Tensor::Zeros(std::move(shape), dtype);
+  if (device.is_cpu()) return HostZeros(std::move(shape), dtype);
+  if (absl::StatusOr<size_t> checked = AlignedBytes(shape, dtype); !checked.ok()) return checked.status();
   absl::StatusOr<const Backend*> backend = BackendOf(device);
   if (!backend.ok()) return backend.status();
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype));
@@ -294,7 +306,8 @@ bool IsPinnedHost(const Tensor& t) {
 }
 
 absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype) {
-  if (device.is_cpu()) return Tensor::Zeros(std::move(shape), dtype);
+  if (device.is_cpu()) return HostZeros(std::move(shape), dtype);
+  if (absl::StatusOr<size_t> checked = AlignedBytes(shape, dtype); !checked.ok()) return checked.status();
   const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
   absl::StatusOr<void*> p = AllocateDevice(device, bytes);
   if (!p.ok()) return p.status();

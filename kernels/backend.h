@@ -223,7 +223,9 @@ void FreeDevice(Device device, void* p, size_t bytes);
 // sub-allocators such as Arena.
 void CountInUse(Device device, int64_t delta);
 // An owning tensor on `device`, zero-filled (on the device's stream order:
-// the fill is complete when this returns).
+// the fill is complete when this returns). A device (or, for the CPU, the
+// host) without the memory: OutOfMemoryError; a shape AlignedBytes refuses:
+// INVALID_ARGUMENT. Nothing is allocated then.
 absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype = DType::kFloat32);
 
 // A zero-filled host tensor (Device::Cpu()) in page-locked memory of
@@ -233,7 +235,7 @@ absl::StatusOr<Tensor> ZerosOn(Device device, Shape shape, DType dtype = DType::
 // simulated device follows), so a step's host-side buffers (tokens and
 // targets, the step's results, the post-time stamps) are pinned. The caller
 // keeps it unchanged until the stream has run the copy. On the CPU:
-// Tensor::Zeros.
+// Tensor::TryZeros (its failure marked as out of memory).
 absl::StatusOr<Tensor> PinnedHostZeros(Device device, Shape shape, DType dtype = DType::kFloat32);
 // True when all of host tensor `t` lies in memory from PinnedHostZeros.
 bool IsPinnedHost(const Tensor& t);

@@ -4,7 +4,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <limits>
+#include <string>
+
 #include "absl/base/internal/raw_logging.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace baton::kernels {
@@ -56,19 +61,47 @@ void RequireHost(const Tensor& t, const char* accessor) {
 
 }  // namespace
 
-Tensor Tensor::Zeros(Shape shape, DType dtype) {
+absl::StatusOr<size_t> AlignedBytes(const Shape& shape, DType dtype) {
+  size_t bytes = DTypeSize(dtype);
+  for (int64_t dim : shape) {
+    if (dim < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(dim), &bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat("a tensor of shape ", ShapeToString(shape),
+                                                     dim < 0 ? " has a negative dimension"
+                                                             : ": its byte count overflows"));
+    }
+  }
+  if (bytes > std::numeric_limits<size_t>::max() - kTensorAlignment) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a tensor of shape ", ShapeToString(shape), ": its byte count overflows"));
+  }
+  return (bytes + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment;
+}
+
+absl::StatusOr<Tensor> Tensor::TryZeros(Shape shape, DType dtype) {
+  absl::StatusOr<size_t> aligned = AlignedBytes(shape, dtype);
+  if (!aligned.ok()) return aligned.status();
+  const size_t size = *aligned == 0 ? kTensorAlignment : *aligned;
+  void* p = std::aligned_alloc(kTensorAlignment, size);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of host memory: a tensor of shape ", ShapeToString(shape),
+                                                     " needs ", size, " bytes"));
+  }
+  std::memset(p, 0, size);
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
-  const size_t bytes = t.bytes();
-  // 64-byte alignment for vector loads; calloc-like zero fill.
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-  ABSL_RAW_CHECK(p != nullptr, "Tensor::Zeros: out of host memory");
-  std::memset(p, 0, rounded == 0 ? 64 : rounded);
   t.storage_ = std::shared_ptr<void>(p, std::free);
   t.data_ = p;
   return t;
+}
+
+Tensor Tensor::Zeros(Shape shape, DType dtype) {
+  absl::StatusOr<Tensor> t = TryZeros(std::move(shape), dtype);
+  if (!t.ok()) {
+    std::fprintf(stderr, "baton::kernels::Tensor::Zeros: %s\n", std::string(t.status().message()).c_str());
+    std::abort();
+  }
+  return *std::move(t);
 }
 
 Tensor Tensor::View(void* data, Shape shape, DType dtype, Device device) {

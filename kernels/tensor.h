@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/status/statusor.h"
 
 namespace baton::kernels {
 
@@ -47,11 +48,25 @@ using Shape = absl::InlinedVector<int64_t, 4>;
 int64_t NumElements(const Shape& shape);
 std::string ShapeToString(const Shape& shape);
 
+// The alignment of every tensor allocation, host or device (vector loads).
+constexpr size_t kTensorAlignment = 64;
+// The bytes of a tensor of `shape` and `dtype`, rounded up to
+// kTensorAlignment; INVALID_ARGUMENT when a dimension is negative or the
+// count overflows size_t (checked before anything is allocated for it).
+absl::StatusOr<size_t> AlignedBytes(const Shape& shape, DType dtype);
+
 class Tensor {
  public:
   Tensor() = default;
 
-  // Owning, zero-filled host tensor.
+  // Owning, zero-filled host tensor; RESOURCE_EXHAUSTED naming the bytes
+  // when the host cannot give them (the caller says what to lower), and
+  // INVALID_ARGUMENT for a shape AlignedBytes refuses.
+  static absl::StatusOr<Tensor> TryZeros(Shape shape, DType dtype = DType::kFloat32);
+  // TryZeros for tensors whose size is bounded by the caller (a batch of
+  // validated shape, a test's); aborts, naming the shape, where TryZeros
+  // fails. Anything sized by a model or a job goes through TryZeros (or
+  // kernels::ZerosOn).
   static Tensor Zeros(Shape shape, DType dtype = DType::kFloat32);
   // Borrows `data`; the caller keeps it alive while the view is used.
   static Tensor View(void* data, Shape shape, DType dtype = DType::kFloat32,

@@ -15,6 +15,11 @@
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
 
+// The allocations below that no host can give must fail as the system's
+// allocator fails, not as a sanitizer report (ASAN_OPTIONS, when set, adds
+// to this).
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+
 namespace baton::kernels {
 namespace {
 
@@ -575,6 +580,24 @@ TEST(ArenaTest, OverflowingOrNegativeShapeIsInvalidArgument) {
   EXPECT_EQ(arena.capacity_bytes(), capacity);
   EXPECT_EQ(arena.system_allocations(), allocations);
   EXPECT_TRUE(arena.Allocate({16}).ok());
+}
+
+// 256 TiB, more than any x86-64 address space: the allocation fails whatever
+// the overcommit policy, and TryZeros says so instead of aborting.
+TEST(TensorTest, AnAllocationTheHostCannotGiveIsAnErrorNotACrash) {
+  absl::StatusOr<Tensor> huge = Tensor::TryZeros({int64_t{1} << 46});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_NE(huge.status().message().find("out of host memory: a tensor of shape [70368744177664] needs "
+                                         "281474976710656 bytes"),
+            std::string::npos)
+      << huge.status();
+  absl::StatusOr<Tensor> overflowing = Tensor::TryZeros({int64_t{1} << 40, int64_t{1} << 40});
+  EXPECT_EQ(overflowing.status().code(), absl::StatusCode::kInvalidArgument) << overflowing.status();
+  EXPECT_NE(overflowing.status().message().find("overflows"), std::string::npos) << overflowing.status();
+  EXPECT_EQ(Tensor::TryZeros({4, -1}).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<Tensor> small = Tensor::TryZeros({3, 5});
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->f32()[14], 0.0f);
 }
 
 TEST(TensorTest, ViewsShareStorage) {

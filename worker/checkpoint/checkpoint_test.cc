@@ -38,6 +38,17 @@ model::GptConfig Model() {
   return m;
 }
 
+// A store of `config`'s parameters on the CPU, initialised from seed 7, as
+// a worker's stage holds them.
+absl::StatusOr<model::ParameterStore> InitializedStore(const model::StageConfig& config, int rank, int tp) {
+  absl::StatusOr<model::ParameterStore> store =
+      model::ParameterStore::Create(model::StageParameterSpecs(config), rank, tp);
+  if (!store.ok()) return store.status();
+  if (absl::Status s = store->Place(kernels::Device::Cpu()); !s.ok()) return s;
+  store->Initialize(7);
+  return store;
+}
+
 // Saves a freshly initialised model split into `chunks` × `tp` the way
 // workers do (every chunk on every TP rank writes its shard file), and the
 // manifest. Returns the file names.
@@ -48,9 +59,9 @@ std::vector<std::string> SaveModel(const std::string& dir, int chunks, int tp, b
       absl::StatusOr<model::StageConfig> config = model::MakeStageConfig(Model(), c, chunks, r, tp, /*seed=*/7);
       EXPECT_TRUE(config.ok()) << config.status();
       config->vocab_parallel = vocab_parallel;
-      model::ParameterStore store(model::StageParameterSpecs(*config), r, tp);
-      store.Initialize(7);
-      absl::StatusOr<std::vector<NamedShard>> shards = ShardsOf(store);
+      absl::StatusOr<model::ParameterStore> store = InitializedStore(*config, r, tp);
+      EXPECT_TRUE(store.ok()) << store.status();
+      absl::StatusOr<std::vector<NamedShard>> shards = ShardsOf(*store);
       EXPECT_TRUE(shards.ok()) << shards.status();
       absl::StatusOr<std::string> file = WriteShardFile(dir, c, r, tp, *shards);
       EXPECT_TRUE(file.ok()) << file.status();
@@ -137,10 +148,10 @@ class BrokenCheckpointTest : public ::testing::Test {
   // Rewrites one shard file with `edit` applied to its parameters.
   void Rewrite(int chunk, int rank, const std::function<void(model::ParameterStore&)>& edit) {
     auto config = model::MakeStageConfig(Model(), chunk, 2, rank, 2, 7);
-    model::ParameterStore store(model::StageParameterSpecs(*config), rank, 2);
-    store.Initialize(7);
-    edit(store);
-    ASSERT_TRUE(WriteShardFile(dir_, chunk, rank, 2, *ShardsOf(store)).ok());
+    absl::StatusOr<model::ParameterStore> store = InitializedStore(*config, rank, 2);
+    ASSERT_TRUE(store.ok()) << store.status();
+    edit(*store);
+    ASSERT_TRUE(WriteShardFile(dir_, chunk, rank, 2, *ShardsOf(*store)).ok());
   }
 
   std::string dir_;
@@ -187,9 +198,9 @@ TEST_F(BrokenCheckpointTest, ReplicatedTensorDiffersAcrossTpRanks) {
 
 TEST_F(BrokenCheckpointTest, TensorMissingOnOneTpRank) {
   auto config = model::MakeStageConfig(Model(), 0, 2, 1, 2, 7);
-  model::ParameterStore store(model::StageParameterSpecs(*config), 1, 2);
-  store.Initialize(7);
-  std::vector<NamedShard> shards = *ShardsOf(store);
+  absl::StatusOr<model::ParameterStore> store = InitializedStore(*config, 1, 2);
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<NamedShard> shards = *ShardsOf(*store);
   shards.pop_back();
   ASSERT_TRUE(WriteShardFile(dir_, 0, 1, 2, shards).ok());
   EXPECT_THAT(LoadError(), HasSubstr("missing from chunk0-tp1.safetensors"));

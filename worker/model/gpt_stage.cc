@@ -59,6 +59,19 @@ constexpr absl::string_view kOutOfMemoryAdvice =
     "; lower train.micro_batch_size or model.seq_len, or use more pipeline stages (parallel.pp) or tensor "
     "parallelism (parallel.tp)";
 
+// What to change when a stage's parameters, gradients and AdamW moments do
+// not fit (the micro-batch size does not matter there).
+constexpr absl::string_view kParameterMemoryAdvice =
+    "; use more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp), or a smaller model";
+
+// `status` with `context`; out of memory, it also says what to change for the
+// parameters.
+absl::Status ParameterError(const absl::Status& status, const std::string& context) {
+  absl::Status s = WithContext(status, context);
+  if (!kernels::IsOutOfMemory(s)) return s;
+  return kernels::OutOfMemoryError(absl::StrCat(s.message(), kParameterMemoryAdvice));
+}
+
 // `status` with `context`; an activation arena out of device memory also says
 // what the operator can change.
 absl::Status ActivationError(const absl::Status& status, const std::string& context) {
@@ -70,7 +83,10 @@ absl::Status ActivationError(const absl::Status& status, const std::string& cont
 absl::Status WithOutOfMemoryAdvice(const absl::Status& status) {
   // Other exhausted resources (a communicator's bound on early messages, a
   // workspace over its bound) say what to change themselves.
-  if (!kernels::IsOutOfMemory(status) || absl::StrContains(status.message(), kOutOfMemoryAdvice)) return status;
+  if (!kernels::IsOutOfMemory(status) || absl::StrContains(status.message(), kOutOfMemoryAdvice) ||
+      absl::StrContains(status.message(), kParameterMemoryAdvice)) {
+    return status;
+  }
   return kernels::OutOfMemoryError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
 }
 
@@ -163,8 +179,13 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
           " where this stage is rank ", config.tp_rank));
     }
   }
-  auto stage =
-      std::unique_ptr<GptStage>(new GptStage(config, tp_group, StageParameterSpecs(config)));
+  const std::string where = absl::StrCat("placing stage ", config.pp_rank, " (tp rank ",
+                                         config.tp_rank, ") on ",
+                                         kernels::DeviceToString(config.device));
+  absl::StatusOr<ParameterStore> params =
+      ParameterStore::Create(StageParameterSpecs(config), config.tp_rank, config.tp_size);
+  if (!params.ok()) return ParameterError(params.status(), where);
+  auto stage = std::unique_ptr<GptStage>(new GptStage(config, tp_group, *std::move(params)));
   if (tp_group != nullptr) {
     stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
     // TP time over NCCL is in no host wait: event pairs time it, taken by the
@@ -172,18 +193,14 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
     stage->tp_collectives_->TimeOpsOnStreams();
   }
   stage->params_.Initialize(config.seed);
-  const std::string where = absl::StrCat("placing stage ", config.pp_rank, " (tp rank ",
-                                         config.tp_rank, ") on ",
-                                         kernels::DeviceToString(config.device));
-  BATON_RETURN_IF_ERROR_CTX(stage->PlaceOnDevice(), where);
+  if (absl::Status placed = stage->PlaceOnDevice(); !placed.ok()) return ParameterError(placed, where);
   return stage;
 }
 
-GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group,
-                   std::vector<ParameterSpec> specs)
+GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, ParameterStore params)
     : config_(config),
       tp_(tp_group),
-      params_(std::move(specs), config.tp_rank, config.tp_size),
+      params_(std::move(params)),
       vocab_parallel_(config.vocab_parallel && config.tp_size > 1),
       vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0),
       bf16_(config.precision == kernels::Precision::kBFloat16),

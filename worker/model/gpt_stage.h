@@ -203,8 +203,7 @@ class GptStage {
   struct BlockActivations;
   struct Microbatch;
 
-  GptStage(const StageConfig& config, comm::Communicator* tp_group,
-           std::vector<ParameterSpec> specs);
+  GptStage(const StageConfig& config, comm::Communicator* tp_group, ParameterStore params);
   void BindParameters();
   // Parameters, stream and accumulators onto config_.device.
   absl::Status PlaceOnDevice();

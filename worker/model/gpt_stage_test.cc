@@ -14,6 +14,11 @@
 #include "worker/model/inproc_model.h"
 #include "worker/model/model_test_util.h"
 
+// The allocations below that no host can give must fail as the system's
+// allocator fails, not as a sanitizer report (ASAN_OPTIONS, when set, adds
+// to this).
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+
 namespace baton::model {
 namespace {
 
@@ -446,6 +451,41 @@ TEST(OutOfMemoryAdviceTest, NamesWhatToLowerForMemoryOnlyAndOnce) {
   EXPECT_EQ(WithOutOfMemoryAdvice(early), early);
   const absl::Status other = absl::InternalError("out of device memory");
   EXPECT_EQ(WithOutOfMemoryAdvice(other), other);
+}
+
+// A stage whose parameters the host cannot hold (256 TiB of values, more
+// than any x86-64 address space) is an out-of-memory error naming the bytes,
+// never an abort: the worker fails Configure and stays up.
+TEST(ParameterStoreTest, ParametersTheHostCannotHoldAreOutOfMemoryNotACrash) {
+  ParameterSpec spec;
+  spec.name = "huge";
+  spec.full_shape = {int64_t{1} << 46};
+  spec.shard = ShardSpec::Replicated(int64_t{1} << 46);
+  absl::StatusOr<ParameterStore> store = ParameterStore::Create({spec}, 0, 1);
+  ASSERT_FALSE(store.ok());
+  EXPECT_TRUE(kernels::IsOutOfMemory(store.status())) << store.status();
+  EXPECT_NE(store.status().message().find("the parameter values (281474976710656 bytes): out of host memory"),
+            std::string::npos)
+      << store.status();
+}
+
+// The gradients and AdamW moments are allocated on the store's device when it
+// is placed, not first on the host; before that only the values exist.
+TEST(ParameterStoreTest, GradientsAndMomentsComeWithPlace) {
+  ParameterSpec spec;
+  spec.name = "w";
+  spec.full_shape = {2, 3};
+  spec.shard = ShardSpec::Replicated(6);
+  absl::StatusOr<ParameterStore> store = ParameterStore::Create({spec}, 0, 1);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE(store->values().defined());
+  EXPECT_FALSE(store->grads().defined());
+  EXPECT_FALSE(store->Find("w")->grad.defined());
+  ASSERT_TRUE(store->Place(kernels::Device::Cpu()).ok());
+  ASSERT_TRUE(store->grads().defined());
+  EXPECT_EQ(store->Find("w")->grad.shape(), (kernels::Shape{2, 3}));
+  EXPECT_EQ(store->Find("w")->adam_v.address(), store->adam_v().address());
+  EXPECT_TRUE(store->Place(kernels::Device::Cpu()).ok()) << "placing it again where it is changes nothing";
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace baton::model {
 namespace {
@@ -111,52 +112,70 @@ std::vector<float> ParameterStore::ToHost(const kernels::Tensor& t) {
 }
 
 absl::Status ParameterStore::Place(kernels::Device device) {
-  if (device == values_.device()) return absl::OkStatus();
+  if (grads_.defined()) {
+    if (device == values_.device()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("the parameters are on ", kernels::DeviceToString(values_.device()),
+                                                      " already; they cannot move to ",
+                                                      kernels::DeviceToString(device)));
+  }
   const int64_t total = values_.numel();
-  kernels::Tensor* buffers[] = {&values_, &grads_, &adam_m_, &adam_v_};
-  for (kernels::Tensor* b : buffers) {
+  const std::string bytes = absl::StrCat(" (", total * 4, " bytes)");
+  kernels::Tensor values = values_;
+  if (device != values_.device()) {
     absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {total});
-    if (!placed.ok()) return placed.status();
-    if (b == &values_) {
-      absl::Status s = CopyAndWait(device, *placed, values_);
-      if (!s.ok()) return s;
-    }
-    *b = *std::move(placed);
+    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat("the parameter values", bytes));
+    values = *std::move(placed);
+    BATON_RETURN_IF_ERROR(CopyAndWait(device, values, values_));
   }
-  int64_t offset = 0;
-  for (Parameter& p : params_) {
-    const int64_t n = p.value.numel();
-    const kernels::Shape local = p.value.shape();
-    p.value = values_.Rows(offset, offset + n).Reshaped(local);
-    p.grad = grads_.Rows(offset, offset + n).Reshaped(local);
-    p.adam_m = adam_m_.Rows(offset, offset + n).Reshaped(local);
-    p.adam_v = adam_v_.Rows(offset, offset + n).Reshaped(local);
-    offset += n;
+  kernels::Tensor zeroed[3];  // gradients, AdamW first and second moments
+  const char* what[3] = {"the gradients", "the AdamW first moments", "the AdamW second moments"};
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {total});
+    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat(what[i], bytes));
+    zeroed[i] = *std::move(placed);
   }
+  values_ = std::move(values);
+  grads_ = std::move(zeroed[0]);
+  adam_m_ = std::move(zeroed[1]);
+  adam_v_ = std::move(zeroed[2]);
+  BindViews();
   return absl::OkStatus();
 }
 
-ParameterStore::ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size)
-    : tp_rank_(tp_rank), tp_size_(tp_size) {
+absl::StatusOr<ParameterStore> ParameterStore::Create(std::vector<ParameterSpec> specs, int tp_rank, int tp_size) {
   int64_t total = 0;
   for (const ParameterSpec& spec : specs) total += LocalElements(spec.shard, tp_size);
-  values_ = kernels::Tensor::Zeros({total});
-  grads_ = kernels::Tensor::Zeros({total});
-  adam_m_ = kernels::Tensor::Zeros({total});
-  adam_v_ = kernels::Tensor::Zeros({total});
-  int64_t offset = 0;
+  absl::StatusOr<kernels::Tensor> values = kernels::ZerosOn(kernels::Device::Cpu(), {total});
+  if (!values.ok()) {
+    return WithContext(values.status(), absl::StrCat("the parameter values (", total * 4, " bytes)"));
+  }
+  return ParameterStore(std::move(specs), *std::move(values), tp_rank, tp_size);
+}
+
+ParameterStore::ParameterStore(std::vector<ParameterSpec> specs, kernels::Tensor values, int tp_rank, int tp_size)
+    : values_(std::move(values)), tp_rank_(tp_rank), tp_size_(tp_size) {
   for (ParameterSpec& spec : specs) {
-    const int64_t n = LocalElements(spec.shard, tp_size);
     Parameter p;
-    // The local shape: the full shape with the split dimension divided.
-    kernels::Shape local = spec.full_shape;
-    if (!spec.shard.replicated) local[spec.shard.dim] /= tp_size;
-    p.value = values_.Rows(offset, offset + n).Reshaped(local);
-    p.grad = grads_.Rows(offset, offset + n).Reshaped(local);
-    p.adam_m = adam_m_.Rows(offset, offset + n).Reshaped(local);
-    p.adam_v = adam_v_.Rows(offset, offset + n).Reshaped(local);
     p.spec = std::move(spec);
     params_.push_back(std::move(p));
+  }
+  BindViews();
+}
+
+void ParameterStore::BindViews() {
+  int64_t offset = 0;
+  for (Parameter& p : params_) {
+    // The local shape: the full shape with the split dimension divided.
+    kernels::Shape local = p.spec.full_shape;
+    if (!p.spec.shard.replicated) local[p.spec.shard.dim] /= tp_size_;
+    const int64_t n = kernels::NumElements(local);
+    auto view = [&](const kernels::Tensor& flat) {
+      return flat.defined() ? flat.Rows(offset, offset + n).Reshaped(local) : kernels::Tensor();
+    };
+    p.value = view(values_);
+    p.grad = view(grads_);
+    p.adam_m = view(adam_m_);
+    p.adam_v = view(adam_v_);
     offset += n;
   }
 }

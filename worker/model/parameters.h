@@ -77,13 +77,20 @@ void FillNormal(uint64_t seed, const std::string& name, float std, float* out, i
 
 class ParameterStore {
  public:
-  ParameterStore(std::vector<ParameterSpec> specs, int tp_rank, int tp_size);
+  // The store of this rank's shards of `specs`: the flat values, zero, in
+  // host memory (Initialize draws them there). The gradients and AdamW
+  // moments come with Place, on their device. A host without the memory:
+  // OutOfMemoryError (kernels::IsOutOfMemory) naming the bytes.
+  static absl::StatusOr<ParameterStore> Create(std::vector<ParameterSpec> specs, int tp_rank, int tp_size);
 
   // Draws every parameter from `seed` (full tensors, then this rank's shard).
   // On the host: call before Place.
   void Initialize(uint64_t seed);
-  // Moves the four flat buffers to `device` (a no-op for the CPU): one
-  // allocation each, values copied, the rest zero; parameter views rebound.
+  // Puts the store on `device`, once, before any use of the gradients or
+  // moments: the values move there (stay, for the CPU), and the gradients
+  // and both moments are allocated there zero-filled, never on the host
+  // first; parameter views rebound. Out of memory: OutOfMemoryError, and
+  // the store is unchanged.
   absl::Status Place(kernels::Device device);
   kernels::Device device() const { return values_.device(); }
   // Gives every GEMM weight (ParameterSpec::gemm_weight) a bf16 copy, one
@@ -114,6 +121,11 @@ class ParameterStore {
   const kernels::Tensor& adam_v() const { return adam_v_; }
 
  private:
+  ParameterStore(std::vector<ParameterSpec> specs, kernels::Tensor values, int tp_rank, int tp_size);
+  // Points every parameter's views into the flat buffers (undefined views
+  // for buffers not allocated yet).
+  void BindViews();
+
   std::vector<Parameter> params_;
   kernels::Tensor values_, grads_, adam_m_, adam_v_;
   kernels::Tensor values_bf16_;  // GEMM weights' bf16 copies, when allocated

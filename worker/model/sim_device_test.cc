@@ -127,6 +127,47 @@ struct SimMemoryLimit {
   ~SimMemoryLimit() { kernels::sim::SetSimDeviceMemoryLimitForTesting(0); }
 };
 
+// A stage whose parameters, gradients and AdamW moments do not fit in the
+// device's memory fails Create with RESOURCE_EXHAUSTED naming what did not
+// fit and what to change, holds no device memory afterwards, and the same
+// stage is created once the memory is there.
+TEST(SimDeviceOutOfMemoryTest, ParametersThatDoNotFitFailCreateAndHoldNothing) {
+  const kernels::Device device = kernels::Device::Sim(7);  // no other test uses it
+  auto config = MakeStageConfig(SmallModel(), 0, 1, 0, 1, /*seed=*/5);
+  ASSERT_TRUE(config.ok()) << config.status();
+  config->device = device;
+  const kernels::MemoryStats before = kernels::GetMemoryStats(device);
+  {
+    SimMemoryLimit limit(before.reserved_bytes + 1024);  // not even the values
+    absl::StatusOr<std::unique_ptr<GptStage>> stage = GptStage::Create(*config, nullptr);
+    ASSERT_EQ(stage.status().code(), absl::StatusCode::kResourceExhausted) << stage.status();
+    const std::string message(stage.status().message());
+    EXPECT_NE(message.find("placing stage 0 (tp rank 0) on sim:7: the parameter values ("), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("use more pipeline stages (parallel.pp)"), std::string::npos) << message;
+    EXPECT_EQ(message.find("micro_batch_size"), std::string::npos) << "activations are not the cause: " << message;
+    EXPECT_EQ(kernels::GetMemoryStats(device).in_use_bytes, before.in_use_bytes);
+    EXPECT_EQ(kernels::GetMemoryStats(device).reserved_bytes, before.reserved_bytes);
+  }
+  config->device = kernels::Device::Cpu();
+  absl::StatusOr<std::unique_ptr<GptStage>> on_cpu = GptStage::Create(*config, nullptr);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  const int64_t values_bytes = static_cast<int64_t>((*on_cpu)->parameters().values().bytes());
+  config->device = device;
+  {
+    SimMemoryLimit limit(before.reserved_bytes + values_bytes + 1024);  // the values, not the gradients
+    absl::StatusOr<std::unique_ptr<GptStage>> stage = GptStage::Create(*config, nullptr);
+    ASSERT_EQ(stage.status().code(), absl::StatusCode::kResourceExhausted) << stage.status();
+    EXPECT_NE(stage.status().message().find(absl::StrCat("the gradients (", values_bytes, " bytes)")),
+              std::string::npos)
+        << stage.status();
+    EXPECT_EQ(kernels::GetMemoryStats(device).reserved_bytes, before.reserved_bytes) << "the values went back too";
+  }
+  absl::StatusOr<std::unique_ptr<GptStage>> stage = GptStage::Create(*config, nullptr);
+  ASSERT_TRUE(stage.ok()) << stage.status();
+  EXPECT_EQ((*stage)->parameters().grads().device(), device);
+}
+
 // A microbatch whose activations do not fit in the device's memory fails the
 // stage's Forward (or BackwardInput) with RESOURCE_EXHAUSTED saying what to
 // lower, instead of aborting the process; the stage stays consistent: no
