@@ -13,6 +13,8 @@
 // the coordinator's CPU time is read from /proc. Prints one JSON object:
 //   heartbeat_p50_ms / _p99_ms   heartbeat round trips (ack received - sent)
 //                                while idle; *_steps_ms: while steps ran
+//                                (*_steps_in_ms: of those, sent -> handled
+//                                by the coordinator, from the ack's stamp)
 //                                (heartbeats_measured_steps of them; -1
 //                                when none: reports carried the liveness)
 //   coordinator_cpu_s_per_s      coordinator CPU seconds per wall second while
@@ -32,6 +34,11 @@
 // --heartbeat_while_busy=true heartbeats every period, as workers before any
 // message renewed the lease (baton's workers leave heartbeats out while
 // they send others).
+// --workers_per_connection (default 128) packs that many simulated workers
+// onto one gRPC channel; 1 gives each its own connection, as deployed
+// workers have (about 2.4x the coordinator's CPU per message). --bdp_probe
+// turns gRPC's bandwidth-delay probing back on for the simulated workers
+// (baton-worker turns it off).
 // --step_done_in_report=false answers every StepDone apart, as workers from
 // before RunStep.step_done_in_report (the sims never snapshot, so with it
 // each step's StepDone rides in the next report).
@@ -76,6 +83,12 @@ ABSL_FLAG(bool, heartbeat_while_busy, false,
           "period, and at least every 10 periods)");
 ABSL_FLAG(bool, step_done_in_report, true,
           "the workers put a StepDone in the next report where RunStep allows it (false: as workers before it)");
+ABSL_FLAG(int, workers_per_connection, 128,
+          "simulated workers sharing one gRPC channel (one TCP connection); 1: a connection per worker, as "
+          "deployed workers have");
+ABSL_FLAG(bool, bdp_probe, false,
+          "the simulated workers' channels probe the bandwidth-delay product (gRPC's default; baton-worker turns "
+          "it off: a PING per message received)");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
 // Internal: a process of simulated workers.
 ABSL_FLAG(std::string, sim, "", "internal: ADDRESS:FIRST:COUNT:OUTFILE");
@@ -94,7 +107,8 @@ int64_t NowUs() { return absl::ToUnixMicros(absl::Now()); }
 
 struct Record {
   absl::Mutex mu;
-  std::vector<std::pair<int64_t, int64_t>> rtts;  // (ack time, rtt) in us
+  // (ack time, rtt, sent -> coordinator's stamp) in us; one clock: one machine
+  std::vector<std::array<int64_t, 3>> rtts;
   std::vector<int64_t> ready, configured;
   // step -> (first RunStep seen, last StepDone sent, slowest own time)
   std::map<int64_t, std::array<int64_t, 3>> steps;
@@ -166,7 +180,8 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
         rec_->ready.push_back(now);
       }
       absl::MutexLock lock(&rec_->mu);
-      rec_->rtts.emplace_back(now, now - m.ack().worker_send_time_us());
+      rec_->rtts.push_back({now, now - m.ack().worker_send_time_us(),
+                            m.ack().coordinator_time_us() - m.ack().worker_send_time_us()});
     } else if (m.has_configure()) {
       {
         absl::MutexLock lock(&rec_->mu);
@@ -309,13 +324,15 @@ int RunSimProcess(const std::string& arg) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // threads started below inherit it
 
   Record rec;
-  // A channel per 128 workers (each its own connection).
+  // A channel per --workers_per_connection workers (each its own connection).
+  const int per_connection = std::max(1, absl::GetFlag(FLAGS_workers_per_connection));
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
   std::vector<std::unique_ptr<SimWorker>> workers;
   for (int i = 0; i < count; ++i) {
-    if (i % 128 == 0) {
+    if (i % per_connection == 0) {
       grpc::ChannelArguments args;
       args.SetInt("bench.channel", first + i);  // distinct args: a connection of its own
+      args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, absl::GetFlag(FLAGS_bdp_probe) ? 1 : 0);  // as baton-worker
       stubs.push_back(v1::Coordinator::NewStub(
           grpc::CreateCustomChannel(parts[0], grpc::InsecureChannelCredentials(), args)));
     }
@@ -339,7 +356,7 @@ int RunSimProcess(const std::string& arg) {
   std::ofstream out(parts[3]);
   absl::MutexLock lock(&rec.mu);
   out << "errors " << rec.errors << " " << (rec.first_error.empty() ? "-" : rec.first_error) << "\n";
-  for (auto& [t, r] : rec.rtts) out << "rtt " << t << " " << r << "\n";
+  for (auto& [t, r, in] : rec.rtts) out << "rtt " << t << " " << r << " " << in << "\n";
   for (int64_t t : rec.ready) out << "ready " << t << "\n";
   for (int64_t t : rec.configured) out << "configured " << t << "\n";
   for (auto& [s, v] : rec.steps) out << "step " << s << " " << v[0] << " " << v[1] << " " << v[2] << "\n";
@@ -456,7 +473,9 @@ int Main(int argc, char** argv) {
   for (int p = 0; p < procs; ++p) {
     const int first = n * p / procs, count = n * (p + 1) / procs - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
-                          verdict_flag, done_flag, beat_flag},
+                          verdict_flag, done_flag, beat_flag,
+                          absl::StrCat("--workers_per_connection=", absl::GetFlag(FLAGS_workers_per_connection)),
+                          absl::StrCat("--bdp_probe=", absl::GetFlag(FLAGS_bdp_probe) ? "true" : "false")},
                          absl::StrCat(dir, "/sim", p, ".log")));
   }
   // Wait for the job to end (GetStatus).
@@ -511,8 +530,8 @@ int Main(int argc, char** argv) {
   waitpid(cpid, nullptr, 0);
 
   // Aggregate.
-  std::vector<double> idle_rtt, step_rtt;
-  std::vector<std::pair<int64_t, double>> job_rtt;  // (ack time, ms) before the job ended
+  std::vector<double> idle_rtt, step_rtt, step_in;
+  std::vector<std::array<int64_t, 3>> job_rtt;  // (ack time, rtt, in) before the job ended
   int64_t last_ready = 0, last_configured = 0, first_step_at = INT64_MAX, ready_count = 0, configured_count = 0;
   int errors = 0;
   std::string first_error;
@@ -529,10 +548,10 @@ int Main(int argc, char** argv) {
         errors += e;
         if (e > 0 && first_error.empty()) first_error = rest;
       } else if (kind == "rtt") {
-        int64_t t, r;
-        in >> t >> r;
+        int64_t t, r, to_coordinator;
+        in >> t >> r >> to_coordinator;
         if (t >= idle_from && t <= idle_to) idle_rtt.push_back(r / 1e3);
-        if (t < absl::ToUnixMicros(job_end)) job_rtt.emplace_back(t, r / 1e3);
+        if (t < absl::ToUnixMicros(job_end)) job_rtt.push_back({t, r, to_coordinator});
       } else if (kind == "ready") {
         int64_t t;
         in >> t;
@@ -557,8 +576,10 @@ int Main(int argc, char** argv) {
     }
   }
   // While steps ran: from the first RunStep a worker saw to the job's end.
-  for (const auto& [t, ms] : job_rtt) {
-    if (t >= first_step_at) step_rtt.push_back(ms);
+  for (const auto& [t, r, to_coordinator] : job_rtt) {
+    if (t < first_step_at) continue;
+    step_rtt.push_back(r / 1e3);
+    step_in.push_back(to_coordinator / 1e3);
   }
   // The coordinator's step walls.
   std::vector<double> overhead;
@@ -591,13 +612,15 @@ int Main(int argc, char** argv) {
       "\"job_state\": \"%s\", \"errors\": %d, \"first_error\": \"%s\", \"ready\": %ld, \"configured\": %ld, "
       "\"heartbeat_p50_ms\": %.3f, \"heartbeat_p99_ms\": %.3f, \"heartbeats_measured\": %zu, "
       "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, \"heartbeats_measured_steps\": %zu, "
+      "\"heartbeat_p50_steps_in_ms\": %.3f, \"heartbeat_p99_steps_in_ms\": %.3f, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
       "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"heartbeat_while_busy\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
-      Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), step_rtt.size(), (cpu1 - cpu0) / idle_s,
+      Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), step_rtt.size(), Percentile(step_in, 0.5),
+      Percentile(step_in, 0.99), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
       overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
       absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false",
