@@ -182,6 +182,12 @@ int Main() {
   quota.SetMaxThreads(2048);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
+  // No bandwidth-delay probing: it sends a PING after the data the
+  // coordinator receives and reads its ack, a fifth of the coordinator's CPU
+  // per step at 1,024 workers (docs/BENCHMARKS.md). The windows stay at
+  // HTTP/2's 64 KiB, which the largest session messages (snapshots, under
+  // 4 MiB) cross in 64 round trips (docs/protocol.md, "Snapshots").
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {

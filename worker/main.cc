@@ -268,6 +268,9 @@ int Main() {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(absl::GetFlag(FLAGS_keepalive_ms)));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // No bandwidth-delay probing (a PING after each message received, which
+  // the coordinator must answer), as the coordinator (its main.cc).
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   auto channel = MakeChannel(coordinator, *tls, *join_token, args);
   WorkerJob::Options job_options;
   job_options.name = name;
