@@ -111,6 +111,13 @@ class GrpcSession final : public SessionHandle {
     return finish_called_;
   }
 
+  // The stream is over (OnDone): every reaction has returned. gRPC orders
+  // them before OnDone through its completion queue; taking mu_ here makes
+  // that order explicit for the session's own state (and visible to
+  // ThreadSanitizer, which cannot see gRPC's queue) before the reactor lets
+  // go of the session, whose last owner may be another thread.
+  void Retire() { absl::MutexLock lock(&mu_); }
+
   const std::string& peer() const { return peer_; }
 
  private:
@@ -274,6 +281,7 @@ class CoordinatorService::SessionReactor final
   void OnWriteDone(bool ok) override { session_->WriteDone(ok); }
 
   void OnDone() override {
+    session_->Retire();
     service_->SessionDone();
     delete this;
   }

@@ -16,9 +16,10 @@
 #include "kernels/tensor.h"
 
 // The allocations below that no host can give must fail as the system's
-// allocator fails, not as a sanitizer report (ASAN_OPTIONS, when set, adds
-// to this).
+// allocator fails, not as a sanitizer report (ASAN_OPTIONS and TSAN_OPTIONS,
+// when set, add to this).
 extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+extern "C" const char* __tsan_default_options() { return "allocator_may_return_null=1"; }
 
 namespace baton::kernels {
 namespace {
