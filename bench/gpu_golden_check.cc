@@ -111,10 +111,11 @@ int main(int argc, char** argv) {
               absl::GetFlag(FLAGS_device).c_str());
   report("loss", std::fabs(loss - golden->loss) / std::fabs(golden->loss));
   for (const baton::model::Parameter& p : params.parameters()) {
-    const std::vector<float> grad = baton::model::ParameterStore::ToHost(p.grad);
+    const absl::StatusOr<std::vector<float>> grad = baton::model::ParameterStore::ToHost(p.grad);
+    if (!grad.ok()) return Usage(p.spec.name + ": " + std::string(grad.status().message()));
     const std::vector<double>& want = golden->grads.at(p.spec.name);
-    if (grad.size() != want.size()) return Usage(p.spec.name + ": gradient size differs");
-    report(p.spec.name, RelError(grad, want));
+    if (grad->size() != want.size()) return Usage(p.spec.name + ": gradient size differs");
+    report(p.spec.name, RelError(*grad, want));
   }
   std::printf("%s: %d compared, worst %.3e, %d above %.0e\n", bad == 0 ? "PASS" : "FAIL",
               compared, worst, bad, tolerance);

@@ -16,11 +16,13 @@
 #include "kernels/cpu/gemm.h"
 #include "worker/comm/inproc_communicator.h"
 #include "worker/model/inproc_model.h"
+#include "worker/model/model_test_util.h"
 
 namespace baton {
 namespace {
 
 using kernels::Tensor;
+using model::Full;
 
 constexpr int64_t kBatch = 2;
 
@@ -157,7 +159,7 @@ TEST_F(GptStageModelTest, ExplicitAndInterleavedChunksComputeTheUnshardedModel) 
     for (auto& chunk : chunks) {
       norm += chunk->LocalGradSqNorm();
       for (const model::Parameter& p : chunk->stage().parameters().parameters()) {
-        EXPECT_LT(RelError(p.grad.f32(), ref->FullGrad(p.spec.name)), 1e-5) << p.spec.name;
+        EXPECT_LT(RelError(p.grad.f32(), Full(ref->FullGrad(p.spec.name))), 1e-5) << p.spec.name;
       }
       // Gradients() is the flat buffer holding every parameter's gradient.
       const Tensor flat = chunk->Gradients();
@@ -191,9 +193,9 @@ TEST_F(GptStageModelTest, TiedEmbeddingCopiesStayEqualAndTheOptimizerUsesTheTrai
   const model::Parameter* first = chunks[0]->stage().parameters().Find("wte");
   const model::Parameter* last = chunks[1]->stage().parameters().Find("wte");
   EXPECT_EQ(std::memcmp(first->value.raw(), last->value.raw(), first->value.bytes()), 0);
-  EXPECT_LT(RelError(first->value.f32(), (*ref)->FullValue("wte")), 1e-5);
+  EXPECT_LT(RelError(first->value.f32(), Full((*ref)->FullValue("wte"))), 1e-5);
   EXPECT_LT(RelError(chunks[1]->stage().parameters().Find("h.3.mlp.c_fc.weight")->value.f32(),
-                     (*ref)->FullValue("h.3.mlp.c_fc.weight")),
+                     Full((*ref)->FullValue("h.3.mlp.c_fc.weight"))),
             1e-5);
 }
 
@@ -259,7 +261,7 @@ TEST_F(GptStageModelTest, ShardsReassembleIntoTheFullParametersWithOneTiedEmbedd
       EXPECT_EQ(s.tied_copy, c == 1 && s.name == "wte");
       if (s.tied_copy) continue;  // the first chunk's "wte" is the tensor
       seen.push_back(s.name);
-      EXPECT_EQ(Assemble(shards), (*ref)->FullValue(s.name));
+      EXPECT_EQ(Assemble(shards), Full((*ref)->FullValue(s.name)));
       EXPECT_EQ(s.qkv, s.name.find("c_attn") != std::string::npos);
     }
   }
@@ -271,7 +273,7 @@ TEST_F(GptStageModelTest, ShardsReassembleIntoTheFullParametersWithOneTiedEmbedd
   const NamedShard copy = chunks[1][0]->Shards().back();
   ASSERT_EQ(copy.name, "wte");
   EXPECT_EQ(std::vector<float>(copy.value.f32(), copy.value.f32() + copy.value.numel()),
-            (*ref)->FullValue("wte"));
+            Full((*ref)->FullValue("wte")));
 }
 
 TEST_F(GptStageModelTest, BadWiringAndInputsAreErrors) {

@@ -90,7 +90,7 @@ absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, 
   out.push_back({"loss", std::abs(loss - golden.loss) / std::abs(golden.loss)});
   for (const std::string& name : names) {
     const std::vector<double>& want = golden.grads.at(name);
-    const std::vector<float> got = model->FullGrad(name);
+    BATON_ASSIGN_OR_RETURN(const std::vector<float> got, model->FullGrad(name));
     if (got.size() != want.size()) {
       return absl::InvalidArgumentError(absl::StrCat("golden gradient of ", name, " has ",
                                                      want.size(), " values, ours ", got.size()));

@@ -73,10 +73,15 @@ TEST_F(GptStageTest, EveryLayoutMatchesTheUnshardedModel) {
     // Every gradient counted once in the global norm, whatever the layout.
     EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
     for (const std::string& name : base->ParameterNames()) {
-      EXPECT_EQ(m->FullValue(name), base->FullValue(name)) << name << " initialised differently";
-      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+      EXPECT_EQ(Full(m->FullValue(name)), Full(base->FullValue(name))) << name << " initialised differently";
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
     }
   }
+  // A name no stage holds is NOT_FOUND, naming it (not an empty tensor).
+  const absl::StatusOr<std::vector<float>> missing = base->FullGrad("h.99.attn.c_attn.weight");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("h.99.attn.c_attn.weight"), std::string::npos)
+      << missing.status();
 }
 
 TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
@@ -94,12 +99,12 @@ TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
     EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
     EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
     for (const std::string& name : base->ParameterNames()) {
-      EXPECT_EQ(m->FullValue(name), base->FullValue(name)) << name << " initialised differently";
-      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+      EXPECT_EQ(Full(m->FullValue(name)), Full(base->FullValue(name))) << name << " initialised differently";
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
     }
     auto m2 = Run(layout.pp, layout.tp, &again, /*vocab_parallel=*/true);
     EXPECT_EQ(loss, again);
-    EXPECT_EQ(m->FullGrad("wte"), m2->FullGrad("wte"));  // bitwise repeatable
+    EXPECT_EQ(Full(m->FullGrad("wte")), Full(m2->FullGrad("wte")));  // bitwise repeatable
   }
   // A vocabulary the group cannot split is an error naming the field.
   model_.vocab = 37;
@@ -136,7 +141,7 @@ TEST_F(GptStageTest, IgnoredTargetsGiveTheUnshardedModelInEveryLayout) {
     EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
     EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
     for (const std::string& name : base->ParameterNames()) {
-      EXPECT_LT(RelError(m->FullGrad(name), base->FullGrad(name)), 1e-5) << name;
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
     }
     for (int r = 0; r < layout.tp; ++r) {
       const StepScore got = m->stage(layout.pp - 1, r).score();
@@ -177,7 +182,7 @@ TEST_F(GptStageTest, IgnoredTrailingTargetsEqualAShorterSequence) {
   EXPECT_EQ(masked->stage(1, 0).score().tokens, (*shorter)->stage(0, 0).score().tokens);
   EXPECT_EQ(masked->stage(1, 0).score().correct, (*shorter)->stage(0, 0).score().correct);
   for (const std::string& name : masked->ParameterNames()) {
-    EXPECT_LT(RelError(masked->FullGrad(name), (*shorter)->FullGrad(name)), 1e-5) << name;
+    EXPECT_LT(RelError(Full(masked->FullGrad(name)), Full((*shorter)->FullGrad(name))), 1e-5) << name;
   }
 }
 
@@ -227,8 +232,8 @@ TEST_F(GptStageTest, SameLayoutTwiceGivesIdenticalBits) {
     ASSERT_TRUE(m->ForwardBackward(tokens_, targets_).ok());
     std::vector<std::vector<float>> got;
     for (const std::string& name : m->ParameterNames()) {
-      got.push_back(m->FullValue(name));
-      got.push_back(m->FullGrad(name));
+      got.push_back(Full(m->FullValue(name)));
+      got.push_back(Full(m->FullGrad(name)));
     }
     if (run == 0) {
       first = got;
@@ -257,7 +262,7 @@ TEST_F(GptStageTest, TwoMicrobatchesAccumulateLikeOneBatch) {
   ASSERT_TRUE(split_loss.ok() && whole_loss.ok());
   EXPECT_NEAR(*split_loss, *whole_loss, 1e-6);
   for (const std::string& name : (*whole)->ParameterNames()) {
-    EXPECT_LT(RelError((*split)->FullGrad(name), (*whole)->FullGrad(name)), 1e-5) << name;
+    EXPECT_LT(RelError(Full((*split)->FullGrad(name)), Full((*whole)->FullGrad(name))), 1e-5) << name;
   }
 }
 

@@ -168,27 +168,30 @@ std::vector<std::string> InProcModel::ParameterNames() const {
   return names;
 }
 
-std::vector<float> InProcModel::Gather(const std::string& name, bool grad) const {
+absl::StatusOr<std::vector<float>> InProcModel::Gather(const std::string& name, bool grad) const {
+  const char* what = grad ? "gradient" : "value";
   for (const auto& row : stages_) {
     if (row[0]->parameters().Find(name) == nullptr) continue;
     std::vector<float> full;
     for (int r = 0; r < tp_; ++r) {
       const Parameter* p = row[r]->parameters().Find(name);
-      if (!row[r]->stream().Synchronize().ok()) return {};
+      const std::string context = absl::StrCat("gathering the ", what, " of ", name, " from tp rank ", r);
+      BATON_RETURN_IF_ERROR_CTX(row[r]->stream().Synchronize(), context);
+      absl::StatusOr<std::vector<float>> local = ParameterStore::ToHost(grad ? p->grad : p->value);
+      if (!local.ok()) return WithContext(local.status(), context);
       if (full.empty()) full.resize(kernels::NumElements(p->spec.full_shape));
-      const std::vector<float> local = ParameterStore::ToHost(grad ? p->grad : p->value);
-      InsertShard(p->spec.shard, r, tp_, local.data(), full.data());
+      InsertShard(p->spec.shard, r, tp_, local->data(), full.data());
     }
     return full;
   }
-  return {};
+  return absl::NotFoundError(absl::StrCat("no stage holds a parameter named \"", name, "\""));
 }
 
-std::vector<float> InProcModel::FullValue(const std::string& name) const {
+absl::StatusOr<std::vector<float>> InProcModel::FullValue(const std::string& name) const {
   return Gather(name, /*grad=*/false);
 }
 
-std::vector<float> InProcModel::FullGrad(const std::string& name) const {
+absl::StatusOr<std::vector<float>> InProcModel::FullGrad(const std::string& name) const {
   return Gather(name, /*grad=*/true);
 }
 

@@ -50,15 +50,17 @@ class InProcModel {
   // Every parameter name once, in model order.
   std::vector<std::string> ParameterNames() const;
   // Full (unsharded) value or gradient, gathered from the TP shards of the
-  // first stage that holds `name`.
-  std::vector<float> FullValue(const std::string& name) const;
-  std::vector<float> FullGrad(const std::string& name) const;
+  // first stage that holds `name` (waits for its streams). NOT_FOUND when no
+  // stage holds `name`; a failed wait or device copy is an error naming the
+  // parameter and the rank.
+  absl::StatusOr<std::vector<float>> FullValue(const std::string& name) const;
+  absl::StatusOr<std::vector<float>> FullGrad(const std::string& name) const;
 
   GptStage& stage(int pp_rank, int tp_rank) { return *stages_[pp_rank][tp_rank]; }
 
  private:
   InProcModel() = default;
-  std::vector<float> Gather(const std::string& name, bool grad) const;
+  absl::StatusOr<std::vector<float>> Gather(const std::string& name, bool grad) const;
   absl::Status RunRank(int tp_rank, const std::vector<kernels::Tensor>& tokens,
                        const std::vector<kernels::Tensor>& targets);
 

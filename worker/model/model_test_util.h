@@ -1,5 +1,5 @@
-// Helpers shared by the model's tests: random token ids and the relative L2
-// error the gradient checks use.
+// Helpers shared by the model's tests: random token ids, the relative L2
+// error the gradient checks use, and the gathered tensors of an InProcModel.
 #ifndef BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
 #define BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
 
@@ -7,8 +7,12 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <limits>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "gtest/gtest.h"
 #include "kernels/tensor.h"
 
 namespace baton::model {
@@ -21,14 +25,25 @@ inline kernels::Tensor RandomIds(std::mt19937& rng, int64_t b, int64_t t, int vo
   return ids;
 }
 
-// ‖got − want‖₂ / ‖want‖₂ (sizes must match), in double.
+// ‖got − want‖₂ / ‖want‖₂, in double; infinite when the sizes differ.
 inline double RelError(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
   double diff = 0, norm = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
     norm += double{want[i]} * want[i];
   }
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+// The values of a gathered tensor (InProcModel::FullValue / FullGrad); a
+// failed gather fails the calling test and gives no values.
+inline std::vector<float> Full(absl::StatusOr<std::vector<float>> gathered) {
+  if (!gathered.ok()) {
+    ADD_FAILURE() << "gather failed: " << gathered.status();
+    return {};
+  }
+  return *std::move(gathered);
 }
 
 }  // namespace baton::model

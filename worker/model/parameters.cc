@@ -1,8 +1,6 @@
 #include "worker/model/parameters.h"
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -96,17 +94,14 @@ absl::Status CopyAndWait(kernels::Device device, const kernels::Tensor& dst,
 
 }  // namespace
 
-std::vector<float> ParameterStore::ToHost(const kernels::Tensor& t) {
+absl::StatusOr<std::vector<float>> ParameterStore::ToHost(const kernels::Tensor& t) {
   std::vector<float> out(t.numel());
   kernels::Tensor host = kernels::Tensor::View(out.data(), {t.numel()});
   if (t.device().is_cpu()) {
     std::memcpy(out.data(), t.f32(), t.bytes());
   } else {
-    const absl::Status s = CopyAndWait(t.device(), host, t);
-    if (!s.ok()) {
-      std::fprintf(stderr, "ParameterStore::ToHost: %s\n", std::string(s.message()).c_str());
-      std::abort();
-    }
+    BATON_RETURN_IF_ERROR_CTX(CopyAndWait(t.device(), host, t), "copying ", t.numel(), " values from ",
+                              kernels::DeviceToString(t.device()), " to the host");
   }
   return out;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/tensor.h"
 #include "kernels/ops.h"
@@ -104,8 +105,9 @@ class ParameterStore {
   // Sets parameter `name` from its full (unsharded) values (its bf16 copy,
   // if any, is the caller's to refresh).
   absl::Status SetFull(const std::string& name, absl::Span<const float> full);
-  // A host copy of `t` (a view into this store, on any device); waits for it.
-  static std::vector<float> ToHost(const kernels::Tensor& t);
+  // A host copy of `t` (a view into this store, on any device); waits for
+  // it. A failed device copy is an error naming the tensor's device.
+  static absl::StatusOr<std::vector<float>> ToHost(const kernels::Tensor& t);
 
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }

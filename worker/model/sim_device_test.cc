@@ -17,6 +17,7 @@
 #include "kernels/sim/sim_backend.h"
 #include "worker/model/gpt_stage.h"
 #include "worker/model/inproc_model.h"
+#include "worker/model/model_test_util.h"
 
 namespace baton::model {
 namespace {
@@ -95,12 +96,12 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
     EXPECT_EQ(got.correct, want.correct);
     EXPECT_EQ((*sim)->GlobalGradSqNorm(), (*cpu)->GlobalGradSqNorm());
     for (const std::string& name : (*cpu)->ParameterNames()) {
-      ASSERT_EQ((*sim)->FullGrad(name), (*cpu)->FullGrad(name)) << name << " at step " << step;
+      ASSERT_EQ(Full((*sim)->FullGrad(name)), Full((*cpu)->FullGrad(name))) << name << " at step " << step;
     }
     ASSERT_TRUE((*cpu)->OptimizerStep(adamw, 1.0).ok());
     ASSERT_TRUE((*sim)->OptimizerStep(adamw, 1.0).ok());
     for (const std::string& name : (*cpu)->ParameterNames()) {
-      ASSERT_EQ((*sim)->FullValue(name), (*cpu)->FullValue(name)) << name << " at step " << step;
+      ASSERT_EQ(Full((*sim)->FullValue(name)), Full((*cpu)->FullValue(name))) << name << " at step " << step;
     }
   }
   // The work really ran on the simulated streams.
