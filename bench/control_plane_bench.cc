@@ -20,7 +20,8 @@
 //   coordinator_cpu_s_per_s      coordinator CPU seconds per wall second while
 //                                idle (heartbeats only); cpu_us_per_heartbeat
 //   configure_seconds            last worker ready -> every worker configured
-//                                (includes the job runner's 100 ms readiness poll)
+//                                (includes the job runner's 100 ms readiness poll;
+//                                -1 with --job_ranks: spares join meanwhile)
 //   step_overhead_ms             median over steps 2.. of the coordinator's step
 //                                wall (steps.jsonl) minus the slowest worker's
 //                                own time in that step
@@ -42,6 +43,13 @@
 // --step_done_in_report=false answers every StepDone apart, as workers from
 // before RunStep.step_done_in_report (the sims never snapshot, so with it
 // each step's StepDone rides in the next report).
+// --job_ranks=K (< --workers) runs a job of K ranks; the other workers are
+// spares that only heartbeat, so the coordinator holds N sessions while K
+// of them step: the load group leaders would leave it (docs/architecture.md,
+// "Scaling the step protocol"; K = N/pp), less their handling of the members'
+// reports inside the leaders' ones. The step figures then count only steps
+// that began after every worker was ready, and the CPU per step only polls
+// that saw every worker ready.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -71,7 +79,8 @@
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
-ABSL_FLAG(int, workers, 64, "simulated workers (pp*tp*dp of the job)");
+ABSL_FLAG(int, workers, 64, "simulated workers (pp*tp*dp of the job, unless --job_ranks)");
+ABSL_FLAG(int, job_ranks, 0, "pp*tp*dp of the job (0: --workers); the other workers are spares");
 ABSL_FLAG(int, procs, 4, "processes the simulated workers are packed into");
 ABSL_FLAG(int, steps, 12, "training steps of the synthetic job");
 ABSL_FLAG(int, idle_s, 8, "seconds of heartbeats only, after the job, for CPU and latency");
@@ -412,16 +421,20 @@ double Percentile(std::vector<double> v, double p) {
 
 int Main(int argc, char** argv) {
   const int n = absl::GetFlag(FLAGS_workers);
-  // pp*tp*dp = n (the meshes of docs/BENCHMARKS.md; other sizes: pp = n).
+  const int ranks = absl::GetFlag(FLAGS_job_ranks) == 0 ? n : absl::GetFlag(FLAGS_job_ranks);
+  // pp*tp*dp = ranks (the meshes of docs/BENCHMARKS.md; other sizes: pp = ranks).
   static const std::map<int, std::array<int, 3>> kMeshes = {
-      {64, {4, 4, 4}}, {256, {8, 8, 4}}, {1024, {16, 8, 8}}, {4096, {32, 8, 16}}};
-  int pp = n, tp = 1, dp = 1;
-  if (auto it = kMeshes.find(n); it != kMeshes.end()) {
+      {64, {4, 4, 4}}, {128, {8, 4, 4}}, {256, {8, 8, 4}}, {1024, {16, 8, 8}}, {4096, {32, 8, 16}}};
+  int pp = ranks, tp = 1, dp = 1;
+  if (auto it = kMeshes.find(ranks); it != kMeshes.end()) {
     pp = it->second[0];
     tp = it->second[1];
     dp = it->second[2];
   }
-  if (n < 1 || (kMeshes.count(n) == 0 && n > 64)) Die("--workers: 1..64, or 256, 1024, 4096");
+  if (n < 1 || n > 4096) Die("--workers: 1..4096");
+  if (ranks < 1 || ranks > n || (kMeshes.count(ranks) == 0 && ranks > 64)) {
+    Die("--job_ranks: 1..64, or 128, 256, 1024, 4096, and at most --workers");
+  }
   const int m = 2 * pp;
   const int steps = absl::GetFlag(FLAGS_steps);
 
@@ -499,12 +512,15 @@ int Main(int argc, char** argv) {
     v1::GetStatusResponse resp;
     if (grpc::Status s = stub->GetStatus(&ctx, req, &resp); s.ok()) {
       state = resp.job_state();
-      if (cpu_from_step < 0 && resp.step() >= 1 && state == "running") {
+      const bool all_ready =
+          std::count_if(resp.workers().begin(), resp.workers().end(),
+                        [](const v1::WorkerInfo& w) { return w.state() == v1::READY; }) == n;
+      if (cpu_from_step < 0 && resp.step() >= 1 && state == "running" && all_ready) {
         cpu_from_step = resp.step();
         coord_cpu_from = CpuSeconds(cpid);
         sims_cpu_from = sims_cpu();
       }
-      if (cpu_from_step >= 0 && resp.step() > cpu_to_step && state == "running") {
+      if (cpu_from_step >= 0 && resp.step() > cpu_to_step && state == "running" && all_ready) {
         cpu_to_step = resp.step();
         coord_cpu_to = CpuSeconds(cpid);
         sims_cpu_to = sims_cpu();
@@ -577,7 +593,7 @@ int Main(int argc, char** argv) {
   }
   // While steps ran: from the first RunStep a worker saw to the job's end.
   for (const auto& [t, r, to_coordinator] : job_rtt) {
-    if (t < first_step_at) continue;
+    if (t < first_step_at || (ranks < n && t < last_ready)) continue;
     step_rtt.push_back(r / 1e3);
     step_in.push_back(to_coordinator / 1e3);
   }
@@ -596,6 +612,8 @@ int Main(int argc, char** argv) {
         continue;
       }
       if (step < 2) continue;  // warm-up
+      // With spares: only steps that began once every worker was ready.
+      if (ranks < n && (!step_agg.count(step) || step_agg[step][0] < last_ready)) continue;
       const double own = step_agg.count(step) ? step_agg[step][2] / 1e6 : 0;
       overhead.push_back((wall - own) * 1e3);
     }
@@ -608,7 +626,7 @@ int Main(int argc, char** argv) {
   };
   const double beats_per_s = n * 1e3 / 500.0;  // default --heartbeat_ms
   std::printf(
-      "{\"workers\": %d, \"pp\": %d, \"tp\": %d, \"dp\": %d, \"microbatches\": %d, \"sim_processes\": %d, "
+      "{\"workers\": %d, \"job_ranks\": %d, \"pp\": %d, \"tp\": %d, \"dp\": %d, \"microbatches\": %d, \"sim_processes\": %d, "
       "\"job_state\": \"%s\", \"errors\": %d, \"first_error\": \"%s\", \"ready\": %ld, \"configured\": %ld, "
       "\"heartbeat_p50_ms\": %.3f, \"heartbeat_p99_ms\": %.3f, \"heartbeats_measured\": %zu, "
       "\"heartbeat_p50_steps_ms\": %.3f, \"heartbeat_p99_steps_ms\": %.3f, \"heartbeats_measured_steps\": %zu, "
@@ -617,11 +635,11 @@ int Main(int argc, char** argv) {
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
       "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"heartbeat_while_busy\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
-      n, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
+      n, ranks, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
       Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), step_rtt.size(), Percentile(step_in, 0.5),
       Percentile(step_in, 0.99), (cpu1 - cpu0) / idle_s,
-      (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
+      (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, ranks < n ? -1.0 : (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
       overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
       absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false",
       absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false",
