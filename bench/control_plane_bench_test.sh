@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# control_plane_bench at toy size, so the benchmark of docs/BENCHMARKS.md
+# ("Control plane at scale") keeps working: a real coordinator and simulated
+# workers over real gRPC finish the job with no protocol error, with and
+# without spares (--job_ranks), and bad sizes are refused with exit 1.
+#   control_plane_bench_test.sh BENCH COORDINATOR
+set -u
+bench=$1
+coordinator=$2
+failed=0
+fail() { echo "FAILED: $*"; failed=1; }
+field() {  # field JSON KEY: the value of "KEY": in the bench's one-line JSON
+  sed -n "s/.*\"$2\": \"\{0,1\}\([^,\"}]*\).*/\1/p" <<< "$1"
+}
+
+run() {  # run NAME FLAGS...: the JSON line, or "" (and a failure) when it did not print one
+  local name=$1
+  shift
+  local dir=$TEST_TMPDIR/$name
+  mkdir -p "$dir"
+  local out
+  out=$("$bench" --coordinator="$coordinator" --dir="$dir" --idle_s=1 "$@" 2> "$dir/stderr")
+  [[ $out == "{"* ]] || { fail "$name printed no JSON: $(tail -5 "$dir/stderr")"; return; }
+  echo "$out"
+}
+
+expect() {  # expect NAME JSON KEY VALUE
+  local got
+  got=$(field "$2" "$3")
+  [[ $got == "$4" ]] || fail "$1: $3 is '$got', want '$4' in $2"
+}
+
+# Every worker steps (a connection per worker, as deployed).
+json=$(run all --workers=6 --steps=10 --workers_per_connection=1)
+if [[ -n $json ]]; then
+  expect all "$json" job_state done
+  expect all "$json" errors 0
+  expect all "$json" ready 6
+  expect all "$json" configured 6
+  (( $(field "$json" steps_measured) >= 8 )) || fail "all: fewer than 8 steps measured: $json"
+fi
+
+# Spares: 8 sessions, a job of 4 ranks; the other 4 only heartbeat.
+json=$(run spares --workers=8 --job_ranks=4 --steps=40)
+if [[ -n $json ]]; then
+  expect spares "$json" job_state done
+  expect spares "$json" errors 0
+  expect spares "$json" job_ranks 4
+  expect spares "$json" ready 8
+  expect spares "$json" configured 4
+  expect spares "$json" configure_seconds -1.0000
+  (( $(field "$json" heartbeats_measured) > 0 )) || fail "spares: no idle heartbeat measured: $json"
+fi
+
+# Bad sizes: a clear error and exit 1, no coordinator left behind.
+for bad in "--workers=8 --job_ranks=9" "--workers=0" "--workers=100 --job_ranks=100" "--workers=5000"; do
+  # shellcheck disable=SC2086
+  msg=$("$bench" --coordinator="$coordinator" --dir="$TEST_TMPDIR" $bad 2>&1 >/dev/null)
+  rc=$?
+  [[ $rc -eq 1 && $msg == *"--"* ]] || fail "$bad: exit $rc, message '$msg'"
+done
+exit $failed
