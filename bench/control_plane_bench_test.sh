@@ -24,35 +24,30 @@ run() {  # run NAME FLAGS...: the JSON line, or "" (and a failure) when it did n
   echo "$out"
 }
 
-expect() {  # expect NAME JSON KEY VALUE
-  local got
-  got=$(field "$2" "$3")
-  [[ $got == "$4" ]] || fail "$1: $3 is '$got', want '$4' in $2"
+expect() {  # expect NAME JSON KEY=VALUE...
+  local name=$1 json=$2 pair got
+  shift 2
+  for pair in "$@"; do
+    got=$(field "$json" "${pair%%=*}")
+    [[ $got == "${pair#*=}" ]] || fail "$name: ${pair%%=*} is '$got', want '${pair#*=}' in $json"
+  done
 }
 
 # Every worker steps (a connection per worker, as deployed).
 json=$(run all --workers=6 --steps=10 --workers_per_connection=1)
 if [[ -n $json ]]; then
-  expect all "$json" job_state done
-  expect all "$json" errors 0
-  expect all "$json" ready 6
-  expect all "$json" configured 6
+  expect all "$json" job_state=done errors=0 ready=6 configured=6
   (( $(field "$json" steps_measured) >= 8 )) || fail "all: fewer than 8 steps measured: $json"
 fi
 
 # Spares: 8 sessions, a job of 4 ranks; the other 4 only heartbeat.
 json=$(run spares --workers=8 --job_ranks=4 --steps=40)
 if [[ -n $json ]]; then
-  expect spares "$json" job_state done
-  expect spares "$json" errors 0
-  expect spares "$json" job_ranks 4
-  expect spares "$json" ready 8
-  expect spares "$json" configured 4
-  expect spares "$json" configure_seconds -1.0000
+  expect spares "$json" job_state=done errors=0 job_ranks=4 ready=8 configured=4 configure_seconds=-1.0000
   (( $(field "$json" heartbeats_measured) > 0 )) || fail "spares: no idle heartbeat measured: $json"
 fi
 
-# Bad sizes: a clear error and exit 1, no coordinator left behind.
+# Bad sizes: a clear error and exit 1 (before any process is started).
 for bad in "--workers=8 --job_ranks=9" "--workers=0" "--workers=100 --job_ranks=100" "--workers=5000"; do
   # shellcheck disable=SC2086
   msg=$("$bench" --coordinator="$coordinator" --dir="$TEST_TMPDIR" $bad 2>&1 >/dev/null)
