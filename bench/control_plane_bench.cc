@@ -50,6 +50,12 @@
 // reports inside the leaders' ones. The step figures then count only steps
 // that began after every worker was ready, and the CPU per step only polls
 // that saw every worker ready.
+// --report_groups registers the workers as able to run in report groups
+// (docs/protocol.md "Report groups") and has the coordinator use them: each
+// pipeline column's leader (pp rank 0) gets RunStep, passes it on to its
+// members (in-process calls standing in for the pipeline group) and sends
+// their reports inside its own. The workers are packed into processes by
+// whole data-parallel replicas, so every column is in one process.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -98,6 +104,9 @@ ABSL_FLAG(int, workers_per_connection, 128,
 ABSL_FLAG(bool, bdp_probe, false,
           "the simulated workers' channels probe the bandwidth-delay product (gRPC's default; baton-worker turns "
           "it off: a PING per message received)");
+ABSL_FLAG(bool, report_groups, false,
+          "the workers run in report groups: RunStep to each column's leader, which passes it on and reports for "
+          "its members");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
 // Internal: a process of simulated workers.
 ABSL_FLAG(std::string, sim, "", "internal: ADDRESS:FIRST:COUNT:OUTFILE");
@@ -125,10 +134,19 @@ struct Record {
   std::string first_error;
 };
 
+class SimWorker;
+
+// The simulated workers of one process by pipeline column, as configured:
+// (generation, tp, dp) -> workers by pp rank.
+struct Columns {
+  absl::Mutex mu;
+  std::map<std::array<int64_t, 3>, std::map<int, SimWorker*>> by_column ABSL_GUARDED_BY(mu);
+};
+
 class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  SimWorker(v1::Coordinator::Stub* stub, std::string name, Record* rec)
-      : stub_(stub), name_(std::move(name)), rec_(rec) {}
+  SimWorker(v1::Coordinator::Stub* stub, std::string name, Record* rec, Columns* columns)
+      : stub_(stub), name_(std::move(name)), rec_(rec), columns_(columns) {}
 
   void Start() {
     req_.set_name(name_);
@@ -137,6 +155,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     req_.set_version("bench");
     req_.set_pid(getpid());
     req_.set_verdict_in_run_step(absl::GetFlag(FLAGS_verdict_in_run_step));
+    req_.set_report_groups(absl::GetFlag(FLAGS_report_groups));
     reg_ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     stub_->async()->Register(&reg_ctx_, &req_, &reg_, [this](grpc::Status s) { OnRegistered(s); });
   }
@@ -198,25 +217,41 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       }
       v1::WorkerMessage reply;
       reply.mutable_configured()->set_ok(true);
-      generation_ = m.configure().plan().generation();
-      reply.mutable_configured()->set_generation(generation_);
+      const v1::Plan& plan = m.configure().plan();
+      {
+        absl::MutexLock lock(&step_mu_);
+        generation_ = plan.generation();
+        members_.clear();
+        leader_ = false;
+        if (plan.report_groups() && plan.ranks_size() == 1) {
+          const v1::RankAssignment& rank = plan.ranks(0);
+          leader_ = rank.pp_rank() == 0;
+          pp_ = plan.pp();
+          column_ = {generation_, rank.tp_rank(), rank.dp_rank()};
+          absl::MutexLock columns(&columns_->mu);
+          columns_->by_column[column_][rank.pp_rank()] = this;
+        }
+        reply.mutable_configured()->set_generation(generation_);
+      }
       Send(std::move(reply));
     } else if (m.has_run_step()) {
-      // The previous step's verdict, when it rides along, first; its
-      // StepDone in this step's report where the coordinator allows it.
-      const bool hold = m.run_step().step_done_in_report() && absl::GetFlag(FLAGS_step_done_in_report);
+      // A leader passes the step on to its members first, then runs its
+      // own and reports for the column.
+      std::vector<v1::StepReport> members;
+      std::string missing;
+      for (SimWorker* member : Members(&missing)) members.push_back(member->Step(m.run_step(), now));
       v1::WorkerMessage reply;
-      v1::StepReport* r = reply.mutable_report();
-      if (m.run_step().has_commit()) OnVerdict(m.run_step().commit().step(), true, now, hold ? r : nullptr);
-      if (m.run_step().has_discard()) OnVerdict(m.run_step().discard().step(), false, now, hold ? r : nullptr);
-      step_ = m.run_step().step();
-      run_at_ = now;
-      r->set_step(m.run_step().step());
-      r->set_finite(true);
-      r->set_generation(generation_);
-      own_ = NowUs() - now;
+      *reply.mutable_report() = Step(m.run_step(), now);
+      if (!missing.empty()) {
+        Error(missing);
+        reply.mutable_report()->set_error(missing);
+        reply.mutable_report()->set_code(13);  // INTERNAL
+      } else {
+        for (v1::StepReport& r : members) *reply.mutable_report()->add_members() = std::move(r);
+      }
       Send(std::move(reply));
     } else if (m.has_commit() || m.has_discard()) {
+      absl::MutexLock lock(&step_mu_);
       OnVerdict(m.has_commit() ? m.commit().step() : m.discard().step(), m.has_commit(), now, nullptr);
     } else if (m.has_save_weights()) {  // an empty shard file, so the manifest has something to list
       v1::WorkerMessage reply;
@@ -224,7 +259,10 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
       std::ofstream(absl::StrCat(m.save_weights().dir(), "/", file)).flush();
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->add_files(file);
-      reply.mutable_saved()->set_generation(generation_);
+      {
+        absl::MutexLock lock(&step_mu_);
+        reply.mutable_saved()->set_generation(generation_);
+      }
       Send(std::move(reply));
     } else if (m.has_abort()) {
       Error(absl::StrCat("abort: ", m.abort().reason()));
@@ -232,9 +270,48 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     StartRead(&in_);
   }
 
+  // RunStep `run`, received (by this worker or its leader) at `now`: the
+  // previous step's verdict, when it rides along, first (its StepDone in
+  // the report where the coordinator allows it), then the step's report.
+  v1::StepReport Step(const v1::RunStep& run, int64_t now) {
+    absl::MutexLock lock(&step_mu_);
+    const bool hold = run.step_done_in_report() && absl::GetFlag(FLAGS_step_done_in_report);
+    v1::StepReport r;
+    if (run.has_commit()) OnVerdict(run.commit().step(), true, now, hold ? &r : nullptr);
+    if (run.has_discard()) OnVerdict(run.discard().step(), false, now, hold ? &r : nullptr);
+    step_ = run.step();
+    run_at_ = now;
+    r.set_step(run.step());
+    r.set_finite(true);
+    r.set_generation(generation_);
+    own_ = NowUs() - now;
+    return r;
+  }
+
+  // A leader's members by pp rank (none for others); `missing` says which
+  // is not in this process.
+  std::vector<SimWorker*> Members(std::string* missing) {
+    absl::MutexLock lock(&step_mu_);
+    if (!leader_ || !members_.empty()) return members_;
+    absl::MutexLock columns(&columns_->mu);
+    const std::map<int, SimWorker*>& column = columns_->by_column[column_];
+    for (int pp = 1; pp < pp_; ++pp) {
+      auto it = column.find(pp);
+      if (it == column.end()) {
+        *missing = absl::StrCat("pp rank ", pp, " of column tp ", column_[1], ", dp ", column_[2],
+                                " is not in this process (the bench packs processes by whole DP replicas)");
+        members_.clear();
+        return {};
+      }
+      members_.push_back(it->second);
+    }
+    return members_;
+  }
+
   // Commit or Discard of `step`, received at `now`: StepDone, inside
   // `report` when not null.
-  void OnVerdict(int64_t step, bool committed, int64_t now, v1::StepReport* report) {
+  void OnVerdict(int64_t step, bool committed, int64_t now, v1::StepReport* report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_) {
     v1::WorkerMessage reply;
     v1::StepDone* done = report != nullptr ? report->mutable_step_done() : reply.mutable_step_done();
     done->set_step(step);
@@ -304,12 +381,20 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   v1::Coordinator::Stub* const stub_;
   const std::string name_;
   Record* const rec_;
+  Columns* const columns_;
   grpc::ClientContext reg_ctx_, ctx_;
   v1::RegisterRequest req_;
   v1::RegisterResponse reg_;
   v1::CoordinatorMessage in_;  // reader side only
   bool ready_ = false;
-  int64_t run_at_ = 0, own_ = 0, generation_ = 0;
+  // A step runs on this worker's reader thread or its leader's.
+  absl::Mutex step_mu_;
+  int64_t run_at_ ABSL_GUARDED_BY(step_mu_) = 0, own_ ABSL_GUARDED_BY(step_mu_) = 0,
+          generation_ ABSL_GUARDED_BY(step_mu_) = 0;
+  bool leader_ ABSL_GUARDED_BY(step_mu_) = false;
+  int pp_ ABSL_GUARDED_BY(step_mu_) = 0;
+  std::array<int64_t, 3> column_ ABSL_GUARDED_BY(step_mu_) = {0, 0, 0};
+  std::vector<SimWorker*> members_ ABSL_GUARDED_BY(step_mu_);
   std::atomic<bool> open_{false}, stopping_{false};
   std::atomic<int64_t> next_beat_{0}, step_{0}, last_sent_{0};
   int skipped_ = 0;  // the ticker's
@@ -333,6 +418,7 @@ int RunSimProcess(const std::string& arg) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // threads started below inherit it
 
   Record rec;
+  Columns columns;
   // A channel per --workers_per_connection workers (each its own connection).
   const int per_connection = std::max(1, absl::GetFlag(FLAGS_workers_per_connection));
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
@@ -345,7 +431,10 @@ int RunSimProcess(const std::string& arg) {
       stubs.push_back(v1::Coordinator::NewStub(
           grpc::CreateCustomChannel(parts[0], grpc::InsecureChannelCredentials(), args)));
     }
-    workers.push_back(std::make_unique<SimWorker>(stubs.back().get(), absl::StrCat("sim-", first + i), &rec));
+    // Zero-padded: the planner takes workers in name order, so a DP
+    // replica's ranks are consecutive workers.
+    workers.push_back(std::make_unique<SimWorker>(stubs.back().get(), absl::StrFormat("sim-%05d", first + i), &rec,
+                                                  &columns));
   }
   for (auto& w : workers) w->Start();
   std::atomic<bool> stop{false};
@@ -458,8 +547,11 @@ int Main(int argc, char** argv) {
         << "schedule { kind: \"1f1b\" microbatches: " << m << " }\n"
         << "train { steps: " << steps << " micro_batch_size: 1 lr: 0.001 }\n";
   }
+  const bool groups = absl::GetFlag(FLAGS_report_groups);
   pid_t cpid = Spawn({coord, "--listen=127.0.0.1:0", "--port_file=" + dir + "/ports.json",
-                      "--job=" + dir + "/job.textproto", "--out=" + dir + "/out", "--ready_timeout_s=600"},
+                      "--job=" + dir + "/job.textproto", "--out=" + dir + "/out", "--ready_timeout_s=600",
+                      // With --report_groups any job runs in groups; without, the sims never register them.
+                      "--report_groups_min_ranks=1"},
                      dir + "/coordinator.log");
   int port = 0;
   for (int i = 0; i < 600 && port == 0; ++i) {
@@ -474,7 +566,10 @@ int Main(int argc, char** argv) {
   if (port == 0) Die(absl::StrCat("coordinator did not start; see ", dir, "/coordinator.log"));
   const std::string address = absl::StrCat("127.0.0.1:", port);
 
-  const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), n));
+  // Processes hold whole DP replicas (pp*tp consecutive workers) under
+  // report groups, so a leader finds its members in its own process.
+  const int unit = groups ? pp * tp : 1;
+  const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), (n + unit - 1) / unit));
   std::vector<pid_t> sims;
   const absl::Time start = absl::Now();
   const std::string verdict_flag =
@@ -483,10 +578,12 @@ int Main(int argc, char** argv) {
       absl::StrCat("--step_done_in_report=", absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false");
   const std::string beat_flag =
       absl::StrCat("--heartbeat_while_busy=", absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false");
+  const int units = (n + unit - 1) / unit;
   for (int p = 0; p < procs; ++p) {
-    const int first = n * p / procs, count = n * (p + 1) / procs - first;
+    const int first = std::min(n, units * p / procs * unit), count = std::min(n, units * (p + 1) / procs * unit) - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
                           verdict_flag, done_flag, beat_flag,
+                          absl::StrCat("--report_groups=", groups ? "true" : "false"),
                           absl::StrCat("--workers_per_connection=", absl::GetFlag(FLAGS_workers_per_connection)),
                           absl::StrCat("--bdp_probe=", absl::GetFlag(FLAGS_bdp_probe) ? "true" : "false")},
                          absl::StrCat(dir, "/sim", p, ".log")));
@@ -633,14 +730,14 @@ int Main(int argc, char** argv) {
       "\"heartbeat_p50_steps_in_ms\": %.3f, \"heartbeat_p99_steps_in_ms\": %.3f, "
       "\"coordinator_cpu_s_per_s\": %.4f, \"cpu_us_per_heartbeat\": %.1f, "
       "\"configure_seconds\": %.4f, \"step_overhead_ms\": %.3f, \"steps_measured\": %zu, "
-      "\"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"heartbeat_while_busy\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
+      "\"report_groups\": %s, \"verdict_in_run_step\": %s, \"step_done_in_report\": %s, \"heartbeat_while_busy\": %s, \"coordinator_cpu_ms_per_step\": %s, \"sims_cpu_ms_per_step\": %s, "
       "\"cpu_steps_measured\": %ld, \"dir\": \"%s\"}\n",
       n, ranks, pp, tp, dp, m, procs, state.c_str(), errors, first_error.c_str(), static_cast<long>(ready_count),
       static_cast<long>(configured_count), Percentile(idle_rtt, 0.5), Percentile(idle_rtt, 0.99), idle_rtt.size(),
       Percentile(step_rtt, 0.5), Percentile(step_rtt, 0.99), step_rtt.size(), Percentile(step_in, 0.5),
       Percentile(step_in, 0.99), (cpu1 - cpu0) / idle_s,
       (cpu1 - cpu0) / idle_s / beats_per_s * 1e6, ranks < n ? -1.0 : (last_configured - last_ready) / 1e6, Percentile(overhead, 0.5),
-      overhead.size(), absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
+      overhead.size(), groups ? "true" : "false", absl::GetFlag(FLAGS_verdict_in_run_step) ? "true" : "false",
       absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false",
       absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false",
       per_step_ms(coord_cpu_to - coord_cpu_from).c_str(), per_step_ms(sims_cpu_to - sims_cpu_from).c_str(),

@@ -2,7 +2,8 @@
 # control_plane_bench at toy size, so the benchmark of docs/BENCHMARKS.md
 # ("Control plane at scale") keeps working: a real coordinator and simulated
 # workers over real gRPC finish the job with no protocol error, with and
-# without spares (--job_ranks), and bad sizes are refused with exit 1.
+# without spares (--job_ranks) and in report groups, and bad sizes are
+# refused with exit 1.
 #   control_plane_bench_test.sh BENCH COORDINATOR
 set -u
 bench=$1
@@ -45,6 +46,15 @@ json=$(run spares --workers=8 --job_ranks=4 --steps=40)
 if [[ -n $json ]]; then
   expect spares "$json" job_state=done errors=0 job_ranks=4 ready=8 configured=4 configure_seconds=-1.0000
   (( $(field "$json" heartbeats_measured) > 0 )) || fail "spares: no idle heartbeat measured: $json"
+fi
+
+# Report groups: RunStep to the column's leader only, which passes it on
+# and reports for its members (the coordinator's log says it used them).
+json=$(run groups --workers=8 --steps=20 --report_groups --workers_per_connection=1)
+if [[ -n $json ]]; then
+  expect groups "$json" job_state=done errors=0 report_groups=true ready=8 configured=8
+  grep -q "steps reported by 1 column leaders" "$TEST_TMPDIR/groups/coordinator.log" ||
+    fail "groups: the coordinator did not run the job in report groups: $(grep generation "$TEST_TMPDIR/groups/coordinator.log")"
 fi
 
 # Bad sizes: a clear error and exit 1 (before any process is started).

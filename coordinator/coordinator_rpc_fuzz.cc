@@ -15,7 +15,8 @@
 //    1 OpenSession   slot, who (a registration, or raw ids), [raw first message]
 //    2 Send          slot, kind: heartbeat, goodbye, the answer to the last
 //                    command (ok / with an error and code; a RunStep with a
-//                    verdict: which half, or the StepDone in the report), a raw message
+//                    verdict: which half, or the StepDone in the report; 0-2
+//                    member reports in the report), a raw message
 //                    (own / raw ids), a snapshot, a heartbeat with wrong ids
 //    3 Await         slot: waits up to 20 ms for a command on the session
 //    4 CloseSession  slot, clean (WritesDone) or cancelled
@@ -335,6 +336,7 @@ class Run {
       job_options.fetch_timeout = absl::Seconds(1);
       job_options.poll = absl::Milliseconds(1);
       job_options.adopt_grace = absl::Seconds(1);
+      job_options.report_groups_min_ranks = 1;
       job_workers_ = MakeRegistryJobWorkers(&registry_, &kv_, kJob);
       runner_ = std::make_unique<JobRunner>(FuzzJob((header & 2) ? 2 : 1), job_workers_.get(), &job_clock_, job_options,
                                             metrics_);
@@ -493,7 +495,10 @@ class Run {
     req.set_pid(in_->Byte());
     req.set_memory_bytes(flags & 4 ? static_cast<int64_t>(in_->U64()) : int64_t{8} << 30);
     if (flags & 64) req.set_device_uuid(in_->Str());  // GPU identity: the planner's NCCL choice and memory pools
-    if (flags & 128) req.set_verdict_in_run_step(true);  // verdicts then ride inside RunStep
+    if (flags & 128) {  // verdicts then ride inside RunStep; a 2-stage job of two such workers runs in report groups
+      req.set_verdict_in_run_step(true);
+      req.set_report_groups(true);
+    }
     if (flags & 16) {  // what a worker holds of the job after a coordinator restart (adoption)
       v1::HeldJob* held = req.mutable_held();
       held->set_job(flags & 32 ? "other" : kJob);
@@ -575,6 +580,9 @@ class Run {
         r->set_predicted(2);
         r->set_error(error);
         r->set_code(code);
+        // A leader's report: one or two member reports (a copy of its own), right or wrong for the group.
+        const v1::StepReport own = *r;
+        for (int i = in_->Byte() % 3; i > 0; --i) *r->add_members() = own;
         break;
       }
       case v1::CoordinatorMessage::kCommit:

@@ -151,6 +151,39 @@ FaultTolerance FaultToleranceOf(const v1::JobSpec& job) {
   return ft;
 }
 
+bool WantsReportGroups(const v1::Plan& plan, int min_ranks) {
+  if (plan.pp() < 2 || plan.ranks_size() < std::max(1, min_ranks)) return false;
+  return std::all_of(plan.ranks().begin(), plan.ranks().end(), [](const v1::RankAssignment& r) {
+    return r.report_groups() && r.verdict_in_run_step();
+  });
+}
+
+absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan) {
+  if (plan.pp() < 1 || plan.tp() < 1 || plan.dp() < 1 ||
+      static_cast<int64_t>(plan.pp()) * plan.tp() * plan.dp() != plan.ranks_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan of pp ", plan.pp(), ", tp ", plan.tp(), ", dp ", plan.dp(),
+                                                   " has ", plan.ranks_size(), " ranks"));
+  }
+  // (tp, dp) -> names by pp rank.
+  std::map<std::pair<int, int>, std::vector<std::string>> columns;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    if (r.pp_rank() < 0 || r.pp_rank() >= plan.pp() || r.tp_rank() < 0 || r.tp_rank() >= plan.tp() ||
+        r.dp_rank() < 0 || r.dp_rank() >= plan.dp()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank of ", r.worker_name(), " is outside the plan's mesh"));
+    }
+    std::vector<std::string>& column = columns[{r.tp_rank(), r.dp_rank()}];
+    column.resize(plan.pp());
+    if (!column[r.pp_rank()].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("pp ", r.pp_rank(), ", tp ", r.tp_rank(), ", dp ", r.dp_rank(),
+                                                     " is held twice"));
+    }
+    column[r.pp_rank()] = r.worker_name();
+  }
+  std::map<std::string, std::vector<std::string>> groups;
+  for (auto& [key, column] : columns) groups[column[0]] = std::vector<std::string>(column.begin() + 1, column.end());
+  return groups;
+}
+
 bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds) {
   if (every.has_value()) return *every > 0 && step % *every == 0;
   if (last <= 0) return true;
@@ -517,7 +550,12 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     absl::MutexLock lock(&mu_);
     setup = setup_;
   }
-  const v1::Plan& plan = setup.plan;
+  v1::Plan& plan = setup.plan;
+  plan.set_report_groups(WantsReportGroups(plan, options_.report_groups_min_ranks));
+  std::map<std::string, std::vector<std::string>> groups;
+  if (plan.report_groups()) {
+    BATON_ASSIGN_OR_RETURN(groups, ReportGroupsOf(plan));
+  }
   const ParallelDims d = DimsOf(job_);
   schedule::ScheduleSpec spec{job_.schedule().kind(), d.pp, job_.schedule().microbatches(), d.virtual_stages};
   BATON_ASSIGN_OR_RETURN(schedule::Schedule compute, schedule::BuildSchedule(spec));
@@ -532,7 +570,7 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
   }
   std::map<std::string, int64_t> incarnations;
   for (const v1::WorkerInfo& w : workers_->List()) incarnations[w.name()] = w.incarnation();
-  std::set<std::string> names;
+  auto names = std::make_shared<WorkerSet>();
   std::map<std::string, std::string> buddies = Buddies(plan);
   {
     absl::MutexLock lock(&mu_);
@@ -545,15 +583,18 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     for (const v1::RankAssignment& r : plan.ranks()) {
       assigned_[r.worker_name()] = r;
       incarnation_[r.worker_name()] = incarnations[r.worker_name()];
-      names.insert(r.worker_name());
+      names->insert(r.worker_name());
     }
+    plan_workers_ = names;
     buddy_ = buddies;
+    groups_ = std::move(groups);
   }
   Expect(v1::WorkerMessage::kConfigured, 0, names);
   BATON_LOG(INFO) << "job '" << job_.name() << "' generation " << plan.generation() << ": " << plan.ranks_size()
                   << " workers, schedule " << spec.kind << " (expected bubble "
                   << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
-                  << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "");
+                  << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "")
+                  << (plan.report_groups() ? absl::StrCat(", steps reported by ", d.tp * d.dp, " column leaders") : "");
   // Each worker gets the plan with its own rank only (a worker reads nothing
   // else of plan.ranks): the full list in every Configure would make
   // configuring quadratic in the workers (547 MB of messages at 4096).
@@ -588,14 +629,15 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
 
 absl::StatusOr<JobState> JobRunner::Running() {
   int64_t step;
-  std::set<std::string> names;
+  std::shared_ptr<const WorkerSet> names;
   v1::CoordinatorMessage run;
   bool sent = false;  // ahead, while the previous step's StepDone were collected
   absl::Time start;
   {
     absl::MutexLock lock(&mu_);
     step = next_step_;
-    for (const auto& [name, a] : assigned_) names.insert(name);
+    names = plan_workers_;
+    // Sent to the same world (a reconfiguration makes a new set).
     if (ahead_ && ahead_->step == step && ahead_->from == names) {
       // Its GradsReady so far become the inbox (Expect without clearing it).
       sent = true;
@@ -616,7 +658,7 @@ absl::StatusOr<JobState> JobRunner::Running() {
   if (!sent) {
     start = absl::Now();
     Expect(v1::WorkerMessage::kReport, step, names);
-    SendAll(run);
+    SendRunStep(run);
   }
   absl::StatusOr<std::map<std::string, v1::WorkerMessage>> reports =
       Collect(options_.step_timeout, "GradsReady");
@@ -692,14 +734,18 @@ v1::CoordinatorMessage JobRunner::RunStepMessage(int64_t step) {
 }
 
 absl::Time JobRunner::SendAhead(const v1::CoordinatorMessage& verdict, int64_t step,
-                                const std::set<std::string>& names) {
+                                std::shared_ptr<const WorkerSet> names) {
   v1::CoordinatorMessage run;
   v1::CoordinatorMessage folded;  // the RunStep with the verdict inside
   std::vector<std::string> fold_to, apart_to;
   absl::Time sent;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, a] : assigned_) (a.verdict_in_run_step() ? fold_to : apart_to).push_back(name);
+    if (!groups_.empty()) {  // every rank takes the verdict in RunStep; members from their leader
+      for (const auto& [leader, members] : groups_) fold_to.push_back(leader);
+    } else {
+      for (const auto& [name, a] : assigned_) (a.verdict_in_run_step() ? fold_to : apart_to).push_back(name);
+    }
     run = RunStepMessage(step);
     folded = run;
     if (verdict.has_commit()) *folded.mutable_run_step()->mutable_commit() = verdict.commit();
@@ -711,7 +757,7 @@ absl::Time JobRunner::SendAhead(const v1::CoordinatorMessage& verdict, int64_t s
     a.step = step;
     a.trace = run.run_step().trace();
     a.sent = sent = absl::Now();
-    a.from = names;
+    a.from = std::move(names);
     ahead_ = std::move(a);
   }
   // Session sends only queue (coordinator_service.h): one thread sends to
@@ -744,10 +790,10 @@ absl::StatusOr<JobState> JobRunner::Saving() {
   BATON_RETURN_IF_ERROR(FinishCheckpoint());
   const std::string dir = options_.out_dir + "/final";
   BATON_RETURN_IF_ERROR(MakeDirectories(dir));
-  std::set<std::string> names;
+  std::shared_ptr<const WorkerSet> names;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, a] : assigned_) names.insert(name);
+    names = plan_workers_;
   }
   Expect(v1::WorkerMessage::kSaved, 0, names);
   // A complete (v2) checkpoint of the last step: weights, AdamW moments and
@@ -920,7 +966,7 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
     if (resume == 0 || !from_checkpoint.empty()) break;
     const std::string source = src.first, owner = src.second;
     mu_.Unlock();
-    Expect(v1::WorkerMessage::kFetchedState, resume, {source});
+    Expect(v1::WorkerMessage::kFetchedState, resume, std::make_shared<const WorkerSet>(WorkerSet{source}));
     v1::CoordinatorMessage fetch;
     fetch.mutable_fetch_state()->set_owner(owner);
     fetch.mutable_fetch_state()->set_step(resume);
@@ -1131,26 +1177,71 @@ std::string JobRunner::Who(const std::string& worker) const {
   return absl::StrCat(StageOf(worker), " (worker ", worker, ")");
 }
 
-void JobRunner::OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) {
+void JobRunner::OnWorkerMessage(const std::string& worker, v1::WorkerMessage message) {
   std::string relay_to;
   v1::CoordinatorMessage relay;
   {
     absl::MutexLock lock(&mu_);
     if (!assigned_.count(worker)) return;
-    if (message.has_report() && message.report().has_step_done()) {
-      // The previous step's StepDone, held back for this report
-      // (RunStep.step_done_in_report): handled as the message it stands
-      // for, before the report.
-      v1::WorkerMessage done;
-      *done.mutable_step_done() = message.report().step_done();
-      Handle(worker, done, &relay_to, &relay);
+    if (message.has_report() && (message.report().members_size() > 0 || groups_.count(worker))) {
+      HandleGroupReport(worker, std::move(message), &relay_to, &relay);
+    } else if (message.has_report()) {
+      HandleReport(worker, std::move(message), &relay_to, &relay);
+    } else {
+      Handle(worker, std::move(message), &relay_to, &relay);
     }
-    Handle(worker, message, &relay_to, &relay);
   }
   if (!relay_to.empty()) workers_->Send(relay_to, relay);
 }
 
-void JobRunner::Handle(const std::string& worker, const v1::WorkerMessage& message, std::string* relay_to,
+void JobRunner::HandleReport(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
+                             v1::CoordinatorMessage* relay) {
+  if (message.report().has_step_done()) {
+    v1::WorkerMessage done;
+    done.mutable_step_done()->Swap(message.mutable_report()->mutable_step_done());
+    message.mutable_report()->clear_step_done();
+    Handle(worker, std::move(done), relay_to, relay);
+  }
+  Handle(worker, std::move(message), relay_to, relay);
+}
+
+void JobRunner::HandleGroupReport(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
+                                  v1::CoordinatorMessage* relay) {
+  v1::StepReport* report = message.mutable_report();
+  auto group = groups_.find(worker);
+  std::string broken;
+  if (group == groups_.end()) {
+    broken = absl::StrCat("sent the reports of ", report->members_size(), " members but leads no report group");
+  } else if (report->error().empty() && report->members_size() != static_cast<int>(group->second.size())) {
+    broken = absl::StrCat("sent the reports of ", report->members_size(), " members for a column of ",
+                          group->second.size() + 1, " pipeline ranks");
+  }
+  if (!broken.empty()) {
+    if (GenerationOf(message) != generation_) return;  // from a world that no longer exists
+    Fault f;
+    f.worker = worker;
+    f.cause = FaultCause::kWorkerError;
+    f.code = absl::StatusCode::kInternal;
+    f.generation = generation_;
+    f.why = absl::StrCat(Who(worker), " ", broken, " (step ", report->step(), ")");
+    BATON_LOG(ERROR) << f.why;
+    faults_.push_back(std::move(f));
+    return;
+  }
+  // A leader whose gather failed reports its error with the members it has;
+  // the rest are missing, as a lost worker's.
+  const int members = std::min<int>(report->members_size(), group->second.size());
+  for (int i = 0; i < members; ++i) {
+    v1::WorkerMessage m;
+    m.set_worker_id(message.worker_id());
+    m.mutable_report()->Swap(report->mutable_members(i));
+    HandleReport(group->second[i], std::move(m), relay_to, relay);
+  }
+  report->clear_members();
+  HandleReport(worker, std::move(message), relay_to, relay);
+}
+
+void JobRunner::Handle(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
                        v1::CoordinatorMessage* relay) {
   const int64_t generation = GenerationOf(message);
   // From a world that no longer exists (a fetched state is matched by its request instead).
@@ -1235,12 +1326,12 @@ void JobRunner::Handle(const std::string& worker, const v1::WorkerMessage& messa
     default:
       break;
   }
-  if (message.body_case() == expect_case_ && expect_from_.count(worker) &&
+  if (message.body_case() == expect_case_ && expect_from_->contains(worker) &&
       (expect_step_ == 0 || StepOf(message) == expect_step_)) {
-    inbox_[worker] = message;
-  } else if (ahead_ && message.body_case() == v1::WorkerMessage::kReport && ahead_->from.count(worker) &&
+    inbox_[worker] = std::move(message);
+  } else if (ahead_ && message.body_case() == v1::WorkerMessage::kReport && ahead_->from->contains(worker) &&
              StepOf(message) == ahead_->step) {
-    ahead_->inbox[worker] = message;
+    ahead_->inbox[worker] = std::move(message);
   }
 }
 
@@ -1257,7 +1348,20 @@ void JobRunner::SendAll(const v1::CoordinatorMessage& message) {
   workers_->SendEach(names, message);
 }
 
-void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) {
+void JobRunner::SendRunStep(const v1::CoordinatorMessage& message) {
+  std::vector<std::string> leaders;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [leader, members] : groups_) leaders.push_back(leader);
+  }
+  if (leaders.empty()) {
+    SendAll(message);
+  } else {
+    workers_->SendEach(leaders, message);
+  }
+}
+
+void JobRunner::Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::shared_ptr<const WorkerSet> from) {
   absl::MutexLock lock(&mu_);
   expect_case_ = what;
   expect_step_ = step;
@@ -1280,7 +1384,7 @@ absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(absl
   absl::MutexLock lock(&mu_);
   WaitUntil(
       [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !faults_.empty() || stopping_ || inbox_.size() >= expect_from_.size();
+        return !faults_.empty() || stopping_ || inbox_.size() >= expect_from_->size();
       },
       clock_->Now() + timeout);
   expect_case_ = v1::WorkerMessage::BODY_NOT_SET;
@@ -1288,17 +1392,18 @@ absl::StatusOr<std::map<std::string, v1::WorkerMessage>> JobRunner::Collect(absl
   if (!faults_.empty()) {
     // Every answer in, none failed: the fault is the next step's (sent
     // ahead), and this step stands.
-    const bool stands = complete_wins && inbox_.size() >= expect_from_.size() &&
+    const bool stands = complete_wins && inbox_.size() >= expect_from_->size() &&
                         std::none_of(inbox_.begin(), inbox_.end(), [](const auto& kv) {
                           return kv.second.has_step_done() && !kv.second.step_done().error().empty();
                         });
     if (!stands) return absl::AbortedError("a worker failed");
   }
-  if (inbox_.size() < expect_from_.size()) {
+  if (inbox_.size() < expect_from_->size()) {
     std::vector<std::string> missing;
-    for (const std::string& name : expect_from_) {
+    for (const std::string& name : *expect_from_) {
       if (!inbox_.count(name)) missing.push_back(absl::StrCat(name, " (", StageOf(name), ")"));
     }
+    std::sort(missing.begin(), missing.end());
     return absl::DeadlineExceededError(absl::StrCat("no ", what, " within ", absl::FormatDuration(timeout),
                                                     " from ", absl::StrJoin(missing, ", ")));
   }

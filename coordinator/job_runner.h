@@ -12,7 +12,9 @@
 //                -> running, or recovering on a fault
 //   running      one step: RunStep(n) -> GradsReady from every worker ->
 //                global grad norm, clip factor, finite check -> Commit(n, clip)
-//                or Discard(n) -> StepDone from every worker
+//                or Discard(n) -> StepDone from every worker (in report
+//                groups, docs/protocol.md: RunStep to each pipeline column's
+//                leader, whose report carries its members')
 //                -> running (next step), saving when a periodic checkpoint
 //                is due or after the last step, done, or recovering on a fault
 //   recovering   (docs/protocol.md "Recovery") a worker of the plan was lost
@@ -53,6 +55,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -127,6 +130,14 @@ inline constexpr double kMaxSnapshotOverhead = 0.05;
 // is snapshotted every few seconds instead of slowing every step.
 bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds);
 
+// Whether `plan`'s job runs in report groups (Plan.report_groups): every rank
+// registered report_groups, pp >= 2 and the plan has at least `min_ranks` ranks.
+bool WantsReportGroups(const v1::Plan& plan, int min_ranks);
+// The report groups of `plan`: each (tp, dp) column's leader (pp rank 0) ->
+// its members' names by pp rank 1 .. pp-1. INVALID_ARGUMENT when a column
+// is not complete (a rank missing or twice).
+absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan);
+
 class JobRunner : public JobObserver {
  public:
   struct Options {
@@ -149,6 +160,9 @@ class JobRunner : public JobObserver {
     // complete step-<n>), validated before any worker starts training.
     std::string resume_dir;
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
+    // Report groups (Plan.report_groups) from this many ranks up, where every
+    // rank registered them and pp >= 2.
+    int report_groups_min_ranks = 64;
     int max_kept_traces = 16;
   };
 
@@ -162,7 +176,7 @@ class JobRunner : public JobObserver {
   // Stops the job thread (the job is marked failed if it had not finished).
   void Stop();
 
-  void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) override;
+  void OnWorkerMessage(const std::string& worker, v1::WorkerMessage message) override;
   void OnWorkerLost(const std::string& worker, const std::string& why, bool hung = false) override;
   void FillStatus(v1::GetStatusResponse* status) const override;
   // Chrome trace of the last `steps` traced steps (all workers), plus a span
@@ -176,6 +190,9 @@ class JobRunner : public JobObserver {
   absl::Status error() const;
 
  private:
+  // Worker names looked up per message (hashed: at thousands of workers a
+  // tree's string compares were a tenth of the coordinator's step CPU).
+  using WorkerSet = absl::flat_hash_set<std::string>;
   struct StepRecord {
     int64_t step = 0;
     bool committed = false;
@@ -246,15 +263,29 @@ class JobRunner : public JobObserver {
   std::map<std::string, std::string> Buddies(const v1::Plan& plan) const;
 
   // Messaging.
-  // One message from `worker` (OnWorkerMessage: a StepDone held in a report
-  // comes here on its own first); a snapshot to relay fills `relay_to`, `relay`.
-  void Handle(const std::string& worker, const v1::WorkerMessage& message, std::string* relay_to,
+  // One message from `worker`; a snapshot to relay fills `relay_to`, `relay`.
+  void Handle(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
               v1::CoordinatorMessage* relay) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A report: the previous step's StepDone held in it
+  // (RunStep.step_done_in_report) is handled first, as the message it stands
+  // for, then the report.
+  void HandleReport(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
+                    v1::CoordinatorMessage* relay) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A leader's report (report groups): its members' reports are handled as
+  // theirs, then its own. A report that breaks the group's rules (members
+  // from a non-leader, a count other than the column's without an error) is
+  // the sender's fault.
+  void HandleGroupReport(const std::string& worker, v1::WorkerMessage message, std::string* relay_to,
+                         v1::CoordinatorMessage* relay) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendAll(const v1::CoordinatorMessage& message);
+  // RunStep: to every worker, or under report groups to the leaders, which
+  // pass it on.
+  void SendRunStep(const v1::CoordinatorMessage& message);
   // Starts collecting `what` (a WorkerMessage body case) for `step` from
   // `from`. Forgets a step sent ahead (ahead_): a recovery or a save comes
   // between.
-  void Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::set<std::string> from) ABSL_LOCKS_EXCLUDED(mu_);
+  void Expect(v1::WorkerMessage::BodyCase what, int64_t step, std::shared_ptr<const WorkerSet> from)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until every expected worker answered (or a fault, stop, timeout).
   // ABORTED when a fault arrived (see faults_) — unless `complete_wins` and
   // every expected answer is in without an error of its own: then the
@@ -270,7 +301,7 @@ class JobRunner : public JobObserver {
   // RunStep carrying the verdict (and allowing its StepDone inside the
   // step's report); the others get two. Returns when the RunSteps were sent
   // (the step's start).
-  absl::Time SendAhead(const v1::CoordinatorMessage& verdict, int64_t step, const std::set<std::string>& names)
+  absl::Time SendAhead(const v1::CoordinatorMessage& verdict, int64_t step, std::shared_ptr<const WorkerSet> names)
       ABSL_LOCKS_EXCLUDED(mu_);
   // RunStep of `step` with its trace flag (consumes one requested trace).
   v1::CoordinatorMessage RunStepMessage(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -314,15 +345,21 @@ class JobRunner : public JobObserver {
   v1::Plan plan_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::Program> programs_ ABSL_GUARDED_BY(mu_);  // by pp rank
   std::map<std::string, v1::RankAssignment> assigned_ ABSL_GUARDED_BY(mu_);  // by worker name
+  // assigned_'s names; a new set with every configuring (steps sent ahead
+  // to an earlier world are told apart by it).
+  std::shared_ptr<const WorkerSet> plan_workers_ ABSL_GUARDED_BY(mu_) = std::make_shared<const WorkerSet>();
   std::map<std::string, int64_t> incarnation_ ABSL_GUARDED_BY(mu_);         // at configure time
   std::map<std::string, std::string> buddy_ ABSL_GUARDED_BY(mu_);           // worker -> holder of its snapshots
+  // Report groups of the live world (empty when the plan has none): leader
+  // -> members by pp rank 1 .. pp-1.
+  std::map<std::string, std::vector<std::string>> groups_ ABSL_GUARDED_BY(mu_);
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   double expected_bubble_ ABSL_GUARDED_BY(mu_) = 0;
 
   // What the transition in progress waits for.
   v1::WorkerMessage::BodyCase expect_case_ ABSL_GUARDED_BY(mu_) = v1::WorkerMessage::BODY_NOT_SET;
   int64_t expect_step_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<std::string> expect_from_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const WorkerSet> expect_from_ ABSL_GUARDED_BY(mu_) = std::make_shared<const WorkerSet>();
   std::map<std::string, v1::WorkerMessage> inbox_ ABSL_GUARDED_BY(mu_);
   // A step whose RunStep went out before the previous step's StepDone were
   // all in (docs/protocol.md "Steps overlap their commit"): its GradsReady
@@ -331,7 +368,7 @@ class JobRunner : public JobObserver {
     int64_t step = 0;
     bool trace = false;
     absl::Time sent;
-    std::set<std::string> from;
+    std::shared_ptr<const WorkerSet> from;
     std::map<std::string, v1::WorkerMessage> inbox;
   };
   std::optional<Ahead> ahead_ ABSL_GUARDED_BY(mu_);

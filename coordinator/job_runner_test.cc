@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/strings/str_split.h"
@@ -59,6 +62,28 @@ class FakeWorkers : public JobWorkers {
   void SetStepDoneApart(const std::string& name) {
     absl::MutexLock lock(&mu_);
     done_apart_.insert(name);
+  }
+  // Every worker registers report_groups: under a plan with report groups
+  // a leader passes RunStep on to its column's members (as over the
+  // pipeline group; the hook sees each) and sends their reports inside its
+  // own. `drop_members` makes leaders leave them out (a broken leader).
+  void SetReportGroups(bool drop_members = false) {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, w] : workers_) w.set_report_groups(true);
+    drop_members_ = drop_members;
+  }
+  // Reports whose numbers depend on the rank (grad_sq_norm by pp rank, the
+  // loss from the last stage only), so a report counted under the wrong
+  // worker or left out changes the step's record.
+  void SetRankDependentReports() {
+    absl::MutexLock lock(&mu_);
+    rank_dependent_ = true;
+  }
+  // The RunStep steps `worker` got from its leader, in order.
+  std::vector<int64_t> StepsPassedOn(const std::string& worker) const {
+    absl::MutexLock lock(&mu_);
+    auto it = passed_.find(worker);
+    return it == passed_.end() ? std::vector<int64_t>() : it->second;
   }
   // How many StepDone messages of their own `worker` sent, and how many
   // rode inside a report.
@@ -145,23 +170,46 @@ class FakeWorkers : public JobWorkers {
   // asks no snapshot rides in the report); a worker of the old protocol sees
   // only the RunStep.
   bool Send(const std::string& worker, const v1::CoordinatorMessage& m) override {
-    bool folds;
+    std::vector<std::string> members;
     {
       absl::MutexLock lock(&mu_);
       if (workers_[worker].state() != v1::READY) return false;
       sent_[worker].push_back(m);
-      folds = workers_[worker].verdict_in_run_step();
-      hold_done_[worker] = folds && m.has_run_step() && m.run_step().step_done_in_report() &&
-                           !done_apart_.count(worker) && !m.run_step().commit().snapshot();
+      if (m.has_run_step()) members = MembersLedBy(worker);
     }
-    if (!m.has_run_step() || !(m.run_step().has_commit() || m.run_step().has_discard())) return Take(worker, m);
-    v1::CoordinatorMessage verdict, run = m;
-    if (m.run_step().has_commit()) *verdict.mutable_commit() = m.run_step().commit();
-    if (m.run_step().has_discard()) *verdict.mutable_discard() = m.run_step().discard();
-    run.mutable_run_step()->clear_commit();
-    run.mutable_run_step()->clear_discard();
-    if (folds) Take(worker, verdict);
-    return Take(worker, run);
+    if (members.empty()) return Deliver(worker, m, nullptr);
+    // A leader: passes the RunStep on to each member in pp order first (so
+    // the verdict reaches them even if the leader then dies), runs its own
+    // step and sends the members' reports inside its own.
+    std::vector<v1::StepReport> theirs;
+    std::string missing;
+    for (const std::string& member : members) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (workers_[member].state() == v1::READY) passed_[member].push_back(m.run_step().step());
+      }
+      std::optional<v1::WorkerMessage> report;
+      Deliver(member, m, &report);
+      if (!report) {
+        if (missing.empty()) missing = member;
+        continue;
+      }
+      theirs.push_back(report->report());
+    }
+    std::optional<v1::WorkerMessage> report;
+    Deliver(worker, m, &report);
+    if (!report) return true;  // the leader died
+    if (!missing.empty()) {  // as a leader's gather from a dead member fails
+      report->mutable_report()->set_error(absl::StrCat("no report from ", missing));
+      report->mutable_report()->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+    } else {
+      absl::MutexLock lock(&mu_);
+      if (!drop_members_) {
+        for (v1::StepReport& r : theirs) *report->mutable_report()->add_members() = std::move(r);
+      }
+    }
+    runner_->OnWorkerMessage(worker, *report);
+    return true;
   }
 
   std::vector<v1::CoordinatorMessage> Sent(const std::string& worker) const {
@@ -192,8 +240,52 @@ class FakeWorkers : public JobWorkers {
   }
 
  private:
-  // One message reaches the worker: the hook, then its answers.
-  bool Take(const std::string& worker, const v1::CoordinatorMessage& m) {
+  // The members `worker` leads when the live plan has report groups (none
+  // otherwise): the ranks of its (tp, dp) column by pp rank 1 .. pp-1.
+  std::vector<std::string> MembersLedBy(const std::string& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto leader = rank_.find(worker);
+    if (leader == rank_.end() || !groups_of_[worker] || leader->second.pp_rank() != 0) return {};
+    std::map<int, std::string> column;
+    for (const auto& [name, r] : rank_) {
+      if (generation_of_[name] == generation_of_[worker] && r.tp_rank() == leader->second.tp_rank() &&
+          r.dp_rank() == leader->second.dp_rank() && r.pp_rank() > 0) {
+        column[r.pp_rank()] = name;
+      }
+    }
+    std::vector<std::string> members;
+    for (const auto& [pp, name] : column) members.push_back(name);
+    return members;
+  }
+
+  // `m` reaches `worker`: a RunStep carrying the previous step's verdict as
+  // the two messages it stands for, the verdict first (what WorkerJob does;
+  // with step_done_in_report the StepDone of a verdict that asks no snapshot
+  // rides in the report); a worker of the old protocol sees only the
+  // RunStep. The step's report goes into `report` when set (a leader
+  // gathers it), else to the coordinator.
+  bool Deliver(const std::string& worker, const v1::CoordinatorMessage& m, std::optional<v1::WorkerMessage>* report) {
+    bool folds;
+    {
+      absl::MutexLock lock(&mu_);
+      folds = workers_[worker].verdict_in_run_step();
+      hold_done_[worker] = folds && m.has_run_step() && m.run_step().step_done_in_report() &&
+                           !done_apart_.count(worker) && !m.run_step().commit().snapshot();
+    }
+    if (!m.has_run_step() || !(m.run_step().has_commit() || m.run_step().has_discard())) {
+      return Take(worker, m, report);
+    }
+    v1::CoordinatorMessage verdict, run = m;
+    if (m.run_step().has_commit()) *verdict.mutable_commit() = m.run_step().commit();
+    if (m.run_step().has_discard()) *verdict.mutable_discard() = m.run_step().discard();
+    run.mutable_run_step()->clear_commit();
+    run.mutable_run_step()->clear_discard();
+    if (folds) Take(worker, verdict, nullptr);
+    return Take(worker, run, report);
+  }
+
+  // One message reaches the worker: the hook, then its answers (a report
+  // into `report` when set).
+  bool Take(const std::string& worker, const v1::CoordinatorMessage& m, std::optional<v1::WorkerMessage>* report) {
     Hook hook;
     {
       absl::MutexLock lock(&mu_);
@@ -207,7 +299,13 @@ class FakeWorkers : public JobWorkers {
       if (workers_[worker].state() != v1::READY) return true;
       Answer(worker, m, &replies);
     }
-    for (const v1::WorkerMessage& r : replies) runner_->OnWorkerMessage(worker, r);
+    for (const v1::WorkerMessage& r : replies) {
+      if (report != nullptr && r.has_report()) {
+        *report = r;
+      } else {
+        runner_->OnWorkerMessage(worker, r);
+      }
+    }
     return true;
   }
 
@@ -220,8 +318,12 @@ class FakeWorkers : public JobWorkers {
         const v1::Configure& c = m.configure();
         generation_of_[worker] = c.plan().generation();
         for (const auto& rank : c.plan().ranks()) {
-          if (rank.worker_name() == worker) shard_[worker] = absl::StrCat(rank.pp_rank(), ".", rank.tp_rank());
+          if (rank.worker_name() != worker) continue;
+          shard_[worker] = absl::StrCat(rank.pp_rank(), ".", rank.tp_rank());
+          rank_[worker] = rank;
         }
+        groups_of_[worker] = c.plan().report_groups();
+        pp_of_[worker] = c.plan().pp();
         r.mutable_configured()->set_generation(c.plan().generation());
         const std::string want = absl::StrCat(shard_[worker], "@", c.resume_step());
         std::string have;
@@ -251,6 +353,12 @@ class FakeWorkers : public JobWorkers {
         rep->set_grad_sq_norm(0.25);
         rep->set_has_loss(true);
         rep->set_loss(10.0 / m.run_step().step());
+        if (rank_dependent_) {
+          const v1::RankAssignment& rank = rank_[worker];
+          rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank());
+          rep->set_has_loss(rank.pp_rank() == pp_of_[worker] - 1);
+          rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() : 0);
+        }
         traced_[worker] = m.run_step().trace();
         break;
       }
@@ -262,7 +370,7 @@ class FakeWorkers : public JobWorkers {
         r.mutable_step_done()->set_wall_seconds(0.01);
         if (traced_[worker]) {  // one event per traced step
           v1::TraceEvent* e = r.mutable_step_done()->add_events();
-          e->set_name(absl::StrCat("step ", step));
+          e->set_name(rank_dependent_ ? absl::StrCat("step ", step, " by ", worker) : absl::StrCat("step ", step));
           e->set_cat("compute");
           e->set_start_us(step * 1000);
           e->set_duration_us(10);
@@ -341,6 +449,12 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, std::map<int64_t, std::string>> own_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> done_apart_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::RankAssignment> rank_ ABSL_GUARDED_BY(mu_);  // as configured
+  std::map<std::string, bool> groups_of_ ABSL_GUARDED_BY(mu_);           // its plan has report groups
+  std::map<std::string, int> pp_of_ ABSL_GUARDED_BY(mu_);                // its plan's pp
+  std::map<std::string, std::vector<int64_t>> passed_ ABSL_GUARDED_BY(mu_);
+  bool drop_members_ ABSL_GUARDED_BY(mu_) = false;
+  bool rank_dependent_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, bool> hold_done_ ABSL_GUARDED_BY(mu_);  // the RunStep being answered allows it
   std::map<std::string, v1::StepDone> held_done_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> dones_apart_ ABSL_GUARDED_BY(mu_), dones_in_reports_ ABSL_GUARDED_BY(mu_);
@@ -374,6 +488,7 @@ class JobRunnerTest : public ::testing::Test {
     if (setup) setup(fake_.get());
     JobRunner::Options options;
     options.out_dir = out_dir;
+    options.report_groups_min_ranks = report_groups_min_ranks_;
     runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
     fake_->set_runner(runner_.get());
     // The runner starts in Finish(), after the test installed its hooks: the
@@ -453,6 +568,7 @@ class JobRunnerTest : public ::testing::Test {
     });
   }
 
+  int report_groups_min_ranks_ = JobRunner::Options().report_groups_min_ranks;
   FakeClock clock_;
   prometheus::Registry metrics_;
   std::unique_ptr<FakeWorkers> fake_;
@@ -775,6 +891,163 @@ TEST_F(JobRunnerTest, WithoutAReplacementTheJobFailsAfterTheTimeoutNamingTheWork
   bool aborted = false;
   for (const auto& m : fake_->Sent("worker-0")) aborted |= m.has_abort();
   EXPECT_TRUE(aborted);
+}
+
+v1::Plan GroupPlan(int pp, int dp) {
+  v1::Plan plan;
+  plan.set_pp(pp);
+  plan.set_tp(1);
+  plan.set_dp(dp);
+  for (int d = 0; d < dp; ++d) {
+    for (int p = 0; p < pp; ++p) {
+      v1::RankAssignment* r = plan.add_ranks();
+      r->set_worker_name(absl::StrCat("w", d, p));
+      r->set_pp_rank(p);
+      r->set_dp_rank(d);
+      r->set_report_groups(true);
+      r->set_verdict_in_run_step(true);
+    }
+  }
+  return plan;
+}
+
+TEST(ReportGroupsOfTest, ColumnsByPipelineRankLedByStageZero) {
+  const v1::Plan plan = GroupPlan(3, 2);
+  EXPECT_TRUE(WantsReportGroups(plan, 6));
+  EXPECT_FALSE(WantsReportGroups(plan, 7)) << "below --report_groups_min_ranks";
+  EXPECT_FALSE(WantsReportGroups(GroupPlan(1, 8), 1)) << "pp 1: every rank is a leader";
+  v1::Plan old = plan;
+  old.mutable_ranks(4)->set_report_groups(false);  // one worker from before report groups
+  EXPECT_FALSE(WantsReportGroups(old, 1));
+  absl::StatusOr<std::map<std::string, std::vector<std::string>>> groups = ReportGroupsOf(plan);
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  EXPECT_EQ(*groups, (std::map<std::string, std::vector<std::string>>{{"w00", {"w01", "w02"}},
+                                                                       {"w10", {"w11", "w12"}}}));
+  v1::Plan twice = plan;
+  twice.mutable_ranks(2)->set_pp_rank(1);
+  EXPECT_EQ(ReportGroupsOf(twice).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::Plan outside = plan;
+  outside.mutable_ranks(2)->set_pp_rank(3);
+  EXPECT_EQ(ReportGroupsOf(outside).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Report groups: RunStep goes to each pipeline column's leader (pp rank 0)
+// only, which passes it on; the members' reports come inside the leader's.
+// The job records the same losses and gradient norms as when every worker
+// reports on its own (the reports' numbers depend on the rank: a member's
+// report lost or counted as another's would show).
+class ReportGroupsTest : public JobRunnerTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ReportGroupsTest, LeadersCarryTheirColumnsReportsAndTheStepsAreTheSame) {
+  const bool groups = GetParam();
+  const std::string out = absl::StrCat(::testing::TempDir(), groups ? "/report_groups" : "/no_report_groups");
+  report_groups_min_ranks_ = 6;
+  v1::JobSpec job = Job(3, 2, 4);
+  job.mutable_fault_tolerance()->set_snapshot_every_steps(0);  // every StepDone but the last rides in a report
+  Start(job, 6, [groups](FakeWorkers* f) {
+    f->SetRankDependentReports();
+    if (groups) f->SetReportGroups();
+  }, out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  ASSERT_EQ(fake_->Configures("worker-1").size(), 1u);
+  EXPECT_EQ(fake_->Configures("worker-1")[0].plan().report_groups(), groups);
+  const std::vector<int64_t> all = {1, 2, 3, 4}, none;
+  for (const char* leader : {"worker-0", "worker-3"}) {  // pp rank 0 of dp 0 and dp 1
+    EXPECT_EQ(fake_->StepsRun(leader), all) << leader;
+    EXPECT_EQ(fake_->StepsPassedOn(leader), none) << leader;
+  }
+  for (const char* member : {"worker-1", "worker-2", "worker-4", "worker-5"}) {
+    EXPECT_EQ(fake_->StepsRun(member), groups ? none : all) << member;
+    EXPECT_EQ(fake_->StepsPassedOn(member), groups ? all : none) << member;
+    EXPECT_EQ(fake_->ModelStep(member), 4) << member;
+  }
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  std::vector<std::string> got, want;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    if (v->Find("loss") == nullptr) continue;
+    got.push_back(absl::StrCat(v->Find("step")->number(), ": loss ", v->Find("loss")->number(), ", norm ",
+                               v->Find("grad_norm")->number()));
+  }
+  for (int s = 1; s <= 4; ++s) {
+    // The last stage's losses averaged over dp; squared norms 0.25 + 0.75 + 1.25 of dp 0's column.
+    const double loss = (10.0 / s + (10.0 / s + 0.1)) / 2;
+    want.push_back(absl::StrCat(s, ": loss ", std::stod(absl::StrFormat("%.9g", loss)), ", norm 1.5"));
+  }
+  EXPECT_EQ(got, want);
+  // Each member's timings are its stage's.
+  std::vector<std::string> stages;
+  const v1::GetStatusResponse status = Status();
+  for (const v1::StageStatus& st : status.stages()) {
+    stages.push_back(absl::StrCat(st.pp_rank(), ": ", absl::StrJoin(st.workers(), " ")));
+  }
+  EXPECT_EQ(stages, (std::vector<std::string>{"0: worker-0 worker-3", "1: worker-1 worker-4", "2: worker-2 worker-5"}));
+  // The traced steps (2 and 3 rode in reports, 4 came apart): every
+  // worker's events under its own name.
+  absl::StatusOr<JsonValue> trace = JsonValue::Parse(runner_->TraceJson(3, absl::ZeroDuration()));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  std::map<int64_t, std::string> process;  // pid -> "stage ... / worker-K"
+  std::vector<std::string> events;
+  for (const JsonValue& e : trace->Find("traceEvents")->items()) {
+    const int64_t pid = e.Find("pid")->integer().value_or(-1);
+    if (e.Find("name")->str() == "process_name") process[pid] = e.Find("args")->Find("name")->str();
+    if (e.Find("ph")->str() == "X") events.push_back(absl::StrCat(e.Find("name")->str(), " in ", pid));
+  }
+  ASSERT_EQ(events.size(), 18u);  // 3 steps x 6 workers
+  for (std::string& e : events) {
+    const std::vector<std::string> parts = absl::StrSplit(e, " in ");
+    const std::string by = parts[0].substr(parts[0].rfind(' ') + 1);
+    EXPECT_TRUE(absl::EndsWith(process[std::stoll(parts[1])], "/ " + by)) << parts[0] << " shown under "
+                                                                         << process[std::stoll(parts[1])];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithout, ReportGroupsTest, ::testing::Bool());
+
+// A member lost in a grouped step (its leader's gather fails) or a leader
+// lost (its members never get the step) is recovered as any lost worker:
+// the first cause is the lost worker, the spare takes its rank, and the
+// job ends with every step run.
+class ReportGroupsLossTest : public JobRunnerTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(ReportGroupsLossTest, ALostLeaderOrMemberIsReplaced) {
+  const std::string victim = GetParam();
+  report_groups_min_ranks_ = 4;
+  Start(Job(2, 2, 6), 5, [](FakeWorkers* f) { f->SetReportGroups(); });  // worker-4 is a spare
+  KillAt(victim, 4);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const v1::GetStatusResponse s = Status();
+  EXPECT_EQ(s.recoveries(), 1);
+  EXPECT_NE(s.recovery().find(victim), std::string::npos) << s.recovery();
+  EXPECT_NE(s.recovery().find("worker-4"), std::string::npos) << s.recovery();
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("baton_recoveries_total{cause=\"worker_lost\",training_job=\"unit\"} 1"), std::string::npos) << m;
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-4");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_TRUE(spare[0].plan().report_groups());
+  EXPECT_EQ(spare[0].resume_step(), 3);
+  // The spare runs the replayed steps as the victim's stage did: from the
+  // coordinator as a leader, from its leader as a member.
+  const std::vector<int64_t> replayed = {4, 5, 6};
+  EXPECT_EQ(victim == "worker-2" ? fake_->StepsRun("worker-4") : fake_->StepsPassedOn("worker-4"), replayed);
+  EXPECT_EQ(fake_->ModelStep("worker-4"), 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(MemberAndLeader, ReportGroupsLossTest, ::testing::Values("worker-3", "worker-2"));
+
+TEST_F(JobRunnerTest, ALeaderThatLeavesOutItsMembersReportsIsTheFaultNamed) {
+  report_groups_min_ranks_ = 4;
+  v1::JobSpec job = Job(2, 2, 4);
+  job.mutable_fault_tolerance()->set_max_restarts(0);
+  Start(job, 4, [](FakeWorkers* f) { f->SetReportGroups(/*drop_members=*/true); });
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("stage 0 (tp 0, dp 0) (worker worker-0) sent the reports of 0 members for a column of 2 "
+                       "pipeline ranks (step 1)"),
+            std::string::npos)
+      << error;
 }
 
 TEST_F(JobRunnerTest, TheFirstCauseWinsOverAPeersConnectionError) {

@@ -67,6 +67,9 @@ ABSL_FLAG(std::string, join_token_file, "",
 ABSL_FLAG(bool, insecure, false,
           "allow plaintext gRPC on a non-loopback --listen (anyone who reaches it controls the job)");
 ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
+ABSL_FLAG(int64_t, report_groups_min_ranks, 64,
+          "with --job: run the job's steps in report groups (docs/protocol.md) from this many ranks up, where every "
+          "rank's worker supports them and pp >= 2");
 
 namespace baton {
 namespace {
@@ -88,6 +91,12 @@ int Main() {
   const int64_t max_workers = absl::GetFlag(FLAGS_max_workers);
   if (max_workers < 1 || max_workers > 2 * JobLimits::kMaxWorkers) {
     return Fail(2, absl::StrCat("--max_workers=", max_workers, " must be in 1..", 2 * JobLimits::kMaxWorkers));
+  }
+  const int64_t report_groups_min_ranks = absl::GetFlag(FLAGS_report_groups_min_ranks);
+  if (report_groups_min_ranks < 1 || report_groups_min_ranks > JobLimits::kMaxWorkers + 1) {
+    return Fail(2, absl::StrCat("--report_groups_min_ranks=", report_groups_min_ranks, " must be in 1..",
+                                JobLimits::kMaxWorkers + 1, " (", JobLimits::kMaxWorkers + 1,
+                                ": never)"));
   }
   std::string host;
   int port = 0;
@@ -143,6 +152,7 @@ int Main() {
     job_options.out_dir = absl::GetFlag(FLAGS_out);
     job_options.ready_timeout = absl::Seconds(absl::GetFlag(FLAGS_ready_timeout_s));
     job_options.resume_dir = absl::GetFlag(FLAGS_resume);
+    job_options.report_groups_min_ranks = static_cast<int>(report_groups_min_ranks);
     runner = std::make_unique<JobRunner>(*job, &registry, &kv, job_options, *metrics);
   }
   CoordinatorService::Options options;

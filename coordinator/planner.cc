@@ -173,6 +173,7 @@ void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {
   r->set_device_uuid(w.device_uuid());
   r->set_fused_attention_bf16(w.fused_attention_bf16());
   r->set_verdict_in_run_step(w.verdict_in_run_step());
+  r->set_report_groups(w.report_groups());
 }
 
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {

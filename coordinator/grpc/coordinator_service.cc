@@ -338,7 +338,7 @@ class CoordinatorService::SessionReactor final
       // it sends others (worker/agent.h). Not refused here when stale: the
       // job judges its messages by generation.
       service_->registry_->Renew(id_, incarnation_, msg_.has_report() ? msg_.report().step() : -1).IgnoreError();
-      if (service_->options_.job != nullptr) service_->options_.job->OnWorkerMessage(name_, msg_);
+      if (service_->options_.job != nullptr) service_->options_.job->OnWorkerMessage(name_, std::move(msg_));
     }
     return ToGrpcStatus(s);
   }

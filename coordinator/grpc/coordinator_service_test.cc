@@ -323,7 +323,7 @@ TEST(CoordinatorServiceAuthTest, KvOfAnotherJobIsRefusedAndWaitsAreCapped) {
 // A job whose trace takes until released.
 class SlowTraceJob : public JobObserver {
  public:
-  void OnWorkerMessage(const std::string&, const v1::WorkerMessage&) override {}
+  void OnWorkerMessage(const std::string&, v1::WorkerMessage) override {}
   void OnWorkerLost(const std::string&, const std::string&, bool) override {}
   void FillStatus(v1::GetStatusResponse*) const override {}
   std::string TraceJson(int, absl::Duration) override {
@@ -362,7 +362,7 @@ TEST(CoordinatorServiceAuthTest, PendingTracesAreCapped) {
 // Records what the service tells the job.
 class RecordingObserver final : public JobObserver {
  public:
-  void OnWorkerMessage(const std::string&, const v1::WorkerMessage&) override {}
+  void OnWorkerMessage(const std::string&, v1::WorkerMessage) override {}
   void OnWorkerLost(const std::string& worker, const std::string& why, bool) override {
     absl::MutexLock lock(&mu_);
     lost_[worker] = why;

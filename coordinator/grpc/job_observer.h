@@ -15,7 +15,8 @@ class JobObserver {
  public:
   virtual ~JobObserver() = default;
   // A message from `worker` on its session (not heartbeats or goodbyes).
-  virtual void OnWorkerMessage(const std::string& worker, const v1::WorkerMessage& message) = 0;
+  // Takes the message (the service moves its read buffer in).
+  virtual void OnWorkerMessage(const std::string& worker, v1::WorkerMessage message) = 0;
   // `worker`'s session ended or its lease expired; `hung` when the lease
   // expired (the process may still exist but stopped answering).
   virtual void OnWorkerLost(const std::string& worker, const std::string& why, bool hung = false) = 0;
