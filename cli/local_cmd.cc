@@ -275,10 +275,11 @@ class LocalRun {
  public:
   LocalRun(std::ostream& out, std::ostream& err, bool tty) : err_(err), printer_(out, tty) {}
 
-  // `output_dirs`: the workers' --output_dir (where the coordinator has them save).
+  // `output_dirs`: the workers' --output_dir (where the coordinator has them
+  // save); `coordinator_flags`: more flags for the coordinator.
   int Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
           absl::Duration timeout, std::optional<Injection> inject, const std::string& resume,
-          const std::string& output_dirs);
+          const std::string& output_dirs, const std::vector<std::string>& coordinator_flags);
 
  private:
   // Stops every child and returns `code`.
@@ -364,7 +365,7 @@ class LocalRun {
 
 int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int workers, const LocalBinaries& bins,
                   absl::Duration timeout, std::optional<Injection> inject, const std::string& resume,
-                  const std::string& output_dirs) {
+                  const std::string& output_dirs, const std::vector<std::string>& coordinator_flags) {
   const absl::Time deadline = absl::Now() + timeout;
   inject_ = std::move(inject);
   out_dir_ = out_dir;
@@ -373,6 +374,7 @@ int LocalRun::Run(const std::string& job_path, const std::string& out_dir, int w
   std::vector<std::string> coordinator_args = {"--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0",
                                                "--port_file=" + port_file, "--job=" + job_path, "--out=" + out_dir};
   if (!resume.empty()) coordinator_args.push_back("--resume=" + resume);
+  for (const std::string& f : coordinator_flags) coordinator_args.push_back(f);
   coordinator_ = std::make_unique<ChildProcess>("the coordinator", bins.coordinator, coordinator_args,
                                                 absl::StrCat(out_dir, "/logs/coordinator.log"));
   if (absl::Status s = coordinator_->Start(); !s.ok()) return Fail(std::string(s.message()));
@@ -597,7 +599,8 @@ absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const s
 
 int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
   absl::StatusOr<Args> args =
-      Args::Parse(argv, {"job", "out", "workers", "spares", "inject", "resume", "bin_dir", "timeout_s"});
+      Args::Parse(argv, {"job", "out", "workers", "spares", "inject", "resume", "bin_dir", "timeout_s",
+                         "report_groups_min_ranks"});
   if (!args.ok()) {
     err << "batonctl local: " << args.status().message() << "\n";
     return 2;
@@ -607,7 +610,8 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   absl::StatusOr<int64_t> timeout_s = args->GetInt("timeout_s", 3600);
   if (job_path.empty() || out_dir.empty() || !args->positionals().empty() || !timeout_s.ok() || *timeout_s <= 0) {
     err << "usage: batonctl local --job=FILE --out=DIR [--workers=N] [--spares=N] "
-           "[--inject=kill|stop:stage=P[,tp=T][,dp=D]|worker=NAME@step=N[,after_ms=M][,for=S]] [--resume=CHECKPOINT] [--bin_dir=DIR] [--timeout_s=3600]\n";
+           "[--inject=kill|stop:stage=P[,tp=T][,dp=D]|worker=NAME@step=N[,after_ms=M][,for=S]] [--resume=CHECKPOINT] [--bin_dir=DIR] [--timeout_s=3600] "
+           "[--report_groups_min_ranks=N]\n";
     return 2;
   }
   absl::StatusOr<v1::JobSpec> job = LoadJobSpec(job_path);
@@ -626,6 +630,16 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   if (!spares.ok() || *spares < 0 || *workers + *spares > 1024) {
     err << "batonctl local: --spares must be >= 0, with --workers + --spares at most 1024\n";
     return 2;
+  }
+  std::vector<std::string> coordinator_flags;
+  if (args->Has("report_groups_min_ranks")) {
+    absl::StatusOr<int64_t> min_ranks = args->GetInt("report_groups_min_ranks", 0);
+    if (!min_ranks.ok() || *min_ranks < 1 || *min_ranks > 65537) {
+      err << "batonctl local: --report_groups_min_ranks must be between 1 and 65537 (the coordinator's flag: jobs "
+             "of at least this many ranks run in report groups)\n";
+      return 2;
+    }
+    coordinator_flags.push_back(absl::StrCat("--report_groups_min_ranks=", *min_ranks));
   }
   absl::StatusOr<std::optional<Injection>> inject = ParseInjection(args->GetString("inject", ""));
   if (!inject.ok()) {
@@ -654,7 +668,7 @@ int RunLocalCommand(const std::vector<std::string>& argv, std::ostream& out, std
   std::string output_dirs = out_dir;
   if (!job->checkpoint().dir().empty()) absl::StrAppend(&output_dirs, ",", job->checkpoint().dir());
   return run.Run(job_path, out_dir, static_cast<int>(*workers + *spares), *bins, absl::Seconds(*timeout_s),
-                 *std::move(inject), args->GetString("resume", ""), output_dirs);
+                 *std::move(inject), args->GetString("resume", ""), output_dirs, coordinator_flags);
 }
 
 }  // namespace baton::cli

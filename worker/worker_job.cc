@@ -15,6 +15,7 @@
 #include "worker/checkpoint/async_writer.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
+#include "worker/comm/frame.h"
 #include "worker/data/data_source.h"
 #include "worker/data/make_data_source.h"
 #include "worker/gpt_stage_model.h"
@@ -36,7 +37,35 @@ struct WorkerJob::Job {
   v1::StepReport last_report;
   prometheus::Labels labels;
   kernels::Device device;
+  uint64_t id = 0;  // WorkerJob::next_job_id_ when built
+  // Report groups (Plan.report_groups, docs/protocol.md): this rank's
+  // pipeline column over Gloo (host bytes, rank = pp rank), and on a member
+  // the thread that takes each step from the leader (WorkerJob::TakeSteps).
+  std::unique_ptr<comm::Communicator> column;
+  std::thread column_reader;
+
+  ~Job() {
+    if (column != nullptr) column->Abort("the job was dropped");
+    if (column_reader.joinable()) column_reader.join();
+  }
 };
+
+namespace {
+
+// Report groups: frame tags on the column (each frame uses two).
+constexpr uint64_t kRunStepTag = 1;
+constexpr uint64_t kReportTag = 3;
+// Bounds of what a column carries: a RunStep (a verdict inside), and a
+// member's report (its held StepDone's trace events included), under the
+// session's 4 MiB messages.
+constexpr size_t kMaxRunStepBytes = 64 << 10;
+constexpr size_t kMaxMemberReportBytes = 4 << 20;
+// The column has no watchdog of its own: the leader bounds its pass-on and
+// gather by --op_timeout_s, and a member waits for its next step until the
+// job is aborted (a checkpoint or a recovery elsewhere may come between).
+constexpr absl::Duration kColumnWatchdog = absl::Hours(24 * 365);
+
+}  // namespace
 
 namespace {
 
@@ -128,7 +157,7 @@ void WorkerJob::Handle(const v1::CoordinatorMessage& message) {
   if (message.has_fetch_state()) return Fetch(message.fetch_state());
   if (message.has_abort()) AbortJob(message.abort().reason());
   absl::MutexLock lock(&mu_);
-  queue_.push_back(message);
+  queue_.push_back({message, 0});
 }
 
 void WorkerJob::SessionLost() {
@@ -136,7 +165,7 @@ void WorkerJob::SessionLost() {
   v1::CoordinatorMessage drop;
   drop.mutable_abort()->set_reason("session ended");
   absl::MutexLock lock(&mu_);
-  queue_.push_back(drop);
+  queue_.push_back({drop, 0});
 }
 
 void WorkerJob::Describe(v1::HeldJob* held) {
@@ -163,16 +192,19 @@ void WorkerJob::Reply(v1::WorkerMessage message) {
 
 void WorkerJob::Loop() {
   for (;;) {
-    v1::CoordinatorMessage message;
+    Queued item;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping
-      message = std::move(queue_.front());
+      item = std::move(queue_.front());
       queue_.pop_front();
     }
-    Process(message);
+    // A step taken from the leader of a job that is gone (aborted or
+    // reconfigured since): the job it belonged to ran no further.
+    if (item.column_job != 0 && (!job_ || job_->id != item.column_job)) continue;
+    Process(item.message);
   }
 }
 
@@ -198,6 +230,11 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       return;
     }
     case v1::CoordinatorMessage::kRunStep: {
+      // Report groups: a leader passes the step on before anything else, so
+      // the verdict inside reaches its members even if it dies next.
+      const bool leader = job_ && job_->column != nullptr && job_->rank.pp_rank() == 0;
+      const bool member = job_ && job_->column != nullptr && job_->rank.pp_rank() > 0;
+      const absl::Status passed = leader ? PassOn(message) : absl::OkStatus();
       // The previous step's verdict, sent ahead with this step, comes first;
       // its StepDone rides in this step's report where the coordinator
       // allows it.
@@ -215,8 +252,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         Reply(reply);
         return;
       }
-      absl::StatusOr<v1::StepReport> report = job_->executor->RunStep(message.run_step().step(),
-                                                                       message.run_step().trace());
+      absl::StatusOr<v1::StepReport> report =
+          passed.ok() ? job_->executor->RunStep(message.run_step().step(), message.run_step().trace())
+                      : absl::StatusOr<v1::StepReport>(passed);
       if (report.ok()) {
         session_->SetStep(message.run_step().step());
         job_->last_report = *report;
@@ -232,6 +270,8 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       }
       reply.mutable_report()->set_generation(job_->plan.generation());
       if (held) *reply.mutable_report()->mutable_step_done() = *std::move(held);
+      if (member) return GiveToLeader(std::move(reply));
+      if (leader && reply.report().error().empty()) GatherMembers(reply.mutable_report());
       Reply(reply);
       return;
     }
@@ -290,6 +330,61 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     default:
       return;
   }
+}
+
+absl::Status WorkerJob::PassOn(const v1::CoordinatorMessage& run) {
+  const std::string bytes = run.SerializeAsString();
+  for (int member = 1; member < job_->plan.pp(); ++member) {
+    BATON_RETURN_IF_ERROR(comm::SendFrame(
+        *job_->column, member, kRunStepTag, bytes, options_.op_timeout,
+        absl::StrCat("passing step ", run.run_step().step(), " on to pipeline rank ", member, " of its column")));
+  }
+  return absl::OkStatus();
+}
+
+void WorkerJob::GatherMembers(v1::StepReport* report) {
+  for (int member = 1; member < job_->plan.pp(); ++member) {
+    const std::string what =
+        absl::StrCat("the report of step ", report->step(), " from pipeline rank ", member, " of its column");
+    absl::StatusOr<std::string> bytes =
+        comm::RecvFrame(*job_->column, member, kReportTag, kMaxMemberReportBytes, options_.op_timeout, what);
+    v1::StepReport* theirs = report->add_members();
+    if (bytes.ok() && !theirs->ParseFromString(*bytes)) bytes = absl::DataLossError(absl::StrCat(what, " does not parse"));
+    if (!bytes.ok()) {
+      BATON_LOG(ERROR) << bytes.status();
+      report->clear_members();
+      report->set_error(std::string(bytes.status().message()));
+      report->set_code(static_cast<int>(bytes.status().code()));
+      return;
+    }
+  }
+}
+
+void WorkerJob::TakeSteps(Job* job) {
+  for (;;) {
+    absl::StatusOr<std::string> bytes = comm::RecvFrame(*job->column, 0, kRunStepTag, kMaxRunStepBytes,
+                                                        absl::InfiniteDuration(), "the next step from its leader");
+    v1::CoordinatorMessage run;
+    if (bytes.ok() && (!run.ParseFromString(*bytes) || !run.has_run_step())) {
+      bytes = absl::DataLossError("a step from its leader does not parse as a RunStep");
+      job->column->Abort(bytes.status().message());  // the leader's gather fails and says so
+    }
+    if (!bytes.ok()) {
+      if (bytes.status().code() != absl::StatusCode::kAborted) BATON_LOG(ERROR) << bytes.status();
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    queue_.push_back({std::move(run), job->id});
+  }
+}
+
+void WorkerJob::GiveToLeader(v1::WorkerMessage reply) {
+  const absl::Status s =
+      comm::SendFrame(*job_->column, 0, kReportTag, reply.report().SerializeAsString(), options_.op_timeout,
+                      absl::StrCat("giving the report of step ", reply.report().step(), " to its column's leader"));
+  if (s.ok()) return;
+  BATON_LOG(WARNING) << s << "; reporting to the coordinator instead";
+  Reply(std::move(reply));
 }
 
 std::optional<v1::StepDone> WorkerJob::ApplyVerdict(const v1::Commit* commit, const v1::Discard* discard,
@@ -351,6 +446,7 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   }
   job_.reset();
   auto job = std::make_unique<Job>();
+  job->id = next_job_id_++;
   absl::Status s = Build(configure, job.get());
   if (!s.ok()) {
     absl::MutexLock lock(&mu_);
@@ -385,6 +481,10 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     own_.erase(own_.upper_bound(resume), own_.end());
   }
   session_->SetStep(resume);
+  if (job_->column != nullptr && job_->rank.pp_rank() > 0) {  // a member: steps come from the leader
+    Job* job = job_.get();
+    job_->column_reader = std::thread([this, job] { TakeSteps(job); });
+  }
   BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
                   << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
@@ -393,7 +493,10 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
                                                     ? absl::StrCat(" from checkpoint ", configure.checkpoint_dir())
                                                 : configure.state().empty() ? " from its own snapshot"
                                                                             : " from the state sent")
-                                 : "");
+                                 : "")
+                  << (job_->column == nullptr ? ""
+                      : job_->rank.pp_rank() == 0 ? ", leading its column's reports"
+                                                  : ", reporting to its column's leader");
   return absl::OkStatus();
 }
 
@@ -661,6 +764,23 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     for (const auto& c : comms) {
       if (c != nullptr) live_comms_.push_back(c.get());
     }
+  }
+  if (plan.report_groups() && pp > 1) {
+    // After the job's groups, in the same order on every rank of the column.
+    comm::CommunicatorSpec column;
+    column.group = absl::StrCat("col-t", t, "-d", d);
+    column.generation = plan.generation();
+    column.rank = p;
+    column.size = pp;
+    column.backend = comm::Backend::kGloo;  // host bytes, whatever the data plane
+    column.rendezvous_timeout = options_.rendezvous_timeout;
+    column.op_timeout = kColumnWatchdog;
+    column.hostname = options_.comm_host;
+    absl::StatusOr<std::unique_ptr<comm::Communicator>> created = comm::CreateCommunicator(*job->store, column);
+    if (!created.ok()) return WithContext(created.status(), absl::StrCat("report group ", column.group));
+    job->column = std::move(*created);
+    absl::MutexLock lock(&mu_);
+    live_comms_.push_back(job->column.get());
   }
   for (size_t i = 0; i < rounds.size(); ++i) {
     switch (rounds[i].kind) {

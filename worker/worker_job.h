@@ -114,6 +114,16 @@ class WorkerJob {
 
   void Loop();
   void Process(const v1::CoordinatorMessage& message);
+  // Report groups (docs/protocol.md). Leader: passes `run` on to every
+  // member of its column; gathers their reports of the step into `report`
+  // (an error naming the member that did not report). Member: the reader
+  // thread's loop, queuing each step from the leader until the column is
+  // aborted; gives the step's report to the leader (to the coordinator
+  // when that fails).
+  absl::Status PassOn(const v1::CoordinatorMessage& run);
+  void GatherMembers(v1::StepReport* report);
+  void TakeSteps(Job* job);
+  void GiveToLeader(v1::WorkerMessage reply);
   // Applies a step's verdict (exactly one of `commit` and `discard` is
   // non-null), a message of its own or RunStep.commit / discard: answers
   // StepDone, then snapshots if the Commit asks for it. With `hold`
@@ -157,8 +167,16 @@ class WorkerJob {
   prometheus::Family<prometheus::Counter>* host_syncs_family_;
   int64_t host_syncs_seen_ = 0;  // kernels::HostSyncCount() at the last RecordMetrics (worker thread)
 
+  // A command to run on the Loop thread: from the session, or (report
+  // groups) a step a member took from its leader for its job `column_job`
+  // (Job::id), dropped once that job is gone.
+  struct Queued {
+    v1::CoordinatorMessage message;
+    uint64_t column_job = 0;
+  };
+
   absl::Mutex mu_;
-  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Communicators of the live job, so Abort can reach them from any thread.
   std::vector<comm::Communicator*> live_comms_ ABSL_GUARDED_BY(mu_);
@@ -176,6 +194,7 @@ class WorkerJob {
   std::unique_ptr<checkpoint::AsyncWriter> writer_;
 
   std::unique_ptr<Job> job_;  // owned by the Loop thread
+  uint64_t next_job_id_ = 1;  // the Loop thread's
   std::thread thread_;
 };
 

@@ -164,6 +164,7 @@ class WorkerJobTest : public ::testing::Test {
     }
     absl::StatusOr<v1::Plan> plan = MakePlan(spec_, ready, generation);
     EXPECT_TRUE(plan.ok()) << plan.status();
+    if (plan.ok()) plan->set_report_groups(report_groups_);
     const int pp = spec_.parallel().pp();
     absl::StatusOr<schedule::Schedule> compute =
         schedule::BuildSchedule({spec_.schedule().kind(), pp, spec_.schedule().microbatches(), 1});
@@ -260,6 +261,7 @@ class WorkerJobTest : public ::testing::Test {
   }
 
   std::unique_ptr<comm::FakeCoordinatorKvServer> kv_;
+  bool report_groups_ = false;  // the plans ConfigureFor makes run in report groups
   v1::JobSpec spec_;
   std::vector<Worker> workers_;
 };
@@ -558,6 +560,103 @@ TEST_F(WorkerJobTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
       }
     }
   }
+}
+
+// Report groups (docs/protocol.md): RunStep to the column's leader only,
+// which passes it on (over the column, real Gloo on loopback); the members'
+// reports come inside the leader's, each with its held StepDone, and are
+// the reports they send when each reports alone, bit for bit.
+TEST_F(WorkerJobTest, InReportGroupsTheLeaderCarriesItsMembersReportsUnchanged) {
+  StartWorkers(3);
+  spec_.mutable_model()->set_layers(3);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  std::vector<StepResult> alone;
+  for (int64_t n = 1; n <= 3; ++n) alone.push_back(Step(n, /*commit=*/true, /*snapshot=*/false));
+  // The same steps from the seed in report groups: w0 leads.
+  report_groups_ = true;
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  using M = v1::WorkerMessage;
+  auto same = [](v1::StepReport got, v1::StepReport want) {  // but the generation, held StepDone and members
+    got.clear_generation();
+    got.clear_step_done();
+    got.clear_members();
+    want.clear_generation();
+    want.clear_step_done();
+    return got.SerializeAsString() == want.SerializeAsString();
+  };
+  v1::CoordinatorMessage run;
+  for (int64_t n = 1; n <= 3; ++n) {
+    run.mutable_run_step()->set_step(n);
+    if (n > 1) {
+      run.mutable_run_step()->set_step_done_in_report(true);
+      v1::Commit* commit = run.mutable_run_step()->mutable_commit();
+      commit->set_step(n - 1);
+      commit->set_clip_factor(1.0);
+    }
+    workers_[0].job->Handle(run);
+    std::optional<M> report = workers_[0].session->Next(M::kReport);
+    ASSERT_TRUE(report.has_value()) << "step " << n;
+    const v1::StepReport& r = report->report();
+    ASSERT_TRUE(r.error().empty()) << r.error();
+    EXPECT_EQ(r.generation(), 2);
+    EXPECT_TRUE(same(r, alone[n - 1].reports["w0"])) << "step " << n << ": " << r.ShortDebugString();
+    ASSERT_EQ(r.members_size(), 2) << "step " << n;
+    for (int k = 1; k <= 2; ++k) {
+      const v1::StepReport& member = r.members(k - 1);
+      const std::string name = absl::StrCat("w", k);
+      EXPECT_TRUE(same(member, alone[n - 1].reports[name]))
+          << name << " step " << n << ": " << member.ShortDebugString() << " vs "
+          << alone[n - 1].reports[name].ShortDebugString();
+      EXPECT_EQ(member.generation(), 2);
+      EXPECT_EQ(member.has_step_done(), n > 1) << name;
+      if (n > 1) {
+        EXPECT_EQ(member.step_done().step(), n - 1) << name;
+        EXPECT_TRUE(member.step_done().committed()) << name << ": " << member.step_done().error();
+      }
+    }
+    EXPECT_EQ(r.has_step_done(), n > 1);
+  }
+  // The members sent nothing to the coordinator themselves.
+  for (int k = 1; k <= 2; ++k) {
+    EXPECT_EQ(workers_[k].session->Count(M::kReport), 0) << workers_[k].name;
+    EXPECT_EQ(workers_[k].session->Count(M::kStepDone), 0) << workers_[k].name;
+  }
+  // A verdict apart (the last step's) reaches every worker on its session.
+  v1::CoordinatorMessage last;
+  last.mutable_commit()->set_step(3);
+  last.mutable_commit()->set_clip_factor(1.0);
+  for (Worker& w : workers_) w.job->Handle(last);
+  for (Worker& w : workers_) {
+    std::optional<M> done = w.session->Next(M::kStepDone);
+    ASSERT_TRUE(done.has_value()) << w.name;
+    EXPECT_EQ(done->step_done().step(), 3);
+    EXPECT_TRUE(done->step_done().committed()) << w.name << ": " << done->step_done().error();
+  }
+}
+
+// A member whose job is aborted (its column with it) fails its leader's
+// next step at once, with an error that names the member's pipeline rank;
+// the leader stays usable.
+TEST_F(WorkerJobTest, ALeaderThatCannotReachAMemberReportsWhichOne) {
+  report_groups_ = true;
+  StartWorkers(3);
+  spec_.mutable_model()->set_layers(3);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  workers_[2].job.reset();  // its process ends: its sockets close
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  workers_[0].job->Handle(run);
+  std::optional<v1::WorkerMessage> report = workers_[0].session->Next(v1::WorkerMessage::kReport);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_NE(report->report().error().find("pipeline rank 2 of its column"), std::string::npos)
+      << report->report().ShortDebugString();
+  EXPECT_NE(report->report().code(), 0);
+  EXPECT_EQ(report->report().members_size(), 0);
+  // Usable: a new generation without the lost member configures.
+  workers_.pop_back();
+  report_groups_ = false;
+  spec_ = Spec(2);
+  for (const v1::Configured& c : ConfigureAll(2)) EXPECT_TRUE(c.ok()) << c.error();
 }
 
 TEST_F(WorkerJobTest, AStaleGenerationIsRefused) {

@@ -57,9 +57,10 @@ struct Fault {
 // Runs `layout` with one spare, injects `fault` into the worker at
 // (stage, tp, dp) after `at_step` steps, and checks the recovery.
 void RunWithFault(const std::string& name, const Layout& layout, const Fault& fault, int spares = 1,
-                  const std::string& fault_tolerance = "") {
+                  const std::string& fault_tolerance = "", std::vector<std::string> flags = {}) {
   const LocalRun& reference = Reference(layout);
-  LocalRun run(name, Job(layout, fault_tolerance), {absl::StrCat("--spares=", spares)});
+  flags.push_back(absl::StrCat("--spares=", spares));
+  LocalRun run(name, Job(layout, fault_tolerance), flags);
   run.Start();
   run.WaitForStep(fault.at_step);
   const std::string victim = run.WorkerAt(fault.stage, fault.tp, fault.dp);
@@ -89,6 +90,12 @@ void RunWithFault(const std::string& name, const Layout& layout, const Fault& fa
   if (fault.sig == SIGSTOP) kill(victim_pid, SIGCONT);  // the thawed old incarnation must not disturb anything
   ASSERT_EQ(run.Finish(), 0) << run.Log();
   ExpectBitwiseEqual(reference, run);
+  if (std::any_of(flags.begin(), flags.end(),
+                  [](const std::string& f) { return absl::StartsWith(f, "--report_groups_min_ranks="); })) {
+    // Both generations, before the fault and after it, ran in report groups.
+    EXPECT_GE(fault::CountLines(run.out() + "/logs/coordinator.log", ", steps reported by "), 2)
+        << ReadAll(run.out() + "/logs/coordinator.log");
+  }
   for (const auto& [w, pid] : survivors) {
     EXPECT_NE(run.WorkerLog(w).find("from its own snapshot"), std::string::npos)
         << w << " did not roll back from its own memory:\n"
@@ -146,6 +153,25 @@ TEST(RecoveryTest, KilledDataParallelRankTakesItsReplicasState) {
 
 TEST(RecoveryTest, FrozenWorkerPastItsLeaseIsReplacedAndItsThawDisturbsNothing) {
   RunWithFault("stop_middle", Layout{}, Fault{1, 0, 0, SIGSTOP, 15});
+}
+
+// Report groups (docs/protocol.md; on for this small job by
+// --report_groups_min_ranks): RunStep goes to the column's leader, which
+// passes it on, and the members' reports come inside its own. A killed
+// member (its leader's gather fails), a killed leader (its members wait for
+// a step that never comes) and a frozen leader are recovered like any lost
+// worker, and the run ends with the weights of the fault-free run without
+// groups, bit for bit.
+TEST(RecoveryTest, InReportGroupsAKilledMemberIsReplaced) {
+  RunWithFault("groups_kill_member", Layout{}, Fault{2, 0, 0, SIGKILL, 20}, 1, "", {"--report_groups_min_ranks=2"});
+}
+
+TEST(RecoveryTest, InReportGroupsAKilledLeaderIsReplaced) {
+  RunWithFault("groups_kill_leader", Layout{}, Fault{0, 0, 0, SIGKILL, 20}, 1, "", {"--report_groups_min_ranks=2"});
+}
+
+TEST(RecoveryTest, InReportGroupsAFrozenLeaderIsReplaced) {
+  RunWithFault("groups_stop_leader", Layout{}, Fault{0, 0, 0, SIGSTOP, 20}, 1, "", {"--report_groups_min_ranks=2"});
 }
 
 // No spare: the same name registering again (systemd Restart=on-failure)
