@@ -15,6 +15,13 @@
 //                                  that report unless it failed or the
 //                                  Commit asks for a snapshot
 //   SaveWeights{dir}               DP rank 0 writes its shards -> Saved
+//
+// Report groups (Plan.report_groups, docs/protocol.md): the rank also joins
+// its pipeline column's Gloo group. The leader (pp rank 0) passes each
+// RunStep on to its members before anything else, runs its step and sends
+// the members' reports inside its own; a member takes its RunSteps from the
+// leader (a reader thread queues them with the session's commands) and
+// gives its report to the leader instead of the coordinator.
 //   Abort                          aborts the communicators, drops the job
 //                                  (the snapshots below stay)
 //
