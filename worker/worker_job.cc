@@ -60,6 +60,9 @@ constexpr uint64_t kReportTag = 3;
 // session's 4 MiB messages.
 constexpr size_t kMaxRunStepBytes = 64 << 10;
 constexpr size_t kMaxMemberReportBytes = 4 << 20;
+// A leader's report must fit the session's 4 MiB messages; past this its
+// members' trace events are left out (their timings stay).
+constexpr size_t kMaxGroupReportBytes = WorkerJob::kMaxSnapshotBytes;
 // The column has no watchdog of its own: the leader bounds its pass-on and
 // gather by --op_timeout_s, and a member waits for its next step until the
 // job is aborted (a checkpoint or a recovery elsewhere may come between).
@@ -356,6 +359,13 @@ void WorkerJob::GatherMembers(v1::StepReport* report) {
       report->set_error(std::string(bytes.status().message()));
       report->set_code(static_cast<int>(bytes.status().code()));
       return;
+    }
+  }
+  if (report->ByteSizeLong() > kMaxGroupReportBytes) {
+    BATON_LOG(WARNING) << "the report of step " << report->step() << " for the column is " << report->ByteSizeLong()
+                       << " bytes, over " << kMaxGroupReportBytes << "; the members' trace events are left out";
+    for (v1::StepReport& member : *report->mutable_members()) {
+      if (member.has_step_done()) member.mutable_step_done()->clear_events();
     }
   }
 }
