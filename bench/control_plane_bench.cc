@@ -580,7 +580,8 @@ int Main(int argc, char** argv) {
       absl::StrCat("--heartbeat_while_busy=", absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false");
   const int units = (n + unit - 1) / unit;
   for (int p = 0; p < procs; ++p) {
-    const int first = std::min(n, units * p / procs * unit), count = std::min(n, units * (p + 1) / procs * unit) - first;
+    const int first = std::min(n, units * p / procs * unit);
+    const int count = std::min(n, units * (p + 1) / procs * unit) - first;
     sims.push_back(Spawn({self, absl::StrCat("--sim=", address, "|", first, "|", count, "|", dir, "/sim", p, ".txt"),
                           verdict_flag, done_flag, beat_flag,
                           absl::StrCat("--report_groups=", groups ? "true" : "false"),

@@ -1177,6 +1177,17 @@ std::string JobRunner::Who(const std::string& worker) const {
   return absl::StrCat(StageOf(worker), " (worker ", worker, ")");
 }
 
+void JobRunner::AddWorkerError(const std::string& worker, const std::string& why, absl::StatusCode code) {
+  Fault f;
+  f.worker = worker;
+  f.cause = FaultCause::kWorkerError;
+  f.code = code;
+  f.generation = generation_;
+  f.why = absl::StrCat(Who(worker), " ", why);
+  BATON_LOG(ERROR) << f.why;
+  faults_.push_back(std::move(f));
+}
+
 void JobRunner::OnWorkerMessage(const std::string& worker, v1::WorkerMessage message) {
   std::string relay_to;
   v1::CoordinatorMessage relay;
@@ -1218,14 +1229,7 @@ void JobRunner::HandleGroupReport(const std::string& worker, v1::WorkerMessage m
   }
   if (!broken.empty()) {
     if (GenerationOf(message) != generation_) return;  // from a world that no longer exists
-    Fault f;
-    f.worker = worker;
-    f.cause = FaultCause::kWorkerError;
-    f.code = absl::StatusCode::kInternal;
-    f.generation = generation_;
-    f.why = absl::StrCat(Who(worker), " ", broken, " (step ", report->step(), ")");
-    BATON_LOG(ERROR) << f.why;
-    faults_.push_back(std::move(f));
+    AddWorkerError(worker, absl::StrCat(broken, " (step ", report->step(), ")"), absl::StatusCode::kInternal);
     return;
   }
   // A leader whose gather failed reports its error with the members it has;
@@ -1249,14 +1253,7 @@ void JobRunner::Handle(const std::string& worker, v1::WorkerMessage message, std
   auto error_fault = [&](const std::string& what, const std::string& error, int32_t code)
                          ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (error.empty()) return;
-    Fault f;
-    f.worker = worker;
-    f.cause = FaultCause::kWorkerError;
-    f.code = CodeOr(code, absl::StatusCode::kInternal);
-    f.generation = generation_;
-    f.why = absl::StrCat(Who(worker), " ", what, ": ", error);
-    BATON_LOG(ERROR) << f.why;
-    faults_.push_back(std::move(f));
+    AddWorkerError(worker, absl::StrCat(what, ": ", error), CodeOr(code, absl::StatusCode::kInternal));
   };
   switch (message.body_case()) {
     case v1::WorkerMessage::kConfigured:

@@ -251,6 +251,10 @@ class JobRunner : public JobObserver {
                   double clip, double wall, const std::map<std::string, v1::WorkerMessage>& done);
 
   // Recovery pieces.
+  // A fault of `worker`'s own (it reported an error, or broke the protocol):
+  // "<stage> (worker <name>) <why>".
+  void AddWorkerError(const std::string& worker, const std::string& why, absl::StatusCode code)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FaultsToStatus() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Fault* FirstCause() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plan workers that lost their process (not READY, or a new incarnation).

@@ -68,10 +68,6 @@ constexpr size_t kMaxGroupReportBytes = WorkerJob::kMaxSnapshotBytes;
 // job is aborted (a checkpoint or a recovery elsewhere may come between).
 constexpr absl::Duration kColumnWatchdog = absl::Hours(24 * 365);
 
-}  // namespace
-
-namespace {
-
 // The daemon's session: the WorkerAgent.
 class AgentSession : public JobSession {
  public:
@@ -352,7 +348,9 @@ void WorkerJob::GatherMembers(v1::StepReport* report) {
     absl::StatusOr<std::string> bytes =
         comm::RecvFrame(*job_->column, member, kReportTag, kMaxMemberReportBytes, options_.op_timeout, what);
     v1::StepReport* theirs = report->add_members();
-    if (bytes.ok() && !theirs->ParseFromString(*bytes)) bytes = absl::DataLossError(absl::StrCat(what, " does not parse"));
+    if (bytes.ok() && !theirs->ParseFromString(*bytes)) {
+      bytes = absl::DataLossError(absl::StrCat(what, " does not parse"));
+    }
     if (!bytes.ok()) {
       BATON_LOG(ERROR) << bytes.status();
       report->clear_members();
