@@ -53,7 +53,7 @@
 // --report_groups registers the workers as able to run in report groups
 // (docs/protocol.md "Report groups") and has the coordinator use them: each
 // pipeline column's leader (pp rank 0) gets RunStep, passes it on to its
-// members (in-process calls standing in for the pipeline group) and sends
+// members (in-process calls standing in for the column's group) and sends
 // their reports inside its own. The workers are packed into processes by
 // whole data-parallel replicas, so every column is in one process.
 #include <signal.h>
@@ -569,7 +569,8 @@ int Main(int argc, char** argv) {
   // Processes hold whole DP replicas (pp*tp consecutive workers) under
   // report groups, so a leader finds its members in its own process.
   const int unit = groups ? pp * tp : 1;
-  const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), (n + unit - 1) / unit));
+  const int units = (n + unit - 1) / unit;
+  const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), units));
   std::vector<pid_t> sims;
   const absl::Time start = absl::Now();
   const std::string verdict_flag =
@@ -578,7 +579,6 @@ int Main(int argc, char** argv) {
       absl::StrCat("--step_done_in_report=", absl::GetFlag(FLAGS_step_done_in_report) ? "true" : "false");
   const std::string beat_flag =
       absl::StrCat("--heartbeat_while_busy=", absl::GetFlag(FLAGS_heartbeat_while_busy) ? "true" : "false");
-  const int units = (n + unit - 1) / unit;
   for (int p = 0; p < procs; ++p) {
     const int first = std::min(n, units * p / procs * unit);
     const int count = std::min(n, units * (p + 1) / procs * unit) - first;
