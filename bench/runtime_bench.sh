@@ -18,14 +18,18 @@
 # Usage: bash bench/runtime_bench.sh     (DEEP_PP=32 bash bench/runtime_bench.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bazel build //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
-ctl=bazel-bin/cli/batonctl
+# Release binaries (-c opt, as scripts/package.sh builds them), as
+# bench/pipeline_side_by_side.sh runs; before 2026-12-02 this ran the test
+# build (fastbuild).
+bazel build -c opt //cli:batonctl //coordinator:baton-coordinator //worker:baton-worker >/dev/null 2>&1
+ctl=$(bazel info -c opt bazel-bin 2>/dev/null)/cli/batonctl
 tmp=$(mktemp -d /tmp/baton-bench.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 
 run() {  # run NAME JOB_TEXT -> prints summary fields
   printf '%s\n' "$2" > "$tmp/$1.textproto"
-  "$ctl" local --job="$tmp/$1.textproto" --out="$tmp/$1" > "$tmp/$1.log" 2>&1 || { cat "$tmp/$1.log"; exit 1; }
+  # On failure the log goes to stderr: stdout is captured by $(run ...).
+  "$ctl" local --job="$tmp/$1.textproto" --out="$tmp/$1" > "$tmp/$1.log" 2>&1 || { echo "$1 failed:" >&2; tail -n 30 "$tmp/$1.log" >&2; exit 1; }
   python3 - "$tmp/$1/summary.json" "$tmp/$1/steps.jsonl" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
