@@ -29,6 +29,7 @@
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/plan.h"
 #include "kernels/cuda/stamp.cuh"
+#include "kernels/cuda/timer_offset.h"
 
 namespace baton::cuda {
 namespace {
@@ -205,7 +206,17 @@ void FreeHost(int, void* p) {
   if (p != nullptr) cudaFreeHost(p);
 }
 
-absl::StatusOr<int64_t> TimerOffset(int device);
+absl::StatusOr<int64_t> TimerOffset(int device, bool refresh_if_due);
+
+// Measures `device`'s timer offset again when due, with the device current
+// for the measurement only (the calling thread's device is left as it was).
+void RefreshTimerOffset(int device) {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  if (previous != device && cudaSetDevice(device) != cudaSuccess) return;
+  (void)TimerOffset(device, /*refresh_if_due=*/true);
+  if (previous != device) cudaSetDevice(previous);
+}
 
 absl::StatusOr<void*> CreateStream(int index) {
   absl::Status s = Probe(index);
@@ -217,7 +228,7 @@ absl::StatusOr<void*> CreateStream(int index) {
   // the whole device), which inside a step — at the first StampTime — would
   // stall every stream of the device mid-step. A failure here is reported by
   // StampTime, which measures again.
-  (void)TimerOffset(index);
+  (void)TimerOffset(index, /*refresh_if_due=*/false);
   cudaStream_t stream = nullptr;
   BATON_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto state = std::make_unique<StreamState>();
@@ -265,6 +276,9 @@ absl::Status SynchronizeStream(void* native) {
   absl::Status sticky = StickyError(stream);
   if (!sticky.ok()) return sticky;
   BATON_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // The host waited anyway: the time to follow the GPU timer's drift, when
+  // due (at most every 10 s; a few microseconds on the probe's own stream).
+  if (StreamState* state = FindState(stream); state != nullptr) RefreshTimerOffset(state->device);
   return absl::OkStatus();
 }
 
@@ -351,26 +365,46 @@ void Cast(const ExecContext& ctx, const Tensor& dst, const Tensor& src) {
   }
 }
 
-// The offset from %globaltimer to the host's Unix clock, measured when the
-// device's first stream is created (one host wait on a private stream, once
-// per device and process; kernels/cuda/stamp.cuh; again at a stamp if that
-// failed) and kept: drift between the two clocks over a long job is not
-// corrected. The device must be current.
-absl::StatusOr<int64_t> TimerOffset(int device) {
+// The offset from %globaltimer to the host's Unix clock, per device: first
+// measured when the device's first stream is created, then again, as the two
+// clocks drift apart, at a host wait for a stream once it is due (every 10 s,
+// timer_offset.h), with a probe kept for the process so that measuring waits
+// only for the probe's own stream. The device must be current.
+struct DeviceClock {
+  GlobalTimerProbe probe;  // created with the first measurement
+  TimerOffsetTracker tracker;
+};
+
+absl::StatusOr<int64_t> TimerOffset(int device, bool refresh_if_due) {
   static absl::Mutex mu(absl::kConstInit);
-  static auto* offsets = new absl::flat_hash_map<int, int64_t>();
+  static auto* clocks = new absl::flat_hash_map<int, DeviceClock>();
   absl::MutexLock lock(&mu);
-  auto it = offsets->find(device);
-  if (it != offsets->end()) return it->second;
+  DeviceClock& clock = (*clocks)[device];
+  const absl::Time now = absl::Now();
+  if (clock.tracker.has_offset() && !(refresh_if_due && clock.tracker.Due(now))) {
+    return clock.tracker.offset_us();
+  }
+  if (!clock.tracker.Due(now)) {  // no offset: the last try failed under a second ago
+    return absl::UnavailableError(
+        absl::StrCat("the GPU timer's offset to the host clock of device ", device, " could not be measured"));
+  }
+  cudaError_t err = clock.probe.stream != nullptr ? cudaSuccess : CreateGlobalTimerProbe(&clock.probe);
   int64_t offset = 0, uncertainty = 0;
-  BATON_CUDA_RETURN_IF_ERROR(MeasureGlobalTimerOffset(&offset, &uncertainty));
-  (*offsets)[device] = offset;
-  return offset;
+  if (err == cudaSuccess) err = MeasureGlobalTimerOffset(clock.probe, &offset, &uncertainty);
+  if (err == cudaSuccess) {
+    clock.tracker.Offer(offset, uncertainty, absl::Now());
+  } else {
+    clock.tracker.Failed(now);
+    if (!clock.tracker.has_offset()) {
+      BATON_CUDA_RETURN_IF_ERROR(err);
+    }
+  }
+  return clock.tracker.offset_us();
 }
 
 void StampTime(const ExecContext& ctx, const Tensor& out, int64_t offset_us) {
   StreamState& st = Enter(ctx, "StampTime");
-  absl::StatusOr<int64_t> timer_offset = TimerOffset(st.device);
+  absl::StatusOr<int64_t> timer_offset = TimerOffset(st.device, /*refresh_if_due=*/false);
   if (!timer_offset.ok()) return Note(st, "StampTime", timer_offset.status());
   Note(st, "StampTime",
        LaunchStampGlobalTimer(out.data<int64_t>(), *timer_offset + offset_us, Native(ctx)));

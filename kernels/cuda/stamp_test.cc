@@ -2,6 +2,7 @@
 // writes, when the stream reaches it, the time on the host's Unix clock
 // (%globaltimer plus the measured offset), in stream order.
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "absl/time/clock.h"
@@ -34,6 +35,29 @@ TEST(CudaStampTest, OffsetIsMeasuredWithinAFewMicroseconds) {
   ::testing::Test::RecordProperty("uncertainty_us", static_cast<int>(uncertainty));
   EXPECT_GE(uncertainty, 0);
   EXPECT_LT(uncertainty, kSlackUs);
+}
+
+// The backend measures again with a probe it keeps (timer_offset.h): two
+// measurements 200 ms apart agree within their uncertainties and the drift
+// bound, and measuring with a kept probe needs no device-wide wait.
+TEST(CudaStampTest, AKeptProbeMeasuresAgainConsistently) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess) << "this test needs a GPU";
+  ASSERT_GT(count, 0) << "this test needs a GPU";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  GlobalTimerProbe probe;
+  ASSERT_EQ(CreateGlobalTimerProbe(&probe), cudaSuccess);
+  int64_t first = 0, first_unc = -1, second = 0, second_unc = -1;
+  ASSERT_EQ(MeasureGlobalTimerOffset(probe, &first, &first_unc), cudaSuccess);
+  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_EQ(MeasureGlobalTimerOffset(probe, &second, &second_unc), cudaSuccess);
+  DestroyGlobalTimerProbe(&probe);
+  EXPECT_EQ(probe.stream, nullptr);
+  ::testing::Test::RecordProperty("offset_change_over_200ms_us", std::to_string(second - first));
+  EXPECT_LT(first_unc, kSlackUs);
+  EXPECT_LT(second_unc, kSlackUs);
+  // 100 ppm of 200 ms is 20 us; 2 us more for the timer's resolution.
+  EXPECT_LE(std::abs(second - first), first_unc + second_unc + 22);
 }
 
 TEST(CudaStampTest, StampIsTheHostClockWhenTheStreamGetsThere) {
