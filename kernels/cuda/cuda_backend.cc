@@ -384,13 +384,18 @@ absl::StatusOr<int64_t> TimerOffset(int device, bool refresh_if_due) {
   if (clock.tracker.has_offset() && !(refresh_if_due && clock.tracker.Due(now))) {
     return clock.tracker.offset_us();
   }
-  if (!clock.tracker.Due(now)) {  // no offset: the last try failed under a second ago
+  // Without an offset a stamp always measures (as at the first stamp); the
+  // refresh at host waits keeps to Due()'s pace.
+  if (refresh_if_due && !clock.tracker.Due(now)) {
     return absl::UnavailableError(
         absl::StrCat("the GPU timer's offset to the host clock of device ", device, " could not be measured"));
   }
   cudaError_t err = clock.probe.stream != nullptr ? cudaSuccess : CreateGlobalTimerProbe(&clock.probe);
   int64_t offset = 0, uncertainty = 0;
-  if (err == cudaSuccess) err = MeasureGlobalTimerOffset(clock.probe, &offset, &uncertainty);
+  // Fewer tries when measuring again: the device may be busy on other
+  // streams, and a try waits for a free slot for the probe's kernel.
+  const int tries = clock.tracker.has_offset() ? 3 : 8;
+  if (err == cudaSuccess) err = MeasureGlobalTimerOffset(clock.probe, &offset, &uncertainty, tries);
   if (err == cudaSuccess) {
     clock.tracker.Offer(offset, uncertainty, absl::Now());
   } else {
