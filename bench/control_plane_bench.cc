@@ -51,11 +51,12 @@
 // that began after every worker was ready, and the CPU per step only polls
 // that saw every worker ready.
 // --report_groups registers the workers as able to run in report groups
-// (docs/protocol.md "Report groups") and has the coordinator use them: each
-// pipeline column's leader (pp rank 0) gets RunStep, passes it on to its
-// members (in-process calls standing in for the column's group) and sends
-// their reports inside its own. The workers are packed into processes by
-// whole data-parallel replicas, so every column is in one process.
+// (docs/protocol.md "Report groups"; of several columns too) and has the
+// coordinator use them: each group's leader gets RunStep, passes it on to
+// its members (in-process calls standing in for the group's communicator)
+// and sends their reports inside its own. The workers are packed into
+// processes by whole groups and whole data-parallel replicas, so every
+// group is in one process.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -68,6 +69,7 @@
 #include <deque>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -83,6 +85,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "common/report_group.h"
 #include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(int, workers, 64, "simulated workers (pp*tp*dp of the job, unless --job_ranks)");
@@ -105,8 +108,11 @@ ABSL_FLAG(bool, bdp_probe, false,
           "the simulated workers' channels probe the bandwidth-delay product (gRPC's default; baton-worker turns "
           "it off: a PING per message received)");
 ABSL_FLAG(bool, report_groups, false,
-          "the workers run in report groups: RunStep to each column's leader, which passes it on and reports for "
+          "the workers run in report groups: RunStep to each group's leader, which passes it on and reports for "
           "its members");
+ABSL_FLAG(std::string, mesh, "",
+          "PPxTPxDP of the job, e.g. 1x8x128 (default: the mesh of docs/BENCHMARKS.md for the job's ranks; other "
+          "sizes: pp = ranks)");
 ABSL_FLAG(std::string, dir, "", "working directory (default: a fresh one under /tmp)");
 // Internal: a process of simulated workers.
 ABSL_FLAG(std::string, sim, "", "internal: ADDRESS:FIRST:COUNT:OUTFILE");
@@ -136,17 +142,17 @@ struct Record {
 
 class SimWorker;
 
-// The simulated workers of one process by pipeline column, as configured:
-// (generation, tp, dp) -> workers by pp rank.
-struct Columns {
+// The simulated workers of one process by report group, as configured:
+// (generation, group) -> workers by seat (common/report_group.h).
+struct Groups {
   absl::Mutex mu;
-  std::map<std::array<int64_t, 3>, std::map<int, SimWorker*>> by_column ABSL_GUARDED_BY(mu);
+  std::map<std::array<int64_t, 2>, std::map<int, SimWorker*>> by_group ABSL_GUARDED_BY(mu);
 };
 
 class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  SimWorker(v1::Coordinator::Stub* stub, std::string name, Record* rec, Columns* columns)
-      : stub_(stub), name_(std::move(name)), rec_(rec), columns_(columns) {}
+  SimWorker(v1::Coordinator::Stub* stub, std::string name, Record* rec, Groups* groups)
+      : stub_(stub), name_(std::move(name)), rec_(rec), groups_(groups) {}
 
   void Start() {
     req_.set_name(name_);
@@ -156,6 +162,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     req_.set_pid(getpid());
     req_.set_verdict_in_run_step(absl::GetFlag(FLAGS_verdict_in_run_step));
     req_.set_report_groups(absl::GetFlag(FLAGS_report_groups));
+    req_.set_report_group_columns(absl::GetFlag(FLAGS_report_groups));
     reg_ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     stub_->async()->Register(&reg_ctx_, &req_, &reg_, [this](grpc::Status s) { OnRegistered(s); });
   }
@@ -225,18 +232,20 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
         leader_ = false;
         if (plan.report_groups() && plan.ranks_size() == 1) {
           const v1::RankAssignment& rank = plan.ranks(0);
-          leader_ = rank.pp_rank() == 0;
-          pp_ = plan.pp();
-          column_ = {generation_, rank.tp_rank(), rank.dp_rank()};
-          absl::MutexLock columns(&columns_->mu);
-          columns_->by_column[column_][rank.pp_rank()] = this;
+          const ReportGroupSeat seat = ReportGroupSeatOf(plan.pp(), plan.tp(), plan.dp(), plan.report_group_columns(),
+                                                         rank.pp_rank(), rank.tp_rank(), rank.dp_rank());
+          leader_ = seat.rank == 0;
+          group_size_ = seat.size;
+          group_ = {generation_, seat.group};
+          absl::MutexLock groups(&groups_->mu);
+          groups_->by_group[group_][seat.rank] = this;
         }
         reply.mutable_configured()->set_generation(generation_);
       }
       Send(std::move(reply));
     } else if (m.has_run_step()) {
       // A leader passes the step on to its members first, then runs its
-      // own and reports for the column.
+      // own and reports for the group.
       std::vector<v1::StepReport> members;
       std::string missing;
       for (SimWorker* member : Members(&missing)) members.push_back(member->Step(m.run_step(), now));
@@ -288,18 +297,18 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
     return r;
   }
 
-  // A leader's members by pp rank (none for others); `missing` says which
-  // is not in this process.
+  // A leader's members by seat (none for others); `missing` says which is
+  // not in this process.
   std::vector<SimWorker*> Members(std::string* missing) {
     absl::MutexLock lock(&step_mu_);
     if (!leader_ || !members_.empty()) return members_;
-    absl::MutexLock columns(&columns_->mu);
-    const std::map<int, SimWorker*>& column = columns_->by_column[column_];
-    for (int pp = 1; pp < pp_; ++pp) {
-      auto it = column.find(pp);
-      if (it == column.end()) {
-        *missing = absl::StrCat("pp rank ", pp, " of column tp ", column_[1], ", dp ", column_[2],
-                                " is not in this process (the bench packs processes by whole DP replicas)");
+    absl::MutexLock groups(&groups_->mu);
+    const std::map<int, SimWorker*>& group = groups_->by_group[group_];
+    for (int seat = 1; seat < group_size_; ++seat) {
+      auto it = group.find(seat);
+      if (it == group.end()) {
+        *missing = absl::StrCat("seat ", seat, " of report group ", group_[1],
+                                " is not in this process (the bench packs processes by whole groups)");
         members_.clear();
         return {};
       }
@@ -381,7 +390,7 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   v1::Coordinator::Stub* const stub_;
   const std::string name_;
   Record* const rec_;
-  Columns* const columns_;
+  Groups* const groups_;
   grpc::ClientContext reg_ctx_, ctx_;
   v1::RegisterRequest req_;
   v1::RegisterResponse reg_;
@@ -392,8 +401,8 @@ class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coordina
   int64_t run_at_ ABSL_GUARDED_BY(step_mu_) = 0, own_ ABSL_GUARDED_BY(step_mu_) = 0,
           generation_ ABSL_GUARDED_BY(step_mu_) = 0;
   bool leader_ ABSL_GUARDED_BY(step_mu_) = false;
-  int pp_ ABSL_GUARDED_BY(step_mu_) = 0;
-  std::array<int64_t, 3> column_ ABSL_GUARDED_BY(step_mu_) = {0, 0, 0};
+  int group_size_ ABSL_GUARDED_BY(step_mu_) = 0;
+  std::array<int64_t, 2> group_ ABSL_GUARDED_BY(step_mu_) = {0, 0};
   std::vector<SimWorker*> members_ ABSL_GUARDED_BY(step_mu_);
   std::atomic<bool> open_{false}, stopping_{false};
   std::atomic<int64_t> next_beat_{0}, step_{0}, last_sent_{0};
@@ -418,7 +427,7 @@ int RunSimProcess(const std::string& arg) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);  // threads started below inherit it
 
   Record rec;
-  Columns columns;
+  Groups groups;
   // A channel per --workers_per_connection workers (each its own connection).
   const int per_connection = std::max(1, absl::GetFlag(FLAGS_workers_per_connection));
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
@@ -434,7 +443,7 @@ int RunSimProcess(const std::string& arg) {
     // Zero-padded: the planner takes workers in name order, so a DP
     // replica's ranks are consecutive workers.
     workers.push_back(std::make_unique<SimWorker>(stubs.back().get(), absl::StrFormat("sim-%05d", first + i), &rec,
-                                                  &columns));
+                                                  &groups));
   }
   for (auto& w : workers) w->Start();
   std::atomic<bool> stop{false};
@@ -520,10 +529,20 @@ int Main(int argc, char** argv) {
     tp = it->second[1];
     dp = it->second[2];
   }
+  const std::string mesh = absl::GetFlag(FLAGS_mesh);
   if (n < 1 || n > 4096) Die("--workers: 1..4096");
-  if (ranks < 1 || ranks > n || (kMeshes.count(ranks) == 0 && ranks > 64)) {
+  if (!mesh.empty()) {
+    const std::vector<std::string> dims = absl::StrSplit(mesh, 'x');
+    if (dims.size() != 3 || !absl::SimpleAtoi(dims[0], &pp) || !absl::SimpleAtoi(dims[1], &tp) ||
+        !absl::SimpleAtoi(dims[2], &dp) || pp < 1 || tp < 1 || dp < 1 || pp > 4096 || tp > 4096 || dp > 4096 ||
+        static_cast<int64_t>(pp) * tp * dp != ranks) {
+      Die(absl::StrCat("--mesh=", mesh, ": want PPxTPxDP, each at least 1, whose product is the job's ", ranks,
+                       " ranks"));
+    }
+  } else if (ranks < 1 || ranks > n || (kMeshes.count(ranks) == 0 && ranks > 64)) {
     Die("--job_ranks: 1..64, or 128, 256, 1024, 4096, and at most --workers");
   }
+  if (ranks < 1 || ranks > n) Die("--job_ranks: 1 .. --workers");
   const int m = 2 * pp;
   const int steps = absl::GetFlag(FLAGS_steps);
 
@@ -566,9 +585,11 @@ int Main(int argc, char** argv) {
   if (port == 0) Die(absl::StrCat("coordinator did not start; see ", dir, "/coordinator.log"));
   const std::string address = absl::StrCat("127.0.0.1:", port);
 
-  // Processes hold whole DP replicas (pp*tp consecutive workers) under
+  // Processes hold whole report groups and whole DP replicas (pp * lcm(k,
+  // tp) consecutive workers, k the coordinator's columns per group) under
   // report groups, so a leader finds its members in its own process.
-  const int unit = groups ? pp * tp : 1;
+  const int group_columns = ReportGroupColumnsFor(pp, tp, dp, kDefaultReportGroupRanks);
+  const int unit = groups ? pp * std::lcm(group_columns, tp) : 1;
   const int units = (n + unit - 1) / unit;
   const int procs = std::max(1, std::min(absl::GetFlag(FLAGS_procs), units));
   std::vector<pid_t> sims;

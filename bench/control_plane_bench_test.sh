@@ -48,17 +48,25 @@ if [[ -n $json ]]; then
   (( $(field "$json" heartbeats_measured) > 0 )) || fail "spares: no idle heartbeat measured: $json"
 fi
 
-# Report groups: RunStep to the column's leader only, which passes it on
+# Report groups: RunStep to the group's leader only, which passes it on
 # and reports for its members (the coordinator's log says it used them).
 json=$(run groups --workers=8 --steps=20 --report_groups --workers_per_connection=1)
 if [[ -n $json ]]; then
   expect groups "$json" job_state=done errors=0 report_groups=true ready=8 configured=8
-  grep -q "steps reported by 1 column leaders" "$TEST_TMPDIR/groups/coordinator.log" ||
+  grep -q "steps reported by 1 group leaders (1 column each)" "$TEST_TMPDIR/groups/coordinator.log" ||
     fail "groups: the coordinator did not run the job in report groups: $(grep generation "$TEST_TMPDIR/groups/coordinator.log")"
+fi
+# pp 1 (--mesh): groups of several single-rank columns, 16 ranks each.
+json=$(run columns --workers=40 --mesh=1x2x20 --steps=20 --report_groups --workers_per_connection=4)
+if [[ -n $json ]]; then
+  expect columns "$json" job_state=done errors=0 report_groups=true ready=40 configured=40
+  grep -q "steps reported by 3 group leaders (16 columns each)" "$TEST_TMPDIR/columns/coordinator.log" ||
+    fail "columns: not in 3 groups of 16 columns: $(grep generation "$TEST_TMPDIR/columns/coordinator.log")"
 fi
 
 # Bad sizes: a clear error and exit 1 (before any process is started).
-for bad in "--workers=8 --job_ranks=9" "--workers=0" "--workers=100 --job_ranks=100" "--workers=5000"; do
+for bad in "--workers=8 --job_ranks=9" "--workers=0" "--workers=100 --job_ranks=100" "--workers=5000" \
+  "--workers=8 --mesh=2x2x3" "--workers=8 --mesh=2x4" "--workers=8 --mesh=0x8x1"; do
   # shellcheck disable=SC2086
   msg=$("$bench" --coordinator="$coordinator" --dir="$TEST_TMPDIR" $bad 2>&1 >/dev/null)
   rc=$?

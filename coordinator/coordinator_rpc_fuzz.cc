@@ -498,6 +498,7 @@ class Run {
     if (flags & 128) {  // verdicts then ride inside RunStep; a 2-stage job of two such workers runs in report groups
       req.set_verdict_in_run_step(true);
       req.set_report_groups(true);
+      req.set_report_group_columns(true);
     }
     if (flags & 16) {  // what a worker holds of the job after a coordinator restart (adoption)
       v1::HeldJob* held = req.mutable_held();

@@ -17,6 +17,7 @@
 #include "common/file_io.h"
 #include "common/json.h"
 #include "common/log.h"
+#include "common/report_group.h"
 #include "common/status_macros.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/planner.h"
@@ -151,11 +152,18 @@ FaultTolerance FaultToleranceOf(const v1::JobSpec& job) {
   return ft;
 }
 
-bool WantsReportGroups(const v1::Plan& plan, int min_ranks) {
-  if (plan.pp() < 2 || plan.ranks_size() < std::max(1, min_ranks)) return false;
-  return std::all_of(plan.ranks().begin(), plan.ranks().end(), [](const v1::RankAssignment& r) {
-    return r.report_groups() && r.verdict_in_run_step();
-  });
+int ReportGroupColumns(const v1::Plan& plan, int min_ranks, int group_ranks) {
+  if (plan.pp() < 1 || plan.ranks_size() < std::max(1, min_ranks)) return 0;
+  const auto all = [&plan](bool (v1::RankAssignment::*has)() const) {
+    return std::all_of(plan.ranks().begin(), plan.ranks().end(), [has](const v1::RankAssignment& r) {
+      return (r.*has)();
+    });
+  };
+  if (!all(&v1::RankAssignment::report_groups) || !all(&v1::RankAssignment::verdict_in_run_step)) return 0;
+  const int columns = all(&v1::RankAssignment::report_group_columns)
+                          ? ReportGroupColumnsFor(plan.pp(), plan.tp(), plan.dp(), group_ranks)
+                          : 1;
+  return plan.pp() * columns >= 2 ? columns : 0;
 }
 
 absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan) {
@@ -164,23 +172,26 @@ absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(c
     return absl::InvalidArgumentError(absl::StrCat("plan of pp ", plan.pp(), ", tp ", plan.tp(), ", dp ", plan.dp(),
                                                    " has ", plan.ranks_size(), " ranks"));
   }
-  // (tp, dp) -> names by pp rank.
-  std::map<std::pair<int, int>, std::vector<std::string>> columns;
+  const int columns = std::max(1, plan.report_group_columns());
+  // group -> names by seat.
+  std::map<int, std::vector<std::string>> seats;
   for (const v1::RankAssignment& r : plan.ranks()) {
     if (r.pp_rank() < 0 || r.pp_rank() >= plan.pp() || r.tp_rank() < 0 || r.tp_rank() >= plan.tp() ||
         r.dp_rank() < 0 || r.dp_rank() >= plan.dp()) {
       return absl::InvalidArgumentError(absl::StrCat("rank of ", r.worker_name(), " is outside the plan's mesh"));
     }
-    std::vector<std::string>& column = columns[{r.tp_rank(), r.dp_rank()}];
-    column.resize(plan.pp());
-    if (!column[r.pp_rank()].empty()) {
+    const ReportGroupSeat seat =
+        ReportGroupSeatOf(plan.pp(), plan.tp(), plan.dp(), columns, r.pp_rank(), r.tp_rank(), r.dp_rank());
+    std::vector<std::string>& group = seats[seat.group];
+    group.resize(seat.size);
+    if (!group[seat.rank].empty()) {
       return absl::InvalidArgumentError(absl::StrCat("pp ", r.pp_rank(), ", tp ", r.tp_rank(), ", dp ", r.dp_rank(),
                                                      " is held twice"));
     }
-    column[r.pp_rank()] = r.worker_name();
+    group[seat.rank] = r.worker_name();
   }
   std::map<std::string, std::vector<std::string>> groups;
-  for (auto& [key, column] : columns) groups[column[0]] = std::vector<std::string>(column.begin() + 1, column.end());
+  for (auto& [index, group] : seats) groups[group[0]] = std::vector<std::string>(group.begin() + 1, group.end());
   return groups;
 }
 
@@ -551,11 +562,15 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     setup = setup_;
   }
   v1::Plan& plan = setup.plan;
-  plan.set_report_groups(WantsReportGroups(plan, options_.report_groups_min_ranks));
+  const int group_columns =
+      ReportGroupColumns(plan, options_.report_groups_min_ranks, options_.report_group_ranks);
+  plan.set_report_groups(group_columns > 0);
+  plan.set_report_group_columns(group_columns);
   std::map<std::string, std::vector<std::string>> groups;
   if (plan.report_groups()) {
     BATON_ASSIGN_OR_RETURN(groups, ReportGroupsOf(plan));
   }
+  const size_t leaders = groups.size();
   const ParallelDims d = DimsOf(job_);
   schedule::ScheduleSpec spec{job_.schedule().kind(), d.pp, job_.schedule().microbatches(), d.virtual_stages};
   BATON_ASSIGN_OR_RETURN(schedule::Schedule compute, schedule::BuildSchedule(spec));
@@ -594,7 +609,10 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
                   << " workers, schedule " << spec.kind << " (expected bubble "
                   << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
                   << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "")
-                  << (plan.report_groups() ? absl::StrCat(", steps reported by ", d.tp * d.dp, " column leaders") : "");
+                  << (plan.report_groups() ? absl::StrCat(", steps reported by ", leaders, " group leaders (",
+                                                          group_columns, group_columns == 1 ? " column" : " columns",
+                                                          " each)")
+                                           : "");
   // Each worker gets the plan with its own rank only (a worker reads nothing
   // else of plan.ranks): the full list in every Configure would make
   // configuring quadratic in the workers (547 MB of messages at 4096).
@@ -1224,8 +1242,8 @@ void JobRunner::HandleGroupReport(const std::string& worker, v1::WorkerMessage m
   if (group == groups_.end()) {
     broken = absl::StrCat("sent the reports of ", report->members_size(), " members but leads no report group");
   } else if (report->error().empty() && report->members_size() != static_cast<int>(group->second.size())) {
-    broken = absl::StrCat("sent the reports of ", report->members_size(), " members for a column of ",
-                          group->second.size() + 1, " pipeline ranks");
+    broken = absl::StrCat("sent the reports of ", report->members_size(), " members for a report group of ",
+                          group->second.size() + 1, " ranks");
   }
   if (!broken.empty()) {
     if (GenerationOf(message) != generation_) return;  // from a world that no longer exists

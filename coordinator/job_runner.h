@@ -65,6 +65,7 @@
 #include "baton/v1/plan.pb.h"
 #include "baton/v1/program.pb.h"
 #include "common/clock.h"
+#include "common/report_group.h"
 #include "coordinator/grpc/job_observer.h"
 #include "coordinator/job_state.h"
 #include "coordinator/kv_store.h"
@@ -130,12 +131,16 @@ inline constexpr double kMaxSnapshotOverhead = 0.05;
 // is snapshotted every few seconds instead of slowing every step.
 bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds);
 
-// Whether `plan`'s job runs in report groups (Plan.report_groups): every rank
-// registered report_groups, pp >= 2 and the plan has at least `min_ranks` ranks.
-bool WantsReportGroups(const v1::Plan& plan, int min_ranks);
-// The report groups of `plan`: each (tp, dp) column's leader (pp rank 0) ->
-// its members' names by pp rank 1 .. pp-1. INVALID_ARGUMENT when a column
-// is not complete (a rank missing or twice).
+// How many pipeline columns make one report group for `plan`'s job
+// (Plan.report_group_columns, common/report_group.h), 0 when it runs without
+// groups: every rank registered report_groups and verdict_in_run_step and
+// the plan has at least `min_ranks` ranks. Groups are single columns unless
+// every rank registered report_group_columns; then about `group_ranks`
+// ranks each (whole columns). A group must have two ranks or more.
+int ReportGroupColumns(const v1::Plan& plan, int min_ranks, int group_ranks);
+// The report groups of `plan` (Plan.report_group_columns columns each):
+// each group's leader -> its members' names by seat 1 .. size-1.
+// INVALID_ARGUMENT when a rank is outside the mesh, held twice or missing.
 absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan);
 
 class JobRunner : public JobObserver {
@@ -161,8 +166,11 @@ class JobRunner : public JobObserver {
     std::string resume_dir;
     int traced_steps = 3;  // the last N steps are traced (and kept for GetTrace)
     // Report groups (Plan.report_groups) from this many ranks up, where every
-    // rank registered them and pp >= 2.
+    // rank registered them, of about this many ranks each (whole pipeline
+    // columns; where every rank registered report_group_columns, else one
+    // column each).
     int report_groups_min_ranks = 64;
+    int report_group_ranks = kDefaultReportGroupRanks;
     int max_kept_traces = 16;
   };
 

@@ -21,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "common/file_io.h"
 #include "common/json.h"
+#include "common/report_group.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -64,12 +65,17 @@ class FakeWorkers : public JobWorkers {
     done_apart_.insert(name);
   }
   // Every worker registers report_groups: under a plan with report groups
-  // a leader passes RunStep on to its column's members (as over the
-  // pipeline group; the hook sees each) and sends their reports inside its
-  // own. `drop_members` makes leaders leave them out (a broken leader).
-  void SetReportGroups(bool drop_members = false) {
+  // a leader passes RunStep on to its group's members (as over the group's
+  // communicator; the hook sees each) and sends their reports inside its
+  // own. `drop_members` makes leaders leave them out (a broken leader);
+  // `columns`: the workers also register report_group_columns (groups of
+  // several columns), as baton-worker does.
+  void SetReportGroups(bool drop_members = false, bool columns = false) {
     absl::MutexLock lock(&mu_);
-    for (auto& [name, w] : workers_) w.set_report_groups(true);
+    for (auto& [name, w] : workers_) {
+      w.set_report_groups(true);
+      w.set_report_group_columns(columns);
+    }
     drop_members_ = drop_members;
   }
   // Reports whose numbers depend on the rank (grad_sq_norm by pp rank, the
@@ -241,19 +247,26 @@ class FakeWorkers : public JobWorkers {
 
  private:
   // The members `worker` leads when the live plan has report groups (none
-  // otherwise): the ranks of its (tp, dp) column by pp rank 1 .. pp-1.
+  // otherwise): the other ranks of its group (common/report_group.h) by seat.
   std::vector<std::string> MembersLedBy(const std::string& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto leader = rank_.find(worker);
-    if (leader == rank_.end() || !groups_of_[worker] || leader->second.pp_rank() != 0) return {};
-    std::map<int, std::string> column;
+    if (leader == rank_.end() || !plan_of_[worker].report_groups()) return {};
+    const v1::Plan& plan = plan_of_[worker];
+    auto seat = [&plan](const v1::RankAssignment& r) {
+      return ReportGroupSeatOf(plan.pp(), plan.tp(), plan.dp(), plan.report_group_columns(), r.pp_rank(),
+                               r.tp_rank(), r.dp_rank());
+    };
+    const ReportGroupSeat mine = seat(leader->second);
+    if (mine.rank != 0) return {};
+    std::map<int, std::string> group;
     for (const auto& [name, r] : rank_) {
-      if (generation_of_[name] == generation_of_[worker] && r.tp_rank() == leader->second.tp_rank() &&
-          r.dp_rank() == leader->second.dp_rank() && r.pp_rank() > 0) {
-        column[r.pp_rank()] = name;
+      const ReportGroupSeat theirs = seat(r);
+      if (generation_of_[name] == generation_of_[worker] && theirs.group == mine.group && theirs.rank > 0) {
+        group[theirs.rank] = name;
       }
     }
     std::vector<std::string> members;
-    for (const auto& [pp, name] : column) members.push_back(name);
+    for (const auto& [at, name] : group) members.push_back(name);
     return members;
   }
 
@@ -322,8 +335,8 @@ class FakeWorkers : public JobWorkers {
           shard_[worker] = absl::StrCat(rank.pp_rank(), ".", rank.tp_rank());
           rank_[worker] = rank;
         }
-        groups_of_[worker] = c.plan().report_groups();
-        pp_of_[worker] = c.plan().pp();
+        plan_of_[worker] = c.plan();
+        plan_of_[worker].clear_ranks();
         r.mutable_configured()->set_generation(c.plan().generation());
         const std::string want = absl::StrCat(shard_[worker], "@", c.resume_step());
         std::string have;
@@ -356,7 +369,7 @@ class FakeWorkers : public JobWorkers {
         if (rank_dependent_) {
           const v1::RankAssignment& rank = rank_[worker];
           rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank());
-          rep->set_has_loss(rank.pp_rank() == pp_of_[worker] - 1);
+          rep->set_has_loss(rank.pp_rank() == plan_of_[worker].pp() - 1);
           rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() : 0);
         }
         traced_[worker] = m.run_step().trace();
@@ -450,8 +463,7 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, std::map<std::string, std::map<int64_t, std::string>>> held_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> done_apart_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::RankAssignment> rank_ ABSL_GUARDED_BY(mu_);  // as configured
-  std::map<std::string, bool> groups_of_ ABSL_GUARDED_BY(mu_);           // its plan has report groups
-  std::map<std::string, int> pp_of_ ABSL_GUARDED_BY(mu_);                // its plan's pp
+  std::map<std::string, v1::Plan> plan_of_ ABSL_GUARDED_BY(mu_);         // its plan, without the ranks
   std::map<std::string, std::vector<int64_t>> passed_ ABSL_GUARDED_BY(mu_);
   bool drop_members_ ABSL_GUARDED_BY(mu_) = false;
   bool rank_dependent_ ABSL_GUARDED_BY(mu_) = false;
@@ -489,6 +501,7 @@ class JobRunnerTest : public ::testing::Test {
     JobRunner::Options options;
     options.out_dir = out_dir;
     options.report_groups_min_ranks = report_groups_min_ranks_;
+    options.report_group_ranks = report_group_ranks_;
     runner_ = std::make_unique<JobRunner>(std::move(job), fake_.get(), &clock_, options, metrics_);
     fake_->set_runner(runner_.get());
     // The runner starts in Finish(), after the test installed its hooks: the
@@ -569,6 +582,7 @@ class JobRunnerTest : public ::testing::Test {
   }
 
   int report_groups_min_ranks_ = JobRunner::Options().report_groups_min_ranks;
+  int report_group_ranks_ = JobRunner::Options().report_group_ranks;
   FakeClock clock_;
   prometheus::Registry metrics_;
   std::unique_ptr<FakeWorkers> fake_;
@@ -913,12 +927,12 @@ v1::Plan GroupPlan(int pp, int dp) {
 
 TEST(ReportGroupsOfTest, ColumnsByPipelineRankLedByStageZero) {
   const v1::Plan plan = GroupPlan(3, 2);
-  EXPECT_TRUE(WantsReportGroups(plan, 6));
-  EXPECT_FALSE(WantsReportGroups(plan, 7)) << "below --report_groups_min_ranks";
-  EXPECT_FALSE(WantsReportGroups(GroupPlan(1, 8), 1)) << "pp 1: every rank is a leader";
+  EXPECT_EQ(ReportGroupColumns(plan, 6, 16), 1) << "workers without report_group_columns: one column each";
+  EXPECT_EQ(ReportGroupColumns(plan, 7, 16), 0) << "below --report_groups_min_ranks";
+  EXPECT_EQ(ReportGroupColumns(GroupPlan(1, 8), 1, 16), 0) << "pp 1 in single columns: every rank alone";
   v1::Plan old = plan;
   old.mutable_ranks(4)->set_report_groups(false);  // one worker from before report groups
-  EXPECT_FALSE(WantsReportGroups(old, 1));
+  EXPECT_EQ(ReportGroupColumns(old, 1, 16), 0);
   absl::StatusOr<std::map<std::string, std::vector<std::string>>> groups = ReportGroupsOf(plan);
   ASSERT_TRUE(groups.ok()) << groups.status();
   EXPECT_EQ(*groups, (std::map<std::string, std::vector<std::string>>{{"w00", {"w01", "w02"}},
@@ -931,35 +945,58 @@ TEST(ReportGroupsOfTest, ColumnsByPipelineRankLedByStageZero) {
   EXPECT_EQ(ReportGroupsOf(outside).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Report groups: RunStep goes to each pipeline column's leader (pp rank 0)
-// only, which passes it on; the members' reports come inside the leader's.
+TEST(ReportGroupsOfTest, SeveralColumnsWhereEveryWorkerTakesThem) {
+  v1::Plan plan = GroupPlan(2, 3);
+  for (v1::RankAssignment& r : *plan.mutable_ranks()) r.set_report_group_columns(true);
+  EXPECT_EQ(ReportGroupColumns(plan, 1, 4), 2) << "groups of 4 ranks: 2 columns of pp 2";
+  EXPECT_EQ(ReportGroupColumns(plan, 1, 16), 3) << "at most every column";
+  v1::Plan pp1 = GroupPlan(1, 8);
+  for (v1::RankAssignment& r : *pp1.mutable_ranks()) r.set_report_group_columns(true);
+  EXPECT_EQ(ReportGroupColumns(pp1, 1, 16), 8) << "pp 1 groups whole columns of one rank";
+  v1::Plan mixed = plan;
+  mixed.mutable_ranks(5)->set_report_group_columns(false);  // one worker from before it
+  EXPECT_EQ(ReportGroupColumns(mixed, 1, 4), 1);
+  plan.set_report_group_columns(2);
+  absl::StatusOr<std::map<std::string, std::vector<std::string>>> groups = ReportGroupsOf(plan);
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  // Columns dp 0 and dp 1 in one group (by column, then pp rank), dp 2 in the last.
+  EXPECT_EQ(*groups, (std::map<std::string, std::vector<std::string>>{{"w00", {"w01", "w10", "w11"}},
+                                                                       {"w20", {"w21"}}}));
+}
+
 // The job records the same losses and gradient norms as when every worker
 // reports on its own (the reports' numbers depend on the rank: a member's
 // report lost or counted as another's would show).
-class ReportGroupsTest : public JobRunnerTest, public ::testing::WithParamInterface<bool> {};
+// Param: 0 without groups, 1 one pipeline column per group (workers
+// without report_group_columns), 2 both columns in one group.
+class ReportGroupsTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
 
-TEST_P(ReportGroupsTest, LeadersCarryTheirColumnsReportsAndTheStepsAreTheSame) {
-  const bool groups = GetParam();
-  const std::string out = absl::StrCat(::testing::TempDir(), groups ? "/report_groups" : "/no_report_groups");
+TEST_P(ReportGroupsTest, LeadersCarryTheirGroupsReportsAndTheStepsAreTheSame) {
+  const int mode = GetParam();
+  const bool groups = mode > 0;
+  const std::string out = absl::StrCat(::testing::TempDir(), "/report_groups_", mode);
   report_groups_min_ranks_ = 6;
+  report_group_ranks_ = 4;  // pp 3: two columns
   v1::JobSpec job = Job(3, 2, 4);
   job.mutable_fault_tolerance()->set_snapshot_every_steps(0);  // every StepDone but the last rides in a report
-  Start(job, 6, [groups](FakeWorkers* f) {
+  Start(job, 6, [mode](FakeWorkers* f) {
     f->SetRankDependentReports();
-    if (groups) f->SetReportGroups();
+    if (mode > 0) f->SetReportGroups(/*drop_members=*/false, /*columns=*/mode == 2);
   }, out);
   ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
   ASSERT_EQ(fake_->Configures("worker-1").size(), 1u);
   EXPECT_EQ(fake_->Configures("worker-1")[0].plan().report_groups(), groups);
+  EXPECT_EQ(fake_->Configures("worker-1")[0].plan().report_group_columns(), mode);
   const std::vector<int64_t> all = {1, 2, 3, 4}, none;
-  for (const char* leader : {"worker-0", "worker-3"}) {  // pp rank 0 of dp 0 and dp 1
-    EXPECT_EQ(fake_->StepsRun(leader), all) << leader;
-    EXPECT_EQ(fake_->StepsPassedOn(leader), none) << leader;
-  }
-  for (const char* member : {"worker-1", "worker-2", "worker-4", "worker-5"}) {
-    EXPECT_EQ(fake_->StepsRun(member), groups ? none : all) << member;
-    EXPECT_EQ(fake_->StepsPassedOn(member), groups ? all : none) << member;
-    EXPECT_EQ(fake_->ModelStep(member), 4) << member;
+  // pp rank 0 of dp 0 leads; so does dp 1's unless both columns are one group.
+  std::set<std::string> leaders = {"worker-0"};
+  if (mode < 2) leaders.insert("worker-3");
+  for (int w = 0; w < 6; ++w) {
+    const std::string name = absl::StrCat("worker-", w);
+    const bool runs = !groups || leaders.count(name) > 0;
+    EXPECT_EQ(fake_->StepsRun(name), runs ? all : none) << name;
+    EXPECT_EQ(fake_->StepsPassedOn(name), runs ? none : all) << name;
+    EXPECT_EQ(fake_->ModelStep(name), 4) << name;
   }
   absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
   ASSERT_TRUE(steps.ok()) << steps.status();
@@ -1004,7 +1041,7 @@ TEST_P(ReportGroupsTest, LeadersCarryTheirColumnsReportsAndTheStepsAreTheSame) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(WithAndWithout, ReportGroupsTest, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(WithoutOneAndTwoColumns, ReportGroupsTest, ::testing::Values(0, 1, 2));
 
 // A member lost in a grouped step (its leader's gather fails) or a leader
 // lost (its members never get the step) is recovered as any lost worker:
@@ -1044,8 +1081,8 @@ TEST_F(JobRunnerTest, ALeaderThatLeavesOutItsMembersReportsIsTheFaultNamed) {
   Start(job, 4, [](FakeWorkers* f) { f->SetReportGroups(/*drop_members=*/true); });
   ASSERT_EQ(Finish(), JobState::kFailed);
   const std::string error(runner_->error().message());
-  EXPECT_NE(error.find("stage 0 (tp 0, dp 0) (worker worker-0) sent the reports of 0 members for a column of 2 "
-                       "pipeline ranks (step 1)"),
+  EXPECT_NE(error.find("stage 0 (tp 0, dp 0) (worker worker-0) sent the reports of 0 members for a report group "
+                       "of 2 ranks (step 1)"),
             std::string::npos)
       << error;
 }

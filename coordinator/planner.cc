@@ -174,6 +174,7 @@ void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {
   r->set_fused_attention_bf16(w.fused_attention_bf16());
   r->set_verdict_in_run_step(w.verdict_in_run_step());
   r->set_report_groups(w.report_groups());
+  r->set_report_group_columns(w.report_group_columns());
 }
 
 std::string CommBackendOf(const v1::JobSpec& job, const v1::Plan& plan) {

@@ -98,6 +98,7 @@ absl::StatusOr<WorkerRegistry::Registration> WorkerRegistry::Register(const v1::
   w.info.set_fused_attention_bf16(request.fused_attention_bf16());
   w.info.set_verdict_in_run_step(request.verdict_in_run_step());
   w.info.set_report_groups(request.report_groups());
+  w.info.set_report_group_columns(request.report_group_columns());
   w.info.set_http_port(request.http_port());
   if (request.has_held()) *w.info.mutable_held() = request.held();  // job adoption (owner: recovery)
   w.info.set_state(v1::JOINING);

@@ -109,8 +109,9 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   req.set_memory_bytes(options_.memory_bytes);
   req.set_device_uuid(options_.device_uuid);
   req.set_fused_attention_bf16(options_.fused_attention_bf16);
-  req.set_verdict_in_run_step(true);  // WorkerJob applies RunStep.commit / discard
-  req.set_report_groups(true);      // WorkerJob leads or reports to its column (docs/protocol.md)
+  req.set_verdict_in_run_step(true);    // WorkerJob applies RunStep.commit / discard
+  req.set_report_groups(true);         // WorkerJob leads or reports to its group (docs/protocol.md)
+  req.set_report_group_columns(true);  // of Plan.report_group_columns columns
   req.set_version(kVersion);
   req.set_pid(getpid());
   if (options_.describe) options_.describe(&req);

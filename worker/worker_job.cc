@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/path_confinement.h"
+#include "common/report_group.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/device.h"
@@ -38,24 +39,34 @@ struct WorkerJob::Job {
   prometheus::Labels labels;
   kernels::Device device;
   uint64_t id = 0;  // WorkerJob::next_job_id_ when built
-  // Report groups (Plan.report_groups, docs/protocol.md): this rank's
-  // pipeline column over Gloo (host bytes, rank = pp rank), and on a member
-  // the thread that takes each step from the leader (WorkerJob::TakeSteps).
-  std::unique_ptr<comm::Communicator> column;
-  std::thread column_reader;
+  // Report groups (Plan.report_groups, docs/protocol.md): this rank's seat
+  // (common/report_group.h), its group's communicator over Gloo (host
+  // bytes, rank = seat), and on a member the thread that takes each step
+  // from the leader (WorkerJob::TakeSteps).
+  ReportGroupSeat seat;
+  std::unique_ptr<comm::Communicator> group;
+  std::thread group_reader;
+
+  bool leads() const { return group != nullptr && seat.rank == 0; }
+  bool reports_to_leader() const { return group != nullptr && seat.rank > 0; }
+  // "rank (pp 1, tp 0, dp 2) of its report group", for messages.
+  std::string Member(int at) const {
+    const MeshRank r = ReportGroupMember(plan.pp(), plan.tp(), plan.report_group_columns(), seat.group, at);
+    return absl::StrCat("rank (pp ", r.pp_rank, ", tp ", r.tp_rank, ", dp ", r.dp_rank, ") of its report group");
+  }
 
   ~Job() {
-    if (column != nullptr) column->Abort("the job was dropped");
-    if (column_reader.joinable()) column_reader.join();
+    if (group != nullptr) group->Abort("the job was dropped");
+    if (group_reader.joinable()) group_reader.join();
   }
 };
 
 namespace {
 
-// Report groups: frame tags on the column (each frame uses two).
+// Report groups: frame tags on the group's communicator (each frame uses two).
 constexpr uint64_t kRunStepTag = 1;
 constexpr uint64_t kReportTag = 3;
-// Bounds of what a column carries: a RunStep (a verdict inside), and a
+// Bounds of what a group carries: a RunStep (a verdict inside), and a
 // member's report (its held StepDone's trace events included), under the
 // session's 4 MiB messages.
 constexpr size_t kMaxRunStepBytes = 64 << 10;
@@ -63,10 +74,10 @@ constexpr size_t kMaxMemberReportBytes = 4 << 20;
 // A leader's report must fit the session's 4 MiB messages; past this its
 // members' trace events are left out (their timings stay).
 constexpr size_t kMaxGroupReportBytes = WorkerJob::kMaxSnapshotBytes;
-// The column has no watchdog of its own: the leader bounds its pass-on and
+// The group has no watchdog of its own: the leader bounds its pass-on and
 // gather by --op_timeout_s, and a member waits for its next step until the
 // job is aborted (a checkpoint or a recovery elsewhere may come between).
-constexpr absl::Duration kColumnWatchdog = absl::Hours(24 * 365);
+constexpr absl::Duration kGroupWatchdog = absl::Hours(24 * 365);
 
 // The daemon's session: the WorkerAgent.
 class AgentSession : public JobSession {
@@ -202,7 +213,7 @@ void WorkerJob::Loop() {
     }
     // A step taken from the leader of a job that is gone (aborted or
     // reconfigured since): the job it belonged to ran no further.
-    if (item.column_job != 0 && (!job_ || job_->id != item.column_job)) continue;
+    if (item.group_job != 0 && (!job_ || job_->id != item.group_job)) continue;
     Process(item.message);
   }
 }
@@ -231,8 +242,8 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     case v1::CoordinatorMessage::kRunStep: {
       // Report groups: a leader passes the step on before anything else, so
       // the verdict inside reaches its members even if it dies next.
-      const bool leader = job_ && job_->column != nullptr && job_->rank.pp_rank() == 0;
-      const bool member = job_ && job_->column != nullptr && job_->rank.pp_rank() > 0;
+      const bool leader = job_ && job_->leads();
+      const bool member = job_ && job_->reports_to_leader();
       const absl::Status passed = leader ? PassOn(message) : absl::OkStatus();
       // The previous step's verdict, sent ahead with this step, comes first;
       // its StepDone rides in this step's report where the coordinator
@@ -333,20 +344,19 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
 
 absl::Status WorkerJob::PassOn(const v1::CoordinatorMessage& run) {
   const std::string bytes = run.SerializeAsString();
-  for (int member = 1; member < job_->plan.pp(); ++member) {
-    BATON_RETURN_IF_ERROR(comm::SendFrame(
-        *job_->column, member, kRunStepTag, bytes, options_.op_timeout,
-        absl::StrCat("passing step ", run.run_step().step(), " on to pipeline rank ", member, " of its column")));
+  for (int member = 1; member < job_->seat.size; ++member) {
+    BATON_RETURN_IF_ERROR(comm::SendFrame(*job_->group, member, kRunStepTag, bytes, options_.op_timeout,
+                                          absl::StrCat("passing step ", run.run_step().step(), " on to ",
+                                                       job_->Member(member))));
   }
   return absl::OkStatus();
 }
 
 void WorkerJob::GatherMembers(v1::StepReport* report) {
-  for (int member = 1; member < job_->plan.pp(); ++member) {
-    const std::string what =
-        absl::StrCat("the report of step ", report->step(), " from pipeline rank ", member, " of its column");
+  for (int member = 1; member < job_->seat.size; ++member) {
+    const std::string what = absl::StrCat("the report of step ", report->step(), " from ", job_->Member(member));
     absl::StatusOr<std::string> bytes =
-        comm::RecvFrame(*job_->column, member, kReportTag, kMaxMemberReportBytes, options_.op_timeout, what);
+        comm::RecvFrame(*job_->group, member, kReportTag, kMaxMemberReportBytes, options_.op_timeout, what);
     v1::StepReport* theirs = report->add_members();
     if (bytes.ok() && !theirs->ParseFromString(*bytes)) {
       bytes = absl::DataLossError(absl::StrCat(what, " does not parse"));
@@ -360,7 +370,7 @@ void WorkerJob::GatherMembers(v1::StepReport* report) {
     }
   }
   if (report->ByteSizeLong() > kMaxGroupReportBytes) {
-    BATON_LOG(WARNING) << "the report of step " << report->step() << " for the column is " << report->ByteSizeLong()
+    BATON_LOG(WARNING) << "the report of step " << report->step() << " for the report group is " << report->ByteSizeLong()
                        << " bytes, over " << kMaxGroupReportBytes << "; the members' trace events are left out";
     for (v1::StepReport& member : *report->mutable_members()) {
       if (member.has_step_done()) member.mutable_step_done()->clear_events();
@@ -370,12 +380,12 @@ void WorkerJob::GatherMembers(v1::StepReport* report) {
 
 void WorkerJob::TakeSteps(Job* job) {
   for (;;) {
-    absl::StatusOr<std::string> bytes = comm::RecvFrame(*job->column, 0, kRunStepTag, kMaxRunStepBytes,
+    absl::StatusOr<std::string> bytes = comm::RecvFrame(*job->group, 0, kRunStepTag, kMaxRunStepBytes,
                                                         absl::InfiniteDuration(), "the next step from its leader");
     v1::CoordinatorMessage run;
     if (bytes.ok() && (!run.ParseFromString(*bytes) || !run.has_run_step())) {
       bytes = absl::DataLossError("a step from its leader does not parse as a RunStep");
-      job->column->Abort(bytes.status().message());  // the leader's gather fails and says so
+      job->group->Abort(bytes.status().message());  // the leader's gather fails and says so
     }
     if (!bytes.ok()) {
       if (bytes.status().code() != absl::StatusCode::kAborted) BATON_LOG(ERROR) << bytes.status();
@@ -388,8 +398,8 @@ void WorkerJob::TakeSteps(Job* job) {
 
 void WorkerJob::GiveToLeader(v1::WorkerMessage reply) {
   const absl::Status s =
-      comm::SendFrame(*job_->column, 0, kReportTag, reply.report().SerializeAsString(), options_.op_timeout,
-                      absl::StrCat("giving the report of step ", reply.report().step(), " to its column's leader"));
+      comm::SendFrame(*job_->group, 0, kReportTag, reply.report().SerializeAsString(), options_.op_timeout,
+                      absl::StrCat("giving the report of step ", reply.report().step(), " to its group's leader"));
   if (s.ok()) return;
   BATON_LOG(WARNING) << s << "; reporting to the coordinator instead";
   Reply(std::move(reply));
@@ -489,9 +499,9 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
     own_.erase(own_.upper_bound(resume), own_.end());
   }
   session_->SetStep(resume);
-  if (job_->column != nullptr && job_->rank.pp_rank() > 0) {  // a member: steps come from the leader
+  if (job_->reports_to_leader()) {  // a member: steps come from the leader
     Job* job = job_.get();
-    job_->column_reader = std::thread([this, job] { TakeSteps(job); });
+    job_->group_reader = std::thread([this, job] { TakeSteps(job); });
   }
   BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
@@ -502,9 +512,11 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
                                                 : configure.state().empty() ? " from its own snapshot"
                                                                             : " from the state sent")
                                  : "")
-                  << (job_->column == nullptr ? ""
-                      : job_->rank.pp_rank() == 0 ? ", leading its column's reports"
-                                                  : ", reporting to its column's leader");
+                  << (job_->leads()               ? absl::StrCat(", leading report group ", job_->seat.group, " (",
+                                                                 job_->seat.size, " ranks)")
+                      : job_->reports_to_leader() ? absl::StrCat(", reporting to the leader of report group ",
+                                                                 job_->seat.group)
+                                                  : "");
   return absl::OkStatus();
 }
 
@@ -773,22 +785,24 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
       if (c != nullptr) live_comms_.push_back(c.get());
     }
   }
-  if (plan.report_groups() && pp > 1) {
-    // After the job's groups, in the same order on every rank of the column.
-    comm::CommunicatorSpec column;
-    column.group = absl::StrCat("col-t", t, "-d", d);
-    column.generation = plan.generation();
-    column.rank = p;
-    column.size = pp;
-    column.backend = comm::Backend::kGloo;  // host bytes, whatever the data plane
-    column.rendezvous_timeout = options_.rendezvous_timeout;
-    column.op_timeout = kColumnWatchdog;
-    column.hostname = options_.comm_host;
-    absl::StatusOr<std::unique_ptr<comm::Communicator>> created = comm::CreateCommunicator(*job->store, column);
-    if (!created.ok()) return WithContext(created.status(), absl::StrCat("report group ", column.group));
-    job->column = std::move(*created);
+  const ReportGroupSeat seat = ReportGroupSeatOf(pp, tp, dp, plan.report_group_columns(), p, t, d);
+  if (plan.report_groups() && seat.size > 1) {
+    // After the job's groups, in the same order on every rank of the group.
+    comm::CommunicatorSpec group;
+    group.group = ReportGroupName(seat.group);
+    group.generation = plan.generation();
+    group.rank = seat.rank;
+    group.size = seat.size;
+    group.backend = comm::Backend::kGloo;  // host bytes, whatever the data plane
+    group.rendezvous_timeout = options_.rendezvous_timeout;
+    group.op_timeout = kGroupWatchdog;
+    group.hostname = options_.comm_host;
+    absl::StatusOr<std::unique_ptr<comm::Communicator>> created = comm::CreateCommunicator(*job->store, group);
+    if (!created.ok()) return WithContext(created.status(), absl::StrCat("report group ", seat.group));
+    job->seat = seat;
+    job->group = std::move(*created);
     absl::MutexLock lock(&mu_);
-    live_comms_.push_back(job->column.get());
+    live_comms_.push_back(job->group.get());
   }
   for (size_t i = 0; i < rounds.size(); ++i) {
     switch (rounds[i].kind) {

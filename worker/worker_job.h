@@ -17,8 +17,10 @@
 //   SaveWeights{dir}               DP rank 0 writes its shards -> Saved
 //
 // Report groups (Plan.report_groups, docs/protocol.md): the rank also joins
-// its pipeline column's Gloo group. The leader (pp rank 0) passes each
-// RunStep on to its members before anything else, runs its step and sends
+// its report group's Gloo communicator (Plan.report_group_columns whole
+// pipeline columns, common/report_group.h). The leader (seat 0: pipeline
+// rank 0 of the group's first column) passes each RunStep on to its members
+// before anything else, runs its step and sends
 // the members' reports inside its own; a member takes its RunSteps from the
 // leader (a reader thread queues them with the session's commands) and
 // gives its report to the leader instead of the coordinator.
@@ -122,9 +124,9 @@ class WorkerJob {
   void Loop();
   void Process(const v1::CoordinatorMessage& message);
   // Report groups (docs/protocol.md). Leader: passes `run` on to every
-  // member of its column; gathers their reports of the step into `report`
+  // member of its group; gathers their reports of the step into `report`
   // (an error naming the member that did not report). Member: the reader
-  // thread's loop, queuing each step from the leader until the column is
+  // thread's loop, queuing each step from the leader until the group is
   // aborted; gives the step's report to the leader (to the coordinator
   // when that fails).
   absl::Status PassOn(const v1::CoordinatorMessage& run);
@@ -175,11 +177,11 @@ class WorkerJob {
   int64_t host_syncs_seen_ = 0;  // kernels::HostSyncCount() at the last RecordMetrics (worker thread)
 
   // A command to run on the Loop thread: from the session, or (report
-  // groups) a step a member took from its leader for its job `column_job`
+  // groups) a step a member took from its leader for its job `group_job`
   // (Job::id), dropped once that job is gone.
   struct Queued {
     v1::CoordinatorMessage message;
-    uint64_t column_job = 0;
+    uint64_t group_job = 0;
   };
 
   absl::Mutex mu_;

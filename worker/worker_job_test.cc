@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/report_group.h"
 #include "coordinator/planner.h"
 #include "coordinator/schedule/builders.h"
 #include "coordinator/schedule/ir.h"
@@ -164,7 +165,10 @@ class WorkerJobTest : public ::testing::Test {
     }
     absl::StatusOr<v1::Plan> plan = MakePlan(spec_, ready, generation);
     EXPECT_TRUE(plan.ok()) << plan.status();
-    if (plan.ok()) plan->set_report_groups(report_groups_);
+    if (plan.ok()) {
+      plan->set_report_groups(report_groups_);
+      plan->set_report_group_columns(report_group_columns_);
+    }
     const int pp = spec_.parallel().pp();
     absl::StatusOr<schedule::Schedule> compute =
         schedule::BuildSchedule({spec_.schedule().kind(), pp, spec_.schedule().microbatches(), 1});
@@ -262,6 +266,7 @@ class WorkerJobTest : public ::testing::Test {
 
   std::unique_ptr<comm::FakeCoordinatorKvServer> kv_;
   bool report_groups_ = false;  // the plans ConfigureFor makes run in report groups
+  int report_group_columns_ = 0;  // of this many columns (0: one)
   v1::JobSpec spec_;
   std::vector<Worker> workers_;
 };
@@ -562,8 +567,9 @@ TEST_F(WorkerJobTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
   }
 }
 
-// Report groups (docs/protocol.md): RunStep to the column's leader only,
-// which passes it on (over the column, real Gloo on loopback); the members'
+// Report groups (docs/protocol.md): RunStep to the group's leader only
+// (a group of one column here), which passes it on (over the group's
+// communicator, real Gloo on loopback); the members'
 // reports come inside the leader's, each with its held StepDone, and are
 // the reports they send when each reports alone, bit for bit.
 TEST_F(WorkerJobTest, InReportGroupsTheLeaderCarriesItsMembersReportsUnchanged) {
@@ -634,9 +640,70 @@ TEST_F(WorkerJobTest, InReportGroupsTheLeaderCarriesItsMembersReportsUnchanged) 
   }
 }
 
-// A member whose job is aborted (its column with it) fails its leader's
-// next step at once, with an error that names the member's pipeline rank;
-// the leader stays usable.
+// A group of two columns (Plan.report_group_columns = 2): pp 2 x dp 2 in
+// one group of 4, led by pp rank 0 of dp 0, which carries the reports of
+// its own column's member and of the other replica's two ranks, in seat
+// order, bit for bit the reports each sends alone.
+TEST_F(WorkerJobTest, AGroupOfTwoColumnsCarriesBothReplicasReports) {
+  StartWorkers(4);
+  spec_.mutable_parallel()->set_pp(2);
+  spec_.mutable_parallel()->set_dp(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  std::vector<StepResult> alone;
+  for (int64_t n = 1; n <= 2; ++n) alone.push_back(Step(n, /*commit=*/true, /*snapshot=*/false));
+  report_groups_ = true;
+  report_group_columns_ = 2;
+  for (const v1::Configured& c : ConfigureAll(2)) ASSERT_TRUE(c.ok()) << c.error();
+  const v1::Plan plan = ConfigureFor(workers_[0], 2).configure().plan();
+  std::map<int, std::string> by_seat;
+  std::map<std::string, Worker*> by_name;
+  for (Worker& w : workers_) by_name[w.name] = &w;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    const ReportGroupSeat seat = ReportGroupSeatOf(2, 1, 2, 2, r.pp_rank(), r.tp_rank(), r.dp_rank());
+    ASSERT_EQ(seat.group, 0);
+    ASSERT_EQ(seat.size, 4);
+    by_seat[seat.rank] = r.worker_name();
+  }
+  ASSERT_EQ(by_seat.size(), 4u);
+  Worker& leader = *by_name[by_seat[0]];
+  using M = v1::WorkerMessage;
+  auto same = [](v1::StepReport got, v1::StepReport want) {  // but the generation and members
+    got.clear_generation();
+    got.clear_members();
+    want.clear_generation();
+    return got.SerializeAsString() == want.SerializeAsString();
+  };
+  for (int64_t n = 1; n <= 2; ++n) {
+    v1::CoordinatorMessage run;
+    run.mutable_run_step()->set_step(n);
+    leader.job->Handle(run);
+    std::optional<M> report = leader.session->Next(M::kReport);
+    ASSERT_TRUE(report.has_value()) << "step " << n;
+    const v1::StepReport& r = report->report();
+    ASSERT_TRUE(r.error().empty()) << r.error();
+    EXPECT_TRUE(same(r, alone[n - 1].reports[leader.name])) << "step " << n;
+    ASSERT_EQ(r.members_size(), 3) << "step " << n;
+    for (int seat = 1; seat <= 3; ++seat) {
+      const std::string& name = by_seat[seat];
+      EXPECT_TRUE(same(r.members(seat - 1), alone[n - 1].reports[name]))
+          << name << " (seat " << seat << ") step " << n << ": " << r.members(seat - 1).ShortDebugString();
+      EXPECT_EQ(by_name[name]->session->Count(M::kReport), 0) << name << " reported to the coordinator itself";
+    }
+    v1::CoordinatorMessage commit;
+    commit.mutable_commit()->set_step(n);
+    commit.mutable_commit()->set_clip_factor(1.0);
+    for (Worker& w : workers_) w.job->Handle(commit);
+    for (Worker& w : workers_) {
+      std::optional<M> done = w.session->Next(M::kStepDone);
+      ASSERT_TRUE(done.has_value()) << w.name;
+      EXPECT_TRUE(done->step_done().committed()) << w.name << ": " << done->step_done().error();
+    }
+  }
+}
+
+// A member whose job is aborted (its group with it) fails its leader's
+// next step at once, with an error that names the member's mesh rank; the
+// leader stays usable.
 TEST_F(WorkerJobTest, ALeaderThatCannotReachAMemberReportsWhichOne) {
   report_groups_ = true;
   StartWorkers(3);
@@ -648,7 +715,7 @@ TEST_F(WorkerJobTest, ALeaderThatCannotReachAMemberReportsWhichOne) {
   workers_[0].job->Handle(run);
   std::optional<v1::WorkerMessage> report = workers_[0].session->Next(v1::WorkerMessage::kReport);
   ASSERT_TRUE(report.has_value());
-  EXPECT_NE(report->report().error().find("pipeline rank 2 of its column"), std::string::npos)
+  EXPECT_NE(report->report().error().find("rank (pp 2, tp 0, dp 0) of its report group"), std::string::npos)
       << report->report().ShortDebugString();
   EXPECT_NE(report->report().code(), 0);
   EXPECT_EQ(report->report().members_size(), 0);

@@ -156,7 +156,7 @@ TEST(RecoveryTest, FrozenWorkerPastItsLeaseIsReplacedAndItsThawDisturbsNothing) 
 }
 
 // Report groups (docs/protocol.md; on for this small job by
-// --report_groups_min_ranks): RunStep goes to the column's leader, which
+// --report_groups_min_ranks; one column of 3): RunStep goes to the group's leader, which
 // passes it on, and the members' reports come inside its own. A killed
 // member (its leader's gather fails), a killed leader (its members wait for
 // a step that never comes) and a frozen leader are recovered like any lost
@@ -172,6 +172,19 @@ TEST(RecoveryTest, InReportGroupsAKilledLeaderIsReplaced) {
 
 TEST(RecoveryTest, InReportGroupsAFrozenLeaderIsReplaced) {
   RunWithFault("groups_stop_leader", Layout{}, Fault{0, 0, 0, SIGSTOP, 20}, 1, "", {"--report_groups_min_ranks=2"});
+}
+
+// A group of several columns (Plan.report_group_columns): pp 2 x tp 2 x
+// dp 2 in one group of 8 ranks, both replicas led by pp 0, tp 0 of dp 0.
+// A killed member of the other replica is replaced as any lost worker, and
+// the weights are bit for bit those of the run without groups.
+TEST(RecoveryTest, InAGroupOfSeveralColumnsAKilledMemberIsReplaced) {
+  Layout l;
+  l.pp = 2;
+  l.tp = 2;
+  l.dp = 2;
+  l.steps = 60;
+  RunWithFault("groups_columns_kill_member", l, Fault{1, 1, 1, SIGKILL, 12}, 1, "", {"--report_groups_min_ranks=2"});
 }
 
 // No spare: the same name registering again (systemd Restart=on-failure)
