@@ -370,8 +370,9 @@ void WorkerJob::GatherMembers(v1::StepReport* report) {
     }
   }
   if (report->ByteSizeLong() > kMaxGroupReportBytes) {
-    BATON_LOG(WARNING) << "the report of step " << report->step() << " for the report group is " << report->ByteSizeLong()
-                       << " bytes, over " << kMaxGroupReportBytes << "; the members' trace events are left out";
+    BATON_LOG(WARNING) << "the report of step " << report->step() << " for the report group is "
+                       << report->ByteSizeLong() << " bytes, over " << kMaxGroupReportBytes
+                       << "; the members' trace events are left out";
     for (v1::StepReport& member : *report->mutable_members()) {
       if (member.has_step_done()) member.mutable_step_done()->clear_events();
     }

@@ -142,13 +142,18 @@ TEST(RecoveryTest, KilledTensorParallelRankInterleaved) {
   RunWithFault("kill_tp", l, Fault{1, 1, 0, SIGKILL, 12});
 }
 
-TEST(RecoveryTest, KilledDataParallelRankTakesItsReplicasState) {
+// pp 2 x tp 2 x dp 2, 60 steps (the data-parallel tests share its reference run).
+Layout EightRanks() {
   Layout l;
   l.pp = 2;
   l.tp = 2;
   l.dp = 2;
   l.steps = 60;
-  RunWithFault("kill_dp", l, Fault{0, 1, 1, SIGKILL, 12});
+  return l;
+}
+
+TEST(RecoveryTest, KilledDataParallelRankTakesItsReplicasState) {
+  RunWithFault("kill_dp", EightRanks(), Fault{0, 1, 1, SIGKILL, 12});
 }
 
 TEST(RecoveryTest, FrozenWorkerPastItsLeaseIsReplacedAndItsThawDisturbsNothing) {
@@ -179,12 +184,8 @@ TEST(RecoveryTest, InReportGroupsAFrozenLeaderIsReplaced) {
 // A killed member of the other replica is replaced as any lost worker, and
 // the weights are bit for bit those of the run without groups.
 TEST(RecoveryTest, InAGroupOfSeveralColumnsAKilledMemberIsReplaced) {
-  Layout l;
-  l.pp = 2;
-  l.tp = 2;
-  l.dp = 2;
-  l.steps = 60;
-  RunWithFault("groups_columns_kill_member", l, Fault{1, 1, 1, SIGKILL, 12}, 1, "", {"--report_groups_min_ranks=2"});
+  RunWithFault("groups_columns_kill_member", EightRanks(), Fault{1, 1, 1, SIGKILL, 12}, 1, "",
+               {"--report_groups_min_ranks=2"});
 }
 
 // No spare: the same name registering again (systemd Restart=on-failure)
