@@ -69,7 +69,7 @@ ABSL_FLAG(bool, insecure, false,
 ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection");
 ABSL_FLAG(int64_t, report_groups_min_ranks, 64,
           "with --job: run the job's steps in report groups (docs/protocol.md) from this many ranks up, where every "
-          "rank's worker supports them and pp >= 2");
+          "rank's worker supports them (groups of about 16 ranks, whole pipeline columns)");
 
 namespace baton {
 namespace {
