@@ -69,8 +69,8 @@
 #include <deque>
 #include <fstream>
 #include <map>
-#include <numeric>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -531,6 +531,7 @@ int Main(int argc, char** argv) {
   }
   const std::string mesh = absl::GetFlag(FLAGS_mesh);
   if (n < 1 || n > 4096) Die("--workers: 1..4096");
+  if (ranks < 1 || ranks > n) Die("--job_ranks: 1 .. --workers");
   if (!mesh.empty()) {
     const std::vector<std::string> dims = absl::StrSplit(mesh, 'x');
     if (dims.size() != 3 || !absl::SimpleAtoi(dims[0], &pp) || !absl::SimpleAtoi(dims[1], &tp) ||
@@ -539,10 +540,9 @@ int Main(int argc, char** argv) {
       Die(absl::StrCat("--mesh=", mesh, ": want PPxTPxDP, each at least 1, whose product is the job's ", ranks,
                        " ranks"));
     }
-  } else if (ranks < 1 || ranks > n || (kMeshes.count(ranks) == 0 && ranks > 64)) {
-    Die("--job_ranks: 1..64, or 128, 256, 1024, 4096, and at most --workers");
+  } else if (kMeshes.count(ranks) == 0 && ranks > 64) {
+    Die("--job_ranks: 1..64, or 128, 256, 1024, 4096 (other sizes: give --mesh)");
   }
-  if (ranks < 1 || ranks > n) Die("--job_ranks: 1 .. --workers");
   const int m = 2 * pp;
   const int steps = absl::GetFlag(FLAGS_steps);
 
