@@ -227,12 +227,14 @@ double Median(std::vector<double> v) {
 struct Pairs {
   std::vector<double> raw, comm;
   // Median of raw/comm time ratios, pair by pair (> 1: the communicator
-  // is faster).
-  double PairedRatio() const {
+  // is faster); `comm_over_raw` the other way round.
+  double PairedRatio(bool comm_over_raw = false) const {
     std::vector<double> r;
-    for (size_t i = 0; i < raw.size(); ++i) r.push_back(raw[i] / comm[i]);
+    for (size_t i = 0; i < raw.size(); ++i) r.push_back(comm_over_raw ? comm[i] / raw[i] : raw[i] / comm[i]);
     return Median(r);
   }
+  double RawBest() const { return *std::min_element(raw.begin(), raw.end()); }
+  double CommBest() const { return *std::min_element(comm.begin(), comm.end()); }
 };
 
 void PointToPoint(Store& store, int rank, bool latency_only, const std::vector<size_t>& sizes_in,
@@ -264,11 +266,9 @@ void PointToPoint(Store& store, int rank, bool latency_only, const std::vector<s
     }
     if (rank == 0) {
       const double total = static_cast<double>(bytes) * iters / 1e9;
-      const double raw_best = *std::min_element(t.raw.begin(), t.raw.end());
-      const double comm_best = *std::min_element(t.comm.begin(), t.comm.end());
       std::printf("| %s | %.2f (%.2f) | %.2f (%.2f) | %.2f | %.2f |\n", Size(bytes).c_str(),
-                  total / Median(t.raw), total / raw_best, total / Median(t.comm), total / comm_best,
-                  t.PairedRatio(), raw_best / comm_best);
+                  total / Median(t.raw), total / t.RawBest(), total / Median(t.comm), total / t.CommBest(),
+                  t.PairedRatio(), t.RawBest() / t.CommBest());
     }
   }
   const int pings = 5000;
@@ -289,9 +289,8 @@ void PointToPoint(Store& store, int rank, bool latency_only, const std::vector<s
                 "| Gloo / raw: median of pairs | ratio of bests |\n");
     std::printf("|---|---|---|---|---|\n");
     std::printf("| half round trip | %.1f (%.1f) us | %.1f (%.1f) us | %.2f | %.2f |\n", us(Median(t.raw)),
-                us(*std::min_element(t.raw.begin(), t.raw.end())), us(Median(t.comm)),
-                us(*std::min_element(t.comm.begin(), t.comm.end())), 1 / t.PairedRatio(),
-                *std::min_element(t.comm.begin(), t.comm.end()) / *std::min_element(t.raw.begin(), t.raw.end()));
+                us(t.RawBest()), us(Median(t.comm)), us(t.CommBest()), t.PairedRatio(/*comm_over_raw=*/true),
+                t.CommBest() / t.RawBest());
   }
   close(fd);
 }
