@@ -38,23 +38,25 @@ constexpr int kBadInput = 2;
 
 constexpr char kUsage[] =
     "usage: batonctl schedule <command> [flags]\n"
-    "  show      --schedule=KIND --pp=P --microbatches=M [--virtual=V]\n"
-    "            [--format=grid|json|csv]          print the schedule\n"
+    "  show      (--schedule=KIND --pp=P --microbatches=M [--virtual=V] | --file=PATH)\n"
+    "            [--format=grid|json|csv|csv_comms]  print the schedule\n"
     "  simulate  (--schedule=KIND --pp=P --microbatches=M [--virtual=V] | --file=PATH)\n"
-    "            [--forward=1 --backward_input=1 --backward_weight=1]\n"
+    "            [--forward=1 --backward_input=1 --backward_weight=1 --overlapped=F+B]\n"
     "            [--stage_multipliers=X,Y,...] [--comm_latency=0 --comm_bandwidth=inf\n"
-    "            --activation_bytes=0] [--blocking_sends] --format=text|json|chrome|csv\n"
-    "            (csv: the schedule in PyTorch's compute-only CSV format)\n"
-    "  validate  --file=PATH (PyTorch compute-only CSV or a JSON array of programs)\n"
-    "KIND is one of gpipe, 1f1b, interleaved, zb-h1.\n";
+    "            --activation_bytes=0] [--blocking_sends] --format=text|json|chrome|csv|csv_comms\n"
+    "            (csv: PyTorch's compute-only CSV; csv_comms: with its sends and receives)\n"
+    "  validate  --file=PATH (a PyTorch pipelining CSV or a JSON array of programs)\n"
+    "KIND is one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipe-v (zb-v and\n"
+    "dualpipe-v take --virtual=2). --csv_naming=auto|current|legacy reads a CSV's\n"
+    "B/W/BW as PyTorch's current (I, W, B = full) or older (B then W, BW = full) names.\n";
 
 // A bad-input error (exit 2) carrying its message.
 absl::Status Bad(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
-const std::set<std::string> kSourceFlags = {"schedule", "pp", "microbatches", "virtual", "file"};
+const std::set<std::string> kSourceFlags = {"schedule", "pp", "microbatches", "virtual", "file", "csv_naming"};
 const std::set<std::string> kCostFlags = {"forward",          "backward_input", "backward_weight",
                                           "comm_latency",     "comm_bandwidth", "activation_bytes",
-                                          "stage_multipliers"};
+                                          "stage_multipliers", "overlapped"};
 
 std::set<std::string> Union(std::set<std::string> a, const std::set<std::string>& b) {
   a.insert(b.begin(), b.end());
@@ -86,12 +88,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 }
 
 // A schedule from a file: JSON programs (starts with '[') or PyTorch CSV.
-absl::StatusOr<Schedule> LoadFile(const std::string& path) {
+absl::StatusOr<Schedule> LoadFile(const std::string& path, schedule::CsvNaming naming) {
   auto text = ReadFile(path);
   if (!text.ok()) return text.status();
   const absl::string_view body = absl::StripLeadingAsciiWhitespace(*text);
   auto parsed = !body.empty() && body.front() == '[' ? schedule::FromProgramsJson(body)
-                                                     : schedule::FromPytorchCsv(body);
+                                                     : schedule::FromPytorchCsv(body, naming);
   if (!parsed.ok()) return Bad(absl::StrCat("--file=", path, ": ", parsed.status().message()));
   return parsed;
 }
@@ -117,11 +119,12 @@ absl::StatusOr<int> IntFlag(const Args& args, const std::string& name, int def, 
 absl::StatusOr<Schedule> LoadSchedule(const Args& args) {
   const bool has_file = args.Has("file"), has_kind = args.Has("schedule");
   if (has_file && has_kind) return Bad("give either --schedule or --file, not both");
-  if (has_file) return LoadFile(args.GetString("file", ""));
+  auto naming = schedule::ParseCsvNaming(args.GetString("csv_naming", "auto"));
+  if (!naming.ok()) return Bad(absl::StrCat("--csv_naming: ", naming.status().message()));
+  if (has_file) return LoadFile(args.GetString("file", ""), *naming);
   if (!has_kind) {
-    return Bad(
-        "give --schedule=KIND (one of gpipe, 1f1b, interleaved, zb-h1) with --pp and "
-        "--microbatches, or --file=PATH");
+    return Bad(absl::StrCat("give --schedule=KIND (one of ", absl::StrJoin(schedule::ScheduleKinds(), ", "),
+                            ") with --pp and --microbatches, or --file=PATH"));
   }
   schedule::ScheduleSpec spec;
   spec.kind = args.GetString("schedule", "");
@@ -138,17 +141,19 @@ absl::StatusOr<Schedule> LoadSchedule(const Args& args) {
   if (!v.ok()) return v.status();
   spec.num_ranks = *pp;
   spec.microbatches = *m;
-  spec.virtual_stages = *v;
-  const int64_t cells = int64_t{*pp} * *m * *v;
+  // A V has two chunks per rank: zb-v and dualpipe-v default to --virtual=2.
+  spec.virtual_stages = schedule::IsVShaped(spec.kind) && !args.Has("virtual") ? 2 : *v;
+  const int64_t cells = int64_t{*pp} * *m * spec.virtual_stages;
   if (cells > schedule::kMaxScheduleCells) {
-    return Bad(absl::StrCat("--pp=", *pp, " x --microbatches=", *m, " x --virtual=", *v, " = ", cells,
+    return Bad(absl::StrCat("--pp=", *pp, " x --microbatches=", *m, " x --virtual=", spec.virtual_stages, " = ", cells,
                             " (stage, microbatch) cells; at most ", schedule::kMaxScheduleCells,
                             " are supported: lower --microbatches to at most ",
-                            std::max<int64_t>(1, schedule::kMaxScheduleCells / (int64_t{*pp} * *v))));
+                            std::max<int64_t>(1, schedule::kMaxScheduleCells / (int64_t{*pp} * spec.virtual_stages))));
   }
-  if (spec.kind != "interleaved" && spec.virtual_stages != 1) {
+  if (spec.kind != "interleaved" && !schedule::IsVShaped(spec.kind) && spec.virtual_stages != 1) {
     return Bad(absl::StrCat("--virtual=", spec.virtual_stages,
-                            " needs --schedule=interleaved; drop --virtual for ", spec.kind));
+                            " needs --schedule=interleaved (or zb-v, dualpipe-v with 2); drop --virtual for ",
+                            spec.kind));
   }
   if (spec.kind == "interleaved" && spec.microbatches % spec.num_ranks != 0) {
     const int fix = (spec.microbatches / spec.num_ranks + 1) * spec.num_ranks;
@@ -185,6 +190,15 @@ absl::StatusOr<CostModel> LoadCosts(const Args& args) {
                             "communication"));
   }
   c.comm_bandwidth = *bandwidth;
+  if (args.Has("overlapped")) {
+    auto overlapped = args.GetDouble("overlapped", 0);
+    if (!overlapped.ok()) return overlapped.status();
+    if (!(*overlapped >= 0) || !std::isfinite(*overlapped)) {
+      return Bad(absl::StrCat("--overlapped must be a finite number >= 0 (got ", args.GetString("overlapped", ""),
+                              "): the cost of an overlapped F&B pair"));
+    }
+    c.overlapped = *overlapped;
+  }
   if (args.Has("stage_multipliers")) {
     for (absl::string_view word : absl::StrSplit(args.GetString("stage_multipliers", ""), ',')) {
       double f;
@@ -226,30 +240,44 @@ int Show(const Args& args, std::ostream& out, std::ostream& err) {
     out << schedule::ToPytorchCsv(*s);
     return kOk;
   }
-  if (format != "grid" && format != "json") {
-    return Fail(Bad(absl::StrCat("--format=", format, " is not one of grid, json, csv")), err);
+  if (format != "grid" && format != "json" && format != "csv_comms") {
+    return Fail(Bad(absl::StrCat("--format=", format, " is not one of grid, json, csv, csv_comms")), err);
   }
   if (absl::Status st = schedule::Validate(*s); !st.ok()) return Invalid(st, err);
-  if (format == "json") {
+  if (format == "json" || format == "csv_comms") {
     auto lowered = Lowered(*s, CostModel());
     if (!lowered.ok()) return Fail(lowered.status(), err);
-    out << schedule::ToProgramsJson(*lowered);
+    out << (format == "json" ? schedule::ToProgramsJson(*lowered) : schedule::ToPytorchCsv(*lowered, true));
     return kOk;
   }
   auto grid = schedule::RenderTimeGrid(*s);
   if (!grid.ok()) return Fail(grid.status(), err);
   out << (s->kind.empty() ? "imported" : s->kind) << ": p=" << s->num_ranks
       << " v=" << s->virtual_stages << " m=" << s->microbatches
-      << " (one slot per action, . = idle)\n"
-      << *grid;
+      << " (one slot per action, . = idle";
+  bool overlaps = false;
+  for (const auto& program : s->ranks) {
+    for (const schedule::Action& a : program) overlaps |= a.overlap_with_next;
+  }
+  if (overlaps) out << ", X& Y = X and Y overlapped";
+  out << ")\n";
+  if (!s->stage_ranks.empty()) {
+    // Which rank holds which stage, when not looped.
+    out << schedule::PlacementName(*s) << " placement:";
+    for (int r = 0; r < s->num_ranks; ++r) {
+      out << (r == 0 ? " " : "; ") << "rank " << r << " holds "
+          << absl::StrJoin(schedule::StagesOfRank(s->stage_ranks, s->num_ranks, s->num_stages(), r), ",");
+    }
+    out << "\n";
+  }
+  out << *grid;
   return kOk;
 }
 
 int Simulate(const Args& args, std::ostream& out, std::ostream& err) {
   const std::string format = args.GetString("format", "text");
-  if (format != "text" && format != "json" && format != "chrome" && format != "csv") {
-    return Fail(Bad(absl::StrCat("--format=", format, " is not one of text, json, chrome, csv")),
-                err);
+  if (format != "text" && format != "json" && format != "chrome" && format != "csv" && format != "csv_comms") {
+    return Fail(Bad(absl::StrCat("--format=", format, " is not one of text, json, chrome, csv, csv_comms")), err);
   }
   auto s = LoadSchedule(args);
   if (!s.ok()) return Fail(s.status(), err);
@@ -260,8 +288,8 @@ int Simulate(const Args& args, std::ostream& out, std::ostream& err) {
   auto lowered = Lowered(*s, *costs);
   if (!lowered.ok()) return Fail(lowered.status(), err);
   if (absl::Status st = schedule::Validate(*lowered); !st.ok()) return Invalid(st, err);
-  if (format == "csv") {
-    out << schedule::ToPytorchCsv(*lowered);
+  if (format == "csv" || format == "csv_comms") {
+    out << schedule::ToPytorchCsv(*lowered, format == "csv_comms");
     return kOk;
   }
   auto sim = schedule::Simulate(*lowered, *costs);

@@ -29,6 +29,27 @@ std::string WriteTemp(const std::string& name, const std::string& contents) {
   return path;
 }
 
+// V placements say which rank holds which stage; overlapped pairs sit side
+// by side, the first half marked with "&".
+TEST(ScheduleCommand, ShowDrawsVPlacementsAndOverlaps) {
+  Result r = Batonctl({"show", "--schedule=dualpipe-v", "--pp=2", "--microbatches=4"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.substr(0, r.out.find('\n', r.out.find('\n') + 1) + 1),
+            "dualpipe-v: p=2 v=2 m=4 (one slot per action, . = idle, X& Y = X and Y overlapped)\n"
+            "V placement: rank 0 holds 0,3; rank 1 holds 1,2\n");
+  EXPECT_NE(r.out.find("0F3&  3B1"), std::string::npos) << r.out;
+  Result zbv = Batonctl({"show", "--schedule=zb-v", "--pp=2", "--microbatches=3"});
+  ASSERT_EQ(zbv.code, 0) << zbv.err;
+  EXPECT_NE(zbv.out.find("zb-v: p=2 v=2 m=3"), std::string::npos) << zbv.out;
+  // CSV out and back in, with its comms.
+  Result comms = Batonctl({"show", "--schedule=zb-v", "--pp=2", "--microbatches=3", "--format=csv_comms"});
+  ASSERT_EQ(comms.code, 0) << comms.err;
+  EXPECT_NE(comms.out.find("0SEND_F0"), std::string::npos) << comms.out;
+  Result valid = Batonctl({"validate", "--file=" + WriteTemp("zbv_comms.csv", comms.out)});
+  EXPECT_EQ(valid.code, 0) << valid.err;
+  EXPECT_NE(valid.out.find("(lowered)"), std::string::npos) << valid.out;
+}
+
 TEST(ScheduleCommand, ShowPrintsTheTextbookGrid) {
   Result r = Batonctl({"show", "--schedule=1f1b", "--pp=4", "--microbatches=8"});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -159,28 +180,39 @@ TEST(ScheduleCommand, ValidateCsvAndJsonFiles) {
 
 TEST(ScheduleCommand, BadInputSaysWhatToChange) {
   const std::string malformed = WriteTemp("malformed.csv", "0F0,0Q1\n");
+  const std::string split = WriteTemp("split.csv", "0F0,(0F1;1B0)OVERLAP_F_B\n1F0,1B0,1F1,1B1\n");
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"show", "--schedule=1f1b", "--pp=0", "--microbatches=8"},
        "--pp must be at least 1 (got 0); set it to the number of pipeline ranks"},
       {{"show", "--schedule=interleaved", "--pp=4", "--microbatches=6", "--virtual=2"},
        "--microbatches=6 does not fit interleaved with --pp=4: it needs a multiple of 4; use "
        "--microbatches=8"},
-      {{"show", "--schedule=zb-v", "--pp=4", "--microbatches=8"},
-       "unknown --schedule=zb-v; choose one of gpipe, 1f1b, interleaved, zb-h1"},
+      {{"show", "--schedule=zb-w", "--pp=4", "--microbatches=8"},
+       "unknown --schedule=zb-w; choose one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipe-v"},
+      {{"show", "--schedule=zb-v", "--pp=4", "--microbatches=8", "--virtual=3"},
+       "zb-v places two chunks on every rank in a V; use virtual stages 2 (got 3: a V needs an even chunk count)"},
+      {{"validate", "--file=" + split},
+       "--file=" + split +
+           ": row 2 (rank 1), cell 1: '1F0' puts stage 1 on rank 1, but row 1 (rank 0), cell 2 put it on rank 0; a "
+           "stage lives on one rank"},
+      {{"validate", "--file=" + malformed, "--csv_naming=old"},
+       "--csv_naming: CSV naming 'old' is unknown; use auto, current (I/W/B) or legacy (B/W/BW)"},
+      {{"simulate", "--schedule=dualpipe-v", "--pp=2", "--microbatches=4", "--overlapped=-1"},
+       "--overlapped must be a finite number >= 0 (got -1): the cost of an overlapped F&B pair"},
       {{"simulate", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--backward_weight=-2"},
        "--backward_weight must be a finite number >= 0 (got -2)"},
       {{"validate", "--file=" + malformed},
        "--file=" + malformed +
-           ": row 1 (rank 0), cell 2: '0Q1' has kind 'Q'; the compute-only "
-           "format allows F, I, W and B"},
+           ": row 1 (rank 0), cell 2: '0Q1' has kind 'Q'; the format allows F, I, W, B (BW in the older naming), "
+           "SEND_F, RECV_F, SEND_B, RECV_B and (F;B)OVERLAP_F_B"},
       {{"show", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--virtual=2"},
-       "--virtual=2 needs --schedule=interleaved; drop --virtual for 1f1b"},
+       "--virtual=2 needs --schedule=interleaved (or zb-v, dualpipe-v with 2); drop --virtual for 1f1b"},
       {{"simulate", "--schedule=1f1b", "--pp=4", "--microbatches=8", "--format=xml"},
-       "--format=xml is not one of text, json, chrome, csv"},
+       "--format=xml is not one of text, json, chrome, csv, csv_comms"},
       {{"simulate", "--schedule=gpipe", "--pp=2", "--microbatches=2", "--stage_multipliers=1"},
        "got 1 stage multipliers for 2 stages; give one per stage"},
       {{"validate"},
-       "give --schedule=KIND (one of gpipe, 1f1b, interleaved, zb-h1) with --pp and "
+       "give --schedule=KIND (one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipe-v) with --pp and "
        "--microbatches, or --file=PATH"},
       {{"show", "--schedule=1f1b", "--pp=2", "--microbatches=2", "extra"},
        "unexpected argument 'extra'; flags look like --name=value"},

@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/report_group.h"
 #include "common/status_macros.h"
+#include "coordinator/job_schedule.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/planner.h"
 #include "coordinator/schedule/builders.h"
@@ -571,12 +572,12 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     BATON_ASSIGN_OR_RETURN(groups, ReportGroupsOf(plan));
   }
   const size_t leaders = groups.size();
-  const ParallelDims d = DimsOf(job_);
-  schedule::ScheduleSpec spec{job_.schedule().kind(), d.pp, job_.schedule().microbatches(), d.virtual_stages};
-  BATON_ASSIGN_OR_RETURN(schedule::Schedule compute, schedule::BuildSchedule(spec));
   const schedule::CostModel costs = CostsFor(job_, plan);
-  BATON_ASSIGN_OR_RETURN(schedule::Schedule lowered, schedule::Lower(compute, costs));
-  BATON_RETURN_IF_ERROR_CTX(schedule::Validate(lowered), "the schedule failed validation");
+  BATON_ASSIGN_OR_RETURN(schedule::Schedule lowered, LoweredScheduleOf(job_, costs));
+  if (!std::equal(lowered.stage_ranks.begin(), lowered.stage_ranks.end(), plan.stage_ranks().begin(),
+                  plan.stage_ranks().end())) {
+    return absl::InternalError("the plan's stage placement differs from the schedule's");
+  }
   BATON_ASSIGN_OR_RETURN(schedule::SimulationResult sim, schedule::Simulate(lowered, costs));
   std::vector<v1::Program> programs = schedule::ToPrograms(lowered);
   for (const schedule::RankStats& r : sim.ranks) {
@@ -606,7 +607,7 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
   }
   Expect(v1::WorkerMessage::kConfigured, 0, names);
   BATON_LOG(INFO) << "job '" << job_.name() << "' generation " << plan.generation() << ": " << plan.ranks_size()
-                  << " workers, schedule " << spec.kind << " (expected bubble "
+                  << " workers, schedule " << lowered.kind << " (expected bubble "
                   << absl::StrFormat("%.1f%%", 100 * sim.bubble_ratio) << "), " << plan.spares_size() << " spares"
                   << (setup.resume_step > 0 ? absl::StrCat(", resuming after step ", setup.resume_step) : "")
                   << (plan.report_groups() ? absl::StrCat(", steps reported by ", leaders, " group leaders (",

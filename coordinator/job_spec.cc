@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -11,14 +12,14 @@
 #include "common/status_macros.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/schedule/builders.h"
+#include "coordinator/schedule/pytorch_csv.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace baton {
 namespace {
-
-constexpr const char* kScheduleKinds[] = {"gpipe", "1f1b", "interleaved", "zb-h1"};
 
 class CollectFirstError : public google::protobuf::io::ErrorCollector {
  public:
@@ -136,13 +137,46 @@ absl::Status ValidateParallel(const ParallelDims& d) {
   return absl::OkStatus();
 }
 
+// schedule.kind "csv": the CSV parses, and its rows, stages and
+// microbatches are the job's.
+absl::Status ValidateCsvSchedule(const v1::ScheduleSpec& spec, const ParallelDims& d) {
+  if (spec.csv().empty()) {
+    return Invalid("schedule.csv", "is empty; schedule.kind \"csv\" needs the schedule in csv or csv_file");
+  }
+  if (spec.csv().size() > JobLimits::kMaxScheduleCsvBytes) {
+    return Invalid("schedule.csv", absl::StrCat("is ", spec.csv().size(), " bytes; at most ",
+                                                JobLimits::kMaxScheduleCsvBytes, " are read"));
+  }
+  absl::StatusOr<schedule::CsvNaming> naming = schedule::ParseCsvNaming(spec.csv_naming());
+  if (!naming.ok()) return Invalid("schedule.csv_naming", std::string(naming.status().message()));
+  absl::StatusOr<schedule::Schedule> s = schedule::FromPytorchCsv(spec.csv(), *naming);
+  if (!s.ok()) return Invalid("schedule.csv", std::string(s.status().message()));
+  if (s->num_ranks != d.pp) {
+    return Invalid("schedule.csv", absl::StrCat("has ", s->num_ranks, " rows (pipeline ranks) but parallel.pp is ",
+                                                d.pp, "; give one row per pipeline rank"));
+  }
+  if (s->virtual_stages != d.virtual_stages) {
+    return Invalid("parallel.virtual_stages",
+                   absl::StrCat("is ", d.virtual_stages, " but schedule.csv places ", s->virtual_stages,
+                                " stages on every rank; set virtual_stages: ", s->virtual_stages));
+  }
+  if (s->microbatches != spec.microbatches()) {
+    return Invalid("schedule.microbatches", absl::StrCat("is ", spec.microbatches(), " but schedule.csv runs ",
+                                                         s->microbatches, "; set microbatches: ", s->microbatches));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
   const std::string& kind = job.schedule().kind();
-  bool known = false;
-  for (const char* k : kScheduleKinds) known |= kind == k;
-  if (!known) {
+  const std::vector<std::string>& kinds = schedule::ScheduleKinds();
+  if (kind != "csv" && std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) {
     return Invalid("schedule.kind", absl::StrCat("'", kind, "' is not a schedule; use one of: ",
-                                                 absl::StrJoin(kScheduleKinds, ", ")));
+                                                 absl::StrJoin(kinds, ", "), ", or csv (a PyTorch pipelining CSV)"));
+  }
+  if (kind != "csv" && (!job.schedule().csv().empty() || !job.schedule().csv_file().empty() ||
+                        !job.schedule().csv_naming().empty())) {
+    return Invalid("schedule.csv", "is set, but schedule.kind is not \"csv\"; set kind: \"csv\" to run it");
   }
   const int m = job.schedule().microbatches();
   BATON_RETURN_IF_ERROR(InRange("schedule.microbatches", m, 1, JobLimits::kMaxMicrobatches));
@@ -155,6 +189,19 @@ absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
                                 ": use fewer microbatches (at most ",
                                 JobLimits::kMaxScheduleCells / (int64_t{d.pp} * d.virtual_stages),
                                 " here) with a larger train.micro_batch_size"));
+  }
+  if (kind == "csv") return ValidateCsvSchedule(job.schedule(), d);
+  if (schedule::IsVShaped(kind)) {
+    if (d.virtual_stages != 2) {
+      return Invalid("parallel.virtual_stages",
+                     absl::StrCat("is ", d.virtual_stages, "; schedule.kind '", kind,
+                                  "' places two chunks on every pipeline rank in a V: set virtual_stages: 2"));
+    }
+    if (kind == "dualpipe-v" && m < 2 * d.pp) {
+      return Invalid("schedule.microbatches",
+                     absl::StrCat("is ", m, "; dualpipe-v needs at least 2 x parallel.pp = ", 2 * d.pp));
+    }
+    return absl::OkStatus();
   }
   if (kind == "interleaved") {
     if (d.pp < 2) {
@@ -171,7 +218,7 @@ absl::Status ValidateSchedule(const v1::JobSpec& job, const ParallelDims& d) {
   } else if (d.virtual_stages != 1) {
     return Invalid("parallel.virtual_stages",
                    absl::StrCat("is ", d.virtual_stages, "; more than one chunk per rank needs schedule.kind: "
-                                "\"interleaved\""));
+                                "\"interleaved\", \"zb-v\", \"dualpipe-v\" or \"csv\""));
   }
   return absl::OkStatus();
 }
@@ -263,31 +310,52 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
   return job;
 }
 
-absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
-  // A job file is small: refuse anything but a regular file of bounded size
-  // (so --job=/dev/zero cannot fill the memory).
+namespace {
+
+// A regular file of at most `max` bytes (so --job=/dev/zero cannot fill the
+// memory); `what` names it in errors ("job file", "schedule CSV").
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, size_t max, const char* what, const char* hint) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
-    return absl::NotFoundError(absl::StrCat("cannot read job file '", path, "': ", std::strerror(errno)));
+    return absl::NotFoundError(absl::StrCat("cannot read ", what, " '", path, "': ", std::strerror(errno)));
   }
   struct stat st;
   if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
     std::fclose(f);
-    return absl::InvalidArgumentError(absl::StrCat("job file '", path, "' is not a regular file"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", path, "' is not a regular file"));
   }
   std::string text;
   char buffer[1 << 14];
   size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0 && text.size() <= JobLimits::kMaxSpecBytes) {
-    text.append(buffer, n);
-  }
+  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0 && text.size() <= max) text.append(buffer, n);
   std::fclose(f);
-  if (text.size() > JobLimits::kMaxSpecBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("job file '", path, "' is larger than ",
-                                                   JobLimits::kMaxSpecBytes, " bytes; a job spec is a few lines"));
+  if (text.size() > max) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", path, "' is larger than ", max, " bytes; ", hint));
   }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
+  BATON_ASSIGN_OR_RETURN(const std::string text,
+                         ReadSmallFile(path, JobLimits::kMaxSpecBytes, "job file", "a job spec is a few lines"));
   absl::StatusOr<v1::JobSpec> job = ParseJobSpec(text, path);
   if (!job.ok()) return job.status();
+  if (const std::string& csv_file = job->schedule().csv_file(); !csv_file.empty()) {
+    if (!job->schedule().csv().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": schedule.csv_file and schedule.csv are both set; keep one"));
+    }
+    const size_t slash = path.rfind('/');
+    const std::string file =
+        csv_file.front() == '/' || slash == std::string::npos ? csv_file : path.substr(0, slash + 1) + csv_file;
+    absl::StatusOr<std::string> csv =
+        ReadSmallFile(file, JobLimits::kMaxScheduleCsvBytes, "schedule CSV", "a schedule is one row per rank");
+    if (!csv.ok()) return WithContext(csv.status(), absl::StrCat(path, ": schedule.csv_file"));
+    job->mutable_schedule()->set_csv(*std::move(csv));
+    job->mutable_schedule()->clear_csv_file();
+  }
   BATON_RETURN_IF_ERROR_CTX(ValidateJobSpec(*job), path);
   return job;
 }

@@ -42,6 +42,7 @@ struct JobLimits {
   static constexpr int64_t kMaxSyntheticActivationBytes = int64_t{1} << 30;
   static constexpr int64_t kMaxCheckpointEverySteps = kMaxSteps;
   static constexpr size_t kMaxSpecBytes = 1 << 20;  // the job file itself
+  static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };
 
 // The effective parallel layout (unset fields mean 1).
@@ -59,7 +60,8 @@ ParallelDims DimsOf(const v1::JobSpec& job);
 // errors. `source` names the input in messages (e.g. the file path).
 absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source);
 
-// Reads, parses and validates a job file.
+// Reads, parses and validates a job file; a schedule.csv_file (relative to
+// the job file's directory) is read into schedule.csv.
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).

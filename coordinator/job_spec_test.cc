@@ -96,6 +96,51 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "parallel.pp", "pp >= 2"},
       {"chunks without interleaved", [](v1::JobSpec* j) { j->mutable_parallel()->set_virtual_stages(2); },
        "parallel.virtual_stages", "interleaved"},
+      {"a V with one chunk", [](v1::JobSpec* j) { j->mutable_schedule()->set_kind("zb-v"); },
+       "parallel.virtual_stages", "set virtual_stages: 2"},
+      {"a V with an odd chunk count",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("dualpipe-v");
+         j->mutable_parallel()->set_pp(1);
+         j->mutable_parallel()->set_virtual_stages(3);
+       },
+       "parallel.virtual_stages", "two chunks on every pipeline rank in a V"},
+      {"dualpipe-v with few microbatches",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("dualpipe-v");
+         j->mutable_parallel()->set_virtual_stages(2);
+         j->mutable_schedule()->set_microbatches(3);
+       },
+       "schedule.microbatches", "at least 2 x parallel.pp = 4"},
+      {"csv without its schedule", [](v1::JobSpec* j) { j->mutable_schedule()->set_kind("csv"); }, "schedule.csv",
+       "needs the schedule in csv or csv_file"},
+      {"csv text on another kind", [](v1::JobSpec* j) { j->mutable_schedule()->set_csv("0F0,0B0\n"); },
+       "schedule.csv", "set kind: \"csv\""},
+      {"csv rows against pp",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("csv");
+         j->mutable_schedule()->set_csv("0F0,0B0\n");
+       },
+       "schedule.csv", "has 1 rows (pipeline ranks) but parallel.pp is 2"},
+      {"csv microbatches",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("csv");
+         j->mutable_schedule()->set_csv("0F0,0B0\n1F0,1B0\n");
+       },
+       "schedule.microbatches", "schedule.csv runs 1; set microbatches: 1"},
+      {"csv with a malformed cell",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("csv");
+         j->mutable_schedule()->set_csv("0F0,0B0\n1F0,1Z0\n");
+       },
+       "schedule.csv", "row 2 (rank 1), cell 2: '1Z0' has kind 'Z'"},
+      {"csv naming",
+       [](v1::JobSpec* j) {
+         j->mutable_schedule()->set_kind("csv");
+         j->mutable_schedule()->set_csv("0F0,0B0\n1F0,1B0\n");
+         j->mutable_schedule()->set_csv_naming("old");
+       },
+       "schedule.csv_naming", "use auto, current (I/W/B) or legacy (B/W/BW)"},
       {"negative lr", [](v1::JobSpec* j) { j->mutable_train()->set_lr(-1); }, "train.lr", ">= 0"},
       {"missing name", [](v1::JobSpec* j) { j->clear_name(); }, "name", "must be set"},
       {"empty text file", [](v1::JobSpec* j) { j->mutable_data()->set_text_file(""); }, "data.text_file",
@@ -238,6 +283,32 @@ TEST(JobSpecTest, LoadJobSpecNamesTheFile) {
   EXPECT_NE(job.status().message().find(path), std::string::npos);
   EXPECT_NE(job.status().message().find("parallel.pp"), std::string::npos);
   EXPECT_EQ(LoadJobSpec("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
+}
+
+// schedule.csv_file is read beside the job file, bounded, and becomes
+// schedule.csv; a missing file names both files.
+TEST(JobSpecTest, LoadJobSpecReadsTheScheduleCsvBesideTheJobFile) {
+  const std::string dir = ::testing::TempDir();
+  std::ofstream(dir + "/v.csv") << "0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n";
+  const std::string job_text = R"pb(
+    name: "v"
+    model { layers: 4 d_model: 64 heads: 4 vocab: 32 seq_len: 16 }
+    parallel { pp: 2 virtual_stages: 2 }
+    schedule { kind: "csv" microbatches: 1 csv_file: "v.csv" }
+    train { steps: 10 micro_batch_size: 2 lr: 0.001 seed: 1 }
+  )pb";
+  std::ofstream(dir + "/v.textproto") << job_text;
+  auto job = LoadJobSpec(dir + "/v.textproto");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->schedule().csv(), "0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n");
+  EXPECT_TRUE(job->schedule().csv_file().empty());
+  std::string missing = job_text;
+  missing.replace(missing.find("v.csv"), 5, "gone.csv");
+  std::ofstream(dir + "/missing.textproto") << missing;
+  auto gone = LoadJobSpec(dir + "/missing.textproto");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("missing.textproto: schedule.csv_file"), std::string::npos) << gone.status();
+  EXPECT_NE(gone.status().message().find("gone.csv"), std::string::npos) << gone.status();
 }
 
 TEST(JobSpecTest, LoadJobSpecRefusesDevicesDirectoriesAndHugeFiles) {

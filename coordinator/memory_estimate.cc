@@ -141,7 +141,8 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   double params = 0, gemm_weights = 0, max_chunk_activations = 0;
   int chunks = 0;
   const AttentionTerms att = AttentionTermsFor(job, plan, pp_rank);
-  for (int chunk = pp_rank; chunk < stages; chunk += d.pp) {
+  const std::vector<int> placement(plan.stage_ranks().begin(), plan.stage_ranks().end());
+  for (int chunk : schedule::StagesOfRank(placement, d.pp, stages, pp_rank)) {
     ++chunks;
     double layers = 0;
     bool first = chunk == 0, last = chunk == stages - 1;

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/job_schedule.h"
 #include "coordinator/job_spec.h"
 #include "coordinator/memory_estimate.h"
 
@@ -141,6 +142,8 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
   plan.set_tp(d.tp);
   plan.set_dp(d.dp);
   plan.set_virtual_stages(d.virtual_stages);
+  BATON_ASSIGN_OR_RETURN(const std::vector<int> placement, PlacementOfJob(job));
+  for (int rank : placement) plan.add_stage_ranks(rank);
   for (int dp = 0; dp < d.dp; ++dp) {
     for (int pp = 0; pp < d.pp; ++pp) {
       std::vector<const v1::WorkerInfo*> group = take_group();

@@ -9,7 +9,8 @@
 // same workers always give the same plan. The rest are spares.
 //
 // Layer partition: contiguous blocks over pp * virtual_stages stages (chunk c
-// lives on pp rank c % pp), minimising the costliest stage, where a block
+// lives where the schedule's placement puts it, Plan.stage_ranks: pp rank
+// c % pp when looped, the V for zb-v and dualpipe-v), minimising the costliest stage, where a block
 // costs 1 and the first/last stage also pay for the embedding/LM head in
 // block units (see LayerCosts). Every stage gets at least one block.
 #ifndef BATON_COORDINATOR_PLANNER_H_

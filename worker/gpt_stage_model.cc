@@ -32,8 +32,9 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
         absl::StrCat("train.micro_batch_size = ", micro_batch_size, ": must be positive"));
   }
   const bool needs_tie = config.pp_size > 1 && (config.is_first() || config.is_last());
-  if (needs_tie && (tie_group == nullptr || tie_group->size() != 2 ||
-                    tie_group->rank() != (config.is_first() ? 0 : 1))) {
+  // No group: both ends are on this rank (TieLocally pairs them).
+  if (needs_tie && tie_group != nullptr &&
+      (tie_group->size() != 2 || tie_group->rank() != (config.is_first() ? 0 : 1))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model chunk ", config.pp_rank, " of ", config.pp_size,
         " holds the tied embedding and needs a two-rank tie group where the first chunk is "
@@ -86,8 +87,49 @@ Tensor GptStageModel::Gradients() { return stage_->parameters().grads(); }
 
 double GptStageModel::LocalGradSqNorm() const { return stage_->LocalGradSqNorm(); }
 
+absl::Status GptStageModel::TieLocally(GptStageModel& first, GptStageModel& last) {
+  if (!first.holds_tied_embedding() || !last.holds_tied_embedding() || !first.config_.is_first() ||
+      !last.config_.is_last() || first.tie_ != nullptr || last.tie_ != nullptr) {
+    return absl::InvalidArgumentError(
+        "TieLocally pairs the first and the last chunk of a pipeline, both on this rank without a tie group");
+  }
+  if (first.context().stream != nullptr) {
+    BATON_ASSIGN_OR_RETURN(first.tie_events_[0], kernels::Event::Create(first.config_.device));
+    BATON_ASSIGN_OR_RETURN(first.tie_events_[1], kernels::Event::Create(first.config_.device));
+  }
+  first.local_tie_ = &last;
+  last.local_tie_ = &first;
+  return absl::OkStatus();
+}
+
+Tensor GptStageModel::TiedEmbeddingGrad() {
+  for (model::Parameter& p : stage_->parameters().parameters()) {
+    if (p.spec.name == "wte") return p.grad;
+  }
+  return Tensor();
+}
+
+absl::Status GptStageModel::SumTiedGradientsLocally() {
+  if (!config_.is_first()) return absl::OkStatus();  // the first chunk's call sums both copies
+  const Tensor mine = TiedEmbeddingGrad(), theirs = local_tie_->TiedEmbeddingGrad();
+  kernels::Stream* stream = context().stream;
+  kernels::Stream* other = local_tie_->context().stream;
+  if (stream != nullptr) {  // after the last chunk's backward, before its later work
+    BATON_RETURN_IF_ERROR(tie_events_[0]->Record(*other));
+    BATON_RETURN_IF_ERROR(tie_events_[0]->StreamWait(*stream));
+  }
+  kernels::Residual(context(), mine, mine, theirs);  // a + b, as the two-rank all-reduce sums
+  kernels::Copy(context(), theirs, mine);
+  if (stream != nullptr) {
+    BATON_RETURN_IF_ERROR(tie_events_[1]->Record(*stream));
+    BATON_RETURN_IF_ERROR(tie_events_[1]->StreamWait(*other));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GptStageModel::AwaitTiedPeer() {
-  if (!holds_tied_embedding()) return absl::OkStatus();
+  if (!holds_tied_embedding() || local_tie_ != nullptr) return absl::OkStatus();
+  if (tie_ == nullptr) return absl::FailedPreconditionError("the tied embedding has no tie group and no local partner");
   constexpr char kName[] = "arrival at the tied embedding's sum";
   const comm::Buffer arrival = model::CommBuffer(tie_arrival_);
   if (context().stream != nullptr && comm::CanEnqueueAllReduce(*tie_, arrival)) {
@@ -98,6 +140,8 @@ absl::Status GptStageModel::AwaitTiedPeer() {
 
 absl::Status GptStageModel::SyncTiedGradients() {
   if (!holds_tied_embedding()) return absl::OkStatus();
+  if (local_tie_ != nullptr) return SumTiedGradientsLocally();
+  if (tie_ == nullptr) return absl::FailedPreconditionError("the tied embedding has no tie group and no local partner");
   const int want_rank = config_.is_first() ? 0 : 1;
   if (context().stream != nullptr && tie_->size() == 2 && tie_->rank() == want_rank) {
     for (model::Parameter& p : stage_->parameters().parameters()) {

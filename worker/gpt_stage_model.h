@@ -47,7 +47,8 @@ class GptStageModel : public StageModel {
   // config.tp_rank; may be null when tp_size is 1. `tie_group`: for the first
   // and last chunk of a pipeline of more than one chunk, a two-rank group of
   // this TP rank's first chunk (rank 0) and last chunk (rank 1); null
-  // elsewhere. Both communicators must outlive the model.
+  // elsewhere, and null when both chunks are on this rank (a V placement):
+  // then TieLocally pairs them. Both communicators must outlive the model.
   static absl::StatusOr<std::unique_ptr<GptStageModel>> Create(const model::StageConfig& config,
                                                                int64_t micro_batch_size,
                                                                comm::Communicator* tp_group,
@@ -84,6 +85,14 @@ class GptStageModel : public StageModel {
 
   model::GptStage& stage() { return *stage_; }
 
+  // Both ends of the tied embedding on one rank (the first and the last
+  // chunk, created without a tie group): SyncTiedGradients of the first sums
+  // the two gradient copies into both (a + b, as the two-rank all-reduce),
+  // after the last chunk's work on its stream; the last chunk's own call
+  // does nothing, so the first must be synced first (the executor goes in
+  // stage order). Both must outlive each other's use.
+  static absl::Status TieLocally(GptStageModel& first, GptStageModel& last);
+
  private:
   GptStageModel(const model::StageConfig& config, int64_t micro_batch_size,
                 std::unique_ptr<model::GptStage> stage, comm::Communicator* tie_group,
@@ -103,6 +112,13 @@ class GptStageModel : public StageModel {
   std::unique_ptr<model::GptStage> stage_;
   comm::Communicator* tie_;
   kernels::AdamWConfig adamw_;
+  // The other end of the tied embedding on this rank (TieLocally), and the
+  // events ordering the first chunk's sum after the last one's stream and
+  // the last one's later work after the sum.
+  GptStageModel* local_tie_ = nullptr;
+  std::unique_ptr<kernels::Event> tie_events_[2];
+  kernels::Tensor TiedEmbeddingGrad();
+  absl::Status SumTiedGradientsLocally();
   // A chunk on a stream whose tie group can sum from it (the simulated device
   // over a host communicator) runs the tied-embedding sum on its stream, no
   // host wait (comm/stream_p2p.h); its error is reported by ReadStepResults.

@@ -75,9 +75,11 @@ class GptStageModelTest : public ::testing::Test {
   }
 
   // One model per chunk of a single-TP-rank pipeline over `ranges`.
+  // With `local_tie` the first and last chunk sum their tied embedding
+  // gradients without a group, as on the rank of a V that holds both.
   std::vector<std::unique_ptr<GptStageModel>> MakeChunks(
-      const std::vector<model::BlockRange>& ranges) {
-    tie_ = comm::InProcCommunicator::CreateGroup(2);
+      const std::vector<model::BlockRange>& ranges, bool local_tie = false) {
+    if (!local_tie) tie_ = comm::InProcCommunicator::CreateGroup(2);  // (earlier chunks' group is replaced)
     std::vector<std::unique_ptr<GptStageModel>> chunks;
     const int n = static_cast<int>(ranges.size());
     for (int c = 0; c < n; ++c) {
@@ -86,11 +88,12 @@ class GptStageModelTest : public ::testing::Test {
       config->microbatches = 2;
       config->precision = precision_;
       comm::Communicator* tie = c == 0 ? tie_[0].get() : c == n - 1 ? tie_[1].get() : nullptr;
-      auto chunk = GptStageModel::Create(*config, kBatch, nullptr, n > 1 ? tie : nullptr,
+      auto chunk = GptStageModel::Create(*config, kBatch, nullptr, n > 1 && !local_tie ? tie : nullptr,
                                          AdamWFromTrainSpec(train_));
       EXPECT_TRUE(chunk.ok()) << chunk.status();
       chunks.push_back(std::move(*chunk));
     }
+    if (local_tie) EXPECT_TRUE(GptStageModel::TieLocally(*chunks.front(), *chunks.back()).ok());
     return chunks;
   }
 
@@ -199,6 +202,29 @@ TEST_F(GptStageModelTest, TiedEmbeddingCopiesStayEqualAndTheOptimizerUsesTheTrai
             1e-5);
 }
 
+// The V's rank 0 holds the first and the last chunk: their tied embedding
+// gradients summed locally give the two-rank tie group's bits exactly.
+TEST_F(GptStageModelTest, TiedEmbeddingSummedLocallyIsBitwiseTheTieGroupsSum) {
+  auto grouped = MakeChunks({{0, 1}, {1, 1}, {2, 2}});
+  auto local = MakeChunks({{0, 1}, {1, 1}, {2, 2}}, /*local_tie=*/true);
+  for (int step = 0; step < 2; ++step) {
+    RunStep(grouped);
+    RunStep(local);
+    for (size_t c = 0; c < grouped.size(); ++c) {
+      ASSERT_TRUE(grouped[c]->OptimizerStep(1.0f).ok());
+      ASSERT_TRUE(local[c]->OptimizerStep(1.0f).ok());
+    }
+  }
+  for (size_t c = 0; c < grouped.size(); ++c) {
+    const Tensor a = grouped[c]->stage().parameters().values(), b = local[c]->stage().parameters().values();
+    ASSERT_EQ(a.bytes(), b.bytes());
+    EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.bytes()), 0) << "chunk " << c;
+  }
+  const model::Parameter* first = local[0]->stage().parameters().Find("wte");
+  const model::Parameter* last = local[2]->stage().parameters().Find("wte");
+  EXPECT_EQ(std::memcmp(first->value.raw(), last->value.raw(), first->value.bytes()), 0);
+}
+
 // Reassembles a full tensor from every TP rank's NamedShard, reading only the
 // NamedShard fields (as a checkpoint reader would).
 std::vector<float> Assemble(const std::vector<NamedShard>& ranks) {
@@ -279,9 +305,14 @@ TEST_F(GptStageModelTest, ShardsReassembleIntoTheFullParametersWithOneTiedEmbedd
 TEST_F(GptStageModelTest, BadWiringAndInputsAreErrors) {
   auto config = model::MakeChunkConfig(model_, 0, 2, {0, 2}, 0, 1, kSeed);
   ASSERT_TRUE(config.ok());
+  // Without a tie group the tied embedding needs a local partner before its sum.
   auto no_tie = GptStageModel::Create(*config, kBatch, nullptr, nullptr, {});
-  EXPECT_EQ(no_tie.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(no_tie.status().message().find("tie group"), absl::string_view::npos);
+  ASSERT_TRUE(no_tie.ok()) << no_tie.status();
+  const absl::Status unpaired = (*no_tie)->SyncTiedGradients();
+  EXPECT_EQ(unpaired.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(unpaired.message().find("no tie group and no local partner"), absl::string_view::npos);
+  auto tied = MakeChunks({{0, 2}, {2, 2}});
+  EXPECT_EQ(GptStageModel::TieLocally(*tied[0], *tied[1]).code(), absl::StatusCode::kInvalidArgument);
   auto bad_batch = GptStageModel::Create(*config, 0, nullptr, nullptr, {});
   EXPECT_NE(bad_batch.status().message().find("train.micro_batch_size"), absl::string_view::npos);
   auto gap = model::MakeChunkConfig(model_, 1, 2, {3, 1}, 0, 1, kSeed);

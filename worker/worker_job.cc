@@ -754,7 +754,16 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   job->store = std::make_unique<comm::CoordinatorStore>(stub_, plan.job(), plan.generation());
   comm::JobCommSpec comm_spec;
   comm_spec.generation = plan.generation();
-  comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic()};
+  // The schedule's placement (Program.stage_ranks, as in the plan; empty:
+  // looped): the chunks this rank holds, and where the tied embedding's two
+  // ends are.
+  const auto& placement = configure.program().stage_ranks();
+  if (!placement.empty() && placement.size() != stages) {
+    return absl::InvalidArgumentError(absl::StrCat("the program places ", placement.size(), " stages, the plan has ",
+                                                   stages));
+  }
+  auto rank_of = [&](int stage) { return placement.empty() ? stage % pp : placement.Get(stage); };
+  comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic(), rank_of(0), rank_of(stages - 1)};
   comm_spec.rank = comm::RankCoords{p, t, d};
   // The coordinator's choice for the whole generation (plan.proto
   // comm_backend): NCCL splits one parent communicator per generation
@@ -823,8 +832,9 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     }
   }
 
-  // Model chunks this rank holds: stages p, p + pp, p + 2pp, ...
-  for (int c = p; c < stages; c += pp) {
+  // Model chunks this rank holds: stages p, p + pp, p + 2pp, ... when looped.
+  for (int c = 0; c < stages; ++c) {
+    if (rank_of(c) != p) continue;
     const v1::StagePartition& part = plan.stages(c);
     if (job->spec.model().has_synthetic()) {
       BATON_ASSIGN_OR_RETURN(job->chunks[c], SyntheticStage::Create(job->spec.model().synthetic(), c, stages));
@@ -843,6 +853,11 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
                                                                  job->timed_tp.get(),
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
                                                                  AdamWFromTrainSpec(job->spec.train())));
+  }
+  if (!job->spec.model().has_synthetic() && stages > 1 && rank_of(0) == p && rank_of(stages - 1) == p) {
+    // Both ends of the tied embedding here (the V's rank 0): summed locally.
+    BATON_RETURN_IF_ERROR(GptStageModel::TieLocally(static_cast<GptStageModel&>(*job->chunks.at(0)),
+                                                    static_cast<GptStageModel&>(*job->chunks.at(stages - 1))));
   }
   if (!job->spec.model().has_synthetic()) {  // the synthetic cost model reads no data
     BATON_ASSIGN_OR_RETURN(job->data, data::MakeDataSource(job->spec, options_.data_dir));

@@ -21,6 +21,16 @@
 //               third of 1F1B's when m >= p. Every rank stores at most
 //               min(p, m) activations: 1F1B's peak (rank 0's), although ranks
 //               r > 0 store more than their own 1F1B count.
+//  zb-v         ZB-V (Qi et al., section 6): two chunks per rank in a V
+//               (rank r holds r and 2p - 1 - r, so the last chunk's loss and
+//               the first backward are on rank 0), I and W split; with
+//               F = I = W the bubble is near zero and every rank stores at
+//               most 2p chunk-activations (1F1B's peak). virtual_stages 2.
+//  dualpipe-v   DualPipe-V (DeepSeek): the V placement with each rank's
+//               steady state overlapping the forward of one chunk and the
+//               backward of the other (OVERLAP_F_B pairs). Bubble
+//               (p - 1)(F&B + B - 3W) in chunk costs. virtual_stages 2,
+//               microbatches >= 2p.
 #ifndef BATON_COORDINATOR_SCHEDULE_BUILDERS_H_
 #define BATON_COORDINATOR_SCHEDULE_BUILDERS_H_
 
@@ -36,11 +46,18 @@ struct ScheduleSpec {
   std::string kind;  // one of ScheduleKinds()
   int num_ranks = 1;
   int microbatches = 1;
-  int virtual_stages = 1;  // > 1 only for "interleaved"
+  int virtual_stages = 1;  // > 1 only for "interleaved"; 2 for "zb-v" and "dualpipe-v"
 };
 
 // The builder names accepted by BuildSchedule, in documentation order.
 const std::vector<std::string>& ScheduleKinds();
+
+// True for the kinds that place chunks in a V ("zb-v", "dualpipe-v").
+bool IsVShaped(const std::string& kind);
+
+// The stage-to-rank placement a builder kind uses (Schedule::stage_ranks):
+// the V for V-shaped kinds, empty (looped) for the others.
+std::vector<int> PlacementOf(const std::string& kind, int num_ranks, int virtual_stages);
 
 // Builds the compute-only schedule. InvalidArgument (with what to change) for
 // an unknown kind, sizes below 1, v > 1 on a non-interleaved schedule, or

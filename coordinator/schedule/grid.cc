@@ -65,7 +65,10 @@ absl::StatusOr<std::string> RenderTimeGrid(const Schedule& schedule) {
   std::vector<std::vector<std::string>> rows(compute.num_ranks, std::vector<std::string>(slots));
   for (int r = 0; r < compute.num_ranks; ++r) {
     for (size_t i = 0; i < compute.ranks[r].size(); ++i) {
-      const int slot = static_cast<int>(std::lround(sim->timings[r][i].start * v));
+      int slot = static_cast<int>(std::lround(sim->timings[r][i].start * v));
+      // The second half of an overlapped pair starts with the first ("0F7&"):
+      // drawn in the slot after it, the pair's second slot.
+      if (i > 0 && compute.ranks[r][i - 1].overlap_with_next) ++slot;
       rows[r][slot] = CellLabel(compute.ranks[r][i], v);
     }
   }

@@ -1,6 +1,7 @@
 // Text pictures of a schedule, like the textbook tables: one row per rank,
 // one column per slot, cells such as "F3", "B3", "I3", "W3" ("5F3" = stage 5
-// when v > 1) and "." for idle.
+// when v > 1) and "." for idle. An overlapped pair is drawn as its two
+// halves side by side, the first ending in "&" ("0F7& 7B3").
 #ifndef BATON_COORDINATOR_SCHEDULE_GRID_H_
 #define BATON_COORDINATOR_SCHEDULE_GRID_H_
 

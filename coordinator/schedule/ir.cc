@@ -123,11 +123,92 @@ const char* KindName(ActionKind kind) {
   return "?";
 }
 
+std::vector<int> VPlacement(int num_ranks, int virtual_stages) {
+  std::vector<int> ranks;
+  for (int s = 0; s < num_ranks * virtual_stages; ++s) {
+    const int k = s / num_ranks, i = s % num_ranks;
+    ranks.push_back(k % 2 == 0 ? i : num_ranks - 1 - i);
+  }
+  return ranks;
+}
+
+std::vector<int> StagesOfRank(const std::vector<int>& stage_ranks, int num_ranks, int num_stages, int rank) {
+  std::vector<int> stages;
+  for (int s = 0; s < num_stages; ++s) {
+    if ((stage_ranks.empty() ? s % num_ranks : stage_ranks[static_cast<size_t>(s)]) == rank) stages.push_back(s);
+  }
+  return stages;
+}
+
+absl::Status CheckPlacement(const std::vector<int>& stage_ranks, int num_ranks, int num_stages) {
+  if (stage_ranks.empty()) return absl::OkStatus();
+  if (num_ranks < 1 || num_stages % num_ranks != 0 || static_cast<int>(stage_ranks.size()) != num_stages) {
+    return absl::InvalidArgumentError(absl::StrCat("the placement lists ", stage_ranks.size(), " stages for ",
+                                                   num_stages, " stages on ", num_ranks,
+                                                   " ranks; give the rank of every stage once"));
+  }
+  std::vector<int> held(num_ranks, 0);
+  for (int s = 0; s < num_stages; ++s) {
+    const int r = stage_ranks[static_cast<size_t>(s)];
+    if (r < 0 || r >= num_ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the placement puts stage ", s, " on rank ", r, ", outside ranks 0..", num_ranks - 1));
+    }
+    if (++held[r] > num_stages / num_ranks) {
+      return absl::InvalidArgumentError(absl::StrCat("the placement puts stage ", s, " on rank ", r,
+                                                     ", which already holds ", num_stages / num_ranks,
+                                                     " stages; every rank holds num_stages / num_ranks = ",
+                                                     num_stages / num_ranks));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOverlapPairs(const Schedule& schedule, int* rank, int* index) {
+  for (size_t r = 0; r < schedule.ranks.size(); ++r) {
+    const std::vector<Action>& program = schedule.ranks[r];
+    for (size_t i = 0; i < program.size(); ++i) {
+      const Action& a = program[i];
+      if (!a.overlap_with_next) continue;
+      *rank = static_cast<int>(r);
+      *index = static_cast<int>(i);
+      if (a.kind != ActionKind::kForward) {
+        return absl::InvalidArgumentError(absl::StrCat(ActionToString(a), " on rank ", r, " (action ", i,
+                                                       ") is marked overlapped; only an F overlaps the "
+                                                       "backward after it"));
+      }
+      const Action* next = i + 1 < program.size() ? &program[i + 1] : nullptr;
+      if (next == nullptr ||
+          (next->kind != ActionKind::kBackward && next->kind != ActionKind::kBackwardInput)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            ActionToString(a), " on rank ", r, " (action ", i, ") overlaps ",
+            next == nullptr ? "nothing" : ActionToString(*next),
+            "; the second half of an overlapped pair is a B or I of another microbatch"));
+      }
+      if (next->microbatch == a.microbatch) {
+        return absl::InvalidArgumentError(absl::StrCat(ActionToString(a), " on rank ", r, " (action ", i,
+                                                       ") overlaps ", ActionToString(*next),
+                                                       " of the same microbatch; pair two microbatches"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string PlacementName(const Schedule& schedule) {
+  if (schedule.stage_ranks.empty()) return "looped";
+  if (schedule.stage_ranks == VPlacement(schedule.num_ranks, schedule.virtual_stages)) return "V";
+  bool looped = true;
+  for (int s = 0; s < schedule.num_stages(); ++s) looped &= schedule.RankOf(s) == s % schedule.num_ranks;
+  return looped ? "looped" : "table";
+}
+
 std::string ActionToString(const Action& a) {
   if (a.kind == ActionKind::kReduceGrads || a.kind == ActionKind::kOptimizerStep) {
     return KindName(a.kind);
   }
   std::string s = absl::StrCat(KindName(a.kind), "(", a.stage, ",", a.microbatch, ")");
+  if (a.overlap_with_next) absl::StrAppend(&s, "&");
   if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) {
     absl::StrAppend(&s, "->", a.peer);
   } else if (a.kind == ActionKind::kRecvF || a.kind == ActionKind::kRecvB) {
@@ -138,8 +219,9 @@ std::string ActionToString(const Action& a) {
 
 std::string CellLabel(const Action& a, int virtual_stages) {
   if (!IsCompute(a.kind)) return ActionToString(a);
-  if (virtual_stages > 1) return absl::StrCat(a.stage, KindName(a.kind), a.microbatch);
-  return absl::StrCat(KindName(a.kind), a.microbatch);
+  const char* pair = a.overlap_with_next ? "&" : "";
+  if (virtual_stages > 1) return absl::StrCat(a.stage, KindName(a.kind), a.microbatch, pair);
+  return absl::StrCat(KindName(a.kind), a.microbatch, pair);
 }
 
 std::vector<v1::Program> ToPrograms(const Schedule& schedule) {
@@ -152,6 +234,7 @@ std::vector<v1::Program> ToPrograms(const Schedule& schedule) {
     p.set_num_ranks(schedule.num_ranks);
     p.set_num_stages(schedule.num_stages());
     p.set_microbatches(schedule.microbatches);
+    for (int rank : schedule.stage_ranks) p.add_stage_ranks(rank);
     p.mutable_actions()->Reserve(static_cast<int>(schedule.ranks[r].size()));
     for (const Action& a : schedule.ranks[r]) {
       v1::Action* pa = p.add_actions();
@@ -159,6 +242,7 @@ std::vector<v1::Program> ToPrograms(const Schedule& schedule) {
       pa->set_stage(a.stage);
       pa->set_microbatch(a.microbatch);
       pa->set_peer(a.peer);
+      pa->set_overlap_with_next(a.overlap_with_next);
     }
   }
   return programs;
@@ -189,14 +273,19 @@ absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs) 
                                                    " programs for num_ranks=", s.num_ranks,
                                                    "; supply exactly one program per rank"));
   }
+  s.stage_ranks.assign(first.stage_ranks().begin(), first.stage_ranks().end());
+  if (absl::Status placement = CheckPlacement(s.stage_ranks, s.num_ranks, first.num_stages()); !placement.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("program of rank ", first.rank(), ": ", placement.message()));
+  }
   s.ranks.resize(s.num_ranks);
   std::vector<bool> seen(s.num_ranks, false);
   for (const v1::Program& p : programs) {
     if (p.schedule() != s.kind || p.num_ranks() != s.num_ranks ||
-        p.num_stages() != first.num_stages() || p.microbatches() != s.microbatches) {
+        p.num_stages() != first.num_stages() || p.microbatches() != s.microbatches ||
+        !std::equal(p.stage_ranks().begin(), p.stage_ranks().end(), s.stage_ranks.begin(), s.stage_ranks.end())) {
       return absl::InvalidArgumentError(
           absl::StrCat("the program of rank ", p.rank(), " disagrees with rank ", first.rank(),
-                       " on schedule, num_ranks, num_stages or microbatches"));
+                       " on schedule, num_ranks, num_stages, microbatches or stage_ranks"));
     }
     if (p.rank() < 0 || p.rank() >= s.num_ranks || seen[p.rank()]) {
       return absl::InvalidArgumentError(
@@ -212,7 +301,7 @@ absl::StatusOr<Schedule> FromPrograms(const std::vector<v1::Program>& programs) 
         return absl::InvalidArgumentError(
             absl::StrCat("rank ", p.rank(), " action ", out.size(), ": ", kind.status().message()));
       }
-      out.push_back(Action{*kind, pa.stage(), pa.microbatch(), pa.peer()});
+      out.push_back(Action{*kind, pa.stage(), pa.microbatch(), pa.peer(), pa.overlap_with_next()});
     }
   }
   return s;

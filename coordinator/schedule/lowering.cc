@@ -133,7 +133,7 @@ absl::StatusOr<Schedule> Lower(const Schedule& compute, const CostModel& costs) 
           a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
       if (!(forward && a.stage < S - 1) && !(input_grad && a.stage > 0)) continue;
       const int next = forward ? a.stage + 1 : a.stage - 1;
-      const int to = RankOfStage(next, p);
+      const int to = compute.RankOf(next);
       if (to == r) continue;
       const double deadline = start[forward ? 0 : 1][static_cast<size_t>(next) * m + a.microbatch];
       const Key key{MeetingTime(busy[r], busy[to], t.end, deadline), 0, t.sequence};

@@ -138,5 +138,84 @@ TEST(ScheduleProperties, ZeroBubbleH1AgainstOneFOneB) {
   }
 }
 
+// ZB-V with F = I = W: once m >= 2p - 1 the only idle time is the fill
+// every pipeline pays (p - 1 chunk-forwards before the last rank starts), so
+// the makespan is the work 3m plus (p - 1) F-chunks, and no rank stores more
+// than 1F1B's peak (p whole-stage microbatches = 2p chunks).
+TEST(ScheduleProperties, ZeroBubbleVFillsEveryBubbleWithEqualCosts) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 32; ++m) {
+      SCOPED_TRACE(testing::Message() << "zb-v p=" << p << " m=" << m);
+      auto [compute, lowered] = BuildChecked({"zb-v", p, m, 2});
+      auto ofob = BuildChecked({"1f1b", p, m, 1});
+      int peak_1f1b = 0;
+      for (const RankStats& r : SimulateOk(ofob.first).ranks) peak_1f1b = std::max(peak_1f1b, r.peak_activations);
+      for (const Variant& variant : Variants(compute, lowered)) {
+        SCOPED_TRACE(variant.name);
+        SimulationResult sim = SimulateOk(*variant.schedule, variant.blocking_sends);
+        for (int r = 0; r < p; ++r) {
+          // Chunk-activations are half a stage's: 1F1B's peak is 2 * peak_1f1b of them.
+          EXPECT_LE(sim.ranks[r].peak_activations, 2 * peak_1f1b) << "rank " << r;
+          EXPECT_NEAR(sim.ranks[r].busy, 3.0 * m, kEps);
+        }
+        if (m >= 2 * p - 1) {
+          EXPECT_NEAR(sim.makespan, 3.0 * m + 0.5 * (p - 1), kEps);
+          EXPECT_LE(sim.bubble_ratio, 0.5 * (p - 1) / (3.0 * m) + kEps);
+        }
+      }
+    }
+  }
+}
+
+// DualPipe-V: the paper's bubble (PP/2 - 1)(F&B + B - 3W) of DualPipe over
+// 2p chunks, i.e. (p - 1)(F&B + B - 3W) in chunk costs, exactly on every
+// rank when F = I = W and the pair costs its two halves (F&B = F + B), and as
+// an upper bound with unequal costs (compute-only order); a cheaper pair (a real overlap)
+// shortens the step; at most 2p + 1 chunk-activations (the paper's PP + 1).
+TEST(ScheduleProperties, DualPipeVBubbleFormula) {
+  struct Costs {
+    double f, i, w;
+  };
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 2 * p; m <= 32; ++m) {
+      SCOPED_TRACE(testing::Message() << "dualpipe-v p=" << p << " m=" << m);
+      auto [compute, lowered] = BuildChecked({"dualpipe-v", p, m, 2});
+      for (const Variant& variant : Variants(compute, lowered)) {
+        for (const Costs& c : {Costs{1, 1, 1}, Costs{1, 2, 1}, Costs{1, 1.5, 0.5}}) {
+          SCOPED_TRACE(testing::Message() << variant.name << ", F=" << c.f << " I=" << c.i << " W=" << c.w);
+          CostModel costs;
+          costs.forward = c.f;
+          costs.backward_input = c.i;
+          costs.backward_weight = c.w;
+          costs.blocking_sends = variant.blocking_sends;
+          auto sim = Simulate(*variant.schedule, costs);
+          ASSERT_TRUE(sim.ok()) << sim.status();
+          const double f = c.f / 2, b = (c.i + c.w) / 2, w = c.w / 2, fb = f + b;  // chunk costs (v = 2)
+          const double formula = (p - 1) * (fb + b - 3 * w);
+          const bool equal = c.f == c.i && c.i == c.w;
+          for (int r = 0; r < p; ++r) {
+            const double idle = sim->makespan - sim->ranks[r].busy;
+            if (equal) {
+              EXPECT_NEAR(idle, formula, kEps) << "rank " << r;
+            } else if (variant.schedule == &compute) {
+              // (The lowered programs place messages for equal costs, as
+              // lowered here; the coordinator lowers with the job's costs.)
+              EXPECT_LE(idle, formula + kEps) << "rank " << r;
+            }
+            EXPECT_LE(sim->ranks[r].peak_activations, 2 * p + 1) << "rank " << r;
+          }
+          if (p > 1) {
+            CostModel overlapped = costs;
+            overlapped.overlapped = 0.75 * (c.f + c.i + c.w);  // F&B a quarter below F + B
+            auto faster = Simulate(*variant.schedule, overlapped);
+            ASSERT_TRUE(faster.ok()) << faster.status();
+            EXPECT_LT(faster->makespan, sim->makespan);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace baton::schedule

@@ -27,6 +27,9 @@ absl::Status CheckRanges(const Schedule& s) {
         ", virtual_stages=", s.virtual_stages, ", microbatches=", s.microbatches));
   }
   const int S = s.num_stages();
+  if (absl::Status placement = CheckPlacement(s.stage_ranks, s.num_ranks, S); !placement.ok()) return placement;
+  int pair_rank = 0, pair_index = 0;
+  if (absl::Status pairs = CheckOverlapPairs(s, &pair_rank, &pair_index); !pairs.ok()) return pairs;
   for (int r = 0; r < s.num_ranks; ++r) {
     for (size_t i = 0; i < s.ranks[r].size(); ++i) {
       const Action& a = s.ranks[r][i];
@@ -86,14 +89,27 @@ absl::Status Stalled(const Schedule& s, const RunState& st) {
   return absl::FailedPreconditionError(absl::StrCat("deadlock: ", absl::StrJoin(stuck, "; ")));
 }
 
+// The next action of rank r, or the overlapped pair starting there: the
+// number of actions it covers (2 for a pair) and its duration.
+int Width(const Schedule& s, int r, size_t pc) {
+  const auto& program = s.ranks[r];
+  return program[pc].overlap_with_next && pc + 1 < program.size() ? 2 : 1;
+}
+
 void RunCompute(const Schedule& s, const CostModel& c, int r, RunState* st, double ready) {
-  const Action& a = s.ranks[r][st->pc[r]];
-  ActionTiming& t = st->timings[r][st->pc[r]];
-  t.start = std::max(st->clock[r], ready);
-  t.end = t.start + c.ComputeCost(a, s.virtual_stages);
-  if (IsCompute(a.kind)) t.sequence = st->sequence++;
-  st->clock[r] = t.end;
-  ++st->pc[r];
+  const size_t pc = st->pc[r];
+  const int width = Width(s, r, pc);
+  const double start = std::max(st->clock[r], ready);
+  const double cost = width == 2 ? c.PairCost(s.ranks[r][pc], s.ranks[r][pc + 1], s.virtual_stages)
+                                 : c.ComputeCost(s.ranks[r][pc], s.virtual_stages);
+  for (int k = 0; k < width; ++k) {
+    ActionTiming& t = st->timings[r][pc + k];
+    t.start = start;
+    t.end = start + cost;
+    if (IsCompute(s.ranks[r][pc + k].kind)) t.sequence = st->sequence++;
+  }
+  st->clock[r] = start + cost;
+  st->pc[r] += width;
 }
 
 // Compute-only schedule: data moves eagerly from producer to consumer.
@@ -104,35 +120,42 @@ absl::Status RunEager(const Schedule& s, const CostModel& c, RunState* st) {
   std::vector<double> done(3 * cells, kNotYet);
   WaitLists waiters(3 * cells, p);
   const double message = c.MessageCost();
+  struct Dep {
+    size_t key;
+    int stage;
+    ActionKind kind;
+    int mb;
+  };
+  // What a compute action waits for (at most two inputs).
+  auto deps_of = [&](const Action& a, Dep* deps) {
+    const size_t cell = static_cast<size_t>(a.stage) * m + a.microbatch;
+    int n = 0;
+    if (a.kind == ActionKind::kForward) {
+      if (a.stage > 0) deps[n++] = {cell - m, a.stage - 1, ActionKind::kForward, a.microbatch};
+    } else if (a.kind == ActionKind::kBackwardWeight) {
+      deps[n++] = {2 * cells + cell, a.stage, ActionKind::kBackwardInput, a.microbatch};
+    } else {
+      deps[n++] = {cell, a.stage, ActionKind::kForward, a.microbatch};
+      if (a.stage < S - 1) deps[n++] = {cells + cell + m, a.stage + 1, ActionKind::kBackward, a.microbatch};
+    }
+    return n;
+  };
   std::vector<int> ready;
   for (int r = p - 1; r >= 0; --r) ready.push_back(r);
   while (!ready.empty()) {
     const int r = ready.back();
     ready.pop_back();
     while (st->pc[r] < s.ranks[r].size()) {
-      const Action& a = s.ranks[r][st->pc[r]];
+      const size_t pc = st->pc[r];
+      const Action& a = s.ranks[r][pc];
       if (!IsCompute(a.kind)) {
         RunCompute(s, c, r, st, 0);
         continue;
       }
-      const size_t cell = static_cast<size_t>(a.stage) * m + a.microbatch;
-      struct Dep {
-        size_t key;
-        int stage;
-        ActionKind kind;
-      };
-      Dep deps[2];
+      const int width = Width(s, r, pc);
+      Dep deps[4];
       int ndeps = 0;
-      if (a.kind == ActionKind::kForward) {
-        if (a.stage > 0) deps[ndeps++] = {cell - m, a.stage - 1, ActionKind::kForward};
-      } else if (a.kind == ActionKind::kBackwardWeight) {
-        deps[ndeps++] = {2 * cells + cell, a.stage, ActionKind::kBackwardInput};
-      } else {
-        deps[ndeps++] = {cell, a.stage, ActionKind::kForward};
-        if (a.stage < S - 1) {
-          deps[ndeps++] = {cells + cell + m, a.stage + 1, ActionKind::kBackward};
-        }
-      }
+      for (int k = 0; k < width; ++k) ndeps += deps_of(s.ranks[r][pc + k], deps + ndeps);
       double at = 0;
       bool blocked = false;
       for (int d = 0; d < ndeps && !blocked; ++d) {
@@ -140,27 +163,31 @@ absl::Status RunEager(const Schedule& s, const CostModel& c, RunState* st) {
           waiters.Wait(deps[d].key, r);
           blocked = true;
           const char* what = deps[d].kind == ActionKind::kBackward ? "B/I" : KindName(deps[d].kind);
-          st->waiting_for[r] = absl::StrCat(what, "(", deps[d].stage, ",", a.microbatch,
-                                            ") on rank ", RankOfStage(deps[d].stage, p));
-          st->blocked_at[r] = st->pc[r];
+          st->waiting_for[r] = absl::StrCat(what, "(", deps[d].stage, ",", deps[d].mb, ") on rank ",
+                                            s.RankOf(deps[d].stage));
+          st->blocked_at[r] = pc;
         } else {
-          const bool remote = RankOfStage(deps[d].stage, p) != r;
+          const bool remote = s.RankOf(deps[d].stage) != r;
           at = std::max(at, done[deps[d].key] + (remote ? message : 0));
         }
       }
       if (blocked) break;
       RunCompute(s, c, r, st, at);
       const double end = st->clock[r];
-      size_t produced[2];
-      int nproduced = 0;
-      if (a.kind == ActionKind::kForward) produced[nproduced++] = cell;
-      if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
-        produced[nproduced++] = cells + cell;
-      }
-      if (a.kind == ActionKind::kBackwardInput) produced[nproduced++] = 2 * cells + cell;
-      for (int k = 0; k < nproduced; ++k) {
-        done[produced[k]] = end;
-        waiters.Wake(produced[k], &ready);
+      for (int k = 0; k < width; ++k) {
+        const Action& x = s.ranks[r][pc + k];
+        const size_t cell = static_cast<size_t>(x.stage) * m + x.microbatch;
+        size_t produced[2];
+        int nproduced = 0;
+        if (x.kind == ActionKind::kForward) produced[nproduced++] = cell;
+        if (x.kind == ActionKind::kBackward || x.kind == ActionKind::kBackwardInput) {
+          produced[nproduced++] = cells + cell;
+        }
+        if (x.kind == ActionKind::kBackwardInput) produced[nproduced++] = 2 * cells + cell;
+        for (int j = 0; j < nproduced; ++j) {
+          done[produced[j]] = end;
+          waiters.Wake(produced[j], &ready);
+        }
       }
     }
   }
@@ -275,6 +302,9 @@ absl::Status CostModel::Check(int num_stages) const {
   if (backward.has_value()) {
     if (absl::Status st = CheckNonNegative("backward cost", *backward); !st.ok()) return st;
   }
+  if (overlapped.has_value()) {
+    if (absl::Status st = CheckNonNegative("overlapped F&B cost", *overlapped); !st.ok()) return st;
+  }
   if (!(comm_bandwidth > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("comm_bandwidth must be > 0 (got ", comm_bandwidth, "); use inf for free"));
@@ -312,6 +342,16 @@ double CostModel::ComputeCost(const Action& a, int virtual_stages) const {
   }
   const double factor = stage_multipliers.empty() ? 1.0 : stage_multipliers[a.stage];
   return base * factor / virtual_stages;
+}
+
+double CostModel::PairCost(const Action& forward_half, const Action& backward_half, int virtual_stages) const {
+  if (!overlapped.has_value()) {
+    return ComputeCost(forward_half, virtual_stages) + ComputeCost(backward_half, virtual_stages);
+  }
+  const double factor = stage_multipliers.empty()
+                            ? 1.0
+                            : (stage_multipliers[forward_half.stage] + stage_multipliers[backward_half.stage]) / 2;
+  return *overlapped * factor / virtual_stages;
 }
 
 double CostModel::MessageCost() const { return comm_latency + activation_bytes / comm_bandwidth; }
@@ -360,7 +400,13 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& s, const CostModel& co
     for (size_t i = 0; i < s.ranks[r].size(); ++i) {
       const Action& a = s.ranks[r][i];
       if (!IsCompute(a.kind)) continue;
-      stats.busy += costs.ComputeCost(a, s.virtual_stages);
+      if (a.overlap_with_next && i + 1 < s.ranks[r].size()) {
+        // The pair's time is counted once, on its first half.
+        stats.busy += costs.PairCost(a, s.ranks[r][i + 1], s.virtual_stages) -
+                      costs.ComputeCost(s.ranks[r][i + 1], s.virtual_stages);
+      } else {
+        stats.busy += costs.ComputeCost(a, s.virtual_stages);
+      }
       if (a.kind == ActionKind::kForward)
         stats.peak_activations = std::max(stats.peak_activations, ++live);
       if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) --live;

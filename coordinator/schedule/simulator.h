@@ -12,7 +12,8 @@
 // strict semantics the validator proves deadlock freedom under.
 //
 // Costs describe a rank's whole model share (one stage when v = 1); a chunk
-// of an interleaved schedule costs 1/v of that, times its stage multiplier.
+// of an interleaved or V schedule costs 1/v of that, times its stage
+// multiplier. An overlapped pair (ir.h) runs as one op of PairCost.
 #ifndef BATON_COORDINATOR_SCHEDULE_SIMULATOR_H_
 #define BATON_COORDINATOR_SCHEDULE_SIMULATOR_H_
 
@@ -33,6 +34,9 @@ struct CostModel {
   double backward_input = 1;
   double backward_weight = 1;
   std::optional<double> backward;         // cost of a full B; unset: I + W
+  // Cost of an overlapped pair (an F marked overlap_with_next and the B or I
+  // after it), DualPipe's F&B; unset: the two halves' costs added.
+  std::optional<double> overlapped;
   std::vector<double> stage_multipliers;  // empty, or one factor per stage
   double comm_latency = 0;
   double comm_bandwidth = std::numeric_limits<double>::infinity();  // bytes/unit
@@ -44,6 +48,9 @@ struct CostModel {
   absl::Status Check(int num_stages) const;
   // Duration of a compute action of `schedule` (0 for non-compute actions).
   double ComputeCost(const Action& action, int virtual_stages) const;
+  // Duration of an overlapped pair: `overlapped` (times the halves' mean
+  // stage multiplier, over v) or the two costs added.
+  double PairCost(const Action& forward_half, const Action& backward_half, int virtual_stages) const;
   // Time one point-to-point message takes once both sides are ready.
   double MessageCost() const;
 };

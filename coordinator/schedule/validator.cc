@@ -67,7 +67,7 @@ class Checker {
  private:
   size_t Cell(int stage, int mb) const { return static_cast<size_t>(stage) * m_ + mb; }
   int Pos(int slot, int stage, int mb) const { return pos_[slot][Cell(stage, mb)]; }
-  int RankOf(int stage) const { return RankOfStage(stage, p_); }
+  int RankOf(int stage) const { return s_.RankOf(stage); }
   // "F(1,3)", "SEND_F(1,3)": the kind and cell, without a peer.
   std::string Name(int slot, int stage, int mb) const {
     return absl::StrCat(KindName(kSlotKinds[slot]), "(", stage, ",", mb, ")");
@@ -87,6 +87,9 @@ class Checker {
                                     " programs for num_ranks=", p_,
                                     ", virtual_stages=", s_.virtual_stages, ", microbatches=", m_),
                        std::nullopt};
+    }
+    if (absl::Status placement = CheckPlacement(s_.stage_ranks, p_, S_); !placement.ok()) {
+      return Violation{std::string(placement.message()), std::nullopt};
     }
     for (int r = 0; r < p_; ++r) {
       bool finished = false;  // a REDUCE_GRADS/OPTIMIZER_STEP was seen
@@ -124,7 +127,7 @@ class Checker {
         if (RankOf(a.stage) != r) {
           return At(r, at,
                     absl::StrCat(name, " is on the wrong rank: stage ", a.stage, " lives on rank ",
-                                 RankOf(a.stage), " (stage % ", p_, ")"));
+                                 RankOf(a.stage), " (", PlacementName(s_), " placement)"));
         }
         if (!IsCommunication(a.kind)) continue;
         const bool forward = a.kind == ActionKind::kSendF || a.kind == ActionKind::kRecvB;
@@ -144,6 +147,10 @@ class Checker {
                                  " lives on rank ", RankOf(partner)));
         }
       }
+    }
+    int pair_rank = 0, pair_index = 0;
+    if (absl::Status pairs = CheckOverlapPairs(s_, &pair_rank, &pair_index); !pairs.ok()) {
+      return At(pair_rank, pair_index, std::string(pairs.message()));
     }
     return std::nullopt;
   }

@@ -111,7 +111,7 @@ TEST(Validator, ShapeViolations) {
   Schedule wrong_rank = Make("", 2, 1, {{F(0, 0), F(1, 0), B(1, 0), B(0, 0)}, {}});
   EXPECT_EQ(
       ViolationOf(wrong_rank),
-      "F(1,0) on rank 0 (action 1) is on the wrong rank: stage 1 lives on rank 1 (stage % 2)");
+      "F(1,0) on rank 0 (action 1) is on the wrong rank: stage 1 lives on rank 1 (looped placement)");
 
   Schedule s = Lowered({"1f1b", 2, 1, 1});
   s.ranks[0][1].peer = 0;  // SEND_F(0,0) to itself

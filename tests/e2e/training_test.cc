@@ -7,7 +7,12 @@
 //    microbatches, the same global batch. The same layout twice is bitwise
 //    identical.
 //  - Bubble truth: with the synthetic cost model, the measured bubble ratio
-//    is within 0.02 of the simulator's for gpipe, 1f1b and zb-h1.
+//    is within 0.02 of the simulator's for gpipe, 1f1b, zb-h1, zb-v and
+//    dualpipe-v.
+//  - V schedules (zb-v, dualpipe-v: the last chunk and the tied embedding's
+//    both ends on rank 0) and the schedules of PyTorch's own test artifacts,
+//    imported from their CSVs (placement from the file), train like one
+//    worker too.
 //  - A worker killed mid-run with no spare and no replacement fails the run
 //    after fault_tolerance.replacement_timeout_s, naming the worker and its
 //    stage (recovery itself: tests/fault/).
@@ -41,22 +46,28 @@ using testing::TempDir;
 struct Layout {
   int pp = 1, tp = 1, dp = 1, v = 1, microbatches = 4;
   std::string schedule = "1f1b";
+  int layers = 4;
+  std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
   std::string Name() const {
-    return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d", schedule == "zb-h1" ? "zbh1" : schedule, pp, tp, dp, v,
-                           microbatches);
+    std::string kind = schedule == "zb-h1" ? "zbh1" : schedule == "zb-v" ? "zbv" : schedule;
+    if (!csv_file.empty()) kind = csv_file.substr(0, csv_file.find('.'));
+    return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_l%d", kind, pp, tp, dp, v, microbatches, layers);
   }
 };
 
 std::string GptJob(const Layout& l) {
+  const std::string csv =
+      l.csv_file.empty() ? ""
+                         : absl::StrCat(" csv_file: \"", RunfilePath("coordinator/schedule/testdata/" + l.csv_file), "\"");
   return absl::StrFormat(R"pb(
     name: "%s"
-    model { layers: 4 d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
+    model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
     parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
-    schedule { kind: "%s" microbatches: %d }
+    schedule { kind: "%s" microbatches: %d%s }
     train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 }
     data { synthetic { task: "addition" } }
   )pb",
-                         l.Name(), l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches);
+                         l.Name(), l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv);
 }
 
 struct RunResult {
@@ -122,7 +133,8 @@ TEST(TrainingTest, EveryLayoutTrainsLikeOneWorker) {
   const std::vector<Layout> layouts = {
       {2, 1, 1, 1, 4, "1f1b"}, {4, 1, 1, 1, 4, "1f1b"},        {1, 2, 1, 1, 4, "1f1b"},
       {2, 2, 1, 1, 4, "1f1b"}, {2, 1, 1, 1, 4, "gpipe"},       {2, 1, 1, 2, 4, "interleaved"},
-      {2, 1, 1, 1, 4, "zb-h1"},
+      {2, 1, 1, 1, 4, "zb-h1"}, {2, 1, 1, 2, 4, "zb-v"}, {2, 2, 1, 2, 4, "dualpipe-v"},
+      {1, 1, 1, 2, 4, "zb-v"},  // one rank: both chunks and the tie local
   };
   for (const Layout& l : layouts) ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
 }
@@ -131,39 +143,65 @@ TEST(TrainingTest, DataParallelLayoutsTrainLikeOneWorkerOnTheSameGlobalBatch) {
   Layout one;
   one.microbatches = 8;
   const RunResult single = RunJob("single_m8", GptJob(one));
-  for (const Layout& l : {Layout{2, 1, 2, 1, 4, "1f1b"}, Layout{2, 2, 2, 1, 4, "1f1b"}}) {
+  for (const Layout& l : {Layout{2, 1, 2, 1, 4, "1f1b"}, Layout{2, 2, 2, 1, 4, "1f1b"}, Layout{2, 1, 2, 2, 4, "zb-v"}}) {
     ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
   }
 }
 
+// PyTorch's own schedule artifacts, imported from their CSVs: the
+// interleaved zero-bubble (older naming, compute-only and with its comms)
+// and DualPipe-V (V placement, OVERLAP_F_B) train like one worker on the
+// same batch.
+TEST(TrainingTest, PytorchsScheduleArtifactsTrainLikeOneWorker) {
+  Layout one;
+  one.microbatches = 8;
+  const RunResult single = RunJob("single_m8", GptJob(one));
+  for (const char* csv : {"zb1p_2rank_2stagep_compute.csv", "zb1p_2rank_2stagep_comms.csv"}) {
+    Layout l{2, 1, 1, 2, 8, "csv"};
+    l.csv_file = csv;
+    ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
+  }
+  Layout deep;
+  deep.microbatches = 10;
+  deep.layers = 8;
+  const RunResult single_deep = RunJob("single_m10_l8", GptJob(deep));
+  Layout dualpipe{4, 1, 1, 2, 10, "csv"};
+  dualpipe.layers = 8;
+  dualpipe.csv_file = "dualpipev_4rank_10mb.csv";
+  ExpectSameTraining(single_deep, RunJob(dualpipe.Name(), GptJob(dualpipe)), dualpipe.Name());
+}
+
 TEST(TrainingTest, SameLayoutTwiceIsBitwiseIdentical) {
-  Layout l{2, 2, 1, 1, 4, "1f1b"};
-  const RunResult a = RunJob("bitwise_a", GptJob(l));
-  const RunResult b = RunJob("bitwise_b", GptJob(l));
-  ASSERT_EQ(a.loss_text.size(), 20u);
-  EXPECT_EQ(a.loss_text, b.loss_text);
-  auto wa = checkpoint::LoadFullWeights(a.dir + "/out/final");
-  auto wb = checkpoint::LoadFullWeights(b.dir + "/out/final");
-  ASSERT_TRUE(wa.ok() && wb.ok());
-  auto diff = checkpoint::CompareWeights(*wa, *wb);
-  ASSERT_TRUE(diff.ok());
-  EXPECT_EQ(diff->max_abs_diff, 0.0);
+  for (const Layout& l : {Layout{2, 2, 1, 1, 4, "1f1b"}, Layout{2, 1, 1, 2, 4, "dualpipe-v"}}) {
+    const RunResult a = RunJob("bitwise_a_" + l.Name(), GptJob(l));
+    const RunResult b = RunJob("bitwise_b_" + l.Name(), GptJob(l));
+    ASSERT_EQ(a.loss_text.size(), 20u) << l.Name();
+    EXPECT_EQ(a.loss_text, b.loss_text) << l.Name();
+    auto wa = checkpoint::LoadFullWeights(a.dir + "/out/final");
+    auto wb = checkpoint::LoadFullWeights(b.dir + "/out/final");
+    ASSERT_TRUE(wa.ok() && wb.ok()) << l.Name();
+    auto diff = checkpoint::CompareWeights(*wa, *wb);
+    ASSERT_TRUE(diff.ok());
+    EXPECT_EQ(diff->max_abs_diff, 0.0) << l.Name();
+  }
 }
 
 TEST(TrainingTest, MeasuredBubbleMatchesTheSimulator) {
-  for (const char* kind : {"gpipe", "1f1b", "zb-h1"}) {
+  for (const std::string kind : {"gpipe", "1f1b", "zb-h1", "zb-v", "dualpipe-v"}) {
+    // A V has two chunks per rank; a synthetic op costs its time per chunk.
+    const bool v = kind == "zb-v" || kind == "dualpipe-v";
     const std::string job = absl::StrFormat(R"pb(
       name: "bubble"
       model {
-        layers: 4
-        synthetic { forward_ms: 50 backward_input_ms: 50 backward_weight_ms: 50 activation_bytes: 4096 }
+        layers: %d
+        synthetic { forward_ms: %d backward_input_ms: %d backward_weight_ms: %d activation_bytes: 4096 }
       }
-      parallel { pp: 4 }
+      parallel { pp: 4 virtual_stages: %d }
       schedule { kind: "%s" microbatches: 8 }
       train { steps: 3 micro_batch_size: 1 lr: 0.001 }
     )pb",
-                                            kind);
-    const RunResult r = RunJob(absl::StrCat("bubble_", kind[0] == 'z' ? "zbh1" : kind), job);
+                                            v ? 8 : 4, v ? 25 : 50, v ? 25 : 50, v ? 25 : 50, v ? 2 : 1, kind);
+    const RunResult r = RunJob(absl::StrCat("bubble_", kind), job);
     const double measured = SummaryNumber(r, "bubble_ratio"), expected = SummaryNumber(r, "expected_bubble_ratio");
     EXPECT_GT(expected, 0.05) << kind;
     EXPECT_NEAR(measured, expected, 0.02) << kind;

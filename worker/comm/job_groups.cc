@@ -44,11 +44,15 @@ absl::StatusOr<std::vector<GroupRound>> PlanJobGroups(const JobLayout& layout,
   if (tp > 1) add(GroupKind::kTp, d * pp + p, t, tp, absl::StrCat("tp-d", d, "-p", p));
   if (pp > 1) add(GroupKind::kPipeline, d * tp + t, p, pp, absl::StrCat("pp-d", d, "-t", t));
   if (dp > 1) add(GroupKind::kDp, p * tp + t, d, dp, absl::StrCat("dp-p", p, "-t", t));
-  if (pp > 1 && layout.tied_embedding) {
-    // The first stage (pipeline rank 0) and the last (stage pp*v - 1 is on
-    // pipeline rank pp - 1 for every v).
-    if (p == 0 || p == pp - 1) {
-      add(GroupKind::kTie, d * tp + t, p == 0 ? 0 : 1, 2, absl::StrCat("tie-d", d, "-t", t));
+  const int first = layout.first_stage_rank, last = layout.last_stage_rank < 0 ? pp - 1 : layout.last_stage_rank;
+  if (first < 0 || first >= pp || last >= pp) {
+    return absl::InvalidArgumentError(absl::StrCat("the first and last stages sit on pipeline ranks ", first, " and ",
+                                                   last, ", outside the layout's pp ", pp));
+  }
+  if (pp > 1 && layout.tied_embedding && first != last) {
+    // The pipeline ranks of the first stage (key 0) and of the last.
+    if (p == first || p == last) {
+      add(GroupKind::kTie, d * tp + t, p == first ? 0 : 1, 2, absl::StrCat("tie-d", d, "-t", t));
     } else {
       add(GroupKind::kTie, kNoColor, 0, 0, "");
     }

@@ -28,9 +28,14 @@ struct JobLayout {
   int pp = 1;
   int tp = 1;
   int dp = 1;
-  // Pipeline ranks 0 and pp - 1 share the tied embedding (pp > 1, a GPT
-  // model rather than the synthetic cost model).
+  // The pipeline ranks holding the first and the last stage share the tied
+  // embedding (pp > 1, a GPT model rather than the synthetic cost model).
   bool tied_embedding = false;
+  // Where those stages are: pipeline rank 0 and pp - 1 (-1) when looped;
+  // a V puts both on rank 0, and then no tie group is made (the two chunks
+  // sum their copies locally).
+  int first_stage_rank = 0;
+  int last_stage_rank = -1;
 };
 
 struct RankCoords {
