@@ -142,6 +142,19 @@ TEST(RecoveryTest, KilledTensorParallelRankInterleaved) {
   RunWithFault("kill_tp", l, Fault{1, 1, 0, SIGKILL, 12});
 }
 
+// DualPipe-V: rank 0 holds the first and the last chunk (the loss and both
+// ends of the tied embedding, summed locally); killed, its spare takes both
+// from the buddy snapshot and the run ends in the fault-free weights.
+TEST(RecoveryTest, KilledRankOfAVScheduleHoldingBothEndsIsReplaced) {
+  Layout l;
+  l.pp = 2;
+  l.v = 2;
+  l.layers = 4;
+  l.schedule = "dualpipe-v";
+  l.steps = 80;
+  RunWithFault("kill_v", l, Fault{0, 0, 0, SIGKILL, 12});
+}
+
 // pp 2 x tp 2 x dp 2, 60 steps (the data-parallel tests share its reference run).
 Layout EightRanks() {
   Layout l;
