@@ -23,6 +23,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,8 +45,10 @@ using testing::RunfilePath;
 using testing::TempDir;
 
 struct Layout {
-  int pp = 1, tp = 1, dp = 1, v = 1, microbatches = 4;
-  std::string schedule = "1f1b";
+  Layout(int pp = 1, int tp = 1, int dp = 1, int v = 1, int microbatches = 4, std::string schedule = "1f1b")
+      : pp(pp), tp(tp), dp(dp), v(v), microbatches(microbatches), schedule(std::move(schedule)) {}
+  int pp, tp, dp, v, microbatches;
+  std::string schedule;
   int layers = 4;
   std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
   std::string Name() const {
