@@ -293,6 +293,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
 
   const auto& actions = program_.actions();
   dp_started_.clear();
+  early_sends_.clear();  // a failed step's (its communicator was aborted)
   for (int i = 0; i < actions.size();) {
     const Action& a = actions[i];
     if (IsComm(a.kind())) {
@@ -307,6 +308,10 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     } else if (a.kind() != Action::OPTIMIZER_STEP) {  // the optimizer waits for Commit
       BATON_RETURN_IF_ERROR_CTX(RunCompute(a, step),
                                 absl::StrCat(Name(a.kind()), "(stage ", a.stage(), ", mb ", a.microbatch(), ")"));
+      // The forward half of an overlapped pair: its activations go out now,
+      // moving while the backward half computes (host path; Gloo matches
+      // messages by tag, so posting one send early changes no matching).
+      if (a.overlap_with_next() && pipeline_ != nullptr) BATON_RETURN_IF_ERROR(PostEarlySend(i - 1));
       // The chunk's gradients are final: its DP all-reduce may start now,
       // overlapping the rank's other chunks' backward (the chunk's stream
       // waits for it at REDUCE_GRADS). Not for the chunks of the tied
@@ -484,6 +489,35 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   return status;
 }
 
+absl::StatusOr<StepExecutor::CommOp> StepExecutor::MakeCommOp(const Action* a) {
+  const int s = a->stage(), mb = a->microbatch();
+  auto chunk = chunks_.find(s);
+  if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", s));
+  absl::StatusOr<Message*> m;
+  uint64_t tag = 0;
+  switch (a->kind()) {
+    case Action::SEND_F:  // activations of s, consumed by s + 1
+      m = Buffer(act_out_, s, mb);
+      tag = Tag(true, s + 1, mb, options_.num_stages, options_.microbatches);
+      break;
+    case Action::RECV_F:
+      m = Buffer(act_in_, s, mb);
+      tag = Tag(true, s, mb, options_.num_stages, options_.microbatches);
+      break;
+    case Action::SEND_B:  // input gradient of s, consumed by s - 1
+      m = Buffer(grad_out_, s, mb);
+      tag = Tag(false, s - 1, mb, options_.num_stages, options_.microbatches);
+      break;
+    default:  // RECV_B
+      m = Buffer(grad_in_, s, mb);
+      tag = Tag(false, s, mb, options_.num_stages, options_.microbatches);
+      break;
+  }
+  if (!m.ok()) return m.status();
+  const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
+  return CommOp{a, *m, tag, send, chunk->second};
+}
+
 absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {
   if (pipeline_ == nullptr) return absl::InternalError("program sends or receives, but pp == 1");
   std::vector<CommOp> ops;
@@ -492,34 +526,10 @@ absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch)
   // communicator (the simulated device), one NCCL group over NCCL (CUDA).
   bool on_stream = comm_stream_ != nullptr && comm::CanEnqueueP2P(*pipeline_, model::CommBuffer(stamps_));
   for (const Action* a : batch) {
-    const int s = a->stage(), mb = a->microbatch();
-    auto chunk = chunks_.find(s);
-    if (chunk == chunks_.end()) return absl::InternalError(absl::StrCat("this rank does not hold stage ", s));
-    absl::StatusOr<Message*> m;
-    uint64_t tag = 0;
-    switch (a->kind()) {
-      case Action::SEND_F:  // activations of s, consumed by s + 1
-        m = Buffer(act_out_, s, mb);
-        tag = Tag(true, s + 1, mb, options_.num_stages, options_.microbatches);
-        break;
-      case Action::RECV_F:
-        m = Buffer(act_in_, s, mb);
-        tag = Tag(true, s, mb, options_.num_stages, options_.microbatches);
-        break;
-      case Action::SEND_B:  // input gradient of s, consumed by s - 1
-        m = Buffer(grad_out_, s, mb);
-        tag = Tag(false, s - 1, mb, options_.num_stages, options_.microbatches);
-        break;
-      default:  // RECV_B
-        m = Buffer(grad_in_, s, mb);
-        tag = Tag(false, s, mb, options_.num_stages, options_.microbatches);
-        break;
-    }
-    if (!m.ok()) return m.status();
-    const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
-    on_stream = on_stream && chunk->second->context().stream != nullptr &&
-                comm::CanEnqueueP2P(*pipeline_, model::CommBuffer((*m)->payload));
-    ops.push_back({a, *m, tag, send, chunk->second});
+    BATON_ASSIGN_OR_RETURN(CommOp op, MakeCommOp(a));
+    on_stream = on_stream && op.model->context().stream != nullptr &&
+                comm::CanEnqueueP2P(*pipeline_, model::CommBuffer(op.message->payload));
+    ops.push_back(op);
   }
   std::string name;
   for (const Action* a : batch) {
@@ -655,6 +665,25 @@ absl::Status StepExecutor::ResolveComm() {
   return absl::OkStatus();
 }
 
+absl::Status StepExecutor::PostEarlySend(int pair) {
+  const auto& actions = program_.actions();
+  const Action& f = actions[pair];
+  // The batch right after the pair's backward half.
+  for (int i = pair + 2; i < actions.size() && IsComm(actions[i].kind()); ++i) {
+    const Action& a = actions[i];
+    if (a.kind() != Action::SEND_F || a.stage() != f.stage() || a.microbatch() != f.microbatch()) continue;
+    BATON_ASSIGN_OR_RETURN(const CommOp op, MakeCommOp(&a));
+    if (op.model->context().stream != nullptr) return absl::OkStatus();  // stream-ordered: the batch as it is
+    BATON_RETURN_IF_ERROR_CTX(op.model->Synchronize(), "stage ", a.stage(), " before sending");
+    op.message->sent_us = options_.clock_us();
+    const comm::Buffer stamp{&op.message->sent_us, 1, comm::DType::kInt64, -1};
+    early_sends_[&a] = {pipeline_->Send(model::CommBuffer(op.message->payload), a.peer(), op.tag),
+                        pipeline_->Send(stamp, a.peer(), op.tag | kStampTagBit)};
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const std::string& name) {
   struct Pending {
     std::shared_ptr<comm::Work> work;
@@ -677,6 +706,13 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
     const Action* a = op.action;
     const comm::Buffer payload = model::CommBuffer(m->payload);
     const comm::Buffer stamp{&m->sent_us, 1, comm::DType::kInt64, -1};
+    if (auto early = early_sends_.find(a); early != early_sends_.end()) {
+      // Posted while the overlapped pair's backward ran (PostEarlySend).
+      pending.push_back({early->second.first, nullptr, a});
+      pending.push_back({early->second.second, nullptr, a});
+      early_sends_.erase(early);
+      continue;
+    }
     if (op.send) {
       m->sent_us = posted_us;
       pending.push_back({pipeline_->Send(payload, a->peer(), op.tag), nullptr, a});

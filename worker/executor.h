@@ -28,6 +28,11 @@
 // (the device work they wait for is already counted as compute). At pp > 1 the
 // tied-embedding sum of a chunk with a stream is timed by an event pair on
 // that stream (dp): it may run there (GptStageModel on the simulated device).
+// An overlapped pair (an F with overlap_with_next, then a B or I of another
+// microbatch; DualPipe's F&B) runs its halves back to back; on the host path
+// the forward half's SEND_F is posted right after it, before the backward
+// half, so its bytes move while the backward computes (PostEarlySend); the
+// batch after the pair then waits for it with the rest.
 // Every pipeline message is followed by a small side message (same peer,
 // tag | kStampTagBit, one int64) holding the sender's post time on the
 // coordinator clock, so a receive that waited splits into bubble (before the
@@ -132,6 +137,13 @@ class StepExecutor {
     bool send;
     StageModel* model;
   };
+  absl::StatusOr<CommOp> MakeCommOp(const v1::Action* action);
+  // After the forward half of the overlapped pair at action `pair`: posts the
+  // SEND_F of its activations from the batch after the pair (host path), so
+  // the transfer runs while the backward half computes; that batch then
+  // waits for it instead of posting it (early_sends_).
+  absl::Status PostEarlySend(int pair);
+  std::map<const v1::Action*, std::pair<std::shared_ptr<comm::Work>, std::shared_ptr<comm::Work>>> early_sends_;
   // The batch on comm_stream_, ordered by events (no host wait).
   absl::Status EnqueueCommBatch(const std::vector<CommOp>& ops, const std::string& name);
   // The batch posted and waited for on the host (chunks without a stream).

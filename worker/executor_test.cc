@@ -3,13 +3,22 @@
 // and the time accounting must add up.
 #include "worker/executor.h"
 
+#include <functional>
+#include <map>
+#include <memory>
 #include <thread>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 
 #include "coordinator/schedule/builders.h"
 #include "coordinator/schedule/ir.h"
 #include "coordinator/schedule/lowering.h"
 #include "gtest/gtest.h"
 #include "worker/comm/inproc_communicator.h"
+#include "worker/executor_message_testing.h"
 
 namespace baton {
 namespace {
@@ -39,6 +48,7 @@ class FakeStage : public StageModel {
     return absl::OkStatus();
   }
   absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output, const kernels::Tensor& grad_input) override {
+    if (on_backward) on_backward(stage_, mb);
     if (stage_ < num_stages_ - 1 && grad_output.f32()[0] != 10.0f * (stage_ + 2) + mb) {
       return absl::DataLossError("stage " + std::to_string(stage_) + " got the wrong gradient");
     }
@@ -69,6 +79,7 @@ class FakeStage : public StageModel {
   ChunkState CaptureState() const override { return {}; }
   absl::Status RestoreState(const ChunkState&) override { return absl::OkStatus(); }
 
+  std::function<void(int stage, int mb)> on_backward;  // called as the input backward starts
   int stage_, num_stages_;
   int forwards_ = 0, inputs_ = 0, weights_ = 0, steps_ = 0;
   float grads_[1] = {0};
@@ -82,7 +93,11 @@ absl::Status FillBatch(int64_t, int mb, MicrobatchData* out) {
   return absl::OkStatus();
 }
 
-void RunPipeline(const std::string& kind, int p, int v, int m) {
+// Runs one step of the schedule on p threads. `pipeline_of(r)` (if set)
+// wraps rank r's communicator; `models_hook` sees the stages first.
+void RunPipeline(const std::string& kind, int p, int v, int m,
+                 const std::function<void(const schedule::Schedule&, std::vector<std::unique_ptr<FakeStage>>&,
+                                          std::vector<comm::Communicator*>&)>& hook = nullptr) {
   schedule::ScheduleSpec spec{kind, p, m, v};
   auto compute = schedule::BuildSchedule(spec);
   ASSERT_TRUE(compute.ok()) << compute.status();
@@ -90,25 +105,29 @@ void RunPipeline(const std::string& kind, int p, int v, int m) {
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
   auto group = comm::InProcCommunicator::CreateGroup(p);
+  std::vector<comm::Communicator*> pipeline;
+  for (auto& c : group) pipeline.push_back(c.get());
   const int stages = p * v;
   std::vector<std::unique_ptr<FakeStage>> models;
   for (int s = 0; s < stages; ++s) models.push_back(std::make_unique<FakeStage>(s, stages));
+  if (hook) hook(*lowered, models, pipeline);
   std::vector<absl::Status> results(p);
   std::vector<v1::StepDone> done(p);
   std::vector<v1::StepReport> reports(p);
   std::vector<std::thread> threads;
   for (int r = 0; r < p; ++r) {
     threads.emplace_back([&, r] {
-      std::map<int, StageModel*> chunks;
-      for (int s = r; s < stages; s += p) chunks[s] = models[s].get();
+      std::map<int, StageModel*> chunks;  // the placement's (a V puts 0 and 2p-1 on rank 0)
+      for (int s = 0; s < stages; ++s) {
+        if (lowered->RankOf(s) == r) chunks[s] = models[s].get();
+      }
       ExecutorOptions options;
       options.num_stages = stages;
       options.microbatches = m;
       options.tokens_per_microbatch = 1;
       options.op_timeout = absl::Seconds(20);
       options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
-      StepExecutor exec(programs[r], options, chunks, FillBatch, p > 1 ? group[r].get() : nullptr, nullptr,
-                        nullptr);
+      StepExecutor exec(programs[r], options, chunks, FillBatch, p > 1 ? pipeline[r] : nullptr, nullptr, nullptr);
       auto report = exec.RunStep(1, /*trace=*/true);
       if (!report.ok()) {
         results[r] = report.status();
@@ -128,7 +147,7 @@ void RunPipeline(const std::string& kind, int p, int v, int m) {
     EXPECT_EQ(models[s]->weights_, m);
     EXPECT_EQ(models[s]->steps_, 1);
   }
-  const int last_rank = (stages - 1) % p;
+  const int last_rank = lowered->RankOf(stages - 1);
   EXPECT_TRUE(reports[last_rank].has_loss());
   EXPECT_DOUBLE_EQ(reports[last_rank].loss(), 2.0);
   EXPECT_EQ(reports[last_rank].predicted(), m);
@@ -148,6 +167,51 @@ TEST(StepExecutorTest, DataFlowsThroughEverySchedule) {
   RunPipeline("zb-h1", 3, 1, 5);
   RunPipeline("interleaved", 2, 2, 4);
   RunPipeline("1f1b", 1, 1, 3);
+  RunPipeline("zb-v", 3, 2, 5);       // V: stages 2 and 3 meet on rank 2 without a message
+  RunPipeline("dualpipe-v", 2, 2, 5);  // and overlapped pairs
+  RunPipeline("zb-v", 1, 2, 3);
+}
+
+// The forward half of an overlapped pair sends its activations before the
+// backward half starts, so they move while it computes.
+TEST(StepExecutorTest, AnOverlappedPairSendsItsForwardBeforeItsBackwardRuns) {
+  std::vector<std::unique_ptr<message_testing::RecordingCommunicator>> recorders;
+  int checked = 0;
+  absl::Mutex mu;
+  std::vector<std::string> missing;
+  constexpr int kP = 2, kM = 5;
+  RunPipeline("dualpipe-v", kP, 2, kM, [&](const schedule::Schedule& s, auto& models, auto& pipeline) {
+    for (int r = 0; r < kP; ++r) {
+      recorders.push_back(std::make_unique<message_testing::RecordingCommunicator>(pipeline[r]));
+      pipeline[r] = recorders.back().get();
+    }
+    // (rank, backward stage, backward mb) -> the tag its pair's forward sends with.
+    auto pairs = std::make_shared<std::map<std::tuple<int, int, int>, uint64_t>>();
+    for (int r = 0; r < kP; ++r) {
+      const auto& program = s.ranks[r];
+      for (size_t i = 0; i + 2 < program.size(); ++i) {
+        const schedule::Action& f = program[i];
+        if (!f.overlap_with_next || f.stage == s.num_stages() - 1 || s.RankOf(f.stage + 1) == r) continue;
+        (*pairs)[{r, program[i + 1].stage, program[i + 1].microbatch}] =
+            static_cast<uint64_t>(f.stage + 1) * kM + f.microbatch;  // the executor's forward tag
+      }
+    }
+    ASSERT_FALSE(pairs->empty());
+    for (auto& model : models) {
+      model->on_backward = [&, pairs, &s](int stage, int mb) {
+        const int r = s.RankOf(stage);
+        auto it = pairs->find({r, stage, mb});
+        if (it == pairs->end()) return;
+        bool sent = false;
+        for (const message_testing::WireOp& op : recorders[r]->ops()) sent |= op.send && op.tag == it->second;
+        absl::MutexLock lock(&mu);
+        ++checked;
+        if (!sent) missing.push_back(absl::StrCat("rank ", r, " B(", stage, ",", mb, ")"));
+      };
+    }
+  });
+  EXPECT_GT(checked, 0);
+  EXPECT_TRUE(missing.empty()) << "backward halves that ran before their pair's send: " << absl::StrJoin(missing, ", ");
 }
 
 }  // namespace

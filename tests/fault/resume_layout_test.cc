@@ -2,7 +2,8 @@
 // real coordinator, real worker processes, Gloo, the real GPT math):
 //   - a pp=2 job writes a complete checkpoint at step 10 (checkpoint.every_steps);
 //   - `--resume` of it with `steps: 10` in another layout (pp=1 tp=2; pp=2
-//     interleaved with 3 virtual stages) trains nothing and saves the state
+//     interleaved with 3 virtual stages; pp=2 zb-v, whose V puts the first
+//     and last chunk on rank 0) trains nothing and saves the state
 //     again in its own layout: the saved state equals the checkpoint bit for
 //     bit (weights, both AdamW moments, the optimizer step), and `batonctl
 //     checkpoint diff` reports 0 for weights and moments;
@@ -145,7 +146,7 @@ TEST(ResumeLayoutTest, ACheckpointResumesIntoOtherLayoutsExactly) {
   const std::string step10 = root + "/step-00000010";
   ASSERT_FALSE(ReadAll(step10 + "/manifest.json").empty()) << full.log;
 
-  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 3, "interleaved"}}) {
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 3, "interleaved"}, Layout{2, 1, 2, "zb-v"}}) {
     // (a) Resumed at the job's last step: nothing is trained, the state is
     // saved again in the new layout, bit for bit.
     const LocalResult same = Local("save_only_" + l.Name(), Job(l, 10), {"--resume=" + step10});
