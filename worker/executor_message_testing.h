@@ -160,6 +160,10 @@ class RecordingCommunicator : public comm::Communicator {
   }
   std::shared_ptr<comm::Work> Broadcast(comm::Buffer buf, int root) override { return inner_->Broadcast(buf, root); }
   std::shared_ptr<comm::Work> Barrier() override { return inner_->Barrier(); }
+  std::shared_ptr<comm::Work> AllToAllV(comm::Buffer in, std::vector<int64_t> send_counts, comm::Buffer out,
+                                        std::vector<int64_t> recv_counts) override {
+    return inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts));
+  }
   void Abort(absl::string_view reason) override { inner_->Abort(reason); }
   bool RunsOnStreams() const override { return inner_->RunsOnStreams(); }
   std::shared_ptr<comm::Work> GroupOnStream(const std::vector<comm::P2POp>& ops, void* stream) override {

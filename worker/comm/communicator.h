@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
@@ -86,6 +87,18 @@ class Communicator {
   virtual std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) = 0;
   virtual std::shared_ptr<Work> Broadcast(Buffer buf, int root) = 0;
   virtual std::shared_ptr<Work> Barrier() = 0;
+  // All-to-all with variable counts (MoE expert parallelism): rank r sends
+  // chunk j of `in` (send_counts[j] elements; chunks in rank order) to rank
+  // j and receives recv_counts[j] elements from rank j into `out`, chunks in
+  // rank order. send_counts.size() == recv_counts.size() == size();
+  // in.count == sum(send_counts); out.count == sum(recv_counts); counts may
+  // be zero; in and out have the same dtype and must not overlap. Arguments
+  // are checked by CheckAllToAllVArgs (INVALID_ARGUMENT). Rank j's
+  // send_counts[r] must equal rank r's recv_counts[j] (ExchangeCounts gets
+  // them): Gloo and inproc fail a disagreement with INVALID_ARGUMENT naming
+  // the peer; NCCL does not check it.
+  virtual std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                          std::vector<int64_t> recv_counts) = 0;
 
   // Completes every pending op with ABORTED; later ops fail fast.
   virtual void Abort(absl::string_view reason) = 0;
@@ -106,6 +119,38 @@ class Communicator {
   virtual std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream);
   virtual std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream);
 };
+
+// The argument checks of AllToAllV on rank `rank` of a group of `size`,
+// shared by every backend: OK, or INVALID_ARGUMENT starting with `what` and
+// saying what to fix (a counts vector of the wrong size, a negative count,
+// counts whose sum is not the buffer's count, or whose bytes would not fit
+// in int64, dtypes that differ, a null buffer, send_counts[rank] !=
+// recv_counts[rank]). A backend checks where its buffers live itself.
+absl::Status CheckAllToAllVArgs(absl::string_view what, const Buffer& in,
+                                const std::vector<int64_t>& send_counts, const Buffer& out,
+                                const std::vector<int64_t>& recv_counts, int rank, int size);
+
+// Where each chunk of counts `counts` starts: element j is the sum of
+// counts[0..j) (call after CheckAllToAllVArgs, which bounds the sum).
+std::vector<int64_t> ChunkOffsets(const std::vector<int64_t>& counts);
+
+// The first step of an MoE dispatch: every rank tells every other how many
+// elements it will send it, by an AllToAllV of one int64 per peer over host
+// memory. Returns recv_counts (element j: what rank j will send this rank),
+// ready for AllToAllV. Collective: every rank of the group calls it, in
+// the same order as the group's other collectives.
+//
+// Errors: INVALID_ARGUMENT for bad `send_counts` (size, negative);
+// UNIMPLEMENTED over a communicator whose ops run on CUDA streams (NCCL
+// takes device memory only: exchange device counts with AllToAllV);
+// DATA_LOSS if a peer announces a negative count; the op's error
+// otherwise. If the exchange has not completed within `timeout`, it returns
+// DEADLINE_EXCEEDED naming the peer it waited for, and ABORTS `comm`: the
+// op's buffers are this function's own and cannot outlive it, and a group
+// whose counts never arrived is out of step anyway.
+absl::StatusOr<std::vector<int64_t>> ExchangeCounts(Communicator& comm,
+                                                    const std::vector<int64_t>& send_counts,
+                                                    absl::Duration timeout);
 
 }  // namespace baton::comm
 

@@ -226,6 +226,20 @@ std::shared_ptr<Work> DeviceStagingCommunicator::Broadcast(Buffer buf, int root)
 
 std::shared_ptr<Work> DeviceStagingCommunicator::Barrier() { return host_->Barrier(); }
 
+std::shared_ptr<Work> DeviceStagingCommunicator::AllToAllV(Buffer in,
+                                                           std::vector<int64_t> send_counts,
+                                                           Buffer out,
+                                                           std::vector<int64_t> recv_counts) {
+  const absl::Status valid = CheckAllToAllVArgs(
+      absl::StrCat("AllToAllV(", in.count, " elements out, ", out.count, " elements in) on rank ",
+                   rank(), " (staging device memory)"),
+      in, send_counts, out, recv_counts, rank(), size());
+  if (!valid.ok()) return CompletedWork(valid);
+  return Staging(arena_, {{in, Role::kIn}, {out, Role::kOut}}, [&](const std::vector<Buffer>& v) {
+    return host_->AllToAllV(v[0], std::move(send_counts), v[1], std::move(recv_counts));
+  });
+}
+
 void DeviceStagingCommunicator::Abort(absl::string_view reason) {
   host_->Abort(reason);
   arena_->ReleaseRetired();

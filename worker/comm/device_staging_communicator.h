@@ -9,8 +9,10 @@
 #ifndef BATON_WORKER_COMM_DEVICE_STAGING_COMMUNICATOR_H_
 #define BATON_WORKER_COMM_DEVICE_STAGING_COMMUNICATOR_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "worker/comm/communicator.h"
 
@@ -34,6 +36,10 @@ class DeviceStagingCommunicator : public Communicator {
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
   std::shared_ptr<Work> Barrier() override;
+  // Checks the arguments (CheckAllToAllVArgs) before it stages, so that no
+  // pinned buffer is sized from unchecked counts.
+  std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                  std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
 
  private:

@@ -93,5 +93,52 @@ TEST(DeviceStagingTest, GlooCarriesDeviceBuffersForEveryOp) {
   for (auto& t : ranks) t.join();
 }
 
+// AllToAllV of device buffers: uneven counts with a zero chunk, staged
+// through pinned host memory both ways.
+TEST(DeviceStagingTest, GlooCarriesAnAllToAllVOfDeviceBuffers) {
+  int gpus = 0;
+  absl::Status s = cuda::CudaDeviceCount(&gpus);
+  ASSERT_TRUE(s.ok()) << "this test needs a GPU: " << s;
+  InMemoryStore store;
+  const int n = 2;
+  // count[from][to]: rank 1 keeps nothing for itself.
+  const int64_t count[2][2] = {{3, 70001}, {5, 0}};
+  auto value = [](int from, int to, int64_t i) { return static_cast<float>((from * 2 + to) * 100000 + i); };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+      CommunicatorSpec spec;
+      spec.group = "staged-a2av";
+      spec.rank = r;
+      spec.size = n;
+      spec.device = 0;
+      auto c = CreateCommunicator(store, spec);
+      ASSERT_TRUE(c.ok()) << c.status();
+      std::vector<int64_t> send = {count[r][0], count[r][1]}, recv = {count[0][r], count[1][r]};
+      std::vector<float> mine;
+      for (int j = 0; j < n; ++j) {
+        for (int64_t i = 0; i < send[j]; ++i) mine.push_back(value(r, j, i));
+      }
+      const int64_t total = recv[0] + recv[1];
+      float* in = DeviceCopy(mine);
+      float* out = DeviceCopy(std::vector<float>(total, -1));
+      ASSERT_TRUE((*c)->AllToAllV(Buffer{in, static_cast<int64_t>(mine.size()), DType::kFloat32, 0}, send,
+                                  Buffer{out, total, DType::kFloat32, 0}, recv)
+                      ->Wait(kWait).ok());
+      std::vector<float> got = HostCopy(out, total);
+      int64_t k = 0;
+      for (int j = 0; j < n; ++j) {
+        for (int64_t i = 0; i < recv[j]; ++i, ++k) {
+          ASSERT_EQ(got[k], value(j, r, i)) << "rank " << r << ", element " << i << " from rank " << j;
+        }
+      }
+      cudaFree(in);
+      cudaFree(out);
+    });
+  }
+  for (auto& t : ranks) t.join();
+}
+
 }  // namespace
 }  // namespace baton::comm

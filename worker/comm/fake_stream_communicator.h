@@ -4,6 +4,7 @@
 #ifndef BATON_WORKER_COMM_FAKE_STREAM_COMMUNICATOR_H_
 #define BATON_WORKER_COMM_FAKE_STREAM_COMMUNICATOR_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +40,9 @@ class FakeStreamCommunicator : public Communicator {
   std::shared_ptr<Work> ReduceScatterSum(Buffer, Buffer) override { return Refuse(); }
   std::shared_ptr<Work> Broadcast(Buffer, int) override { return Refuse(); }
   std::shared_ptr<Work> Barrier() override { return Refuse(); }
+  std::shared_ptr<Work> AllToAllV(Buffer, std::vector<int64_t>, Buffer, std::vector<int64_t>) override {
+    return Refuse();
+  }
   void Abort(absl::string_view) override {}
   bool RunsOnStreams() const override { return true; }
 

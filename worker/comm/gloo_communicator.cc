@@ -468,6 +468,14 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     CompleteLocked(std::move(status));
   }
 
+  // The communicator is aborting: whoever completes the op from now on
+  // completes it with `status` (the executor may see its Gloo calls fail as
+  // the connections close, before AbortWith completes the op itself).
+  void Aborting(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (!done_) aborting_ = std::move(status);
+  }
+
   void SetWaitingFor(int rank) {
     absl::MutexLock lock(&mu_);
     waiting_for_ = rank;
@@ -486,6 +494,16 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     if (interrupted_) return nullptr;
     buffers_.push_back(std::move(ub));
     return buffers_.back().get();
+  }
+
+  // Copies `bytes` from `src` to `dst` unless the op was interrupted (the
+  // communicator aborts): once Abort() returns, no copy of this op touches a
+  // caller's buffer. False when interrupted.
+  bool CopyUnlessInterrupted(void* dst, const void* src, size_t bytes) {
+    absl::MutexLock lock(&mu_);
+    if (interrupted_) return false;
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return true;
   }
 
   // Zeroed scratch memory that lives as long as this op.
@@ -543,7 +561,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   void CompleteLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (done_) return;
     done_ = true;
-    status_ = std::move(status);
+    status_ = aborting_.ok() ? std::move(status) : aborting_;
     settled_.store(true, std::memory_order_release);
   }
 
@@ -574,6 +592,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  absl::Status aborting_ ABSL_GUARDED_BY(mu_);  // set by Aborting
   int waiting_for_ ABSL_GUARDED_BY(mu_) = -1;
   bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
@@ -1719,7 +1738,10 @@ std::shared_ptr<Work> GlooCommunicator::EnqueueCollective(std::string what, Coll
     {
       absl::MutexLock lock(&mu_);
       if (aborted_) {
-        status = abort_status_;
+        // Named as AbortWith names the ops it completes (it may not have
+        // reached this one yet).
+        status = absl::Status(abort_status_.code(),
+                              absl::StrCat(work->what(), ": ", abort_status_.message()));
       } else if (!broken_peers_.empty()) {
         status = absl::UnavailableError(
             absl::StrCat(work->what(), ": ", broken_peers_.begin()->second.message()));
@@ -1795,6 +1817,24 @@ std::shared_ptr<Work> GlooCommunicator::Barrier() {
   return EnqueueCollective("Barrier", [this](GlooWork& w, uint64_t seq) {
     return AllToAllBarrier(w, seq);
   });
+}
+
+std::shared_ptr<Work> GlooCommunicator::AllToAllV(Buffer in, std::vector<int64_t> send_counts,
+                                                  Buffer out, std::vector<int64_t> recv_counts) {
+  std::string what =
+      absl::StrCat("AllToAllV(", in.count, " elements out, ", out.count, " elements in)");
+  absl::Status valid = CheckHost(in, what);
+  if (valid.ok()) valid = CheckHost(out, what);
+  if (valid.ok()) {
+    valid = CheckAllToAllVArgs(what, in, send_counts, out, recv_counts, options_.rank,
+                               options_.size);
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  return EnqueueCollective(
+      std::move(what), [this, in, out, send_counts = std::move(send_counts),
+                        recv_counts = std::move(recv_counts)](GlooWork& w, uint64_t seq) {
+        return PairwiseAllToAllV(w, seq, in, send_counts, out, recv_counts);
+      });
 }
 
 // Reduce-scatter then all-gather around the ring; rank r ends the first
@@ -1937,6 +1977,130 @@ absl::Status GlooCommunicator::AllToAllBarrier(GlooWork& w, uint64_t seq) {
   return absl::OkStatus();
 }
 
+// Step 0: every pair of ranks swaps what it will exchange, {elements this
+// rank sends the peer, elements it expects from it, dtype}, all peers at
+// once, so that a pair that disagrees fails before any payload reaches Gloo
+// (whose I/O thread cannot take a message longer than its receive). Both
+// ranks of such a pair see the disagreement; each sends the other a token
+// once it has its counts and waits for the peer's before failing, so that
+// neither aborts (and resets the connection) before the other has read its
+// counts. Then step s = 1..n-1 sends to rank r + s and receives from rank
+// r - s (mod n): every pair meets in exactly one step, and a step waits on
+// one peer each way. Zero-element chunks are skipped (both ranks know them).
+absl::Status GlooCommunicator::PairwiseAllToAllV(GlooWork& w, uint64_t seq, Buffer in,
+                                                 const std::vector<int64_t>& send_counts,
+                                                 Buffer out,
+                                                 const std::vector<int64_t>& recv_counts) {
+  const int n = options_.size, r = options_.rank;
+  const size_t es = DTypeSize(in.dtype);
+  const std::vector<int64_t> send_off = ChunkOffsets(send_counts);
+  const std::vector<int64_t> recv_off = ChunkOffsets(recv_counts);
+  char* src = static_cast<char*>(in.data);
+  char* dst = static_cast<char*>(out.data);
+  const absl::Status aborted = absl::AbortedError(absl::StrCat(w.what(), ": aborted"));
+  if (recv_counts[r] > 0 &&
+      !w.CopyUnlessInterrupted(dst + recv_off[r] * es, src + send_off[r] * es,
+                               static_cast<size_t>(recv_counts[r]) * es)) {
+    return aborted;
+  }
+  if (n == 1) return absl::OkStatus();
+
+  constexpr size_t kWords = 3;  // sends, expects, dtype
+  constexpr size_t kRecord = kWords * sizeof(int64_t);
+  char* records = w.Scratch(2 * n * kRecord);  // this rank's, then the peers'
+  char* theirs = records + n * kRecord;
+  const uint64_t counts_slot = CollectiveSlot(seq, 0);
+  std::vector<std::pair<int, UnboundBuffer*>> recvs, sends;
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) continue;
+    const int64_t mine[kWords] = {send_counts[peer], recv_counts[peer],
+                                  static_cast<int64_t>(in.dtype)};
+    std::memcpy(records + peer * kRecord, mine, kRecord);
+    UnboundBuffer* from = w.NewBuffer(*context_, theirs + peer * kRecord, kRecord);
+    UnboundBuffer* to = w.NewBuffer(*context_, records + peer * kRecord, kRecord);
+    if (from == nullptr || to == nullptr) return aborted;
+    try {
+      from->recv(peer, counts_slot);
+      to->send(peer, counts_slot);
+    } catch (const std::exception& e) {
+      return GlooError(w, e);
+    }
+    recvs.emplace_back(peer, from);
+    sends.emplace_back(peer, to);
+  }
+  for (auto& [peer, ub] : recvs) BATON_RETURN_IF_ERROR(WaitGloo(w, ub, /*recv=*/true, peer));
+  for (auto& [peer, ub] : sends) BATON_RETURN_IF_ERROR(WaitGloo(w, ub, /*recv=*/false, peer));
+
+  absl::Status disagreement;
+  std::vector<int> disagree;
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) continue;
+    int64_t got[kWords];
+    std::memcpy(got, theirs + peer * kRecord, kRecord);
+    if (got[0] == recv_counts[peer] && got[1] == send_counts[peer] &&
+        got[2] == static_cast<int64_t>(in.dtype)) {
+      continue;
+    }
+    disagree.push_back(peer);
+    if (!disagreement.ok()) continue;
+    disagreement = absl::InvalidArgumentError(
+        got[2] != static_cast<int64_t>(in.dtype)
+            ? absl::StrCat(w.what(), ": rank ", peer, " exchanges elements of ",
+                           DTypeSize(static_cast<DType>(got[2])), " bytes, this rank of ", es,
+                           "; every rank must pass one dtype")
+            : absl::StrCat(w.what(), ": rank ", peer, " sends ", got[0],
+                           " elements to this rank and expects ", got[1],
+                           " from it; this rank expects ", recv_counts[peer], " (recv_counts[",
+                           peer, "]) and sends ", send_counts[peer], " (send_counts[", peer,
+                           "]): the ranks must agree on the counts (exchange them first: "
+                           "ExchangeCounts)"));
+  }
+  if (!disagreement.ok()) {
+    // The peer has this rank's counts once its token arrives; its own
+    // failure (it aborted after ours arrived) changes nothing here.
+    char* tokens = w.Scratch(2 * n);
+    const uint64_t token_slot = CollectiveSlot(seq, n);
+    std::vector<std::pair<int, UnboundBuffer*>> token_recvs, token_sends;
+    for (int peer : disagree) {
+      UnboundBuffer* from = w.NewBuffer(*context_, tokens + peer, 1);
+      UnboundBuffer* to = w.NewBuffer(*context_, tokens + n + peer, 1);
+      if (from == nullptr || to == nullptr) return disagreement;
+      try {
+        from->recv(peer, token_slot);
+        to->send(peer, token_slot);
+      } catch (const std::exception&) {
+        return disagreement;
+      }
+      token_recvs.emplace_back(peer, from);
+      token_sends.emplace_back(peer, to);
+    }
+    for (auto& [peer, ub] : token_recvs) WaitGloo(w, ub, /*recv=*/true, peer).IgnoreError();
+    for (auto& [peer, ub] : token_sends) WaitGloo(w, ub, /*recv=*/false, peer).IgnoreError();
+    if (disagree.size() > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(disagreement.message(), " (and ",
+                                                     disagree.size() - 1,
+                                                     " more rank(s) disagree with this one)"));
+    }
+    return disagreement;
+  }
+
+  UnboundBuffer* send_ub = nullptr;
+  UnboundBuffer* recv_ub = nullptr;
+  if (in.bytes() > 0 && (send_ub = w.NewBuffer(*context_, src, in.bytes())) == nullptr) {
+    return aborted;
+  }
+  if (out.bytes() > 0 && (recv_ub = w.NewBuffer(*context_, dst, out.bytes())) == nullptr) {
+    return aborted;
+  }
+  for (int s = 1; s < n; ++s) {
+    const int to = (r + s) % n, from = (r - s + n) % n;
+    BATON_RETURN_IF_ERROR(Exchange(w, send_ub, send_off[to] * es, send_counts[to] * es, to,
+                                   recv_ub, recv_off[from] * es, recv_counts[from] * es, from,
+                                   CollectiveSlot(seq, s)));
+  }
+  return absl::OkStatus();
+}
+
 char* GlooCommunicator::ExecutorScratch(int which, size_t bytes) {
   std::vector<char>& scratch = executor_scratch_[which];
   if (scratch.size() < bytes) scratch.resize(bytes);
@@ -1960,6 +2124,14 @@ void GlooCommunicator::AbortWith(absl::Status status, const GlooWork* culprit,
     for (auto& [ptr, work] : pending_) pending.push_back(work);
     pending_.clear();
   }
+  auto final_status = [&](const GlooWork& work) {
+    return &work == culprit
+               ? culprit_status
+               : absl::Status(status.code(), absl::StrCat(work.what(), ": ", status.message()));
+  };
+  // Before the connections close: an op whose thread sees its Gloo call fail
+  // as they do still ends with the abort's status, not the Gloo error.
+  for (const std::shared_ptr<GlooWork>& work : pending) work->Aborting(final_status(*work));
   // After this no Gloo I/O touches any buffer; peers see the connections
   // reset and fail their own pending ops at once.
   for (auto& link : links_) {
@@ -1970,10 +2142,7 @@ void GlooCommunicator::AbortWith(absl::Status status, const GlooWork* culprit,
     if (sentinel != nullptr) sentinel->abortWaitRecv();
   }
   for (const std::shared_ptr<GlooWork>& work : pending) {
-    work->Complete(work.get() == culprit ? culprit_status
-                                         : absl::Status(status.code(), absl::StrCat(
-                                                                           work->what(), ": ",
-                                                                           status.message())));
+    work->Complete(final_status(*work));
     work->Interrupt();
   }
   for (auto& link : links_) {

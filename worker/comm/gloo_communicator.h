@@ -13,9 +13,10 @@
 // trip, no hand-off between threads); an I/O thread moves ops nobody waits
 // for.
 // Messages whose receive is not posted yet are held (bounded). Collectives (ring all-reduce,
-// all-gather, reduce-scatter; direct broadcast; all-to-all barrier) run one
-// at a time, in call order, on an executor thread over Gloo's unbound
-// buffers, so every step knows which peer it waits on.
+// all-gather, reduce-scatter; direct broadcast; all-to-all barrier;
+// pairwise all-to-all-v) run one at a time, in call order, on an executor
+// thread over Gloo's unbound buffers, so every step knows which peer it
+// waits on.
 //
 // Failure semantics:
 //  - Work::Wait(timeout) that expires returns DEADLINE_EXCEEDED naming the
@@ -102,6 +103,12 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
   std::shared_ptr<Work> Barrier() override;
+  // Every pair of ranks first swaps the counts it will exchange (16 bytes
+  // each way), so a disagreement fails on both ranks with INVALID_ARGUMENT
+  // naming the peer and both counts (and aborts, as any failed collective)
+  // instead of reaching Gloo, which cannot take a message of another size.
+  std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                  std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
 
  private:
@@ -142,6 +149,9 @@ class GlooCommunicator : public Communicator {
   absl::Status RingReduceScatter(GlooWork& w, uint64_t seq, Buffer in, Buffer out);
   absl::Status DirectBroadcast(GlooWork& w, uint64_t seq, Buffer buf, int root);
   absl::Status AllToAllBarrier(GlooWork& w, uint64_t seq);
+  absl::Status PairwiseAllToAllV(GlooWork& w, uint64_t seq, Buffer in,
+                                 const std::vector<int64_t>& send_counts, Buffer out,
+                                 const std::vector<int64_t>& recv_counts);
 
   const GlooOptions options_;
   const std::shared_ptr<gloo::rendezvous::Context> context_;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "worker/comm/all_to_all_v_testing.h"
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/store.h"
 
@@ -515,6 +516,217 @@ TEST(GlooFailureTest, DeviceBuffersAndBadPeersAreRejectedUpFront) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(comms[0]->Recv(Buffer::Host(&x, 1), 7, 1)->Wait(absl::ZeroDuration()).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+class GlooAllToAllVTest : public TestWithParam<int> {};
+
+TEST_P(GlooAllToAllVTest, UnevenChunksIncludingZerosArriveElementForElement) {
+  const int n = GetParam();
+  InMemoryStore store;
+  auto comms = Group(store, absl::StrCat("a2av", n), n);
+  OnEachRank(n, [&](int r) {
+    RunUnevenAllToAllV<int32_t>(*comms[r], kWait);
+    RunUnevenAllToAllV<int64_t>(*comms[r], kWait);
+    RunUnevenAllToAllV<float>(*comms[r], kWait);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GlooAllToAllVTest, ::testing::Range(1, 5));
+
+TEST(GlooAllToAllVTest, MebibyteChunksOfUnevenSizesArriveIntact) {
+  InMemoryStore store;
+  const int n = 3;
+  auto comms = Group(store, "a2av-big", n);
+  auto count = [](int from, int to) -> int64_t {
+    return from == to ? 1000 : (int64_t{1} << 18) + 17 * from + 5 * to;
+  };
+  auto value = [](int from, int to, int64_t i) {
+    return static_cast<int32_t>((from * 4 + to) * 1000000 + i);
+  };
+  OnEachRank(n, [&](int r) {
+    std::vector<int64_t> send(n), recv(n);
+    std::vector<int32_t> in;
+    for (int j = 0; j < n; ++j) {
+      send[j] = count(r, j);
+      recv[j] = count(j, r);
+      for (int64_t i = 0; i < send[j]; ++i) in.push_back(value(r, j, i));
+    }
+    std::vector<int32_t> out(std::accumulate(recv.begin(), recv.end(), int64_t{0}), -1);
+    absl::Status s = comms[r]
+                         ->AllToAllV(Buffer{in.data(), static_cast<int64_t>(in.size()), DType::kInt32, -1},
+                                     send, Buffer{out.data(), static_cast<int64_t>(out.size()), DType::kInt32, -1},
+                                     recv)
+                         ->Wait(kWait);
+    ASSERT_TRUE(s.ok()) << s;
+    int64_t k = 0;
+    for (int j = 0; j < n; ++j) {
+      for (int64_t i = 0; i < recv[j]; ++i, ++k) {
+        ASSERT_EQ(out[k], value(j, r, i)) << "rank " << r << ", element " << i << " from rank " << j;
+      }
+    }
+  });
+}
+
+// The checks are CheckAllToAllVArgs (shared; inproc_communicator_test has
+// every case) plus Gloo's own: host memory only. A refused op is never
+// posted, so the group goes on in step.
+TEST(GlooAllToAllVTest, BadArgumentsAndDeviceBuffersAreRefusedUpFront) {
+  InMemoryStore store;
+  auto comms = Group(store, "a2av-bad", 2);
+  std::vector<float> x(4), y(4);
+  absl::Status sum = comms[0]
+                         ->AllToAllV(Buffer::Host(x.data(), 4), {2, 1}, Buffer::Host(y.data(), 4), {2, 2})
+                         ->Wait(absl::ZeroDuration());
+  EXPECT_EQ(sum.code(), absl::StatusCode::kInvalidArgument) << sum;
+  EXPECT_NE(sum.message().find("AllToAllV(4 elements out, 4 elements in): in has 4 elements, "
+                               "send_counts add up to 3"),
+            absl::string_view::npos)
+      << sum;
+  absl::Status size = comms[1]
+                          ->AllToAllV(Buffer::Host(x.data(), 4), {4}, Buffer::Host(y.data(), 4), {4})
+                          ->Wait(absl::ZeroDuration());
+  EXPECT_EQ(size.code(), absl::StatusCode::kInvalidArgument) << size;
+  EXPECT_NE(size.message().find("send_counts holds 1 value(s)"), absl::string_view::npos) << size;
+  absl::Status dev = comms[0]
+                         ->AllToAllV(Buffer{x.data(), 4, DType::kFloat32, 0}, {2, 2},
+                                     Buffer::Host(y.data(), 4), {2, 2})
+                         ->Wait(absl::ZeroDuration());
+  EXPECT_EQ(dev.code(), absl::StatusCode::kInvalidArgument) << dev;
+  EXPECT_NE(dev.message().find("CUDA device 0"), absl::string_view::npos) << dev;
+  OnEachRank(2, [&](int r) { RunUnevenAllToAllV<float>(*comms[r], kWait); });
+}
+
+// Rank 0 sends rank 1 three elements, rank 1 expects two; rank 2 agrees
+// with both. The pair that disagrees fails on both sides saying so, before
+// any payload moves, and the group is aborted (it is out of step).
+TEST(GlooAllToAllVTest, RanksThatDisagreeOnCountsBothFailNamingThePeer) {
+  InMemoryStore store;
+  const int n = 3;
+  auto comms = Group(store, "a2av-disagree", n);
+  const std::vector<std::vector<int64_t>> send = {{1, 3, 1}, {2, 1, 1}, {1, 1, 1}};
+  const std::vector<std::vector<int64_t>> recv = {{1, 2, 1}, {2, 1, 1}, {1, 1, 1}};
+  std::vector<absl::Status> status(n);
+  OnEachRank(n, [&](int r) {
+    std::vector<float> in(std::accumulate(send[r].begin(), send[r].end(), int64_t{0}), 1.0f);
+    std::vector<float> out(std::accumulate(recv[r].begin(), recv[r].end(), int64_t{0}));
+    status[r] = comms[r]
+                    ->AllToAllV(Buffer::Host(in.data(), in.size()), send[r],
+                                Buffer::Host(out.data(), out.size()), recv[r])
+                    ->Wait(kWait);
+  });
+  EXPECT_EQ(status[0].code(), absl::StatusCode::kInvalidArgument) << status[0];
+  EXPECT_NE(status[0].message().find("rank 1 sends 2 elements to this rank and expects 2 from it; "
+                                     "this rank expects 2 (recv_counts[1]) and sends 3 "
+                                     "(send_counts[1])"),
+            absl::string_view::npos)
+      << status[0];
+  EXPECT_EQ(status[1].code(), absl::StatusCode::kInvalidArgument) << status[1];
+  EXPECT_NE(status[1].message().find("rank 0 sends 3 elements to this rank and expects 2 from it"),
+            absl::string_view::npos)
+      << status[1];
+  EXPECT_FALSE(status[2].ok()) << "rank 2 never gets the chunks of ranks 0 and 1";
+  std::vector<float> x(3);
+  EXPECT_EQ(comms[0]
+                ->AllToAllV(Buffer::Host(x.data(), 3), {1, 1, 1}, Buffer::Host(x.data(), 3), {1, 1, 1})
+                ->Wait(absl::ZeroDuration())
+                .code(),
+            absl::StatusCode::kAborted);
+}
+
+TEST(GlooAllToAllVTest, AbortCompletesAPendingAllToAllVWithAbortedAndItsPeersFail) {
+  InMemoryStore store;
+  const int n = 3;
+  auto comms = Group(store, "a2av-abort", n);
+  std::vector<std::vector<float>> in(n, std::vector<float>(3, 1.0f)), out(n, std::vector<float>(3));
+  auto post = [&](int r) {
+    return comms[r]->AllToAllV(Buffer::Host(in[r].data(), 3), {1, 1, 1},
+                               Buffer::Host(out[r].data(), 3), {1, 1, 1});
+  };
+  auto pending0 = post(0), pending1 = post(1);  // rank 2 never posts
+  EXPECT_FALSE(pending0->IsCompleted());
+  absl::Status waited;
+  std::thread waiter([&] { waited = pending0->Wait(kWait); });
+  comms[0]->Abort("test says stop");
+  waiter.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+  EXPECT_NE(waited.message().find("test says stop"), absl::string_view::npos) << waited;
+  EXPECT_NE(waited.message().find("AllToAllV"), absl::string_view::npos) << waited;
+  // Rank 0's connections were reset: rank 1's op fails too rather than hang.
+  absl::Status peer = pending1->Wait(kWait);
+  EXPECT_EQ(peer.code(), absl::StatusCode::kUnavailable) << peer;
+  // Later ops fail fast.
+  auto late = post(0);
+  EXPECT_TRUE(late->IsCompleted());
+  EXPECT_EQ(late->Wait(absl::ZeroDuration()).code(), absl::StatusCode::kAborted);
+}
+
+TEST(GlooAllToAllVTest, WaitTimeoutNamesTheOpAndThePeerAndTheOpStaysPending) {
+  InMemoryStore store;
+  auto comms = Group(store, "a2av-slow", 2);
+  // One element more than each op writes: it must stay as it is.
+  std::vector<int64_t> in0 = {10, 11, 12}, in1 = {20, 21}, out0(3, -1), out1(4, -1);
+  // Rank 0 keeps 10 and sends {11, 12}; rank 1 keeps 21 and sends {20}.
+  auto w0 = comms[0]->AllToAllV(Buffer{in0.data(), 3, DType::kInt64, -1}, {1, 2},
+                                Buffer{out0.data(), 2, DType::kInt64, -1}, {1, 1});
+  absl::Status s = w0->Wait(absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("AllToAllV(3 elements out, 2 elements in) on rank 0"),
+            absl::string_view::npos)
+      << s;
+  EXPECT_NE(s.message().find("waiting for rank 1"), absl::string_view::npos) << s;
+  EXPECT_FALSE(w0->IsCompleted());
+  auto w1 = comms[1]->AllToAllV(Buffer{in1.data(), 2, DType::kInt64, -1}, {1, 1},
+                                Buffer{out1.data(), 3, DType::kInt64, -1}, {2, 1});
+  ASSERT_TRUE(w0->Wait(kWait).ok());
+  ASSERT_TRUE(w1->Wait(kWait).ok());
+  EXPECT_EQ(out0, (std::vector<int64_t>{10, 20, -1}));
+  EXPECT_EQ(out1, (std::vector<int64_t>{11, 12, 21, -1}));
+}
+
+TEST(GlooAllToAllVTest, WatchdogFailsAnAllToAllVWhosePeerNeverJoinsAndAbortsTheGroup) {
+  InMemoryStore store;
+  std::vector<std::unique_ptr<Communicator>> comms(2);
+  OnEachRank(2, [&](int r) {
+    CommunicatorSpec spec = Spec("a2av-hung", 1, r, 2);
+    spec.op_timeout = absl::Milliseconds(300);
+    auto c = CreateCommunicator(store, spec);
+    ASSERT_TRUE(c.ok()) << c.status();
+    comms[r] = std::move(*c);
+  });
+  std::vector<float> x(4, 1), y(4);
+  auto w = comms[0]->AllToAllV(Buffer::Host(x.data(), 4), {2, 2}, Buffer::Host(y.data(), 4), {2, 2});
+  absl::Status s = w->Wait(kWait);  // rank 1 never joins
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("AllToAllV"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("did not complete within op_timeout"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("waiting for rank 1"), absl::string_view::npos) << s;
+  EXPECT_EQ(comms[0]->Barrier()->Wait(absl::ZeroDuration()).code(), absl::StatusCode::kAborted);
+}
+
+TEST(GlooAllToAllVTest, ExchangeCountsThatTimesOutAbortsAndNamesThePeer) {
+  InMemoryStore store;
+  auto comms = Group(store, "a2av-counts", 2);
+  absl::StatusOr<std::vector<int64_t>> counts =
+      ExchangeCounts(*comms[0], {3, 4}, absl::Milliseconds(100));  // rank 1 never joins
+  EXPECT_EQ(counts.status().code(), absl::StatusCode::kDeadlineExceeded) << counts.status();
+  EXPECT_NE(counts.status().message().find("ExchangeCounts on rank 0 of 2"), absl::string_view::npos)
+      << counts.status();
+  EXPECT_NE(counts.status().message().find("AllToAllV"), absl::string_view::npos) << counts.status();
+  EXPECT_NE(counts.status().message().find("waiting for rank 1"), absl::string_view::npos)
+      << counts.status();
+  EXPECT_EQ(comms[0]->Barrier()->Wait(absl::ZeroDuration()).code(), absl::StatusCode::kAborted);
+}
+
+TEST(GlooAllToAllVTest, APeerThatLeavesFailsThePendingAllToAllVNamingIt) {
+  InMemoryStore store;
+  auto comms = Group(store, "a2av-leave", 2);
+  std::vector<float> x(4, 1), y(4);
+  auto w = comms[1]->AllToAllV(Buffer::Host(x.data(), 4), {2, 2}, Buffer::Host(y.data(), 4), {2, 2});
+  comms[0].reset();  // rank 0 leaves
+  absl::Status s = w->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("AllToAllV"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("rank 0"), absl::string_view::npos) << s;
 }
 
 TEST(GlooGenerationTest, NewGenerationAfterAbortRendezvousesWithoutOldKeys) {

@@ -19,7 +19,14 @@ struct OpState {
   absl::Status status;
 };
 
-enum class CollectiveKind { kAllReduceSum, kAllGather, kReduceScatterSum, kBroadcast, kBarrier };
+enum class CollectiveKind {
+  kAllReduceSum,
+  kAllGather,
+  kReduceScatterSum,
+  kBroadcast,
+  kBarrier,
+  kAllToAllV
+};
 
 const char* KindName(CollectiveKind kind) {
   switch (kind) {
@@ -33,6 +40,8 @@ const char* KindName(CollectiveKind kind) {
       return "Broadcast";
     case CollectiveKind::kBarrier:
       return "Barrier";
+    case CollectiveKind::kAllToAllV:
+      return "AllToAllV";
   }
   return "?";
 }
@@ -70,8 +79,10 @@ class InProcGroupState : public std::enable_shared_from_this<InProcGroupState> {
 
   int size() const { return size_; }
 
+  // `send_counts` / `recv_counts`: AllToAllV's (already checked), else empty.
   std::shared_ptr<Work> PostCollective(int rank, CollectiveKind kind, Buffer in, Buffer out,
-                                       int root);
+                                       int root, std::vector<int64_t> send_counts = {},
+                                       std::vector<int64_t> recv_counts = {});
   std::shared_ptr<Work> PostP2P(int rank, bool is_send, Buffer buf, int peer, uint64_t tag);
   void Abort(int rank, absl::string_view reason);
 
@@ -83,6 +94,7 @@ class InProcGroupState : public std::enable_shared_from_this<InProcGroupState> {
     int root = 0;
     bool mismatch = false;  // ranks posted different kinds or roots
     std::vector<Buffer> in, out;
+    std::vector<std::vector<int64_t>> send_counts, recv_counts;  // AllToAllV, per rank
     std::vector<std::shared_ptr<OpState>> ops;
   };
   struct P2P {
@@ -95,6 +107,9 @@ class InProcGroupState : public std::enable_shared_from_this<InProcGroupState> {
   std::shared_ptr<Work> Failed(absl::Status status);
   absl::Status AbortedStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunLocked(Collective& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AllToAllV's checks across ranks (every pair agrees on its counts), then
+  // its copies.
+  absl::Status RunAllToAllVLocked(Collective& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   const int size_;
@@ -152,7 +167,9 @@ absl::Status InProcGroupState::AbortedStatusLocked() const {
 }
 
 std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind kind, Buffer in,
-                                                       Buffer out, int root) {
+                                                       Buffer out, int root,
+                                                       std::vector<int64_t> send_counts,
+                                                       std::vector<int64_t> recv_counts) {
   if (in.device >= 0 || out.device >= 0) {
     return Failed(absl::UnimplementedError("inproc communicator: host buffers only"));
   }
@@ -169,11 +186,15 @@ std::shared_ptr<Work> InProcGroupState::PostCollective(int rank, CollectiveKind 
     c.root = root;
     c.in.resize(size_);
     c.out.resize(size_);
+    c.send_counts.resize(size_);
+    c.recv_counts.resize(size_);
     c.ops.resize(size_);
   }
   auto op = std::make_shared<OpState>();
   c.in[rank] = in;
   c.out[rank] = out;
+  c.send_counts[rank] = std::move(send_counts);
+  c.recv_counts[rank] = std::move(recv_counts);
   c.ops[rank] = op;
   ++c.arrived;
   if (c.kind != kind || c.root != root) c.mismatch = true;
@@ -189,6 +210,11 @@ void InProcGroupState::RunLocked(Collective& c) {
   absl::Status status;
   const int64_t n = c.in[0].count;
   const DType dtype = c.in[0].dtype;
+  if (c.kind == CollectiveKind::kAllToAllV && !c.mismatch) {
+    status = RunAllToAllVLocked(c);
+    for (auto& op : c.ops) Complete(*op, status);
+    return;
+  }
   for (int r = 0; r < size_ && status.ok(); ++r) {
     if (c.mismatch) {
       status = absl::InvalidArgumentError(
@@ -240,10 +266,43 @@ void InProcGroupState::RunLocked(Collective& c) {
         }
         break;
       case CollectiveKind::kBarrier:
+      case CollectiveKind::kAllToAllV:  // mismatched: reported above; else RunAllToAllVLocked
         break;
     }
   }
   for (auto& op : c.ops) Complete(*op, status);
+}
+
+absl::Status InProcGroupState::RunAllToAllVLocked(Collective& c) {
+  const DType dtype = c.in[0].dtype;
+  for (int r = 0; r < size_; ++r) {
+    if (c.in[r].dtype != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inproc AllToAllV: rank ", r, " posted another dtype than rank 0; every rank must "
+          "exchange one dtype"));
+    }
+    for (int q = 0; q < size_; ++q) {
+      if (c.send_counts[q][r] != c.recv_counts[r][q]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "inproc AllToAllV: rank ", q, " sends ", c.send_counts[q][r], " elements to rank ", r,
+            ", which expects ", c.recv_counts[r][q], " from it (recv_counts[", q,
+            "]); exchange the counts first (ExchangeCounts)"));
+      }
+    }
+  }
+  const size_t es = DTypeSize(dtype);
+  std::vector<std::vector<int64_t>> send_offsets(size_);
+  for (int q = 0; q < size_; ++q) send_offsets[q] = ChunkOffsets(c.send_counts[q]);
+  for (int r = 0; r < size_; ++r) {
+    const std::vector<int64_t> recv_offsets = ChunkOffsets(c.recv_counts[r]);
+    for (int q = 0; q < size_; ++q) {
+      const size_t bytes = static_cast<size_t>(c.recv_counts[r][q]) * es;
+      if (bytes == 0) continue;
+      std::memcpy(static_cast<char*>(c.out[r].data) + recv_offsets[q] * es,
+                  static_cast<const char*>(c.in[q].data) + send_offsets[q][r] * es, bytes);
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::shared_ptr<Work> InProcGroupState::PostP2P(int rank, bool is_send, Buffer buf, int peer,
@@ -345,6 +404,16 @@ std::shared_ptr<Work> InProcCommunicator::Broadcast(Buffer buf, int root) {
 
 std::shared_ptr<Work> InProcCommunicator::Barrier() {
   return group_->PostCollective(rank_, CollectiveKind::kBarrier, Buffer{}, Buffer{}, 0);
+}
+
+std::shared_ptr<Work> InProcCommunicator::AllToAllV(Buffer in, std::vector<int64_t> send_counts,
+                                                    Buffer out, std::vector<int64_t> recv_counts) {
+  const absl::Status valid =
+      CheckAllToAllVArgs(absl::StrCat("inproc AllToAllV on rank ", rank_), in, send_counts, out,
+                         recv_counts, rank_, size());
+  if (!valid.ok()) return CompletedWork(valid);
+  return group_->PostCollective(rank_, CollectiveKind::kAllToAllV, in, out, 0,
+                                std::move(send_counts), std::move(recv_counts));
 }
 
 void InProcCommunicator::Abort(absl::string_view reason) { group_->Abort(rank_, reason); }

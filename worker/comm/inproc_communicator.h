@@ -17,6 +17,7 @@
 #ifndef BATON_WORKER_COMM_INPROC_COMMUNICATOR_H_
 #define BATON_WORKER_COMM_INPROC_COMMUNICATOR_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,10 @@ class InProcCommunicator : public Communicator {
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
   std::shared_ptr<Work> Barrier() override;
+  // Checks that every pair of ranks agrees on its counts (INVALID_ARGUMENT
+  // on every rank otherwise) before it copies.
+  std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                  std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
 
  private:

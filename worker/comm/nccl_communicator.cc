@@ -425,6 +425,41 @@ std::shared_ptr<Work> NcclCommunicator::Barrier() {
   });
 }
 
+std::shared_ptr<Work> NcclCommunicator::AllToAllV(Buffer in, std::vector<int64_t> send_counts,
+                                                  Buffer out, std::vector<int64_t> recv_counts) {
+  std::string what =
+      absl::StrCat("AllToAllV(", in.count, " elements out, ", out.count, " elements in)");
+  absl::Status valid = CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  if (valid.ok()) {
+    valid = CheckAllToAllVArgs(what, in, send_counts, out, recv_counts, options_.rank,
+                               options_.size);
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  const size_t es = DTypeSize(in.dtype);
+  const std::vector<int64_t> send_off = ChunkOffsets(send_counts);
+  const std::vector<int64_t> recv_off = ChunkOffsets(recv_counts);
+  const ncclDataType_t type = NcclType(in.dtype);
+  char* src = static_cast<char*>(in.data);
+  char* dst = static_cast<char*>(out.data);
+  return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (int peer = 0; peer < options_.size && r == ncclSuccess; ++peer) {
+      if (send_counts[peer] > 0) {
+        r = ncclSend(src + send_off[peer] * es, static_cast<size_t>(send_counts[peer]), type, peer,
+                     comm_, stream_);
+      }
+      if (r == ncclSuccess && recv_counts[peer] > 0) {
+        r = ncclRecv(dst + recv_off[peer] * es, static_cast<size_t>(recv_counts[peer]), type, peer,
+                     comm_, stream_);
+      }
+    }
+    ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+  });
+}
+
 void NcclCommunicator::Abort(absl::string_view reason) {
   const absl::Status status =
       absl::AbortedError(absl::StrCat(options_.label, ": aborted: ", reason));

@@ -8,6 +8,10 @@
 // non-blocking mode (blocking = 0), polled until ready or the rendezvous
 // deadline.
 //
+// AllToAllV is one ncclGroupStart/End of an ncclSend and an ncclRecv per
+// peer with a non-zero count (this rank's own chunk included), as c10d's
+// all-to-all; the ranks' counts must agree, which NCCL does not check.
+//
 // Point-to-point ops each run in a ncclGroupStart/End; NCCL matches them by
 // issue order per peer, not by tag, so both sides must post their sends and
 // receives to one peer in the same order (the schedule's lowering does).
@@ -72,6 +76,8 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override;
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override;
   std::shared_ptr<Work> Barrier() override;
+  std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                  std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
 
   bool RunsOnStreams() const override { return true; }

@@ -86,6 +86,37 @@ TEST_F(NcclCommunicatorTest, OneRankCollectivesOnDeviceMemory) {
   EXPECT_EQ(store.Keys().size(), 2u) << "arrived/0 and nccl/unique_id";
 }
 
+// A one-rank AllToAllV is the rank's own chunk, through ncclSend/ncclRecv
+// to itself; the shared argument checks and the host-memory refusal hold.
+TEST_F(NcclCommunicatorTest, OneRankAllToAllVOnDeviceMemory) {
+  InMemoryStore store;
+  auto comm = OneRank(store, "one-a2av");
+  ASSERT_NE(comm, nullptr);
+  const int64_t n = 100003;
+  std::vector<float> x(n);
+  std::iota(x.begin(), x.end(), 0.5f);
+  float* in = ToDevice(x);
+  float* out = ToDevice(std::vector<float>(n, -1));
+  absl::Status s = comm->AllToAllV(Buffer{in, n, DType::kFloat32, 0}, {n}, Buffer{out, n, DType::kFloat32, 0}, {n})
+                       ->Wait(kWait);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ToHost(out, n), x);
+  // Zero elements: nothing to send, nothing posted to NCCL.
+  s = comm->AllToAllV(Buffer{in, 0, DType::kFloat32, 0}, {0}, Buffer{out, 0, DType::kFloat32, 0}, {0})->Wait(kWait);
+  EXPECT_TRUE(s.ok()) << s;
+
+  s = comm->AllToAllV(Buffer{in, n, DType::kFloat32, 0}, {n - 1}, Buffer{out, n, DType::kFloat32, 0}, {n})
+          ->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("send_counts add up to"), absl::string_view::npos) << s;
+  std::vector<float> host(4);
+  s = comm->AllToAllV(Buffer::Host(host.data(), 4), {4}, Buffer{out, 4, DType::kFloat32, 0}, {4})->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("host memory"), absl::string_view::npos) << s;
+  absl::StatusOr<std::vector<int64_t>> counts = ExchangeCounts(*comm, {1}, kWait);
+  EXPECT_EQ(counts.status().code(), absl::StatusCode::kUnimplemented) << counts.status();
+}
+
 TEST_F(NcclCommunicatorTest, HostBuffersAndOtherDevicesAreRejected) {
   InMemoryStore store;
   auto comm = OneRank(store, "reject");
@@ -151,6 +182,54 @@ TEST_F(NcclCommunicatorTest, TwoGpusSendRecvAndAllReduce) {
                       : (*c)->Recv(Buffer{d, n, DType::kFloat32, 1}, 0, 0);
       ASSERT_TRUE(w->Wait(kWait).ok());
       cudaFree(d);
+    });
+  }
+  for (auto& t : ranks) t.join();
+}
+
+// Uneven counts with a zero chunk each way: rank 0 sends rank 1 nothing.
+TEST_F(NcclCommunicatorTest, TwoGpusAllToAllVWithUnevenCounts) {
+  ASSERT_GE(gpus_, 2) << "this test needs two GPUs (bazel test --test_tag_filters=multi_gpu on such a machine)";
+  InMemoryStore store;
+  const int64_t count[2][2] = {{1000, 0}, {(1 << 20) + 7, 3}};  // [from][to]
+  auto value = [](int from, int to, int64_t i) { return static_cast<int32_t>((from * 2 + to) * 10000000 + i); };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      CommunicatorSpec spec;
+      spec.group = "pair-a2av";
+      spec.backend = Backend::kNccl;
+      spec.rank = r;
+      spec.size = 2;
+      spec.device = r;
+      auto c = CreateCommunicator(store, spec);
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      std::vector<int64_t> send = {count[r][0], count[r][1]}, recv = {count[0][r], count[1][r]};
+      std::vector<int32_t> mine;
+      for (int j = 0; j < 2; ++j) {
+        for (int64_t i = 0; i < send[j]; ++i) mine.push_back(value(r, j, i));
+      }
+      const int64_t total = recv[0] + recv[1];
+      int32_t* in = nullptr;
+      int32_t* out = nullptr;
+      ASSERT_EQ(cudaMalloc(&in, mine.size() * sizeof(int32_t)), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&out, total * sizeof(int32_t)), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(in, mine.data(), mine.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+      absl::Status s = (*c)->AllToAllV(Buffer{in, static_cast<int64_t>(mine.size()), DType::kInt32, r}, send,
+                                       Buffer{out, total, DType::kInt32, r}, recv)
+                           ->Wait(kWait);
+      ASSERT_TRUE(s.ok()) << s;
+      std::vector<int32_t> got(total);
+      ASSERT_EQ(cudaMemcpy(got.data(), out, total * sizeof(int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+      int64_t k = 0;
+      for (int j = 0; j < 2; ++j) {
+        for (int64_t i = 0; i < recv[j]; ++i, ++k) {
+          ASSERT_EQ(got[k], value(j, r, i)) << "rank " << r << ", element " << i << " from rank " << j;
+        }
+      }
+      cudaFree(in);
+      cudaFree(out);
     });
   }
   for (auto& t : ranks) t.join();

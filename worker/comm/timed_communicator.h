@@ -6,8 +6,10 @@
 #define BATON_WORKER_COMM_TIMED_COMMUNICATOR_H_
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "worker/comm/communicator.h"
@@ -33,6 +35,10 @@ class TimedCommunicator : public Communicator {
   }
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner_->Broadcast(buf, root)); }
   std::shared_ptr<Work> Barrier() override { return Wrap(inner_->Barrier()); }
+  std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
+                                  std::vector<int64_t> recv_counts) override {
+    return Wrap(inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts)));
+  }
   void Abort(absl::string_view reason) override { inner_->Abort(reason); }
   // Stream-ordered ops pass through untimed: nothing waits for them on the
   // host (their time is the stream's).
