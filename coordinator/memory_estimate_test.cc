@@ -340,3 +340,39 @@ TEST(MemoryEstimateTest, FormatBytesIsReadable) {
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+// A V puts the first and the last chunk on pipeline rank 0: its estimate
+// holds the embeddings and the head (two copies of the tied wte), the middle
+// rank neither; the plan carries the placement.
+TEST(MemoryEstimateTest, AVPlacementPutsBothEndsOnRankZero) {
+  const std::string model = "layers: 4 d_model: 64 heads: 4 vocab: 4096 seq_len: 20";
+  v1::JobSpec v = Job(("name: \"v\" model { " + model +
+                       " } parallel { pp: 2 virtual_stages: 2 } schedule { kind: \"zb-v\" microbatches: 4 } "
+                       "train { steps: 10 micro_batch_size: 8 }")
+                          .c_str());
+  v1::JobSpec looped = v;
+  looped.mutable_schedule()->set_kind("interleaved");
+  auto vplan = MakePlan(v, Workers(2, 0), 1);
+  auto lplan = MakePlan(looped, Workers(2, 0), 1);
+  ASSERT_TRUE(vplan.ok()) << vplan.status();
+  ASSERT_TRUE(lplan.ok()) << lplan.status();
+  EXPECT_EQ(std::vector<int>(vplan->stage_ranks().begin(), vplan->stage_ranks().end()),
+            (std::vector<int>{0, 1, 1, 0}));
+  EXPECT_TRUE(lplan->stage_ranks().empty());
+  const double wte = 4 * 4096.0 * 64;  // one copy of the tied embedding, fp32
+  const WorkerMemory v_rank0 = EstimateWorkerMemory(v, *vplan, 0), v_rank1 = EstimateWorkerMemory(v, *vplan, 1);
+  const WorkerMemory looped0 = EstimateWorkerMemory(looped, *lplan, 0),
+                     looped1 = EstimateWorkerMemory(looped, *lplan, 1);
+  // Looped: rank 0 has the embeddings, rank 1 the head; the V: rank 0 both.
+  EXPECT_GT(v_rank0.parameter_bytes - looped0.parameter_bytes, 0.9 * wte);
+  EXPECT_GT(looped1.parameter_bytes - v_rank1.parameter_bytes, 0.9 * wte);
+  EXPECT_DOUBLE_EQ(v_rank0.parameter_bytes + v_rank1.parameter_bytes,
+                   looped0.parameter_bytes + looped1.parameter_bytes);
+  EXPECT_EQ(v_rank0.peak_microbatches, 4);  // zb-v: min(2p, v*m) chunk-activations
+}
+
+}  // namespace
+}  // namespace baton
