@@ -82,7 +82,8 @@ Timing Best(const ScheduleSpec& spec, int runs) {
 int main() {
   const std::vector<std::pair<int, int>> sizes = {{8, 128}, {16, 256}, {32, 512}, {64, 1024}};
   const std::vector<ScheduleSpec> kinds = {
-      {"gpipe", 0, 0, 1}, {"1f1b", 0, 0, 1}, {"interleaved", 0, 0, 2}, {"zb-h1", 0, 0, 1}};
+      {"gpipe", 0, 0, 1}, {"1f1b", 0, 0, 1}, {"interleaved", 0, 0, 2}, {"zb-h1", 0, 0, 1},
+      {"zb-v", 0, 0, 2},  {"dualpipe-v", 0, 0, 2}};
   std::printf("%-12s %4s %5s %9s %8s %8s %8s %8s %8s %10s %7s\n", "schedule", "p", "m", "actions",
               "build", "lower", "validate", "simulate", "total", "ns/(p*m)", "bubble");
   for (const ScheduleSpec& kind : kinds) {
