@@ -439,9 +439,11 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
     }
     kernels::Tensor input, output;
     if (!first) {
-      // The previous stage is on this rank only when pp == 1 (chunks stay local).
+      // The previous stage is on this rank at pp == 1 and at the tip of a V:
+      // its output is handed over without the network.
       auto local = act_out_.find({s - 1, mb});
       if (local != act_out_.end()) {
+        BATON_RETURN_IF_ERROR(AwaitLocalProducer(s - 1, model));
         input = local->second.payload;
       } else {
         BATON_ASSIGN_OR_RETURN(Message * m, Buffer(act_in_, s, mb));
@@ -460,6 +462,7 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
     if (!last) {
       auto local = grad_out_.find({s + 1, mb});
       if (local != grad_out_.end()) {
+        BATON_RETURN_IF_ERROR(AwaitLocalProducer(s + 1, model));
         grad_output = local->second.payload;
       } else {
         BATON_ASSIGN_OR_RETURN(Message * m, Buffer(grad_in_, s, mb));
@@ -516,6 +519,16 @@ absl::StatusOr<StepExecutor::CommOp> StepExecutor::MakeCommOp(const Action* a) {
   if (!m.ok()) return m.status();
   const bool send = a->kind() == Action::SEND_F || a->kind() == Action::SEND_B;
   return CommOp{a, *m, tag, send, chunk->second};
+}
+
+absl::Status StepExecutor::AwaitLocalProducer(int producer, StageModel* consumer) {
+  kernels::Stream* from = chunks_.at(producer)->context().stream;
+  kernels::Stream* to = consumer->context().stream;
+  if (from == nullptr || to == nullptr || from == to) return absl::OkStatus();
+  // Covers the producing action: it was enqueued on `from` before now.
+  BATON_ASSIGN_OR_RETURN(kernels::Event * produced, RecordEvent(from, producer));
+  BATON_RETURN_IF_ERROR_CTX(produced->StreamWait(*to), "waiting for stage ", producer, "'s output on this rank");
+  return absl::OkStatus();
 }
 
 absl::Status StepExecutor::RunCommBatch(const std::vector<const Action*>& batch) {

@@ -138,6 +138,10 @@ class StepExecutor {
     StageModel* model;
   };
   absl::StatusOr<CommOp> MakeCommOp(const v1::Action* action);
+  // Before `consumer` reads what the chunk `producer` of this rank wrote (a
+  // local hand-off: pp == 1, the tip of a V): on streams, its stream waits
+  // for an event recorded now on the producer's.
+  absl::Status AwaitLocalProducer(int producer, StageModel* consumer);
   // After the forward half of the overlapped pair at action `pair`: posts the
   // SEND_F of its activations from the batch after the pair (host path), so
   // the transfer runs while the backward half computes; that batch then
