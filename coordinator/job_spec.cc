@@ -237,6 +237,16 @@ absl::Status ValidateTrain(const v1::TrainSpec& t) {
 
 absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) {
   if (model.has_synthetic()) return absl::OkStatus();  // the cost model reads no data
+  if (!data.token_format().empty()) {
+    if (data.source_case() != v1::DataSpec::kTokensFile) {
+      return Invalid("data.token_format", "applies to data.tokens_file only; remove it or use tokens_file");
+    }
+    const std::string& f = data.token_format();
+    if (f != "raw_uint16" && f != "raw_uint32" && f != "llmc" && f != "megatron") {
+      return Invalid("data.token_format", absl::StrCat("is \"", f, "\"; use \"raw_uint16\" (the default), "
+                                                       "\"raw_uint32\", \"llmc\" or \"megatron\""));
+    }
+  }
   std::string path, field;
   if (data.source_case() == v1::DataSpec::kTextFile) {
     path = data.text_file();
@@ -259,7 +269,9 @@ absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) 
     return absl::OkStatus();
   }
   // The file lives on the workers, under each worker's --data_dir; they check
-  // it (regular file, inside the data root, size) when the job is configured.
+  // it (regular file, inside the data root, size; for tokens_file, which may
+  // be a directory or glob of shards, each shard's header, size and a sample
+  // of its ids) when the job is configured.
   if (path.empty()) return Invalid(field, "is empty: give a file path relative to the workers' --data_dir");
   if (path.size() > 4096 || path.find('\0') != std::string::npos) {
     return Invalid(field, "is not a usable path: give a file path relative to the workers' --data_dir");

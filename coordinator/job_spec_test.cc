@@ -328,5 +328,26 @@ TEST(JobSpecTest, LoadJobSpecRefusesDevicesDirectoriesAndHugeFiles) {
   EXPECT_NE(job.status().message().find("larger than 1048576 bytes"), std::string::npos) << job.status();
 }
 
+TEST(JobSpecTest, TokenFormatIsKnownAndOnlyWithTokensFile) {
+  v1::JobSpec job = Good();
+  job.mutable_data()->set_tokens_file("fineweb/train_*.bin");
+  EXPECT_EQ(ErrorOf(job), "");  // a glob; the workers expand it under their --data_dir
+  for (const char* format : {"raw_uint16", "raw_uint32", "llmc", "megatron"}) {
+    job.mutable_data()->set_token_format(format);
+    EXPECT_EQ(ErrorOf(job), "") << format;
+  }
+  job.mutable_data()->set_token_format("bpe");
+  EXPECT_NE(ErrorOf(job).find("data.token_format"), std::string::npos) << ErrorOf(job);
+  EXPECT_NE(ErrorOf(job).find("\"megatron\""), std::string::npos) << ErrorOf(job);
+  job.mutable_data()->set_text_file("corpus.txt");
+  job.mutable_model()->set_vocab(256);
+  job.mutable_data()->set_token_format("llmc");
+  EXPECT_NE(ErrorOf(job).find("data.token_format"), std::string::npos) << ErrorOf(job);
+  EXPECT_NE(ErrorOf(job).find("tokens_file only"), std::string::npos) << ErrorOf(job);
+  job.mutable_data()->set_tokens_file("");
+  job.mutable_data()->clear_token_format();
+  EXPECT_NE(ErrorOf(job).find("data.tokens_file"), std::string::npos) << ErrorOf(job);
+}
+
 }  // namespace
 }  // namespace baton

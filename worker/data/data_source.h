@@ -36,6 +36,13 @@ class DataSource {
 
   virtual int64_t micro_batch_size() const = 0;
   virtual int64_t seq_len() const = 0;
+
+  // The epoch (0-based) that step `step` starts in: how many times the
+  // source had been read through before the step's first row (a step may
+  // end in the next epoch). Sources that draw with replacement (the
+  // addition task, text_file) have no epochs and say 0; -1 for a step that
+  // is negative or past what the source can count.
+  virtual int64_t EpochOfStep(int64_t step) const { return step < 0 ? -1 : 0; }
 };
 
 // Deterministic 64-bit draws keyed by a list of integers (SplitMix64 over a

@@ -2,15 +2,20 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/path_confinement.h"
 #include "worker/data/addition_task.h"
 #include "worker/data/file_sources.h"
+#include "worker/data/shard_paths.h"
+#include "worker/data/token_shards.h"
 
 namespace baton::data {
 namespace {
@@ -65,6 +70,10 @@ absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& jo
   const int64_t seq_len = job.model().seq_len();
   const int64_t batch = job.train().micro_batch_size();
   const v1::DataSpec& data = job.data();
+  if (!data.token_format().empty() && data.source_case() != v1::DataSpec::kTokensFile) {
+    return absl::InvalidArgumentError(absl::StrCat("data.token_format = \"", data.token_format(),
+                                                   "\": applies to data.tokens_file only; remove it"));
+  }
   switch (data.source_case()) {
     case v1::DataSpec::kTextFile: {
       absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.text_file(), "data.text_file");
@@ -72,9 +81,26 @@ absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& jo
       return Upcast(TextFileSource::Create(*path, seed, vocab, seq_len, batch));
     }
     case v1::DataSpec::kTokensFile: {
-      absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.tokens_file(), "data.tokens_file");
-      if (!path.ok()) return path.status();
-      return Upcast(TokensFileSource::Create(*path, seed, vocab, seq_len, batch));
+      absl::StatusOr<TokenFormat> format = ParseTokenFormat(data.token_format());
+      if (!format.ok()) return format.status();
+      absl::StatusOr<std::vector<std::string>> paths =
+          ExpandTokenShards(data_dir, data.tokens_file(), *format, "data.tokens_file");
+      if (!paths.ok()) return paths.status();
+      std::vector<TokenShard> shards;
+      shards.reserve(paths->size());
+      for (const std::string& path : *paths) {
+        absl::StatusOr<TokenShard> shard = TokenShard::Open(path, *format, "data.tokens_file");
+        if (!shard.ok()) return shard.status();
+        shards.push_back(*std::move(shard));
+      }
+      TokensFileOptions options;
+      options.seed = seed;
+      options.vocab = vocab;
+      options.seq_len = seq_len;
+      options.micro_batch_size = batch;
+      options.microbatches = std::max(1, job.schedule().microbatches());
+      options.dp = job.parallel().has_dp() ? job.parallel().dp() : 1;
+      return Upcast(TokensFileSource::Create(std::move(shards), options));
     }
     case v1::DataSpec::kSynthetic:
       if (!data.synthetic().task().empty() && data.synthetic().task() != "addition") {
