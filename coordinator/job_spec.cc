@@ -130,9 +130,31 @@ absl::Status ValidateParallel(const ParallelDims& d) {
   BATON_RETURN_IF_ERROR(InRange("parallel.tp", d.tp, 1, max, hint));
   BATON_RETURN_IF_ERROR(InRange("parallel.dp", d.dp, 1, max, hint));
   BATON_RETURN_IF_ERROR(InRange("parallel.virtual_stages", d.virtual_stages, 1, JobLimits::kMaxVirtualStages, hint));
-  if (static_cast<int64_t>(d.pp) * d.tp * d.dp > max) {
-    return Invalid("parallel", absl::StrCat("pp*tp*dp = ", static_cast<int64_t>(d.pp) * d.tp * d.dp,
+  BATON_RETURN_IF_ERROR(InRange("parallel.cp", d.cp, 1, max, hint));
+  BATON_RETURN_IF_ERROR(InRange("parallel.ep", d.ep, 1, max, hint));
+  if (d.dp % d.ep != 0) {
+    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " and must divide parallel.dp=", d.dp,
+                                               " (expert groups are carved out of the data-parallel ranks); "
+                                               "choose ep that divides dp"));
+  }
+  const int64_t world = static_cast<int64_t>(d.pp) * d.tp * d.cp * d.dp;
+  if (world > max) {
+    return Invalid("parallel", absl::StrCat(d.cp > 1 ? "pp*tp*cp*dp = " : "pp*tp*dp = ", world,
                                             " workers; baton supports at most ", max));
+  }
+  return absl::OkStatus();
+}
+
+// cp and ep are planned (the planner and the job groups know them) but no
+// model code splits sequences or experts yet.
+absl::Status RefusePlannedAxes(const ParallelDims& d) {
+  if (d.cp > 1) {
+    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, "; context parallelism is planned but not implemented "
+                                               "in this version; leave it unset"));
+  }
+  if (d.ep > 1) {
+    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, "; expert parallelism is planned but not implemented "
+                                               "in this version; leave it unset"));
   }
   return absl::OkStatus();
 }
@@ -291,6 +313,8 @@ ParallelDims DimsOf(const v1::JobSpec& job) {
   d.tp = p.has_tp() ? p.tp() : 1;
   d.dp = p.has_dp() ? p.dp() : 1;
   d.virtual_stages = p.has_virtual_stages() ? p.virtual_stages() : 1;
+  d.cp = p.has_cp() ? p.cp() : 1;
+  d.ep = p.has_ep() ? p.ep() : 1;
   return d;
 }
 
@@ -392,6 +416,11 @@ absl::Status ValidateFaultTolerance(const v1::FaultToleranceSpec& f) {
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& job) {
+  BATON_RETURN_IF_ERROR(ValidateJobSpecAllowingPlannedAxes(job));
+  return RefusePlannedAxes(DimsOf(job));
+}
+
+absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   if (job.name().empty()) return Invalid("name", "must be set, e.g. name: \"demo\"");
   const ParallelDims d = DimsOf(job);
   BATON_RETURN_IF_ERROR(ValidateParallel(d));

@@ -45,13 +45,17 @@ struct JobLimits {
   static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };
 
-// The effective parallel layout (unset fields mean 1).
+// The effective parallel layout (unset fields mean 1). cp and ep are planned
+// axes (docs/architecture.md "Parallel mesh"): cp ranks split each sequence,
+// ep ranks are carved out of dp (ep divides dp, adds no ranks).
 struct ParallelDims {
   int pp = 1;
   int tp = 1;
   int dp = 1;
   int virtual_stages = 1;
-  int world_size() const { return pp * tp * dp; }
+  int cp = 1;
+  int ep = 1;
+  int world_size() const { return pp * tp * cp * dp; }
 };
 
 ParallelDims DimsOf(const v1::JobSpec& job);
@@ -65,7 +69,13 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
+// Refuses parallel.cp > 1 and parallel.ep > 1: no model code uses them yet.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);
+
+// ValidateJobSpec without that refusal (every other check, cp and ep's own
+// included): for planning meshes with the planned axes (MakePlanOfMesh) before
+// the model uses them. Never for a job that is going to run.
+absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job);
 
 }  // namespace baton
 

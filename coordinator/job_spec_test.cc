@@ -63,6 +63,22 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
       {"zero tp", [](v1::JobSpec* j) { j->mutable_parallel()->set_tp(0); }, "parallel.tp", ">= 1"},
       {"zero pp", [](v1::JobSpec* j) { j->mutable_parallel()->set_pp(0); }, "parallel.pp", ">= 1"},
       {"zero dp", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(0); }, "parallel.dp", ">= 1"},
+      {"zero cp", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(0); }, "parallel.cp", ">= 1"},
+      {"zero ep", [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(0); }, "parallel.ep", ">= 1"},
+      {"ep vs dp",
+       [](v1::JobSpec* j) {
+         j->mutable_parallel()->set_dp(4);
+         j->mutable_parallel()->set_ep(3);
+       },
+       "parallel.ep", "must divide parallel.dp=4"},
+      {"cp not implemented", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(2); }, "parallel.cp",
+       "not implemented in this version; leave it unset"},
+      {"ep not implemented",
+       [](v1::JobSpec* j) {
+         j->mutable_parallel()->set_dp(2);
+         j->mutable_parallel()->set_ep(2);
+       },
+       "parallel.ep", "not implemented in this version; leave it unset"},
       {"heads vs d_model", [](v1::JobSpec* j) { j->mutable_model()->set_heads(3); }, "model.heads",
        "divides d_model"},
       {"tp vs heads",
@@ -197,6 +213,10 @@ TEST(JobSpecTest, EverySizeFieldHasACapThatNamesTheFieldAndTheLimit) {
       {"pp", [](v1::JobSpec* j) { j->mutable_parallel()->set_pp(1 << 30); }, "parallel.pp", "at most 65536"},
       {"tp", [](v1::JobSpec* j) { j->mutable_parallel()->set_tp(1 << 30); }, "parallel.tp", "at most 65536"},
       {"dp", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(1 << 30); }, "parallel.dp", "at most 65536"},
+      {"cp", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(1 << 30); }, "parallel.cp", "at most 65536"},
+      {"ep", [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(1 << 30); }, "parallel.ep", "at most 65536"},
+      {"world with cp", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(32768); }, "pp*tp*cp*dp = 131072",
+       "at most 65536"},
       {"world", [](v1::JobSpec* j) { j->mutable_parallel()->set_dp(32768); }, "pp*tp*dp = 131072",
        "at most 65536"},
       {"virtual stages", [](v1::JobSpec* j) { j->mutable_parallel()->set_virtual_stages(1 << 20); },
@@ -347,6 +367,48 @@ TEST(JobSpecTest, TokenFormatIsKnownAndOnlyWithTokensFile) {
   job.mutable_data()->set_tokens_file("");
   job.mutable_data()->clear_token_format();
   EXPECT_NE(ErrorOf(job).find("data.tokens_file"), std::string::npos) << ErrorOf(job);
+}
+
+TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
+  v1::JobSpec job = Good();  // pp 2, tp 2
+  EXPECT_EQ(DimsOf(job).cp, 1) << "unset cp means 1";
+  EXPECT_EQ(DimsOf(job).ep, 1) << "unset ep means 1";
+  job.mutable_parallel()->set_cp(1);
+  job.mutable_parallel()->set_ep(1);
+  EXPECT_EQ(ErrorOf(job), "") << "an explicit 1 is fine";
+
+  job.mutable_parallel()->set_cp(2);
+  job.mutable_parallel()->set_dp(4);
+  job.mutable_parallel()->set_ep(2);
+  const ParallelDims d = DimsOf(job);
+  EXPECT_EQ(d.cp, 2);
+  EXPECT_EQ(d.ep, 2);
+  EXPECT_EQ(d.world_size(), 2 * 2 * 2 * 4) << "cp adds ranks, ep does not";
+  // Consistent apart from being unimplemented: the planner may plan it...
+  EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
+  // ...but no job runs it.
+  EXPECT_NE(ErrorOf(job).find("parallel.cp: is 2; context parallelism is planned but not implemented"),
+            std::string::npos)
+      << ErrorOf(job);
+  job.mutable_parallel()->clear_cp();
+  EXPECT_NE(ErrorOf(job).find("parallel.ep: is 2; expert parallelism is planned but not implemented"),
+            std::string::npos)
+      << ErrorOf(job);
+  job.mutable_parallel()->clear_ep();
+  EXPECT_EQ(ErrorOf(job), "");
+
+  // The planned axes' own checks hold either way.
+  job.mutable_parallel()->set_ep(3);
+  const absl::Status allowing = ValidateJobSpecAllowingPlannedAxes(job);
+  EXPECT_NE(allowing.message().find("parallel.ep: is 3 and must divide parallel.dp=4"), std::string::npos)
+      << allowing;
+  job.mutable_parallel()->set_ep(1);
+  job.mutable_parallel()->set_cp(0);
+  EXPECT_NE(std::string(ValidateJobSpecAllowingPlannedAxes(job).message()).find("parallel.cp"), std::string::npos);
+  // And the rest of the spec is still checked with them set.
+  job.mutable_parallel()->set_cp(2);
+  job.mutable_model()->set_heads(3);
+  EXPECT_NE(std::string(ValidateJobSpecAllowingPlannedAxes(job).message()).find("model.heads"), std::string::npos);
 }
 
 }  // namespace

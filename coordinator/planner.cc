@@ -84,15 +84,19 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
   return out;
 }
 
-absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
-                                  int64_t generation) {
-  BATON_RETURN_IF_ERROR(ValidateJobSpec(job));
+namespace {
+
+// MakePlan after validation: the one code path of MakePlan and MakePlanOfMesh.
+absl::StatusOr<v1::Plan> PlanValidated(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                       int64_t generation) {
   const ParallelDims d = DimsOf(job);
   const int world = d.world_size();
   if (static_cast<int>(ready.size()) < world) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' needs pp*tp*dp = ", d.pp, "*", d.tp,
-                                                      "*", d.dp, " = ", world, " workers; ", ready.size(),
-                                                      " are ready (start ", world - ready.size(), " more)"));
+    const std::string formula = d.cp > 1 ? absl::StrCat("pp*tp*cp*dp = ", d.pp, "*", d.tp, "*", d.cp, "*", d.dp)
+                                         : absl::StrCat("pp*tp*dp = ", d.pp, "*", d.tp, "*", d.dp);
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' needs ", formula, " = ", world,
+                                                      " workers; ", ready.size(), " are ready (start ",
+                                                      world - ready.size(), " more)"));
   }
   // Free workers per host, each list in name order; hosts in name order.
   std::map<std::string, std::vector<const v1::WorkerInfo*>> free;
@@ -142,18 +146,24 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
   plan.set_tp(d.tp);
   plan.set_dp(d.dp);
   plan.set_virtual_stages(d.virtual_stages);
+  plan.set_cp(d.cp);
+  plan.set_ep(d.ep);
   BATON_ASSIGN_OR_RETURN(const std::vector<int> placement, PlacementOfJob(job));
   for (int rank : placement) plan.add_stage_ranks(rank);
+  // Ranks in global-rank order (planner.h): the loops nest as the axes do.
   for (int dp = 0; dp < d.dp; ++dp) {
     for (int pp = 0; pp < d.pp; ++pp) {
-      std::vector<const v1::WorkerInfo*> group = take_group();
-      for (int tp = 0; tp < d.tp; ++tp) {
-        v1::RankAssignment* r = plan.add_ranks();
-        PlaceRank(*group[tp], r);
-        r->set_global_rank((dp * d.pp + pp) * d.tp + tp);
-        r->set_pp_rank(pp);
-        r->set_tp_rank(tp);
-        r->set_dp_rank(dp);
+      for (int cp = 0; cp < d.cp; ++cp) {
+        std::vector<const v1::WorkerInfo*> group = take_group();
+        for (int tp = 0; tp < d.tp; ++tp) {
+          v1::RankAssignment* r = plan.add_ranks();
+          PlaceRank(*group[tp], r);
+          r->set_global_rank(((dp * d.pp + pp) * d.cp + cp) * d.tp + tp);
+          r->set_pp_rank(pp);
+          r->set_tp_rank(tp);
+          r->set_dp_rank(dp);
+          r->set_cp_rank(cp);
+        }
       }
     }
   }
@@ -167,6 +177,20 @@ absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::
   plan.set_comm_backend(CommBackendOf(job, plan));
   BATON_RETURN_IF_ERROR(CheckPlanFitsMemory(job, plan, ready));
   return plan;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                  int64_t generation) {
+  BATON_RETURN_IF_ERROR(ValidateJobSpec(job));
+  return PlanValidated(job, ready, generation);
+}
+
+absl::StatusOr<v1::Plan> MakePlanOfMesh(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                        int64_t generation) {
+  BATON_RETURN_IF_ERROR(ValidateJobSpecAllowingPlannedAxes(job));
+  return PlanValidated(job, ready, generation);
 }
 
 void PlaceRank(const v1::WorkerInfo& w, v1::RankAssignment* r) {

@@ -1,12 +1,17 @@
 // Planner: JobSpec + READY workers -> Plan (who holds which pipeline stage
 // and TP/DP rank, which layers each stage holds, who stays spare).
 //
-// Rank order: TP innermost, then PP, then DP:
-//   global_rank = (dp_rank * pp + pp_rank) * tp + tp_rank
-// so a TP group is a block of tp consecutive ranks, placed on one host when
-// some host has tp free workers (TP all-reduces are the most frequent and
-// latency-bound collectives). Workers are taken in (host, name) order, so the
-// same workers always give the same plan. The rest are spares.
+// Rank order: TP innermost, then CP, then PP, then DP:
+//   global_rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+// (with cp = 1, as every runnable job has today: (dp_rank * pp + pp_rank) *
+// tp + tp_rank), so a TP group is a block of tp consecutive ranks, placed on
+// one host when some host has tp free workers (TP all-reduces are the most
+// frequent and latency-bound collectives), and the cp ranks of one (dp, pp)
+// come next, cp blocks of tp. EP adds no ranks: it is carved out of DP, the
+// expert-parallel rank being dp_rank % ep (ep consecutive DP replicas share
+// their experts' work); the Plan records ep and every rank's cp_rank.
+// Workers are taken in (host, name) order, so the same workers always give
+// the same plan. The rest are spares.
 //
 // Layer partition: contiguous blocks over pp * virtual_stages stages (chunk c
 // lives where the schedule's placement puts it, Plan.stage_ranks: pp rank
@@ -38,12 +43,20 @@ LayerCosts CostsOf(const v1::ModelSpec& model);
 // Contiguous partition of `layers` blocks into `stages` stages (layers >= stages).
 std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs);
 
-// FAILED_PRECONDITION when fewer workers are ready than pp*tp*dp (says how
-// many are missing); INVALID_ARGUMENT for an invalid spec; RESOURCE_EXHAUSTED
-// when a worker of the plan lacks the memory its part needs
-// (CheckPlanFitsMemory). Cost: O(pp * virtual_stages * layers + workers).
+// FAILED_PRECONDITION when fewer workers are ready than pp*tp*cp*dp (says how
+// many are missing); INVALID_ARGUMENT for an invalid spec (ValidateJobSpec,
+// which refuses cp > 1 and ep > 1 until the model uses them);
+// RESOURCE_EXHAUSTED when a worker of the plan lacks the memory its part needs
+// (CheckPlanFitsMemory, which does not yet count cp's shorter sequences).
+// Cost: O(pp * virtual_stages * layers + workers).
 absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
                                   int64_t generation);
+
+// MakePlan, validated with ValidateJobSpecAllowingPlannedAxes: plans a mesh
+// with cp > 1 or ep > 1 that no model runs yet (tests; the features that
+// will use those axes). Same code path as MakePlan after validation.
+absl::StatusOr<v1::Plan> MakePlanOfMesh(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
+                                        int64_t generation);
 
 // Puts worker `w` in rank `r`: its name and what the plan knows of where it
 // runs (host, device, GPU UUID). Every placement (planning, replacement,

@@ -6,6 +6,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/job_spec.h"
@@ -352,6 +353,106 @@ TEST(PlannerTest, InvalidSpecIsRejectedBeforePlanning) {
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(plan.status().message().find("model.layers"), std::string::npos);
+}
+
+// Two workers per host, named so that name order is host order.
+std::vector<v1::WorkerInfo> PairsOnHosts(int workers) {
+  std::vector<std::pair<std::string, std::string>> name_host;
+  for (int i = 0; i < workers; ++i) {
+    name_host.push_back({absl::StrCat("w", i < 10 ? "0" : "", i), absl::StrCat("h", i / 2 < 10 ? "0" : "", i / 2)});
+  }
+  return Workers(name_host);
+}
+
+TEST(PlannerTest, ContextParallelRanksSitBetweenTpAndPp) {
+  v1::JobSpec job = Job(4, 2, 2, 2);
+  job.mutable_parallel()->set_cp(2);
+  const std::vector<v1::WorkerInfo> workers = PairsOnHosts(17);
+  // A job cannot run it yet...
+  auto refused = MakePlan(job, workers, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("parallel.cp"), std::string::npos) << refused.status();
+  // ...but the mesh plans.
+  auto plan = MakePlanOfMesh(job, workers, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->cp(), 2);
+  EXPECT_EQ(plan->ep(), 1);
+  ASSERT_EQ(plan->ranks_size(), 16);
+  ASSERT_EQ(plan->spares_size(), 1);
+  EXPECT_EQ(plan->spares(0), "w16");
+  std::set<std::tuple<int, int, int, int>> coords;
+  std::set<std::string> names;
+  for (int i = 0; i < plan->ranks_size(); ++i) {
+    const v1::RankAssignment& r = plan->ranks(i);
+    SCOPED_TRACE(absl::StrCat("rank ", i));
+    EXPECT_EQ(r.global_rank(), i) << "ranks are listed in global-rank order";
+    EXPECT_EQ(r.global_rank(), ((r.dp_rank() * 2 + r.pp_rank()) * 2 + r.cp_rank()) * 2 + r.tp_rank());
+    EXPECT_TRUE(coords.insert({r.dp_rank(), r.pp_rank(), r.cp_rank(), r.tp_rank()}).second);
+    EXPECT_TRUE(names.insert(r.worker_name()).second) << "one rank per worker";
+    EXPECT_GE(r.cp_rank(), 0);
+    EXPECT_LT(r.cp_rank(), 2);
+  }
+  EXPECT_EQ(coords.size(), 16u);
+  // TP innermost, then CP, then PP, then DP.
+  auto at = [&](int i) {
+    const v1::RankAssignment& r = plan->ranks(i);
+    return std::make_tuple(r.dp_rank(), r.pp_rank(), r.cp_rank(), r.tp_rank());
+  };
+  EXPECT_EQ(at(1), std::make_tuple(0, 0, 0, 1));
+  EXPECT_EQ(at(2), std::make_tuple(0, 0, 1, 0));
+  EXPECT_EQ(at(4), std::make_tuple(0, 1, 0, 0));
+  EXPECT_EQ(at(8), std::make_tuple(1, 0, 0, 0));
+  EXPECT_EQ(at(15), std::make_tuple(1, 1, 1, 1));
+  // Every TP group still shares a host; the two CP blocks of one (dp, pp) do not.
+  for (int i = 0; i < 16; i += 2) EXPECT_EQ(plan->ranks(i).host(), plan->ranks(i + 1).host()) << i;
+  EXPECT_NE(plan->ranks(0).host(), plan->ranks(2).host());
+}
+
+TEST(PlannerTest, WithoutTheNewAxesMakePlanOfMeshIsMakePlan) {
+  const std::vector<v1::WorkerInfo> workers = PairsOnHosts(13);
+  for (const v1::JobSpec& job : {Job(4, 2, 2, 3), Job(6, 3, 1, 2), Job(2, 1, 2, 1)}) {
+    auto a = MakePlan(job, workers, 3);
+    auto b = MakePlanOfMesh(job, workers, 3);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(a->SerializeAsString(), b->SerializeAsString());
+    EXPECT_EQ(a->cp(), 1);
+    EXPECT_EQ(a->ep(), 1);
+    for (const v1::RankAssignment& r : a->ranks()) {
+      EXPECT_EQ(r.cp_rank(), 0);
+      EXPECT_EQ(r.global_rank(), (r.dp_rank() * job.parallel().pp() + r.pp_rank()) * job.parallel().tp() + r.tp_rank());
+    }
+  }
+}
+
+TEST(PlannerTest, ExpertParallelismAddsNoRanks) {
+  v1::JobSpec job = Job(4, 1, 2, 4);
+  job.mutable_parallel()->set_ep(2);
+  const std::vector<v1::WorkerInfo> workers = PairsOnHosts(8);
+  auto refused = MakePlan(job, workers, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("parallel.ep"), std::string::npos) << refused.status();
+  auto plan = MakePlanOfMesh(job, workers, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->ep(), 2);
+  EXPECT_EQ(plan->dp(), 4);
+  EXPECT_EQ(plan->ranks_size(), 8) << "ep is carved out of dp";
+  EXPECT_EQ(plan->spares_size(), 0);
+  job.mutable_parallel()->set_ep(3);
+  auto bad = MakePlanOfMesh(job, workers, 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("must divide parallel.dp"), std::string::npos) << bad.status();
+}
+
+TEST(PlannerTest, TooFewWorkersForAContextParallelMeshCountsCp) {
+  v1::JobSpec job = Job(4, 2, 1, 1);
+  job.mutable_parallel()->set_cp(2);
+  auto plan = MakePlanOfMesh(job, PairsOnHosts(3), 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("pp*tp*cp*dp = 2*1*2*1 = 4"), std::string::npos) << plan.status();
+  EXPECT_NE(plan.status().message().find("start 1 more"), std::string::npos) << plan.status();
 }
 
 }  // namespace

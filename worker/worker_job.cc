@@ -829,6 +829,10 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
       case comm::GroupKind::kTie:
         job->tie = std::move(comms[i]);  // null on the middle pipeline ranks
         break;
+      case comm::GroupKind::kCp:
+      case comm::GroupKind::kEp:
+      case comm::GroupKind::kExpertDp:
+        break;  // planned axes: the layout above has cp = ep = 1, so no such round
     }
   }
 

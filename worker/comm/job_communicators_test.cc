@@ -70,6 +70,67 @@ TEST(JobCommunicatorsTest, GlooGivesEveryRankItsGroupsInPlanOrder) {
   }
 }
 
+// The planned axes' rounds need nothing new of CreateJobCommunicators: a
+// cp=2 x dp=4 (ep=2) mesh gets its DP, CP, expert and expert-DP groups, and
+// each group's all-reduce of 2^(job rank) yields exactly its members' bits.
+TEST(JobCommunicatorsTest, GlooGivesContextAndExpertGroupsTheirMembers) {
+  JobLayout layout{1, 1, 4, false};
+  layout.cp = 2;
+  layout.ep = 2;
+  InMemoryStore store;
+  std::vector<std::thread> threads;
+  std::vector<std::vector<float>> got(JobSize(layout));
+  std::vector<std::vector<GroupKind>> kinds(JobSize(layout));
+  for (int d = 0; d < layout.dp; ++d) {
+    for (int c = 0; c < layout.cp; ++c) {
+      threads.emplace_back([&, c, d] {
+        JobCommSpec spec;
+        spec.generation = 3;
+        spec.layout = layout;
+        spec.rank = RankCoords{0, 0, d, c};
+        spec.backend = Backend::kGloo;
+        spec.rendezvous_timeout = absl::Seconds(60);
+        absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> comms = CreateJobCommunicators(store, spec);
+        ASSERT_TRUE(comms.ok()) << comms.status();
+        absl::StatusOr<std::vector<GroupRound>> rounds = PlanJobGroups(layout, spec.rank);
+        ASSERT_TRUE(rounds.ok());
+        ASSERT_EQ(comms->size(), rounds->size());
+        const int me = JobRank(layout, spec.rank);
+        for (size_t i = 0; i < rounds->size(); ++i) {
+          Communicator* comm = (*comms)[i].get();
+          ASSERT_NE(comm, nullptr) << (*rounds)[i].group;
+          EXPECT_EQ(comm->rank(), (*rounds)[i].key) << (*rounds)[i].group;
+          EXPECT_EQ(comm->size(), (*rounds)[i].size) << (*rounds)[i].group;
+          float x = static_cast<float>(1 << me);
+          absl::Status s = comm->AllReduceSum(Buffer::Host(&x, 1))->Wait(absl::Seconds(60));
+          EXPECT_TRUE(s.ok()) << (*rounds)[i].group << ": " << s;
+          got[me].push_back(x);
+          kinds[me].push_back((*rounds)[i].kind);
+        }
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  auto bits = [&](std::vector<std::pair<int, int>> dc) {
+    int mask = 0;
+    for (auto [d, c] : dc) mask |= 1 << JobRank(layout, RankCoords{0, 0, d, c});
+    return static_cast<float>(mask);
+  };
+  for (int d = 0; d < layout.dp; ++d) {
+    for (int c = 0; c < layout.cp; ++c) {
+      SCOPED_TRACE(testing::Message() << "dp rank " << d << " cp rank " << c);
+      const int me = JobRank(layout, RankCoords{0, 0, d, c});
+      ASSERT_EQ(kinds[me], (std::vector<GroupKind>{GroupKind::kDp, GroupKind::kCp, GroupKind::kEp,
+                                                   GroupKind::kExpertDp}));
+      EXPECT_EQ(got[me][0], bits({{0, c}, {1, c}, {2, c}, {3, c}})) << "DP: every replica of this cp rank";
+      EXPECT_EQ(got[me][1], bits({{d, 0}, {d, 1}})) << "CP: both halves of this replica's sequences";
+      const int g = d / 2 * 2, slot = d % 2;
+      EXPECT_EQ(got[me][2], bits({{g, c}, {g + 1, c}})) << "EP: two consecutive replicas";
+      EXPECT_EQ(got[me][3], bits({{slot, c}, {slot + 2, c}})) << "EDP: the replicas of this expert slot";
+    }
+  }
+}
+
 TEST(JobCommunicatorsTest, NcclWithoutADeviceOrWithoutCudaIsRefused) {
   InMemoryStore store;
   JobCommSpec spec;

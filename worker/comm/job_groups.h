@@ -1,17 +1,37 @@
 // JobGroups: the communicator groups one rank of a job generation belongs to
-// (TP group, pipeline group, DP group, tied-embedding pair), named and
-// ordered the same way on every rank.
+// (TP group, pipeline group, DP group, tied-embedding pair, and for the
+// planned axes the CP ring and the expert groups), named and ordered the
+// same way on every rank.
 //
 // The result is one GroupRound per kind of group, in the one global order
-// every rank uses (tp, pp, dp, tie; kinds the layout does not have are left
-// out on every rank). A round is exactly what one ncclCommSplit call of the
+// every rank uses (tp, pp, dp, tie, cp, ep, edp; kinds the layout does not
+// have are left out on every rank, so with cp = ep = 1 the rounds are the
+// four of a pp x tp x dp job). A round is exactly what one ncclCommSplit call of the
 // job's parent communicator needs: ranks of the same group share `color`
 // (distinct per group, >= 0), `key` is the rank's rank within its group, and
 // a rank in none of the round's groups (the middle pipeline stages in the
 // tie round) gets kNoColor. The per-group path (Gloo, or NCCL without
 // splitting) creates the rounds' groups in the same order, skipping kNoColor.
 //
-// Global (job) rank of (pp rank p, tp rank t, dp rank d): (d * pp + p) * tp + t.
+// Global (job) rank of (pp rank p, tp rank t, dp rank d, cp rank c):
+// ((d * pp + p) * cp + c) * tp + t, the planner's order (coordinator/planner.h);
+// (d * pp + p) * tp + t when cp = 1.
+//
+// The groups, for a rank (p, t, d, c); a group's name is its key scope, and
+// "-c<c>" appears in names only when cp > 1 (so cp = 1 names are unchanged):
+//   tp   the tp ranks of one (d, p, c)                   "tp-d<d>-p<p>[-c<c>]"
+//   pp   the pp ranks of one (d, c, t)                   "pp-d<d>[-c<c>]-t<t>"
+//   dp   the dp ranks of one (p, c, t)                   "dp-p<p>[-c<c>]-t<t>"
+//   tie  first and last stage's pp ranks of one (d, c, t) "tie-d<d>[-c<c>]-t<t>"
+//   cp   the cp ranks of one (d, p, t), the ring context parallelism passes
+//        key/value blocks around (cp > 1)                 "cp-d<d>-p<p>-t<t>"
+//   ep   the expert group: the ep consecutive dp ranks d = g*ep .. g*ep+ep-1
+//        of one (p, c, t), key d % ep (ep > 1)            "ep-p<p>[-c<c>]-t<t>-g<g>"
+//   edp  the expert-data-parallel group: the dp ranks of one (p, c, t) that
+//        hold the same expert slot s = d % ep, key d / ep; it reduces the
+//        experts' gradients (dp / ep > 1)                 "edp-p<p>[-c<c>]-t<t>-s<s>"
+// (DP gradients of a cp > 1 job will need the dp x cp ranks of one (p, t),
+// Megatron's "dp-cp" group; no round makes it yet.)
 //
 // Pure functions: no I/O, thread-safe.
 #ifndef BATON_WORKER_COMM_JOB_GROUPS_H_
@@ -36,15 +56,22 @@ struct JobLayout {
   // sum their copies locally).
   int first_stage_rank = 0;
   int last_stage_rank = -1;
+  // Planned axes, last so that positional initialisers of the fields above
+  // keep their meaning: context-parallel degree, and the expert-parallel
+  // degree carved out of dp (ep divides dp).
+  int cp = 1;
+  int ep = 1;
 };
 
 struct RankCoords {
   int pp_rank = 0;
   int tp_rank = 0;
   int dp_rank = 0;
+  int cp_rank = 0;
 };
 
-enum class GroupKind { kTp, kPipeline, kDp, kTie };
+// kExpertDp: the expert-data-parallel group (see above).
+enum class GroupKind { kTp, kPipeline, kDp, kTie, kCp, kEp, kExpertDp };
 
 // Equals NCCL_SPLIT_NOCOLOR; the rank joins no group in this round.
 inline constexpr int kNoColor = -1;
@@ -57,13 +84,13 @@ struct GroupRound {
   std::string group;     // e.g. "tp-d0-p1", the key scope "comm/<group>/gen<g>" (empty with kNoColor)
 };
 
-const char* GroupKindName(GroupKind kind);  // "tp", "pp", "dp", "tie"
+const char* GroupKindName(GroupKind kind);  // "tp", "pp", "dp", "tie", "cp", "ep", "edp"
 
 int JobSize(const JobLayout& layout);
 int JobRank(const JobLayout& layout, const RankCoords& rank);
 
 // The rounds of `rank` in `layout`. INVALID_ARGUMENT for a non-positive
-// degree or coordinates outside the layout.
+// degree, an ep that does not divide dp, or coordinates outside the layout.
 absl::StatusOr<std::vector<GroupRound>> PlanJobGroups(const JobLayout& layout,
                                                       const RankCoords& rank);
 
