@@ -198,7 +198,7 @@ TEST(StepExecutorTest, AnOverlappedPairSendsItsForwardBeforeItsBackwardRuns) {
     }
     ASSERT_FALSE(pairs->empty());
     for (auto& model : models) {
-      model->on_backward = [&, pairs, &s](int stage, int mb) {
+      model->on_backward = [&, pairs](int stage, int mb) {
         const int r = s.RankOf(stage);
         auto it = pairs->find({r, stage, mb});
         if (it == pairs->end()) return;
