@@ -620,13 +620,16 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
   v1::Plan shared = plan;
   shared.clear_ranks();
   shared.clear_spares();
+  // A schedule.csv (up to 1 MiB) stays here: workers run their Program.
+  v1::JobSpec shipped = job_;
+  shipped.mutable_schedule()->clear_csv();
   for (const v1::RankAssignment& r : plan.ranks()) {
     v1::CoordinatorMessage msg;
     v1::Configure* c = msg.mutable_configure();
     *c->mutable_plan() = shared;
     *c->mutable_plan()->add_ranks() = r;
     *c->mutable_program() = programs[r.pp_rank()];
-    *c->mutable_job() = job_;
+    *c->mutable_job() = shipped;
     c->set_resume_step(setup.resume_step);
     if (auto it = setup.state.find(r.worker_name()); it != setup.state.end()) c->set_state(it->second);
     c->set_checkpoint_dir(setup.checkpoint_dir);
