@@ -10,6 +10,7 @@
 
 #include "absl/strings/ascii.h"
 #include "common/status_macros.h"
+#include "common/token_format.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/schedule/builders.h"
@@ -264,7 +265,7 @@ absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) 
       return Invalid("data.token_format", "applies to data.tokens_file only; remove it or use tokens_file");
     }
     const std::string& f = data.token_format();
-    if (f != "raw_uint16" && f != "raw_uint32" && f != "llmc" && f != "megatron") {
+    if (!ParseTokenFormat(f).ok()) {
       return Invalid("data.token_format", absl::StrCat("is \"", f, "\"; use \"raw_uint16\" (the default), "
                                                        "\"raw_uint32\", \"llmc\" or \"megatron\""));
     }

@@ -75,26 +75,6 @@ absl::Status CheckNotAHeaderFormat(const MappedFile& file, const std::string& fi
 
 }  // namespace
 
-absl::StatusOr<TokenFormat> ParseTokenFormat(absl::string_view name) {
-  if (name.empty() || name == "raw_uint16") return TokenFormat::kRawUint16;
-  if (name == "raw_uint32") return TokenFormat::kRawUint32;
-  if (name == "llmc") return TokenFormat::kLlmc;
-  if (name == "megatron") return TokenFormat::kMegatron;
-  return absl::InvalidArgumentError(
-      absl::StrCat("data.token_format = \"", name, "\": unknown; use \"raw_uint16\" (the default), \"raw_uint32\", "
-                   "\"llmc\" or \"megatron\""));
-}
-
-const char* TokenFormatName(TokenFormat format) {
-  switch (format) {
-    case TokenFormat::kRawUint16: return "raw_uint16";
-    case TokenFormat::kRawUint32: return "raw_uint32";
-    case TokenFormat::kLlmc: return "llmc";
-    case TokenFormat::kMegatron: return "megatron";
-  }
-  return "unknown";
-}
-
 absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path, TokenFormat format, const std::string& field) {
   TokenShard shard;
   if (format == TokenFormat::kRawUint16 || format == TokenFormat::kRawUint32) {

@@ -33,16 +33,15 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/token_format.h"
 #include "worker/data/mapped_file.h"
 
 namespace baton::data {
 
-enum class TokenFormat { kRawUint16, kRawUint32, kLlmc, kMegatron };
-
-// data.token_format: "" and "raw_uint16" are kRawUint16; an unknown name is
-// INVALID_ARGUMENT listing the known ones.
-absl::StatusOr<TokenFormat> ParseTokenFormat(absl::string_view name);
-const char* TokenFormatName(TokenFormat format);
+// data.token_format's names (common/token_format.h).
+using ::baton::ParseTokenFormat;
+using ::baton::TokenFormat;
+using ::baton::TokenFormatName;
 
 // Bounds on what one job maps (checked before mapping).
 inline constexpr int64_t kMaxShardBytes = int64_t{1} << 40;  // 1 TiB per file
