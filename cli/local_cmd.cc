@@ -119,10 +119,17 @@ std::string Percent(double ratio) { return absl::StrFormat("%.1f%%", 100 * ratio
 
 // One progress line, e.g.
 // step 12/200  loss 1.234  acc 45.6%  tok/s 12345  bubble 12.3%  comm 4.5%
+// and, once an evaluation ran (train.eval_every_steps), "  eval 1.301 (ppl 3.67 @10)".
 std::string ProgressLine(const v1::GetStatusResponse& s) {
-  return absl::StrFormat("step %d/%d  loss %.3f  acc %s  tok/s %.0f  bubble %s  comm %s", s.step(), s.total_steps(),
-                         s.loss(), Percent(s.accuracy()), s.tokens_per_second(), Percent(s.bubble_ratio()),
-                         Percent(s.comm_ratio()));
+  std::string line =
+      absl::StrFormat("step %d/%d  loss %.3f  acc %s  tok/s %.0f  bubble %s  comm %s", s.step(), s.total_steps(),
+                      s.loss(), Percent(s.accuracy()), s.tokens_per_second(), Percent(s.bubble_ratio()),
+                      Percent(s.comm_ratio()));
+  if (s.eval_step() > 0) {
+    absl::StrAppend(&line, absl::StrFormat("  eval %.3f (ppl %.2f @%d)", s.eval_loss(), s.eval_perplexity(),
+                                           s.eval_step()));
+  }
+  return line;
 }
 
 // Prints progress lines: rewritten in place on a terminal, one per line

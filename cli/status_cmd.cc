@@ -67,6 +67,10 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
       // Recovery (owner: recovery): what the last recovery did, and how many.
       ",\"recovery\":", JsonQuote(status.recovery()),
       ",\"recoveries\":", status.recoveries(),
+      // The last evaluation (train.eval_every_steps); eval_step 0: none yet.
+      ",\"eval_step\":", status.eval_step(),
+      ",\"eval_loss\":", status.eval_step() > 0 ? JsonNumber(status.eval_loss()) : "null",
+      ",\"eval_perplexity\":", status.eval_step() > 0 ? JsonNumber(status.eval_perplexity()) : "null",
       ",\"stages\":[", absl::StrJoin(stages, ","), "]",
       ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
 }
@@ -129,6 +133,10 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
         "step %d/%d  loss %.4f  acc %.1f%%  tok/s %.0f  bubble %.1f%% (expected %.1f%%)  comm %.1f%%\n",
         status.step(), status.total_steps(), status.loss(), 100 * status.accuracy(), status.tokens_per_second(),
         100 * status.bubble_ratio(), 100 * status.expected_bubble_ratio(), 100 * status.comm_ratio());
+    if (status.eval_step() > 0) {
+      out << absl::StrFormat("eval after step %d: loss %.4f  perplexity %.2f\n", status.eval_step(),
+                             status.eval_loss(), status.eval_perplexity());
+    }
     out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE", "COMM",
                            "TOK/S", "WORKERS");
     for (const v1::StageStatus& st : status.stages()) {

@@ -36,5 +36,22 @@ TEST(StatusJsonTest, WorkersShowTheirDeviceFactsFusedAttentionIncluded) {
   EXPECT_EQ(w1.Find("device")->str(), "cpu");
 }
 
+// The held-out loss is there once an evaluation ran, null before.
+TEST(StatusJsonTest, TheLastEvaluationIsShownOnceThereIsOne) {
+  v1::GetStatusResponse status;
+  absl::StatusOr<JsonValue> none = JsonValue::Parse(StatusJson("t", status));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->Find("eval_step")->integer(), 0);
+  EXPECT_EQ(none->Find("eval_loss")->kind(), JsonValue::Kind::kNull);
+  status.set_eval_step(40);
+  status.set_eval_loss(2.5);
+  status.set_eval_perplexity(12.182);
+  absl::StatusOr<JsonValue> json = JsonValue::Parse(StatusJson("t", status));
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_EQ(json->Find("eval_step")->integer(), 40);
+  EXPECT_DOUBLE_EQ(json->Find("eval_loss")->number(), 2.5);
+  EXPECT_DOUBLE_EQ(json->Find("eval_perplexity")->number(), 12.182);
+}
+
 }  // namespace
 }  // namespace baton::cli

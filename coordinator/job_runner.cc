@@ -120,6 +120,7 @@ int64_t GenerationOf(const v1::WorkerMessage& m) {
     case v1::WorkerMessage::kSaved: return m.saved().generation();
     case v1::WorkerMessage::kSnapshot: return m.snapshot().generation();
     case v1::WorkerMessage::kFetchedState: return m.fetched_state().generation();
+    case v1::WorkerMessage::kEvalReport: return m.eval_report().generation();
     default: return 0;
   }
 }
@@ -129,6 +130,7 @@ int64_t StepOf(const v1::WorkerMessage& m) {
     case v1::WorkerMessage::kReport: return m.report().step();
     case v1::WorkerMessage::kStepDone: return m.step_done().step();
     case v1::WorkerMessage::kFetchedState: return m.fetched_state().step();
+    case v1::WorkerMessage::kEvalReport: return m.eval_report().step();
     default: return 0;
   }
 }
@@ -266,6 +268,16 @@ JobRunner::JobRunner(v1::JobSpec job, JobWorkers* workers, Clock* clock, Options
                           .Help("Committed steps run again after a recovery rolled back to an older step")
                           .Register(metrics)
                           .Add(labels);
+  eval_loss_metric_ = &prometheus::BuildGauge()
+                           .Name("baton_job_eval_loss")
+                           .Help("Held-out loss of the last evaluation (train.eval_every_steps)")
+                           .Register(metrics)
+                           .Add(labels);
+  eval_perplexity_metric_ = &prometheus::BuildGauge()
+                                 .Name("baton_job_eval_perplexity")
+                                 .Help("exp(held-out loss) of the last evaluation")
+                                 .Register(metrics)
+                                 .Add(labels);
 }
 
 JobRunner::~JobRunner() { Stop(); }
@@ -524,10 +536,20 @@ void JobRunner::LoadSteps() {
   if (!text.ok()) return;
   std::string kept;
   std::vector<StepRecord> records;
+  int64_t last_eval = 0;  // the last evaluation recorded, so a replay does not evaluate again
+  double last_eval_loss = 0;
   for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
     absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
     if (!v.ok() || !v->is_object()) continue;  // a line torn by the crash
     absl::StrAppend(&kept, line, "\n");
+    if (const JsonValue* eval = v->Find("eval"); eval != nullptr && eval->is_number()) {
+      const JsonValue* loss = v->Find("loss");
+      if (loss != nullptr && loss->is_number() && eval->number() > last_eval) {
+        last_eval = static_cast<int64_t>(eval->number());
+        last_eval_loss = loss->number();
+      }
+      continue;
+    }
     const JsonValue* step = v->Find("step");
     if (step == nullptr || !step->is_number()) continue;
     auto num = [&](const char* key) {
@@ -554,6 +576,8 @@ void JobRunner::LoadSteps() {
   absl::MutexLock lock(&mu_);
   steps_ = std::move(records);
   recorded_ = steps_.empty() ? 0 : steps_.back().step;
+  eval_step_ = last_eval;
+  eval_loss_ = last_eval_loss;
 }
 
 absl::StatusOr<JobState> JobRunner::Configuring() {
@@ -653,12 +677,14 @@ absl::StatusOr<JobState> JobRunner::Running() {
   int64_t step;
   std::shared_ptr<const WorkerSet> names;
   v1::CoordinatorMessage run;
+  int64_t eval_pending = 0;
   bool sent = false;  // ahead, while the previous step's StepDone were collected
   absl::Time start;
   {
     absl::MutexLock lock(&mu_);
     step = next_step_;
     names = plan_workers_;
+    eval_pending = eval_pending_;
     // Sent to the same world (a reconfiguration makes a new set).
     if (ahead_ && ahead_->step == step && ahead_->from == names) {
       // Its GradsReady so far become the inbox (Expect without clearing it).
@@ -676,6 +702,14 @@ absl::StatusOr<JobState> JobRunner::Running() {
     ahead_.reset();
   }
   BATON_RETURN_IF_ERROR(FinishCheckpoint());
+  if (!sent && eval_pending > 0 && eval_pending == step - 1) {
+    // A recovery interrupted the evaluation of the step the workers resumed
+    // from: it runs now, on the same weights. (Resumed from an older step,
+    // the replay reaches it again.)
+    const absl::Status evaluated = Evaluate(step - 1, names);
+    if (evaluated.code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+    BATON_RETURN_IF_ERROR(evaluated);
+  }
   if (step > job_.train().steps()) return options_.out_dir.empty() ? JobState::kDone : JobState::kSaving;
   if (!sent) {
     start = absl::Now();
@@ -712,7 +746,9 @@ absl::StatusOr<JobState> JobRunner::Running() {
   // coordinator between steps. Not before a checkpoint (SaveWeights comes
   // first) or past the last step.
   const bool checkpoint = finite && CheckpointDue(step);
-  const bool ahead = !checkpoint && step < job_.train().steps();
+  // An evaluation runs between the Commit and the next step.
+  const bool eval = finite && EvalDue(step);
+  const bool ahead = !checkpoint && !eval && step < job_.train().steps();
   Expect(v1::WorkerMessage::kStepDone, step, names);
   absl::Time end;
   if (ahead) {
@@ -738,12 +774,72 @@ absl::StatusOr<JobState> JobRunner::Running() {
   }
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
              norm, clip, wall, *done);
+  if (eval) {
+    const absl::Status evaluated = Evaluate(step, names);
+    if (evaluated.code() == absl::StatusCode::kAborted) return JobState::kRecovering;
+    BATON_RETURN_IF_ERROR(evaluated);
+  }
   if (checkpoint) {
     absl::MutexLock lock(&mu_);
     checkpoint_due_ = step;
     return JobState::kSaving;
   }
   return JobState::kRunning;
+}
+
+bool JobRunner::EvalDue(int64_t step) const {
+  const int64_t every = job_.train().eval_every_steps();
+  return every > 0 && (step % every == 0 || step == job_.train().steps());
+}
+
+absl::Status JobRunner::Evaluate(int64_t step, std::shared_ptr<const WorkerSet> names) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (step <= eval_step_) return absl::OkStatus();  // a step replayed after a recovery: evaluated already
+    eval_pending_ = step;
+  }
+  const absl::Time start = absl::Now();
+  Expect(v1::WorkerMessage::kEvalReport, step, names);
+  v1::CoordinatorMessage evaluate;
+  evaluate.mutable_evaluate()->set_step(step);
+  SendAll(evaluate);
+  // Each evaluation batch is a forward pass: at most a step's time each.
+  const int batches = job_.train().has_eval_steps() ? job_.train().eval_steps() : 1;
+  absl::StatusOr<std::map<std::string, v1::WorkerMessage>> reports =
+      Collect(options_.step_timeout * batches, "EvalReport");
+  if (!reports.ok()) return WithContext(reports.status(), absl::StrCat("evaluation after step ", step));
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    // One TP rank of each last stage counts (its TP peers hold the same sum).
+    for (const auto& [name, msg] : *reports) {
+      const v1::EvalReport& r = msg.eval_report();
+      if (!r.has_loss() || assigned_[name].tp_rank() != 0) continue;
+      loss_sum += r.loss_sum();
+      tokens += r.tokens();
+    }
+  }
+  if (tokens <= 0) {
+    return absl::InternalError(absl::StrCat("evaluation after step ", step, ": no last stage reported a loss"));
+  }
+  const double loss = loss_sum / static_cast<double>(tokens);
+  const double perplexity = std::exp(loss);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    absl::MutexLock lock(&mu_);
+    eval_pending_ = 0;
+    if (step <= eval_step_) return absl::OkStatus();
+    eval_step_ = step;
+    eval_loss_ = loss;
+  }
+  eval_loss_metric_->Set(loss);
+  eval_perplexity_metric_->Set(perplexity);
+  BATON_LOG(INFO) << "eval after step " << step << ": loss " << Num(loss) << ", perplexity " << Num(perplexity)
+                  << " (" << tokens << " tokens, " << Num(seconds) << " s)";
+  AppendStepsLine(absl::StrCat("{\"eval\": ", step, ", \"loss\": ", Num(loss), ", \"perplexity\": ",
+                               Num(perplexity), ", \"tokens\": ", tokens, ", \"seconds\": ", Num(seconds), "}"));
+  return absl::OkStatus();
 }
 
 v1::CoordinatorMessage JobRunner::RunStepMessage(int64_t step) {
@@ -1293,6 +1389,10 @@ void JobRunner::Handle(const std::string& worker, v1::WorkerMessage message, std
       error_fault(absl::StrCat("failed step ", message.step_done().step()), message.step_done().error(),
                   message.step_done().code());
       break;
+    case v1::WorkerMessage::kEvalReport:
+      error_fault(absl::StrCat("failed the evaluation after step ", message.eval_report().step()),
+                  message.eval_report().error(), message.eval_report().code());
+      break;
     case v1::WorkerMessage::kSaved: {
       const v1::Saved& saved = message.saved();
       const bool periodic =
@@ -1632,6 +1732,9 @@ absl::Status JobRunner::WriteOutputs() {
           return !r.committed;
         }),
         ", \"recoveries\": ", restarts_, ", \"replayed_steps\": ", replayed_,
+        eval_step_ > 0 ? absl::StrCat(", \"eval_step\": ", eval_step_, ", \"eval_loss\": ", Num(eval_loss_),
+                                      ", \"eval_perplexity\": ", Num(std::exp(eval_loss_)))
+                       : std::string(),
         ", \"error\": ", JsonQuote(error_.message()), "}\n");
   }
   BATON_RETURN_IF_ERROR(
@@ -1658,6 +1761,11 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
   status->set_recovery(recovery_);
   status->set_recoveries(restarts_);
   status->set_replayed_steps(replayed_);
+  if (eval_step_ > 0) {
+    status->set_eval_step(eval_step_);
+    status->set_eval_loss(eval_loss_);
+    status->set_eval_perplexity(std::exp(eval_loss_));
+  }
 }
 
 std::string JobRunner::TraceJson(int steps, absl::Duration wait) {

@@ -328,6 +328,11 @@ class JobRunner : public JobObserver {
   // start one (false: one is still being written, or saved already);
   // write the manifest (and prune) once every worker reported its files.
   bool CheckpointDue(int64_t step) const;
+  // train.eval_every_steps: after step `step` (every N-th, and the last).
+  bool EvalDue(int64_t step) const;
+  // Sends Evaluate{step} to every worker of `names` and records the held-out
+  // loss from their EvalReports. ABORTED where a worker failed (recover).
+  absl::Status Evaluate(int64_t step, std::shared_ptr<const WorkerSet> names);
   bool MaybeStartCheckpoint(int64_t step);
   absl::Status FinishCheckpoint();
 
@@ -346,6 +351,8 @@ class JobRunner : public JobObserver {
   std::map<FaultCause, prometheus::Counter*> recoveries_metric_;
   prometheus::Histogram* recovery_seconds_metric_;
   prometheus::Counter* replayed_metric_;
+  prometheus::Gauge* eval_loss_metric_;
+  prometheus::Gauge* eval_perplexity_metric_;
 
   mutable absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kWaiting;
@@ -416,6 +423,12 @@ class JobRunner : public JobObserver {
   // Recovery bookkeeping.
   int restarts_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t replayed_ ABSL_GUARDED_BY(mu_) = 0;
+  // The last evaluation: the step whose weights it used (0: none yet).
+  int64_t eval_step_ ABSL_GUARDED_BY(mu_) = 0;
+  double eval_loss_ ABSL_GUARDED_BY(mu_) = 0;
+  // The step of an evaluation sent but not recorded (a recovery came
+  // between): run again once the workers hold that step (0: none).
+  int64_t eval_pending_ ABSL_GUARDED_BY(mu_) = 0;
   std::string recovery_ ABSL_GUARDED_BY(mu_);  // what the last recovery did (GetStatus)
   std::optional<absl::Time> recovery_started_ ABSL_GUARDED_BY(mu_);
   // Recoveries as the trace shows them (the last kKeptRecoveryMarks).

@@ -258,29 +258,33 @@ absl::Status ValidateTrain(const v1::TrainSpec& t) {
   return NonNegativeFinite("train.grad_clip", t.grad_clip());
 }
 
-absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) {
+// `at`: where the spec sits ("data", or "train.eval_data"), for the field
+// names in errors.
+absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model, absl::string_view at) {
+  auto field_of = [at](absl::string_view name) { return absl::StrCat(at, ".", name); };
   if (model.has_synthetic()) return absl::OkStatus();  // the cost model reads no data
   if (!data.token_format().empty()) {
     if (data.source_case() != v1::DataSpec::kTokensFile) {
-      return Invalid("data.token_format", "applies to data.tokens_file only; remove it or use tokens_file");
+      return Invalid(field_of("token_format"),
+                     absl::StrCat("applies to ", field_of("tokens_file"), " only; remove it or use tokens_file"));
     }
-    const std::string& f = data.token_format();
-    if (!ParseTokenFormat(f).ok()) {
-      return Invalid("data.token_format", absl::StrCat("is \"", f, "\"; use \"raw_uint16\" (the default), "
+    const std::string& format = data.token_format();
+    if (!ParseTokenFormat(format).ok()) {
+      return Invalid(field_of("token_format"), absl::StrCat("is \"", format, "\"; use \"raw_uint16\" (the default), "
                                                        "\"raw_uint32\", \"llmc\" or \"megatron\""));
     }
   }
   std::string path, field;
   if (data.source_case() == v1::DataSpec::kTextFile) {
     path = data.text_file();
-    field = "data.text_file";
+    field = field_of("text_file");
   } else if (data.source_case() == v1::DataSpec::kTokensFile) {
     path = data.tokens_file();
-    field = "data.tokens_file";
+    field = field_of("tokens_file");
   } else {
     const std::string& task = data.synthetic().task();
     if (!task.empty() && task != "addition") {
-      return Invalid("data.synthetic.task", absl::StrCat("'", task, "' is unknown; use \"addition\""));
+      return Invalid(field_of("synthetic.task"), absl::StrCat("'", task, "' is unknown; use \"addition\""));
     }
     if (model.vocab() < 13) {
       return Invalid("model.vocab", absl::StrCat("is ", model.vocab(),
@@ -300,9 +304,32 @@ absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelSpec& model) 
     return Invalid(field, "is not a usable path: give a file path relative to the workers' --data_dir");
   }
   if (data.source_case() == v1::DataSpec::kTextFile && model.vocab() < 256) {
-    return Invalid("model.vocab", absl::StrCat("is ", model.vocab(), "; data.text_file is byte-level and needs 256"));
+    return Invalid("model.vocab", absl::StrCat("is ", model.vocab(), "; ", field_of("text_file"), " is byte-level and needs 256"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateEval(const v1::JobSpec& job) {
+  const v1::TrainSpec& t = job.train();
+  BATON_RETURN_IF_ERROR(InRange("train.eval_every_steps", t.eval_every_steps(), 0, JobLimits::kMaxSteps));
+  if (t.has_eval_steps()) {
+    BATON_RETURN_IF_ERROR(InRange("train.eval_steps", t.eval_steps(), 1, JobLimits::kMaxEvalSteps));
+  }
+  if (t.eval_every_steps() == 0) {
+    if (t.has_eval_data() || t.has_eval_steps()) {
+      return Invalid("train.eval_every_steps",
+                     "is 0 (never) but train.eval_data or train.eval_steps is set; set eval_every_steps to evaluate");
+    }
+    return absl::OkStatus();
+  }
+  if (job.model().has_synthetic()) {
+    return Invalid("train.eval_every_steps", "the synthetic cost model has no loss to evaluate; remove it");
+  }
+  if (!t.has_eval_data() || t.eval_data().source_case() == v1::DataSpec::SOURCE_NOT_SET) {
+    return Invalid("train.eval_data", "must name the held-out data when train.eval_every_steps > 0, e.g. "
+                                      "eval_data { tokens_file: \"val.bin\" }");
+  }
+  return ValidateData(t.eval_data(), job.model(), "train.eval_data");
 }
 
 }  // namespace
@@ -429,7 +456,8 @@ absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));
   if (!job.model().has_synthetic()) BATON_RETURN_IF_ERROR(CheckTensorSizes(job, d));
-  BATON_RETURN_IF_ERROR(ValidateData(job.data(), job.model()));
+  BATON_RETURN_IF_ERROR(ValidateData(job.data(), job.model(), "data"));
+  BATON_RETURN_IF_ERROR(ValidateEval(job));
   BATON_RETURN_IF_ERROR(
       InRange("checkpoint.every_steps", job.checkpoint().every_steps(), 0, JobLimits::kMaxCheckpointEverySteps));
   if (job.checkpoint().every_steps() > 0 && job.checkpoint().dir().empty()) {

@@ -41,6 +41,7 @@ struct JobLimits {
   static constexpr double kMaxSyntheticOpMs = 60'000;
   static constexpr int64_t kMaxSyntheticActivationBytes = int64_t{1} << 30;
   static constexpr int64_t kMaxCheckpointEverySteps = kMaxSteps;
+  static constexpr int kMaxEvalSteps = 10000;  // train.eval_steps: global batches per evaluation
   static constexpr size_t kMaxSpecBytes = 1 << 20;  // the job file itself
   static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };

@@ -369,6 +369,48 @@ TEST(JobSpecTest, TokenFormatIsKnownAndOnlyWithTokensFile) {
   EXPECT_NE(ErrorOf(job).find("data.tokens_file"), std::string::npos) << ErrorOf(job);
 }
 
+TEST(JobSpecTest, EvaluationNeedsItsDataAndBoundedBatchesAndNamesTheirFields) {
+  v1::JobSpec job = Good();
+  job.mutable_train()->set_eval_every_steps(5);
+  EXPECT_NE(ErrorOf(job).find("train.eval_data: must name the held-out data"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->mutable_eval_data()->set_tokens_file("val/*.bin");
+  job.mutable_train()->mutable_eval_data()->set_token_format("llmc");
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_train()->set_eval_steps(0);
+  EXPECT_NE(ErrorOf(job).find("train.eval_steps: is 0; must be >= 1"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->set_eval_steps(JobLimits::kMaxEvalSteps + 1);
+  EXPECT_NE(ErrorOf(job).find("train.eval_steps"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->set_eval_steps(JobLimits::kMaxEvalSteps);
+  EXPECT_EQ(ErrorOf(job), "");
+  // The eval data is checked like data, under its own field names.
+  job.mutable_train()->mutable_eval_data()->set_token_format("bpe");
+  EXPECT_NE(ErrorOf(job).find("train.eval_data.token_format"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->mutable_eval_data()->set_text_file("val.txt");
+  job.mutable_train()->mutable_eval_data()->clear_token_format();
+  EXPECT_NE(ErrorOf(job).find("train.eval_data.text_file is byte-level and needs 256"), std::string::npos)
+      << ErrorOf(job);
+  job.mutable_train()->mutable_eval_data()->set_tokens_file("");
+  EXPECT_NE(ErrorOf(job).find("train.eval_data.tokens_file: is empty"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->set_eval_every_steps(-1);
+  EXPECT_NE(ErrorOf(job).find("train.eval_every_steps"), std::string::npos) << ErrorOf(job);
+  // Eval fields without eval_every_steps would silently do nothing.
+  job.mutable_train()->set_eval_every_steps(0);
+  EXPECT_NE(ErrorOf(job).find("train.eval_every_steps: is 0 (never)"), std::string::npos) << ErrorOf(job);
+  job.mutable_train()->clear_eval_data();
+  job.mutable_train()->clear_eval_steps();
+  EXPECT_EQ(ErrorOf(job), "");
+  // The synthetic cost model computes no loss.
+  job.clear_model();
+  job.mutable_model()->set_layers(4);
+  job.mutable_model()->mutable_synthetic()->set_forward_ms(20);
+  job.mutable_model()->mutable_synthetic()->set_activation_bytes(4);
+  job.mutable_parallel()->set_tp(1);
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_train()->set_eval_every_steps(1);
+  job.mutable_train()->mutable_eval_data()->mutable_synthetic();
+  EXPECT_NE(ErrorOf(job).find("synthetic cost model has no loss"), std::string::npos) << ErrorOf(job);
+}
+
 TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
   v1::JobSpec job = Good();  // pp 2, tp 2
   EXPECT_EQ(DimsOf(job).cp, 1) << "unset cp means 1";

@@ -76,6 +76,18 @@ const char* Name(Action::Kind k) {
 
 }  // namespace
 
+v1::Program ForwardOnlyProgram(const v1::Program& program) {
+  v1::Program out = program;
+  out.clear_actions();
+  for (const Action& a : program.actions()) {
+    if (a.kind() != Action::FORWARD && a.kind() != Action::SEND_F && a.kind() != Action::RECV_F) continue;
+    Action* kept = out.add_actions();
+    *kept = a;
+    kept->set_overlap_with_next(false);
+  }
+  return out;
+}
+
 StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks,
                            BatchFn batch, comm::Communicator* pipeline, comm::TimedCommunicator* tp,
                            comm::Communicator* dp)
@@ -312,6 +324,10 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
       // moving while the backward half computes (host path; Gloo matches
       // messages by tag, so posting one send early changes no matching).
       if (a.overlap_with_next() && pipeline_ != nullptr) BATON_RETURN_IF_ERROR(PostEarlySend(i - 1));
+      // Evaluation: no backward reads the activations (the output went to
+      // the executor's message buffer; on a stream, later work reusing the
+      // memory is ordered after this forward).
+      if (options_.forward_only) chunks_.at(a.stage())->DropInFlight();
       // The chunk's gradients are final: its DP all-reduce may start now,
       // overlapping the rank's other chunks' backward (the chunk's stream
       // waits for it at REDUCE_GRADS). Not for the chunks of the tied
@@ -323,8 +339,9 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
       }
     }
   }
-  if (std::none_of(actions.begin(), actions.end(),
-                   [](const Action& a) { return a.kind() == Action::REDUCE_GRADS; })) {
+  if (!options_.forward_only && std::none_of(actions.begin(), actions.end(), [](const Action& a) {
+        return a.kind() == Action::REDUCE_GRADS;
+      })) {
     BATON_RETURN_IF_ERROR(ReduceGrads());
   }
 

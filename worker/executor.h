@@ -99,7 +99,21 @@ struct ExecutorOptions {
   absl::Duration op_timeout = absl::Minutes(5);
   // Now on the coordinator's clock, in microseconds.
   std::function<int64_t()> clock_us;
+  // An evaluator (train.eval_every_steps): the program is forward only
+  // (ForwardOnlyProgram), RunStep reduces no gradients, and each chunk drops
+  // a microbatch's activations right after its forward (nothing will read
+  // them), so an evaluation holds one microbatch's activations per chunk.
+  // RunStep's report carries the loss (StepReport.loss, .predicted); nothing
+  // of the training state changes but the gradients, which the next step
+  // zeroes anyway. Commit and Discard are not for an evaluator.
+  bool forward_only = false;
 };
+
+// `program` without backward work: its FORWARD, SEND_F and RECV_F actions in
+// their order, overlapped pairs undone. Every rank's forwards keep their
+// relative order and depend only on forwards, so the result is deadlock-free
+// wherever the program is.
+v1::Program ForwardOnlyProgram(const v1::Program& program);
 
 // Fills one global microbatch of a step (tokens and targets).
 using BatchFn = std::function<absl::Status(int64_t step, int global_microbatch, MicrobatchData* out)>;

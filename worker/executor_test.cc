@@ -64,7 +64,7 @@ class FakeStage : public StageModel {
     return absl::OkStatus();
   }
   void ZeroGrad() override { grads_[0] = 0; }
-  void DropInFlight() override {}
+  void DropInFlight() override { drops_++; }
   kernels::Tensor Gradients() override { return kernels::Tensor::View(grads_, {1}); }
   double LocalGradSqNorm() const override { return grads_[0] * grads_[0]; }
   absl::Status SyncTiedGradients() override { return absl::OkStatus(); }
@@ -81,7 +81,7 @@ class FakeStage : public StageModel {
 
   std::function<void(int stage, int mb)> on_backward;  // called as the input backward starts
   int stage_, num_stages_;
-  int forwards_ = 0, inputs_ = 0, weights_ = 0, steps_ = 0;
+  int forwards_ = 0, inputs_ = 0, weights_ = 0, steps_ = 0, drops_ = 0;
   float grads_[1] = {0};
 };
 
@@ -170,6 +170,74 @@ TEST(StepExecutorTest, DataFlowsThroughEverySchedule) {
   RunPipeline("zb-v", 3, 2, 5);       // V: stages 2 and 3 meet on rank 2 without a message
   RunPipeline("dualpipe-v", 2, 2, 5);  // and overlapped pairs
   RunPipeline("zb-v", 1, 2, 3);
+}
+
+// An evaluator (ForwardOnlyProgram, forward_only) runs every microbatch's
+// forward through every schedule's placement, with no backward, no gradient
+// reduction and no deadlock, drops each microbatch's activations after its
+// forward, and the last stage reports the loss.
+void RunForwardOnly(const std::string& kind, int p, int v, int m) {
+  schedule::ScheduleSpec spec{kind, p, m, v};
+  auto compute = schedule::BuildSchedule(spec);
+  ASSERT_TRUE(compute.ok()) << compute.status();
+  auto lowered = schedule::Lower(*compute);
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
+  auto group = comm::InProcCommunicator::CreateGroup(p);
+  const int stages = p * v;
+  std::vector<std::unique_ptr<FakeStage>> models;
+  for (int s = 0; s < stages; ++s) models.push_back(std::make_unique<FakeStage>(s, stages));
+  std::vector<absl::StatusOr<v1::StepReport>> reports(p, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r) {
+    const v1::Program forward = ForwardOnlyProgram(programs[r]);
+    int forwards = 0;
+    for (const v1::Action& a : forward.actions()) {
+      EXPECT_TRUE(a.kind() == v1::Action::FORWARD || a.kind() == v1::Action::SEND_F ||
+                  a.kind() == v1::Action::RECV_F)
+          << kind;
+      EXPECT_FALSE(a.overlap_with_next()) << kind;
+      forwards += a.kind() == v1::Action::FORWARD;
+    }
+    EXPECT_EQ(forwards, v * m) << kind << " rank " << r;
+    threads.emplace_back([&, r, forward] {
+      std::map<int, StageModel*> chunks;
+      for (int s = 0; s < stages; ++s) {
+        if (lowered->RankOf(s) == r) chunks[s] = models[s].get();
+      }
+      ExecutorOptions options;
+      options.num_stages = stages;
+      options.microbatches = m;
+      options.tokens_per_microbatch = 1;
+      options.op_timeout = absl::Seconds(20);
+      options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+      options.forward_only = true;
+      StepExecutor exec(forward, options, chunks, FillBatch, p > 1 ? group[r].get() : nullptr, nullptr, nullptr);
+      reports[r] = exec.RunStep(1, /*trace=*/false);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < p; ++r) ASSERT_TRUE(reports[r].ok()) << kind << " rank " << r << ": " << reports[r].status();
+  for (int s = 0; s < stages; ++s) {
+    EXPECT_EQ(models[s]->forwards_, m) << kind << " stage " << s;
+    EXPECT_EQ(models[s]->inputs_, 0) << kind;
+    EXPECT_EQ(models[s]->weights_, 0) << kind;
+    EXPECT_GE(models[s]->drops_, m) << kind << " stage " << s << ": activations kept after the forward";
+  }
+  const v1::StepReport& last = *reports[lowered->RankOf(stages - 1)];
+  EXPECT_TRUE(last.has_loss()) << kind;
+  EXPECT_DOUBLE_EQ(last.loss(), 2.0);
+  EXPECT_EQ(last.predicted(), m);
+}
+
+TEST(StepExecutorTest, AForwardOnlyEvaluatorRunsEveryScheduleWithoutBackward) {
+  RunForwardOnly("gpipe", 3, 1, 4);
+  RunForwardOnly("1f1b", 4, 1, 6);
+  RunForwardOnly("zb-h1", 3, 1, 5);
+  RunForwardOnly("interleaved", 2, 2, 4);
+  RunForwardOnly("1f1b", 1, 1, 3);
+  RunForwardOnly("zb-v", 3, 2, 5);
+  RunForwardOnly("dualpipe-v", 2, 2, 5);
 }
 
 // The forward half of an overlapped pair sends its activations before the

@@ -35,6 +35,10 @@ struct WorkerJob::Job {
   std::map<int, std::unique_ptr<StageModel>> chunks;
   std::unique_ptr<data::DataSource> data;
   std::unique_ptr<StepExecutor> executor;
+  // train.eval_every_steps: the held-out data and a forward-only executor
+  // over the same chunks and pipeline (WorkerJob::Evaluate).
+  std::unique_ptr<data::DataSource> eval_data;
+  std::unique_ptr<StepExecutor> evaluator;
   v1::StepReport last_report;
   prometheus::Labels labels;
   kernels::Device device;
@@ -328,6 +332,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       Reply(reply);
       return;
     }
+    case v1::CoordinatorMessage::kEvaluate:
+      Reply(Evaluate(message.evaluate().step()));
+      return;
     case v1::CoordinatorMessage::kAbort: {
       if (job_) BATON_LOG(WARNING) << "job aborted: " << message.abort().reason();
       {
@@ -340,6 +347,48 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
     default:
       return;
   }
+}
+
+v1::WorkerMessage WorkerJob::Evaluate(int64_t step) {
+  v1::WorkerMessage reply;
+  v1::EvalReport& r = *reply.mutable_eval_report();
+  r.set_step(step);
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  if (!job_) {
+    status = absl::FailedPreconditionError("no job is configured on this worker (it was aborted or never configured)");
+  } else if (job_->evaluator == nullptr) {
+    status = absl::FailedPreconditionError("the job has no train.eval_every_steps; nothing to evaluate");
+  } else {
+    r.set_generation(job_->plan.generation());
+    const v1::TrainSpec& train = job_->spec.train();
+    const int batches = train.has_eval_steps() ? train.eval_steps() : 1;
+    double loss_sum = 0;
+    int64_t tokens = 0;
+    // Eval batch b is "step" b of the eval data: the same batches every time.
+    for (int b = 1; b <= batches && status.ok(); ++b) {
+      absl::StatusOr<v1::StepReport> report = job_->evaluator->RunStep(b, /*trace=*/false);
+      if (!report.ok()) {
+        status = WithContext(model::WithOutOfMemoryAdvice(report.status()),
+                             absl::StrCat("evaluation batch ", b, " of ", batches));
+        break;
+      }
+      if (report->has_loss()) {
+        r.set_has_loss(true);
+        loss_sum += report->loss() * static_cast<double>(report->predicted());
+        tokens += report->predicted();
+      }
+    }
+    r.set_loss_sum(loss_sum);
+    r.set_tokens(tokens);
+  }
+  r.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  if (!status.ok()) {
+    BATON_LOG(ERROR) << "evaluation after step " << step << " failed: " << status;
+    r.set_error(std::string(status.message()));
+    r.set_code(static_cast<int>(status.code()));
+  }
+  return reply;
 }
 
 absl::Status WorkerJob::PassOn(const v1::CoordinatorMessage& run) {
@@ -885,6 +934,20 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
         return data ? data->Fill(step, global_mb, 0, out) : absl::OkStatus();
       },
       job->pipeline.get(), job->timed_tp.get(), job->dp.get());
+  if (job->spec.train().eval_every_steps() > 0 && !job->spec.model().has_synthetic()) {
+    BATON_ASSIGN_OR_RETURN(job->eval_data, data::MakeEvalDataSource(job->spec, options_.data_dir));
+    ExecutorOptions eval = eo;
+    eval.forward_only = true;
+    const data::DataSource* eval_data = job->eval_data.get();
+    // No DP group: each replica scores its share of the batch, the
+    // coordinator sums them.
+    job->evaluator = std::make_unique<StepExecutor>(
+        ForwardOnlyProgram(configure.program()), eval, chunks,
+        [eval_data](int64_t step, int global_mb, MicrobatchData* out) {
+          return eval_data->Fill(step, global_mb, 0, out);
+        },
+        job->pipeline.get(), job->timed_tp.get(), nullptr);
+  }
   return absl::OkStatus();
 }
 

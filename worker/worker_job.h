@@ -155,6 +155,9 @@ class WorkerJob {
   void SaveCheckpoint(const v1::SaveWeights& save);
   // Reader thread: keep a buddy copy / answer a FetchState.
   void Hold(const v1::ShardSnapshot& snapshot);
+  // Evaluate{step}: train.eval_steps forward-only batches of the eval data;
+  // the EvalReport (with the error, if one failed).
+  v1::WorkerMessage Evaluate(int64_t step);
   void Fetch(const v1::FetchState& fetch);
 
   const Options options_;

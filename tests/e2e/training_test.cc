@@ -13,11 +13,14 @@
 //    both ends on rank 0) and the schedules of PyTorch's own test artifacts,
 //    imported from their CSVs (placement from the file), train like one
 //    worker too.
+//  - Evaluation (train.eval_every_steps): the same held-out loss at every
+//    layout, and training bitwise unchanged by it.
 //  - A worker killed mid-run with no spare and no replacement fails the run
 //    after fault_tolerance.replacement_timeout_s, naming the worker and its
 //    stage (recovery itself: tests/fault/).
 #include <signal.h>
 
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <set>
@@ -51,6 +54,7 @@ struct Layout {
   std::string schedule;
   int layers = 4;
   std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
+  std::string train_extra;  // more train { } fields, e.g. the evaluation's
   std::string Name() const {
     std::string kind = schedule == "zb-h1" ? "zbh1" : schedule == "zb-v" ? "zbv" : schedule;
     if (!csv_file.empty()) kind = csv_file.substr(0, csv_file.find('.'));
@@ -67,10 +71,11 @@ std::string GptJob(const Layout& l) {
     model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
     parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
     schedule { kind: "%s" microbatches: %d%s }
-    train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 }
+    train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 %s }
     data { synthetic { task: "addition" } }
   )pb",
-                         l.Name(), l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv);
+                         l.Name(), l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv,
+                         l.train_extra);
 }
 
 struct RunResult {
@@ -78,6 +83,7 @@ struct RunResult {
   std::vector<double> losses;
   std::vector<std::string> loss_text;  // exact JSON text, for bitwise checks
   JsonValue summary;
+  std::string output;  // batonctl local's
 };
 
 // Runs `job` with batonctl local; fails the test if it does not finish.
@@ -90,6 +96,7 @@ RunResult RunJob(const std::string& name, const std::string& job, int workers = 
   if (workers > 0) args.push_back(absl::StrCat("--workers=", workers));
   auto run = RunCommand(RunfilePath("cli/batonctl"), args, absl::Seconds(300));
   EXPECT_EQ(run.exit_code, 0) << name << ":\n" << run.output;
+  r.output = run.output;
   testing::StepLosses losses = testing::ReadStepLosses(r.dir + "/out/steps.jsonl");
   r.losses = std::move(losses.values);
   r.loss_text = std::move(losses.text);
@@ -172,6 +179,57 @@ TEST(TrainingTest, PytorchsScheduleArtifactsTrainLikeOneWorker) {
   dualpipe.layers = 8;
   dualpipe.csv_file = "dualpipev_4rank_10mb.csv";
   ExpectSameTraining(single_deep, RunJob(dualpipe.Name(), GptJob(dualpipe)), dualpipe.Name());
+}
+
+// train.eval_every_steps: the held-out loss after steps 5, 10, 15 and 20,
+// the same at every layout (each DP replica scores its share of the eval
+// batch), and training is unchanged by it, bit for bit.
+TEST(TrainingTest, EvaluationReportsTheSameHeldOutLossAtEveryLayoutAndLeavesTrainingAlone) {
+  const std::string eval = R"pb(eval_every_steps: 5 eval_steps: 2 eval_data { synthetic { task: "addition" } })pb";
+  Layout one;
+  one.microbatches = 8;
+  const RunResult plain = RunJob("eval_plain_m8", GptJob(one));
+  one.train_extra = eval;
+  const RunResult single = RunJob("eval_single_m8", GptJob(one));
+  // Evaluating changes nothing of training: the same losses and weights, bitwise.
+  ASSERT_EQ(plain.loss_text.size(), 20u);
+  EXPECT_EQ(single.loss_text, plain.loss_text);
+  {
+    auto a = checkpoint::LoadFullWeights(single.dir + "/out/final");
+    auto b = checkpoint::LoadFullWeights(plain.dir + "/out/final");
+    ASSERT_TRUE(a.ok() && b.ok());
+    auto diff = checkpoint::CompareWeights(*a, *b);
+    ASSERT_TRUE(diff.ok());
+    EXPECT_EQ(diff->max_abs_diff, 0.0);
+  }
+  const std::vector<testing::EvalLine> reference = testing::ReadEvalLines(single.dir + "/out/steps.jsonl");
+  ASSERT_EQ(reference.size(), 4u);
+  for (size_t i = 0; i < reference.size(); ++i) {
+    EXPECT_EQ(reference[i].step, 5 * static_cast<int64_t>(i + 1));
+    EXPECT_GT(reference[i].tokens, 0);
+    EXPECT_NEAR(reference[i].perplexity, std::exp(reference[i].loss), 1e-6 * reference[i].perplexity);
+  }
+  // Held out, and still learned: the addition task generalises.
+  EXPECT_LT(reference.back().loss, reference.front().loss);
+  EXPECT_NEAR(SummaryNumber(single, "eval_loss"), reference.back().loss, 1e-9);
+  EXPECT_EQ(SummaryNumber(single, "eval_step"), 20);
+  EXPECT_NE(single.output.find("eval_perplexity"), std::string::npos) << single.output;
+  // The held-out batches are not the training ones: a seed of their own.
+  EXPECT_NE(reference.front().loss_text, single.loss_text[4]);
+
+  Layout mesh{2, 2, 2, 1, 4, "1f1b"};
+  Layout v{2, 1, 1, 2, 8, "zb-v"};
+  for (Layout l : {mesh, v}) {
+    l.train_extra = eval;
+    const RunResult run = RunJob("eval_" + l.Name(), GptJob(l));
+    const std::vector<testing::EvalLine> got = testing::ReadEvalLines(run.dir + "/out/steps.jsonl");
+    ASSERT_EQ(got.size(), reference.size()) << l.Name();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].step, reference[i].step) << l.Name();
+      EXPECT_EQ(got[i].tokens, reference[i].tokens) << l.Name();
+      EXPECT_NEAR(got[i].loss, reference[i].loss, 1e-5 * reference[i].loss) << l.Name() << " eval " << i;
+    }
+  }
 }
 
 TEST(TrainingTest, SameLayoutTwiceIsBitwiseIdentical) {

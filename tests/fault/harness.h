@@ -37,7 +37,11 @@ struct Layout {
   int layers = 6, microbatches = 4;
   int pp = 3, tp = 1, dp = 1, v = 1, steps = 300;  // long enough to still run while a test looks at a recovery
   std::string schedule = "1f1b";
-  std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_s%d", schedule, pp, tp, dp, v, microbatches, steps);
+  // More train { } fields (the evaluation's), and a name for them.
+  std::string train_extra, extra_name;
+  std::string Name() const {
+    return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_s%d%s", schedule, pp, tp, dp, v, microbatches, steps,
+                           extra_name);
   }
 };
 
@@ -47,11 +51,12 @@ inline std::string Job(const Layout& l, const std::string& extra = "") {
     model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
     parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
     schedule { kind: "%s" microbatches: %d }
-    train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 11 }
+    train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 11 %s }
     data { synthetic { task: "addition" } }
     %s
   )pb",
-                         l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, l.steps, extra);
+                         l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, l.steps, l.train_extra,
+                         extra);
 }
 
 inline std::string ReadAll(const std::string& path) {

@@ -155,6 +155,23 @@ TEST(RecoveryTest, KilledRankOfAVScheduleHoldingBothEndsIsReplaced) {
   RunWithFault("kill_v", l, Fault{0, 0, 0, SIGKILL, 12});
 }
 
+// Evaluating every other step (three forward-only batches each): a worker
+// killed mid-run, perhaps mid-evaluation, is replaced, and every evaluation
+// appears once in steps.jsonl with the fault-free run's loss, bit for bit
+// (LossTexts compares the eval lines' losses too).
+TEST(RecoveryTest, AKilledWorkerOfAnEvaluatingJobIsReplacedAndEveryEvaluationIsKept) {
+  Layout l;
+  l.steps = 60;
+  l.train_extra = R"pb(eval_every_steps: 2 eval_steps: 3 eval_data { synthetic { task: "addition" } })pb";
+  l.extra_name = "_eval2";
+  RunWithFault("kill_eval", l, Fault{2, 0, 0, SIGKILL, 11});
+  const std::string steps = ReadAll(TempDir("kill_eval") + "/out/steps.jsonl");
+  for (int s = 2; s <= l.steps; s += 2) {
+    EXPECT_EQ(CountLines(TempDir("kill_eval") + "/out/steps.jsonl", absl::StrCat("{\"eval\": ", s, ",")), 1)
+        << "eval " << s << ":\n" << steps;
+  }
+}
+
 // pp 2 x tp 2 x dp 2, 60 steps (the data-parallel tests share its reference run).
 Layout EightRanks() {
   Layout l;

@@ -19,4 +19,26 @@ StepLosses ReadStepLosses(const std::string& path) {
   return losses;
 }
 
+std::vector<EvalLine> ReadEvalLines(const std::string& path) {
+  std::vector<EvalLine> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    auto v = JsonValue::Parse(line);
+    if (!v.ok() || v->Find("eval") == nullptr) continue;
+    auto num = [&](const char* key) {
+      const JsonValue* x = v->Find(key);
+      return x != nullptr && x->is_number() ? x->number() : -1.0;
+    };
+    EvalLine e;
+    e.step = static_cast<int64_t>(num("eval"));
+    e.loss = num("loss");
+    e.perplexity = num("perplexity");
+    e.tokens = static_cast<int64_t>(num("tokens"));
+    const size_t at = line.find("\"loss\": ");
+    if (at != std::string::npos) e.loss_text = line.substr(at, line.find(',', at) - at);
+    lines.push_back(std::move(e));
+  }
+  return lines;
+}
+
 }  // namespace baton::testing

@@ -2,6 +2,7 @@
 #ifndef BATON_TESTS_TESTING_STEPS_LOG_H_
 #define BATON_TESTS_TESTING_STEPS_LOG_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,15 @@ struct StepLosses {
 // The loss of every step line of `path` (lines of a step with a loss, in
 // file order); empty when the file is missing.
 StepLosses ReadStepLosses(const std::string& path);
+
+// The evaluation lines of `path` (train.eval_every_steps), in file order.
+struct EvalLine {
+  int64_t step = 0;  // the step whose weights were evaluated
+  double loss = 0, perplexity = 0;
+  int64_t tokens = 0;
+  std::string loss_text;  // `"loss": ...` exactly as written
+};
+std::vector<EvalLine> ReadEvalLines(const std::string& path);
 
 }  // namespace baton::testing
 

@@ -242,6 +242,36 @@ TEST(MakeDataSourceTest, PicksTheSourceTheJobNames) {
   EXPECT_NE(small.status().message().find("model.vocab"), absl::string_view::npos);
 }
 
+TEST(MakeDataSourceTest, TheEvalSourceIsHeldOutAndNamesItsOwnFields) {
+  v1::JobSpec job;
+  job.mutable_model()->set_vocab(256);
+  job.mutable_model()->set_seq_len(16);
+  job.mutable_train()->set_micro_batch_size(2);
+  job.mutable_train()->set_seed(5);
+  EXPECT_NE(MakeEvalDataSource(job, testing::TempDir()).status().message().find("train.eval_data"),
+            absl::string_view::npos);
+  job.mutable_train()->mutable_eval_data()->mutable_synthetic()->set_task("addition");
+  auto train = MakeDataSource(job, testing::TempDir());
+  auto eval = MakeEvalDataSource(job, testing::TempDir());
+  auto again = MakeEvalDataSource(job, testing::TempDir());
+  ASSERT_TRUE(train.ok() && eval.ok() && again.ok()) << eval.status();
+  // Other samples than training's at the same step, the same ones every time.
+  EXPECT_NE(Draw(**eval, 1, 0, 0), Draw(**train, 1, 0, 0));
+  EXPECT_EQ(Draw(**eval, 1, 0, 0), Draw(**again, 1, 0, 0));
+
+  job.mutable_train()->mutable_eval_data()->set_tokens_file("missing/val.bin");
+  auto missing = MakeEvalDataSource(job, testing::TempDir());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_NE(missing.status().message().find("train.eval_data.tokens_file"), absl::string_view::npos)
+      << missing.status();
+  job.mutable_train()->mutable_eval_data()->set_text_file("../outside.txt");
+  EXPECT_NE(MakeEvalDataSource(job, testing::TempDir()).status().message().find("train.eval_data.text_file"),
+            absl::string_view::npos);
+  job.mutable_train()->mutable_eval_data()->mutable_synthetic()->set_task("sorting");
+  EXPECT_NE(MakeEvalDataSource(job, testing::TempDir()).status().message().find("train.eval_data.synthetic.task"),
+            absl::string_view::npos);
+}
+
 // Issue 12: a fake coordinator made a worker read /etc/passwd, and
 // text_file: "/dev/zero" was read until the worker died. Data files come only
 // from under the worker's --data_dir and must be regular files.

@@ -64,19 +64,24 @@ absl::StatusOr<std::string> ResolveDataFile(const std::string& data_dir, const s
   return *file;
 }
 
-absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job, const std::string& data_dir) {
-  const uint64_t seed = job.train().seed();
+namespace {
+
+// The source `data` (at field `at` of the job: "data" or "train.eval_data")
+// shaped by the job and seeded by `seed`.
+absl::StatusOr<std::unique_ptr<DataSource>> MakeSource(const v1::JobSpec& job, const v1::DataSpec& data,
+                                                       const std::string& at, uint64_t seed,
+                                                       const std::string& data_dir) {
+  const std::string text_field = at + ".text_file", tokens_field = at + ".tokens_file";
   const int vocab = job.model().vocab();
   const int64_t seq_len = job.model().seq_len();
   const int64_t batch = job.train().micro_batch_size();
-  const v1::DataSpec& data = job.data();
   if (!data.token_format().empty() && data.source_case() != v1::DataSpec::kTokensFile) {
-    return absl::InvalidArgumentError(absl::StrCat("data.token_format = \"", data.token_format(),
+    return absl::InvalidArgumentError(absl::StrCat(at, ".token_format = \"", data.token_format(),
                                                    "\": applies to data.tokens_file only; remove it"));
   }
   switch (data.source_case()) {
     case v1::DataSpec::kTextFile: {
-      absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.text_file(), "data.text_file");
+      absl::StatusOr<std::string> path = ResolveDataFile(data_dir, data.text_file(), text_field.c_str());
       if (!path.ok()) return path.status();
       return Upcast(TextFileSource::Create(*path, seed, vocab, seq_len, batch));
     }
@@ -84,12 +89,12 @@ absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& jo
       absl::StatusOr<TokenFormat> format = ParseTokenFormat(data.token_format());
       if (!format.ok()) return format.status();
       absl::StatusOr<std::vector<std::string>> paths =
-          ExpandTokenShards(data_dir, data.tokens_file(), *format, "data.tokens_file");
+          ExpandTokenShards(data_dir, data.tokens_file(), *format, tokens_field.c_str());
       if (!paths.ok()) return paths.status();
       std::vector<TokenShard> shards;
       shards.reserve(paths->size());
       for (const std::string& path : *paths) {
-        absl::StatusOr<TokenShard> shard = TokenShard::Open(path, *format, "data.tokens_file");
+        absl::StatusOr<TokenShard> shard = TokenShard::Open(path, *format, tokens_field.c_str());
         if (!shard.ok()) return shard.status();
         shards.push_back(*std::move(shard));
       }
@@ -104,7 +109,7 @@ absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& jo
     }
     case v1::DataSpec::kSynthetic:
       if (!data.synthetic().task().empty() && data.synthetic().task() != "addition") {
-        return absl::InvalidArgumentError(absl::StrCat("data.synthetic.task = \"",
+        return absl::InvalidArgumentError(absl::StrCat(at, ".synthetic.task = \"",
                                                        data.synthetic().task(),
                                                        "\": unknown task; the one task is "
                                                        "\"addition\""));
@@ -113,7 +118,20 @@ absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& jo
     case v1::DataSpec::SOURCE_NOT_SET:
       return Upcast(AdditionTask::Create(seed, vocab, seq_len, batch));
   }
-  return absl::InvalidArgumentError("data: unknown source");
+  return absl::InvalidArgumentError(absl::StrCat(at, ": unknown source"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job, const std::string& data_dir) {
+  return MakeSource(job, job.data(), "data", job.train().seed(), data_dir);
+}
+
+absl::StatusOr<std::unique_ptr<DataSource>> MakeEvalDataSource(const v1::JobSpec& job, const std::string& data_dir) {
+  if (!job.train().has_eval_data()) {
+    return absl::InvalidArgumentError("train.eval_data: not set; name the held-out data to evaluate on");
+  }
+  return MakeSource(job, job.train().eval_data(), "train.eval_data", job.train().seed() ^ kEvalSeedSalt, data_dir);
 }
 
 }  // namespace baton::data

@@ -32,6 +32,13 @@ inline constexpr int64_t kMaxDataFileBytes = int64_t{1} << 30;
 // (token_shards.h, shard_paths.h), and so on.
 absl::StatusOr<std::unique_ptr<DataSource>> MakeDataSource(const v1::JobSpec& job, const std::string& data_dir);
 
+// The held-out source of train.eval_data, shaped like the training data and
+// seeded by train.seed ^ kEvalSeedSalt: a synthetic task draws other samples
+// than training's, a file is read in another order. Errors as above, naming
+// train.eval_data's fields.
+inline constexpr uint64_t kEvalSeedSalt = 0x5eed'e7a1'0000'0001;
+absl::StatusOr<std::unique_ptr<DataSource>> MakeEvalDataSource(const v1::JobSpec& job, const std::string& data_dir);
+
 // The canonical path of data file `path` (see above); errors name `field`.
 absl::StatusOr<std::string> ResolveDataFile(const std::string& data_dir, const std::string& path,
                                             const char* field);
