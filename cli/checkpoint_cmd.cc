@@ -4,6 +4,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "cli/args.h"
+#include "cli/hf_checkpoint.h"
 #include "common/json.h"
 #include "common/checkpoint_manifest.h"
 #include "common/weights_diff.h"
@@ -11,20 +12,72 @@
 namespace baton::cli {
 namespace {
 
-constexpr char kUsage[] = "usage: batonctl checkpoint diff DIR_A DIR_B [--json]";
+constexpr char kUsage[] =
+    "usage: batonctl checkpoint diff DIR_A DIR_B [--json]\n"
+    "       batonctl checkpoint import-hf HF_DIR --out=CKPT [--seq_len=N] [--force]\n"
+    "       batonctl checkpoint export-hf CKPT --out=HF_DIR [--force]";
 
 std::string Number(double v) { return absl::StrFormat("%.6g", v); }
+
+// Bad input (a file to fix, a flag to change) is exit code 2, as for diff; a
+// failure to write is 1.
+int HfExitCode(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) || absl::IsNotFound(s) || absl::IsFailedPrecondition(s) ||
+                 absl::IsDataLoss(s)
+             ? 2
+             : 1;
+}
+
+int RunImportHf(const Args& args, const std::string& hf_dir, std::ostream& out, std::ostream& err) {
+  absl::StatusOr<int64_t> seq_len = args.GetInt("seq_len", 0);
+  if (!seq_len.ok() || *seq_len < 0 || *seq_len > (1 << 20)) {
+    err << "batonctl checkpoint import-hf: --seq_len must be a positive integer (default: n_positions)\n";
+    return 2;
+  }
+  HfImportOptions options;
+  options.seq_len = static_cast<int>(*seq_len);
+  options.force = args.GetBool("force");
+  const std::string ckpt = args.GetString("out", "");
+  absl::StatusOr<checkpoint::ModelShape> model = ImportHfCheckpoint(hf_dir, ckpt, options);
+  if (!model.ok()) {
+    err << "batonctl checkpoint import-hf: " << model.status().message() << "\n";
+    return HfExitCode(model.status());
+  }
+  out << "imported " << hf_dir << " into " << ckpt << ": " << checkpoint::DescribeModel(*model)
+      << " (step 0, zero AdamW moments); resume with a job of this model and --resume=" << ckpt << "\n";
+  return 0;
+}
+
+int RunExportHf(const Args& args, const std::string& ckpt, std::ostream& out, std::ostream& err) {
+  const std::string hf_dir = args.GetString("out", "");
+  absl::StatusOr<checkpoint::ModelShape> model = ExportHfCheckpoint(ckpt, hf_dir, args.GetBool("force"));
+  if (!model.ok()) {
+    err << "batonctl checkpoint export-hf: " << model.status().message() << "\n";
+    return HfExitCode(model.status());
+  }
+  out << "exported " << ckpt << " to " << hf_dir << ": " << checkpoint::DescribeModel(*model)
+      << "; load it with GPT2LMHeadModel.from_pretrained(\"" << hf_dir << "\")\n";
+  return 0;
+}
 
 }  // namespace
 
 int RunCheckpointCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
-  absl::StatusOr<Args> args = Args::Parse(argv, {}, {"json"});
+  absl::StatusOr<Args> args = Args::Parse(argv, {"out", "seq_len"}, {"json", "force"});
   if (!args.ok()) {
     err << "batonctl checkpoint: " << args.status().message() << "\n" << kUsage << "\n";
     return 2;
   }
   const std::vector<std::string>& words = args->positionals();
-  if (words.size() != 3 || words[0] != "diff") {
+  const bool hf = words.size() == 2 && (words[0] == "import-hf" || words[0] == "export-hf");
+  if (hf && !args->Has("out")) {
+    err << "batonctl checkpoint " << words[0] << ": --out is required\n" << kUsage << "\n";
+    return 2;
+  }
+  if (hf && words[0] == "import-hf") return RunImportHf(*args, words[1], out, err);
+  if (hf) return RunExportHf(*args, words[1], out, err);
+  if (words.size() != 3 || words[0] != "diff" || args->Has("out") || args->Has("seq_len") ||
+      args->GetBool("force")) {
     err << kUsage << "\n";
     return 2;
   }

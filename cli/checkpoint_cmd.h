@@ -1,3 +1,9 @@
+// `batonctl checkpoint import-hf HF_DIR --out=CKPT [--seq_len=N] [--force]`
+// and `batonctl checkpoint export-hf CKPT --out=HF_DIR [--force]`: Hugging
+// Face GPT-2 directories to and from baton checkpoints (cli/hf_checkpoint.h);
+// exit 0 done, 2 bad input (the message names the file, tensor or field), 1
+// a failure to write.
+//
 // `batonctl checkpoint diff DIR_A DIR_B [--json]`: loads two checkpoints of
 // any layouts (gathered to full tensors, worker/checkpoint/checkpoint.h) and
 // prints how far apart they are (worker/checkpoint/weights_diff.h):

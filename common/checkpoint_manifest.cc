@@ -436,6 +436,57 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& roo
   return doomed;
 }
 
+absl::StatusOr<std::string> WriteStateShardFile(const std::string& dir, int chunk, int tp_rank, int tp_size,
+                                                int64_t optimizer_step, bool moments,
+                                                const std::vector<StateShardTensor>& tensors) {
+  if (chunk < 0 || tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || optimizer_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint shard: chunk ", chunk, ", tp_rank ", tp_rank,
+                                                   ", tp_size ", tp_size, ", optimizer step ", optimizer_step,
+                                                   " is not a valid position"));
+  }
+  const std::string file = ShardFileName(chunk, tp_rank);
+  SafetensorsWriter writer;
+  writer.SetMetadata("baton.format", kShardFormatV2);
+  writer.SetMetadata("baton.chunk", absl::StrCat(chunk));
+  writer.SetMetadata("baton.tp_rank", absl::StrCat(tp_rank));
+  writer.SetMetadata("baton.tp_size", absl::StrCat(tp_size));
+  writer.SetMetadata("baton.optimizer_step", absl::StrCat(optimizer_step));
+  writer.SetMetadata("baton.moments", moments ? "adamw" : "none");
+  for (const StateShardTensor& t : tensors) {
+    const std::string where = absl::StrCat("checkpoint ", file, ": tensor ", t.name);
+    if (t.layout.tp_rank != tp_rank || t.layout.tp_size != tp_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " has the layout of tp rank ", t.layout.tp_rank,
+                                                     " of ", t.layout.tp_size));
+    }
+    absl::StatusOr<std::vector<int64_t>> local = LocalShape(t.layout);
+    if (!local.ok()) return WithContext(local.status(), where);
+    const size_t count = static_cast<size_t>(NumElements(*local));
+    if (t.values.size() != count || (moments && (t.adam_m.size() != count || t.adam_v.size() != count))) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", t.values.size(), " values and ", t.adam_m.size(),
+                                                     " + ", t.adam_v.size(), " moments but its layout holds ",
+                                                     count));
+    }
+    struct Part {
+      std::string name;
+      absl::Span<const float> values;
+    };
+    std::vector<Part> parts = {{t.name, t.values}};
+    if (moments) {
+      parts.push_back({kAdamMPrefix + t.name, t.adam_m});
+      parts.push_back({kAdamVPrefix + t.name, t.adam_v});
+    }
+    for (const Part& p : parts) {
+      BATON_RETURN_IF_ERROR_CTX(writer.AddFloat32(p.name, *local, p.values), "checkpoint ", file);
+      writer.SetMetadata(kLayoutPrefix + p.name, LayoutJson(t.layout));
+      writer.SetMetadata(kCrcPrefix + p.name,
+                         absl::StrCat(Crc32(absl::string_view(reinterpret_cast<const char*>(p.values.data()),
+                                                              sizeof(float) * count))));
+    }
+  }
+  BATON_RETURN_IF_ERROR(writer.WriteFile(absl::StrCat(dir, "/", file)));
+  return file;
+}
+
 absl::StatusOr<ShardContents> ReadShardFile(const std::string& dir, const std::string& name, bool keep_values) {
   const std::string path = absl::StrCat(dir, "/", name);
   absl::StatusOr<SafetensorsFile> read = SafetensorsFile::Read(path);
@@ -732,9 +783,22 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
   }
   const ModelShape want = ModelShapeOf(job);
   if (!(state.manifest.model == want)) {
-    return absl::InvalidArgumentError(absl::StrCat(manifest, ": the checkpoint holds ",
-                                                   DescribeModel(state.manifest.model), " but the job trains ",
-                                                   DescribeModel(want), "; it is from another model"));
+    // Name the job-spec fields that differ, so the operator knows what to fix.
+    const ModelShape& have = state.manifest.model;
+    std::vector<std::string> fields;
+    auto field = [&](const char* name, int64_t h, int64_t w) {
+      if (h != w) fields.push_back(absl::StrCat("model.", name, " ", w, " (checkpoint: ", h, ")"));
+    };
+    if (!have.synthetic && !want.synthetic) {
+      field("layers", have.layers, want.layers);
+      field("d_model", have.d_model, want.d_model);
+      field("heads", have.heads, want.heads);
+      field("vocab", have.vocab, want.vocab);
+      field("seq_len", have.seq_len, want.seq_len);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        manifest, ": the checkpoint holds ", DescribeModel(have), " but the job trains ", DescribeModel(want),
+        "; it is from another model", fields.empty() ? "" : absl::StrCat(": ", absl::StrJoin(fields, ", "))));
   }
   if (want.synthetic) {
     if (state.chunks != want.chunks) {

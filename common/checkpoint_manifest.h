@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "baton/v1/job.pb.h"
 
 namespace baton::checkpoint {
@@ -139,6 +140,25 @@ struct ShardContents {
 // `keep_values` false drops the values after checking (validation).
 absl::StatusOr<ShardContents> ReadShardFile(const std::string& dir, const std::string& file,
                                             bool keep_values = true);
+
+// One parameter of a v2 shard file: its local values (the size its layout's
+// LocalShape implies) and, in a shard with moments, both AdamW moments of
+// the same size.
+struct StateShardTensor {
+  std::string name;
+  TensorLayout layout;
+  absl::Span<const float> values, adam_m, adam_v;
+};
+// Writes a v2 (complete) shard file dir/ShardFileName(chunk, tp_rank)
+// atomically — metadata, layouts, CRC-32s; moments stored when `moments` —
+// and returns its name. INVALID_ARGUMENT naming the tensor for a layout of
+// another (tp_rank, tp_size), a split that does not divide, or a value count
+// that disagrees with the layout. The one writer of the v2 format: the
+// worker (worker/checkpoint/checkpoint.h) and `batonctl checkpoint
+// import-hf` both call it.
+absl::StatusOr<std::string> WriteStateShardFile(const std::string& dir, int chunk, int tp_rank,
+                                                int tp_size, int64_t optimizer_step, bool moments,
+                                                const std::vector<StateShardTensor>& tensors);
 
 // A whole (unsharded) float32 tensor, row-major, with its AdamW moments
 // (empty when the checkpoint has none).

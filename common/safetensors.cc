@@ -26,6 +26,39 @@ size_t DTypeBytes(const std::string& dtype) {
   return 0;
 }
 
+float BFloat16ToFloat(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// IEEE 754 binary16: sign, 5-bit exponent (bias 15), 10-bit fraction.
+float Float16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const int exponent = (h >> 10) & 0x1f;
+  uint32_t fraction = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (fraction << 13);  // infinity, NaN
+  } else if (exponent != 0) {
+    bits = sign | (static_cast<uint32_t>(exponent - 15 + 127) << 23) | (fraction << 13);
+  } else if (fraction == 0) {
+    bits = sign;  // ±0
+  } else {
+    // Subnormal: normalise the fraction.
+    int e = -14;
+    while ((fraction & 0x400) == 0) {
+      fraction <<= 1;
+      --e;
+    }
+    bits = sign | (static_cast<uint32_t>(e + 127) << 23) | ((fraction & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("safetensors: ", what));
 }
@@ -167,8 +200,17 @@ absl::StatusOr<std::vector<double>> SafetensorsFile::Floats(const std::string& n
   } else if (e->dtype == "F64") {
     out.resize((e->end - e->begin) / 8);
     std::memcpy(out.data(), p, e->end - e->begin);
+  } else if (e->dtype == "F16" || e->dtype == "BF16") {
+    // Both widen exactly (to float, hence to double).
+    const bool bf16 = e->dtype == "BF16";
+    out.resize((e->end - e->begin) / 2);
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      out[i] = bf16 ? BFloat16ToFloat(h) : Float16ToFloat(h);
+    }
   } else {
-    return Bad(absl::StrCat(name, " is ", e->dtype, ", want F32 or F64"));
+    return Bad(absl::StrCat(name, " is ", e->dtype, ", want F32, F64, F16 or BF16"));
   }
   return out;
 }

@@ -3,8 +3,8 @@
 // "__metadata__" string map, then the raw little-endian data.
 //
 // SafetensorsFile reads any file the format allows (F64/F32/F16/BF16 and
-// integer dtypes are listed; values convert from F32/F64 and I32/I64) and
-// turns every malformed input — truncated file, header length past the end,
+// integer dtypes are listed; values convert from F32/F64/F16/BF16 and
+// I32/I64) and turns every malformed input — truncated file, header length past the end,
 // bad JSON, ranges out of bounds, overlapping or leaving holes, sizes that
 // disagree with shapes — into an INVALID_ARGUMENT, never a crash.
 // SafetensorsWriter writes F32 and I32 tensors with metadata, header padded
@@ -42,7 +42,7 @@ class SafetensorsFile {
   // An integer from the metadata; errors name the key.
   absl::StatusOr<int64_t> MetadataInt(const std::string& key) const;
 
-  // Values converted from F32 or F64.
+  // Values converted from F32, F64, F16 or BF16 (the last three exactly).
   absl::StatusOr<std::vector<double>> Floats(const std::string& name) const;
   // Values converted from I32 or I64.
   absl::StatusOr<std::vector<int64_t>> Ints(const std::string& name) const;

@@ -1059,7 +1059,9 @@ absl::StatusOr<JobState> JobRunner::Recovering() {
   std::map<std::string, std::pair<std::string, std::string>> sources;
   int64_t resume = ChooseResumeStep(lost, &sources);
   std::string from_checkpoint;  // the newest complete checkpoint, when newer than what memory offers
-  if (checkpoint_step_ > resume && !checkpoint_dir_.empty()) {
+  // At step 0 too: a --resume checkpoint of step 0 (an import) is the
+  // initial state, not the seed.
+  if (!checkpoint_dir_.empty() && (checkpoint_step_ > resume || resume == 0)) {
     resume = checkpoint_step_;
     from_checkpoint = checkpoint_dir_;
   }

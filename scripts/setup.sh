@@ -20,8 +20,9 @@ PACKAGES=(
 #  python3-yaml, python3-venv: tests/ops (PyYAML; a venv for kubernetes-validate)
 #  systemd: systemd-analyze verify/security for deploy/systemd (tests/ops:systemd_test)
 #  kubernetes-client: `kubectl kustomize` for deploy/k8s (only when no kubectl/kustomize is installed)
+#  python3-torch: PyTorch 1.13 (CPU) for the Hugging Face venv below (tests/hf)
 if [ -z "${BATON_SETUP_BUILD_ONLY:-}" ]; then
-  PACKAGES+=(python3-yaml python3-venv systemd)
+  PACKAGES+=(python3-yaml python3-venv systemd python3-torch)
   if ! command -v kubectl >/dev/null && ! command -v kustomize >/dev/null; then
     PACKAGES+=(kubernetes-client)
   fi
@@ -57,6 +58,18 @@ if [ -z "${BATON_SETUP_BUILD_ONLY:-}" ]; then
     echo "setup: installing kubernetes-validate==$KUBERNETES_VALIDATE into $BATON_VENV"
     /usr/bin/python3 -m venv "$BATON_VENV"
     "$BATON_VENV/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE"
+  fi
+  # transformers (PyPI, pinned with its dependencies: 4.40 still runs on
+  # Debian's torch 1.13) for //tests/hf:hf_export_check_test, in a venv that
+  # sees Debian's python3-torch and numpy (--system-site-packages).
+  BATON_HF_VENV=${BATON_HF_VENV:-$HOME/.cache/baton/hf-venv}
+  TRANSFORMERS=4.40.2
+  if ! "$BATON_HF_VENV/bin/python" -c "import torch, transformers; assert transformers.__version__ == '$TRANSFORMERS'" \
+      2>/dev/null; then
+    echo "setup: installing transformers==$TRANSFORMERS into $BATON_HF_VENV"
+    /usr/bin/python3 -m venv --system-site-packages "$BATON_HF_VENV"
+    "$BATON_HF_VENV/bin/pip" install -q --disable-pip-version-check "transformers==$TRANSFORMERS" \
+      "huggingface_hub==0.36.2" "tokenizers==0.19.1" "safetensors==0.8.0"
   fi
 fi
 

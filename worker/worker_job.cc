@@ -534,7 +534,9 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   }
   job_ = std::move(job);
   const int64_t resume = configure.resume_step();
-  if (resume > 0) {
+  // A checkpoint of step 0 (batonctl checkpoint import-hf) is restored too:
+  // its weights are not the seed's.
+  if (resume > 0 || !configure.checkpoint_dir().empty()) {
     absl::Status s = configure.checkpoint_dir().empty() ? Restore(resume, configure.state())
                                                         : RestoreFromCheckpoint(resume, configure.checkpoint_dir());
     if (!s.ok()) {
@@ -556,7 +558,7 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
                   << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
-                  << (resume > 0 ? absl::StrCat(", resumed at step ", resume,
+                  << (resume > 0 || !configure.checkpoint_dir().empty() ? absl::StrCat(", resumed at step ", resume,
                                                 !configure.checkpoint_dir().empty()
                                                     ? absl::StrCat(" from checkpoint ", configure.checkpoint_dir())
                                                 : configure.state().empty() ? " from its own snapshot"

@@ -125,33 +125,23 @@ absl::StatusOr<std::string> WriteStateShardFile(const std::string& dir, const Ch
         state.adam_v.size(), " moments and step ", state.optimizer_step, " but the chunk's tensors hold ", n,
         " elements"));
   }
-  SafetensorsWriter writer;
-  SetHeader(writer, kShardFormatV2, layout.chunk, layout.tp_rank, layout.tp_size);
-  writer.SetMetadata("baton.optimizer_step", absl::StrCat(state.optimizer_step));
-  writer.SetMetadata("baton.moments", moments ? "adamw" : "none");
+  // The v2 format itself is written in common/ (batonctl writes it too).
+  std::vector<StateShardTensor> tensors;
   size_t offset = 0;
   for (const ChunkTensor& t : layout.tensors) {
     const size_t count = static_cast<size_t>(NumElements(t.local_shape));
-    struct Part {
-      std::string name;
-      const std::vector<float>* from;
-    };
-    std::vector<Part> parts = {{t.name, &state.values}};
+    StateShardTensor s{t.name, t.layout, absl::Span<const float>(state.values.data() + offset, count), {}, {}};
     if (moments) {
-      parts.push_back({kAdamMPrefix + t.name, &state.adam_m});
-      parts.push_back({kAdamVPrefix + t.name, &state.adam_v});
+      s.adam_m = absl::Span<const float>(state.adam_m.data() + offset, count);
+      s.adam_v = absl::Span<const float>(state.adam_v.data() + offset, count);
     }
-    for (const Part& p : parts) {
-      const absl::Span<const float> values(p.from->data() + offset, count);
-      BATON_RETURN_IF_ERROR_CTX(writer.AddFloat32(p.name, t.local_shape, values), "checkpoint ", file);
-      writer.SetMetadata(kLayoutPrefix + p.name, LayoutJson(t.layout));
-      writer.SetMetadata(kCrcPrefix + p.name,
-                         absl::StrCat(Crc32(absl::string_view(reinterpret_cast<const char*>(values.data()),
-                                                              sizeof(float) * count))));
-    }
+    tensors.push_back(std::move(s));
     offset += count;
   }
-  BATON_RETURN_IF_ERROR(writer.WriteFile(absl::StrCat(dir, "/", file)));
+  BATON_ASSIGN_OR_RETURN(std::string written,
+                         checkpoint::WriteStateShardFile(dir, layout.chunk, layout.tp_rank, layout.tp_size,
+                                                         state.optimizer_step, moments, tensors));
+  if (written != file) return absl::InternalError(absl::StrCat("checkpoint: wrote ", written, ", not ", file));
   return file;
 }
 
