@@ -4,7 +4,8 @@
 //   batonctl [--coordinator=HOST:PORT] status [--json]
 //   batonctl schedule show|simulate|validate ...   (docs/schedules.md)
 //   batonctl trace --coordinator=HOST:PORT --out=FILE [--steps=N]
-//   batonctl checkpoint diff DIR_A DIR_B [--json]   (docs/cli.md)
+//   batonctl checkpoint diff|import-hf|export-hf ...   (docs/cli.md, docs/checkpoints.md)
+//   batonctl generate CHECKPOINT --prompt_tokens=1,2,3 [...]   (docs/generate.md)
 //
 // Flags may come before or after the subcommand. Exit codes: 0 ok, 1 the
 // operation failed, 2 bad usage (the message says what to change).
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "cli/checkpoint_cmd.h"
+#include "cli/generate_cmd.h"
 #include "cli/local_cmd.h"
 #include "cli/schedule_cmd.h"
 #include "cli/status_cmd.h"
@@ -41,8 +43,13 @@ constexpr Subcommand kSubcommands[] = {
      &baton::cli::RunTraceCommand},
     {"checkpoint",
      "diff DIR_A DIR_B [--json]: compare two checkpoints of any layouts (max |a-b|; rel = ||a-b||/||b|| per "
-     "tensor)",
+     "tensor) | import-hf HF_DIR --out=CKPT [--seq_len=N] [--force]: a transformers GPT-2 as a resumable "
+     "checkpoint | export-hf CKPT --out=HF_DIR [--force]: a checkpoint as a transformers GPT-2",
      &baton::cli::RunCheckpointCommand},
+    {"generate",
+     "CHECKPOINT --prompt_tokens=ID,ID,... [--max_new_tokens=16] [--temperature=0] [--top_k=0] [--seed=0] "
+     "[--device=cpu] [--format=text|json]: sample tokens from a checkpoint's model (runs baton-worker generate)",
+     &baton::cli::RunGenerateCommand},
 };
 
 int Usage(std::ostream& err) {

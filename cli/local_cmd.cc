@@ -80,30 +80,6 @@ std::string Dirname(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-absl::StatusOr<std::string> Locate(const std::string& subdir, const std::string& name, const std::string& bin_dir,
-                                   const std::string& self_exe) {
-  std::vector<std::string> candidates;
-  if (!bin_dir.empty()) {
-    candidates = {absl::StrCat(bin_dir, "/", subdir, "/", name), absl::StrCat(bin_dir, "/", name)};
-  } else {
-    const std::string exe_dir = Dirname(self_exe);
-    candidates = {absl::StrCat(Dirname(exe_dir), "/", subdir, "/", name), absl::StrCat(exe_dir, "/", name),
-                  absl::StrCat(self_exe, ".runfiles/baton/", subdir, "/", name)};
-  }
-  for (const std::string& c : candidates) {
-    if (IsExecutable(c)) return c;
-  }
-  return absl::NotFoundError(absl::StrCat(
-      "cannot find ", name, " (looked for ", absl::StrJoin(candidates, ", "), "); build it with `bazel build //",
-      subdir, ":", name, "` or pass --bin_dir=DIR"));
-}
-
-std::string SelfExe() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
-}
-
 // The gRPC port from a --port_file ({"grpc": N, "http": M}), once written.
 std::optional<int> ReadGrpcPort(const std::string& path) {
   absl::StatusOr<std::string> text = ReadFile(path);
@@ -593,11 +569,35 @@ int LocalRun::JobDone(const std::string& out_dir) {
 
 }  // namespace
 
+absl::StatusOr<std::string> LocateBinary(const std::string& subdir, const std::string& name,
+                                         const std::string& bin_dir, const std::string& self_exe) {
+  std::vector<std::string> candidates;
+  if (!bin_dir.empty()) {
+    candidates = {absl::StrCat(bin_dir, "/", subdir, "/", name), absl::StrCat(bin_dir, "/", name)};
+  } else {
+    const std::string exe_dir = Dirname(self_exe);
+    candidates = {absl::StrCat(Dirname(exe_dir), "/", subdir, "/", name), absl::StrCat(exe_dir, "/", name),
+                  absl::StrCat(self_exe, ".runfiles/baton/", subdir, "/", name)};
+  }
+  for (const std::string& c : candidates) {
+    if (IsExecutable(c)) return c;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "cannot find ", name, " (looked for ", absl::StrJoin(candidates, ", "), "); build it with `bazel build //",
+      subdir, ":", name, "` or pass --bin_dir=DIR"));
+}
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+}
+
 absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const std::string& self_exe) {
   LocalBinaries bins;
-  absl::StatusOr<std::string> coordinator = Locate("coordinator", "baton-coordinator", bin_dir, self_exe);
+  absl::StatusOr<std::string> coordinator = LocateBinary("coordinator", "baton-coordinator", bin_dir, self_exe);
   if (!coordinator.ok()) return coordinator.status();
-  absl::StatusOr<std::string> worker = Locate("worker", "baton-worker", bin_dir, self_exe);
+  absl::StatusOr<std::string> worker = LocateBinary("worker", "baton-worker", bin_dir, self_exe);
   if (!worker.ok()) return worker.status();
   bins.coordinator = *coordinator;
   bins.worker = *worker;

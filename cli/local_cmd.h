@@ -31,6 +31,12 @@ struct LocalBinaries {
 // bazel-bin layout (.../bin/cli/batonctl → .../bin/coordinator/...), side by
 // side, or in batonctl's runfiles. NOT_FOUND lists where it looked.
 absl::StatusOr<LocalBinaries> LocateBinaries(const std::string& bin_dir, const std::string& self_exe);
+// One of them, the same way: `subdir`/`name` as in bazel-bin ("worker",
+// "baton-worker"). For the subcommands that run a binary (generate).
+absl::StatusOr<std::string> LocateBinary(const std::string& subdir, const std::string& name,
+                                         const std::string& bin_dir, const std::string& self_exe);
+// The running executable (/proc/self/exe), "" when unreadable.
+std::string SelfExe();
 
 // Flags: --job, --out (required), --workers, --spares, --inject, --resume,
 // --bin_dir, --timeout_s (3600). --inject=KIND:TARGET@step=N[,after_ms=M][,for=S]

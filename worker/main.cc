@@ -3,13 +3,17 @@
 // its own), serves gRPC health and /metrics, /healthz, /readyz.
 //
 // Exit codes: 0 after SIGTERM/SIGINT, 1 when it cannot serve, 2 for bad flags.
+// `baton-worker generate CKPT ...` instead samples tokens from a checkpoint
+// and exits (worker/generate.h, docs/generate.md).
 #include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -36,6 +40,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "worker/agent.h"
+#include "worker/generate.h"
 #include "worker/host_memory.h"
 #include "worker/worker_job.h"
 
@@ -338,6 +343,11 @@ int Main() {
 }  // namespace baton
 
 int main(int argc, char** argv) {
+  // `baton-worker generate ...` is a one-shot command with its own flags
+  // (worker/generate.h), parsed before and apart from the daemon's.
+  if (argc >= 2 && std::string(argv[1]) == "generate") {
+    return baton::generate::RunGenerate(std::vector<std::string>(argv + 2, argv + argc), std::cout, std::cerr);
+  }
   // --help lists this file's flags (absl matches flag files to the program's
   // name by default, which main.cc never matches).
   absl::FlagsUsageConfig usage;

@@ -303,7 +303,7 @@ const char* DTypeName(kernels::DType dtype) {
 }  // namespace
 
 absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& output, int64_t* batch,
-                                      int64_t* seq) const {
+                                      int64_t* seq, bool logits_only) const {
   const GptConfig& m = config_.model;
   const Tensor& shaped = config_.is_first() ? in.tokens : in.activations;
   const char* shaped_name = config_.is_first() ? "tokens" : "activations";
@@ -349,7 +349,7 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
                                                    " [", *batch, ", ", *seq, ", ", m.d_model, "]"));
   }
   if (config_.is_last()) {
-    BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets", /*allow_ignore=*/true));
+    if (!logits_only) BATON_RETURN_IF_ERROR(check_ids(in.targets, "targets", /*allow_ignore=*/true));
   } else if (!output.defined() || output.dtype() != activation_dtype() ||
              output.numel() != n * m.d_model) {
     return absl::InvalidArgumentError(absl::StrCat("output: want ", DTypeName(activation_dtype()),
@@ -388,8 +388,48 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   return absl::OkStatus();
 }
 
+absl::Status GptStage::ForwardLogits(const StageInputs& inputs, const Tensor& logits) {
+  if (!config_.is_last()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ForwardLogits: stage ", config_.pp_rank, " is not the last pipeline stage; only the last has the LM head"));
+  }
+  if (!in_flight_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ForwardLogits: ", in_flight_.size(), " microbatches are in flight; call it between steps"));
+  }
+  int64_t batch = 0, seq = 0;
+  BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, Tensor(), &batch, &seq, /*logits_only=*/true), "ForwardLogits");
+  const int64_t columns = wte_->value.dim(0);
+  if (!logits.defined() || logits.dtype() != kernels::DType::kFloat32 || logits.device() != config_.device ||
+      logits.numel() != batch * seq * columns) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardLogits: logits: want float [", batch, ", ", seq, ", ",
+                                                   columns, "] on ", kernels::DeviceToString(config_.device)));
+  }
+  // The previous call's temporaries are done with (stream order), as at ZeroGrad.
+  scratch_->Reset();
+  std::unique_ptr<Microbatch> state;
+  if (free_.empty()) {
+    state = std::make_unique<Microbatch>(config_.device, "an activation arena");
+  } else {
+    state = std::move(free_.back());
+    free_.pop_back();
+  }
+  state->batch = batch;
+  state->seq = seq;
+  state->backward_input_done = false;
+  StepScore unused;
+  const Tensor flat = logits.Reshaped({batch * seq, columns});
+  const absl::Status status = RunForward(*state, inputs, Tensor(), &unused, &flat);
+  // Nothing is kept: the arena goes back to the pool at once (later users of
+  // its memory run after these ops on the same stream).
+  state->arena.Reset();
+  free_.push_back(std::move(state));
+  if (!status.ok()) return ActivationError(status, "ForwardLogits");
+  return absl::OkStatus();
+}
+
 absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, const Tensor& output,
-                                  StepScore* score) {
+                                  StepScore* score, const Tensor* logits) {
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
   kernels::Arena& arena = s.arena;
   if (config_.is_first()) {
@@ -410,7 +450,7 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   } else {
     BATON_ASSIGN_OR_RETURN(s.x0, Copy(ctx_, arena, inputs.activations, {n, c}));
   }
-  if (config_.is_last()) {
+  if (config_.is_last() && logits == nullptr) {
     // Scored tokens are counted on the host, from the host targets.
     const int32_t* targets = inputs.targets.i32();
     for (int64_t i = 0; i < n; ++i) {
@@ -441,6 +481,10 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
   // This rank's vocabulary columns.
   BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, wte_->value.dim(0)}));
   kernels::Linear(ctx_, s.dlogits, s.xf, W(wte_), Tensor());
+  if (logits != nullptr) {
+    kernels::Copy(ctx_, *logits, s.dlogits);
+    return absl::OkStatus();
+  }
   const float grad_scale =
       score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
   if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale);

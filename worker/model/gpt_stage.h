@@ -121,6 +121,16 @@ class GptStage {
   // Runs microbatch `mb` forward. Non-last stages write their output
   // activations [B, T, C] into `output`. Last stages compute the loss.
   absl::Status Forward(int mb, const StageInputs& inputs, const kernels::Tensor& output);
+  // Forward only, for sampling (worker/generate.h): a last stage writes the
+  // logits of every position, float32 [B, T, V] on config.device (V: this
+  // rank's vocabulary columns, all of model.vocab unless vocabulary-parallel),
+  // into `logits`; inputs.targets is not read. No loss, no accuracy, nothing
+  // kept for backward: the step accumulators and gradients are untouched.
+  // Between steps only (FAILED_PRECONDITION while a microbatch is in flight),
+  // because it resets the op scratch arena, as ZeroGrad does, so that calls
+  // in a loop do not grow it. Causal attention: position t's logits depend on
+  // tokens 0..t only. Complete once stream() has passed them.
+  absl::Status ForwardLogits(const StageInputs& inputs, const kernels::Tensor& logits);
   // The dtype of `inputs.activations`, `output`, `grad_output` and
   // `grad_input`: float32, or bf16 for a bf16 stage.
   kernels::DType activation_dtype() const { return bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32; }
@@ -208,11 +218,14 @@ class GptStage {
   // Parameters, stream and accumulators onto config_.device.
   absl::Status PlaceOnDevice();
 
+  // `logits_only` (ForwardLogits): a last stage needs no targets.
   absl::Status ValidateInputs(const StageInputs& inputs, const kernels::Tensor& output,
-                              int64_t* batch, int64_t* seq) const;
-  // Adds the last stage's loss, scored tokens and hits to `score`.
+                              int64_t* batch, int64_t* seq, bool logits_only = false) const;
+  // Adds the last stage's loss, scored tokens and hits to `score`; with
+  // `logits` (ForwardLogits, last stage) copies the logits there instead and
+  // scores nothing.
   absl::Status RunForward(Microbatch& s, const StageInputs& inputs, const kernels::Tensor& output,
-                          StepScore* score);
+                          StepScore* score, const kernels::Tensor* logits = nullptr);
   absl::Status ScoreVocabularyParallel(Microbatch& s, float grad_scale);
   // BackwardInput after its argument checks.
   absl::Status RunBackwardInput(Microbatch& s, const kernels::Tensor& grad_output,
