@@ -57,6 +57,7 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
       ",\"generation\":", status.generation(),
       ",\"job_error\":", JsonQuote(status.job_error()),
       ",\"step\":", status.step(),
+      ",\"epoch\":", status.epoch(),
       ",\"total_steps\":", status.total_steps(),
       ",\"loss\":", JsonNumber(status.loss()),
       ",\"accuracy\":", JsonNumber(status.accuracy()),

@@ -568,6 +568,7 @@ void JobRunner::LoadSteps() {
     r.tokens_per_second = num("tokens_per_second");
     r.bubble_ratio = num("bubble_ratio");
     r.comm_ratio = num("comm_ratio");
+    r.epoch = static_cast<int64_t>(num("epoch"));
     records.push_back(r);
   }
   if (absl::Status s = WriteFileAtomically(path, kept); !s.ok()) {
@@ -725,6 +726,8 @@ absl::StatusOr<JobState> JobRunner::Running() {
   int64_t correct = 0, predicted = 0;
   bool finite = true;
   const double norm = Aggregate(*reports, &loss, &correct, &predicted, &finite);
+  int64_t epoch = 0;  // the ranks that read data agree; a rank without data says 0
+  for (const auto& [name, msg] : *reports) epoch = std::max(epoch, msg.report().epoch());
   const double max_norm = job_.train().grad_clip();
   const double clip = max_norm > 0 && norm > max_norm ? max_norm / norm : 1.0;
   v1::CoordinatorMessage verdict;
@@ -773,7 +776,7 @@ absl::StatusOr<JobState> JobRunner::Running() {
     step_seconds_ = step_seconds_ > 0 ? 0.8 * step_seconds_ + 0.2 * wall : wall;
   }
   RecordStep(step, finite, run.run_step().trace(), loss, predicted > 0 ? static_cast<double>(correct) / predicted : 0,
-             norm, clip, wall, *done);
+             norm, clip, wall, epoch, *done);
   if (eval) {
     const absl::Status evaluated = Evaluate(step, names);
     if (evaluated.code() == absl::StatusCode::kAborted) return JobState::kRecovering;
@@ -1562,7 +1565,8 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
 }
 
 void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,
-                           double clip, double wall, const std::map<std::string, v1::WorkerMessage>& done) {
+                           double clip, double wall, int64_t epoch,
+                           const std::map<std::string, v1::WorkerMessage>& done) {
   const ParallelDims d = DimsOf(job_);
   const double tokens = static_cast<double>(job_.schedule().microbatches()) * job_.train().micro_batch_size() *
                         std::max(1, job_.model().seq_len()) * d.dp;
@@ -1575,6 +1579,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
   rec.clip = clip;
   rec.wall = wall;
   rec.tokens_per_second = tokens / wall;
+  rec.epoch = epoch;
   double bubble = 0, comm = 0, worker_wall = 0;
   std::map<int, v1::StageStatus> stages;
   bool replay = false;
@@ -1661,7 +1666,8 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       "{\"step\": ", step, ", \"committed\": ", committed ? "true" : "false", ", \"loss\": ", Num(loss),
       ", \"accuracy\": ", Num(rec.accuracy), ", \"grad_norm\": ", Num(norm), ", \"clip\": ", Num(clip),
       ", \"wall_seconds\": ", Num(wall), ", \"tokens_per_second\": ", Num(rec.tokens_per_second),
-      ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio), "}"));
+      ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio),
+      ", \"epoch\": ", epoch, "}"));
 }
 
 bool JobRunner::CheckpointDue(int64_t step) const {
@@ -1758,6 +1764,7 @@ void JobRunner::FillStatus(v1::GetStatusResponse* status) const {
     status->set_tokens_per_second(r.tokens_per_second);
     status->set_bubble_ratio(r.bubble_ratio);
     status->set_comm_ratio(r.comm_ratio);
+    status->set_epoch(r.epoch);
   }
   for (const v1::StageStatus& s : stage_status_) *status->add_stages() = s;
   status->set_recovery(recovery_);

@@ -206,6 +206,7 @@ class JobRunner : public JobObserver {
     bool committed = false;
     double loss = 0, accuracy = 0, grad_norm = 0, clip = 1;
     double wall = 0, tokens_per_second = 0, bubble_ratio = 0, comm_ratio = 0;
+    int64_t epoch = 0;  // the data epoch the step's batch starts in (StepReport.epoch)
   };
   struct Fault {
     std::string worker;
@@ -256,7 +257,7 @@ class JobRunner : public JobObserver {
   double Aggregate(const std::map<std::string, v1::WorkerMessage>& reports, double* loss, int64_t* correct,
                    int64_t* predicted, bool* finite);
   void RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,
-                  double clip, double wall, const std::map<std::string, v1::WorkerMessage>& done);
+                  double clip, double wall, int64_t epoch, const std::map<std::string, v1::WorkerMessage>& done);
 
   // Recovery pieces.
   // A fault of `worker`'s own (it reported an error, or broke the protocol):

@@ -270,6 +270,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
           passed.ok() ? job_->executor->RunStep(message.run_step().step(), message.run_step().trace())
                       : absl::StatusOr<v1::StepReport>(passed);
       if (report.ok()) {
+        if (job_->data != nullptr) report->set_epoch(std::max<int64_t>(0, job_->data->EpochOfStep(message.run_step().step())));
         session_->SetStep(message.run_step().step());
         job_->last_report = *report;
         *reply.mutable_report() = *report;

@@ -14,7 +14,8 @@
 //    imported from their CSVs (placement from the file), train like one
 //    worker too.
 //  - Evaluation (train.eval_every_steps): the same held-out loss at every
-//    layout, and training bitwise unchanged by it.
+//    layout, and training bitwise unchanged by it; a token-file job counts
+//    its data epochs in steps.jsonl.
 //  - A worker killed mid-run with no spare and no replacement fails the run
 //    after fault_tolerance.replacement_timeout_s, naming the worker and its
 //    stage (recovery itself: tests/fault/).
@@ -26,6 +27,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -229,6 +231,79 @@ TEST(TrainingTest, EvaluationReportsTheSameHeldOutLossAtEveryLayoutAndLeavesTrai
       EXPECT_EQ(got[i].tokens, reference[i].tokens) << l.Name();
       EXPECT_NEAR(got[i].loss, reference[i].loss, 1e-5 * reference[i].loss) << l.Name() << " eval " << i;
     }
+  }
+}
+
+// A job on token files (raw uint16, memory-mapped) with a held-out token
+// file: every step line says the data epoch its batch starts in (40 windows
+// of seq_len + 1 ids, 8 per step: a new epoch every 5 steps), and pp 2 x
+// dp 2 gives the single worker's losses and evaluations.
+TEST(TrainingTest, ATokenFileJobCountsEpochsAndEvaluatesOnItsHeldOutFile) {
+  auto job_in = [](const std::string& dir, int pp, int dp, int microbatches) {
+    auto write_ids = [&](const std::string& name, int n, uint32_t seed) {
+      std::string bytes;
+      for (int i = 0; i < n; ++i) {
+        seed = seed * 1103515245u + 12345u;
+        const uint16_t id = static_cast<uint16_t>((seed >> 16) % 16);
+        bytes.push_back(static_cast<char>(id & 0xff));
+        bytes.push_back(static_cast<char>(id >> 8));
+      }
+      std::ofstream(dir + "/" + name, std::ios::binary) << bytes;
+    };
+    write_ids("train.bin", 40 * 20 + 1, 1);
+    write_ids("val.bin", 16 * 20 + 1, 2);
+    return absl::StrFormat(R"pb(
+      name: "tokens"
+      model { layers: 2 d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
+      parallel { pp: %d dp: %d }
+      schedule { kind: "1f1b" microbatches: %d }
+      train {
+        steps: 20 micro_batch_size: 2 lr: 0.003 seed: 3
+        eval_every_steps: 10 eval_data { tokens_file: "val.bin" }
+      }
+      data { tokens_file: "train.bin" token_format: "raw_uint16" }
+    )pb",
+                           pp, dp, microbatches);
+  };
+  std::vector<RunResult> runs;
+  for (auto [pp, dp, m] : {std::tuple{1, 1, 4}, std::tuple{2, 2, 2}}) {
+    const std::string name = absl::StrCat("tokens_pp", pp, "_dp", dp);
+    const std::string dir = TempDir(name);
+    const std::string job_file = dir + "/job.textproto";
+    std::ofstream(job_file) << job_in(dir, pp, dp, m);
+    auto run = RunCommand(RunfilePath("cli/batonctl"),
+                          {"local", "--job=" + job_file, "--out=" + dir + "/out", "--timeout_s=240"},
+                          absl::Seconds(300));
+    ASSERT_EQ(run.exit_code, 0) << name << ":\n" << run.output;
+    RunResult r;
+    r.dir = dir;
+    r.output = run.output;
+    testing::StepLosses losses = testing::ReadStepLosses(dir + "/out/steps.jsonl");
+    r.losses = std::move(losses.values);
+    runs.push_back(std::move(r));
+    std::ifstream steps(dir + "/out/steps.jsonl");
+    int seen = 0;
+    for (std::string line; std::getline(steps, line);) {
+      auto v = JsonValue::Parse(line);
+      if (!v.ok() || v->Find("step") == nullptr) continue;
+      const int64_t step = static_cast<int64_t>(v->Find("step")->number());
+      ASSERT_NE(v->Find("epoch"), nullptr) << line;
+      EXPECT_EQ(v->Find("epoch")->number(), step * 8 / 40) << name << ": " << line;
+      ++seen;
+    }
+    EXPECT_EQ(seen, 20) << name;
+  }
+  ASSERT_EQ(runs[0].losses.size(), 20u);
+  ASSERT_EQ(runs[1].losses.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) EXPECT_NEAR(runs[1].losses[i], runs[0].losses[i], 1e-5 * runs[0].losses[i]);
+  const auto a = testing::ReadEvalLines(runs[0].dir + "/out/steps.jsonl");
+  const auto b = testing::ReadEvalLines(runs[1].dir + "/out/steps.jsonl");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].tokens, 8 * 20) << "one global batch of 8 windows, every target scored";
+    EXPECT_EQ(b[i].tokens, a[i].tokens);
+    EXPECT_NEAR(b[i].loss, a[i].loss, 1e-5 * a[i].loss);
   }
 }
 
