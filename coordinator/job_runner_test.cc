@@ -426,6 +426,20 @@ class FakeWorkers : public JobWorkers {
       case v1::CoordinatorMessage::kHoldSnapshot:
         held_[worker][m.hold_snapshot().owner()][m.hold_snapshot().step()] = m.hold_snapshot().data();
         return;
+      case v1::CoordinatorMessage::kEvaluate: {
+        // The last stage scores 10 tokens; its loss sum says which weights
+        // (step) it evaluated and that the worker held them.
+        v1::EvalReport* e = r.mutable_eval_report();
+        e->set_step(m.evaluate().step());
+        e->set_generation(generation_of_[worker]);
+        const v1::RankAssignment& rank = rank_[worker];
+        if (rank.pp_rank() == plan_of_[worker].pp() - 1) {
+          e->set_has_loss(true);
+          e->set_tokens(10);
+          e->set_loss_sum(model_step_[worker] == m.evaluate().step() ? 10.0 / m.evaluate().step() : -1.0);
+        }
+        break;
+      }
       case v1::CoordinatorMessage::kFetchState: {
         const std::string& owner = m.fetch_state().owner();
         const int64_t step = m.fetch_state().step();
@@ -1111,6 +1125,111 @@ TEST_F(JobRunnerTest, TheFirstCauseWinsOverAPeersConnectionError) {
   EXPECT_EQ(error.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(error.message().find("stage 1 (tp 0, dp 0) (worker worker-1) was lost"), 0u) << error;
   EXPECT_NE(error.message().find("max_restarts"), std::string::npos) << error;
+}
+
+// Job() with a GPT (the synthetic cost model has no loss to evaluate) and
+// an evaluation every `every` steps on the addition task.
+v1::JobSpec EvalJob(int pp, int dp, int steps, int every) {
+  v1::JobSpec job = Job(pp, dp, steps);
+  job.clear_model();
+  job.mutable_model()->set_layers(4);
+  job.mutable_model()->set_d_model(16);
+  job.mutable_model()->set_heads(2);
+  job.mutable_model()->set_vocab(16);
+  job.mutable_model()->set_seq_len(8);
+  job.mutable_train()->set_eval_every_steps(every);
+  job.mutable_train()->mutable_eval_data()->mutable_synthetic()->set_task("addition");
+  return job;
+}
+
+// The eval lines of `out_dir`/steps.jsonl: step -> loss.
+std::map<int64_t, double> EvalLines(const std::string& out_dir, int* lines) {
+  std::map<int64_t, double> evals;
+  *lines = 0;
+  absl::StatusOr<std::string> steps = ReadFile(out_dir + "/steps.jsonl");
+  if (!steps.ok()) return evals;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    auto v = JsonValue::Parse(line);
+    if (!v.ok() || v->Find("eval") == nullptr) continue;
+    ++*lines;
+    evals[static_cast<int64_t>(v->Find("eval")->number())] = v->Find("loss")->number();
+  }
+  return evals;
+}
+
+// train.eval_every_steps 2 of 5 steps: Evaluate(2), (4) and (5) go to every
+// worker after the step's Commit and before the next RunStep; the held-out
+// loss is the last stages' summed loss over their tokens (both DP replicas).
+TEST_F(JobRunnerTest, EvaluationsFollowTheirStepsCommitAndAreRecorded) {
+  v1::JobSpec job = EvalJob(2, 2, 5, 2);
+  const std::string out = testing::TempDir() + "/eval_recorded";
+  Start(job, 4, nullptr, out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1", "worker-2", "worker-3"}) {
+    std::vector<std::string> order;
+    for (const v1::CoordinatorMessage& m : fake_->Sent(w)) {
+      if (m.has_evaluate()) order.push_back(absl::StrCat("E", m.evaluate().step()));
+      if (m.has_commit()) order.push_back(absl::StrCat("C", m.commit().step()));
+      if (m.has_run_step()) {
+        if (m.run_step().has_commit()) order.push_back(absl::StrCat("C", m.run_step().commit().step()));
+        order.push_back(absl::StrCat("R", m.run_step().step()));
+      }
+    }
+    EXPECT_EQ(absl::StrJoin(order, " "), "R1 C1 R2 C2 E2 R3 C3 R4 C4 E4 R5 C5 E5") << w;
+  }
+  int lines = 0;
+  const std::map<int64_t, double> evals = EvalLines(out, &lines);
+  EXPECT_EQ(lines, 3);
+  ASSERT_EQ(evals.size(), 3u);
+  EXPECT_DOUBLE_EQ(evals.at(2), 0.5);  // (10 / 2) per replica over 10 tokens each
+  EXPECT_DOUBLE_EQ(evals.at(4), 0.25);
+  EXPECT_DOUBLE_EQ(evals.at(5), 0.2);
+  const v1::GetStatusResponse s = Status();
+  EXPECT_EQ(s.eval_step(), 5);
+  EXPECT_DOUBLE_EQ(s.eval_loss(), 0.2);
+  EXPECT_DOUBLE_EQ(s.eval_perplexity(), std::exp(0.2));
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("baton_job_eval_loss{training_job=\"unit\"} 0.2"), std::string::npos) << m;
+  EXPECT_NE(m.find("baton_job_eval_perplexity{training_job=\"unit\"} 1.22"), std::string::npos) << m;
+}
+
+// A worker that fails an evaluation is a fault like a failed step: after the
+// recovery (back to its own snapshot of the step) the evaluation runs again
+// on the same weights before the next step, and is recorded once.
+TEST_F(JobRunnerTest, AFailedEvaluationRecoversAndRunsAgainOnTheSameStep) {
+  v1::JobSpec job = EvalJob(2, 1, 5, 2);
+  job.mutable_fault_tolerance()->set_snapshot_every_steps(1);
+  const std::string out = testing::TempDir() + "/eval_failed";
+  Start(job, 2, nullptr, out);
+  auto fired = std::make_shared<bool>(false);
+  fake_->set_hook([this, fired](const std::string& w, const v1::CoordinatorMessage& m) {
+    if (w == "worker-1" && m.has_evaluate() && m.evaluate().step() == 4 && !*fired) {
+      *fired = true;
+      v1::WorkerMessage r;
+      r.mutable_eval_report()->set_step(4);
+      r.mutable_eval_report()->set_generation(1);
+      r.mutable_eval_report()->set_error("evaluation batch 1 of 1: collective timed out");
+      r.mutable_eval_report()->set_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+      runner_->OnWorkerMessage("worker-1", r);
+      return false;
+    }
+    return true;
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  EXPECT_EQ(fake_->Configures("worker-1").back().resume_step(), 4);
+  std::vector<int64_t> evaluated;
+  for (const v1::CoordinatorMessage& m : fake_->Sent("worker-1")) {
+    if (m.has_evaluate()) evaluated.push_back(m.evaluate().step());
+  }
+  EXPECT_EQ(evaluated, (std::vector<int64_t>{2, 4, 4, 5}));
+  EXPECT_EQ(fake_->StepsRun("worker-1"), (std::vector<int64_t>{1, 2, 3, 4, 5}));  // step 4 stood
+  int lines = 0;
+  const std::map<int64_t, double> evals = EvalLines(out, &lines);
+  EXPECT_EQ(lines, 3);
+  ASSERT_EQ(evals.count(4), 1u);
+  EXPECT_DOUBLE_EQ(evals.at(4), 0.25);  // on step 4's weights, not -1
+  EXPECT_NE(Metrics().find("baton_recoveries_total{cause=\"worker_error\",training_job=\"unit\"} 1"),
+            std::string::npos);
 }
 
 TEST_F(JobRunnerTest, AWorkerErrorWithEveryoneAliveRetriesFromTheSurvivorsOwnState) {
