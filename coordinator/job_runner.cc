@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <sys/stat.h>
 
@@ -278,6 +279,10 @@ JobRunner::JobRunner(v1::JobSpec job, JobWorkers* workers, Clock* clock, Options
                                  .Help("exp(held-out loss) of the last evaluation")
                                  .Register(metrics)
                                  .Add(labels);
+  // NaN until an evaluation ran (none without train.eval_every_steps): a
+  // graph shows nothing rather than a loss of 0.
+  eval_loss_metric_->Set(std::numeric_limits<double>::quiet_NaN());
+  eval_perplexity_metric_->Set(std::numeric_limits<double>::quiet_NaN());
 }
 
 JobRunner::~JobRunner() { Stop(); }

@@ -665,7 +665,9 @@ TEST_F(JobRunnerTest, RunsEveryStepOnceAndEndsDone) {
   EXPECT_EQ(s.job_state(), "done");
   EXPECT_EQ(s.step(), 5);
   EXPECT_EQ(s.recoveries(), 0);
+  EXPECT_EQ(s.eval_step(), 0);
   const std::string m = Metrics();
+  EXPECT_NE(m.find("baton_job_eval_loss{training_job=\"unit\"} Nan"), std::string::npos) << m;
   EXPECT_NE(m.find("baton_job_state{state=\"done\",training_job=\"unit\"} 1"), std::string::npos) << m;
   EXPECT_NE(m.find("baton_job_state{state=\"running\",training_job=\"unit\"} 0"), std::string::npos) << m;
   EXPECT_NE(m.find("baton_expected_bubble_ratio{stage=\"1\",training_job=\"unit\"}"), std::string::npos) << m;
