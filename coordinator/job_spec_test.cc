@@ -21,6 +21,15 @@ v1::JobSpec Good() {
   return *job;
 }
 
+// Turns `job`'s model into a valid synthetic cost model (4 layers, tp 1).
+void MakeSynthetic(v1::JobSpec* job) {
+  job->clear_model();
+  job->mutable_model()->set_layers(4);
+  job->mutable_model()->mutable_synthetic()->set_forward_ms(20);
+  job->mutable_model()->mutable_synthetic()->set_activation_bytes(4);
+  job->mutable_parallel()->set_tp(1);
+}
+
 // Validates `job` and returns the error message ("" when valid).
 std::string ErrorOf(const v1::JobSpec& job) { return std::string(ValidateJobSpec(job).message()); }
 
@@ -285,11 +294,7 @@ TEST(JobSpecTest, TheLargestAllowedSizesStillValidate) {
 
 TEST(JobSpecTest, SyntheticModelSkipsShapeChecksButNotCosts) {
   v1::JobSpec job = Good();
-  job.clear_model();
-  job.mutable_model()->set_layers(4);
-  job.mutable_model()->mutable_synthetic()->set_forward_ms(20);
-  job.mutable_model()->mutable_synthetic()->set_activation_bytes(4);
-  job.mutable_parallel()->set_tp(1);
+  MakeSynthetic(&job);
   EXPECT_EQ(ErrorOf(job), "");
   job.mutable_model()->mutable_synthetic()->set_forward_ms(-1);
   EXPECT_NE(ErrorOf(job).find("model.synthetic.forward_ms"), std::string::npos);
@@ -400,11 +405,7 @@ TEST(JobSpecTest, EvaluationNeedsItsDataAndBoundedBatchesAndNamesTheirFields) {
   job.mutable_train()->clear_eval_steps();
   EXPECT_EQ(ErrorOf(job), "");
   // The synthetic cost model computes no loss.
-  job.clear_model();
-  job.mutable_model()->set_layers(4);
-  job.mutable_model()->mutable_synthetic()->set_forward_ms(20);
-  job.mutable_model()->mutable_synthetic()->set_activation_bytes(4);
-  job.mutable_parallel()->set_tp(1);
+  MakeSynthetic(&job);
   EXPECT_EQ(ErrorOf(job), "");
   job.mutable_train()->set_eval_every_steps(1);
   job.mutable_train()->mutable_eval_data()->mutable_synthetic();

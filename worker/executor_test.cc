@@ -93,15 +93,39 @@ absl::Status FillBatch(int64_t, int mb, MicrobatchData* out) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<schedule::Schedule> LoweredSchedule(const std::string& kind, int p, int v, int m) {
+  absl::StatusOr<schedule::Schedule> compute = schedule::BuildSchedule(schedule::ScheduleSpec{kind, p, m, v});
+  if (!compute.ok()) return compute.status();
+  return schedule::Lower(*compute);
+}
+
+// The stages rank `r` holds under the schedule's placement (a V puts 0 and
+// 2p-1 on rank 0).
+std::map<int, StageModel*> ChunksOfRank(const schedule::Schedule& s,
+                                        const std::vector<std::unique_ptr<FakeStage>>& models, int r) {
+  std::map<int, StageModel*> chunks;
+  for (int stage = 0; stage < static_cast<int>(models.size()); ++stage) {
+    if (s.RankOf(stage) == r) chunks[stage] = models[stage].get();
+  }
+  return chunks;
+}
+
+ExecutorOptions TestOptions(int stages, int m) {
+  ExecutorOptions options;
+  options.num_stages = stages;
+  options.microbatches = m;
+  options.tokens_per_microbatch = 1;
+  options.op_timeout = absl::Seconds(20);
+  options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+  return options;
+}
+
 // Runs one step of the schedule on p threads. `pipeline_of(r)` (if set)
 // wraps rank r's communicator; `models_hook` sees the stages first.
 void RunPipeline(const std::string& kind, int p, int v, int m,
                  const std::function<void(const schedule::Schedule&, std::vector<std::unique_ptr<FakeStage>>&,
                                           std::vector<comm::Communicator*>&)>& hook = nullptr) {
-  schedule::ScheduleSpec spec{kind, p, m, v};
-  auto compute = schedule::BuildSchedule(spec);
-  ASSERT_TRUE(compute.ok()) << compute.status();
-  auto lowered = schedule::Lower(*compute);
+  const absl::StatusOr<schedule::Schedule> lowered = LoweredSchedule(kind, p, v, m);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
   auto group = comm::InProcCommunicator::CreateGroup(p);
@@ -117,16 +141,8 @@ void RunPipeline(const std::string& kind, int p, int v, int m,
   std::vector<std::thread> threads;
   for (int r = 0; r < p; ++r) {
     threads.emplace_back([&, r] {
-      std::map<int, StageModel*> chunks;  // the placement's (a V puts 0 and 2p-1 on rank 0)
-      for (int s = 0; s < stages; ++s) {
-        if (lowered->RankOf(s) == r) chunks[s] = models[s].get();
-      }
-      ExecutorOptions options;
-      options.num_stages = stages;
-      options.microbatches = m;
-      options.tokens_per_microbatch = 1;
-      options.op_timeout = absl::Seconds(20);
-      options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+      const std::map<int, StageModel*> chunks = ChunksOfRank(*lowered, models, r);
+      ExecutorOptions options = TestOptions(stages, m);
       StepExecutor exec(programs[r], options, chunks, FillBatch, p > 1 ? pipeline[r] : nullptr, nullptr, nullptr);
       auto report = exec.RunStep(1, /*trace=*/true);
       if (!report.ok()) {
@@ -177,10 +193,7 @@ TEST(StepExecutorTest, DataFlowsThroughEverySchedule) {
 // reduction and no deadlock, drops each microbatch's activations after its
 // forward, and the last stage reports the loss.
 void RunForwardOnly(const std::string& kind, int p, int v, int m) {
-  schedule::ScheduleSpec spec{kind, p, m, v};
-  auto compute = schedule::BuildSchedule(spec);
-  ASSERT_TRUE(compute.ok()) << compute.status();
-  auto lowered = schedule::Lower(*compute);
+  const absl::StatusOr<schedule::Schedule> lowered = LoweredSchedule(kind, p, v, m);
   ASSERT_TRUE(lowered.ok()) << lowered.status();
   std::vector<v1::Program> programs = schedule::ToPrograms(*lowered);
   auto group = comm::InProcCommunicator::CreateGroup(p);
@@ -201,16 +214,8 @@ void RunForwardOnly(const std::string& kind, int p, int v, int m) {
     }
     EXPECT_EQ(forwards, v * m) << kind << " rank " << r;
     threads.emplace_back([&, r, forward] {
-      std::map<int, StageModel*> chunks;
-      for (int s = 0; s < stages; ++s) {
-        if (lowered->RankOf(s) == r) chunks[s] = models[s].get();
-      }
-      ExecutorOptions options;
-      options.num_stages = stages;
-      options.microbatches = m;
-      options.tokens_per_microbatch = 1;
-      options.op_timeout = absl::Seconds(20);
-      options.clock_us = [] { return absl::ToUnixMicros(absl::Now()); };
+      const std::map<int, StageModel*> chunks = ChunksOfRank(*lowered, models, r);
+      ExecutorOptions options = TestOptions(stages, m);
       options.forward_only = true;
       StepExecutor exec(forward, options, chunks, FillBatch, p > 1 ? group[r].get() : nullptr, nullptr, nullptr);
       reports[r] = exec.RunStep(1, /*trace=*/false);

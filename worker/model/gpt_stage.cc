@@ -358,13 +358,7 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
   return absl::OkStatus();
 }
 
-absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& output) {
-  if (in_flight_.contains(mb)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("Forward(", mb, "): microbatch already run forward and not yet backward"));
-  }
-  int64_t batch = 0, seq = 0;
-  BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, output, &batch, &seq), "Forward(", mb, ")");
+std::unique_ptr<GptStage::Microbatch> GptStage::TakeMicrobatch(int64_t batch, int64_t seq) {
   std::unique_ptr<Microbatch> state;
   if (free_.empty()) {
     state = std::make_unique<Microbatch>(config_.device, "an activation arena");
@@ -375,6 +369,17 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   state->batch = batch;
   state->seq = seq;
   state->backward_input_done = false;
+  return state;
+}
+
+absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& output) {
+  if (in_flight_.contains(mb)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Forward(", mb, "): microbatch already run forward and not yet backward"));
+  }
+  int64_t batch = 0, seq = 0;
+  BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, output, &batch, &seq), "Forward(", mb, ")");
+  std::unique_ptr<Microbatch> state = TakeMicrobatch(batch, seq);
   StepScore score;
   const absl::Status status = RunForward(*state, inputs, output, &score);
   if (!status.ok()) {
@@ -407,16 +412,7 @@ absl::Status GptStage::ForwardLogits(const StageInputs& inputs, const Tensor& lo
   }
   // The previous call's temporaries are done with (stream order), as at ZeroGrad.
   scratch_->Reset();
-  std::unique_ptr<Microbatch> state;
-  if (free_.empty()) {
-    state = std::make_unique<Microbatch>(config_.device, "an activation arena");
-  } else {
-    state = std::move(free_.back());
-    free_.pop_back();
-  }
-  state->batch = batch;
-  state->seq = seq;
-  state->backward_input_done = false;
+  std::unique_ptr<Microbatch> state = TakeMicrobatch(batch, seq);
   StepScore unused;
   const Tensor flat = logits.Reshaped({batch * seq, columns});
   const absl::Status status = RunForward(*state, inputs, Tensor(), &unused, &flat);

@@ -282,6 +282,8 @@ class GptStage {
   HostResults& Results() const { return *static_cast<HostResults*>(host_results_.address()); }
   absl::flat_hash_map<int, std::unique_ptr<Microbatch>> in_flight_;
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
+  // A microbatch's state from free_ (or a new one) for a [batch, seq] forward.
+  std::unique_ptr<Microbatch> TakeMicrobatch(int64_t batch, int64_t seq);
 };
 
 // Parameter specs of one stage, in the order the stage stores them.
