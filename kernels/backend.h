@@ -62,8 +62,9 @@
 //    stores them; a CUDA result differs from it only by accumulation order
 //    (docs/gpu.md states the bounds). bf16 tensors are accepted by Cast,
 //    Linear* (x/weight or dout/weight or dout/x bf16; weight gradients
-//    fp32), LayerNorm's output, Attention* (every tensor bf16), AdamW's copy
-//    and Copy/FillZero; every other op is fp32 only. Precision::kFloat32 on
+//    fp32), LayerNorm's and RmsNorm's output, RopePack's qkv and
+//    RopePackBackward's dqkv, dq, dk and dv, Attention* (every tensor bf16),
+//    AdamW's copy and Copy/FillZero; every other op is fp32 only. Precision::kFloat32 on
 //    CUDA means true fp32 (no TF32), so the float32 goldens hold.
 //
 // 7. Determinism. Same device, shapes, precision and inputs = the same bits,
@@ -351,6 +352,21 @@ struct Backend {
   // out: float64 [1], += Σ x² (index order, double).
   void (*sum_of_squares)(const ExecContext&, const Tensor& x, const Tensor& out);
   void (*scale)(const ExecContext&, const Tensor& x, float factor);
+
+  // --- Llama blocks (see ops.h) ---
+  void (*rms_norm)(const ExecContext&, const Tensor& out, const Tensor& rstd, const Tensor& x,
+                   const Tensor& weight, float eps);
+  void (*rms_norm_backward)(const ExecContext&, const Tensor& dx, const Tensor& dweight,
+                            const Tensor& dout, const Tensor& x, const Tensor& weight,
+                            const Tensor& rstd);
+  void (*swiglu)(const ExecContext&, const Tensor& out, const Tensor& gate, const Tensor& up);
+  void (*swiglu_backward)(const ExecContext&, const Tensor& dgate, const Tensor& dup,
+                          const Tensor& dout, const Tensor& gate, const Tensor& up);
+  void (*rope_pack)(const ExecContext&, const Tensor& qkv, const Tensor& q, const Tensor& k,
+                    const Tensor& v, int heads, int kv_heads, float theta);
+  void (*rope_pack_backward)(const ExecContext&, const Tensor& dq, const Tensor& dk,
+                             const Tensor& dv, const Tensor& dqkv, int heads, int kv_heads,
+                             float theta);
 };
 
 // Registers `backend` for its type (once per type; later calls for the same

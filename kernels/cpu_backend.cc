@@ -28,6 +28,9 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/residual.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/swiglu.h"
 
 namespace baton::kernels {
 namespace {
@@ -367,6 +370,59 @@ void Scale(const ExecContext&, const Tensor& x, float factor) {
   cpu::Scale(x.f32(), x.numel(), factor);
 }
 
+// fp32 statistics and math; a bf16 output is the fp32 result rounded once.
+void RmsNorm(const ExecContext&, const Tensor& out, const Tensor& rstd, const Tensor& x,
+             const Tensor& weight, float eps) {
+  const int64_t c = weight.numel();
+  std::vector<float> y;
+  float* target = Target(out, false, y);
+  cpu::RmsNormForward(target, rstd.f32(), x.f32(), weight.f32(), x.numel() / c, c, eps);
+  Store(out, target);
+}
+
+void RmsNormBackward(const ExecContext&, const Tensor& dx, const Tensor& dweight,
+                     const Tensor& dout, const Tensor& x, const Tensor& weight,
+                     const Tensor& rstd) {
+  const int64_t c = weight.numel();
+  cpu::RmsNormBackward(dx.f32(), dweight.f32(), dout.f32(), x.f32(), weight.f32(), rstd.f32(),
+                       x.numel() / c, c);
+}
+
+void SwiGlu(const ExecContext&, const Tensor& out, const Tensor& gate, const Tensor& up) {
+  cpu::SwiGluForward(out.f32(), gate.f32(), up.f32(), gate.numel());
+}
+
+void SwiGluBackward(const ExecContext&, const Tensor& dgate, const Tensor& dup, const Tensor& dout,
+                    const Tensor& gate, const Tensor& up) {
+  cpu::SwiGluBackward(dgate.f32(), dup.f32(), dout.f32(), gate.f32(), up.f32(), gate.numel());
+}
+
+// qkv [B, T, 3·H·D]: fp32, or the fp32 result rounded once to bf16.
+void RopePack(const ExecContext&, const Tensor& qkv, const Tensor& q, const Tensor& k,
+              const Tensor& v, int heads, int kv_heads, float theta) {
+  const int64_t head_dim = qkv.dim(2) / (3 * int64_t{heads});
+  std::vector<float> packed;
+  float* target = Target(qkv, false, packed);
+  cpu::RopePackForward(target, q.f32(), k.f32(), v.f32(), qkv.dim(0), qkv.dim(1), heads, kv_heads,
+                       head_dim, theta);
+  Store(qkv, target);
+}
+
+// A bf16 dqkv is widened exactly; bf16 gradients are the fp32 ones rounded once.
+void RopePackBackward(const ExecContext&, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+  const int64_t head_dim = dqkv.dim(2) / (3 * int64_t{heads});
+  std::vector<float> g, q_buffer, k_buffer, v_buffer;
+  float* q = Target(dq, false, q_buffer);
+  float* k = Target(dk, false, k_buffer);
+  float* v = Target(dv, false, v_buffer);
+  cpu::RopePackBackward(q, k, v, Widened("RopePackBackward", dqkv, g), dqkv.dim(0), dqkv.dim(1),
+                        heads, kv_heads, head_dim, theta);
+  Store(dq, q);
+  Store(dk, k);
+  Store(dv, v);
+}
+
 const Backend kCpu = {
     "cpu",
     DeviceType::kCpu,
@@ -414,6 +470,12 @@ const Backend kCpu = {
     AdamW,
     SumOfSquares,
     Scale,
+    RmsNorm,
+    RmsNormBackward,
+    SwiGlu,
+    SwiGluBackward,
+    RopePack,
+    RopePackBackward,
 };
 
 }  // namespace

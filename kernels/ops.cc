@@ -46,6 +46,35 @@ void RequireScalar(const Tensor& t, DType dtype, const char* op) {
                                                     "of float64 (loss, sums) or int64 (hits)");
 }
 
+// Each of `tensors` is defined and float32, or (with `bf16_ok`) bfloat16;
+// `what` names them and the dtypes they may have.
+void RequireFloat(const char* op, std::initializer_list<const Tensor*> tensors, bool bf16_ok,
+                  const char* what) {
+  for (const Tensor* t : tensors) {
+    Require(t->defined() &&
+                (t->dtype() == DType::kFloat32 || (bf16_ok && t->dtype() == DType::kBFloat16)),
+            op, what);
+  }
+}
+
+// RopePack's and RopePackBackward's shapes: packed [B, T, 3·H·D] with
+// H = heads, D even; q-like [B·T, H·D] and k-like, v-like [B·T, KV·D].
+void RequireRopeShapes(const char* op, const Tensor& packed, const Tensor& q, const Tensor& k,
+                       const Tensor& v, int heads, int kv_heads, float theta) {
+  Require(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, op,
+          "heads must be a positive multiple of kv_heads");
+  Require(theta > 0.0f, op, "rope_theta must be positive");
+  Require(packed.ndim() == 3 && packed.dim(2) > 0 && packed.dim(2) % (3 * int64_t{heads}) == 0, op,
+          "shape mismatch: qkv must be [batch, seq, 3 * heads * head_dim]");
+  const int64_t rows = packed.dim(0) * packed.dim(1), d = packed.dim(2) / (3 * int64_t{heads});
+  Require(d % 2 == 0, op, "head_dim must be even");
+  Require(q.numel() == rows * heads * d && k.numel() == rows * kv_heads * d &&
+              v.numel() == rows * kv_heads * d,
+          op,
+          "shape mismatch: q must be [batch * seq, heads * head_dim], k and v "
+          "[batch * seq, kv_heads * head_dim]");
+}
+
 }  // namespace
 
 // ---- On an execution context ----
@@ -303,6 +332,66 @@ void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& sum) {
 
 void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
   On(ctx, "Scale", {&x}).scale(ctx, x, factor);
+}
+
+void RmsNorm(const ExecContext& ctx, const Tensor& out, const Tensor& rstd, const Tensor& x,
+             const Tensor& weight, float eps) {
+  const Backend& be = On(ctx, "RmsNorm", {&out, &rstd, &x, &weight});
+  RequireFloat("RmsNorm", {&x, &weight, &rstd}, false, "x, weight and rstd must be float32");
+  RequireFloat("RmsNorm", {&out}, true, "out must be float32 or bfloat16");
+  const int64_t c = weight.numel();
+  Require(c > 0 && x.numel() % c == 0 && out.numel() == x.numel() && rstd.numel() == x.numel() / c,
+          "RmsNorm", "shape mismatch");
+  be.rms_norm(ctx, out, rstd, x, weight, eps);
+}
+
+void RmsNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                     const Tensor& dout, const Tensor& x, const Tensor& weight,
+                     const Tensor& rstd) {
+  const Backend& be = On(ctx, "RmsNormBackward", {&dx, &dweight, &dout, &x, &weight, &rstd});
+  RequireFloat("RmsNormBackward", {&dx, &dweight, &dout, &x, &weight, &rstd}, false,
+               "every tensor must be float32");
+  const int64_t c = weight.numel();
+  Require(c > 0 && x.numel() % c == 0 && dx.numel() == x.numel() && dout.numel() == x.numel() &&
+              dweight.numel() == c && rstd.numel() == x.numel() / c,
+          "RmsNormBackward", "shape mismatch");
+  be.rms_norm_backward(ctx, dx, dweight, dout, x, weight, rstd);
+}
+
+void SwiGlu(const ExecContext& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
+  const Backend& be = On(ctx, "SwiGlu", {&out, &gate, &up});
+  RequireFloat("SwiGlu", {&out, &gate, &up}, false, "every tensor must be float32");
+  Require(out.numel() == gate.numel() && up.numel() == gate.numel(), "SwiGlu", "shape mismatch");
+  be.swiglu(ctx, out, gate, up);
+}
+
+void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& dup,
+                    const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  const Backend& be = On(ctx, "SwiGluBackward", {&dgate, &dup, &dout, &gate, &up});
+  RequireFloat("SwiGluBackward", {&dgate, &dup, &dout, &gate, &up}, false,
+               "every tensor must be float32");
+  Require(dgate.numel() == gate.numel() && dup.numel() == gate.numel() &&
+              dout.numel() == gate.numel() && up.numel() == gate.numel(),
+          "SwiGluBackward", "shape mismatch");
+  be.swiglu_backward(ctx, dgate, dup, dout, gate, up);
+}
+
+void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
+              const Tensor& v, int heads, int kv_heads, float theta) {
+  const Backend& be = On(ctx, "RopePack", {&qkv, &q, &k, &v});
+  RequireFloat("RopePack", {&q, &k, &v}, false, "q, k and v must be float32");
+  RequireFloat("RopePack", {&qkv}, true, "qkv must be float32 or bfloat16");
+  RequireRopeShapes("RopePack", qkv, q, k, v, heads, kv_heads, theta);
+  be.rope_pack(ctx, qkv, q, k, v, heads, kv_heads, theta);
+}
+
+void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+  const Backend& be = On(ctx, "RopePackBackward", {&dq, &dk, &dv, &dqkv});
+  RequireFloat("RopePackBackward", {&dq, &dk, &dv, &dqkv}, true,
+               "dqkv, dq, dk and dv must be float32 or bfloat16");
+  RequireRopeShapes("RopePackBackward", dqkv, dq, dk, dv, heads, kv_heads, theta);
+  be.rope_pack_backward(ctx, dq, dk, dv, dqkv, heads, kv_heads, theta);
 }
 
 // ---- On the CPU ----

@@ -177,6 +177,51 @@ void AdamW(const ExecContext& ctx, const Tensor& param, const Tensor& grad, cons
 void SumOfSquares(const ExecContext& ctx, const Tensor& x, const Tensor& sum);
 void Scale(const ExecContext& ctx, const Tensor& x, float factor);
 
+// ---- Llama blocks (context forms only; ExecContext::Host() runs them on the CPU) ----
+
+// RMSNorm over the last dimension (Hugging Face's LlamaRMSNorm, in fp32):
+//   rstd = 1 / sqrt(Σ x² / C + eps),  out = x · rstd · weight.
+// x [N,C] fp32, weight [C], rstd [N] fp32 (saved for the backward), out [N,C]
+// fp32 or bf16 (rounded once).
+void RmsNorm(const ExecContext& ctx, const Tensor& out, const Tensor& rstd, const Tensor& x,
+             const Tensor& weight, float eps);
+// With x̂ = x · rstd and g = dout · weight:
+//   dx += rstd · (g − x̂ · mean(g · x̂)),  dweight += Σ_rows dout · x̂
+// (dx and dweight accumulate; rows in order, so dweight is deterministic).
+// dout, x fp32 [N,C].
+void RmsNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                     const Tensor& dout, const Tensor& x, const Tensor& weight, const Tensor& rstd);
+
+// SwiGLU: out = silu(gate) · up, silu(a) = a · sigmoid(a); gate, up, out
+// fp32 [N,F].
+void SwiGlu(const ExecContext& ctx, const Tensor& out, const Tensor& gate, const Tensor& up);
+// dgate = dout · up · silu'(gate), dup = dout · silu(gate) (overwritten),
+// silu'(a) = sigmoid(a) · (1 + a · (1 − sigmoid(a))). All fp32 [N,F].
+void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& dup,
+                    const Tensor& dout, const Tensor& gate, const Tensor& up);
+
+// Rotary position embedding and grouped-query expansion into the packed qkv
+// that Attention reads. q [B·T, H·D], k and v [B·T, KV·D] fp32, rows
+// batch-major (row = b·T + t); H = heads, KV = kv_heads dividing H, D =
+// head_dim (even); qkv [B, T, 3·H·D] fp32 or bf16 (rounded once), laid out as
+// Attention wants: q heads, then k heads, then v heads, each head D wide.
+// Query head h reads key/value head h / (H / KV) (Hugging Face's repeat_kv).
+// q and k are rotated at position t (the row's index in its sequence) by
+// rotate-half (Hugging Face Llama): for i < D/2,
+//   inv_freq_i = fl(1 / fl(theta ^ fl(2i / D))),  angle = fl(t · inv_freq_i)
+// (fl: rounded to float32, as transformers computes them), and
+//   (x_i, x_{i+D/2}) → (x_i cos(angle) − x_{i+D/2} sin(angle),
+//                       x_{i+D/2} cos(angle) + x_i sin(angle)).
+// v is copied unrotated.
+void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
+              const Tensor& v, int heads, int kv_heads, float theta);
+// The adjoint of RopePack: from dqkv [B, T, 3·H·D] (fp32 or bf16) writes
+// (overwrites) dq [B·T, H·D] and dk, dv [B·T, KV·D] (fp32 or bf16, rounded
+// once): q and k rotated back by −angle, and each key/value head's gradient
+// the sum of its query heads' in increasing head order (deterministic).
+void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const Tensor& dqkv, int heads, int kv_heads, float theta);
+
 }  // namespace baton::kernels
 
 #endif  // BATON_KERNELS_OPS_H_

@@ -31,7 +31,8 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("train.micro_batch_size = ", micro_batch_size, ": must be positive"));
   }
-  const bool needs_tie = config.pp_size > 1 && (config.is_first() || config.is_last());
+  const bool needs_tie =
+      config.model.tie_embeddings && config.pp_size > 1 && (config.is_first() || config.is_last());
   // No group: both ends are on this rank (TieLocally pairs them).
   if (needs_tie && tie_group != nullptr &&
       (tie_group->size() != 2 || tie_group->rank() != (config.is_first() ? 0 : 1))) {
@@ -104,7 +105,7 @@ absl::Status GptStageModel::TieLocally(GptStageModel& first, GptStageModel& last
 
 Tensor GptStageModel::TiedEmbeddingGrad() {
   for (model::Parameter& p : stage_->parameters().parameters()) {
-    if (p.spec.name == "wte") return p.grad;
+    if (p.spec.name == model::TokenEmbeddingName(config_.model)) return p.grad;
   }
   return Tensor();
 }
@@ -145,7 +146,7 @@ absl::Status GptStageModel::SyncTiedGradients() {
   const int want_rank = config_.is_first() ? 0 : 1;
   if (context().stream != nullptr && tie_->size() == 2 && tie_->rank() == want_rank) {
     for (model::Parameter& p : stage_->parameters().parameters()) {
-      if (p.spec.name != "wte") continue;
+      if (p.spec.name != model::TokenEmbeddingName(config_.model)) continue;
       const comm::Buffer grad = model::CommBuffer(p.grad);
       if (!comm::CanEnqueueAllReduce(*tie_, grad)) break;
       return comm::EnqueueAllReduce(*tie_, grad, "all-reduce of the tied embedding gradient", stage_->stream(),
@@ -193,7 +194,7 @@ std::vector<NamedShard> GptStageModel::Shards() {
       shard.split_dim = p.spec.shard.dim;
       shard.qkv = p.spec.shard.outer == 3 && p.spec.shard.dim == 0;  // ShardSpec::QkvRows
     }
-    shard.tied_copy = p.spec.name == "wte" && !config_.is_first();
+    shard.tied_copy = p.spec.name == model::TokenEmbeddingName(config_.model) && !config_.is_first();
     shards.push_back(std::move(shard));
   }
   return shards;

@@ -9,12 +9,14 @@
 // rounds the restored weights into the bf16 copies.
 //
 // Shards() lists every parameter of the chunk under its model name
-// (docs/model.md) with its full shape and TP split. The tied embedding: the
-// first chunk's token embedding and the last chunk's LM head are one tensor,
-// "wte" [vocab, d_model]. With more than one chunk both hold a copy named
-// "wte"; the last chunk's is marked tied_copy (equal to the first's after
-// every optimizer step), so a checkpoint writes "wte" once, from the first
-// chunk, and restores both copies from it. Shard values are views into the
+// (docs/model.md) with its full shape and TP split. The tied embedding (GPT-2,
+// and Llama with tie_embeddings): the first chunk's token embedding and the
+// last chunk's LM head are one tensor, "wte" (Llama: "embed_tokens.weight")
+// [vocab, d_model]. With more than one chunk both hold a copy of that name;
+// the last chunk's is marked tied_copy (equal to the first's after every
+// optimizer step), so a checkpoint writes it once, from the first chunk, and
+// restores both copies from it. An untied Llama head is "lm_head.weight",
+// and its chunks have no tie group. Shard values are views into the
 // parameter store: writing one sets the parameter.
 //
 // Not thread-safe: one thread drives a worker's stages.
@@ -104,7 +106,7 @@ class GptStageModel : public StageModel {
         adamw_(adamw) {}
 
   bool holds_tied_embedding() const {
-    return config_.pp_size > 1 && (config_.is_first() || config_.is_last());
+    return config_.model.tie_embeddings && config_.pp_size > 1 && (config_.is_first() || config_.is_last());
   }
 
   model::StageConfig config_;

@@ -888,6 +888,9 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     }
   }
 
+  // An architecture or field this worker does not know is refused, never
+  // trained as another model.
+  if (!job->spec.model().has_synthetic()) BATON_RETURN_IF_ERROR(model::ValidateModelSpec(job->spec.model()));
   // Model chunks this rank holds: stages p, p + pp, p + 2pp, ... when looped.
   for (int c = 0; c < stages; ++c) {
     if (rank_of(c) != p) continue;
@@ -910,7 +913,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
                                                                  AdamWFromTrainSpec(job->spec.train())));
   }
-  if (!job->spec.model().has_synthetic() && stages > 1 && rank_of(0) == p && rank_of(stages - 1) == p) {
+  if (!job->spec.model().has_synthetic() && model::GptConfigFromSpec(job->spec.model()).tie_embeddings &&
+      stages > 1 && rank_of(0) == p && rank_of(stages - 1) == p) {
     // Both ends of the tied embedding here (the V's rank 0): summed locally.
     BATON_RETURN_IF_ERROR(GptStageModel::TieLocally(static_cast<GptStageModel&>(*job->chunks.at(0)),
                                                     static_cast<GptStageModel&>(*job->chunks.at(stages - 1))));

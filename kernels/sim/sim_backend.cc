@@ -406,6 +406,37 @@ void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
   SIM_ENQUEUE(Cpu().scale(Host(), a, factor));
 }
 
+void RmsNorm(const ExecContext& ctx, const Tensor& out, const Tensor& rstd, const Tensor& x,
+             const Tensor& weight, float eps) {
+  Tensor a = H(out), b = H(rstd), c = H(x), d = H(weight);
+  SIM_ENQUEUE(Cpu().rms_norm(Host(), a, b, c, d, eps));
+}
+void RmsNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                     const Tensor& dout, const Tensor& x, const Tensor& weight,
+                     const Tensor& rstd) {
+  Tensor a = H(dx), b = H(dweight), c = H(dout), d = H(x), e = H(weight), f = H(rstd);
+  SIM_ENQUEUE(Cpu().rms_norm_backward(Host(), a, b, c, d, e, f));
+}
+void SwiGlu(const ExecContext& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
+  Tensor a = H(out), b = H(gate), c = H(up);
+  SIM_ENQUEUE(Cpu().swiglu(Host(), a, b, c));
+}
+void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& dup,
+                    const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  Tensor a = H(dgate), b = H(dup), c = H(dout), d = H(gate), e = H(up);
+  SIM_ENQUEUE(Cpu().swiglu_backward(Host(), a, b, c, d, e));
+}
+void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
+              const Tensor& v, int heads, int kv_heads, float theta) {
+  Tensor a = H(qkv), b = H(q), c = H(k), d = H(v);
+  SIM_ENQUEUE(Cpu().rope_pack(Host(), a, b, c, d, heads, kv_heads, theta));
+}
+void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+  Tensor a = H(dq), b = H(dk), c = H(dv), d = H(dqkv);
+  SIM_ENQUEUE(Cpu().rope_pack_backward(Host(), a, b, c, d, heads, kv_heads, theta));
+}
+
 #undef SIM_ENQUEUE
 
 const Backend kSim = {
@@ -455,6 +486,12 @@ const Backend kSim = {
     AdamW,
     SumOfSquares,
     Scale,
+    RmsNorm,
+    RmsNormBackward,
+    SwiGlu,
+    SwiGluBackward,
+    RopePack,
+    RopePackBackward,
 };
 
 BATON_REGISTER_BACKEND(kSim);

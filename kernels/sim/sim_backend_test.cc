@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -71,6 +72,73 @@ TEST(SimBackendTest, OpsGiveTheCpuBits) {
   EXPECT_EQ(ToHost(ctx, dln), Values(ln));
   EXPECT_EQ(ToHost(ctx, dy), Values(y));
   EXPECT_EQ(sim_sq, cpu_sq);
+}
+
+// The bytes of device tensor `d`, copied back to the host.
+std::vector<unsigned char> BytesOf(const ExecContext& ctx, const Tensor& d) {
+  std::vector<unsigned char> out(d.bytes());
+  Copy(ctx, Tensor::View(out.data(), d.shape(), d.dtype()), d);
+  EXPECT_TRUE(ctx.stream->Synchronize().ok());
+  return out;
+}
+
+std::vector<unsigned char> BytesOf(const Tensor& host) {
+  const auto* p = static_cast<const unsigned char*>(host.raw());
+  return std::vector<unsigned char>(p, p + host.bytes());
+}
+
+// The Llama blocks (RmsNorm, SwiGlu, RopePack with grouped heads and their
+// backwards), fp32 and with bf16 where they take it: the CPU's bits.
+TEST(SimBackendTest, LlamaBlocksGiveTheCpuBits) {
+  auto stream = *Stream::Create(kSim);
+  const ExecContext ctx = ExecContext::On(stream.get());
+  const ExecContext& cpu = ExecContext::Host();
+  const int64_t b = 2, t = 5, heads = 4, kv = 2, d = 8, n = b * t, c = heads * d;
+  const float theta = 10000.0f;
+  Tensor x = Random({n, c}, 11), w = Random({c}, 12), dy = Random({n, c}, 13);
+  Tensor q = Random({n, c}, 14), k = Random({n, kv * d}, 15), v = Random({n, kv * d}, 16);
+  Tensor g = Random({b, t, 3 * c}, 17);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    // On the CPU.
+    Tensor y = Tensor::Zeros({n, c}, dtype), rstd = Tensor::Zeros({n});
+    Tensor dx = Tensor::Zeros({n, c}), dw = Tensor::Zeros({c});
+    Tensor s = Tensor::Zeros({n, c}), dgate = Tensor::Zeros({n, c}), dup = Tensor::Zeros({n, c});
+    Tensor qkv = Tensor::Zeros({b, t, 3 * c}, dtype), dqkv = Tensor::Zeros({b, t, 3 * c}, dtype);
+    Tensor dq = Tensor::Zeros({n, c}, dtype), dk = Tensor::Zeros({n, kv * d}, dtype),
+           dv = Tensor::Zeros({n, kv * d}, dtype);
+    Cast(cpu, dqkv, g);
+    RmsNorm(cpu, y, rstd, x, w, 1e-5f);
+    RmsNormBackward(cpu, dx, dw, dy, x, w, rstd);
+    SwiGlu(cpu, s, x, dy);
+    SwiGluBackward(cpu, dgate, dup, dy, x, q);
+    RopePack(cpu, qkv, q, k, v, heads, kv, theta);
+    RopePackBackward(cpu, dq, dk, dv, dqkv, heads, kv, theta);
+
+    // On the simulated device.
+    Tensor sx = OnSim(ctx, x), sw = OnSim(ctx, w), sdy = OnSim(ctx, dy), sq = OnSim(ctx, q),
+           sk = OnSim(ctx, k), sv = OnSim(ctx, v), sdqkv = OnSim(ctx, dqkv);
+    Tensor sy = *ZerosOn(kSim, {n, c}, dtype), srstd = *ZerosOn(kSim, {n});
+    Tensor sdx = *ZerosOn(kSim, {n, c}), sdw = *ZerosOn(kSim, {c});
+    Tensor ss = *ZerosOn(kSim, {n, c}), sdgate = *ZerosOn(kSim, {n, c}),
+           sdup = *ZerosOn(kSim, {n, c});
+    Tensor sqkv = *ZerosOn(kSim, {b, t, 3 * c}, dtype);
+    Tensor sdq = *ZerosOn(kSim, {n, c}, dtype), sdk = *ZerosOn(kSim, {n, kv * d}, dtype),
+           sdv = *ZerosOn(kSim, {n, kv * d}, dtype);
+    RmsNorm(ctx, sy, srstd, sx, sw, 1e-5f);
+    RmsNormBackward(ctx, sdx, sdw, sdy, sx, sw, srstd);
+    SwiGlu(ctx, ss, sx, sdy);
+    SwiGluBackward(ctx, sdgate, sdup, sdy, sx, sq);
+    RopePack(ctx, sqkv, sq, sk, sv, heads, kv, theta);
+    RopePackBackward(ctx, sdq, sdk, sdv, sdqkv, heads, kv, theta);
+
+    const std::vector<std::pair<Tensor, Tensor>> pairs = {
+        {sy, y},     {srstd, rstd}, {sdx, dx}, {sdw, dw}, {ss, s},  {sdgate, dgate},
+        {sdup, dup}, {sqkv, qkv},   {sdq, dq}, {sdk, dk}, {sdv, dv}};
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      EXPECT_EQ(BytesOf(ctx, pairs[i].first), BytesOf(pairs[i].second))
+          << "output " << i << (dtype == DType::kBFloat16 ? " (bf16)" : " (fp32)");
+    }
+  }
 }
 
 // The CPU and the simulated device keep P for attention's backward (the

@@ -1,5 +1,7 @@
 #include "worker/model/gpt_config.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -12,14 +14,38 @@ absl::Status Invalid(absl::string_view field, const absl::AlphaNum& value, absl:
 
 }  // namespace
 
+const char* TokenEmbeddingName(const GptConfig& config) {
+  return config.llama() ? "embed_tokens.weight" : "wte";
+}
+
 GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec) {
   GptConfig config;
+  config.arch = spec.arch() == "llama" ? Arch::kLlama : Arch::kGpt2;
   config.layers = spec.layers();
   config.d_model = spec.d_model();
   config.heads = spec.heads();
   config.vocab = spec.vocab();
   config.seq_len = spec.seq_len();
+  if (spec.has_kv_heads()) config.kv_heads = spec.kv_heads();
+  if (spec.has_ffn_dim()) config.ffn = spec.ffn_dim();
+  if (spec.has_rope_theta()) config.rope_theta = spec.rope_theta();
+  if (spec.has_norm_eps()) config.norm_eps = spec.norm_eps();
+  config.tie_embeddings = config.llama() ? spec.tie_embeddings() : true;
+  if (!config.llama() && spec.has_tie_embeddings()) config.tie_embeddings = spec.tie_embeddings();
   return config;
+}
+
+absl::Status ValidateModelSpec(const baton::v1::ModelSpec& spec) {
+  if (!spec.arch().empty() && spec.arch() != "gpt2" && spec.arch() != "llama") {
+    return Invalid("model.arch", absl::StrCat("\"", spec.arch(), "\""), "want \"gpt2\" (the default) or \"llama\"");
+  }
+  if (spec.has_kv_heads() && spec.kv_heads() <= 0) {
+    return Invalid("model.kv_heads", spec.kv_heads(), "must be positive (leave it unset for model.heads)");
+  }
+  if (spec.has_ffn_dim() && spec.ffn_dim() <= 0) {
+    return Invalid("model.ffn_dim", spec.ffn_dim(), "must be positive (leave it unset for 4 * model.d_model)");
+  }
+  return ValidateGptConfig(GptConfigFromSpec(spec));
 }
 
 absl::Status ValidateGptConfig(const GptConfig& c) {
@@ -33,6 +59,33 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
   }
   if (c.d_model % c.heads != 0) {
     return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
+  }
+  if (c.ffn_dim() <= 0) return Invalid("model.ffn_dim", c.ffn_dim(), "must be positive");
+  if (!c.llama()) {
+    // GPT-2 has none of Llama's knobs; a set one is a mistake, not ignored.
+    if (c.kv_heads != 0 && c.kv_heads != c.heads) {
+      return Invalid("model.kv_heads", c.kv_heads, "is a Llama field; GPT-2 attention has model.heads key/value heads (set model.arch = \"llama\" or leave it unset)");
+    }
+    if (c.ffn_dim() != 4 * c.d_model) {
+      return Invalid("model.ffn_dim", c.ffn_dim(), absl::StrCat("GPT-2's MLP is 4 * model.d_model = ", 4 * c.d_model, " wide (set model.arch = \"llama\" for another width, or leave it unset)"));
+    }
+    if (c.rope_theta != 10000.0f) return Invalid("model.rope_theta", c.rope_theta, "is a Llama field; GPT-2 has learned positions (leave it unset)");
+    if (c.norm_eps != 1e-5f) return Invalid("model.norm_eps", c.norm_eps, "GPT-2's LayerNorm epsilon is 1e-5 (leave it unset)");
+    if (!c.tie_embeddings) return Invalid("model.tie_embeddings", "false", "GPT-2's LM head is its token embedding (leave it unset)");
+    return absl::OkStatus();
+  }
+  const int kv = c.key_value_heads();
+  if (kv <= 0 || c.heads % kv != 0) {
+    return Invalid("model.kv_heads", kv, absl::StrCat("must divide model.heads = ", c.heads, " (grouped-query attention shares each key/value head among heads / kv_heads query heads)"));
+  }
+  if (c.head_dim() % 2 != 0) {
+    return Invalid("model.heads", c.heads, absl::StrCat("makes head_dim = d_model / heads = ", c.head_dim(), " odd; rotary embeddings rotate pairs, so choose heads that makes it even"));
+  }
+  if (!std::isfinite(c.rope_theta) || c.rope_theta <= 1.0f) {
+    return Invalid("model.rope_theta", c.rope_theta, "must be a finite number > 1 (Llama 2: 10000, Llama 3: 500000)");
+  }
+  if (!std::isfinite(c.norm_eps) || c.norm_eps <= 0.0f || c.norm_eps > 1.0f) {
+    return Invalid("model.norm_eps", c.norm_eps, "must be a finite number in (0, 1] (Llama: 1e-5 or 1e-6)");
   }
   return absl::OkStatus();
 }
@@ -102,7 +155,13 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
   }
   if (c.model.ffn_dim() % c.tp_size != 0) {
     return Invalid("parallel.tp", c.tp_size,
-                   absl::StrCat("must divide 4 * model.d_model = ", c.model.ffn_dim()));
+                   absl::StrCat("must divide the MLP width ", c.model.llama() ? "model.ffn_dim" : "4 * model.d_model",
+                                " = ", c.model.ffn_dim()));
+  }
+  if (c.model.key_value_heads() % c.tp_size != 0) {
+    return Invalid("parallel.tp", c.tp_size,
+                   absl::StrCat("must divide model.kv_heads = ", c.model.key_value_heads(),
+                                " (each tensor-parallel rank holds whole key/value heads)"));
   }
   if (c.vocab_parallel && c.model.vocab % c.tp_size != 0) {
     return Invalid("model.vocab", c.model.vocab,

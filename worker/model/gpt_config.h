@@ -16,26 +16,53 @@
 
 namespace baton::model {
 
+// model.arch: GPT-2 (LayerNorm, learned positions, GELU MLP, biases, tied
+// head) or Llama (RMSNorm, rotary positions, SwiGLU MLP, grouped-query
+// attention, no biases, untied head unless tie_embeddings).
+enum class Arch { kGpt2, kLlama };
+
 struct GptConfig {
+  Arch arch = Arch::kGpt2;
   int layers = 0;
   int d_model = 0;
   int heads = 0;
   int vocab = 0;
-  int seq_len = 0;  // longest sequence (rows of the position embedding)
+  int seq_len = 0;  // longest sequence (GPT-2: rows of the position embedding)
+  // Llama only (GPT-2 keeps the defaults; ValidateGptConfig says so).
+  int kv_heads = 0;     // 0: heads
+  int ffn = 0;          // MLP width; 0: 4 · d_model
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
+  bool tie_embeddings = true;  // GPT-2 always; Llama from the spec (default false)
 
+  bool llama() const { return arch == Arch::kLlama; }
   int head_dim() const { return d_model / heads; }
-  int ffn_dim() const { return 4 * d_model; }
+  int key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  int ffn_dim() const { return ffn > 0 ? ffn : 4 * d_model; }
 };
+
+// The name of the token embedding parameter ("wte" for GPT-2,
+// "embed_tokens.weight" for Llama); with a tied head the last pipeline stage
+// holds a copy of that name.
+const char* TokenEmbeddingName(const GptConfig& config);
 
 // The largest vocabulary: the accuracy count passes token ids as floats
 // (kernels::kMaxArgmaxVocab), exact up to 2^24.
 inline constexpr int kMaxVocab = 1 << 24;
 
-// Copies the model fields of a JobSpec (no validation; see ValidateGptConfig).
+// Copies the model fields of a JobSpec, defaults filled in (no validation;
+// see ValidateGptConfig). An unknown model.arch is left for
+// ValidateModelSpec.
 GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec);
 
-// Positive sizes, heads dividing d_model, vocab at most kMaxVocab; errors
-// name the field ("model.heads"), as written in a JobSpec.
+// model.arch as written ("", "gpt2" or "llama") and the Llama fields set
+// only for Llama; then GptConfigFromSpec's config validated.
+absl::Status ValidateModelSpec(const baton::v1::ModelSpec& spec);
+
+// Positive sizes, heads dividing d_model, vocab at most kMaxVocab; for Llama
+// kv_heads dividing heads, an even head_dim, a positive finite rope_theta and
+// norm_eps; for GPT-2 the Llama fields at their defaults. Errors name the
+// field ("model.heads"), as written in a JobSpec.
 absl::Status ValidateGptConfig(const GptConfig& config);
 
 struct BlockRange {
@@ -100,7 +127,8 @@ absl::StatusOr<StageConfig> MakeChunkConfig(const GptConfig& model, int chunk, i
                                             BlockRange blocks, int tp_rank, int tp_size,
                                             uint64_t seed);
 
-// Everything ValidateGptConfig checks, plus: tp dividing heads and 4·d_model,
+// Everything ValidateGptConfig checks, plus: tp dividing heads, kv_heads and
+// the MLP width,
 // ranks inside their groups, the block range inside the model, a positive
 // microbatch count. Errors name the field ("parallel.tp").
 absl::Status ValidateStageConfig(const StageConfig& config);

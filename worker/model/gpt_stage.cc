@@ -16,17 +16,30 @@ namespace baton::model {
 using kernels::Shape;
 using kernels::Tensor;
 
+// One transformer block: a norm, attention and its output projection (the
+// attention sub-block), a norm and the MLP (the MLP sub-block). GPT-2: Layer-
+// Norm, fused qkv with biases, GELU MLP with biases. Llama: RMSNorm (no
+// bias: *_b null), q/k/v projections with rotary positions and grouped-
+// query heads (qkv_w null), SwiGLU MLP gate/up/down (fc_w = gate, fc2_w =
+// down), no biases.
 struct GptStage::Block {
   int index = 0;
-  Parameter *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
-  Parameter *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+  Parameter *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr;
+  Parameter *proj_w = nullptr, *proj_b = nullptr;
+  Parameter *ln2_w = nullptr, *ln2_b = nullptr, *fc_w = nullptr, *fc_b = nullptr;
+  Parameter *fc2_w = nullptr, *fc2_b = nullptr;
+  Parameter *q_w = nullptr, *k_w = nullptr, *v_w = nullptr, *up_w = nullptr;  // Llama
 };
 
 // What one block keeps from forward for backward, and the output gradients
 // BackwardInput keeps for BackwardWeight. All views into the microbatch arena.
+// Llama: h is the gate, up the up projection, g silu(gate) · up; q, k, v the
+// projections before RopePack; dh / dup their gradients as the GEMMs take
+// them, dq / dk / dv those of the projections.
 struct GptStage::BlockActivations {
   Tensor x_in, ln1, mean1, rstd1, qkv, att, y, x_mid, ln2, mean2, rstd2, h, g, x_out;
   Tensor d_out, d_mid, dh, dqkv;
+  Tensor q, k, v, up, dup, dq, dk, dv;  // Llama
 };
 
 struct GptStage::Microbatch {
@@ -90,7 +103,12 @@ absl::Status WithOutOfMemoryAdvice(const absl::Status& status) {
   return kernels::OutOfMemoryError(absl::StrCat(status.message(), kOutOfMemoryAdvice));
 }
 
+namespace {
+std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config);
+}  // namespace
+
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
+  if (config.model.llama()) return LlamaParameterSpecs(config);
   const GptConfig& m = config.model;
   const int64_t c = m.d_model, f = m.ffn_dim();
   const bool tp0 = config.tp_rank == 0;
@@ -168,6 +186,66 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
   return specs;
 }
 
+namespace {
+
+// Llama's parameters under Hugging Face's names less "model." (so import and
+// export map them one to one; every matrix [out, in] as torch stores it).
+// Initialisation as transformers' LlamaPreTrainedModel: N(0, 0.02) for every
+// matrix, RMSNorm weights 1.
+std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
+  const GptConfig& m = config.model;
+  const int64_t c = m.d_model, f = m.ffn_dim(), hd = m.head_dim();
+  const int64_t qc = int64_t{m.heads} * hd, kvc = int64_t{m.key_value_heads()} * hd;
+  const bool tp0 = config.tp_rank == 0;
+  std::vector<ParameterSpec> specs;
+  auto add = [&](std::string name, Shape shape, ShardSpec shard, bool matrix) {
+    ParameterSpec s;
+    s.name = std::move(name);
+    s.full_shape = std::move(shape);
+    s.shard = shard;
+    s.init = matrix ? InitKind::kNormal : InitKind::kOnes;
+    s.init_std = matrix ? kInitStd : 0.0f;
+    s.weight_decay = matrix;
+    s.counts_in_norm = !shard.replicated || tp0;
+    s.gemm_weight = matrix;
+    specs.push_back(std::move(s));
+  };
+  auto vocab_rows = [&] {
+    return config.vocab_parallel ? ShardSpec::Rows(m.vocab, c) : ShardSpec::Replicated(int64_t{m.vocab} * c);
+  };
+  if (config.is_first()) {
+    add("embed_tokens.weight", {m.vocab, c}, vocab_rows(), true);
+    // The first stage only looks rows up; a tied head on the same stage
+    // multiplies by it.
+    specs.back().gemm_weight = config.is_last() && m.tie_embeddings;
+  }
+  for (int i = config.blocks.first; i < config.blocks.first + config.blocks.count; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    add(p + "input_layernorm.weight", {c}, ShardSpec::Replicated(c), false);
+    add(p + "self_attn.q_proj.weight", {qc, c}, ShardSpec::Rows(qc, c), true);
+    add(p + "self_attn.k_proj.weight", {kvc, c}, ShardSpec::Rows(kvc, c), true);
+    add(p + "self_attn.v_proj.weight", {kvc, c}, ShardSpec::Rows(kvc, c), true);
+    add(p + "self_attn.o_proj.weight", {c, qc}, ShardSpec::Columns(c, qc), true);
+    add(p + "post_attention_layernorm.weight", {c}, ShardSpec::Replicated(c), false);
+    add(p + "mlp.gate_proj.weight", {f, c}, ShardSpec::Rows(f, c), true);
+    add(p + "mlp.up_proj.weight", {f, c}, ShardSpec::Rows(f, c), true);
+    add(p + "mlp.down_proj.weight", {c, f}, ShardSpec::Columns(c, f), true);
+  }
+  if (config.is_last()) {
+    add("norm.weight", {c}, ShardSpec::Replicated(c), false);
+    if (!m.tie_embeddings) {
+      add("lm_head.weight", {m.vocab, c}, vocab_rows(), true);
+    } else if (!config.is_first()) {
+      // The head's copy of the tied embedding; the first stage counts it.
+      add("embed_tokens.weight", {m.vocab, c}, vocab_rows(), true);
+      specs.back().counts_in_norm = false;
+    }
+  }
+  return specs;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& config,
                                                            comm::Communicator* tp_group) {
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
@@ -204,6 +282,7 @@ GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, Para
       vocab_parallel_(config.vocab_parallel && config.tp_size > 1),
       vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0),
       bf16_(config.precision == kernels::Precision::kBFloat16),
+      llama_(config.model.llama()),
       gemm_dtype_(bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32) {
   BindParameters();
 }
@@ -227,7 +306,12 @@ absl::Status GptStage::PlaceOnDevice() {
 }
 
 void GptStage::BindParameters() {
+  if (llama_) {
+    BindLlamaParameters();
+    return;
+  }
   wte_ = params_.Find("wte");
+  head_ = wte_;
   wpe_ = params_.Find("wpe");
   lnf_w_ = params_.Find("ln_f.weight");
   lnf_b_ = params_.Find("ln_f.bias");
@@ -248,6 +332,50 @@ void GptStage::BindParameters() {
     b.fc2_w = params_.Find(p + "mlp.c_proj.weight");
     b.fc2_b = params_.Find(p + "mlp.c_proj.bias");
     blocks_.push_back(b);
+  }
+}
+
+void GptStage::BindLlamaParameters() {
+  wte_ = params_.Find("embed_tokens.weight");
+  head_ = config_.model.tie_embeddings ? wte_ : params_.Find("lm_head.weight");
+  lnf_w_ = params_.Find("norm.weight");
+  for (int i = config_.blocks.first; i < config_.blocks.first + config_.blocks.count; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    Block b;
+    b.index = i;
+    b.ln1_w = params_.Find(p + "input_layernorm.weight");
+    b.q_w = params_.Find(p + "self_attn.q_proj.weight");
+    b.k_w = params_.Find(p + "self_attn.k_proj.weight");
+    b.v_w = params_.Find(p + "self_attn.v_proj.weight");
+    b.proj_w = params_.Find(p + "self_attn.o_proj.weight");
+    b.ln2_w = params_.Find(p + "post_attention_layernorm.weight");
+    b.fc_w = params_.Find(p + "mlp.gate_proj.weight");
+    b.up_w = params_.Find(p + "mlp.up_proj.weight");
+    b.fc2_w = params_.Find(p + "mlp.down_proj.weight");
+    blocks_.push_back(b);
+  }
+}
+
+absl::Status GptStage::Norm(kernels::Arena& arena, const Tensor& x, const Parameter* w, const Parameter* b,
+                            Tensor* out, Tensor* mean, Tensor* rstd) {
+  const int64_t n = x.dim(0), c = x.dim(1);
+  BATON_ASSIGN_OR_RETURN(*out, arena.Allocate({n, c}, gemm_dtype_));
+  BATON_ASSIGN_OR_RETURN(*rstd, arena.Allocate({n}));
+  if (llama_) {
+    kernels::RmsNorm(ctx_, *out, *rstd, x, w->value, config_.model.norm_eps);
+    return absl::OkStatus();
+  }
+  BATON_ASSIGN_OR_RETURN(*mean, arena.Allocate({n}));
+  kernels::LayerNorm(ctx_, *out, *mean, *rstd, x, w->value, b->value);
+  return absl::OkStatus();
+}
+
+void GptStage::NormBackward(const Tensor& dx, const Parameter* w, const Parameter* b, const Tensor& dout,
+                            const Tensor& x, const Tensor& mean, const Tensor& rstd) {
+  if (llama_) {
+    kernels::RmsNormBackward(ctx_, dx, w->grad, dout, x, w->value, rstd);
+  } else {
+    kernels::LayerNormBackward(ctx_, dx, w->grad, b->grad, dout, x, w->value, mean, rstd);
   }
 }
 
@@ -404,7 +532,7 @@ absl::Status GptStage::ForwardLogits(const StageInputs& inputs, const Tensor& lo
   }
   int64_t batch = 0, seq = 0;
   BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, Tensor(), &batch, &seq, /*logits_only=*/true), "ForwardLogits");
-  const int64_t columns = wte_->value.dim(0);
+  const int64_t columns = head_->value.dim(0);
   if (!logits.defined() || logits.dtype() != kernels::DType::kFloat32 || logits.device() != config_.device ||
       logits.numel() != batch * seq * columns) {
     return absl::InvalidArgumentError(absl::StrCat("ForwardLogits: logits: want float [", batch, ", ", seq, ", ",
@@ -435,7 +563,7 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     // rank 0 adds the positions, and the all-reduce assembles the whole.
     const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
     kernels::Embedding(ctx_, s.x0, s.tokens, wte_->value, vocab_begin_,
-                       add_positions ? wpe_->value : Tensor());
+                       add_positions && wpe_ != nullptr ? wpe_->value : Tensor());
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
     }
@@ -470,13 +598,10 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     }
     return absl::OkStatus();
   }
-  BATON_ASSIGN_OR_RETURN(s.xf, arena.Allocate({n, c}, gemm_dtype_));
-  BATON_ASSIGN_OR_RETURN(s.meanf, arena.Allocate({n}));
-  BATON_ASSIGN_OR_RETURN(s.rstdf, arena.Allocate({n}));
-  kernels::LayerNorm(ctx_, s.xf, s.meanf, s.rstdf, x, lnf_w_->value, lnf_b_->value);
+  BATON_RETURN_IF_ERROR(Norm(arena, x, lnf_w_, lnf_b_, &s.xf, &s.meanf, &s.rstdf));
   // This rank's vocabulary columns.
-  BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, wte_->value.dim(0)}));
-  kernels::Linear(ctx_, s.dlogits, s.xf, W(wte_), Tensor());
+  BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, head_->value.dim(0)}));
+  kernels::Linear(ctx_, s.dlogits, s.xf, W(head_), Tensor());
   if (logits != nullptr) {
     kernels::Copy(ctx_, *logits, s.dlogits);
     return absl::OkStatus();
@@ -525,47 +650,79 @@ absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale) 
 
 absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivations& a) {
   const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
-  const int64_t tp = config_.tp_size;
-  const int64_t cl = c / tp, fl = config_.model.ffn_dim() / tp;
-  const int heads = static_cast<int>(config_.model.heads / tp);
+  kernels::Arena& arena = mb.arena;
+  // Attention sub-block: x_mid = x_in + proj(attn(norm1(x_in))).
+  BATON_RETURN_IF_ERROR(Norm(arena, a.x_in, b.ln1_w, b.ln1_b, &a.ln1, &a.mean1, &a.rstd1));
+  BATON_ASSIGN_OR_RETURN(Tensor attn_out, AttentionForward(b, mb, a));
+  BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({n, c}));
+  kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
+  // MLP sub-block: x_out = x_mid + mlp(norm2(x_mid)).
+  BATON_RETURN_IF_ERROR(Norm(arena, a.x_mid, b.ln2_w, b.ln2_b, &a.ln2, &a.mean2, &a.rstd2));
+  BATON_ASSIGN_OR_RETURN(Tensor mlp_out, MlpForward(b, mb, a));
+  BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({n, c}));
+  kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> GptStage::AttentionForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  const GptConfig& m = config_.model;
+  const int64_t n = mb.batch * mb.seq, c = m.d_model, tp = config_.tp_size;
+  const int64_t cl = int64_t{m.heads} * m.head_dim() / tp;  // this rank's query channels
+  const int heads = static_cast<int>(m.heads / tp);
   kernels::Arena& arena = mb.arena;
   const kernels::DType g16 = gemm_dtype_;  // GEMM inputs and attention tensors
-  BATON_ASSIGN_OR_RETURN(a.ln1, arena.Allocate({n, c}, g16));
-  BATON_ASSIGN_OR_RETURN(a.mean1, arena.Allocate({n}));
-  BATON_ASSIGN_OR_RETURN(a.rstd1, arena.Allocate({n}));
-  kernels::LayerNorm(ctx_, a.ln1, a.mean1, a.rstd1, a.x_in, b.ln1_w->value, b.ln1_b->value);
   BATON_ASSIGN_OR_RETURN(a.qkv, arena.Allocate({mb.batch, mb.seq, 3 * cl}, g16));
-  kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
+  if (llama_) {
+    // Separate q, k, v projections (k and v of kv_heads / tp heads), then
+    // rotary positions and the grouped heads' expansion into the packed qkv.
+    const int kv_heads = m.key_value_heads() / static_cast<int>(tp);
+    const int64_t kvl = int64_t{kv_heads} * m.head_dim();
+    BATON_ASSIGN_OR_RETURN(a.q, arena.Allocate({n, cl}));
+    BATON_ASSIGN_OR_RETURN(a.k, arena.Allocate({n, kvl}));
+    BATON_ASSIGN_OR_RETURN(a.v, arena.Allocate({n, kvl}));
+    kernels::Linear(ctx_, a.q, a.ln1, W(b.q_w), Tensor());
+    kernels::Linear(ctx_, a.k, a.ln1, W(b.k_w), Tensor());
+    kernels::Linear(ctx_, a.v, a.ln1, W(b.v_w), Tensor());
+    kernels::RopePack(ctx_, a.qkv, a.q, a.k, a.v, heads, kv_heads, m.rope_theta);
+  } else {
+    kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
+  }
   BATON_ASSIGN_OR_RETURN(a.y, arena.Allocate({n, cl}, g16));
   // What this device's attention keeps for the backward: P [B,H,T,T], or
   // only the softmax statistics and the output where a fused kernel runs.
-  const kernels::AttentionBuffers att =
-      kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
+  const kernels::AttentionBuffers att = kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
   BATON_ASSIGN_OR_RETURN(a.att, arena.Allocate(att.saved, att.saved_dtype));
   kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
   BATON_ASSIGN_OR_RETURN(Tensor attn_out, arena.Allocate({n, c}));
   kernels::Linear(ctx_, attn_out, a.y, W(b.proj_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
-  kernels::AddBias(ctx_, attn_out, b.proj_b->value);
-  BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({n, c}));
-  kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
+  if (b.proj_b != nullptr) kernels::AddBias(ctx_, attn_out, b.proj_b->value);
+  return attn_out;
+}
 
-  BATON_ASSIGN_OR_RETURN(a.ln2, arena.Allocate({n, c}, g16));
-  BATON_ASSIGN_OR_RETURN(a.mean2, arena.Allocate({n}));
-  BATON_ASSIGN_OR_RETURN(a.rstd2, arena.Allocate({n}));
-  kernels::LayerNorm(ctx_, a.ln2, a.mean2, a.rstd2, a.x_mid, b.ln2_w->value, b.ln2_b->value);
+absl::StatusOr<Tensor> GptStage::MlpForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t fl = config_.model.ffn_dim() / config_.tp_size;
+  kernels::Arena& arena = mb.arena;
   BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({n, fl}));
-  kernels::Linear(ctx_, a.h, a.ln2, W(b.fc_w), b.fc_b->value);
   BATON_ASSIGN_OR_RETURN(Tensor g, arena.Allocate({n, fl}));
-  kernels::Gelu(ctx_, g, a.h);  // fp32 (h too: GELU's backward reads it)
+  if (llama_) {
+    // SwiGLU: down(silu(gate(x)) · up(x)); gate and up fp32, as its
+    // backward reads them.
+    BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({n, fl}));
+    kernels::Linear(ctx_, a.h, a.ln2, W(b.fc_w), Tensor());
+    kernels::Linear(ctx_, a.up, a.ln2, W(b.up_w), Tensor());
+    kernels::SwiGlu(ctx_, g, a.h, a.up);
+  } else {
+    kernels::Linear(ctx_, a.h, a.ln2, W(b.fc_w), b.fc_b->value);
+    kernels::Gelu(ctx_, g, a.h);  // fp32 (h too: GELU's backward reads it)
+  }
   BATON_ASSIGN_OR_RETURN(a.g, ForGemm(arena, g));
   BATON_ASSIGN_OR_RETURN(Tensor mlp_out, arena.Allocate({n, c}));
   kernels::Linear(ctx_, mlp_out, a.g, W(b.fc2_w), Tensor());
   BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
-  kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
-  BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({n, c}));
-  kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
-  return absl::OkStatus();
+  if (b.fc2_b != nullptr) kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
+  return mlp_out;
 }
 
 absl::StatusOr<GptStage::Microbatch*> GptStage::Find(int mb, const char* op) {
@@ -611,14 +768,13 @@ absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output
     const Tensor x_last = s.blocks.empty() ? s.x0 : s.blocks.back().x_out;
     BATON_ASSIGN_OR_RETURN(Tensor dxf, arena.Allocate({n, c}));
     BATON_ASSIGN_OR_RETURN(s.dlogits_gemm, ForGemm(arena, s.dlogits));
-    kernels::LinearBackwardInput(ctx_, dxf, s.dlogits_gemm, W(wte_), /*accumulate=*/false);
+    kernels::LinearBackwardInput(ctx_, dxf, s.dlogits_gemm, W(head_), /*accumulate=*/false);
     if (vocab_parallel_) {
       BATON_RETURN_IF_ERROR(AllReduceTp(dxf, "the LM head input gradient", -1));
     }
     BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::FillZero(ctx_, d);
-    kernels::LayerNormBackward(ctx_, d, lnf_w_->grad, lnf_b_->grad, dxf, x_last, lnf_w_->value, s.meanf,
-                               s.rstdf);
+    NormBackward(d, lnf_w_, lnf_b_, dxf, x_last, s.meanf, s.rstdf);
   } else if (bf16_) {
     BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
     kernels::Cast(ctx_, d, grad_output);
@@ -646,31 +802,58 @@ absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output
 absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
                                           const Tensor& d_out, const Tensor& d_in) {
   const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
-  const int64_t tp = config_.tp_size;
-  const int64_t cl = c / tp, fl = config_.model.ffn_dim() / tp;
-  const int heads = static_cast<int>(config_.model.heads / tp);
   kernels::Arena& arena = mb.arena;
-  // MLP: x_out = x_mid + fc2(gelu(fc(ln2(x_mid)))).
   // With bf16, each gradient entering a GEMM is rounded to bf16 once (a.d_out,
-  // a.dh, a.d_mid; dqkv comes out of attention in bf16); bias and LayerNorm
+  // a.dh, a.d_mid, ...; dqkv comes out of attention in bf16); bias and norm
   // gradients and the residual stream stay fp32.
   BATON_ASSIGN_OR_RETURN(a.d_out, ForGemm(arena, d_out));
-  kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
-  BATON_ASSIGN_OR_RETURN(Tensor dh, arena.Allocate({n, fl}));
-  kernels::LinearBackwardInput(ctx_, dh, a.d_out, W(b.fc2_w), /*accumulate=*/false);
-  kernels::GeluBackward(ctx_, dh, a.h, dh);
-  kernels::BiasBackward(ctx_, b.fc_b->grad, dh);
-  BATON_ASSIGN_OR_RETURN(a.dh, ForGemm(arena, dh));
-  BATON_ASSIGN_OR_RETURN(Tensor dln2, arena.Allocate({n, c}));
-  kernels::LinearBackwardInput(ctx_, dln2, a.dh, W(b.fc_w), /*accumulate=*/false);
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, MlpBackwardInput(b, mb, a, d_out));
   BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
   BATON_ASSIGN_OR_RETURN(a.d_mid, arena.Allocate({n, c}));
   kernels::Copy(ctx_, a.d_mid, d_out);
-  kernels::LayerNormBackward(ctx_, a.d_mid, b.ln2_w->grad, b.ln2_b->grad, dln2, a.x_mid, b.ln2_w->value,
-                             a.mean2, a.rstd2);
-  // Attention: x_mid = x_in + proj(attn(qkv(ln1(x_in)))).
-  kernels::BiasBackward(ctx_, b.proj_b->grad, a.d_mid);
+  NormBackward(a.d_mid, b.ln2_w, b.ln2_b, dln2, a.x_mid, a.mean2, a.rstd2);
   const Tensor d_mid = a.d_mid;  // fp32, the residual stream's gradient
+  BATON_ASSIGN_OR_RETURN(Tensor dln1, AttentionBackwardInput(b, mb, a, d_mid));
+  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
+  kernels::Copy(ctx_, d_in, d_mid);
+  NormBackward(d_in, b.ln1_w, b.ln1_b, dln1, a.x_in, a.mean1, a.rstd1);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> GptStage::MlpBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
+                                                  const Tensor& d_out) {
+  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t fl = config_.model.ffn_dim() / config_.tp_size;
+  kernels::Arena& arena = mb.arena;
+  if (b.fc2_b != nullptr) kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
+  BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({n, fl}));
+  kernels::LinearBackwardInput(ctx_, dg, a.d_out, W(b.fc2_w), /*accumulate=*/false);
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, arena.Allocate({n, c}));
+  if (llama_) {
+    BATON_ASSIGN_OR_RETURN(Tensor dgate, arena.Allocate({n, fl}));
+    BATON_ASSIGN_OR_RETURN(Tensor dup, arena.Allocate({n, fl}));
+    kernels::SwiGluBackward(ctx_, dgate, dup, dg, a.h, a.up);
+    BATON_ASSIGN_OR_RETURN(a.dh, ForGemm(arena, dgate));
+    BATON_ASSIGN_OR_RETURN(a.dup, ForGemm(arena, dup));
+    kernels::LinearBackwardInput(ctx_, dln2, a.dh, W(b.fc_w), /*accumulate=*/false);
+    kernels::LinearBackwardInput(ctx_, dln2, a.dup, W(b.up_w), /*accumulate=*/true);
+    return dln2;
+  }
+  kernels::GeluBackward(ctx_, dg, a.h, dg);
+  kernels::BiasBackward(ctx_, b.fc_b->grad, dg);
+  BATON_ASSIGN_OR_RETURN(a.dh, ForGemm(arena, dg));
+  kernels::LinearBackwardInput(ctx_, dln2, a.dh, W(b.fc_w), /*accumulate=*/false);
+  return dln2;
+}
+
+absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
+                                                        const Tensor& d_mid) {
+  const GptConfig& m = config_.model;
+  const int64_t n = mb.batch * mb.seq, c = m.d_model, tp = config_.tp_size;
+  const int64_t cl = int64_t{m.heads} * m.head_dim() / tp;
+  const int heads = static_cast<int>(m.heads / tp);
+  kernels::Arena& arena = mb.arena;
+  if (b.proj_b != nullptr) kernels::BiasBackward(ctx_, b.proj_b->grad, d_mid);
   BATON_ASSIGN_OR_RETURN(a.d_mid, ForGemm(arena, d_mid));
   BATON_ASSIGN_OR_RETURN(Tensor dy, arena.Allocate({n, cl}, gemm_dtype_));
   kernels::LinearBackwardInput(ctx_, dy, a.d_mid, W(b.proj_w), /*accumulate=*/false);
@@ -679,6 +862,19 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
       kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
   BATON_ASSIGN_OR_RETURN(Tensor scratch, arena.Allocate({att.backward_scratch}));
   kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
+  BATON_ASSIGN_OR_RETURN(Tensor dln1, arena.Allocate({n, c}));
+  if (llama_) {
+    const int kv_heads = m.key_value_heads() / static_cast<int>(tp);
+    const int64_t kvl = int64_t{kv_heads} * m.head_dim();
+    BATON_ASSIGN_OR_RETURN(a.dq, arena.Allocate({n, cl}, gemm_dtype_));
+    BATON_ASSIGN_OR_RETURN(a.dk, arena.Allocate({n, kvl}, gemm_dtype_));
+    BATON_ASSIGN_OR_RETURN(a.dv, arena.Allocate({n, kvl}, gemm_dtype_));
+    kernels::RopePackBackward(ctx_, a.dq, a.dk, a.dv, a.dqkv, heads, kv_heads, m.rope_theta);
+    kernels::LinearBackwardInput(ctx_, dln1, a.dq, W(b.q_w), /*accumulate=*/false);
+    kernels::LinearBackwardInput(ctx_, dln1, a.dk, W(b.k_w), /*accumulate=*/true);
+    kernels::LinearBackwardInput(ctx_, dln1, a.dv, W(b.v_w), /*accumulate=*/true);
+    return dln1;
+  }
   if (bf16_) {
     BATON_ASSIGN_OR_RETURN(Tensor dqkv, arena.Allocate(a.dqkv.shape()));  // bias gradients sum in fp32
     kernels::Cast(ctx_, dqkv, a.dqkv);
@@ -686,13 +882,8 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
   } else {
     kernels::BiasBackward(ctx_, b.qkv_b->grad, a.dqkv);
   }
-  BATON_ASSIGN_OR_RETURN(Tensor dln1, arena.Allocate({n, c}));
   kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, W(b.qkv_w), /*accumulate=*/false);
-  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
-  kernels::Copy(ctx_, d_in, d_mid);
-  kernels::LayerNormBackward(ctx_, d_in, b.ln1_w->grad, b.ln1_b->grad, dln1, a.x_in, b.ln1_w->value,
-                             a.mean1, a.rstd1);
-  return absl::OkStatus();
+  return dln1;
 }
 
 absl::Status GptStage::BackwardWeight(int mb) {
@@ -701,12 +892,13 @@ absl::Status GptStage::BackwardWeight(int mb) {
     return absl::FailedPreconditionError(
         absl::StrCat("BackwardWeight(", mb, "): BackwardInput has not run"));
   }
-  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, wte_->grad, s->dlogits_gemm, s->xf);
+  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, head_->grad, s->dlogits_gemm, s->xf);
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
     BlockBackwardWeight(blocks_[i], s->blocks[i]);
   }
   if (config_.is_first())
-    kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_->grad, s->d_x0, s->tokens);
+    kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_ != nullptr ? wpe_->grad : Tensor(), s->d_x0,
+                               s->tokens);
   // The microbatch is done: its activations go back to the pool.
   auto it = in_flight_.find(mb);
   it->second->arena.Reset();
@@ -718,8 +910,15 @@ absl::Status GptStage::BackwardWeight(int mb) {
 void GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
   kernels::LinearBackwardWeight(ctx_, b.fc2_w->grad, a.d_out, a.g);
   kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, a.ln2);
+  if (llama_) kernels::LinearBackwardWeight(ctx_, b.up_w->grad, a.dup, a.ln2);
   kernels::LinearBackwardWeight(ctx_, b.proj_w->grad, a.d_mid, a.y);
-  kernels::LinearBackwardWeight(ctx_, b.qkv_w->grad, a.dqkv, a.ln1);
+  if (llama_) {
+    kernels::LinearBackwardWeight(ctx_, b.q_w->grad, a.dq, a.ln1);
+    kernels::LinearBackwardWeight(ctx_, b.k_w->grad, a.dk, a.ln1);
+    kernels::LinearBackwardWeight(ctx_, b.v_w->grad, a.dv, a.ln1);
+  } else {
+    kernels::LinearBackwardWeight(ctx_, b.qkv_w->grad, a.dqkv, a.ln1);
+  }
 }
 
 absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor& grad_input) {
@@ -821,9 +1020,9 @@ absl::Status GptStage::ReadStepResults(StepScore* score, double* grad_sq_norm) {
 }
 
 absl::Status GptStage::SyncTiedEmbeddingGrad(comm::Communicator& group) {
-  if (config_.pp_size == 1 || (!config_.is_first() && !config_.is_last())) {
+  if (!config_.model.tie_embeddings || config_.pp_size == 1 || (!config_.is_first() && !config_.is_last())) {
     return absl::FailedPreconditionError(
-        "SyncTiedEmbeddingGrad: only the first and last stage of a pipeline hold the tied "
+        "SyncTiedEmbeddingGrad: only the first and last stage of a pipeline with a tied LM head hold the tied "
         "embedding");
   }
   if (group.size() != 2 || group.rank() != (config_.is_first() ? 0 : 1)) {

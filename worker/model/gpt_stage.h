@@ -1,12 +1,26 @@
-// GptStage: one pipeline stage of a GPT-2 model on one tensor-parallel rank.
+// GptStage: one pipeline stage of a decoder-only transformer (GPT-2 or
+// Llama, StageConfig::model.arch) on one tensor-parallel rank.
 //
-// Layout (pre-LN): x → [LN → causal MHA → +x] → [LN → MLP(4·C, GELU) → +x],
+// Layout (pre-norm): x → [norm → causal attention → +x] → [norm → MLP → +x],
 // repeated for the stage's contiguous block range; the first stage also holds
-// the token and position embeddings, the last the final LayerNorm, the LM
-// head (tied to the token embedding) and the cross-entropy loss.
+// the token (GPT-2: and position) embeddings, the last the final norm, the LM
+// head and the cross-entropy loss. The two architectures share the stage and
+// differ only inside the sub-blocks (Norm, AttentionForward, MlpForward and
+// their backwards):
+//   GPT-2: LayerNorm; fused qkv projection with bias; learned positions; GELU
+//          MLP of 4·C with biases; the head tied to the token embedding.
+//   Llama: RMSNorm (norm_eps); separate q, k, v projections, k and v with
+//          kv_heads heads (grouped-query attention), rotary positions
+//          (rope_theta) applied by kernels::RopePack, which also expands the
+//          key/value heads into the packed qkv the attention kernels read;
+//          SwiGLU MLP down(silu(gate(x)) · up(x)) of ffn_dim; no biases; an
+//          untied head "lm_head.weight" unless tie_embeddings. Parameter
+//          names are Hugging Face's less "model." (StageParameterSpecs).
 //
-// Tensor parallelism (Megatron): QKV and MLP fc are column-parallel (heads
-// and hidden units split over the TP group), the attention and MLP output
+// Tensor parallelism (Megatron): QKV (Llama: q, k and v, by query and by
+// key/value heads, so tp divides kv_heads) and MLP fc (Llama: gate and up)
+// are column-parallel (heads and hidden units split over the TP group), the
+// attention and MLP output
 // projections row-parallel; forward all-reduces after each of the two
 // row-parallel products, backward all-reduces the input gradients of the two
 // column-parallel ones. Embeddings, LayerNorms, biases of the row-parallel
@@ -215,6 +229,15 @@ class GptStage {
 
   GptStage(const StageConfig& config, comm::Communicator* tp_group, ParameterStore params);
   void BindParameters();
+  void BindLlamaParameters();
+  // The block's norm of `x` (LayerNorm, or RMSNorm for Llama, whose `b` is
+  // null and which leaves `mean` unset) into `out` (of the GEMM dtype) and
+  // the saved statistics, in `arena`.
+  absl::Status Norm(kernels::Arena& arena, const kernels::Tensor& x, const Parameter* w, const Parameter* b,
+                    kernels::Tensor* out, kernels::Tensor* mean, kernels::Tensor* rstd);
+  // dx += the norm's input gradient; w's (and b's) gradients accumulate.
+  void NormBackward(const kernels::Tensor& dx, const Parameter* w, const Parameter* b, const kernels::Tensor& dout,
+                    const kernels::Tensor& x, const kernels::Tensor& mean, const kernels::Tensor& rstd);
   // Parameters, stream and accumulators onto config_.device.
   absl::Status PlaceOnDevice();
 
@@ -231,6 +254,16 @@ class GptStage {
   absl::Status RunBackwardInput(Microbatch& s, const kernels::Tensor& grad_output,
                                 const kernels::Tensor& grad_input);
   absl::Status BlockForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  // The sub-blocks: from a.ln1 (a.ln2) to the all-reduced projection that
+  // joins the residual stream.
+  absl::StatusOr<kernels::Tensor> AttentionForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  absl::StatusOr<kernels::Tensor> MlpForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  // Their input gradients (before the TP all-reduce) from the residual
+  // stream's gradient after them.
+  absl::StatusOr<kernels::Tensor> MlpBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
+                                                   const kernels::Tensor& d_out);
+  absl::StatusOr<kernels::Tensor> AttentionBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
+                                                         const kernels::Tensor& d_mid);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
   void BlockBackwardWeight(const Block& block, const BlockActivations& a);
@@ -257,10 +290,12 @@ class GptStage {
   const bool vocab_parallel_;  // config.vocab_parallel with tp > 1
   const int64_t vocab_begin_;  // first vocabulary row of this rank's wte
   const bool bf16_;            // config.precision is kBFloat16
+  const bool llama_;           // config.model.arch is kLlama
   const kernels::DType gemm_dtype_;  // of GEMM inputs and attention tensors
   std::vector<Block> blocks_;
-  Parameter* wte_ = nullptr;  // first stage, and the head's copy on the last
-  Parameter* wpe_ = nullptr;
+  Parameter* wte_ = nullptr;  // token embedding: first stage, and the tied head's copy on the last
+  Parameter* head_ = nullptr;  // last stage: the LM head (wte_ when tied, else Llama's lm_head)
+  Parameter* wpe_ = nullptr;   // GPT-2's position embedding (first stage)
   Parameter* lnf_w_ = nullptr;
   Parameter* lnf_b_ = nullptr;
   int64_t step_ = 0;

@@ -91,6 +91,39 @@ TEST_F(GptStageBf16Test, LossAndGradientsStayCloseToFp32InEveryLayout) {
               worst_loss, worst_grad);
 }
 
+// Llama (RMSNorm, RopePack into bf16 qkv, SwiGLU, untied head) in bf16:
+// close to its fp32 run, bitwise repeatable, and every GEMM weight (q, k,
+// v, o, gate, up, down, the head) has its bf16 copy.
+TEST_F(GptStageBf16Test, LlamaStaysCloseToFp32AndRepeatsBitwise) {
+  model_.arch = Arch::kLlama;
+  model_.kv_heads = 2;
+  model_.ffn = 48;
+  model_.tie_embeddings = false;
+  double fp32_loss = 0;
+  auto fp32 = Run(1, 1, Precision::kFloat32, &fp32_loss);
+  for (const Layout& l : {Layout{1, 1, false}, Layout{2, 2, false}, Layout{2, 2, true}}) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << l.pp << " tp=" << l.tp
+                                      << (l.vocab_parallel ? " vocab-parallel" : ""));
+    double loss = 0, again = 0;
+    auto m = Run(l.pp, l.tp, Precision::kBFloat16, &loss, l.vocab_parallel);
+    auto m2 = Run(l.pp, l.tp, Precision::kBFloat16, &again, l.vocab_parallel);
+    EXPECT_NEAR(loss, fp32_loss, 1e-2 * fp32_loss);
+    EXPECT_NE(loss, fp32_loss);  // the bf16 path really ran
+    EXPECT_EQ(loss, again);
+    for (const std::string& name : fp32->ParameterNames()) {
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(fp32->FullGrad(name))), 5e-2) << name;
+      EXPECT_EQ(Full(m->FullGrad(name)), Full(m2->FullGrad(name))) << name;
+    }
+  }
+  auto m = InProcModel::Create(model_, 2, 1, 42, 2, false, kernels::Device::Cpu(), Precision::kBFloat16);
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (int s = 0; s < 2; ++s) {
+    int copies = 0;
+    for (const Parameter& p : (*m)->stage(s, 0).parameters().parameters()) copies += p.value_bf16.defined();
+    EXPECT_EQ(copies, 7 * 2 + (s == 1 ? 1 : 0)) << "stage " << s;  // 7 matrices a block, + lm_head
+  }
+}
+
 TEST_F(GptStageBf16Test, SameLayoutTwiceGivesIdenticalBits) {
   for (const Layout& l : {Layout{1, 1, false}, Layout{2, 2, false}}) {
     SCOPED_TRACE(::testing::Message() << "pp=" << l.pp << " tp=" << l.tp);

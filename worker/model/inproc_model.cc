@@ -103,7 +103,7 @@ absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
   for (int mb = 0; mb < mbs; ++mb) {
     for (int s = pp_ - 1; s >= 0; --s) BATON_RETURN_IF_ERROR(stages_[s][r]->BackwardWeight(mb));
   }
-  if (pp_ > 1) {
+  if (pp_ > 1 && model_.tie_embeddings) {
     absl::Status first_status;
     std::thread first(
         [&] { first_status = stages_[0][r]->SyncTiedEmbeddingGrad(*tie_groups_[r][0]); });
