@@ -1,12 +1,14 @@
 // model_bench: tokens per second of one full training step (forward,
 // backward, AdamW) of baton's GPT on one CPU thread, and the share of that
 // time spent in GEMM (summed over the timed steps). Defaults: layers=4 d_model=256 heads=8
-// vocab=256 seq_len=128 micro_batch=8. Prints one "baton ..." line that bench/model_bench.sh
+// vocab=256 seq_len=128 micro_batch=8; --arch=llama (with --kv_heads, --ffn_dim) times
+// the Llama architecture instead. Prints one "baton ..." line that bench/model_bench.sh
 // compares with PyTorch.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -23,6 +25,9 @@ ABSL_FLAG(int, seq_len, 128, "tokens per sequence");
 ABSL_FLAG(int, micro_batch, 8, "sequences per step");
 ABSL_FLAG(int, warmup, 2, "untimed steps first");
 ABSL_FLAG(int, steps, 10, "timed steps");
+ABSL_FLAG(std::string, arch, "gpt2", "gpt2 or llama");
+ABSL_FLAG(int, kv_heads, 0, "llama: key/value heads (0 = heads)");
+ABSL_FLAG(int, ffn_dim, 0, "llama: MLP width (0 = 4 * d_model)");
 
 namespace {
 
@@ -36,6 +41,15 @@ int Run() {
   model.heads = absl::GetFlag(FLAGS_heads);
   model.vocab = absl::GetFlag(FLAGS_vocab);
   model.seq_len = absl::GetFlag(FLAGS_seq_len);
+  if (absl::GetFlag(FLAGS_arch) == "llama") {
+    model.arch = baton::model::Arch::kLlama;
+    model.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+    model.ffn = absl::GetFlag(FLAGS_ffn_dim);
+    model.tie_embeddings = false;
+  } else if (absl::GetFlag(FLAGS_arch) != "gpt2") {
+    std::fprintf(stderr, "model_bench: --arch must be gpt2 or llama\n");
+    return 2;
+  }
   const int b = absl::GetFlag(FLAGS_micro_batch), t = model.seq_len;
   auto config = baton::model::MakeStageConfig(model, 0, 1, 0, 1, /*seed=*/1);
   if (!config.ok()) {
@@ -87,9 +101,9 @@ int Run() {
   const double best = seconds.front(), median = seconds[seconds.size() / 2];
   std::printf(
       "baton tokens_per_s=%.0f best_step_ms=%.1f median_step_ms=%.1f steps=%zu gemm_share=%.3f "
-      "gemm_gflops=%.1f loss=%.4f\n",
+      "gemm_gflops=%.1f loss=%.4f arch=%s\n",
       b * t / best, 1e3 * best, 1e3 * median, seconds.size(), gemm / total, flops / gemm / 1e9,
-      (*stage)->MeanLoss());
+      (*stage)->MeanLoss(), absl::GetFlag(FLAGS_arch).c_str());
   return 0;
 }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch eager, one thread: tokens per second of one full training step
-(forward, backward, AdamW) of the same GPT as bench/model_bench.cc. Prints one
-"torch ..." line that bench/model_bench.sh compares with baton."""
+(forward, backward, AdamW) of the same GPT (or, with --arch=llama, the same
+Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied
+head) as bench/model_bench.cc. Prints one "torch ..." line that
+bench/model_bench.sh compares with baton."""
 
 import argparse
 import math
@@ -60,15 +62,93 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c, heads, kv_heads, ffn):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, c // heads
+        self.norm_1 = nn.RMSNorm(c) if hasattr(nn, "RMSNorm") else RmsNorm(c)
+        self.q = nn.Linear(c, heads * self.hd, bias=False)
+        self.k = nn.Linear(c, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(c, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, c, bias=False)
+        self.norm_2 = nn.RMSNorm(c) if hasattr(nn, "RMSNorm") else RmsNorm(c)
+        self.gate = nn.Linear(c, ffn, bias=False)
+        self.up = nn.Linear(c, ffn, bias=False)
+        self.down = nn.Linear(ffn, c, bias=False)
+
+    def forward(self, x, mask, cos, sin):
+        b, t, c = x.shape
+        h = self.norm_1(x)
+        q = self.q(h).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = ((q @ k.transpose(-2, -1)) / math.sqrt(self.hd)).masked_fill(~mask, float("-inf"))
+        y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.o(y)
+        h = self.norm_2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RmsNorm(nn.Module):  # torch < 2.4 has no nn.RMSNorm
+    def __init__(self, c, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(c)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, c, heads, kv_heads, ffn, vocab, seq_len, theta=10000.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, c)
+        self.blocks = nn.ModuleList(LlamaBlock(c, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(c) if hasattr(nn, "RMSNorm") else RmsNorm(c)
+        self.head = nn.Linear(c, vocab, bias=False)
+        self.register_buffer("mask", torch.ones(seq_len, seq_len, dtype=torch.bool).tril())
+        hd = c // heads
+        inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd))
+        angle = torch.arange(seq_len).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((angle, angle), dim=-1)
+        self.register_buffer("cos", emb.cos())
+        self.register_buffer("sin", emb.sin())
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens, targets):
+        t = tokens.shape[1]
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, self.mask[:t, :t], self.cos[:t], self.sin[:t])
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("layers", 4), ("d_model", 256), ("heads", 8), ("vocab", 256),
                           ("seq_len", 128), ("micro_batch", 8), ("warmup", 2), ("steps", 10)):
         ap.add_argument("--" + flag, type=int, default=default)
+    ap.add_argument("--arch", default="gpt2", choices=("gpt2", "llama"))
+    ap.add_argument("--kv_heads", type=int, default=0, help="llama: 0 = heads")
+    ap.add_argument("--ffn_dim", type=int, default=0, help="llama: 0 = 4 * d_model")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1)
-    model = Gpt(a.layers, a.d_model, a.heads, a.vocab, a.seq_len)
+    if a.arch == "llama":
+        model = Llama(a.layers, a.d_model, a.heads, a.kv_heads or a.heads, a.ffn_dim or 4 * a.d_model, a.vocab,
+                      a.seq_len)
+    else:
+        model = Gpt(a.layers, a.d_model, a.heads, a.vocab, a.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq_len))
     targets = torch.randint(0, a.vocab, (a.micro_batch, a.seq_len))
@@ -91,7 +171,7 @@ def main():
     best, median = min(times), statistics.median(times)
     print(f"torch tokens_per_s={a.micro_batch * a.seq_len / best:.0f} "
           f"best_step_ms={1e3 * best:.1f} median_step_ms={1e3 * median:.1f} steps={a.steps} "
-          f"loss={loss:.4f} version={torch.__version__} threads={torch.get_num_threads()}")
+          f"loss={loss:.4f} arch={a.arch} version={torch.__version__} threads={torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

@@ -57,10 +57,12 @@ struct Layout {
   int layers = 4;
   std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
   std::string train_extra;  // more train { } fields, e.g. the evaluation's
+  std::string model_extra;  // more model { } fields, e.g. Llama's
+  std::string tag;          // names the run apart (e.g. "llama")
   std::string Name() const {
     std::string kind = schedule == "zb-h1" ? "zbh1" : schedule == "zb-v" ? "zbv" : schedule;
     if (!csv_file.empty()) kind = csv_file.substr(0, csv_file.find('.'));
-    return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_l%d", kind, pp, tp, dp, v, microbatches, layers);
+    return absl::StrFormat("%s%s_pp%d_tp%d_dp%d_v%d_m%d_l%d", tag, kind, pp, tp, dp, v, microbatches, layers);
   }
 };
 
@@ -70,13 +72,13 @@ std::string GptJob(const Layout& l) {
                          : absl::StrCat(" csv_file: \"", RunfilePath("coordinator/schedule/testdata/" + l.csv_file), "\"");
   return absl::StrFormat(R"pb(
     name: "%s"
-    model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 }
+    model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 %s }
     parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
     schedule { kind: "%s" microbatches: %d%s }
     train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 %s }
     data { synthetic { task: "addition" } }
   )pb",
-                         l.Name(), l.layers, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv,
+                         l.Name(), l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv,
                          l.train_extra);
 }
 
@@ -158,6 +160,34 @@ TEST(TrainingTest, DataParallelLayoutsTrainLikeOneWorkerOnTheSameGlobalBatch) {
   for (const Layout& l : {Layout{2, 1, 2, 1, 4, "1f1b"}, Layout{2, 2, 2, 1, 4, "1f1b"}, Layout{2, 1, 2, 2, 4, "zb-v"}}) {
     ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
   }
+}
+
+// model.arch "llama" (RMSNorm, rotary positions, SwiGLU, grouped-query
+// attention with 2 key/value heads, untied head) under every schedule, TP
+// and DP trains like one worker on the same global batch; and a tied-head
+// Llama on a V schedule (both ends of the tie on rank 0).
+TEST(TrainingTest, LlamaTrainsLikeOneWorkerUnderEverySchedule) {
+  auto llama = [](Layout l, const std::string& extra = "") {
+    l.model_extra = absl::StrCat(R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48 rope_theta: 10000 )pb", extra);
+    l.tag = extra.empty() ? "llama_" : "llama_tied_";
+    return l;
+  };
+  Layout one;
+  one.microbatches = 8;
+  const RunResult single = RunJob("llama_single_m8", GptJob(llama(one)));
+  ASSERT_EQ(single.losses.size(), 20u);
+  EXPECT_LT(single.losses.back(), single.losses.front());
+  const std::vector<Layout> layouts = {
+      {2, 1, 2, 1, 4, "gpipe"},        {2, 2, 2, 1, 4, "1f1b"}, {2, 1, 1, 2, 8, "interleaved"},
+      {2, 1, 2, 1, 4, "zb-h1"},        {2, 1, 2, 2, 4, "zb-v"}, {2, 2, 1, 2, 8, "dualpipe-v"},
+  };
+  for (const Layout& l : layouts) {
+    const Layout job = llama(l);
+    ExpectSameTraining(single, RunJob(job.Name(), GptJob(job)), job.Name());
+  }
+  const RunResult tied_single = RunJob("llama_tied_single_m8", GptJob(llama(one, "tie_embeddings: true")));
+  const Layout tied = llama(Layout{2, 1, 1, 2, 8, "zb-v"}, "tie_embeddings: true");
+  ExpectSameTraining(tied_single, RunJob(tied.Name(), GptJob(tied)), tied.Name());
 }
 
 // PyTorch's own schedule artifacts, imported from their CSVs: the
