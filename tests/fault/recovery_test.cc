@@ -172,6 +172,19 @@ TEST(RecoveryTest, AKilledWorkerOfAnEvaluatingJobIsReplacedAndEveryEvaluationIsK
   }
 }
 
+// A Llama (grouped-query attention, untied head, so no tie group) at
+// pp 2 x tp 2: a killed worker is replaced and the run ends with the
+// fault-free run's weights, bit for bit.
+TEST(RecoveryTest, AKilledWorkerOfALlamaJobIsReplacedBitwise) {
+  Layout l;
+  l.pp = 2;
+  l.tp = 2;
+  l.steps = 60;
+  l.model_extra = R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48)pb";
+  l.extra_name = "_llama";
+  RunWithFault("kill_llama", l, Fault{1, 1, 0, SIGKILL, 12});
+}
+
 // pp 2 x tp 2 x dp 2, 60 steps (the data-parallel tests share its reference run).
 Layout EightRanks() {
   Layout l;
