@@ -28,7 +28,10 @@
 #include "kernels/cuda/grad_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/plan.h"
+#include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/stamp.cuh"
+#include "kernels/cuda/swiglu.cuh"
 #include "kernels/cuda/timer_offset.h"
 
 namespace baton::cuda {
@@ -845,6 +848,109 @@ void Scale(const ExecContext& ctx, const Tensor& x, float factor) {
   Note(st, "Scale", LaunchScale(x.data<float>(), x.numel(), factor, Native(ctx)));
 }
 
+// ------------------------------------------------------------- Llama blocks
+
+void RmsNorm(const ExecContext& ctx, const Tensor& out, const Tensor& rstd, const Tensor& x,
+             const Tensor& weight, float eps) {
+  StreamState& st = Enter(ctx, "RmsNorm");
+  RequireF32("RmsNorm", {&rstd, &x, &weight});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  cudaError_t err;
+  if (out.dtype() == DType::kBFloat16) {
+    err = LaunchRmsNormForward(out.data<__nv_bfloat16>(), rstd.data<float>(), x.data<float>(),
+                               weight.data<float>(), n, c, eps, Native(ctx));
+  } else {
+    RequireF32("RmsNorm", {&out});
+    err = LaunchRmsNormForward(out.data<float>(), rstd.data<float>(), x.data<float>(),
+                               weight.data<float>(), n, c, eps, Native(ctx));
+  }
+  Note(st, "RmsNorm", err);
+}
+
+void RmsNormBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dweight,
+                     const Tensor& dout, const Tensor& x, const Tensor& weight,
+                     const Tensor& rstd) {
+  StreamState& st = Enter(ctx, "RmsNormBackward");
+  RequireF32("RmsNormBackward", {&dx, &dweight, &dout, &x, &weight, &rstd});
+  const int64_t c = weight.numel(), n = x.numel() / c;
+  absl::StatusOr<size_t> bytes = ColumnReduceScratchBytes(n, c, 1);
+  absl::StatusOr<void*> scratch = bytes.ok() ? Scratch(st, *bytes) : bytes.status();
+  if (!scratch.ok()) return Note(st, "RmsNormBackward", scratch.status());
+  Note(st, "RmsNormBackward",
+       LaunchRmsNormBackward(dx.data<float>(), dweight.data<float>(), dout.data<float>(),
+                             x.data<float>(), weight.data<float>(), rstd.data<float>(), n, c,
+                             static_cast<float*>(*scratch), Native(ctx)));
+}
+
+void SwiGlu(const ExecContext& ctx, const Tensor& out, const Tensor& gate, const Tensor& up) {
+  StreamState& st = Enter(ctx, "SwiGlu");
+  RequireF32("SwiGlu", {&out, &gate, &up});
+  Note(st, "SwiGlu", LaunchSwiGluForward(out.data<float>(), gate.data<float>(), up.data<float>(),
+                                         gate.numel(), Native(ctx)));
+}
+
+void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& dup,
+                    const Tensor& dout, const Tensor& gate, const Tensor& up) {
+  StreamState& st = Enter(ctx, "SwiGluBackward");
+  RequireF32("SwiGluBackward", {&dgate, &dup, &dout, &gate, &up});
+  Note(st, "SwiGluBackward",
+       LaunchSwiGluBackward(dgate.data<float>(), dup.data<float>(), dout.data<float>(),
+                            gate.data<float>(), up.data<float>(), gate.numel(), Native(ctx)));
+}
+
+// head_dim of packed [B, T, 3·H·D]; past the kernels' limit, the stream's
+// error says so (ops.cc has checked the rest of the shape).
+bool RopeHeadDimOk(StreamState& st, const char* op, int64_t head_dim) {
+  if (head_dim <= kRopeMaxHeadDim) return true;
+  Note(st, op, absl::InvalidArgumentError(absl::StrCat(
+                   "head_dim ", head_dim, " is over the CUDA RoPE kernels' limit of ",
+                   kRopeMaxHeadDim, "; use a model with smaller heads")));
+  return false;
+}
+
+RopeGradOut GradOut(const char* op, const Tensor& t) {
+  if (t.dtype() == DType::kBFloat16) return RopeGradOut::Bf16(t.data<__nv_bfloat16>());
+  RequireF32(op, {&t});
+  return RopeGradOut::F32(t.data<float>());
+}
+
+void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
+              const Tensor& v, int heads, int kv_heads, float theta) {
+  StreamState& st = Enter(ctx, "RopePack");
+  RequireF32("RopePack", {&q, &k, &v});
+  const int64_t b = qkv.dim(0), t = qkv.dim(1), d = qkv.dim(2) / (3 * int64_t{heads});
+  if (!RopeHeadDimOk(st, "RopePack", d)) return;
+  cudaError_t err;
+  if (qkv.dtype() == DType::kBFloat16) {
+    err = LaunchRopePackForward(qkv.data<__nv_bfloat16>(), q.data<float>(), k.data<float>(),
+                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx));
+  } else {
+    RequireF32("RopePack", {&qkv});
+    err = LaunchRopePackForward(qkv.data<float>(), q.data<float>(), k.data<float>(),
+                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx));
+  }
+  Note(st, "RopePack", err);
+}
+
+void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+  StreamState& st = Enter(ctx, "RopePackBackward");
+  const int64_t b = dqkv.dim(0), t = dqkv.dim(1), d = dqkv.dim(2) / (3 * int64_t{heads});
+  if (!RopeHeadDimOk(st, "RopePackBackward", d)) return;
+  const RopeGradOut gq = GradOut("RopePackBackward", dq), gk = GradOut("RopePackBackward", dk),
+                    gv = GradOut("RopePackBackward", dv);
+  cudaError_t err;
+  if (dqkv.dtype() == DType::kBFloat16) {
+    err = LaunchRopePackBackward(gq, gk, gv, dqkv.data<__nv_bfloat16>(), b, t, heads, kv_heads, d,
+                                 theta, Native(ctx));
+  } else {
+    RequireF32("RopePackBackward", {&dqkv});
+    err = LaunchRopePackBackward(gq, gk, gv, dqkv.data<float>(), b, t, heads, kv_heads, d, theta,
+                                 Native(ctx));
+  }
+  Note(st, "RopePackBackward", err);
+}
+
 const kernels::Backend kCuda = {
     "cuda",
     kernels::DeviceType::kCuda,
@@ -892,6 +998,12 @@ const kernels::Backend kCuda = {
     AdamW,
     SumOfSquares,
     Scale,
+    RmsNorm,
+    RmsNormBackward,
+    SwiGlu,
+    SwiGluBackward,
+    RopePack,
+    RopePackBackward,
 };
 
 BATON_REGISTER_BACKEND(kCuda);

@@ -10,6 +10,12 @@
 //     bf16 output adds ≤ 2⁻⁹ relative)        ≤ 8e-3
 //   bf16 LayerNorm output                     ≤ 8e-3
 //   bf16 attention (P, dS rounded to bf16)    ≤ 3e-2
+//   RMSNorm rstd, out, dx (float64 sums in
+//     another order, else the same ops)       ≤ 1e-6; dweight ≤ 1e-5
+//   SwiGLU (expf vs the CPU's FastExp)        ≤ 1e-5
+//   RoPE: cos/sin ≤ 1 ulp; outputs bitwise where cos/sin are, v/dv always;
+//     all ≤ 1e-6
+//   bf16 RMSNorm / RoPE outputs vs the CPU's  ≤ 8e-3 (one bf16 ulp, ≤ 2⁻⁷)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -45,6 +52,12 @@
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/device_buffer_testing.h"
 #include "kernels/cuda/plan.h"
+#include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/swiglu.cuh"
+#include "kernels/backend.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
 
 namespace baton::cuda {
 namespace {
@@ -633,6 +646,423 @@ TEST_F(CudaOpsTest, ElementwiseOpsAndCastsMatchTheCpu) {
   ASSERT_EQ(LaunchCastF32ToBf16(d_16.get(), d_out.get(), n, stream_), cudaSuccess);
   ASSERT_EQ(LaunchCastBf16ToF32(d_x.get(), d_16.get(), n, stream_), cudaSuccess);
   EXPECT_TRUE(Bitwise(d_x.Download(), RoundBf16(want)));
+}
+
+// --------------------------------------------------------------- Llama blocks
+//
+// The references are the CPU backend's ops (kernels/ops.h on
+// ExecContext::Host()) over host views of the same data.
+
+namespace k = ::baton::kernels;
+
+k::Tensor HostView(const std::vector<float>& v, k::Shape shape) {
+  return k::Tensor::View(const_cast<float*>(v.data()), std::move(shape));
+}
+k::Tensor HostView(const std::vector<__nv_bfloat16>& v, k::Shape shape) {
+  return k::Tensor::View(const_cast<__nv_bfloat16*>(v.data()), std::move(shape),
+                         k::DType::kBFloat16);
+}
+
+// A host fp32 or bf16 tensor's values as floats.
+std::vector<float> HostFloats(const k::Tensor& host) {
+  if (host.dtype() == k::DType::kBFloat16) {
+    std::vector<__nv_bfloat16> raw(host.numel());
+    std::memcpy(raw.data(), host.raw(), host.bytes());
+    return FromBf16(raw);
+  }
+  std::vector<float> v(host.numel());
+  std::memcpy(v.data(), host.raw(), host.bytes());
+  return v;
+}
+
+// Distance in units in the last place between two floats (0: the same bits
+// or ±0; 1: neighbours).
+int64_t UlpDistance(float a, float b) {
+  auto ordered = [](float x) {
+    int32_t i;
+    std::memcpy(&i, &x, sizeof(i));
+    return i < 0 ? -static_cast<int64_t>(i & 0x7fffffff) : static_cast<int64_t>(i);
+  };
+  const int64_t d = ordered(a) - ordered(b);
+  return d < 0 ? -d : d;
+}
+
+// RMSNorm: the float64 sums are added in another order (warp butterfly vs
+// channel order), everything else is the CPU's float32 operations, so rstd,
+// out and dx equal the CPU's unless a float64 sum rounds to another float
+// (then ≤ 1 ulp of rstd): ≤ 1e-6; dweight's float32 row sums run in
+// column_reduce's chunk order: ≤ 1e-5; bf16 out: one bf16 ulp (≤ 2⁻⁷ relative): 8e-3.
+TEST_F(CudaOpsTest, RmsNormForwardAndBackwardMatchTheCpuBackendAndRepeatBitwise) {
+  const int64_t N = 300, C = 200;  // 5 column-reduce chunks; C not a multiple of 32
+  const float eps = 1e-5f;
+  const std::vector<float> x = Random(N * C, 100), dy = Random(N * C, 101);
+  std::vector<float> w = Random(C, 102, 0.2f);
+  for (float& v : w) v += 1.0f;
+  std::vector<float> out(N * C), rstd(N);
+  k::RmsNorm(k::ExecContext::Host(), HostView(out, {N, C}), HostView(rstd, {N}),
+             HostView(x, {N, C}), HostView(w, {C}), eps);
+  std::vector<__nv_bfloat16> out16(N * C);
+  std::vector<float> rstd16(N);
+  k::RmsNorm(k::ExecContext::Host(), HostView(out16, {N, C}), HostView(rstd16, {N}),
+             HostView(x, {N, C}), HostView(w, {C}), eps);
+  const std::vector<float> dx0 = Random(N * C, 103), dw0 = Random(C, 104);
+  std::vector<float> dx = dx0, dw = dw0;
+  k::RmsNormBackward(k::ExecContext::Host(), HostView(dx, {N, C}), HostView(dw, {C}),
+                     HostView(dy, {N, C}), HostView(x, {N, C}), HostView(w, {C}),
+                     HostView(rstd, {N}));
+
+  Dev<float> d_x(x), d_w(w), d_dy(dy), d_out(N * C), d_rstd(N);
+  Dev<__nv_bfloat16> d_out16(N * C);
+  absl::StatusOr<size_t> bytes = ColumnReduceScratchBytes(N, C, 1);
+  ASSERT_TRUE(bytes.ok());
+  Dev<float> scratch(*bytes / sizeof(float));
+  std::vector<std::vector<float>> runs;
+  for (int run = 0; run < 2; ++run) {
+    d_out.FillNaN();
+    d_rstd.FillNaN();
+    ASSERT_EQ(LaunchRmsNormForward(d_out.get(), d_rstd.get(), d_x.get(), d_w.get(), N, C, eps,
+                                   stream_),
+              cudaSuccess);
+    const std::vector<float> got_out = d_out.Download(), got_rstd = d_rstd.Download();
+    EXPECT_LE(MaxRelError(got_rstd, rstd), 1e-6);
+    EXPECT_LE(MaxRelError(got_out, out), 1e-6);
+    ASSERT_EQ(LaunchRmsNormForward(d_out16.get(), d_rstd.get(), d_x.get(), d_w.get(), N, C, eps,
+                                   stream_),
+              cudaSuccess);
+    const std::vector<float> got_out16 = FromBf16(d_out16.Download());
+    EXPECT_LE(MaxRelError(got_out16, FromBf16(out16)), 8e-3);
+
+    Dev<float> d_dx(dx0), d_dw(dw0), d_rstd_c(rstd);
+    ASSERT_EQ(LaunchRmsNormBackward(d_dx.get(), d_dw.get(), d_dy.get(), d_x.get(), d_w.get(),
+                                    d_rstd_c.get(), N, C, scratch.get(), stream_),
+              cudaSuccess);
+    const std::vector<float> got_dx = d_dx.Download(), got_dw = d_dw.Download();
+    EXPECT_LE(MaxRelError(got_dx, dx), 1e-6);
+    EXPECT_LE(MaxRelError(got_dw, dw), 1e-5);
+    std::vector<float> all = got_out;
+    for (const auto* v : {&got_rstd, &got_out16, &got_dx, &got_dw}) {
+      all.insert(all.end(), v->begin(), v->end());
+    }
+    runs.push_back(std::move(all));
+  }
+  EXPECT_TRUE(Bitwise(runs[0], runs[1])) << "RMSNorm differs run to run";
+  {  // in place (out = x): the same bits
+    Dev<float> d_inplace(x);
+    ASSERT_EQ(LaunchRmsNormForward(d_inplace.get(), d_rstd.get(), d_inplace.get(), d_w.get(), N, C,
+                                   eps, stream_),
+              cudaSuccess);
+    EXPECT_TRUE(Bitwise(d_inplace.Download(),
+                        std::vector<float>(runs[0].begin(), runs[0].begin() + N * C)));
+  }
+}
+
+// SwiGLU: the CPU's float32 operations except e^−a (CUDA's expf vs the CPU's
+// FastExp, < 3e-7 relative): ≤ 1e-5, as GELU; saturated gates stay finite.
+TEST_F(CudaOpsTest, SwiGluForwardAndBackwardMatchTheCpuBackendAndRepeatBitwise) {
+  const int64_t rows = 33, cols = 130, n = rows * cols;
+  std::vector<float> gate = Random(n, 110, 3.0f);
+  gate[0] = -100.0f;
+  gate[1] = 100.0f;
+  gate[2] = 0.0f;
+  const std::vector<float> up = Random(n, 111), dy = Random(n, 112);
+  std::vector<float> out(n), dgate(n), dup(n);
+  k::SwiGlu(k::ExecContext::Host(), HostView(out, {rows, cols}), HostView(gate, {rows, cols}),
+            HostView(up, {rows, cols}));
+  k::SwiGluBackward(k::ExecContext::Host(), HostView(dgate, {rows, cols}),
+                    HostView(dup, {rows, cols}), HostView(dy, {rows, cols}),
+                    HostView(gate, {rows, cols}), HostView(up, {rows, cols}));
+
+  Dev<float> d_gate(gate), d_up(up), d_dy(dy), d_out(n), d_dgate(n), d_dup(n);
+  std::vector<std::vector<float>> runs;
+  for (int run = 0; run < 2; ++run) {
+    d_out.FillNaN();
+    d_dgate.FillNaN();
+    d_dup.FillNaN();
+    ASSERT_EQ(LaunchSwiGluForward(d_out.get(), d_gate.get(), d_up.get(), n, stream_), cudaSuccess);
+    ASSERT_EQ(LaunchSwiGluBackward(d_dgate.get(), d_dup.get(), d_dy.get(), d_gate.get(),
+                                   d_up.get(), n, stream_),
+              cudaSuccess);
+    const std::vector<float> got_out = d_out.Download(), got_dgate = d_dgate.Download(),
+                             got_dup = d_dup.Download();
+    EXPECT_LE(MaxRelError(got_out, out), 1e-5);
+    EXPECT_LE(MaxRelError(got_dgate, dgate), 1e-5);
+    EXPECT_LE(MaxRelError(got_dup, dup), 1e-5);
+    std::vector<float> all = got_out;
+    all.insert(all.end(), got_dgate.begin(), got_dgate.end());
+    all.insert(all.end(), got_dup.begin(), got_dup.end());
+    runs.push_back(std::move(all));
+  }
+  EXPECT_TRUE(Bitwise(runs[0], runs[1])) << "SwiGLU differs run to run";
+  {  // in place (dgate = dout), as the CPU allows: the same bits
+    Dev<float> d_inplace(dy);
+    ASSERT_EQ(LaunchSwiGluBackward(d_inplace.get(), d_dup.get(), d_inplace.get(), d_gate.get(),
+                                   d_up.get(), n, stream_),
+              cudaSuccess);
+    EXPECT_TRUE(Bitwise(d_inplace.Download(),
+                        std::vector<float>(runs[0].begin() + n, runs[0].begin() + 2 * n)));
+  }
+}
+
+// RoPE: inv_freq is the CPU's bits (computed on the host), the angle one
+// rounded multiply, every product and sum the CPU's float32 operation in its
+// order; only cos/sin (float64, CUDA vs glibc) may round to neighbouring
+// floats. So: every cos/sin within 1 ulp of the CPU's (read back through the
+// op itself: x = (1, 0) rotates to (c, s) exactly), every output whose
+// position's cos and sin are the CPU's bits is the CPU's bits (v and dv:
+// always), and all within 1e-6 (bf16 outputs: one bf16 ulp, 8e-3).
+struct RopeCase {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+  float theta;
+};
+
+class RopeCheck {
+ public:
+  RopeCheck(const RopeCase& c, const std::vector<uint8_t>& same_table)
+      : c_(c), same_(same_table) {}
+  // Whether element e of a [B·T, heads·D] tensor (or, with `packed`, of
+  // [B, T, 3·H·D], where the v third is a copy) must be bitwise.
+  bool MustBeBitwise(int64_t e, int64_t heads, bool packed) const {
+    const int64_t D = c_.head_dim, width = (packed ? 3 * c_.heads : heads) * D;
+    const int64_t row = e / width, col = e % width;
+    if (packed && col >= 2 * c_.heads * D) return true;
+    return same_[(row % c_.seq) * (D / 2) + (col % D) % (D / 2)] != 0;
+  }
+  // Failures of the bitwise rule, with the first one described.
+  int64_t Violations(const std::vector<float>& got, const std::vector<float>& want, int64_t heads,
+                     bool packed, std::string* first) const {
+    int64_t bad = 0;
+    for (size_t e = 0; e < want.size() && e < got.size(); ++e) {
+      if (!MustBeBitwise(e, heads, packed) || UlpDistance(got[e], want[e]) == 0) continue;
+      if (bad++ == 0) {
+        *first = ::testing::PrintToString(e) + ": " + ::testing::PrintToString(got[e]) + " vs " +
+                 ::testing::PrintToString(want[e]);
+      }
+    }
+    return bad;
+  }
+
+ private:
+  RopeCase c_;
+  std::vector<uint8_t> same_;
+};
+
+#define EXPECT_ROPE_BITWISE(check, got, want, heads, packed)                     \
+  do {                                                                           \
+    std::string first_;                                                          \
+    EXPECT_EQ((check).Violations(got, want, heads, packed, &first_), 0) << first_; \
+  } while (0)
+
+TEST_F(CudaOpsTest, RopePackForwardAndBackwardAreTheCpuBackendsBitsWhereCosAndSinAre) {
+  const RopeCase cases[] = {
+      {2, 37, 6, 2, 16, 10000.0f},   // GQA, groups of 3
+      {1, 50, 4, 1, 64, 500000.0f},  // MQA, Llama 3's theta
+      {3, 9, 2, 2, 128, 10000.0f},   // MHA, Llama's head_dim
+  };
+  for (const RopeCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "B=" << c.batch << " T=" << c.seq << " H=" << c.heads
+                                      << " KV=" << c.kv_heads << " D=" << c.head_dim);
+    const int64_t B = c.batch, T = c.seq, H = c.heads, KV = c.kv_heads, D = c.head_dim;
+    const int64_t N = B * T, half = D / 2, packed = 3 * H * D;
+    const int h = static_cast<int>(H), kvh = static_cast<int>(KV);
+    auto cpu_forward = [&](const std::vector<float>& q, const std::vector<float>& kk,
+                           const std::vector<float>& v, const k::Tensor& qkv) {
+      k::RopePack(k::ExecContext::Host(), qkv, HostView(q, {N, H * D}), HostView(kk, {N, KV * D}),
+                  HostView(v, {N, KV * D}), h, kvh, c.theta);
+    };
+    auto gpu_forward = [&](auto* qkv, const Dev<float>& q, const Dev<float>& kk,
+                           const Dev<float>& v) {
+      return LaunchRopePackForward(qkv, q.get(), kk.get(), v.get(), B, T, H, KV, D, c.theta,
+                                   stream_);
+    };
+
+    // The cos/sin table of each side, read back through the forward.
+    std::vector<float> unit(N * H * D, 0.0f);
+    for (int64_t e = 0; e < N * H * D; ++e) unit[e] = e % D < half ? 1.0f : 0.0f;
+    const std::vector<float> kv_any = Random(N * KV * D, 120);
+    std::vector<float> table_cpu(N * packed);
+    cpu_forward(unit, kv_any, kv_any, HostView(table_cpu, {B, T, packed}));
+    Dev<float> d_unit(unit), d_kv_any(kv_any), d_qkv(N * packed);
+    ASSERT_EQ(gpu_forward(d_qkv.get(), d_unit, d_kv_any, d_kv_any), cudaSuccess);
+    const std::vector<float> table_gpu = d_qkv.Download();
+    std::vector<uint8_t> same(T * half);
+    int64_t differing = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t at = t * packed + i;  // batch 0, query head 0
+        const int64_t dc = UlpDistance(table_gpu[at], table_cpu[at]);
+        const int64_t ds = UlpDistance(table_gpu[at + half], table_cpu[at + half]);
+        EXPECT_LE(dc, 1) << "cos at t=" << t << " i=" << i;
+        EXPECT_LE(ds, 1) << "sin at t=" << t << " i=" << i;
+        same[t * half + i] = dc == 0 && ds == 0;
+        differing += same[t * half + i] ? 0 : 1;
+      }
+    }
+    EXPECT_LE(differing, 1) << "cos/sin pairs not bitwise the CPU's (expected: about 1 in 1e8)";
+    const RopeCheck check(c, same);
+
+    // Forward on random data, fp32 and bf16.
+    const std::vector<float> q = Random(N * H * D, 121), kk = Random(N * KV * D, 122),
+                             v = Random(N * KV * D, 123);
+    std::vector<float> want(N * packed);
+    cpu_forward(q, kk, v, HostView(want, {B, T, packed}));
+    std::vector<__nv_bfloat16> want16(N * packed);
+    cpu_forward(q, kk, v, HostView(want16, {B, T, packed}));
+    Dev<float> d_q(q), d_k(kk), d_v(v);
+    Dev<__nv_bfloat16> d_qkv16(N * packed);
+    std::vector<std::vector<float>> runs;
+    for (int run = 0; run < 2; ++run) {
+      d_qkv.FillNaN();
+      d_qkv16.FillNaN();
+      ASSERT_EQ(gpu_forward(d_qkv.get(), d_q, d_k, d_v), cudaSuccess);
+      ASSERT_EQ(gpu_forward(d_qkv16.get(), d_q, d_k, d_v), cudaSuccess);
+      runs.push_back(d_qkv.Download());
+      const std::vector<float> got16 = FromBf16(d_qkv16.Download());
+      runs.back().insert(runs.back().end(), got16.begin(), got16.end());
+    }
+    const std::vector<float> got(runs[0].begin(), runs[0].begin() + N * packed);
+    const std::vector<float> got16(runs[0].begin() + N * packed, runs[0].end());
+    EXPECT_ROPE_BITWISE(check, got, want, H, true);
+    EXPECT_ROPE_BITWISE(check, got16, FromBf16(want16), H, true);
+    EXPECT_LE(MaxRelError(got, want), 1e-6);
+    EXPECT_LE(MaxRelError(got16, FromBf16(want16)), 8e-3);
+    EXPECT_TRUE(Bitwise(runs[0], runs[1])) << "RopePack differs run to run";
+
+    // Backward: fp32 throughout, and bf16 dqkv into mixed outputs (dq fp32,
+    // dk and dv bf16).
+    const std::vector<float> g = Random(N * packed, 124);
+    std::vector<float> dq(N * H * D), dk(N * KV * D), dv(N * KV * D);
+    k::RopePackBackward(k::ExecContext::Host(), HostView(dq, {N, H * D}), HostView(dk, {N, KV * D}),
+                        HostView(dv, {N, KV * D}), HostView(g, {B, T, packed}), h, kvh, c.theta);
+    const std::vector<__nv_bfloat16> g16 = ToBf16(g);
+    std::vector<float> dq_m(N * H * D);
+    std::vector<__nv_bfloat16> dk_m(N * KV * D), dv_m(N * KV * D);
+    k::RopePackBackward(k::ExecContext::Host(), HostView(dq_m, {N, H * D}),
+                        HostView(dk_m, {N, KV * D}), HostView(dv_m, {N, KV * D}),
+                        HostView(g16, {B, T, packed}), h, kvh, c.theta);
+    Dev<float> d_g(g), d_dq(N * H * D), d_dk(N * KV * D), d_dv(N * KV * D);
+    Dev<__nv_bfloat16> d_g16(g16), d_dk16(N * KV * D), d_dv16(N * KV * D);
+    std::vector<std::vector<float>> bruns;
+    for (int run = 0; run < 2; ++run) {
+      d_dq.FillNaN();
+      d_dk.FillNaN();
+      d_dv.FillNaN();
+      ASSERT_EQ(LaunchRopePackBackward(RopeGradOut::F32(d_dq.get()), RopeGradOut::F32(d_dk.get()),
+                                       RopeGradOut::F32(d_dv.get()), d_g.get(), B, T, H, KV, D,
+                                       c.theta, stream_),
+                cudaSuccess);
+      const std::vector<float> got_dq = d_dq.Download(), got_dk = d_dk.Download(),
+                               got_dv = d_dv.Download();
+      EXPECT_ROPE_BITWISE(check, got_dq, dq, H, false);
+      EXPECT_ROPE_BITWISE(check, got_dk, dk, KV, false);
+      EXPECT_TRUE(Bitwise(got_dv, dv)) << "dv: the same sums in the same order";
+      EXPECT_LE(MaxRelError(got_dq, dq), 1e-6);
+      EXPECT_LE(MaxRelError(got_dk, dk), 1e-6);
+
+      d_dq.FillNaN();
+      d_dk16.FillNaN();
+      d_dv16.FillNaN();
+      ASSERT_EQ(LaunchRopePackBackward(RopeGradOut::F32(d_dq.get()),
+                                       RopeGradOut::Bf16(d_dk16.get()),
+                                       RopeGradOut::Bf16(d_dv16.get()), d_g16.get(), B, T, H, KV,
+                                       D, c.theta, stream_),
+                cudaSuccess);
+      const std::vector<float> got_dq_m = d_dq.Download();
+      const std::vector<float> got_dk_m = FromBf16(d_dk16.Download());
+      const std::vector<float> got_dv_m = FromBf16(d_dv16.Download());
+      EXPECT_ROPE_BITWISE(check, got_dq_m, dq_m, H, false);
+      EXPECT_ROPE_BITWISE(check, got_dk_m, FromBf16(dk_m), KV, false);
+      EXPECT_TRUE(Bitwise(got_dv_m, FromBf16(dv_m)));
+      EXPECT_LE(MaxRelError(got_dq_m, dq_m), 1e-6);
+      EXPECT_LE(MaxRelError(got_dk_m, FromBf16(dk_m)), 8e-3);
+      std::vector<float> all = got_dq;
+      for (const auto* x : {&got_dk, &got_dv, &got_dq_m, &got_dk_m, &got_dv_m}) {
+        all.insert(all.end(), x->begin(), x->end());
+      }
+      bruns.push_back(std::move(all));
+    }
+    EXPECT_TRUE(Bitwise(bruns[0], bruns[1])) << "RopePackBackward differs run to run";
+  }
+}
+
+TEST_F(CudaOpsTest, RopeLaunchersRefuseHeadDimsTheyCannotTake) {
+  Dev<float> buf(3 * 2 * 2048);
+  // Odd head_dim, over kRopeMaxHeadDim, kv_heads not dividing heads.
+  EXPECT_EQ(LaunchRopePackForward(buf.get(), buf.get(), buf.get(), buf.get(), 1, 1, 2, 2, 7,
+                                  10000.0f, stream_),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchRopePackForward(buf.get(), buf.get(), buf.get(), buf.get(), 1, 1, 1, 1,
+                                  kRopeMaxHeadDim + 2, 10000.0f, stream_),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchRopePackBackward(RopeGradOut::F32(buf.get()), RopeGradOut::F32(buf.get()),
+                                   RopeGradOut::F32(buf.get()), buf.get(), 1, 1, 3, 2, 8,
+                                   10000.0f, stream_),
+            cudaErrorInvalidValue);
+  // Nothing was launched: the stream has no error.
+  EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+}
+
+// The six Llama entries of the CUDA backend (cuda_backend.cc) through
+// kernels/ops.h against the CPU backend: the table's order and each entry's
+// dtype dispatch (bf16 RMSNorm out, bf16 qkv, bf16 dqkv into mixed outputs),
+// within the launchers' bounds above.
+TEST_F(CudaOpsTest, LlamaEntriesOfTheCudaBackendMatchTheCpuBackend) {
+  absl::StatusOr<std::unique_ptr<k::Stream>> stream = k::Stream::Create(k::Device::Cuda(0));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const k::ExecContext ctx = k::ExecContext::On(stream->get());
+  auto up = [&](const k::Tensor& host) {
+    absl::StatusOr<k::Tensor> t = k::ZerosOn(k::Device::Cuda(0), host.shape(), host.dtype());
+    EXPECT_TRUE(t.ok()) << t.status();
+    k::Copy(ctx, *t, host);
+    return *t;
+  };
+  auto down = [&](const k::Tensor& dev) {
+    k::Tensor host = k::Tensor::Zeros(dev.shape(), dev.dtype());
+    k::Copy(ctx, host, dev);
+    EXPECT_TRUE((*stream)->Synchronize().ok());
+    return HostFloats(host);
+  };
+  const int64_t B = 2, T = 12, H = 4, KV = 2, D = 16, N = B * T, C = H * D, F = 96;
+  const int h = static_cast<int>(H), kvh = static_cast<int>(KV);
+  const float eps = 1e-6f, theta = 10000.0f;
+  std::vector<float> x = Random(N * C, 130), w = Random(C, 131), dy = Random(N * C, 132);
+  std::vector<float> gate = Random(N * F, 133, 2.0f), upv = Random(N * F, 134);
+  std::vector<float> q = Random(N * C, 135), kk = Random(N * KV * D, 136);
+  std::vector<float> v = Random(N * KV * D, 137);
+  std::vector<float> dact = Random(N * F, 139);
+  std::vector<__nv_bfloat16> g16 = ToBf16(Random(N * 3 * C, 138));
+
+  // The step on either backend; host tensors in, every result out as floats.
+  auto step = [&](const k::ExecContext& c, auto to) {
+    auto make = [&](k::Shape shape, k::DType dtype = k::DType::kFloat32) {
+      return to(k::Tensor::Zeros(std::move(shape), dtype));
+    };
+    const k::Tensor tx = to(HostView(x, {N, C})), tw = to(HostView(w, {C}));
+    const k::Tensor tdy = to(HostView(dy, {N, C})), tgate = to(HostView(gate, {N, F}));
+    const k::Tensor tup = to(HostView(upv, {N, F})), tq = to(HostView(q, {N, C}));
+    const k::Tensor tk = to(HostView(kk, {N, KV * D})), tv = to(HostView(v, {N, KV * D}));
+    const k::Tensor tg = to(HostView(g16, {B, T, 3 * C})), tdact = to(HostView(dact, {N, F}));
+    k::Tensor out = make({N, C}, k::DType::kBFloat16), rstd = make({N}), dx = make({N, C});
+    k::Tensor dw = make({C}), act = make({N, F}), dgate = make({N, F}), dup = make({N, F});
+    k::Tensor qkv = make({B, T, 3 * C}, k::DType::kBFloat16), dq = make({N, C});
+    k::Tensor dk = make({N, KV * D}, k::DType::kBFloat16), dv = make({N, KV * D});
+    k::RmsNorm(c, out, rstd, tx, tw, eps);
+    k::RmsNormBackward(c, dx, dw, tdy, tx, tw, rstd);
+    k::SwiGlu(c, act, tgate, tup);
+    k::SwiGluBackward(c, dgate, dup, tdact, tgate, tup);
+    k::RopePack(c, qkv, tq, tk, tv, h, kvh, theta);
+    k::RopePackBackward(c, dq, dk, dv, tg, h, kvh, theta);
+    return std::vector<k::Tensor>{out, rstd, dx, dw, act, dgate, dup, qkv, dq, dk, dv};
+  };
+  const char* names[] = {"rms out", "rstd", "dx", "dweight", "swiglu", "dgate",
+                         "dup",     "qkv",  "dq", "dk",      "dv"};
+  const double bounds[] = {8e-3, 1e-6, 1e-6, 1e-5, 1e-5, 1e-5, 1e-5, 8e-3, 1e-6, 8e-3, 1e-6};
+  const std::vector<k::Tensor> want =
+      step(k::ExecContext::Host(), [](const k::Tensor& t) { return t; });
+  const std::vector<k::Tensor> got = step(ctx, up);
+  ASSERT_TRUE((*stream)->Synchronize().ok());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LE(MaxRelError(down(got[i]), HostFloats(want[i])), bounds[i]) << names[i];
+  }
 }
 
 // ------------------------------------------------------ past 2^31 elements
