@@ -44,7 +44,8 @@ int RunImportHf(const Args& args, const std::string& hf_dir, std::ostream& out, 
     return HfExitCode(model.status());
   }
   out << "imported " << hf_dir << " into " << ckpt << ": " << checkpoint::DescribeModel(*model)
-      << " (step 0, zero AdamW moments); resume with a job of this model and --resume=" << ckpt << "\n";
+      << " (step 0, zero AdamW moments); resume with a job of this model and --resume=" << ckpt << ":\n  "
+      << JobModelBlock(*model) << "\n";
   return 0;
 }
 
@@ -56,7 +57,8 @@ int RunExportHf(const Args& args, const std::string& ckpt, std::ostream& out, st
     return HfExitCode(model.status());
   }
   out << "exported " << ckpt << " to " << hf_dir << ": " << checkpoint::DescribeModel(*model)
-      << "; load it with GPT2LMHeadModel.from_pretrained(\"" << hf_dir << "\")\n";
+      << "; load it with " << (model->arch == "llama" ? "LlamaForCausalLM" : "GPT2LMHeadModel")
+      << ".from_pretrained(\"" << hf_dir << "\")\n";
   return 0;
 }
 

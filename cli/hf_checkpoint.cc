@@ -7,6 +7,8 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -31,7 +33,8 @@ using checkpoint::ModelShape;
 constexpr char kConfigFile[] = "config.json";
 constexpr char kWeightsFile[] = "model.safetensors";
 constexpr char kIndexFile[] = "model.safetensors.index.json";
-constexpr char kHfPrefix[] = "transformer.";
+constexpr char kGpt2Prefix[] = "transformer.";
+constexpr char kLlamaPrefix[] = "model.";
 constexpr char kLmHead[] = "lm_head.weight";
 
 // baton's LayerNorm epsilon (kernels/cpu/layernorm.h) and the bounds a
@@ -41,6 +44,7 @@ constexpr int64_t kMaxEmbd = 1 << 16;
 constexpr int64_t kMaxLayers = 1 << 10;
 constexpr int64_t kMaxVocab = 1 << 24;  // worker/model/gpt_config.h kMaxVocab
 constexpr int64_t kMaxPositions = 1 << 20;
+constexpr int64_t kMaxFfn = 1 << 20;
 // The largest model imported or exported: 2^31 floats (8 GiB) of weights,
 // held in host memory with their zero moments while the shard is written.
 constexpr int64_t kMaxElements = int64_t{1} << 31;
@@ -76,7 +80,8 @@ bool Exists(const std::string& path) {
 
 class ConfigReader {
  public:
-  ConfigReader(const JsonValue& root, std::string path) : root_(root), path_(std::move(path)) {}
+  ConfigReader(const JsonValue& root, std::string path, std::string family)
+      : root_(root), path_(std::move(path)), family_(std::move(family)) {}
 
   absl::Status Bad(const std::string& field, const std::string& what) const {
     return absl::InvalidArgumentError(absl::StrCat(path_, ": ", field, " ", what));
@@ -84,65 +89,165 @@ class ConfigReader {
   // A required integer in [1, max].
   absl::StatusOr<int64_t> Int(const std::string& field, int64_t max) const {
     const JsonValue* v = root_.Find(field);
-    if (v == nullptr) return Bad(field, "is missing (a transformers GPT-2 config has it)");
-    if (!v->integer().has_value() || *v->integer() < 1 || *v->integer() > max) {
-      return Bad(field, absl::StrCat("must be an integer from 1 to ", max));
+    if (v == nullptr) return Bad(field, absl::StrCat("is missing (a transformers ", family_, " config has it)"));
+    return IntValue(field, *v, max);
+  }
+  // An optional integer in [1, max]; `absent` when missing or null.
+  absl::StatusOr<int64_t> OptionalInt(const std::string& field, int64_t absent, int64_t max) const {
+    const JsonValue* v = root_.Find(field);
+    if (v == nullptr || v->kind() == JsonValue::Kind::kNull) return absent;
+    return IntValue(field, *v, max);
+  }
+  // An optional positive finite number below `max`; `absent` when missing.
+  absl::StatusOr<double> OptionalPositive(const std::string& field, double absent, double max) const {
+    const JsonValue* v = root_.Find(field);
+    if (v == nullptr || v->kind() == JsonValue::Kind::kNull) return absent;
+    if (!v->is_number() || !std::isfinite(v->number()) || v->number() <= 0 || v->number() >= max) {
+      return Bad(field, absl::StrCat("must be a positive number below ", max));
     }
-    return *v->integer();
+    return v->number();
+  }
+  // An optional boolean, `absent` when missing or null.
+  absl::StatusOr<bool> OptionalBool(const std::string& field, bool absent) const {
+    const JsonValue* v = root_.Find(field);
+    if (v == nullptr || v->kind() == JsonValue::Kind::kNull) return absent;
+    if (v->kind() != JsonValue::Kind::kBool) return Bad(field, "must be true or false");
+    return v->bool_value();
   }
   // An optional boolean that baton supports only as `want` (HF's default
   // when absent is `want` too).
   absl::Status BoolIs(const std::string& field, bool want, const std::string& why) const {
+    BATON_ASSIGN_OR_RETURN(bool value, OptionalBool(field, want));
+    if (value != want) return Bad(field, absl::StrCat("is ", want ? "false" : "true", ": ", why));
+    return absl::OkStatus();
+  }
+  // A field baton has no equivalent of: absent or null only.
+  absl::Status Null(const std::string& field, const std::string& why) const {
     const JsonValue* v = root_.Find(field);
     if (v == nullptr || v->kind() == JsonValue::Kind::kNull) return absl::OkStatus();
-    if (v->kind() != JsonValue::Kind::kBool) return Bad(field, "must be true or false");
-    if (v->bool_value() != want) return Bad(field, absl::StrCat("is ", want ? "false" : "true", ": ", why));
-    return absl::OkStatus();
+    return Bad(field, absl::StrCat("is set: ", why));
   }
   const JsonValue* Find(const std::string& field) const { return root_.Find(field); }
 
  private:
+  absl::StatusOr<int64_t> IntValue(const std::string& field, const JsonValue& v, int64_t max) const {
+    if (!v.integer().has_value() || *v.integer() < 1 || *v.integer() > max) {
+      return Bad(field, absl::StrCat("must be an integer from 1 to ", max));
+    }
+    return *v.integer();
+  }
+
   const JsonValue& root_;
-  std::string path_;
+  std::string path_, family_;
 };
 
-// ---- the tensors of a GPT-2 ------------------------------------------------
+bool IsLlama(const ModelShape& m) { return m.arch == "llama"; }
+
+// ModelShape's equality, the architecture's fields included whatever
+// ModelShape::operator== compares.
+bool SameModel(const ModelShape& a, const ModelShape& b) {
+  return a.synthetic == b.synthetic && a.layers == b.layers && a.d_model == b.d_model && a.heads == b.heads &&
+         a.vocab == b.vocab && a.seq_len == b.seq_len && a.arch == b.arch && a.kv_heads == b.kv_heads &&
+         a.ffn_dim == b.ffn_dim && a.rope_theta == b.rope_theta && a.norm_eps == b.norm_eps &&
+         a.tie_embeddings == b.tie_embeddings;
+}
+
+// ---- the tensors of a model ------------------------------------------------
 
 struct HfTensor {
+  std::string hf_name;  // as stored in a *ForCausalLM save (with its prefix)
   std::string baton_name;
   std::vector<int64_t> hf_shape;  // as HF stores it
   bool conv1d = false;            // HF [in, out], baton [out, in]
 };
 
-// Every tensor of the model under its HF name without the "transformer."
-// prefix, with the shape HF stores (wpe with n_positions rows).
-std::map<std::string, HfTensor> HfTensors(const ModelShape& m, int64_t n_positions) {
+// How one architecture's tensors are named and laid out by transformers.
+struct HfLayout {
+  std::string family;  // "GPT-2", "Llama": for messages
+  std::string prefix;  // of every tensor but lm_head.weight; a bare *Model save has none
+  // Every tensor under its HF name less `prefix`, with the shape HF stores
+  // (GPT-2's wpe with n_positions rows). An untied Llama's head is
+  // "lm_head.weight", stored without a prefix.
+  std::map<std::string, HfTensor> tensors;
+  // With a tied head: the baton name of the token embedding an optional
+  // lm_head.weight must equal.
+  std::string tied_to;
+  std::string architecture;  // config.json "architectures"
+};
+
+// The GPT-2 of `m` (n_positions rows of wpe).
+HfLayout Gpt2Layout(const ModelShape& m, int64_t n_positions) {
   const int64_t c = m.d_model, v = m.vocab, f = 4 * c;
-  std::map<std::string, HfTensor> t;
-  t["wte.weight"] = {"wte", {v, c}, false};
-  t["wpe.weight"] = {"wpe", {n_positions, c}, false};
+  HfLayout l;
+  l.family = "GPT-2";
+  l.prefix = kGpt2Prefix;
+  l.tied_to = "wte";
+  l.architecture = "GPT2LMHeadModel";
+  auto add = [&](const std::string& name, const std::string& baton, std::vector<int64_t> shape, bool conv1d) {
+    l.tensors[name] = {l.prefix + name, baton, std::move(shape), conv1d};
+  };
+  add("wte.weight", "wte", {v, c}, false);
+  add("wpe.weight", "wpe", {n_positions, c}, false);
   for (int i = 0; i < m.layers; ++i) {
     const std::string p = absl::StrCat("h.", i, ".");
-    t[p + "ln_1.weight"] = {p + "ln_1.weight", {c}, false};
-    t[p + "ln_1.bias"] = {p + "ln_1.bias", {c}, false};
-    t[p + "attn.c_attn.weight"] = {p + "attn.c_attn.weight", {c, 3 * c}, true};
-    t[p + "attn.c_attn.bias"] = {p + "attn.c_attn.bias", {3 * c}, false};
-    t[p + "attn.c_proj.weight"] = {p + "attn.c_proj.weight", {c, c}, true};
-    t[p + "attn.c_proj.bias"] = {p + "attn.c_proj.bias", {c}, false};
-    t[p + "ln_2.weight"] = {p + "ln_2.weight", {c}, false};
-    t[p + "ln_2.bias"] = {p + "ln_2.bias", {c}, false};
-    t[p + "mlp.c_fc.weight"] = {p + "mlp.c_fc.weight", {c, f}, true};
-    t[p + "mlp.c_fc.bias"] = {p + "mlp.c_fc.bias", {f}, false};
-    t[p + "mlp.c_proj.weight"] = {p + "mlp.c_proj.weight", {f, c}, true};
-    t[p + "mlp.c_proj.bias"] = {p + "mlp.c_proj.bias", {c}, false};
+    for (const char* n :
+         {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias"}) {
+      add(p + n, p + n, {c}, false);
+    }
+    add(p + "attn.c_attn.weight", p + "attn.c_attn.weight", {c, 3 * c}, true);
+    add(p + "attn.c_attn.bias", p + "attn.c_attn.bias", {3 * c}, false);
+    add(p + "attn.c_proj.weight", p + "attn.c_proj.weight", {c, c}, true);
+    add(p + "mlp.c_fc.weight", p + "mlp.c_fc.weight", {c, f}, true);
+    add(p + "mlp.c_fc.bias", p + "mlp.c_fc.bias", {f}, false);
+    add(p + "mlp.c_proj.weight", p + "mlp.c_proj.weight", {f, c}, true);
   }
-  t["ln_f.weight"] = {"ln_f.weight", {c}, false};
-  t["ln_f.bias"] = {"ln_f.bias", {c}, false};
-  return t;
+  add("ln_f.weight", "ln_f.weight", {c}, false);
+  add("ln_f.bias", "ln_f.bias", {c}, false);
+  return l;
+}
+
+// The Llama of `m`: baton's names are HF's less "model.", every matrix
+// [out, in] in both (nn.Linear), so nothing is transposed.
+HfLayout LlamaLayout(const ModelShape& m) {
+  const int64_t c = m.d_model, v = m.vocab, f = m.ffn_dim, hd = m.d_model / m.heads;
+  const int64_t qc = m.heads * hd, kvc = m.kv_heads * hd;
+  HfLayout l;
+  l.family = "Llama";
+  l.prefix = kLlamaPrefix;
+  l.tied_to = m.tie_embeddings ? "embed_tokens.weight" : "";
+  l.architecture = "LlamaForCausalLM";
+  auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    l.tensors[name] = {l.prefix + name, name, std::move(shape), false};
+  };
+  add("embed_tokens.weight", {v, c});
+  for (int i = 0; i < m.layers; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    add(p + "input_layernorm.weight", {c});
+    add(p + "self_attn.q_proj.weight", {qc, c});
+    add(p + "self_attn.k_proj.weight", {kvc, c});
+    add(p + "self_attn.v_proj.weight", {kvc, c});
+    add(p + "self_attn.o_proj.weight", {c, qc});
+    add(p + "post_attention_layernorm.weight", {c});
+    add(p + "mlp.gate_proj.weight", {f, c});
+    add(p + "mlp.up_proj.weight", {f, c});
+    add(p + "mlp.down_proj.weight", {c, f});
+  }
+  add("norm.weight", {c});
+  if (!m.tie_embeddings) l.tensors[kLmHead] = {kLmHead, kLmHead, {v, c}, false};
+  return l;
+}
+
+HfLayout LayoutOf(const ModelShape& m, int64_t n_positions) {
+  return IsLlama(m) ? LlamaLayout(m) : Gpt2Layout(m, n_positions);
 }
 
 int64_t ModelElements(const ModelShape& m, int64_t n_positions) {
   const int64_t c = m.d_model;
+  if (IsLlama(m)) {
+    const int64_t hd = c / m.heads, qc = m.heads * hd, kvc = int64_t{m.kv_heads} * hd, f = m.ffn_dim;
+    return int64_t{m.vocab} * c * (m.tie_embeddings ? 1 : 2) + c +
+           m.layers * (2 * c + 2 * qc * c + 2 * kvc * c + 3 * f * c);
+  }
   return int64_t{m.vocab} * c + n_positions * c + m.layers * (12 * c * c + 13 * c) + 2 * c;
 }
 
@@ -155,8 +260,10 @@ std::vector<float> Transpose(const std::vector<float>& in, int64_t rows, int64_t
   return out;
 }
 
-// A causal-mask buffer older transformers saved with the weights.
-bool IsAttentionBuffer(const std::string& name) {
+// A buffer older transformers saved with the weights (name less prefix):
+// GPT-2's causal mask, Llama's rotary inverse frequencies. Rebuilt by both.
+bool IsBuffer(const ModelShape& m, const std::string& name) {
+  if (IsLlama(m)) return absl::StartsWith(name, "layers.") && absl::EndsWith(name, ".self_attn.rotary_emb.inv_freq");
   return absl::StartsWith(name, "h.") &&
          (absl::EndsWith(name, ".attn.bias") || absl::EndsWith(name, ".attn.masked_bias"));
 }
@@ -173,7 +280,7 @@ absl::StatusOr<std::map<std::string, std::vector<std::string>>> WeightFiles(cons
   if (absl::IsNotFound(text.status())) {
     return absl::NotFoundError(absl::StrCat(
         dir, ": neither ", kWeightsFile, " nor ", kIndexFile,
-        "; is it a transformers GPT-2 directory saved with safetensors (save_pretrained(DIR, "
+        "; is it a transformers GPT-2 or Llama directory saved with safetensors (save_pretrained(DIR, "
         "safe_serialization=True))? pytorch_model.bin is not read"));
   }
   if (!text.ok()) return text.status();
@@ -277,7 +384,23 @@ class StagingDir {
   bool installed_ = false;
 };
 
-std::string ConfigJson(const ModelShape& m) {
+// The shortest decimal that reads back as `v` (a float): 1e-06, not
+// 9.99999997e-07, so a config.json written by export reads as written; a
+// whole number as transformers writes it (500000.0, not 5e+05).
+std::string FloatJson(float v) {
+  char buf[64];
+  if (std::abs(v) < 1e15f && v == std::floor(v)) {
+    std::snprintf(buf, sizeof(buf), "%.1f", static_cast<double>(v));
+    return buf;
+  }
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(v));
+    if (std::strtof(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+std::string Gpt2ConfigJson(const ModelShape& m) {
   // Dropout 0: baton trains without dropout, so fine-tuning the export in
   // transformers starts from the same objective.
   return absl::StrCat(
@@ -301,18 +424,36 @@ std::string ConfigJson(const ModelShape& m) {
       "  \"vocab_size\": ", m.vocab, "\n}\n");
 }
 
-}  // namespace
+std::string LlamaConfigJson(const ModelShape& m) {
+  return absl::StrCat(
+      "{\n"
+      "  \"architectures\": [\"LlamaForCausalLM\"],\n"
+      "  \"attention_bias\": false,\n"
+      "  \"attention_dropout\": 0.0,\n"
+      "  \"head_dim\": ", m.d_model / m.heads, ",\n",
+      "  \"hidden_act\": \"silu\",\n"
+      "  \"hidden_size\": ", m.d_model, ",\n",
+      "  \"initializer_range\": 0.02,\n"
+      "  \"intermediate_size\": ", m.ffn_dim, ",\n",
+      "  \"max_position_embeddings\": ", m.seq_len, ",\n",
+      "  \"mlp_bias\": false,\n"
+      "  \"model_type\": \"llama\",\n"
+      "  \"num_attention_heads\": ", m.heads, ",\n",
+      "  \"num_hidden_layers\": ", m.layers, ",\n",
+      "  \"num_key_value_heads\": ", m.kv_heads, ",\n",
+      "  \"pretraining_tp\": 1,\n"
+      "  \"rms_norm_eps\": ", FloatJson(m.norm_eps), ",\n",
+      "  \"rope_scaling\": null,\n"
+      "  \"rope_theta\": ", FloatJson(m.rope_theta), ",\n",
+      "  \"tie_word_embeddings\": ", m.tie_embeddings ? "true" : "false", ",\n",
+      "  \"torch_dtype\": \"float32\",\n"
+      "  \"use_cache\": true,\n"
+      "  \"vocab_size\": ", m.vocab, "\n}\n");
+}
 
-absl::StatusOr<ModelShape> ReadHfConfig(const std::string& hf_dir) {
-  const std::string path = Join(hf_dir, kConfigFile);
-  BATON_ASSIGN_OR_RETURN(std::string text, ReadBounded(path, kMaxJsonBytes, "a config.json may have"));
-  absl::StatusOr<JsonValue> root = JsonValue::Parse(text);
-  if (!root.ok()) return WithContext(root.status(), path);
-  if (!root->is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
-  ConfigReader c(*root, path);
-  if (const JsonValue* t = c.Find("model_type"); t != nullptr && (!t->is_string() || t->str() != "gpt2")) {
-    return c.Bad("model_type", "is not \"gpt2\"; only GPT-2 models are imported");
-  }
+std::string ConfigJson(const ModelShape& m) { return IsLlama(m) ? LlamaConfigJson(m) : Gpt2ConfigJson(m); }
+
+absl::StatusOr<ModelShape> ReadGpt2Config(const ConfigReader& c, const std::string& path) {
   ModelShape m;
   BATON_ASSIGN_OR_RETURN(int64_t embd, c.Int("n_embd", kMaxEmbd));
   BATON_ASSIGN_OR_RETURN(int64_t layers, c.Int("n_layer", kMaxLayers));
@@ -355,34 +496,135 @@ absl::StatusOr<ModelShape> ReadHfConfig(const std::string& hf_dir) {
   return m;
 }
 
+// transformers' LlamaConfig (4.40 and later fields): defaults as LlamaConfig
+// has them where a field is absent.
+absl::StatusOr<ModelShape> ReadLlamaConfig(const ConfigReader& c, const std::string& path) {
+  ModelShape m;
+  m.arch = "llama";
+  BATON_ASSIGN_OR_RETURN(int64_t hidden, c.Int("hidden_size", kMaxEmbd));
+  BATON_ASSIGN_OR_RETURN(int64_t layers, c.Int("num_hidden_layers", kMaxLayers));
+  BATON_ASSIGN_OR_RETURN(int64_t heads, c.Int("num_attention_heads", hidden));
+  BATON_ASSIGN_OR_RETURN(int64_t kv_heads, c.OptionalInt("num_key_value_heads", heads, heads));
+  BATON_ASSIGN_OR_RETURN(int64_t ffn, c.Int("intermediate_size", kMaxFfn));
+  BATON_ASSIGN_OR_RETURN(int64_t vocab, c.Int("vocab_size", kMaxVocab));
+  BATON_ASSIGN_OR_RETURN(int64_t positions, c.Int("max_position_embeddings", kMaxPositions));
+  if (hidden % heads != 0) {
+    return c.Bad("num_attention_heads", absl::StrCat("(", heads, ") must divide hidden_size (", hidden, ")"));
+  }
+  if (heads % kv_heads != 0) {
+    return c.Bad("num_key_value_heads",
+                 absl::StrCat("(", kv_heads, ") must divide num_attention_heads (", heads, ")"));
+  }
+  const int64_t head_dim = hidden / heads;
+  if (head_dim % 2 != 0) {
+    return c.Bad("num_attention_heads", absl::StrCat("gives an odd head dimension ", hidden, " / ", heads, " = ",
+                                                     head_dim, "; baton's rotary embedding needs it even"));
+  }
+  if (const JsonValue* v = c.Find("head_dim"); v != nullptr && v->kind() != JsonValue::Kind::kNull &&
+                                               (!v->integer().has_value() || *v->integer() != head_dim)) {
+    return c.Bad("head_dim", absl::StrCat("must be hidden_size / num_attention_heads (", head_dim,
+                                          "): baton's attention heads are d_model / heads wide"));
+  }
+  if (const JsonValue* v = c.Find("hidden_act"); v != nullptr) {
+    // Both names are x · sigmoid(x), the gate activation of baton's SwiGLU.
+    if (!v->is_string() || (v->str() != "silu" && v->str() != "swish")) {
+      return c.Bad("hidden_act", "must be \"silu\" (the SwiGLU gate baton's Llama MLP uses)");
+    }
+  }
+  BATON_RETURN_IF_ERROR(c.BoolIs("attention_bias", false, "baton's Llama attention has no biases"));
+  BATON_RETURN_IF_ERROR(c.BoolIs("mlp_bias", false, "baton's Llama MLP has no biases"));
+  BATON_RETURN_IF_ERROR(c.Null("rope_scaling",
+                               "baton's rotary embedding has no scaling (linear, dynamic, yarn, llama3); only "
+                               "rope_scaling null is imported"));
+  BATON_ASSIGN_OR_RETURN(int64_t tp, c.OptionalInt("pretraining_tp", 1, 1 << 20));
+  if (tp != 1) return c.Bad("pretraining_tp", absl::StrCat("is ", tp, ": only pretraining_tp 1 is imported"));
+  BATON_ASSIGN_OR_RETURN(double eps, c.OptionalPositive("rms_norm_eps", 1e-6, 1.0));
+  BATON_ASSIGN_OR_RETURN(double theta, c.OptionalPositive("rope_theta", 10000.0, 1e30));
+  BATON_ASSIGN_OR_RETURN(bool tied, c.OptionalBool("tie_word_embeddings", false));
+  if (static_cast<float>(eps) <= 0.0f) return c.Bad("rms_norm_eps", "is too small for a float32 epsilon");
+  m.d_model = static_cast<int>(hidden);
+  m.layers = static_cast<int>(layers);
+  m.heads = static_cast<int>(heads);
+  m.kv_heads = static_cast<int>(kv_heads);
+  m.ffn_dim = static_cast<int>(ffn);
+  m.vocab = static_cast<int>(vocab);
+  m.seq_len = static_cast<int>(positions);
+  m.norm_eps = static_cast<float>(eps);
+  m.rope_theta = static_cast<float>(theta);
+  m.tie_embeddings = tied;
+  if (ModelElements(m, positions) > kMaxElements) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": the model has ", ModelElements(m, positions),
+                                                   " parameters, more than the ", kMaxElements,
+                                                   " batonctl converts in memory"));
+  }
+  return m;
+}
+
+std::string ArchField(const std::string& arch) { return arch == "llama" ? "llama" : "gpt2"; }
+
+}  // namespace
+
+std::string JobModelBlock(const ModelShape& m) {
+  if (!IsLlama(m)) {
+    return absl::StrCat("model { layers: ", m.layers, " d_model: ", m.d_model, " heads: ", m.heads,
+                        " vocab: ", m.vocab, " seq_len: ", m.seq_len, " }");
+  }
+  return absl::StrCat("model { arch: \"llama\" layers: ", m.layers, " d_model: ", m.d_model, " heads: ", m.heads,
+                      " kv_heads: ", m.kv_heads, " ffn_dim: ", m.ffn_dim, " vocab: ", m.vocab,
+                      " seq_len: ", m.seq_len, " rope_theta: ", FloatJson(m.rope_theta),
+                      " norm_eps: ", FloatJson(m.norm_eps), " tie_embeddings: ", m.tie_embeddings ? "true" : "false",
+                      " }");
+}
+
+absl::StatusOr<ModelShape> ReadHfConfig(const std::string& hf_dir) {
+  const std::string path = Join(hf_dir, kConfigFile);
+  BATON_ASSIGN_OR_RETURN(std::string text, ReadBounded(path, kMaxJsonBytes, "a config.json may have"));
+  absl::StatusOr<JsonValue> root = JsonValue::Parse(text);
+  if (!root.ok()) return WithContext(root.status(), path);
+  if (!root->is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  const JsonValue* type = root->Find("model_type");
+  if (type != nullptr && type->is_string() && type->str() == "llama") {
+    return ReadLlamaConfig(ConfigReader(*root, path, "Llama"), path);
+  }
+  const ConfigReader c(*root, path, "GPT-2");
+  if (type != nullptr && (!type->is_string() || type->str() != "gpt2")) {
+    return c.Bad("model_type", "is not \"gpt2\" or \"llama\"; only GPT-2 and Llama models are imported");
+  }
+  return ReadGpt2Config(c, path);
+}
+
 absl::StatusOr<std::map<std::string, FullTensor>> ReadHfWeights(const std::string& hf_dir,
                                                                 const ModelShape& model) {
   BATON_ASSIGN_OR_RETURN(ModelShape config, ReadHfConfig(hf_dir));
   const int64_t positions = config.seq_len;
   ModelShape same = model;
   same.seq_len = config.seq_len;
-  if (!(same == config)) {
+  if (!SameModel(same, config)) {
     return absl::InvalidArgumentError(absl::StrCat(hf_dir, ": holds ", checkpoint::DescribeModel(config),
                                                    ", not the requested ", checkpoint::DescribeModel(model)));
   }
+  const bool llama = IsLlama(model);
   if (model.seq_len < 1 || model.seq_len > positions) {
-    return absl::InvalidArgumentError(absl::StrCat(hf_dir, ": seq_len ", model.seq_len,
-                                                   " must be from 1 to n_positions (", positions, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(hf_dir, ": seq_len ", model.seq_len, " must be from 1 to ",
+                                                   llama ? "max_position_embeddings" : "n_positions", " (",
+                                                   positions, ")"));
   }
-  const std::map<std::string, HfTensor> want = HfTensors(model, positions);
+  const HfLayout layout = LayoutOf(model, positions);
+  const std::map<std::string, HfTensor>& want = layout.tensors;
   BATON_ASSIGN_OR_RETURN(auto files, WeightFiles(hf_dir));
-  // No file of a model this size needs more than all its tensors in f32, the
-  // lm_head copy, the mask buffers and the largest header.
+  // No file of a model this size needs more than all its tensors in f32, a
+  // tied lm_head copy, the buffers and the largest header.
   const int64_t max_file = 8 + kMaxHeaderBytes +
                            4 * (ModelElements(model, positions) + int64_t{model.vocab} * model.d_model +
-                                model.layers * (positions * positions + 1));
+                                model.layers * (positions * positions + 1 + model.d_model));
 
   std::map<std::string, FullTensor> out;
   std::map<std::string, std::string> seen;  // HF name (no prefix) → file
-  std::optional<std::vector<float>> lm_head;
+  std::optional<std::vector<float>> tied_head;  // an lm_head.weight that must equal the embedding
+  const std::string needs = absl::StrCat("a ", layout.family, " of this config.json needs");
   for (const auto& [file, listed] : files) {
     const std::string path = Join(hf_dir, file);
-    absl::StatusOr<std::string> bytes = ReadBounded(path, max_file, "a GPT-2 of this config.json needs");
+    absl::StatusOr<std::string> bytes = ReadBounded(path, max_file, needs);
     if (absl::IsNotFound(bytes.status()) && !listed.empty()) {
       return absl::NotFoundError(absl::StrCat(path, ": missing (listed in ", kIndexFile, " for tensor ",
                                               listed.front(), "); copy the whole model directory"));
@@ -402,22 +644,23 @@ absl::StatusOr<std::map<std::string, FullTensor>> ReadHfWeights(const std::strin
       if (!listed.empty() && index.count(stored) == 0) {
         return absl::InvalidArgumentError(absl::StrCat(where, " is not listed for this file in ", kIndexFile));
       }
-      const std::string name = absl::StartsWith(stored, kHfPrefix) ? stored.substr(strlen(kHfPrefix)) : stored;
-      if (IsAttentionBuffer(name)) continue;
+      const std::string name =
+          absl::StartsWith(stored, layout.prefix) ? stored.substr(layout.prefix.size()) : stored;
+      if (IsBuffer(model, name)) continue;
       if (!seen.emplace(name, file).second) {
         return absl::InvalidArgumentError(absl::StrCat(where, " is stored twice (also in ", seen[name], ")"));
       }
       std::vector<int64_t> shape;
       const HfTensor* hf = nullptr;
-      if (name == kLmHead) {
-        shape = {model.vocab, model.d_model};
-      } else if (auto it = want.find(name); it != want.end()) {
+      if (auto it = want.find(name); it != want.end()) {
         hf = &it->second;
         shape = hf->hf_shape;
+      } else if (name == kLmHead && !layout.tied_to.empty()) {
+        shape = {model.vocab, model.d_model};
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
-            where, " is not part of a GPT-2 of ", model.layers,
-            " layers (baton imports GPT2LMHeadModel / GPT2Model weights only)"));
+            where, " is not part of a ", layout.family, " of ", model.layers, " layers (baton imports ",
+            llama ? "LlamaForCausalLM / LlamaModel" : "GPT2LMHeadModel / GPT2Model", " weights only)"));
       }
       if (entry.shape != shape) {
         return absl::InvalidArgumentError(absl::StrCat(where, " has shape ", Shape(entry.shape), " but ",
@@ -431,7 +674,7 @@ absl::StatusOr<std::map<std::string, FullTensor>> ReadHfWeights(const std::strin
       std::vector<float> values(wide->begin(), wide->end());
       wide->clear();
       if (hf == nullptr) {
-        lm_head = std::move(values);
+        tied_head = std::move(values);
         continue;
       }
       FullTensor t;
@@ -448,20 +691,26 @@ absl::StatusOr<std::map<std::string, FullTensor>> ReadHfWeights(const std::strin
       out[hf->baton_name] = std::move(t);
     }
   }
+  const std::string has_it = absl::StrCat("(a ", layout.family, " of this config.json has it",
+                                          llama && !model.tie_embeddings
+                                              ? "; tie_word_embeddings is false, so the LM head is stored"
+                                              : "",
+                                          ")");
   for (const auto& [name, hf] : want) {
     if (seen.count(name) == 0) {
       return absl::InvalidArgumentError(
           files.count(kWeightsFile) > 0
-              ? absl::StrCat(Join(hf_dir, kWeightsFile), ": tensor ", kHfPrefix, name,
-                             " is missing (a GPT-2 of this config.json has it)")
-              : absl::StrCat(Join(hf_dir, kIndexFile), ": tensor ", kHfPrefix, name,
-                             " is missing from the weight_map (a GPT-2 of this config.json has it)"));
+              ? absl::StrCat(Join(hf_dir, kWeightsFile), ": tensor ", hf.hf_name, " is missing ", has_it)
+              : absl::StrCat(Join(hf_dir, kIndexFile), ": tensor ", hf.hf_name, " is missing from the weight_map ",
+                             has_it));
     }
   }
-  if (lm_head.has_value() && *lm_head != out["wte"].values) {
+  if (tied_head.has_value() && *tied_head != out[layout.tied_to].values) {
     return absl::InvalidArgumentError(absl::StrCat(
-        hf_dir, ": tensor ", kLmHead, " differs from ", kHfPrefix,
-        "wte.weight; baton's LM head is the token embedding, so an untied model cannot be imported"));
+        hf_dir, ": tensor ", kLmHead, " differs from ", want.at(llama ? "embed_tokens.weight" : "wte.weight").hf_name,
+        llama ? "; config.json says tie_word_embeddings true (the LM head is the token embedding): set it to "
+                "false to import the separate head"
+              : "; baton's LM head is the token embedding, so an untied model cannot be imported"));
   }
   return out;
 }
@@ -472,8 +721,9 @@ absl::StatusOr<ModelShape> ImportHfCheckpoint(const std::string& hf_dir, const s
   BATON_ASSIGN_OR_RETURN(ModelShape model, ReadHfConfig(hf_dir));
   if (options.seq_len != 0) {
     if (options.seq_len < 1 || options.seq_len > model.seq_len) {
-      return absl::InvalidArgumentError(absl::StrCat("--seq_len=", options.seq_len, " must be from 1 to ",
-                                                     hf_dir, "'s n_positions (", model.seq_len, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("--seq_len=", options.seq_len, " must be from 1 to ", hf_dir,
+                                                     "'s ", IsLlama(model) ? "max_position_embeddings" : "n_positions",
+                                                     " (", model.seq_len, ")"));
     }
     model.seq_len = options.seq_len;
   }
@@ -517,21 +767,33 @@ absl::StatusOr<ModelShape> ExportHfCheckpoint(const std::string& checkpoint_dir,
         dir, ": the manifest names no GPT model (a v1 or synthetic checkpoint); export needs n_head, which "
              "only a v2 manifest records"));
   }
+  if (IsLlama(m) && (m.heads < 1 || m.kv_heads < 1 || m.ffn_dim < 1 || !(m.rope_theta > 0) || !(m.norm_eps > 0) ||
+                     m.d_model % m.heads != 0)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": the manifest's Llama model lacks kv_heads, ffn_dim, rope_theta or norm_eps (",
+        checkpoint::DescribeModel(m), "); export needs them all"));
+  }
   if (ModelElements(m, m.seq_len) > kMaxElements) {
     return absl::InvalidArgumentError(absl::StrCat(dir, ": the model is larger than batonctl converts in memory"));
   }
   BATON_ASSIGN_OR_RETURN(checkpoint::FullState state, checkpoint::LoadFullState(dir));
-  const std::map<std::string, HfTensor> names = HfTensors(m, m.seq_len);
+  if (!IsLlama(m) && state.tensors.count("embed_tokens.weight") > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": holds a Llama's tensors (embed_tokens.weight) but its manifest records arch \"", ArchField(m.arch),
+        "\"; it was written by a baton that does not record the architecture"));
+  }
+  const HfLayout layout = LayoutOf(m, m.seq_len);
   std::set<std::string> exported;
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");  // transformers refuses safetensors files without it
-  for (const auto& [hf_name, hf] : names) {
+  for (const auto& [hf_name, hf] : layout.tensors) {
     auto it = state.tensors.find(hf.baton_name);
     const std::vector<int64_t> want =
         hf.conv1d ? std::vector<int64_t>{hf.hf_shape[1], hf.hf_shape[0]} : hf.hf_shape;
     if (it == state.tensors.end()) {
       return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor ", hf.baton_name, " is missing; the manifest's ",
-                                                     checkpoint::DescribeModel(m), " has it"));
+                                                     checkpoint::DescribeModel(m), " (arch ", ArchField(m.arch),
+                                                     ") has it"));
     }
     if (it->second.shape != want) {
       return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor ", hf.baton_name, " has shape ",
@@ -540,13 +802,14 @@ absl::StatusOr<ModelShape> ExportHfCheckpoint(const std::string& checkpoint_dir,
     }
     const std::vector<float> values =
         hf.conv1d ? Transpose(it->second.values, want[0], want[1]) : it->second.values;
-    BATON_RETURN_IF_ERROR(writer.AddFloat32(kHfPrefix + hf_name, hf.hf_shape, values));
+    BATON_RETURN_IF_ERROR(writer.AddFloat32(hf.hf_name, hf.hf_shape, values));
     exported.insert(hf.baton_name);
   }
   for (const auto& [name, t] : state.tensors) {
     if (exported.count(name) == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(dir, ": tensor ", name, " is not part of a GPT-2 ", checkpoint::DescribeModel(m)));
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor ", name, " is not part of a ", layout.family,
+                                                     " ", checkpoint::DescribeModel(m), " (arch ", ArchField(m.arch),
+                                                     ")"));
     }
   }
   StagingDir staging(out_dir);

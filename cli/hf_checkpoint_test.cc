@@ -19,6 +19,7 @@
 #include "common/file_io.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 
 namespace baton::cli {
@@ -452,6 +453,268 @@ TEST(HfCheckpointTest, ExportRefusesACheckpointWithoutAGptModel) {
   absl::Status s = ExportHfCheckpoint(dir, TmpDir("v1_export"), false).status();
   EXPECT_THAT(s.message(), HasSubstr("names no GPT model"));
   EXPECT_FALSE(Exists(TmpDir("v1_export")));
+}
+
+// ---- Llama ------------------------------------------------------------------
+
+// A tiny Llama: 1 layer, hidden 8, 2 heads of 4, 1 key/value head,
+// intermediate 12, vocab 10, 6 positions.
+constexpr int kLlamaF = 12, kLlamaKv = 4;
+
+std::string LlamaConfig(const std::string& extra = "", bool tied = false) {
+  return absl::StrCat(
+      "{\"model_type\": \"llama\", \"architectures\": [\"LlamaForCausalLM\"], \"hidden_act\": \"silu\", "
+      "\"hidden_size\": ", kC, ", \"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"num_hidden_layers\": 1, "
+      "\"intermediate_size\": ", kLlamaF, ", \"vocab_size\": ", kV, ", \"max_position_embeddings\": ", kP,
+      ", \"rms_norm_eps\": 1e-05, \"rope_theta\": 500000.0, \"rope_scaling\": null, \"attention_bias\": false, "
+      "\"pretraining_tp\": 1, \"tie_word_embeddings\": ", tied ? "true" : "false", extra, "}");
+}
+
+std::map<std::string, Tensor> LlamaHfModel(bool tied = false) {
+  std::map<std::string, std::vector<int64_t>> shapes = {
+      {"model.embed_tokens.weight", {kV, kC}},
+      {"model.layers.0.input_layernorm.weight", {kC}},
+      {"model.layers.0.self_attn.q_proj.weight", {kC, kC}},
+      {"model.layers.0.self_attn.k_proj.weight", {kLlamaKv, kC}},
+      {"model.layers.0.self_attn.v_proj.weight", {kLlamaKv, kC}},
+      {"model.layers.0.self_attn.o_proj.weight", {kC, kC}},
+      {"model.layers.0.post_attention_layernorm.weight", {kC}},
+      {"model.layers.0.mlp.gate_proj.weight", {kLlamaF, kC}},
+      {"model.layers.0.mlp.up_proj.weight", {kLlamaF, kC}},
+      {"model.layers.0.mlp.down_proj.weight", {kC, kLlamaF}},
+      {"model.norm.weight", {kC}},
+  };
+  if (!tied) shapes["lm_head.weight"] = {kV, kC};
+  std::map<std::string, Tensor> out;
+  int seed = 3;
+  for (const auto& [name, shape] : shapes) {
+    Tensor t{shape, {}};
+    t.values.resize(checkpoint::NumElements(shape));
+    for (size_t i = 0; i < t.values.size(); ++i) t.values[i] = ((seed * 7 + i) % 64) / 8.0f - 4.0f;
+    out[name] = t;
+    ++seed;
+  }
+  return out;
+}
+
+TEST(HfCheckpointTest, LlamaImportKeepsNamesAndLayoutAndRecordsTheArchitecture) {
+  const std::map<std::string, Tensor> hf = LlamaHfModel();
+  for (const std::string dtype : {"F32", "F16", "BF16"}) {
+    const std::string ckpt = TmpDir("llama_map_ckpt_" + dtype);
+    ASSERT_TRUE(Import(WriteHfDir("llama_map_hf_" + dtype, hf, LlamaConfig(), dtype), ckpt).ok()) << dtype;
+    absl::StatusOr<checkpoint::FullState> state = checkpoint::LoadFullState(ckpt);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(state->chunks, 1);
+    ASSERT_EQ(state->tensors.size(), hf.size()) << dtype;
+    for (const auto& [name, t] : hf) {
+      const std::string baton = name.rfind("model.", 0) == 0 ? name.substr(6) : name;
+      ASSERT_EQ(state->tensors.count(baton), 1u) << baton;
+      EXPECT_EQ(state->tensors.at(baton).shape, t.shape) << baton;  // [out, in] in both: no transpose
+      EXPECT_EQ(state->tensors.at(baton).values, t.values) << baton << " " << dtype;
+    }
+  }
+  absl::StatusOr<checkpoint::ModelShape> m = ReadHfConfig(TmpDir("llama_map_hf_F32"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->arch, "llama");
+  EXPECT_EQ(m->layers, 1);
+  EXPECT_EQ(m->d_model, kC);
+  EXPECT_EQ(m->heads, 2);
+  EXPECT_EQ(m->kv_heads, 1);
+  EXPECT_EQ(m->ffn_dim, kLlamaF);
+  EXPECT_EQ(m->vocab, kV);
+  EXPECT_EQ(m->seq_len, kP);
+  EXPECT_EQ(m->rope_theta, 500000.0f);
+  EXPECT_EQ(m->norm_eps, 1e-5f);
+  EXPECT_FALSE(m->tie_embeddings);
+}
+
+TEST(HfCheckpointTest, LlamaConfigDefaultsAreLlamaConfigs) {
+  std::string config = LlamaConfig();
+  for (const char* field : {", \"num_key_value_heads\": 1", ", \"rms_norm_eps\": 1e-05", ", \"rope_theta\": 500000.0",
+                            ", \"tie_word_embeddings\": false", ", \"hidden_act\": \"silu\"",
+                            ", \"rope_scaling\": null"}) {
+    config = absl::StrReplaceAll(config, {{field, ""}});
+  }
+  std::map<std::string, Tensor> hf = LlamaHfModel();
+  hf["model.layers.0.self_attn.k_proj.weight"].shape = {kC, kC};  // kv heads = heads
+  hf["model.layers.0.self_attn.k_proj.weight"].values.resize(kC * kC);
+  hf["model.layers.0.self_attn.v_proj.weight"] = hf["model.layers.0.self_attn.k_proj.weight"];
+  const std::string dir = WriteHfDir("llama_defaults_hf", hf, config);
+  absl::StatusOr<checkpoint::ModelShape> m = ReadHfConfig(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->kv_heads, 2);
+  EXPECT_EQ(m->norm_eps, 1e-6f);
+  EXPECT_EQ(m->rope_theta, 10000.0f);
+  EXPECT_FALSE(m->tie_embeddings);
+  EXPECT_TRUE(Import(dir, TmpDir("llama_defaults_ckpt")).ok());
+}
+
+TEST(HfCheckpointTest, LlamaTiedHeadAndOldRotaryBuffers) {
+  std::map<std::string, Tensor> hf = LlamaHfModel(/*tied=*/true);
+  hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = {{2}, {1.0f, 0.5f}};
+  const std::string ckpt = TmpDir("llama_tied_ckpt");
+  ASSERT_TRUE(Import(WriteHfDir("llama_tied_hf", hf, LlamaConfig("", true)), ckpt).ok());
+  absl::StatusOr<checkpoint::FullState> state = checkpoint::LoadFullState(ckpt);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->tensors.count("lm_head.weight"), 0u);
+  EXPECT_EQ(state->tensors.size(), hf.size() - 1);  // no inv_freq
+  EXPECT_TRUE(state->manifest.model.tie_embeddings);
+
+  // A stored copy of the tied head is accepted when it equals the embedding.
+  hf["lm_head.weight"] = hf.at("model.embed_tokens.weight");
+  EXPECT_TRUE(Import(WriteHfDir("llama_tied_copy_hf", hf, LlamaConfig("", true)), TmpDir("llama_tied_copy")).ok());
+  hf["lm_head.weight"].values[0] += 1;
+  absl::Status s = Import(WriteHfDir("llama_tied_bad_hf", hf, LlamaConfig("", true)), TmpDir("llama_tied_bad"));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("lm_head.weight differs from model.embed_tokens.weight"),
+                                 HasSubstr("tie_word_embeddings true")));
+}
+
+TEST(HfCheckpointTest, LlamaBadInputNamesWhatToFix) {
+  auto none = [](std::map<std::string, Tensor>&) {};
+  const std::vector<BadCase> cases = {
+      {"shape",
+       LlamaConfig(),
+       [](auto& t) {
+         t["model.layers.0.mlp.up_proj.weight"].shape = {kC, kLlamaF};
+       },
+       {"model.safetensors: tensor model.layers.0.mlp.up_proj.weight has shape [8, 12]", "implies [12, 8]"}},
+      {"missing",
+       LlamaConfig(),
+       [](auto& t) { t.erase("model.norm.weight"); },
+       {"model.safetensors: tensor model.norm.weight is missing (a Llama of this config.json has it"}},
+      {"missing_head",
+       LlamaConfig(),
+       [](auto& t) { t.erase("lm_head.weight"); },
+       {"tensor lm_head.weight is missing", "tie_word_embeddings is false"}},
+      {"unknown",
+       LlamaConfig(),
+       [](auto& t) { t["model.layers.0.self_attn.q_proj.bias"] = t["model.norm.weight"]; },
+       {"tensor model.layers.0.self_attn.q_proj.bias is not part of a Llama of 1 layers"}},
+      {"rope_scaling",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"rope_scaling\": null",
+                                            "\"rope_scaling\": "
+                                            "{\"rope_type\": \"llama3\", \"factor\": 8.0}"}}),
+       none,
+       {"config.json: rope_scaling is set", "only rope_scaling null"}},
+      {"act",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"silu\"", "\"gelu\""}}),
+       none,
+       {"config.json: hidden_act must be \"silu\""}},
+      {"attention_bias",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"attention_bias\": false", "\"attention_bias\": true"}}),
+       none,
+       {"config.json: attention_bias is true"}},
+      {"mlp_bias", LlamaConfig(", \"mlp_bias\": true"), none, {"config.json: mlp_bias is true"}},
+      {"head_dim",
+       LlamaConfig(", \"head_dim\": 8"),
+       none,
+       {"config.json: head_dim must be hidden_size / num_attention_heads (4)"}},
+      {"pretraining_tp",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"pretraining_tp\": 1", "\"pretraining_tp\": 2"}}),
+       none,
+       {"config.json: pretraining_tp is 2"}},
+      {"kv_heads",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"num_key_value_heads\": 1", "\"num_key_value_heads\": 3"}}),
+       none,
+       {"config.json: num_key_value_heads must be an integer from 1 to 2"}},
+      {"odd_head_dim",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"num_attention_heads\": 2", "\"num_attention_heads\": 8"},
+                                           {"\"num_key_value_heads\": 1", "\"num_key_value_heads\": 8"}}),
+       none,
+       {"config.json: num_attention_heads gives an odd head dimension 8 / 8 = 1"}},
+      {"eps",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -1"}}),
+       none,
+       {"config.json: rms_norm_eps must be a positive number"}},
+      {"theta",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"rope_theta\": 500000.0", "\"rope_theta\": \"big\""}}),
+       none,
+       {"config.json: rope_theta must be a positive number"}},
+      {"missing_field",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"intermediate_size\": 12, ", ""}}),
+       none,
+       {"config.json: intermediate_size is missing (a transformers Llama config has it)"}},
+      {"tied_flag",
+       absl::StrReplaceAll(LlamaConfig(), {{"\"tie_word_embeddings\": false", "\"tie_word_embeddings\": 1"}}),
+       none,
+       {"config.json: tie_word_embeddings must be true or false"}},
+  };
+  for (const BadCase& c : cases) {
+    std::map<std::string, Tensor> hf = LlamaHfModel();
+    c.edit(hf);
+    const std::string out = TmpDir("llama_bad_ckpt_" + c.name);
+    absl::Status s = Import(WriteHfDir("llama_bad_hf_" + c.name, hf, c.config), out);
+    ASSERT_FALSE(s.ok()) << c.name;
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << c.name << ": " << s;
+    for (const std::string& w : c.want) EXPECT_THAT(s.message(), HasSubstr(w)) << c.name;
+    EXPECT_FALSE(Exists(out)) << c.name;
+  }
+}
+
+// JobModelBlock is the spec of the model imported: it parses as a JobSpec's
+// model with every Llama field as config.json gave it.
+TEST(HfCheckpointTest, JobModelBlockIsTheImportedModelsSpec) {
+  absl::StatusOr<checkpoint::ModelShape> m =
+      ReadHfConfig(WriteHfDir("llama_block_hf", LlamaHfModel(), LlamaConfig()));
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string block = JobModelBlock(*m);
+  v1::JobSpec job;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(block, &job)) << block;
+  const v1::ModelSpec& s = job.model();
+  EXPECT_EQ(s.arch(), "llama");
+  EXPECT_EQ(s.layers(), 1);
+  EXPECT_EQ(s.d_model(), kC);
+  EXPECT_EQ(s.heads(), 2);
+  EXPECT_EQ(s.kv_heads(), 1);
+  EXPECT_EQ(s.ffn_dim(), kLlamaF);
+  EXPECT_EQ(s.vocab(), kV);
+  EXPECT_EQ(s.seq_len(), kP);
+  EXPECT_EQ(s.rope_theta(), 500000.0f);
+  EXPECT_EQ(s.norm_eps(), 1e-5f);
+  ASSERT_TRUE(s.has_tie_embeddings());
+  EXPECT_FALSE(s.tie_embeddings());
+
+  absl::StatusOr<checkpoint::ModelShape> gpt2 = ReadHfConfig(WriteHfDir("gpt2_block_hf", HfModel()));
+  ASSERT_TRUE(gpt2.ok());
+  v1::JobSpec gpt2_job;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(JobModelBlock(*gpt2), &gpt2_job));
+  EXPECT_EQ(gpt2_job.model().arch(), "");
+  EXPECT_EQ(gpt2_job.model().d_model(), kC);
+}
+
+// Needs the manifest to record the architecture (common/checkpoint_manifest).
+TEST(HfCheckpointTest, LlamaRoundTripIsBitForBit) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const std::map<std::string, Tensor> hf = LlamaHfModel(tied);
+    const std::string tag = tied ? "tied" : "untied";
+    const std::string ckpt = TmpDir("llama_round_ckpt_" + tag), back = TmpDir("llama_round_back_" + tag);
+    ASSERT_TRUE(Import(WriteHfDir("llama_round_hf_" + tag, hf, LlamaConfig("", tied)), ckpt).ok());
+    absl::StatusOr<checkpoint::ModelShape> m = ExportHfCheckpoint(ckpt, back, false);
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(back + "/model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_EQ(file->metadata().at("format"), "pt");
+    ASSERT_EQ(file->tensors().size(), hf.size());
+    for (const auto& [name, t] : hf) {
+      ASSERT_EQ(file->tensors().count(name), 1u) << name;
+      EXPECT_EQ(file->tensors().at(name).shape, t.shape) << name;
+      EXPECT_EQ(*file->Float32s(name), t.values) << name;
+    }
+    absl::StatusOr<checkpoint::ModelShape> config = ReadHfConfig(back);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(config->arch, "llama");
+    EXPECT_EQ(config->kv_heads, 1);
+    EXPECT_EQ(config->ffn_dim, kLlamaF);
+    EXPECT_EQ(config->rope_theta, 500000.0f);
+    EXPECT_EQ(config->norm_eps, 1e-5f);
+    EXPECT_EQ(config->tie_embeddings, tied);
+    absl::StatusOr<std::string> text = ReadFile(back + "/config.json");
+    EXPECT_THAT(*text, AllOf(HasSubstr("\"model_type\": \"llama\""), HasSubstr("\"LlamaForCausalLM\""),
+                             HasSubstr("\"rms_norm_eps\": 1e-05"), HasSubstr("\"rope_theta\": 500000.0,"),
+                             HasSubstr("\"max_position_embeddings\": 6"), HasSubstr("\"torch_dtype\": \"float32\""),
+                             HasSubstr(tied ? "\"tie_word_embeddings\": true" : "\"tie_word_embeddings\": false")));
+  }
 }
 
 std::pair<int, std::string> RunCli(const std::vector<std::string>& args) {

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -102,11 +104,33 @@ absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
   return out;
 }
 
-// The manifest's model object.
+bool IsLlama(const ModelShape& m) { return m.arch == "llama"; }
+
+// A finite float as a JSON number that reads back (through a double, as
+// ReadManifest reads it) as the same float: the 6-digit form when it does
+// ("500000", "1e-05"), else the shortest longer one.
+std::string FloatNumber(float f) {
+  if (!std::isfinite(f)) return "null";
+  std::string text = absl::StrCat(f);
+  for (int precision = 7; static_cast<float>(std::strtod(text.c_str(), nullptr)) != f && precision <= 9;
+       ++precision) {
+    text = absl::StrFormat("%.*g", precision, static_cast<double>(f));
+  }
+  return text;
+}
+
+// The manifest's model object. A GPT-2 model is written as before arch
+// existed (a reader without it still reads it right); a Llama model adds
+// arch and its fields.
 std::string ModelJson(const ModelShape& m) {
   if (m.synthetic) return absl::StrCat("{\"synthetic\": true, \"chunks\": ", m.chunks, "}");
+  const std::string llama =
+      IsLlama(m) ? absl::StrCat(", \"arch\": \"llama\", \"kv_heads\": ", m.kv_heads, ", \"ffn_dim\": ", m.ffn_dim,
+                                ", \"rope_theta\": ", FloatNumber(m.rope_theta), ", \"norm_eps\": ", FloatNumber(m.norm_eps),
+                                ", \"tie_embeddings\": ", m.tie_embeddings ? "true" : "false")
+                 : "";
   return absl::StrCat("{\"layers\": ", m.layers, ", \"d_model\": ", m.d_model, ", \"heads\": ", m.heads,
-                      ", \"vocab\": ", m.vocab, ", \"seq_len\": ", m.seq_len, "}");
+                      ", \"vocab\": ", m.vocab, ", \"seq_len\": ", m.seq_len, llama, "}");
 }
 
 }  // namespace
@@ -199,8 +223,14 @@ void ExtractShard(const TensorLayout& l, const float* full, float* local) {
 bool ModelShape::operator==(const ModelShape& o) const {
   if (synthetic != o.synthetic) return false;
   if (synthetic) return chunks == o.chunks;
-  return layers == o.layers && d_model == o.d_model && heads == o.heads && vocab == o.vocab &&
-         seq_len == o.seq_len;
+  if (layers != o.layers || d_model != o.d_model || heads != o.heads || vocab != o.vocab ||
+      seq_len != o.seq_len || IsLlama(*this) != IsLlama(o)) {
+    return false;
+  }
+  // GPT-2 fixes the Llama fields (whatever a shape holds in them).
+  if (!IsLlama(*this)) return true;
+  return kv_heads == o.kv_heads && ffn_dim == o.ffn_dim && rope_theta == o.rope_theta && norm_eps == o.norm_eps &&
+         tie_embeddings == o.tie_embeddings;
 }
 
 ParallelLayout ParallelLayoutOf(const v1::JobSpec& job) {
@@ -232,11 +262,25 @@ ModelShape ModelShapeOf(const v1::JobSpec& job) {
   m.heads = s.heads();
   m.vocab = s.vocab();
   m.seq_len = s.seq_len();
+  if (s.arch() != "llama") return m;  // "" and "gpt2" (ValidateJobSpec refuses others)
+  // Defaults as worker/model/gpt_config.cc GptConfigFromSpec fills them.
+  m.arch = "llama";
+  m.kv_heads = s.has_kv_heads() ? s.kv_heads() : s.heads();
+  m.ffn_dim = s.has_ffn_dim() ? s.ffn_dim() : 4 * s.d_model();
+  m.rope_theta = s.has_rope_theta() ? s.rope_theta() : 10000.0f;
+  m.norm_eps = s.has_norm_eps() ? s.norm_eps() : 1e-5f;
+  m.tie_embeddings = s.tie_embeddings();  // unset: false, a separate lm_head
   return m;
 }
 
 std::string DescribeModel(const ModelShape& m) {
   if (m.synthetic) return absl::StrCat("a synthetic model of ", m.chunks, " chunks");
+  if (IsLlama(m)) {
+    return absl::StrCat("a Llama (arch llama) of layers ", m.layers, ", d_model ", m.d_model, ", heads ", m.heads,
+                        ", kv_heads ", m.kv_heads, ", ffn_dim ", m.ffn_dim, ", vocab ", m.vocab, ", seq_len ",
+                        m.seq_len, ", rope_theta ", FloatNumber(m.rope_theta), ", norm_eps ", FloatNumber(m.norm_eps),
+                        m.tie_embeddings ? ", tied embeddings" : ", untied lm_head");
+  }
   return absl::StrCat("a GPT of layers ", m.layers, ", d_model ", m.d_model, ", heads ", m.heads, ", vocab ",
                       m.vocab, ", seq_len ", m.seq_len);
 }
@@ -354,6 +398,36 @@ absl::StatusOr<ManifestInfo> ReadManifest(const std::string& dir) {
       BATON_RETURN_IF_ERROR(get_int(*model, "heads", &info.model.heads));
       BATON_RETURN_IF_ERROR(get_int(*model, "vocab", &info.model.vocab));
       BATON_RETURN_IF_ERROR(get_int(*model, "seq_len", &info.model.seq_len));
+      // "arch" is absent from GPT-2 manifests (and from every manifest
+      // written before Llama): GPT-2.
+      const JsonValue* arch = model->Find("arch");
+      if (arch != nullptr && (!arch->is_string() || (arch->str() != "gpt2" && arch->str() != "llama"))) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": model.arch must be \"gpt2\" or \"llama\""));
+      }
+      if (arch != nullptr && arch->str() == "llama") {
+        ModelShape& m = info.model;
+        m.arch = "llama";
+        BATON_RETURN_IF_ERROR(get_int(*model, "kv_heads", &m.kv_heads));
+        BATON_RETURN_IF_ERROR(get_int(*model, "ffn_dim", &m.ffn_dim));
+        auto get_float = [&](const char* key, float* out) -> absl::Status {
+          const JsonValue* v = model->Find(key);
+          if (v == nullptr || !v->is_number() || !std::isfinite(static_cast<float>(v->number())) ||
+              v->number() <= 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(path, ": a Llama model's ", key, " must be a positive finite number"));
+          }
+          *out = static_cast<float>(v->number());
+          return absl::OkStatus();
+        };
+        BATON_RETURN_IF_ERROR(get_float("rope_theta", &m.rope_theta));
+        BATON_RETURN_IF_ERROR(get_float("norm_eps", &m.norm_eps));
+        const JsonValue* tie = model->Find("tie_embeddings");
+        if (tie == nullptr || tie->kind() != JsonValue::Kind::kBool) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": a Llama model's tie_embeddings must be true or false"));
+        }
+        m.tie_embeddings = tie->bool_value();
+      }
     }
     BATON_RETURN_IF_ERROR(get_int(*layout, "pp", &info.layout.pp));
     BATON_RETURN_IF_ERROR(get_int(*layout, "tp", &info.layout.tp));
@@ -795,6 +869,23 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
       field("heads", have.heads, want.heads);
       field("vocab", have.vocab, want.vocab);
       field("seq_len", have.seq_len, want.seq_len);
+      if (have.arch != want.arch) {
+        fields.push_back(absl::StrCat("model.arch \"", want.arch, "\" (checkpoint: \"", have.arch, "\")"));
+      } else if (IsLlama(want)) {
+        field("kv_heads", have.kv_heads, want.kv_heads);
+        field("ffn_dim", have.ffn_dim, want.ffn_dim);
+        auto real = [&](const char* name, float h, float w) {
+          if (h != w) {
+            fields.push_back(absl::StrCat("model.", name, " ", FloatNumber(w), " (checkpoint: ", FloatNumber(h), ")"));
+          }
+        };
+        real("rope_theta", have.rope_theta, want.rope_theta);
+        real("norm_eps", have.norm_eps, want.norm_eps);
+        if (have.tie_embeddings != want.tie_embeddings) {
+          fields.push_back(absl::StrCat("model.tie_embeddings ", want.tie_embeddings ? "true" : "false",
+                                        " (checkpoint: ", have.tie_embeddings ? "true" : "false", ")"));
+        }
+      }
     }
     return absl::InvalidArgumentError(absl::StrCat(
         manifest, ": the checkpoint holds ", DescribeModel(have), " but the job trains ", DescribeModel(want),
@@ -815,8 +906,15 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
   auto where = [&](const std::string& tensor) {
     return absl::StrCat("checkpoint ", dir, ": tensor ", tensor);
   };
-  const std::vector<std::pair<std::string, std::vector<int64_t>>> fixed = {
-      {"wte", {want.vocab, want.d_model}}, {"wpe", {want.seq_len, want.d_model}}};
+  const int64_t c = want.d_model, v = want.vocab;
+  const bool llama = IsLlama(want);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> fixed;
+  if (llama) {
+    fixed = {{"embed_tokens.weight", {v, c}}, {"norm.weight", {c}}};
+    if (!want.tie_embeddings) fixed.push_back({"lm_head.weight", {v, c}});
+  } else {
+    fixed = {{"wte", {v, c}}, {"wpe", {want.seq_len, c}}};
+  }
   for (const auto& [name, shape] : fixed) {
     auto it = state.tensors.find(name);
     if (it == state.tensors.end()) return absl::InvalidArgumentError(absl::StrCat(where(name), " is missing"));
@@ -825,17 +923,47 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
                                                      " but the job's model needs ", ShapeString(shape)));
     }
   }
+  if (llama && want.tie_embeddings && state.tensors.count("lm_head.weight") > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where("lm_head.weight"),
+                                                   " is an untied LM head but the job ties it to embed_tokens; "
+                                                   "set model.tie_embeddings: false to resume it"));
+  }
+  // Llama's block tensors by name (after "layers.<i>."), full shapes.
+  const int64_t hd = want.heads > 0 ? c / want.heads : 0;
+  const int64_t q = int64_t{want.heads} * hd, kv = int64_t{want.kv_heads} * hd, f = want.ffn_dim;
+  const std::map<std::string, std::vector<int64_t>> llama_block = {
+      {"input_layernorm.weight", {c}},     {"self_attn.q_proj.weight", {q, c}},
+      {"self_attn.k_proj.weight", {kv, c}}, {"self_attn.v_proj.weight", {kv, c}},
+      {"self_attn.o_proj.weight", {c, q}},  {"post_attention_layernorm.weight", {c}},
+      {"mlp.gate_proj.weight", {f, c}},     {"mlp.up_proj.weight", {f, c}},
+      {"mlp.down_proj.weight", {c, f}},
+  };
+  const std::string prefix = llama ? "layers." : "h.";
   std::set<int> blocks;
   for (const auto& [name, t] : state.tensors) {
-    if (!absl::StartsWith(name, "h.")) continue;
-    const size_t dot = name.find('.', 2);
+    if (!absl::StartsWith(name, prefix)) continue;
+    const size_t dot = name.find('.', prefix.size());
     int block = -1;
-    if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(2, dot - 2), &block) || block < 0 ||
+    if (dot == std::string::npos ||
+        !absl::SimpleAtoi(name.substr(prefix.size(), dot - prefix.size()), &block) || block < 0 ||
         block >= want.layers) {
       return absl::InvalidArgumentError(absl::StrCat(where(name), " is not a block of a ", want.layers,
                                                      "-layer model"));
     }
     blocks.insert(block);
+    if (llama) {
+      auto it = llama_block.find(name.substr(dot + 1));
+      if (it == llama_block.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(where(name), " is not a tensor of a Llama block"));
+      }
+      if (t.shape != it->second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where(name), " has shape ", ShapeString(t.shape), " but the job's model needs ",
+            ShapeString(it->second), " (d_model ", c, ", heads ", want.heads, ", kv_heads ", want.kv_heads,
+            ", ffn_dim ", f, ")"));
+      }
+      continue;
+    }
     // Every dimension of a block tensor is 1, 3 or 4 times d_model.
     for (int64_t d : t.shape) {
       if (want.d_model <= 0 || d % want.d_model != 0 || d / want.d_model > 4) {

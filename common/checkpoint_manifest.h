@@ -68,6 +68,17 @@ struct ModelShape {
   bool synthetic = false;
   int layers = 0, d_model = 0, heads = 0, vocab = 0, seq_len = 0;  // GPT only
   int chunks = 0;  // synthetic: one weight per model chunk
+  // (The fields above keep their order: callers brace-initialise them.)
+  // Llama (arch "llama"): the spec's values with defaults filled in
+  // (kv_heads = heads, ffn_dim = 4 * d_model, rope_theta 10000, norm_eps
+  // 1e-5, tie_embeddings false). GPT-2 (arch "gpt2", also for manifests
+  // written before arch existed) leaves them at the initial values below
+  // (0, and tie_embeddings true); operator== ignores them for GPT-2, and
+  // manifest.json records them for Llama only.
+  std::string arch = "gpt2";
+  int kv_heads = 0, ffn_dim = 0;
+  float rope_theta = 0, norm_eps = 0;
+  bool tie_embeddings = true;
   bool operator==(const ModelShape& o) const;
 };
 struct ParallelLayout {
@@ -186,11 +197,15 @@ absl::StatusOr<FullState> LoadFullState(const std::string& dir,
 
 // Everything LoadFullState checks (without keeping the values, one file in
 // memory at a time; copies are compared by CRC-32), plus, for resuming `job`: a version 2 manifest whose
-// model equals the job's, optimizer state in every file (one optimizer
-// step), and tensor shapes that fit the model (wte [vocab, d_model], wpe
-// [seq_len, d_model], blocks h.0 .. h.<layers-1>; synthetic: one weight per
-// chunk of the job). The message names the file and the problem. The
-// returned tensors hold shapes only.
+// model equals the job's (else the message lists the job-spec fields that
+// differ), optimizer state in every file (one optimizer step), and tensor
+// shapes that fit the model (GPT-2: wte [vocab, d_model], wpe [seq_len,
+// d_model], blocks h.0 .. h.<layers-1>; Llama: embed_tokens.weight [vocab,
+// d_model], norm.weight [d_model], lm_head.weight [vocab, d_model] when
+// untied (and none when tied), blocks layers.0 .. layers.<layers-1>, each
+// tensor of its Hugging Face shape; synthetic: one weight per chunk of the
+// job). The message names the file and the problem. The returned tensors
+// hold shapes only.
 absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir,
                                                    const v1::JobSpec& job);
 

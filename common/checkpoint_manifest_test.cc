@@ -20,6 +20,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string NewDir(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
@@ -185,6 +186,227 @@ TEST(CheckpointManifestTest, ShardLayoutsMoveTheRightElements) {
   l.full_shape = {int64_t{1} << 30, int64_t{1} << 30};
   l.qkv = false;
   EXPECT_THAT(std::string(LocalShape(l).status().message()), HasSubstr("too large"));
+}
+
+v1::JobSpec LlamaJob() {
+  v1::JobSpec job;
+  job.set_name("llama");
+  v1::ModelSpec* m = job.mutable_model();
+  m->set_arch("llama");
+  m->set_layers(2);
+  m->set_d_model(16);
+  m->set_heads(4);
+  m->set_kv_heads(2);
+  m->set_ffn_dim(24);
+  m->set_vocab(16);
+  m->set_seq_len(8);
+  m->set_rope_theta(500000);
+  m->set_norm_eps(1e-6f);
+  job.mutable_schedule()->set_kind("1f1b");
+  return job;
+}
+
+TEST(CheckpointManifestTest, LlamaManifestRoundTripsItsArchitecture) {
+  const std::string dir = NewDir("manifest/llama");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "x").ok());
+  v1::JobSpec job = LlamaJob();
+  const ModelShape shape = ModelShapeOf(job);
+  EXPECT_EQ(shape.arch, "llama");
+  EXPECT_EQ(shape.kv_heads, 2);
+  EXPECT_EQ(shape.ffn_dim, 24);
+  EXPECT_EQ(shape.rope_theta, 500000.0f);
+  EXPECT_EQ(shape.norm_eps, 1e-6f);
+  EXPECT_FALSE(shape.tie_embeddings);  // unset: Llama's separate lm_head
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(job, 7, {"chunk0-tp0.safetensors"})).ok());
+  absl::StatusOr<std::string> text = ReadFile(dir + "/manifest.json");
+  ASSERT_TRUE(text.ok());
+  EXPECT_THAT(*text, HasSubstr("\"arch\": \"llama\", \"kv_heads\": 2, \"ffn_dim\": 24, \"rope_theta\": 500000, "
+                               "\"norm_eps\": 1e-06, \"tie_embeddings\": false"));
+  absl::StatusOr<ManifestInfo> m = ReadManifest(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->model == shape);
+  EXPECT_EQ(m->model.arch, "llama");
+  EXPECT_EQ(m->model.kv_heads, 2);
+  EXPECT_EQ(m->model.ffn_dim, 24);
+  EXPECT_EQ(m->model.rope_theta, 500000.0f);
+  EXPECT_EQ(m->model.norm_eps, 1e-6f);  // the float read back exactly
+  EXPECT_FALSE(m->model.tie_embeddings);
+  EXPECT_THAT(DescribeModel(m->model), HasSubstr("a Llama (arch llama) of layers 2, d_model 16, heads 4, "
+                                                 "kv_heads 2, ffn_dim 24"));
+  EXPECT_THAT(DescribeModel(m->model), HasSubstr("untied lm_head"));
+
+  // Each Llama field is part of the model.
+  for (void (*change)(v1::ModelSpec*) : {
+           +[](v1::ModelSpec* s) { s->set_kv_heads(4); }, +[](v1::ModelSpec* s) { s->set_ffn_dim(32); },
+           +[](v1::ModelSpec* s) { s->set_rope_theta(10000); }, +[](v1::ModelSpec* s) { s->set_norm_eps(1e-5f); },
+           +[](v1::ModelSpec* s) { s->set_tie_embeddings(true); }, +[](v1::ModelSpec* s) { s->clear_arch(); }}) {
+    v1::JobSpec other = LlamaJob();
+    change(other.mutable_model());
+    EXPECT_FALSE(m->model == ModelShapeOf(other)) << other.model().ShortDebugString();
+  }
+  // Unset fields take Llama's defaults.
+  v1::JobSpec defaults = LlamaJob();
+  defaults.mutable_model()->clear_kv_heads();
+  defaults.mutable_model()->clear_ffn_dim();
+  defaults.mutable_model()->clear_rope_theta();
+  defaults.mutable_model()->clear_norm_eps();
+  const ModelShape d = ModelShapeOf(defaults);
+  EXPECT_EQ(d.kv_heads, 4);
+  EXPECT_EQ(d.ffn_dim, 64);
+  EXPECT_EQ(d.rope_theta, 10000.0f);
+  EXPECT_EQ(d.norm_eps, 1e-5f);
+}
+
+TEST(CheckpointManifestTest, AGptTwoManifestWithoutArchStillReadsAsGptTwo) {
+  const std::string dir = NewDir("manifest/old-gpt2");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "x").ok());
+  // As releases before Llama wrote it.
+  ASSERT_TRUE(WriteFileAtomically(dir + "/manifest.json", R"({"format": "baton-checkpoint-v2", "job": "demo",
+      "step": 5, "model": {"layers": 4, "d_model": 32, "heads": 4, "vocab": 40, "seq_len": 12},
+      "layout": {"pp": 2, "tp": 2, "dp": 1, "virtual_stages": 1, "schedule": "1f1b"},
+      "files": ["chunk0-tp0.safetensors"]})")
+                  .ok());
+  absl::StatusOr<ManifestInfo> m = ReadManifest(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->model.arch, "gpt2");
+  EXPECT_TRUE(m->model == ModelShapeOf(Job()));
+  v1::JobSpec explicit_gpt2 = Job();
+  explicit_gpt2.mutable_model()->set_arch("gpt2");
+  EXPECT_TRUE(m->model == ModelShapeOf(explicit_gpt2));
+  EXPECT_FALSE(m->model == ModelShapeOf(LlamaJob()));
+  EXPECT_THAT(DescribeModel(m->model), HasSubstr("a GPT of layers 4"));
+  // A GPT-2 manifest is still written without the Llama fields.
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(Job(), 5, {"chunk0-tp0.safetensors"})).ok());
+  EXPECT_THAT(*ReadFile(dir + "/manifest.json"), Not(HasSubstr("arch")));
+
+  const struct {
+    const char* model;
+    const char* error;
+  } bad[] = {
+      {R"("arch": "mistral")", "model.arch must be \"gpt2\" or \"llama\""},
+      {R"("arch": "llama", "ffn_dim": 24, "rope_theta": 1e4, "norm_eps": 1e-5, "tie_embeddings": true)", "kv_heads"},
+      {R"("arch": "llama", "kv_heads": 2, "ffn_dim": 24, "norm_eps": 1e-5, "tie_embeddings": true)", "rope_theta"},
+      {R"("arch": "llama", "kv_heads": 2, "ffn_dim": 24, "rope_theta": 1e4, "norm_eps": null,
+          "tie_embeddings": true)", "norm_eps must be a positive finite number"},
+      {R"("arch": "llama", "kv_heads": 2, "ffn_dim": 24, "rope_theta": 1e4, "norm_eps": 1e-5)", "tie_embeddings"},
+  };
+  for (const auto& c : bad) {
+    ASSERT_TRUE(WriteFileAtomically(dir + "/manifest.json",
+                                    absl::StrCat(R"({"format": "baton-checkpoint-v2", "job": "j", "step": 1,
+        "model": {"layers": 2, "d_model": 16, "heads": 4, "vocab": 16, "seq_len": 8, )", c.model, R"(},
+        "layout": {"pp": 1, "tp": 1, "dp": 1, "virtual_stages": 1}, "files": ["chunk0-tp0.safetensors"]})"))
+                    .ok());
+    absl::StatusOr<ManifestInfo> r = ReadManifest(dir);
+    ASSERT_FALSE(r.ok()) << c.model;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.error)) << c.model;
+  }
+}
+
+// A one-chunk, tp 1 Llama checkpoint of `shards`' tensors (zeros, zero
+// moments) whose manifest records `manifest`'s model.
+std::string WriteLlamaCheckpoint(const std::string& name, const v1::JobSpec& shards, const v1::JobSpec& manifest,
+                                 const std::vector<std::pair<std::string, std::vector<int64_t>>>& extra = {}) {
+  const std::string dir = NewDir(name);
+  const v1::ModelSpec& m = shards.model();
+  const int64_t c = m.d_model(), v = m.vocab(), hd = c / m.heads(), kv = m.kv_heads() * hd, f = m.ffn_dim();
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {{"embed_tokens.weight", {v, c}},
+                                                                      {"norm.weight", {c}}};
+  if (!m.tie_embeddings()) shapes.push_back({"lm_head.weight", {v, c}});
+  for (int i = 0; i < m.layers(); ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    for (auto& [n, s] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"input_layernorm.weight", {c}},
+             {"self_attn.q_proj.weight", {c, c}},
+             {"self_attn.k_proj.weight", {kv, c}},
+             {"self_attn.v_proj.weight", {kv, c}},
+             {"self_attn.o_proj.weight", {c, c}},
+             {"post_attention_layernorm.weight", {c}},
+             {"mlp.gate_proj.weight", {f, c}},
+             {"mlp.up_proj.weight", {f, c}},
+             {"mlp.down_proj.weight", {c, f}}}) {
+      shapes.push_back({p + n, s});
+    }
+  }
+  for (const auto& e : extra) shapes.push_back(e);
+  std::vector<std::vector<float>> values;
+  for (const auto& [n, s] : shapes) values.emplace_back(NumElements(s), 0.0f);
+  std::vector<StateShardTensor> tensors;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    StateShardTensor t;
+    t.name = shapes[i].first;
+    t.layout.full_shape = shapes[i].second;
+    t.values = t.adam_m = t.adam_v = values[i];
+    tensors.push_back(t);
+  }
+  absl::StatusOr<std::string> file = WriteStateShardFile(dir, 0, 0, 1, 3, /*moments=*/true, tensors);
+  EXPECT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(WriteManifest(dir, ManifestFor(manifest, 3, {*file})).ok());
+  return dir;
+}
+
+TEST(CheckpointManifestTest, ResumingALlamaCheckpointChecksItsArchitectureAndTensors) {
+  const v1::JobSpec job = LlamaJob();
+  const std::string dir = WriteLlamaCheckpoint("resume/llama", job, job);
+  absl::StatusOr<FullState> ok = ValidateCheckpointForJob(dir, job);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tensors.at("layers.1.self_attn.k_proj.weight").shape, (std::vector<int64_t>{8, 16}));
+
+  // Another model in the job: the message names each field that differs.
+  const struct {
+    const char* what;
+    void (*change)(v1::ModelSpec*);
+    const char* fields;
+  } models[] = {
+      {"kv_heads", [](v1::ModelSpec* s) { s->set_kv_heads(4); }, "model.kv_heads 4 (checkpoint: 2)"},
+      {"ffn_dim", [](v1::ModelSpec* s) { s->set_ffn_dim(32); }, "model.ffn_dim 32 (checkpoint: 24)"},
+      {"rope_theta", [](v1::ModelSpec* s) { s->clear_rope_theta(); }, "model.rope_theta 10000 (checkpoint: 500000)"},
+      {"norm_eps", [](v1::ModelSpec* s) { s->set_norm_eps(1e-5f); }, "model.norm_eps 1e-05 (checkpoint: 1e-06)"},
+      {"tie_embeddings", [](v1::ModelSpec* s) { s->set_tie_embeddings(true); },
+       "model.tie_embeddings true (checkpoint: false)"},
+      {"arch", [](v1::ModelSpec* s) { s->clear_arch(); }, "model.arch \"gpt2\" (checkpoint: \"llama\")"},
+  };
+  for (const auto& c : models) {
+    v1::JobSpec other = LlamaJob();
+    c.change(other.mutable_model());
+    absl::StatusOr<FullState> s = ValidateCheckpointForJob(dir, other);
+    ASSERT_FALSE(s.ok()) << c.what;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr("it is from another model")) << c.what;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr(c.fields)) << c.what << ": " << s.status();
+  }
+  v1::JobSpec gpt2 = LlamaJob();
+  gpt2.mutable_model()->clear_arch();
+  EXPECT_THAT(std::string(ValidateCheckpointForJob(dir, gpt2).status().message()),
+              HasSubstr("holds a Llama (arch llama) of layers 2"));
+
+  // Shards of another model under an edited manifest: the shapes betray it.
+  v1::JobSpec mha = LlamaJob();
+  mha.mutable_model()->set_kv_heads(4);
+  absl::StatusOr<FullState> s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/edited", job, mha), mha);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("tensor layers.0.self_attn.k_proj.weight has shape [8, 16] but the job's model needs [16, 16] "
+                        "(d_model 16, heads 4, kv_heads 4, ffn_dim 24)"));
+  v1::JobSpec wide = LlamaJob();
+  wide.mutable_model()->set_ffn_dim(32);
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/wide", job, wide), wide);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("mlp.down_proj.weight has shape [16, 24]"));
+  v1::JobSpec tied = LlamaJob();
+  tied.mutable_model()->set_tie_embeddings(true);
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/untied", job, tied), tied);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("lm_head.weight is an untied LM head"));
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/tied", tied, job), job);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("tensor lm_head.weight is missing"));
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/deep", job, job, {{"layers.2.input_layernorm.weight", {16}}}),
+                               job);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("layers.2.input_layernorm.weight is not a block of a 2-layer"));
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/foreign", job, job, {{"layers.1.mlp.c_fc.weight", {16}}}),
+                               job);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("layers.1.mlp.c_fc.weight is not a tensor of a Llama block"));
+  v1::JobSpec shallow = LlamaJob();
+  shallow.mutable_model()->set_layers(3);
+  s = ValidateCheckpointForJob(WriteLlamaCheckpoint("resume/shallow", job, shallow), shallow);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("holds 2 transformer blocks but the job's model has 3"));
 }
 
 }  // namespace

@@ -58,10 +58,17 @@ absl::Status NonNegativeFinite(absl::string_view field, double value, double max
   return absl::OkStatus();
 }
 
+bool IsLlama(const v1::ModelSpec& m) { return m.arch() == "llama"; }
+
+// The MLP's hidden width: model.ffn_dim when set, else 4 * d_model (GPT-2's
+// only width; worker/model/gpt_config.h GptConfig::ffn_dim).
+int64_t FfnDim(const v1::ModelSpec& m) { return m.has_ffn_dim() ? m.ffn_dim() : 4 * int64_t{m.d_model()}; }
+
 // The largest tensor of a stage, in elements (see JobLimits::kMaxTensorElements).
 absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
   const int64_t tokens = int64_t{job.train().micro_batch_size()} * m.seq_len();
+  const int64_t ffn = FfnDim(m);
   const struct {
     const char* what;
     int64_t elements;
@@ -69,17 +76,89 @@ absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
       {"attention scores (micro_batch_size * heads/tp * seq_len^2)",
        tokens * (m.heads() / d.tp) * m.seq_len()},
       {"logits (micro_batch_size * seq_len * vocab)", tokens * m.vocab()},
-      {"MLP activations (micro_batch_size * seq_len * 4*d_model)", tokens * 4 * m.d_model()},
+      {"MLP activations (micro_batch_size * seq_len * MLP width)", tokens * ffn},
       {"token embedding (vocab * d_model)", int64_t{m.vocab()} * m.d_model()},
-      {"MLP weight (d_model * 4*d_model)", int64_t{m.d_model()} * 4 * m.d_model()},
+      {"MLP weight (d_model * MLP width)", int64_t{m.d_model()} * ffn},
   };
   for (const auto& t : tensors) {
     if (t.elements > JobLimits::kMaxTensorElements) {
       return Invalid("model", absl::StrCat("the ", t.what, " would hold ", t.elements, " elements in one tensor; ",
                                            "baton supports at most ", JobLimits::kMaxTensorElements,
-                                           ": lower train.micro_batch_size, model.seq_len, model.vocab or "
-                                           "model.d_model, or raise parallel.tp"));
+                                           ": lower train.micro_batch_size, model.seq_len, model.vocab, "
+                                           "model.d_model or model.ffn_dim, or raise parallel.tp"));
     }
+  }
+  return absl::OkStatus();
+}
+
+// model.arch and the Llama fields, the same rules as the worker's
+// ValidateModelSpec / ValidateGptConfig (worker/model/gpt_config.cc; restated
+// here: the coordinator does not depend on worker/model, DESIGN.md §12). Runs
+// after d_model, heads and their divisibility are checked, before anything is
+// sized from ffn_dim.
+absl::Status ValidateArchitecture(const v1::ModelSpec& m, const ParallelDims& d) {
+  if (!m.arch().empty() && m.arch() != "gpt2" && m.arch() != "llama") {
+    return Invalid("model.arch", absl::StrCat("is \"", m.arch(), "\"; use \"gpt2\" (the default) or \"llama\""));
+  }
+  if (m.has_kv_heads()) {
+    BATON_RETURN_IF_ERROR(InRange("model.kv_heads", m.kv_heads(), 1, JobLimits::kMaxHeads,
+                                  "(leave it unset for model.heads)"));
+  }
+  if (m.has_ffn_dim()) {
+    BATON_RETURN_IF_ERROR(InRange("model.ffn_dim", m.ffn_dim(), 1, JobLimits::kMaxFfnDim,
+                                  "(leave it unset for 4 * model.d_model)"));
+  }
+  const int kv = m.has_kv_heads() ? m.kv_heads() : m.heads();
+  if (!IsLlama(m)) {
+    // GPT-2 has none of Llama's knobs: a set one is a mistake, not ignored.
+    const char* llama = "set model.arch: \"llama\" for a Llama model, or leave it unset";
+    if (kv != m.heads()) {
+      return Invalid("model.kv_heads", absl::StrCat("is ", kv, " but GPT-2 attention has model.heads=", m.heads(),
+                                                    " key/value heads; ", llama));
+    }
+    if (FfnDim(m) != 4 * int64_t{m.d_model()}) {
+      return Invalid("model.ffn_dim", absl::StrCat("is ", FfnDim(m), " but GPT-2's MLP is 4*d_model=",
+                                                   4 * int64_t{m.d_model()}, " wide; ", llama));
+    }
+    if (m.has_rope_theta() && m.rope_theta() != 10000.0f) {
+      return Invalid("model.rope_theta", absl::StrCat("is ", m.rope_theta(),
+                                                      " but GPT-2 has learned positions, no rotary embedding; ",
+                                                      llama));
+    }
+    if (m.has_norm_eps() && m.norm_eps() != 1e-5f) {
+      return Invalid("model.norm_eps", absl::StrCat("is ", m.norm_eps(), " but GPT-2's LayerNorm epsilon is 1e-5; ",
+                                                    llama));
+    }
+    if (m.has_tie_embeddings() && !m.tie_embeddings()) {
+      return Invalid("model.tie_embeddings",
+                     absl::StrCat("is false but GPT-2's LM head is its token embedding; ", llama));
+    }
+    return absl::OkStatus();
+  }
+  if (m.heads() % kv != 0) {
+    return Invalid("model.kv_heads", absl::StrCat("is ", kv, " and does not divide model.heads=", m.heads(),
+                                                  "; grouped-query attention shares each key/value head among "
+                                                  "heads/kv_heads query heads, so choose kv_heads that divides "
+                                                  "heads"));
+  }
+  const int head_dim = m.d_model() / m.heads();
+  if (head_dim % 2 != 0) {
+    return Invalid("model.heads", absl::StrCat("is ", m.heads(), " and makes head_dim = d_model/heads = ", head_dim,
+                                               " odd; rotary embeddings rotate pairs of channels, so choose heads "
+                                               "that makes it even"));
+  }
+  if (m.has_rope_theta() && (!std::isfinite(m.rope_theta()) || m.rope_theta() <= 1.0f)) {
+    return Invalid("model.rope_theta", absl::StrCat("is ", m.rope_theta(), "; must be a finite number > 1 "
+                                                    "(Llama 2: 10000, the default; Llama 3: 500000)"));
+  }
+  if (m.has_norm_eps() && (!std::isfinite(m.norm_eps()) || m.norm_eps() <= 0.0f || m.norm_eps() > 1.0f)) {
+    return Invalid("model.norm_eps", absl::StrCat("is ", m.norm_eps(), "; must be a finite number in (0, 1] "
+                                                  "(Llama: 1e-5, the default, or 1e-6)"));
+  }
+  if (kv % d.tp != 0) {
+    return Invalid("parallel.tp", absl::StrCat("is ", d.tp, " and must divide model.kv_heads=", kv,
+                                               "; each tensor-parallel rank holds whole key/value heads, so "
+                                               "choose tp that divides kv_heads"));
   }
   return absl::OkStatus();
 }
@@ -117,9 +196,12 @@ absl::Status ValidateModel(const v1::JobSpec& job, const ParallelDims& d) {
                                                "; tensor parallelism splits heads across ranks, so "
                                                "choose tp that divides heads"));
   }
-  if ((4 * m.d_model()) % d.tp != 0) {
-    return Invalid("parallel.tp", absl::StrCat("is ", d.tp, " and does not divide the MLP width 4*d_model=",
-                                               4 * m.d_model(), "; choose tp that divides it"));
+  BATON_RETURN_IF_ERROR(ValidateArchitecture(m, d));
+  if (FfnDim(m) % d.tp != 0) {
+    return Invalid("parallel.tp", absl::StrCat("is ", d.tp, " and does not divide the MLP width ",
+                                               m.has_ffn_dim() ? "model.ffn_dim=" : "4*d_model=", FfnDim(m),
+                                               "; tensor parallelism splits the MLP's columns across ranks, so "
+                                               "choose tp that divides it"));
   }
   return absl::OkStatus();
 }

@@ -22,6 +22,8 @@ namespace baton {
 struct JobLimits {
   static constexpr int kMaxLayers = 1024;
   static constexpr int kMaxDModel = 1 << 16;
+  // model.ffn_dim (Llama's MLP width): GPT-2's 4 * d_model at the largest d_model.
+  static constexpr int kMaxFfnDim = 4 * kMaxDModel;
   static constexpr int kMaxHeads = 1024;
   static constexpr int kMaxVocab = 1 << 20;
   static constexpr int kMaxSeqLen = 1 << 16;

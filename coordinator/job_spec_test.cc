@@ -1,5 +1,6 @@
 #include "coordinator/job_spec.h"
 
+#include <cmath>
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -452,6 +453,150 @@ TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
   job.mutable_parallel()->set_cp(2);
   job.mutable_model()->set_heads(3);
   EXPECT_NE(std::string(ValidateJobSpecAllowingPlannedAxes(job).message()).find("model.heads"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace baton
+
+namespace baton {
+namespace {
+
+// A Llama model with grouped-query attention (8 query heads sharing 4
+// key/value heads), an MLP width that is not 4 * d_model, Llama 3's rotary
+// base, an untied head, on pp 2 x tp 2 x dp 2.
+constexpr char kGoodLlama[] = R"pb(
+  name: "llama"
+  model {
+    arch: "llama"
+    layers: 4
+    d_model: 64
+    heads: 8
+    kv_heads: 4
+    ffn_dim: 96
+    vocab: 32
+    seq_len: 16
+    rope_theta: 500000
+    norm_eps: 1e-6
+    tie_embeddings: false
+  }
+  parallel { pp: 2 tp: 2 dp: 2 }
+  schedule { kind: "1f1b" microbatches: 4 }
+  train { steps: 10 micro_batch_size: 2 lr: 0.001 seed: 1 }
+)pb";
+
+v1::JobSpec GoodLlama() {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(kGoodLlama, "test");
+  EXPECT_TRUE(job.ok()) << job.status();
+  return *job;
+}
+
+TEST(JobSpecTest, LlamaSpecValidatesOnPipelineTensorAndDataParallelRanks) {
+  v1::JobSpec job = GoodLlama();
+  EXPECT_EQ(ErrorOf(job), "");
+  EXPECT_EQ(DimsOf(job).world_size(), 8);
+  // The Llama fields all have defaults: unset, they give multi-head attention,
+  // a 4 * d_model MLP, theta 10000, eps 1e-5 and an untied head.
+  v1::ModelSpec* m = job.mutable_model();
+  m->clear_kv_heads();
+  m->clear_ffn_dim();
+  m->clear_rope_theta();
+  m->clear_norm_eps();
+  m->clear_tie_embeddings();
+  EXPECT_EQ(ErrorOf(job), "");
+  // kv_heads = 1 (multi-query attention) without TP; kv_heads = heads.
+  job = GoodLlama();
+  job.mutable_model()->set_kv_heads(1);
+  job.mutable_parallel()->set_tp(1);
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_model()->set_kv_heads(8);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
+TEST(JobSpecTest, GptTwoTakesExplicitArchAndLlamaFieldsAtGptTwosValues) {
+  v1::JobSpec job = Good();
+  job.mutable_model()->set_arch("gpt2");
+  job.mutable_model()->set_kv_heads(4);      // = heads
+  job.mutable_model()->set_ffn_dim(256);     // = 4 * d_model
+  job.mutable_model()->set_rope_theta(10000);
+  job.mutable_model()->set_norm_eps(1e-5f);
+  job.mutable_model()->set_tie_embeddings(true);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
+TEST(JobSpecTest, EachBadArchitectureFieldNamesTheFieldAndTheFix) {
+  struct Case {
+    const char* what;
+    bool llama;  // mutate GoodLlama(), else Good() (GPT-2, heads 4, d_model 64, tp 2)
+    void (*mutate)(v1::JobSpec*);
+    const char* field;
+    const char* fix;
+  };
+  const Case cases[] = {
+      {"unknown arch", true, [](v1::JobSpec* j) { j->mutable_model()->set_arch("mistral"); }, "model.arch",
+       "is \"mistral\"; use \"gpt2\" (the default) or \"llama\""},
+      {"zero kv_heads", true, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(0); }, "model.kv_heads",
+       "must be >= 1 (leave it unset for model.heads)"},
+      {"negative kv_heads", false, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(-4); }, "model.kv_heads",
+       "must be >= 1"},
+      {"huge kv_heads", true, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(1 << 30); }, "model.kv_heads",
+       "at most 1024"},
+      {"kv_heads not dividing heads", true, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(3); },
+       "model.kv_heads", "does not divide model.heads=8; grouped-query attention"},
+      {"kv_heads above heads", true, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(16); },
+       "model.kv_heads", "does not divide model.heads=8"},
+      {"tp not dividing kv_heads", true, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(1); },
+       "parallel.tp", "must divide model.kv_heads=1; each tensor-parallel rank holds whole key/value heads"},
+      {"zero ffn_dim", true, [](v1::JobSpec* j) { j->mutable_model()->set_ffn_dim(0); }, "model.ffn_dim",
+       "must be >= 1 (leave it unset for 4 * model.d_model)"},
+      {"ffn_dim 2^30, refused before anything is sized from it", true,
+       [](v1::JobSpec* j) { j->mutable_model()->set_ffn_dim(1 << 30); }, "model.ffn_dim", "at most 262144"},
+      {"tp not dividing ffn_dim", true, [](v1::JobSpec* j) { j->mutable_model()->set_ffn_dim(97); }, "parallel.tp",
+       "does not divide the MLP width model.ffn_dim=97"},
+      {"odd head_dim", true,
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_d_model(72);  // 72 / 8 = 9
+       },
+       "model.heads", "head_dim = d_model/heads = 9 odd"},
+      {"rope_theta 1", true, [](v1::JobSpec* j) { j->mutable_model()->set_rope_theta(1); }, "model.rope_theta",
+       "must be a finite number > 1"},
+      {"negative rope_theta", true, [](v1::JobSpec* j) { j->mutable_model()->set_rope_theta(-5); },
+       "model.rope_theta", "must be a finite number > 1"},
+      {"infinite rope_theta", true, [](v1::JobSpec* j) { j->mutable_model()->set_rope_theta(1.0f / 0.0f); },
+       "model.rope_theta", "Llama 3: 500000"},
+      {"zero norm_eps", true, [](v1::JobSpec* j) { j->mutable_model()->set_norm_eps(0); }, "model.norm_eps",
+       "must be a finite number in (0, 1]"},
+      {"norm_eps above 1", true, [](v1::JobSpec* j) { j->mutable_model()->set_norm_eps(2); }, "model.norm_eps",
+       "(0, 1]"},
+      {"NaN norm_eps", true, [](v1::JobSpec* j) { j->mutable_model()->set_norm_eps(std::nanf("")); },
+       "model.norm_eps", "(0, 1]"},
+      {"an MLP weight too large for one tensor", true,
+       [](v1::JobSpec* j) {
+         j->mutable_model()->set_d_model(16384);
+         j->mutable_model()->set_ffn_dim(262144);
+       },
+       "MLP weight (d_model * MLP width)", "model.ffn_dim"},
+      // GPT-2 has none of Llama's knobs.
+      {"kv_heads on GPT-2", false, [](v1::JobSpec* j) { j->mutable_model()->set_kv_heads(2); }, "model.kv_heads",
+       "GPT-2 attention has model.heads=4 key/value heads; set model.arch: \"llama\""},
+      {"ffn_dim on GPT-2", false, [](v1::JobSpec* j) { j->mutable_model()->set_ffn_dim(128); }, "model.ffn_dim",
+       "GPT-2's MLP is 4*d_model=256 wide; set model.arch: \"llama\""},
+      {"rope_theta on GPT-2", false, [](v1::JobSpec* j) { j->mutable_model()->set_rope_theta(500000); },
+       "model.rope_theta", "GPT-2 has learned positions"},
+      {"norm_eps on GPT-2", false, [](v1::JobSpec* j) { j->mutable_model()->set_norm_eps(1e-6f); },
+       "model.norm_eps", "GPT-2's LayerNorm epsilon is 1e-5"},
+      {"an untied head on GPT-2", false, [](v1::JobSpec* j) { j->mutable_model()->set_tie_embeddings(false); },
+       "model.tie_embeddings", "GPT-2's LM head is its token embedding"},
+      {"arch in another case", false, [](v1::JobSpec* j) { j->mutable_model()->set_arch("Llama"); }, "model.arch",
+       "use \"gpt2\""},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec job = c.llama ? GoodLlama() : Good();
+    c.mutate(&job);
+    absl::Status s = ValidateJobSpec(job);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.fix), std::string::npos) << c.what << ": " << s;
+  }
 }
 
 }  // namespace

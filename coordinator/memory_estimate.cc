@@ -77,13 +77,48 @@ AttentionTerms AttentionTermsFor(const v1::JobSpec& job, const v1::Plan& plan, i
   return t;
 }
 
+// One transformer block's widths on one TP rank, per token.
+struct BlockShape {
+  bool llama = false;
+  double c = 0;    // d_model (the residual stream, replicated)
+  double cl = 0;   // query (and attention output) channels: d_model / tp
+  double kvl = 0;  // Llama: key (and value) channels, kv_heads · head_dim / tp; GPT-2: cl
+  double fl = 0;   // MLP width / tp
+};
+
+BlockShape BlockShapeOf(const v1::ModelSpec& m, double tp) {
+  BlockShape b;
+  b.llama = m.arch() == "llama";
+  b.c = m.d_model();
+  b.cl = b.c / tp;
+  const double kv_heads = m.has_kv_heads() ? m.kv_heads() : m.heads();
+  b.kvl = b.llama ? kv_heads * (b.c / m.heads()) / tp : b.cl;
+  b.fl = (m.has_ffn_dim() ? m.ffn_dim() : 4 * b.c) / tp;
+  return b;
+}
+
 // Bytes of one microbatch's arena for one transformer block (forward stash
 // plus backward temporaries; see GptStage::BlockForward / BlockBackward*).
-double BlockActivationBytes(double n, double b, double s, double c, double heads, double tp,
+// The block's input is the previous block's output (or the stage's x0), so
+// it is not counted again.
+//   GPT-2 forward: norm outputs and the residual stream (6 C), LayerNorm
+//     mean and rstd (4), qkv (3 C') and y (C'), the MLP's fc and GELU (2 F');
+//     backward: 3 C, the MLP gradient (F'), dy and dqkv (4 C').
+//   Llama forward: the same 6 C, RMSNorm rstd (2), q (C'), k and v (2 KV'),
+//     the packed rotated qkv (3 C'), y (C'), gate, up and SwiGLU (3 F');
+//     backward: 3 C, dg, dgate and dup (3 F'), dy and dqkv (4 C'), dq (C'),
+//     dk and dv (2 KV').
+double BlockActivationBytes(double n, double b, double s, const BlockShape& w, double heads, double tp,
                             const AttentionTerms& att) {
-  const double cl = c / tp, fl = 4 * c / tp, h = heads / tp;
-  const double forward = kFloat * (6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl);
-  const double backward = kFloat * (3 * n * c + n * fl + 4 * n * cl);
+  const double c = w.c, cl = w.cl, fl = w.fl, h = heads / tp;
+  double forward = 0, backward = 0;
+  if (w.llama) {
+    forward = kFloat * (6 * n * c + 2 * n + n * (5 * cl + 2 * w.kvl) + 3 * n * fl);
+    backward = kFloat * (3 * n * c + 3 * n * fl + n * (5 * cl + 2 * w.kvl));
+  } else {
+    forward = kFloat * (6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl);
+    backward = kFloat * (3 * n * c + n * fl + 4 * n * cl);
+  }
   const double saved = att.fused ? std::ceil(kFloat * b * h * s / 256) * 256 + 2 * n * cl
                                  : att.p_element_bytes * b * h * s * s;
   const double attention = saved + (att.backward_scratch ? kFloat * s * s : 0);
@@ -106,14 +141,15 @@ constexpr double kLtWorkspaceBytes = 32.0 * (1 << 20);
 // attention backward's (cuDNN's workspace when fused, else the GEMM path's
 // H'·T·T floats for one batch row, plus their bf16 copy in bf16); in bf16
 // the fp32 output of the QKV projection when cuBLASLt has no bf16 kernel
-// for its fp32 bias (Linear's fallback, [N, 3C']); and the small ones
-// (embedding backward, loss and norm partials).
+// for its fp32 bias (Linear's fallback, [N, 3C']; GPT-2 only: Llama's
+// projections have no bias); and the small ones (embedding backward, loss
+// and norm partials).
 double CudaStreamScratchBytes(double n, double b, double s, double c, double heads, double tp, bool bf16,
-                              bool fused) {
+                              bool fused, bool qkv_bias) {
   const double h = heads / tp, cl = c / tp;
   double bytes = kLtWorkspaceBytes + 16 * n + (1 << 20);
   bytes += fused ? FusedWorkspaceBytes(b, s, heads, tp) : (bf16 ? 6 : 4) * h * s * s;
-  if (bf16) bytes += kFloat * n * 3 * cl;
+  if (bf16 && qkv_bias) bytes += kFloat * n * 3 * cl;
   return bytes;
 }
 
@@ -137,7 +173,14 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   }
   const double c = m.d_model(), v = m.vocab(), s = m.seq_len(), heads = m.heads(), tp = d.tp;
   const double b = job.train().micro_batch_size(), n = b * s;
-  const double block_params = 6 * c + (12 * c * c + 7 * c) / tp;
+  const BlockShape shape = BlockShapeOf(m, tp);
+  // GPT-2: LayerNorms and the replicated biases (6 C), qkv, proj and the
+  // 4x MLP with their split biases. Llama: two RMSNorm weights (2 C), q and
+  // o (C x C each), k and v (KV·hd x C each), gate, up and down (F x C each).
+  const double block_gemm = shape.llama ? (2 * c * c + 2 * c * shape.kvl * tp + 3 * c * shape.fl * tp) / tp
+                                        : 12 * c * c / tp;
+  const double block_params = shape.llama ? 2 * c + block_gemm : 6 * c + (12 * c * c + 7 * c) / tp;
+  const bool tied = !shape.llama || m.tie_embeddings();  // Llama: unset means an untied lm_head
   double params = 0, gemm_weights = 0, max_chunk_activations = 0;
   int chunks = 0;
   const AttentionTerms att = AttentionTermsFor(job, plan, pp_rank);
@@ -152,14 +195,21 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       last = plan.stages(chunk).has_head();
     }
     double chunk_params = layers * block_params;
-    gemm_weights += layers * 12 * c * c / tp + (last ? v * c : 0);  // the tied head's GEMM weight
-    double act = layers * BlockActivationBytes(n, b, s, c, heads, tp, att);
+    gemm_weights += layers * block_gemm + (last ? v * c : 0);  // the head's GEMM weight
+    double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, att);
     if (first) {
-      chunk_params += v * c + s * c;            // token + position embeddings
+      // Token (+ GPT-2's position) embeddings; Llama's positions are rotary.
+      chunk_params += shape.llama ? v * c : v * c + s * c;
       act += kFloat * (2 * n * c + n);           // tokens, x0 and its gradient
     }
     if (last) {
-      chunk_params += 2 * c + v * c;             // final norm + the tied head's copy
+      if (shape.llama) {
+        // RMSNorm; the untied lm_head, or the tied embedding's copy (none
+        // where this chunk holds the embedding itself).
+        chunk_params += c + (tied && first ? 0 : v * c);
+      } else {
+        chunk_params += 2 * c + v * c;           // final norm + the tied head's copy
+      }
       act += kFloat * (3 * n * c + n * v + 8 * n);  // xf, logits / their gradient, loss stats
     }
     params += chunk_params;
@@ -171,7 +221,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   w.optimizer_bytes = 3 * kFloat * params;  // gradients, AdamW m and v
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
-    w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused);
+    w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
   }
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
   w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp > 1 ? w.parameter_bytes : 0);

@@ -376,3 +376,72 @@ TEST(MemoryEstimateTest, AVPlacementPutsBothEndsOnRankZero) {
 
 }  // namespace
 }  // namespace baton
+
+namespace baton {
+namespace {
+
+// A small Llama on one worker: 2 layers, C = 16, H = 4 (hd 4), KV = 2, F = 24,
+// V = 16, T = 8, one sequence per microbatch.
+v1::JobSpec SmallLlama(const std::string& extra) {
+  return Job((R"pb(name: "l" model { arch: "llama" layers: 2 d_model: 16 heads: 4 vocab: 16 seq_len: 8 ffn_dim: 24 )pb" +
+              extra + R"pb( } schedule { kind: "gpipe" microbatches: 1 } train { steps: 1 micro_batch_size: 1 })pb")
+                 .c_str());
+}
+
+TEST(MemoryEstimateTest, LlamaCountsItsOwnParametersAndActivations) {
+  const v1::JobSpec untied = SmallLlama("kv_heads: 2");
+  auto plan = MakePlan(untied, Workers(1, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const WorkerMemory m = EstimateWorkerMemory(untied, *plan, 0);
+  // Per block: two RMSNorm weights 2·16 = 32, q and o 2·16·16 = 512, k and v
+  // 2·(2·4)·16 = 256, gate, up, down 3·24·16 = 1152: 1952. Two blocks 3904,
+  // embed_tokens 16·16 = 256 (no position embedding), norm 16, lm_head 256:
+  // 4432 floats. No biases anywhere.
+  EXPECT_DOUBLE_EQ(m.parameter_bytes, 4 * 4432.0);
+  EXPECT_DOUBLE_EQ(m.optimizer_bytes, 3 * 4 * 4432.0);
+  // Per block, N = 8 tokens, C' = 16, KV' = 8, F' = 24:
+  //   forward  4·(6·8·16 + 2·8 + 8·(5·16 + 2·8) + 3·8·24) = 8512
+  //   backward 4·(3·8·16 + 3·8·24 + 8·(5·16 + 2·8))       = 6912
+  //   P 4·(1·4·8·8) = 1024, CPU backward scratch 4·8·8 = 256
+  // = 16704, two blocks 33408; the first stage's tokens, x0 and its gradient
+  // 4·(2·8·16 + 8) = 1056; the head's 4·(3·8·16 + 8·16 + 8·8) = 2304.
+  EXPECT_EQ(m.peak_microbatches, 1);
+  EXPECT_DOUBLE_EQ(m.activation_bytes, 33408.0 + 1056 + 2304);
+
+  // A tied head on the one stage that also holds the embedding adds no copy.
+  const v1::JobSpec tied = SmallLlama("kv_heads: 2 tie_embeddings: true");
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(tied, *plan, 0).parameter_bytes, 4 * (4432.0 - 256));
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(tied, *plan, 0).activation_bytes, m.activation_bytes);
+}
+
+TEST(MemoryEstimateTest, GroupedQueryAttentionShrinksTheEstimate) {
+  const v1::JobSpec mha = SmallLlama("kv_heads: 4"), gqa = SmallLlama("kv_heads: 2"), mqa = SmallLlama("kv_heads: 1");
+  auto plan = MakePlan(mha, Workers(1, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const WorkerMemory a = EstimateWorkerMemory(mha, *plan, 0), b = EstimateWorkerMemory(gqa, *plan, 0),
+                     c = EstimateWorkerMemory(mqa, *plan, 0);
+  // k and v lose (4 - 2)·4 rows of 16 each per block: 2 blocks · 2 · 8 · 16 floats.
+  EXPECT_DOUBLE_EQ(a.parameter_bytes - b.parameter_bytes, 4 * 2 * 2 * 8 * 16.0);
+  // k, v, dk and dv lose 8 channels each per token: 2 blocks · 4 · 8 tokens · 8.
+  EXPECT_DOUBLE_EQ(a.activation_bytes - b.activation_bytes, 4 * 2 * 4 * 8 * 8.0);
+  EXPECT_GT(b.total(), c.total());
+  EXPECT_GT(b.optimizer_bytes, c.optimizer_bytes);
+  // Unset kv_heads is multi-head attention.
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(SmallLlama(""), *plan, 0).total(), a.total());
+}
+
+TEST(MemoryEstimateTest, LlamaStagesSplitOverPipelineAndTensorRanks) {
+  const v1::JobSpec job = Job(R"pb(name: "l"
+      model { arch: "llama" layers: 2 d_model: 16 heads: 4 kv_heads: 2 vocab: 16 seq_len: 8 ffn_dim: 24 }
+      parallel { pp: 2 tp: 2 } schedule { kind: "gpipe" microbatches: 1 } train { steps: 1 micro_batch_size: 1 })pb");
+  auto plan = MakePlan(job, Workers(4, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // One block per stage: its matrices split over tp 2 (1920 / 2 = 960) and
+  // its norms replicated (32): 992; stage 0 the whole embedding (256), stage 1
+  // the final norm (16) and the untied lm_head (256).
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(job, *plan, 0).parameter_bytes, 4 * (992.0 + 256));
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(job, *plan, 1).parameter_bytes, 4 * (992.0 + 16 + 256));
+}
+
+}  // namespace
+}  // namespace baton

@@ -169,6 +169,14 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::FromCheckpoint(const std::
   config.heads = manifest.model.heads;
   config.vocab = manifest.model.vocab;
   config.seq_len = manifest.model.seq_len;
+  if (manifest.model.arch == "llama") {
+    config.arch = model::Arch::kLlama;
+    config.kv_heads = manifest.model.kv_heads;
+    config.ffn = manifest.model.ffn_dim;
+    config.rope_theta = manifest.model.rope_theta;
+    config.norm_eps = manifest.model.norm_eps;
+    config.tie_embeddings = manifest.model.tie_embeddings;
+  }
   BATON_ASSIGN_OR_RETURN(checkpoint::FullState state, checkpoint::LoadFullState(resolved));
   for (auto& [name, t] : state.tensors) {  // sampling needs no optimizer state
     std::vector<float>().swap(t.adam_m);

@@ -44,17 +44,18 @@ struct Layout {
   std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_v%d", schedule, pp, tp, v); }
 };
 
-std::string Job(const Layout& l, int steps, const std::string& extra = "", int vocab = 16) {
+std::string Job(const Layout& l, int steps, const std::string& extra = "", int vocab = 16,
+                const std::string& model_extra = "") {
   return absl::StrFormat(R"pb(
     name: "resume"
-    model { layers: 6 d_model: 32 heads: 4 vocab: %d seq_len: 20 }
+    model { layers: 6 d_model: 32 heads: 4 vocab: %d seq_len: 20 %s }
     parallel { pp: %d tp: %d virtual_stages: %d }
     schedule { kind: "%s" microbatches: 4 }
     train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 5 }
     data { synthetic { task: "addition" } }
     %s
   )pb",
-                         vocab, l.pp, l.tp, l.v, l.schedule, steps, extra);
+                         vocab, model_extra, l.pp, l.tp, l.v, l.schedule, steps, extra);
 }
 
 std::string ReadAll(const std::string& path) {
@@ -158,6 +159,43 @@ TEST(ResumeLayoutTest, ACheckpointResumesIntoOtherLayoutsExactly) {
     const LocalResult continued = Local("continued_" + l.Name(), Job(l, 20), {"--resume=" + step10});
     ASSERT_EQ(continued.exit_code, 0) << l.Name() << ":\n" << continued.log;
     ExpectWithinLayoutDrift(full, continued, 10, l.Name());
+  }
+}
+
+// The same for a Llama (grouped-query attention, untied head): saved at
+// pp=2, resumed bit for bit at pp=1 tp=2 and under zb-v, continued within
+// the layout drift; and refused, naming the field, by a job whose Llama
+// differs (kv_heads) or that is a GPT-2.
+TEST(ResumeLayoutTest, ALlamaCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherModel) {
+  const std::string llama = R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48 rope_theta: 500000)pb";
+  const std::string root = TempDir("resume_llama_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  const LocalResult full = Local("llama_full", Job(Layout{}, 20, ck, 16, llama));
+  ASSERT_EQ(full.exit_code, 0) << full.log;
+  ASSERT_EQ(full.losses.size(), 20u);
+  EXPECT_LT(full.losses.back(), full.losses.front());
+  const std::string step10 = root + "/step-00000010";
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 2, "zb-v"}}) {
+    const LocalResult same = Local("llama_save_only_" + l.Name(), Job(l, 10, "", 16, llama), {"--resume=" + step10});
+    ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
+    ExpectSameState(step10, same.out + "/final", "llama " + l.Name());
+    const LocalResult continued =
+        Local("llama_continued_" + l.Name(), Job(l, 20, "", 16, llama), {"--resume=" + step10});
+    ASSERT_EQ(continued.exit_code, 0) << l.Name() << ":\n" << continued.log;
+    ExpectWithinLayoutDrift(full, continued, 10, "llama " + l.Name());
+  }
+  const struct {
+    std::string model_extra, field;
+  } foreign[] = {
+      {R"pb(arch: "llama" kv_heads: 4 ffn_dim: 48 rope_theta: 500000)pb", "kv_heads"},
+      {"", "arch"},
+  };
+  for (const auto& f : foreign) {
+    const LocalResult refused = Local("llama_refused_" + f.field, Job(Layout{}, 20, "", 16, f.model_extra),
+                                      {"--resume=" + step10});
+    EXPECT_NE(refused.exit_code, 0) << f.field;
+    EXPECT_NE(refused.log.find(f.field), std::string::npos) << f.field << ":\n" << refused.log;
+    EXPECT_TRUE(refused.losses.empty()) << f.field;
   }
 }
 
