@@ -35,7 +35,8 @@ namespace baton {
 namespace {
 
 // A relayed snapshot larger than this is dropped (the buddy keeps none of
-// that step; recovery then falls back to a DP replica or an older step).
+// that step; recovery then falls back to a DP replica, none under ZeRO, or an
+// older step).
 // Below gRPC's default 4 MiB message limit on both ends.
 constexpr size_t kMaxRelayedSnapshotBytes = (4 << 20) - (64 << 10);
 
@@ -1213,6 +1214,10 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
   for (const auto& [name, a] : assigned_) {
     if (!lost.count(name)) survivors.push_back(name);
   }
+  // With ZeRO stage >= 1 a DP replica holds other AdamW moments than the lost
+  // rank (its own 1/dp shard), so its snapshot cannot stand in for the lost
+  // one: only the buddy holding the lost rank's own snapshot can.
+  const bool dp_replicas_are_sources = !DimsOf(job_).sharded_optimizer();
   for (int64_t s = committed_; s > 0; --s) {
     bool ok = true;
     for (const std::string& w : survivors) ok &= Holds(own_snapshots_[w], s);
@@ -1222,7 +1227,8 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
       const v1::RankAssignment& a = assigned_[name];
       for (const std::string& w : survivors) {  // a DP replica of the same shard
         const v1::RankAssignment& b = assigned_[w];
-        if (b.pp_rank() == a.pp_rank() && b.tp_rank() == a.tp_rank() && Holds(own_snapshots_[w], s)) {
+        if (dp_replicas_are_sources && b.pp_rank() == a.pp_rank() && b.tp_rank() == a.tp_rank() &&
+            Holds(own_snapshots_[w], s)) {
           (*sources)[name] = {w, w};
           break;
         }
@@ -1548,13 +1554,19 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
                             int64_t* predicted, bool* finite) {
   double sq = 0, loss_sum = 0;
   int losses = 0;
+  // Without ZeRO the DP replicas hold the same averaged gradients, so DP
+  // rank 0's count for all; with ZeRO stage >= 1 each DP rank reports the
+  // squared norm of its own shard's averaged gradient only, and the shards
+  // together are the whole: every rank counts (in the map's name order, the
+  // same order every step).
+  const bool every_dp_rank = DimsOf(job_).sharded_optimizer();
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, msg] : reports) {
       const v1::StepReport& r = msg.report();
       const v1::RankAssignment& rank = assigned_[name];
       *finite &= r.finite();
-      if (rank.dp_rank() == 0) sq += r.grad_sq_norm();  // DP replicas hold the same averaged gradients
+      if (every_dp_rank || rank.dp_rank() == 0) sq += r.grad_sq_norm();
       if (r.has_loss() && rank.tp_rank() == 0) {
         loss_sum += r.loss();
         ++losses;

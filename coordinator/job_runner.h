@@ -24,7 +24,9 @@
 //                waited for up to fault_tolerance.replacement_timeout_s),
 //                the recovery step R is chosen (the newest step whose state
 //                exists for every shard), the lost shard's state is fetched
-//                from a DP replica or the buddy holding its snapshot
+//                from a DP replica or the buddy holding its snapshot (with
+//                parallel.zero_stage >= 1 from the buddy only: DP ranks
+//                hold different optimizer shards)
 //                -> configuring (new generation, resume at R; steps after R
 //                are replayed), or failed
 //   saving       a periodic checkpoint (checkpoint.every_steps): from the
@@ -254,6 +256,8 @@ class JobRunner : public JobObserver {
   void Fail(const absl::Status& why);
 
   // Step pieces.
+  // The global gradient norm: the reports' grad_sq_norm over DP rank 0, or
+  // over every rank with ZeRO stage >= 1 (each DP rank's own shard).
   double Aggregate(const std::map<std::string, v1::WorkerMessage>& reports, double* loss, int64_t* correct,
                    int64_t* predicted, bool* finite);
   void RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,
@@ -268,8 +272,10 @@ class JobRunner : public JobObserver {
   const Fault* FirstCause() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plan workers that lost their process (not READY, or a new incarnation).
   std::set<std::string> LostWorkers(const std::vector<v1::WorkerInfo>& list) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Newest step every survivor holds and every lost slot can be sourced at;
-  // fills `sources` (lost worker -> {source worker, owner to fetch}).
+  // Newest step every survivor holds and every lost slot can be sourced at
+  // (a DP replica's own snapshot, except under ZeRO, or the buddy's copy of
+  // the lost worker's); fills `sources` (lost worker -> {source worker,
+  // owner to fetch}).
   int64_t ChooseResumeStep(const std::set<std::string>& lost,
                            std::map<std::string, std::pair<std::string, std::string>>* sources)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -78,9 +78,9 @@ class FakeWorkers : public JobWorkers {
     }
     drop_members_ = drop_members;
   }
-  // Reports whose numbers depend on the rank (grad_sq_norm by pp rank, the
-  // loss from the last stage only), so a report counted under the wrong
-  // worker or left out changes the step's record.
+  // Reports whose numbers depend on the rank (grad_sq_norm by pp and dp
+  // rank, the loss from the last stage only), so a report counted under the
+  // wrong worker or left out changes the step's record.
   void SetRankDependentReports() {
     absl::MutexLock lock(&mu_);
     rank_dependent_ = true;
@@ -368,7 +368,7 @@ class FakeWorkers : public JobWorkers {
         rep->set_loss(10.0 / m.run_step().step());
         if (rank_dependent_) {
           const v1::RankAssignment& rank = rank_[worker];
-          rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank());
+          rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank() + 1.0 * rank.dp_rank());
           rep->set_has_loss(rank.pp_rank() == plan_of_[worker].pp() - 1);
           rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() : 0);
         }
@@ -907,6 +907,67 @@ TEST_F(JobRunnerTest, ADataParallelReplicaIsTheSourceOfTheLostShard) {
   EXPECT_TRUE(fetched_own);
   EXPECT_NE(Status().recovery().find("DP replica worker-0"), std::string::npos) << Status().recovery();
 }
+
+// Job(pp, dp, steps) on a small real model (ZeRO needs optimizer state)
+// with parallel.zero_stage `zero_stage`.
+v1::JobSpec ZeroJob(int pp, int dp, int steps, int zero_stage) {
+  v1::JobSpec job = Job(pp, dp, steps);
+  v1::ModelSpec* m = job.mutable_model();
+  m->clear_synthetic();
+  m->set_d_model(16);
+  m->set_heads(2);
+  m->set_vocab(16);
+  m->set_seq_len(8);
+  job.mutable_parallel()->set_zero_stage(zero_stage);
+  return job;
+}
+
+// Under ZeRO stage 1 a DP replica holds another shard of the AdamW moments
+// than the lost worker: the spare gets the lost worker's own snapshot from
+// its buddy, never the replica's state.
+TEST_F(JobRunnerTest, UnderZeroTheLostShardComesFromItsBuddyNotADataParallelReplica) {
+  Start(ZeroJob(1, 2, 4, 1), 3);
+  KillAt("worker-1", 3);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 2);
+  EXPECT_EQ(spare[0].state(), "0.0@2");
+  // worker-0 (the replica, and worker-1's buddy) was asked for worker-1's copy.
+  std::vector<std::string> owners;
+  for (const auto& m : fake_->Sent("worker-0")) {
+    if (m.has_fetch_state()) owners.push_back(m.fetch_state().owner());
+  }
+  EXPECT_EQ(owners, (std::vector<std::string>{"worker-1"}));
+  EXPECT_NE(Status().recovery().find("from worker-0's snapshot"), std::string::npos) << Status().recovery();
+  EXPECT_EQ(Status().recovery().find("DP replica"), std::string::npos) << Status().recovery();
+}
+
+// The step's gradient norm: without ZeRO the DP replicas hold the same
+// averaged gradients and only DP rank 0's column counts; with zero_stage 1
+// each DP rank reports its own shard and every rank counts.
+class ZeroGradNormTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ZeroGradNormTest, TheGlobalNormSumsDpRankZeroOrEveryShard) {
+  const int zero_stage = GetParam();
+  const std::string out = absl::StrCat(::testing::TempDir(), "/zero_grad_norm_", zero_stage);
+  Start(ZeroJob(2, 2, 3, zero_stage), 4, [](FakeWorkers* f) { f->SetRankDependentReports(); }, out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  std::vector<double> norms;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
+    ASSERT_TRUE(v.ok()) << line;
+    if (v->Find("grad_norm") != nullptr) norms.push_back(v->Find("grad_norm")->number());
+  }
+  // Squared norms 0.25 + 0.5 pp + dp: dp 0's column 0.25 + 0.75 = 1; all
+  // four ranks 0.25 + 0.75 + 1.25 + 1.75 = 4.
+  const double want = zero_stage == 0 ? 1.0 : 2.0;
+  EXPECT_EQ(norms, (std::vector<double>{want, want, want}));
+}
+
+INSTANTIATE_TEST_SUITE_P(WithoutAndWithZeroStageOne, ZeroGradNormTest, ::testing::Values(0, 1));
 
 TEST_F(JobRunnerTest, WithoutAReplacementTheJobFailsAfterTheTimeoutNamingTheWorker) {
   Start(Job(2, 1, 6), 2);

@@ -228,6 +228,34 @@ absl::Status ValidateParallel(const ParallelDims& d) {
   return absl::OkStatus();
 }
 
+// parallel.zero_stage (ZeRO, job.proto): 0 to 3, of which 0 and 1 run. Stage
+// 1 shards the AdamW moments over the DP ranks, so it needs at least two of
+// them and a model that has optimizer state.
+absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
+  const char* field = "parallel.zero_stage";
+  if (d.zero_stage < 0 || d.zero_stage > 3) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, "; ZeRO stages are 0 to 3, of which baton runs 0 "
+                                       "(unset: every DP replica holds the whole state) and 1 (the optimizer "
+                                       "state sharded over the DP ranks): set 0 or 1"));
+  }
+  if (d.zero_stage >= 2) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, "; stages 2 and 3 (sharded gradients / parameters) "
+                                       "are not implemented yet: use 1 (sharded optimizer state) or 0"));
+  }
+  if (d.zero_stage == 0) return absl::OkStatus();
+  if (d.dp == 1) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, " and shards the optimizer state over the "
+                                       "data-parallel ranks; with parallel.dp = 1 there is nothing to shard: "
+                                       "set dp >= 2 or zero_stage 0"));
+  }
+  if (job.model().has_synthetic()) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, " but model.synthetic is set, and synthetic stages "
+                                       "hold no optimizer state: set zero_stage 0 (or leave it unset), or train "
+                                       "a real model"));
+  }
+  return absl::OkStatus();
+}
+
 // cp and ep are planned (the planner and the job groups know them) but no
 // model code splits sequences or experts yet.
 absl::Status RefusePlannedAxes(const ParallelDims& d) {
@@ -425,6 +453,7 @@ ParallelDims DimsOf(const v1::JobSpec& job) {
   d.virtual_stages = p.has_virtual_stages() ? p.virtual_stages() : 1;
   d.cp = p.has_cp() ? p.cp() : 1;
   d.ep = p.has_ep() ? p.ep() : 1;
+  d.zero_stage = p.zero_stage();  // unset: 0
   return d;
 }
 
@@ -534,6 +563,7 @@ absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   if (job.name().empty()) return Invalid("name", "must be set, e.g. name: \"demo\"");
   const ParallelDims d = DimsOf(job);
   BATON_RETURN_IF_ERROR(ValidateParallel(d));
+  BATON_RETURN_IF_ERROR(ValidateZeroStage(job, d));
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));

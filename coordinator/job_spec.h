@@ -48,9 +48,12 @@ struct JobLimits {
   static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };
 
-// The effective parallel layout (unset fields mean 1). cp and ep are planned
+// The effective parallel layout (unset sizes mean 1). cp and ep are planned
 // axes (docs/architecture.md "Parallel mesh"): cp ranks split each sequence,
-// ep ranks are carved out of dp (ep divides dp, adds no ranks).
+// ep ranks are carved out of dp (ep divides dp, adds no ranks). zero_stage
+// (unset: 0) says how the DP ranks share the training state: 0 every replica
+// whole, 1 each DP rank holds the AdamW moments of its 1/dp shard of each
+// chunk's parameters only (docs/model.md "ZeRO"); it adds no ranks.
 struct ParallelDims {
   int pp = 1;
   int tp = 1;
@@ -58,7 +61,11 @@ struct ParallelDims {
   int virtual_stages = 1;
   int cp = 1;
   int ep = 1;
+  int zero_stage = 0;
   int world_size() const { return pp * tp * cp * dp; }
+  // Whether the DP ranks hold different optimizer shards (ZeRO stage >= 1),
+  // so that no DP rank is a replica of another's full state.
+  bool sharded_optimizer() const { return zero_stage >= 1; }
 };
 
 ParallelDims DimsOf(const v1::JobSpec& job);
@@ -73,6 +80,8 @@ absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
 // Refuses parallel.cp > 1 and parallel.ep > 1: no model code uses them yet.
+// parallel.zero_stage 2 and 3 are refused here and by
+// ValidateJobSpecAllowingPlannedAxes alike: they are not planned axes.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);
 
 // ValidateJobSpec without that refusal (every other check, cp and ep's own

@@ -455,6 +455,68 @@ TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
   EXPECT_NE(std::string(ValidateJobSpecAllowingPlannedAxes(job).message()).find("model.heads"), std::string::npos);
 }
 
+TEST(JobSpecTest, ZeroStageOneIsAcceptedOnTwoDataParallelRanks) {
+  v1::JobSpec job = Good();  // pp 2, tp 2
+  EXPECT_EQ(DimsOf(job).zero_stage, 0) << "unset zero_stage means 0";
+  EXPECT_FALSE(DimsOf(job).sharded_optimizer());
+  job.mutable_parallel()->set_dp(2);
+  job.mutable_parallel()->set_zero_stage(1);
+  EXPECT_EQ(ErrorOf(job), "");
+  const ParallelDims d = DimsOf(job);
+  EXPECT_EQ(d.zero_stage, 1);
+  EXPECT_TRUE(d.sharded_optimizer());
+  EXPECT_EQ(d.world_size(), 2 * 2 * 2) << "ZeRO adds no ranks";
+  job.mutable_parallel()->set_zero_stage(0);
+  EXPECT_EQ(ErrorOf(job), "") << "an explicit 0 is fine";
+  job.mutable_parallel()->clear_dp();
+  EXPECT_EQ(ErrorOf(job), "") << "zero_stage 0 needs no dp";
+}
+
+TEST(JobSpecTest, EachBadZeroStageNamesTheFieldAndTheFix) {
+  v1::JobSpec job = Good();
+  job.mutable_parallel()->set_dp(2);
+  for (int stage : {-1, 4, 100}) {
+    job.mutable_parallel()->set_zero_stage(stage);
+    const std::string error = ErrorOf(job);
+    EXPECT_NE(error.find("parallel.zero_stage: is " + std::to_string(stage) + "; ZeRO stages are 0 to 3"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find("set 0 or 1"), std::string::npos) << error;
+  }
+  for (int stage : {2, 3}) {
+    job.mutable_parallel()->set_zero_stage(stage);
+    const std::string error = ErrorOf(job);
+    EXPECT_NE(error.find("parallel.zero_stage: is " + std::to_string(stage) +
+                         "; stages 2 and 3 (sharded gradients / parameters) are not implemented yet: use 1 "
+                         "(sharded optimizer state) or 0"),
+              std::string::npos)
+        << error;
+    // Not a planned axis: refused for planning too.
+    EXPECT_FALSE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << stage;
+  }
+
+  job.mutable_parallel()->set_zero_stage(1);
+  job.mutable_parallel()->set_dp(1);
+  std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.zero_stage: is 1 and shards the optimizer state over the data-parallel ranks; "
+                       "with parallel.dp = 1 there is nothing to shard: set dp >= 2 or zero_stage 0"),
+            std::string::npos)
+      << error;
+  job.mutable_parallel()->clear_dp();  // unset dp is 1 as well
+  EXPECT_NE(ErrorOf(job).find("parallel.dp = 1"), std::string::npos) << ErrorOf(job);
+
+  MakeSynthetic(&job);
+  job.mutable_parallel()->set_dp(2);
+  job.mutable_parallel()->set_zero_stage(1);
+  error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.zero_stage: is 1 but model.synthetic is set, and synthetic stages hold no "
+                       "optimizer state"),
+            std::string::npos)
+      << error;
+  job.mutable_parallel()->set_zero_stage(0);
+  EXPECT_EQ(ErrorOf(job), "") << "the synthetic job itself is valid";
+}
+
 }  // namespace
 }  // namespace baton
 

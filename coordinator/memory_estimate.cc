@@ -153,6 +153,17 @@ double CudaStreamScratchBytes(double n, double b, double s, double c, double hea
   return bytes;
 }
 
+// ZeRO stage 1: the elements of one DP rank's shard of a chunk's flat buffer
+// of `n` parameters (its local count on its TP rank) over `dp` ranks,
+// round_up(ceil(n / dp), 16); the buffer is padded to dp times that. The same
+// rule as the worker's sharding (docs/model.md "ZeRO"), restated here for
+// the reason the attention sizes above are.
+constexpr double kZeroShardAlignment = 16;
+
+double ZeroShardElements(double n, double dp) {
+  return std::ceil(std::ceil(n / dp) / kZeroShardAlignment) * kZeroShardAlignment;
+}
+
 }  // namespace
 
 WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
@@ -182,6 +193,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double block_params = shape.llama ? 2 * c + block_gemm : 6 * c + (12 * c * c + 7 * c) / tp;
   const bool tied = !shape.llama || m.tie_embeddings();  // Llama: unset means an untied lm_head
   double params = 0, gemm_weights = 0, max_chunk_activations = 0;
+  double moment_elements = 0;  // per AdamW moment: every chunk's parameters, or with ZeRO 1 its shard
   int chunks = 0;
   const AttentionTerms att = AttentionTermsFor(job, plan, pp_rank);
   const std::vector<int> placement(plan.stage_ranks().begin(), plan.stage_ranks().end());
@@ -213,12 +225,15 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       act += kFloat * (3 * n * c + n * v + 8 * n);  // xf, logits / their gradient, loss stats
     }
     params += chunk_params;
+    moment_elements += d.sharded_optimizer() ? ZeroShardElements(std::ceil(chunk_params), d.dp) : chunk_params;
     max_chunk_activations = std::max(max_chunk_activations, act);
   }
   const bool bf16 = job.train().precision() == "bf16";
   // fp32 master values, and in bf16 the GEMM weights' bf16 copy (ParameterStore::AllocateBf16Copies).
   w.parameter_bytes = kFloat * params + (bf16 ? 2 * gemm_weights : 0);
-  w.optimizer_bytes = 3 * kFloat * params;  // gradients, AdamW m and v
+  // Gradients (whole on every DP rank: ZeRO 1 reduce-scatters them in place)
+  // and AdamW's m and v.
+  w.optimizer_bytes = kFloat * params + 2 * kFloat * moment_elements;
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
@@ -256,9 +271,25 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                         ", communication ", FormatBytes(m.comm_bytes), ", runtime ",
                         FormatBytes(kRuntimeOverheadBytes));
   };
-  const char* fix =
-      "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise parallel.pp or "
-      "parallel.tp, or use workers with more memory";
+  // What to change; with several DP replicas of whole AdamW state, ZeRO
+  // stage 1 first, the fix that changes nothing else about the job, with
+  // what it saves (computed only for a refusal).
+  auto fix = [&]() {
+    std::string zero;
+    if (d.dp >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
+      v1::JobSpec sharded = job;
+      sharded.mutable_parallel()->set_zero_stage(1);
+      double saved = 0;  // the most any stage saves, per worker
+      for (int p = 0; p < d.pp; ++p) {
+        saved = std::max(saved, per_stage[p].optimizer_bytes - EstimateWorkerMemory(sharded, plan, p).optimizer_bytes);
+      }
+      zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", d.dp,
+                          " data-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
+    }
+    return absl::StrCat(zero,
+                        "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
+                        "parallel.pp or parallel.tp, or use workers with more memory");
+  };
   struct Host {
     double need = 0, has = 0;
     std::vector<std::string> names;
@@ -273,7 +304,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name(), "': pipeline stage ", r.pp_rank(), " (tp rank ", r.tp_rank(), ", dp rank ",
           r.dp_rank(), ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
-          "' has ", FormatBytes(has), " (", detail(need), "); ", fix));
+          "' has ", FormatBytes(has), " (", detail(need), "); ", fix()));
     }
     Host& h = hosts[MemoryPoolOf(*it->second)];
     h.need += need.total();
@@ -285,7 +316,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name(), "': the ", h.names.size(), " workers the plan puts on ", host, " need about ",
           FormatBytes(h.need), " together but it has ", FormatBytes(h.has), " (per stage: ", detail(per_stage[0]),
-          " for stage 0); ", fix, ", or spread the workers over more ",
+          " for stage 0); ", fix(), ", or spread the workers over more ",
           absl::StartsWith(host, "GPU") ? "GPUs" : "hosts"));
     }
   }

@@ -8,7 +8,10 @@
 //                replicated norms and biases; the first chunk holds the token
 //                and position embeddings, the last the tied LM head's copy),
 //                and with bf16 the GEMM weights' bf16 copy
-//   optimizer    gradients + AdamW's two moments: 3x the fp32 parameters
+//   optimizer    gradients + AdamW's two moments: 3x the fp32 parameters;
+//                with parallel.zero_stage 1 each moment holds only the DP
+//                rank's shard of every chunk, round_up(ceil(N / dp), 16) of
+//                a chunk's N parameters (gradients stay whole)
 //   activations  what a microbatch keeps from its forward until its backward
 //                plus the backward's temporaries (the arena of
 //                worker/model/gpt_stage.cc), times the schedule's peak of
@@ -70,7 +73,8 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
 // more than it has: one host's RAM for CPU workers, one GPU for CUDA workers
 // (told apart by UUID, else by host and cuda:N; workers sharing a GPU share
 // its memory, workers on different GPUs of one host do not). Workers that
-// reported 0 (unknown) are not checked.
+// reported 0 (unknown) are not checked. With dp >= 2 and zero_stage 0 the
+// message suggests parallel.zero_stage: 1 first, with what it saves.
 absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                                  const std::vector<v1::WorkerInfo>& workers);
 

@@ -443,5 +443,94 @@ TEST(MemoryEstimateTest, LlamaStagesSplitOverPipelineAndTensorRanks) {
   EXPECT_DOUBLE_EQ(EstimateWorkerMemory(job, *plan, 1).parameter_bytes, 4 * (992.0 + 16 + 256));
 }
 
+// ZeRO stage 1: one DP rank's shard of a chunk's N parameters, as the worker
+// cuts it: round_up(ceil(N / dp), 16).
+double Shard(int64_t n, int64_t dp) { return static_cast<double>(((n + dp - 1) / dp + 15) / 16 * 16); }
+
+// With parallel.zero_stage 1 each DP rank keeps AdamW's m and v for its shard
+// only; its gradients, parameters, activations and buffers are the same.
+TEST(MemoryEstimateTest, ZeroStageOneShardsTheAdamWMomentsOverTheDataParallelRanks) {
+  // GPT-2 of d 36 (heads of 9) so that the shard needs padding: 2 blocks of
+  // 12 d^2 + 13 d, wte 17 x d and its tied copy, wpe 20 x d, the final norm.
+  const std::string text = R"pb(name: "z" model { layers: 2 d_model: 36 heads: 4 vocab: 17 seq_len: 20 }
+                                schedule { kind: "gpipe" microbatches: 1 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { dp: 2 )pb";
+  const v1::JobSpec whole = Job((text + "}").c_str());
+  const v1::JobSpec sharded = Job((text + "zero_stage: 1 }").c_str());
+  auto plan = MakePlan(whole, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const int64_t d = 36, n = 2 * (12 * d * d + 13 * d) + 2 * 17 * d + 20 * d + 2 * d;  // 34056
+  ASSERT_EQ(Shard(n, 2), 17040) << "ceil(34056 / 2) = 17028, padded to 16";
+  const WorkerMemory a = EstimateWorkerMemory(whole, *plan, 0), b = EstimateWorkerMemory(sharded, *plan, 0);
+  EXPECT_DOUBLE_EQ(a.optimizer_bytes, 3 * 4.0 * n);
+  EXPECT_DOUBLE_EQ(b.optimizer_bytes, 4.0 * n + 2 * 4 * Shard(n, 2));
+  EXPECT_DOUBLE_EQ(a.optimizer_bytes - b.optimizer_bytes, 2 * 4 * (n - Shard(n, 2)));
+  EXPECT_DOUBLE_EQ(a.parameter_bytes, b.parameter_bytes);
+  EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);
+  EXPECT_DOUBLE_EQ(a.comm_bytes, b.comm_bytes);
+  EXPECT_DOUBLE_EQ(a.total() - b.total(), a.optimizer_bytes - b.optimizer_bytes);
+
+  // Per stage, each with its own count on its TP rank: the Llama stages of
+  // LlamaStagesSplitOverPipelineAndTensorRanks hold 1248 and 1264.
+  const v1::JobSpec llama = Job(R"pb(name: "l"
+      model { arch: "llama" layers: 2 d_model: 16 heads: 4 kv_heads: 2 vocab: 16 seq_len: 8 ffn_dim: 24 }
+      parallel { pp: 2 tp: 2 dp: 2 zero_stage: 1 } schedule { kind: "gpipe" microbatches: 1 }
+      train { steps: 1 micro_batch_size: 1 })pb");
+  auto llama_plan = MakePlan(llama, Workers(8, 0), 1);
+  ASSERT_TRUE(llama_plan.ok()) << llama_plan.status();
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(llama, *llama_plan, 0).optimizer_bytes, 4 * 1248.0 + 8 * Shard(1248, 2));
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(llama, *llama_plan, 1).optimizer_bytes, 4 * 1264.0 + 8 * Shard(1264, 2));
+  EXPECT_EQ(Shard(1264, 2), 640) << "632 padded to 16";
+}
+
+// A job whose DP replicas do not fit with whole AdamW state is refused with
+// parallel.zero_stage: 1 as the first fix (the others kept), and the same job
+// with it is accepted; at dp 1 there is nothing to shard, so no such advice.
+TEST(MemoryEstimateTest, AJobThatFitsOnlyShardedIsToldToSetZeroStageOne) {
+  const std::string text = R"pb(name: "z" model { layers: 8 d_model: 1024 heads: 8 vocab: 256 seq_len: 64 }
+                                schedule { kind: "gpipe" microbatches: 1 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { dp: 2 )pb";
+  const v1::JobSpec whole = Job((text + "}").c_str());
+  const v1::JobSpec sharded = Job((text + "zero_stage: 1 }").c_str());
+  auto plan = MakePlan(whole, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const double need_whole = EstimateWorkerMemory(whole, *plan, 0).total();
+  const double need_sharded = EstimateWorkerMemory(sharded, *plan, 0).total();
+  ASSERT_LT(need_sharded, need_whole);
+  const int64_t memory = static_cast<int64_t>((need_whole + need_sharded) / 2);
+
+  auto refused = MakePlan(whole, Workers(2, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("set parallel.zero_stage: 1 to shard the AdamW moments over the 2 data-parallel ranks (up to " +
+                         FormatBytes(EstimateWorkerMemory(whole, *plan, 0).optimizer_bytes -
+                                     EstimateWorkerMemory(sharded, *plan, 0).optimizer_bytes) +
+                         " less per worker)"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("raise parallel.pp or parallel.tp"), std::string::npos) << message;
+
+  auto accepted = MakePlan(sharded, Workers(2, memory), 1);
+  EXPECT_TRUE(accepted.ok()) << accepted.status();
+
+  // Two workers sharing one host: the same advice (two whole ones need more
+  // than it has, two sharded ones less).
+  std::vector<v1::WorkerInfo> shared = Workers(2, static_cast<int64_t>(need_whole + need_sharded));
+  for (auto& w : shared) w.set_host("box");
+  auto together = MakePlan(whole, shared, 1);
+  ASSERT_FALSE(together.ok());
+  EXPECT_NE(together.status().message().find("set parallel.zero_stage: 1"), std::string::npos) << together.status();
+  EXPECT_TRUE(MakePlan(sharded, shared, 1).ok()) << MakePlan(sharded, shared, 1).status();
+
+  const v1::JobSpec single = Job(R"pb(name: "z" model { layers: 8 d_model: 1024 heads: 8 vocab: 256 seq_len: 64 }
+                                      schedule { kind: "gpipe" microbatches: 1 }
+                                      train { steps: 1 micro_batch_size: 1 })pb");
+  auto alone = MakePlan(single, Workers(1, memory / 2), 1);
+  ASSERT_FALSE(alone.ok());
+  EXPECT_EQ(alone.status().message().find("zero_stage"), std::string::npos) << alone.status();
+  EXPECT_NE(alone.status().message().find("raise parallel.pp"), std::string::npos) << alone.status();
+}
+
 }  // namespace
 }  // namespace baton

@@ -334,7 +334,7 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
       // embedding, whose sum comes first.
       auto last = last_backward_.find(a.stage());
       if (dp_ != nullptr && last != last_backward_.end() && last->second == i - 1 && a.stage() != 0 &&
-          a.stage() != options_.num_stages - 1) {
+          a.stage() != options_.num_stages - 1 && !chunks_.at(a.stage())->DpShard().sharded()) {
         BATON_ASSIGN_OR_RETURN(dp_started_[a.stage()], StartDpReduce(a.stage(), chunks_.at(a.stage())));
       }
     }
@@ -814,6 +814,19 @@ absl::Status StepExecutor::ReduceGrads() {
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     }
     if (dp_ == nullptr) continue;
+    if (const DpShardBuffers shard = model->DpShard(); shard.sharded()) {
+      // ZeRO-1: this rank keeps the sum of its shard only (host wait: the
+      // communicator reads what the chunk's stream wrote).
+      const absl::Time wait_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
+      waited_for_compute += absl::Now() - wait_start;
+      BATON_RETURN_IF_ERROR_CTX(
+          dp_->ReduceScatterSum(model::CommBuffer(shard.padded_grads), model::CommBuffer(shard.shard_grads))
+              ->Wait(options_.op_timeout),
+          "data-parallel gradient reduce-scatter of stage ", stage);
+      kernels::Scale(model->context(), shard.shard_grads, 1.0f / static_cast<float>(options_.dp_size));
+      continue;
+    }
     kernels::Tensor g = model->Gradients();
     auto started = dp_started_.find(stage);
     kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
@@ -889,7 +902,33 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
     BATON_RETURN_IF_ERROR_CTX(done->Synchronize(), "optimizer step of stage ", stages);
   }
   BATON_RETURN_IF_ERROR(ResolveSpans());
+  BATON_RETURN_IF_ERROR(GatherShardedValues());
   return Finish(step, true);
+}
+
+absl::Status StepExecutor::GatherShardedValues() {
+  if (dp_ == nullptr) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  bool gathered = false;
+  for (auto& [stage, model] : chunks_) {
+    const DpShardBuffers shard = model->DpShard();
+    if (!shard.sharded()) continue;
+    gathered = true;
+    // The all-gather sends from the shard's gradient buffer (spent by the
+    // optimizer step), so its input does not alias its output.
+    kernels::Copy(model->context(), shard.shard_grads, shard.shard_values);
+    BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the all-gather of its values");
+    BATON_RETURN_IF_ERROR_CTX(
+        dp_->AllGather(model::CommBuffer(shard.shard_grads), model::CommBuffer(shard.padded_values))
+            ->Wait(options_.op_timeout),
+        "data-parallel all-gather of stage ", stage, "'s updated values");
+    model->ValuesGathered();
+  }
+  if (!gathered) return absl::OkStatus();
+  const absl::Time end = absl::Now();
+  dp_comm_ += absl::ToDoubleSeconds(end - start);
+  Record("gather values", "dp", start, end);
+  return absl::OkStatus();
 }
 
 v1::StepDone StepExecutor::Discard(int64_t step) {

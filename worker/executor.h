@@ -170,6 +170,9 @@ class StepExecutor {
   // of its ops, else its exposed p2p time (needs spans_: before ResolveSpans).
   absl::Status ResolveComm();
   absl::Status ReduceGrads();
+  // ZeRO-1: all-gathers the updated values of every chunk whose optimizer
+  // state is sharded over DP (StageModel::DpShard), after its optimizer step.
+  absl::Status GatherShardedValues();
   absl::Status EnsureDpStream(kernels::Device device);
   // Enqueues the chunk's DP all-reduce on dp_stream_ after its work so far;
   // its end event, or null where dp_ cannot reduce its gradients from a

@@ -1,8 +1,10 @@
 #include "worker/gpt_stage_model.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -245,17 +247,19 @@ ChunkState GptStageModel::CaptureState() const {
 absl::Status GptStageModel::RestoreState(const ChunkState& state) {
   const model::ParameterStore& params = stage_->parameters();
   const int64_t n = params.values().numel();
+  const int64_t moments = params.adam_m().numel();  // n, or the DP shard's count
   const struct {
     const char* what;
     size_t size;
-  } parts[] = {{"values", state.values.size()},
-               {"adam_m", state.adam_m.size()},
-               {"adam_v", state.adam_v.size()}};
+    int64_t want;
+  } parts[] = {{"values", state.values.size(), n},
+               {"adam_m", state.adam_m.size(), moments},
+               {"adam_v", state.adam_v.size(), moments}};
   for (const auto& part : parts) {
-    if (part.size != static_cast<size_t>(n)) {
+    if (part.size != static_cast<size_t>(part.want)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "restoring model chunk ", config_.pp_rank, " tp rank ", config_.tp_rank, " of ",
-          config_.tp_size, ": state has ", part.size, " ", part.what, ", the chunk holds ", n,
+          config_.tp_size, ": state has ", part.size, " ", part.what, ", the chunk holds ", part.want,
           "; the state was captured from another layout or model"));
     }
   }
@@ -275,6 +279,65 @@ absl::Status GptStageModel::RestoreState(const ChunkState& state) {
   BATON_RETURN_IF_ERROR_CTX(stage_->stream().Synchronize(), "restoring model chunk ", config_.pp_rank);
   stage_->set_optimizer_step(state.optimizer_step);
   return absl::OkStatus();
+}
+
+DpShardBuffers GptStageModel::DpShard() {
+  const model::ParameterStore& params = stage_->parameters();
+  if (!params.dp_shard().sharded()) return {};
+  return DpShardBuffers{params.padded_grads(), params.shard_grads(), params.padded_values(), params.shard_values()};
+}
+
+absl::StatusOr<ChunkState> GptStageModel::CaptureFullState(comm::Communicator* dp, absl::Duration timeout) {
+  const model::ParameterStore& params = stage_->parameters();
+  const model::DpShard& shard = params.dp_shard();
+  if (!shard.sharded()) return CaptureState();
+  if (dp == nullptr || dp->size() != shard.size || dp->rank() != shard.rank) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model chunk ", config_.pp_rank, ": its optimizer state is sharded over ", shard.size,
+        " data-parallel ranks, but no data-parallel group of that size holds this rank ", shard.rank));
+  }
+  ChunkState state = CaptureState();
+  if (state.optimizer_step < 0) {
+    return absl::InternalError(absl::StrCat("model chunk ", config_.pp_rank, ": capturing its state failed"));
+  }
+  // Every rank's moment shard, gathered on the chunk's device, then to the
+  // host; the padding is dropped.
+  const std::string what = absl::StrCat("gathering the AdamW moments of chunk ", config_.pp_rank,
+                                        " over the data-parallel group");
+  absl::StatusOr<Tensor> gathered = kernels::ZerosOn(params.device(), {shard.padded()});
+  if (!gathered.ok()) return WithContext(gathered.status(), what);
+  std::vector<float>* parts[2] = {&state.adam_m, &state.adam_v};
+  const Tensor* moments[2] = {&params.adam_m(), &params.adam_v()};
+  for (int i = 0; i < 2; ++i) {
+    BATON_RETURN_IF_ERROR_CTX(dp->AllGather(model::CommBuffer(*moments[i]), model::CommBuffer(*gathered))->Wait(timeout),
+                              what);
+    BATON_ASSIGN_OR_RETURN(std::vector<float> full, model::ParameterStore::ToHost(*gathered));
+    full.resize(static_cast<size_t>(shard.elements));
+    *parts[i] = std::move(full);
+  }
+  return state;
+}
+
+absl::Status GptStageModel::RestoreFullState(const ChunkState& state) {
+  const model::DpShard& shard = stage_->parameters().dp_shard();
+  if (!shard.sharded()) return RestoreState(state);
+  const size_t n = static_cast<size_t>(shard.elements);
+  if (state.values.size() != n || state.adam_m.size() != n || state.adam_v.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "restoring model chunk ", config_.pp_rank, " tp rank ", config_.tp_rank, ": the state has ",
+        state.values.size(), " values and ", state.adam_m.size(), " + ", state.adam_v.size(),
+        " moments, the chunk holds ", n, "; it is from another layout or model"));
+  }
+  // This rank's part of the moments; the padding past the last value is zero.
+  ChunkState mine;
+  mine.optimizer_step = state.optimizer_step;
+  mine.values = state.values;
+  for (auto [from, to] : {std::pair{&state.adam_m, &mine.adam_m}, std::pair{&state.adam_v, &mine.adam_v}}) {
+    to->assign(static_cast<size_t>(shard.count), 0.0f);
+    const int64_t end = std::min(shard.begin + shard.count, shard.elements);
+    for (int64_t i = shard.begin; i < end; ++i) (*to)[static_cast<size_t>(i - shard.begin)] = (*from)[static_cast<size_t>(i)];
+  }
+  return RestoreState(mine);
 }
 
 }  // namespace baton

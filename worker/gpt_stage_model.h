@@ -82,6 +82,11 @@ class GptStageModel : public StageModel {
   // embedding copy of the last chunk is included like any parameter.
   ChunkState CaptureState() const override;
   absl::Status RestoreState(const ChunkState& state) override;
+  absl::StatusOr<ChunkState> CaptureFullState(comm::Communicator* dp, absl::Duration timeout) override;
+  absl::Status RestoreFullState(const ChunkState& state) override;
+  DpShardBuffers DpShard() override;
+  void ValuesGathered() override { stage_->RefreshBf16Weights(); }
+  model::ParameterStore::MemoryBytes MemoryBytes() const override { return stage_->parameters().memory_bytes(); }
   const kernels::ExecContext& context() const override { return stage_->context(); }
   absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 

@@ -24,6 +24,8 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/parameters.h"
 #include "worker/model/step_score.h"
 
 namespace baton {
@@ -56,6 +58,20 @@ struct NamedShard {
 struct ChunkState {
   int64_t optimizer_step = 0;
   std::vector<float> values, adam_m, adam_v;
+};
+
+// ZeRO-1 (parallel.zero_stage 1): the buffers of a chunk whose AdamW
+// moments are sharded over its data-parallel group (model::DpShard). The
+// executor reduce-scatters padded_grads into shard_grads (then averages
+// them), the chunk's OptimizerStep updates shard_values from shard_grads,
+// and the executor all-gathers padded_values from every rank's shard. All
+// undefined for a chunk that is not sharded.
+struct DpShardBuffers {
+  kernels::Tensor padded_grads;   // dp · count; grads of every value, then zero padding
+  kernels::Tensor shard_grads;    // count: this rank's reduced shard
+  kernels::Tensor padded_values;  // dp · count
+  kernels::Tensor shard_values;   // count: this rank's part of padded_values
+  bool sharded() const { return shard_grads.defined(); }
 };
 
 class StageModel {
@@ -131,7 +147,28 @@ class StageModel {
 
   // A host copy of the chunk's state. Call between steps only (after the
   // optimizer step or a discard, not while microbatches are in flight).
+  // Sharded (DpShard()): the moments are the shard's only, and the state
+  // restores the same layout and DP rank only.
   virtual ChunkState CaptureState() const = 0;
+  // The chunk's whole state for a checkpoint: CaptureState(), with the
+  // moments of a DP-sharded chunk all-gathered over `dp` (its DP group: a
+  // collective, every rank of the group calls it for the same chunks in the
+  // same order; `timeout` bounds the gather).
+  virtual absl::StatusOr<ChunkState> CaptureFullState(comm::Communicator* dp, absl::Duration timeout) {
+    (void)dp;
+    (void)timeout;
+    return CaptureState();
+  }
+  // RestoreState from a whole state (a checkpoint's, moments of every
+  // value): a DP-sharded chunk keeps its shard of the moments.
+  virtual absl::Status RestoreFullState(const ChunkState& state) { return RestoreState(state); }
+  virtual DpShardBuffers DpShard() { return {}; }
+  // After the executor all-gathered DpShard().padded_values: refreshes what
+  // is derived from the values (bf16 copies), on the chunk's stream.
+  virtual void ValuesGathered() {}
+  // Bytes of weights, gradients and optimizer state the chunk holds on its
+  // device (baton_device_memory_bytes); zero for a model without them.
+  virtual model::ParameterStore::MemoryBytes MemoryBytes() const { return {}; }
   // Sets the state bit for bit from a CaptureState() of the same layout,
   // drops microbatches in flight and zeroes gradients, so the next step runs
   // exactly as the captured model's next step would. INVALID_ARGUMENT (model

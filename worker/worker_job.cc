@@ -145,9 +145,10 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                                 .Register(metrics);
   device_memory_family_ = &prometheus::BuildGauge()
                                .Name("baton_device_memory_bytes")
-                               .Help("Accelerator memory of this worker's device, by kind: in_use (tensors and the "
-                                     "used part of arenas) and reserved (held from the device's allocator); "
-                                     "absent on cpu workers")
+                               .Help("Memory of this worker's model state, by kind: weights, grads and "
+                                     "optimizer (AdamW moments; sharded by parallel.zero_stage), on any device; "
+                                     "and of its accelerator: in_use (tensors and the used part of arenas) and "
+                                     "reserved (held from the device's allocator), absent on cpu workers")
                                .Register(metrics);
   host_syncs_family_ = &prometheus::BuildCounter()
                             .Name("baton_host_syncs_total")
@@ -501,6 +502,18 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   const int64_t syncs = kernels::HostSyncCount();
   host_syncs_family_->Add(l).Increment(static_cast<double>(std::max<int64_t>(0, syncs - host_syncs_seen_)));
   host_syncs_seen_ = syncs;
+  // The model state this worker holds, by kind, on any device (ZeRO-1
+  // divides "optimizer" by dp).
+  model::ParameterStore::MemoryBytes state;
+  for (const auto& [c, model] : job_->chunks) {
+    const model::ParameterStore::MemoryBytes m = model->MemoryBytes();
+    state.weights += m.weights;
+    state.grads += m.grads;
+    state.optimizer += m.optimizer;
+  }
+  device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(state.weights));
+  device_memory_family_->Add(with_kind("grads")).Set(static_cast<double>(state.grads));
+  device_memory_family_->Add(with_kind("optimizer")).Set(static_cast<double>(state.optimizer));
   if (!job_->device.is_cpu()) {  // the CPU's memory is not counted by the backend
     const kernels::MemoryStats memory = kernels::GetMemoryStats(job_->device);
     device_memory_family_->Add(with_kind("in_use")).Set(static_cast<double>(memory.in_use_bytes));
@@ -655,7 +668,7 @@ absl::Status WorkerJob::RestoreFromCheckpoint(int64_t step, const std::string& d
       BATON_LOG(WARNING) << "checkpoint " << dir << " holds optimizer step " << state->optimizer_step
                          << " for chunk " << c << ", resuming after job step " << step;
     }
-    BATON_RETURN_IF_ERROR_CTX(model->RestoreState(*state), "restoring chunk ", c, " from ", dir);
+    BATON_RETURN_IF_ERROR_CTX(model->RestoreFullState(*state), "restoring chunk ", c, " from ", dir);
   }
   KeepOwn(step);
   return absl::OkStatus();
@@ -683,6 +696,26 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   saved->set_ok(true);
   saved->set_step(save.step());
   saved->set_generation(job_->plan.generation());
+  // ZeRO-1: every DP rank holds a shard of the moments; the group gathers
+  // them (a collective, chunks in the same order on every rank) and replica
+  // 0 writes the whole state, so the checkpoint is the same as without ZeRO
+  // and resumes into any layout and zero_stage.
+  std::map<int, ChunkState> full;
+  if (job_->spec.parallel().zero_stage() >= 1 && job_->dp != nullptr) {
+    for (auto& [c, model] : job_->chunks) {
+      absl::StatusOr<ChunkState> state = model->CaptureFullState(job_->dp.get(), options_.op_timeout);
+      if (!state.ok()) {
+        const absl::Status failed = WithContext(state.status(), absl::StrCat("checkpoint of step ", save.step()));
+        BATON_LOG(ERROR) << failed;
+        saved->set_ok(false);
+        saved->set_error(std::string(failed.message()));
+        saved->set_code(static_cast<int>(failed.code()));
+        Reply(reply);
+        return;
+      }
+      full[c] = *std::move(state);
+    }
+  }
   if (job_->rank.dp_rank() != 0) {  // DP replicas hold identical state: replica 0 writes
     Reply(reply);
     return;
@@ -698,7 +731,10 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
     return;
   }
   std::vector<checkpoint::ChunkToSave> chunks;
-  for (auto& [c, model] : job_->chunks) chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get()});
+  for (auto& [c, model] : job_->chunks) {
+    chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get(), {}});
+    if (auto it = full.find(c); it != full.end()) chunks.back().state = std::move(it->second);
+  }
   const prometheus::Labels labels = job_->labels;
   absl::StatusOr<double> stall = writer_->Save(
       *dir, save.step(), chunks, [this, reply, labels](const checkpoint::SaveResult& r) mutable {
@@ -908,10 +944,24 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     config.comm_timeout = options_.op_timeout;
     config.device = device;
     config.precision = precision;
+    if (job->spec.parallel().zero_stage() > 1) {  // a coordinator newer than this worker
+      return absl::InvalidArgumentError(absl::StrCat("parallel.zero_stage is ", job->spec.parallel().zero_stage(),
+                                                     "; this worker runs ZeRO stages 0 and 1 only"));
+    }
+    if (job->spec.parallel().zero_stage() >= 1) {  // ZeRO-1: the moments sharded over the DP group
+      config.dp_rank = d;
+      config.dp_size = dp;
+    }
     BATON_ASSIGN_OR_RETURN(job->chunks[c], GptStageModel::Create(config, job->spec.train().micro_batch_size(),
                                                                  job->timed_tp.get(),
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
                                                                  AdamWFromTrainSpec(job->spec.train())));
+  }
+  if (job->spec.parallel().zero_stage() >= 1) {
+    for (const auto& [c, m] : job->chunks) {
+      BATON_LOG(INFO) << "chunk " << c << ": AdamW moments sharded over " << dp << " data-parallel ranks (ZeRO-1): "
+                      << m->MemoryBytes().optimizer << " bytes here";
+    }
   }
   if (!job->spec.model().has_synthetic() && model::GptConfigFromSpec(job->spec.model()).tie_embeddings &&
       stages > 1 && rank_of(0) == p && rank_of(stages - 1) == p) {

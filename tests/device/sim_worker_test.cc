@@ -129,11 +129,17 @@ TEST(SimWorkerTest, PipelineJobOnTheSimulatedDeviceMatchesTheCpuBitForBit) {
   const JobRun cpu = RunJob(TempDir("sim_worker_cpu"), "cpu");
   const JobRun sim = RunJob(TempDir("sim_worker_sim"), "sim:0");
   ExpectSameBits(cpu, sim);
-  // Device metrics: memory on the device worker only; host waits on both.
+  // Device metrics: accelerator memory on the device worker only, the model
+  // state's bytes on both; host waits on both.
   EXPECT_TRUE(absl::StrContains(sim.metrics, "baton_device_memory_bytes{")) << sim.metrics;
   EXPECT_TRUE(absl::StrContains(sim.metrics, "kind=\"in_use\"")) << sim.metrics;
   EXPECT_TRUE(absl::StrContains(sim.metrics, "kind=\"reserved\"")) << sim.metrics;
-  EXPECT_FALSE(absl::StrContains(cpu.metrics, "baton_device_memory_bytes{")) << cpu.metrics;
+  EXPECT_FALSE(absl::StrContains(cpu.metrics, "kind=\"in_use\"")) << cpu.metrics;
+  EXPECT_FALSE(absl::StrContains(cpu.metrics, "kind=\"reserved\"")) << cpu.metrics;
+  for (const char* kind : {"weights", "grads", "optimizer"}) {
+    EXPECT_TRUE(absl::StrContains(cpu.metrics, absl::StrCat("kind=\"", kind, "\""))) << kind << "\n" << cpu.metrics;
+    EXPECT_TRUE(absl::StrContains(sim.metrics, absl::StrCat("kind=\"", kind, "\""))) << kind;
+  }
   EXPECT_TRUE(absl::StrContains(sim.metrics, "baton_host_syncs_total{")) << sim.metrics;
 }
 

@@ -5,7 +5,8 @@
 //    single-worker run's per-step losses and final weights (1e-5 relative
 //    over 20 steps); DP=k is compared with one worker running k*m
 //    microbatches, the same global batch. The same layout twice is bitwise
-//    identical.
+//    identical. ZeRO-1 (parallel.zero_stage 1) layouts train like one
+//    worker too.
 //  - Bubble truth: with the synthetic cost model, the measured bubble ratio
 //    is within 0.02 of the simulator's for gpipe, 1f1b, zb-h1, zb-v and
 //    dualpipe-v.
@@ -58,6 +59,7 @@ struct Layout {
   std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
   std::string train_extra;  // more train { } fields, e.g. the evaluation's
   std::string model_extra;  // more model { } fields, e.g. Llama's
+  std::string parallel_extra;  // more parallel { } fields, e.g. zero_stage
   std::string tag;          // names the run apart (e.g. "llama")
   std::string Name() const {
     std::string kind = schedule == "zb-h1" ? "zbh1" : schedule == "zb-v" ? "zbv" : schedule;
@@ -73,13 +75,13 @@ std::string GptJob(const Layout& l) {
   return absl::StrFormat(R"pb(
     name: "%s"
     model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 %s }
-    parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
+    parallel { pp: %d tp: %d dp: %d virtual_stages: %d %s }
     schedule { kind: "%s" microbatches: %d%s }
     train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 %s }
     data { synthetic { task: "addition" } }
   )pb",
-                         l.Name(), l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, csv,
-                         l.train_extra);
+                         l.Name(), l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.parallel_extra, l.schedule,
+                         l.microbatches, csv, l.train_extra);
 }
 
 struct RunResult {
@@ -160,6 +162,52 @@ TEST(TrainingTest, DataParallelLayoutsTrainLikeOneWorkerOnTheSameGlobalBatch) {
   for (const Layout& l : {Layout{2, 1, 2, 1, 4, "1f1b"}, Layout{2, 2, 2, 1, 4, "1f1b"}, Layout{2, 1, 2, 2, 4, "zb-v"}}) {
     ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
   }
+}
+
+// parallel.zero_stage 1 (the AdamW moments sharded over DP, gradients
+// reduce-scattered, values all-gathered) trains like one worker on the same
+// global batch, so like zero_stage 0: with PP, TP, a V schedule (two chunks
+// per rank, the tied embedding's both ends on rank 0), dp 3 (shards padded),
+// and Llama; the final checkpoint (moments gathered from every DP rank)
+// holds the same weights; the same layout twice is bitwise identical.
+TEST(TrainingTest, ZeroStage1TrainsLikeOneWorkerAndIsBitwiseReproducible) {
+  auto zero = [](Layout l) {
+    l.parallel_extra = "zero_stage: 1";
+    l.tag = "zero1_";
+    return l;
+  };
+  Layout one;
+  one.microbatches = 8;
+  const RunResult single = RunJob("zero_single_m8", GptJob(one));
+  for (const Layout& l : {Layout{2, 1, 2, 1, 4, "1f1b"}, Layout{1, 2, 2, 1, 4, "1f1b"}, Layout{2, 2, 2, 1, 4, "1f1b"},
+                          Layout{2, 1, 2, 2, 4, "zb-v"}}) {
+    const Layout job = zero(l);
+    ExpectSameTraining(single, RunJob(job.Name(), GptJob(job)), job.Name());
+  }
+  one.microbatches = 12;
+  const RunResult single12 = RunJob("zero_single_m12", GptJob(one));
+  const Layout dp3 = zero(Layout{1, 1, 3, 1, 4, "1f1b"});
+  const RunResult a = RunJob(dp3.Name(), GptJob(dp3));
+  ExpectSameTraining(single12, a, dp3.Name());
+  const RunResult b = RunJob(dp3.Name() + "_again", GptJob(dp3));
+  ASSERT_EQ(a.loss_text.size(), 20u);
+  EXPECT_EQ(a.loss_text, b.loss_text);
+  auto wa = checkpoint::LoadFullWeights(a.dir + "/out/final");
+  auto wb = checkpoint::LoadFullWeights(b.dir + "/out/final");
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  auto diff = checkpoint::CompareWeights(*wa, *wb);
+  ASSERT_TRUE(diff.ok());
+  EXPECT_EQ(diff->max_abs_diff, 0.0) << "zero_stage 1 twice";
+
+  Layout llama_one;
+  llama_one.microbatches = 8;
+  llama_one.model_extra = R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48)pb";
+  llama_one.tag = "zero_llama_";
+  const RunResult llama_single = RunJob("zero_llama_single_m8", GptJob(llama_one));
+  Layout llama = zero(Layout{2, 1, 2, 1, 4, "gpipe"});
+  llama.model_extra = llama_one.model_extra;
+  llama.tag = "zero1_llama_";
+  ExpectSameTraining(llama_single, RunJob(llama.Name(), GptJob(llama)), llama.Name());
 }
 
 // model.arch "llama" (RMSNorm, rotary positions, SwiGLU, grouped-query

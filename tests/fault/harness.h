@@ -40,6 +40,7 @@ struct Layout {
   // More train { } fields (the evaluation's), and a name for them.
   std::string train_extra, extra_name;
   std::string model_extra;  // more model { } fields (Llama's); name them in extra_name
+  std::string parallel_extra;  // more parallel { } fields (zero_stage); name them in extra_name
   std::string Name() const {
     return absl::StrFormat("%s_pp%d_tp%d_dp%d_v%d_m%d_s%d%s", schedule, pp, tp, dp, v, microbatches, steps,
                            extra_name);
@@ -50,14 +51,14 @@ inline std::string Job(const Layout& l, const std::string& extra = "") {
   return absl::StrFormat(R"pb(
     name: "fault"
     model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 %s }
-    parallel { pp: %d tp: %d dp: %d virtual_stages: %d }
+    parallel { pp: %d tp: %d dp: %d virtual_stages: %d %s }
     schedule { kind: "%s" microbatches: %d }
     train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 11 %s }
     data { synthetic { task: "addition" } }
     %s
   )pb",
-                         l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.schedule, l.microbatches, l.steps, l.train_extra,
-                         extra);
+                         l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.parallel_extra, l.schedule, l.microbatches,
+                         l.steps, l.train_extra, extra);
 }
 
 inline std::string ReadAll(const std::string& path) {

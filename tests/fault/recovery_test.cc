@@ -199,6 +199,19 @@ TEST(RecoveryTest, KilledDataParallelRankTakesItsReplicasState) {
   RunWithFault("kill_dp", EightRanks(), Fault{0, 1, 1, SIGKILL, 12});
 }
 
+// ZeRO-1: the killed DP rank's AdamW moment shard exists nowhere else; it
+// comes back from its buddy's snapshot (not from the DP replica, whose shard
+// is the other half), and the run ends with the fault-free run's weights.
+TEST(RecoveryTest, AKilledDataParallelRankUnderZeroStage1IsRestoredFromItsBuddy) {
+  Layout l;
+  l.pp = 2;
+  l.dp = 2;
+  l.steps = 60;
+  l.parallel_extra = "zero_stage: 1";
+  l.extra_name = "_zero1";
+  RunWithFault("kill_zero1", l, Fault{1, 0, 1, SIGKILL, 12});
+}
+
 TEST(RecoveryTest, FrozenWorkerPastItsLeaseIsReplacedAndItsThawDisturbsNothing) {
   RunWithFault("stop_middle", Layout{}, Fault{1, 0, 0, SIGSTOP, 15});
 }

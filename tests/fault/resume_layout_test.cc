@@ -41,7 +41,10 @@ using testing::TempDir;
 struct Layout {
   int pp = 2, tp = 1, v = 1;
   std::string schedule = "1f1b";
-  std::string Name() const { return absl::StrFormat("%s_pp%d_tp%d_v%d", schedule, pp, tp, v); }
+  std::string parallel_extra;  // more parallel { } fields, e.g. "dp: 2 zero_stage: 1"
+  std::string Name() const {
+    return absl::StrFormat("%s_pp%d_tp%d_v%d%s", schedule, pp, tp, v, parallel_extra.empty() ? "" : "_zero");
+  }
 };
 
 std::string Job(const Layout& l, int steps, const std::string& extra = "", int vocab = 16,
@@ -49,13 +52,13 @@ std::string Job(const Layout& l, int steps, const std::string& extra = "", int v
   return absl::StrFormat(R"pb(
     name: "resume"
     model { layers: 6 d_model: 32 heads: 4 vocab: %d seq_len: 20 %s }
-    parallel { pp: %d tp: %d virtual_stages: %d }
+    parallel { pp: %d tp: %d virtual_stages: %d %s }
     schedule { kind: "%s" microbatches: 4 }
     train { steps: %d micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 5 }
     data { synthetic { task: "addition" } }
     %s
   )pb",
-                         vocab, model_extra, l.pp, l.tp, l.v, l.schedule, steps, extra);
+                         vocab, model_extra, l.pp, l.tp, l.v, l.parallel_extra, l.schedule, steps, extra);
 }
 
 std::string ReadAll(const std::string& path) {
@@ -147,7 +150,7 @@ TEST(ResumeLayoutTest, ACheckpointResumesIntoOtherLayoutsExactly) {
   const std::string step10 = root + "/step-00000010";
   ASSERT_FALSE(ReadAll(step10 + "/manifest.json").empty()) << full.log;
 
-  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 3, "interleaved"}, Layout{2, 1, 2, "zb-v"}}) {
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 3, "interleaved", ""}, Layout{2, 1, 2, "zb-v", ""}}) {
     // (a) Resumed at the job's last step: nothing is trained, the state is
     // saved again in the new layout, bit for bit.
     const LocalResult same = Local("save_only_" + l.Name(), Job(l, 10), {"--resume=" + step10});
@@ -159,6 +162,35 @@ TEST(ResumeLayoutTest, ACheckpointResumesIntoOtherLayoutsExactly) {
     const LocalResult continued = Local("continued_" + l.Name(), Job(l, 20), {"--resume=" + step10});
     ASSERT_EQ(continued.exit_code, 0) << l.Name() << ":\n" << continued.log;
     ExpectWithinLayoutDrift(full, continued, 10, l.Name());
+  }
+}
+
+// ZeRO-1 (parallel.zero_stage 1, the AdamW moments sharded over dp 2): a
+// checkpoint it saves holds the whole state (each DP rank's moment shard
+// gathered), so resuming it without ZeRO saves the same state again, bit
+// for bit; and a checkpoint saved without ZeRO, resumed into zero_stage 1
+// at dp 2 and 3 (each rank takes its padded shard of the moments) and
+// saved again, is bit for bit the same.
+TEST(ResumeLayoutTest, ZeroStage1CheckpointsHoldTheWholeStateAndResumeBothWays) {
+  const std::string root = TempDir("resume_zero_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  Layout zero;
+  zero.parallel_extra = "dp: 2 zero_stage: 1";
+  const LocalResult sharded = Local("zero_full", Job(zero, 10, ck));
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.log;
+  ASSERT_EQ(sharded.losses.size(), 10u);
+  const std::string step10 = root + "/step-00000010";
+  const LocalResult plain = Local("zero_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
+  ASSERT_EQ(plain.exit_code, 0) << plain.log;
+  EXPECT_TRUE(plain.losses.empty());
+  ExpectSameState(step10, plain.out + "/final", "zero_stage 1 saved, resumed without ZeRO");
+  for (const char* into : {"dp: 2 zero_stage: 1", "dp: 3 zero_stage: 1"}) {
+    Layout l;
+    l.parallel_extra = into;
+    const LocalResult back = Local(absl::StrCat("plain_into_zero_", l.parallel_extra.substr(4, 1)), Job(l, 10),
+                                   {"--resume=" + plain.out + "/final"});
+    ASSERT_EQ(back.exit_code, 0) << into << ":\n" << back.log;
+    ExpectSameState(step10, back.out + "/final", into);
   }
 }
 
@@ -175,7 +207,7 @@ TEST(ResumeLayoutTest, ALlamaCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherM
   ASSERT_EQ(full.losses.size(), 20u);
   EXPECT_LT(full.losses.back(), full.losses.front());
   const std::string step10 = root + "/step-00000010";
-  for (const Layout& l : {Layout{1, 2, 1, "1f1b"}, Layout{2, 1, 2, "zb-v"}}) {
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}}) {
     const LocalResult same = Local("llama_save_only_" + l.Name(), Job(l, 10, "", 16, llama), {"--resume=" + step10});
     ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
     ExpectSameState(step10, same.out + "/final", "llama " + l.Name());

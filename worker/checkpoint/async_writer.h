@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +35,10 @@ struct ChunkToSave {
   int tp_rank = 0;
   int tp_size = 1;
   StageModel* model = nullptr;
+  // The state to write, captured by the caller (a DP-sharded chunk's, whose
+  // moments were gathered: StageModel::CaptureFullState); unset: the writer
+  // captures model->CaptureState().
+  std::optional<ChunkState> state;
 };
 
 // What one save did, passed to its callback on the writer thread.

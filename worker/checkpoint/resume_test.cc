@@ -156,7 +156,7 @@ class Pipeline {
   std::vector<ChunkToSave> ToSave() {
     std::vector<ChunkToSave> out;
     for (int c = 0; c < chunks(); ++c) {
-      for (int r = 0; r < spec_.tp; ++r) out.push_back({c, r, spec_.tp, chunks_[c][r].get()});
+      for (int r = 0; r < spec_.tp; ++r) out.push_back({c, r, spec_.tp, chunks_[c][r].get(), {}});
     }
     return out;
   }

@@ -105,6 +105,12 @@ struct StageConfig {
   // bf16; master weights, gradients, AdamW moments, LayerNorm/GELU/softmax/
   // loss math and every reduction in fp32 (see GptStage).
   kernels::Precision precision = kernels::Precision::kFloat32;
+  // ZeRO-1 (parallel.zero_stage 1): with dp_size > 1 the stage keeps the
+  // AdamW moments of its data-parallel shard only (ParameterStore::
+  // ShardOverDp); the executor reduce-scatters the gradients into that shard
+  // and all-gathers the values after the optimizer step. dp_size 1: whole.
+  int dp_rank = 0;
+  int dp_size = 1;
 
   bool is_first() const { return pp_rank == 0; }
   bool is_last() const { return pp_rank == pp_size - 1; }

@@ -1,7 +1,9 @@
 #include "worker/model/gpt_stage.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -263,6 +265,11 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   absl::StatusOr<ParameterStore> params =
       ParameterStore::Create(StageParameterSpecs(config), config.tp_rank, config.tp_size);
   if (!params.ok()) return ParameterError(params.status(), where);
+  if (config.dp_size > 1) {
+    if (absl::Status sharded = params->ShardOverDp(config.dp_rank, config.dp_size); !sharded.ok()) {
+      return ParameterError(sharded, where);
+    }
+  }
   auto stage = std::unique_ptr<GptStage>(new GptStage(config, tp_group, *std::move(params)));
   if (tp_group != nullptr) {
     stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
@@ -975,21 +982,46 @@ void GptStage::DropInFlight() {
   in_flight_.clear();
 }
 
-double GptStage::LocalGradSqNorm() const {
-  kernels::FillZero(ctx_, norm_acc_);
-  for (const Parameter& p : params_.parameters()) {
-    if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
+// Calls `fn(p, lo, hi)` for every parameter p that has elements in this
+// rank's DP shard, with [lo, hi) the shard's part of p in flat elements of
+// the store (all of every parameter when unsharded).
+template <typename Fn>
+void ForEachInShard(const ParameterStore& params, Fn fn) {
+  const model::DpShard& shard = params.dp_shard();
+  const int64_t begin = shard.sharded() ? shard.begin : 0;
+  const int64_t end = shard.sharded() ? shard.begin + shard.count : std::numeric_limits<int64_t>::max();
+  for (const Parameter& p : params.parameters()) {
+    const int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.value.numel());
+    if (lo < hi) fn(p, lo, hi);
   }
+}
+
+void GptStage::AccumulateGradSqNorm() const {
+  kernels::FillZero(ctx_, norm_acc_);
+  if (!params_.dp_shard().sharded()) {
+    for (const Parameter& p : params_.parameters()) {
+      if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
+    }
+    return;
+  }
+  // ZeRO-1: the shard's reduced gradient, this rank's share of the norm (the
+  // coordinator sums every DP rank's).
+  const Tensor& grads = params_.shard_grads();
+  const int64_t begin = params_.dp_shard().begin;
+  ForEachInShard(params_, [&](const Parameter& p, int64_t lo, int64_t hi) {
+    if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, grads.Rows(lo - begin, hi - begin), norm_acc_);
+  });
+}
+
+double GptStage::LocalGradSqNorm() const {
+  AccumulateGradSqNorm();
   HostResults& h = Results();
   kernels::Copy(ctx_, Tensor::View(&h.sq, {1}, kernels::DType::kFloat64), norm_acc_);  // pinned: no wait
   return ctx_.stream->Synchronize().ok() ? h.sq : NAN;  // a failed device fails the finiteness check
 }
 
 void GptStage::EnqueueStepResults() {
-  kernels::FillZero(ctx_, norm_acc_);
-  for (const Parameter& p : params_.parameters()) {
-    if (p.spec.counts_in_norm) kernels::SumOfSquares(ctx_, p.grad, norm_acc_);
-  }
+  AccumulateGradSqNorm();
   HostResults& h = Results();
   kernels::Copy(ctx_, Tensor::View(&h.sq, {1}, kernels::DType::kFloat64), norm_acc_);
   if (config_.is_last()) {
@@ -1044,10 +1076,24 @@ absl::Status GptStage::OptimizerStep(const kernels::AdamWConfig& config, float g
   ++step_;
   kernels::AdamWConfig no_decay = config;
   no_decay.weight_decay = 0.0f;
-  for (Parameter& p : params_.parameters()) {
-    kernels::AdamW(ctx_, p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
-                   step_, grad_scale, p.value_bf16);
+  if (!params_.dp_shard().sharded()) {
+    for (Parameter& p : params_.parameters()) {
+      kernels::AdamW(ctx_, p.value, p.grad, p.adam_m, p.adam_v, p.spec.weight_decay ? config : no_decay,
+                     step_, grad_scale, p.value_bf16);
+    }
+    return absl::OkStatus();
   }
+  // ZeRO-1: the shard's values only, from the shard's reduced gradient and
+  // moments; the executor then all-gathers the values (and the bf16 copies
+  // are refreshed from them: RefreshBf16Weights).
+  const int64_t begin = params_.dp_shard().begin;
+  const Tensor values = params_.padded_values();
+  const Tensor& grads = params_.shard_grads();
+  ForEachInShard(params_, [&](const Parameter& p, int64_t lo, int64_t hi) {
+    auto shard = [&](const Tensor& t) { return t.Rows(lo - begin, hi - begin); };
+    kernels::AdamW(ctx_, values.Rows(lo, hi), shard(grads), shard(params_.adam_m()), shard(params_.adam_v()),
+                   p.spec.weight_decay ? config : no_decay, step_, grad_scale, Tensor());
+  });
   return absl::OkStatus();
 }
 

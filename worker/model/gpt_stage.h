@@ -179,6 +179,9 @@ class GptStage {
   void DropInFlight();
   // This rank's share of the squared global gradient norm (see
   // ParameterSpec::counts_in_norm).
+  // With the optimizer state sharded over DP (StageConfig::dp_size > 1):
+  // the norm of the shard's reduced gradient (ParameterStore::shard_grads),
+  // this rank's share of the DP group's.
   double LocalGradSqNorm() const;
   // score() and LocalGradSqNorm() together with ONE host synchronisation:
   // the norm is computed on the stream, the loss, hits and norm are copied to
@@ -319,6 +322,8 @@ class GptStage {
   std::vector<std::unique_ptr<Microbatch>> free_;  // arenas kept for reuse
   // A microbatch's state from free_ (or a new one) for a [batch, seq] forward.
   std::unique_ptr<Microbatch> TakeMicrobatch(int64_t batch, int64_t seq);
+  // Enqueues this rank's share of the squared gradient norm into norm_acc_.
+  void AccumulateGradSqNorm() const;
 };
 
 // Parameter specs of one stage, in the order the stage stores them.

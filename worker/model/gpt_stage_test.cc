@@ -494,5 +494,52 @@ TEST(ParameterStoreTest, GradientsAndMomentsComeWithPlace) {
   EXPECT_TRUE(store->Place(kernels::Device::Cpu()).ok()) << "placing it again where it is changes nothing";
 }
 
+// ZeRO-1: each DP rank owns an aligned, padded shard of the flat buffer; the
+// moments shrink to it, the values and gradients are padded to the whole
+// group's shards (padding zero), and the values survive the placement.
+TEST(ParameterStoreTest, ShardingOverDpKeepsTheMomentsOfTheRanksShardOnly) {
+  const DpShard whole = DpShard::Of(100, 0, 1);
+  EXPECT_FALSE(whole.sharded());
+  EXPECT_EQ(whole.count, 100);
+  const DpShard last = DpShard::Of(100, 2, 3);  // ceil(100 / 3) = 34, aligned to 48
+  EXPECT_TRUE(last.sharded());
+  EXPECT_EQ(last.count, 48);
+  EXPECT_EQ(last.begin, 96);
+  EXPECT_EQ(last.padded(), 144);
+
+  ParameterSpec a, b;
+  a.name = "a";
+  a.full_shape = {10, 7};
+  a.shard = ShardSpec::Replicated(70);
+  a.init = InitKind::kOnes;
+  b.name = "b";
+  b.full_shape = {30};
+  b.shard = ShardSpec::Replicated(30);
+  absl::StatusOr<ParameterStore> plain = ParameterStore::Create({a, b}, 0, 1);
+  absl::StatusOr<ParameterStore> store = ParameterStore::Create({a, b}, 0, 1);
+  ASSERT_TRUE(plain.ok() && store.ok());
+  EXPECT_EQ(store->ShardOverDp(3, 3).code(), absl::StatusCode::kInvalidArgument) << "rank outside the group";
+  ASSERT_TRUE(store->ShardOverDp(2, 3).ok());
+  store->Initialize(1);
+  ASSERT_TRUE(plain->Place(kernels::Device::Cpu()).ok());
+  ASSERT_TRUE(store->Place(kernels::Device::Cpu()).ok());
+  EXPECT_EQ(store->ShardOverDp(0, 3).code(), absl::StatusCode::kFailedPrecondition) << "after Place";
+  EXPECT_EQ(store->values().numel(), 100);
+  EXPECT_EQ(store->padded_values().numel(), 144);
+  EXPECT_EQ(store->padded_grads().numel(), 144);
+  EXPECT_EQ(store->adam_m().numel(), 48);
+  EXPECT_EQ(store->shard_grads().numel(), 48);
+  EXPECT_EQ(store->shard_values().address(), store->padded_values().f32() + 96);
+  EXPECT_FALSE(store->Find("a")->adam_m.defined()) << "a parameter's moments may be cut by the shard";
+  EXPECT_EQ(store->Find("b")->offset, 70);
+  EXPECT_EQ(store->Find("a")->value.f32()[69], 1.0f) << "the values moved into the padded buffer";
+  EXPECT_EQ(store->padded_values().f32()[100], 0.0f);
+  const ParameterStore::MemoryBytes p = plain->memory_bytes(), z = store->memory_bytes();
+  EXPECT_EQ(z.optimizer, 2 * 48 * 4);
+  EXPECT_LT(z.optimizer, p.optimizer);
+  EXPECT_EQ(z.weights, 144 * 4);
+  EXPECT_EQ(z.grads, (144 + 48) * 4);
+}
+
 }  // namespace
 }  // namespace baton::model

@@ -106,6 +106,48 @@ absl::StatusOr<std::vector<float>> ParameterStore::ToHost(const kernels::Tensor&
   return out;
 }
 
+DpShard DpShard::Of(int64_t elements, int rank, int size) {
+  DpShard shard;
+  shard.elements = elements;
+  if (size <= 1) {
+    shard.count = elements;
+    return shard;
+  }
+  constexpr int64_t kAlign = 16;  // elements: 64 bytes of fp32
+  const int64_t per_rank = (elements + size - 1) / size;
+  shard.rank = rank;
+  shard.size = size;
+  shard.count = (per_rank + kAlign - 1) / kAlign * kAlign;
+  shard.begin = rank * shard.count;
+  return shard;
+}
+
+absl::Status ParameterStore::ShardOverDp(int dp_rank, int dp_size) {
+  if (grads_.defined()) {
+    return absl::FailedPreconditionError("ShardOverDp: the parameters are placed already; shard them before Place");
+  }
+  if (dp_size < 1 || dp_rank < 0 || dp_rank >= dp_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ShardOverDp: data-parallel rank ", dp_rank, " is outside a group of ", dp_size));
+  }
+  dp_shard_ = DpShard::Of(values_.numel(), dp_rank, dp_size);
+  return absl::OkStatus();
+}
+
+kernels::Tensor ParameterStore::shard_values() const {
+  if (!padded_values_.defined()) return kernels::Tensor();
+  return padded_values_.Rows(dp_shard_.begin, dp_shard_.begin + dp_shard_.count);
+}
+
+ParameterStore::MemoryBytes ParameterStore::memory_bytes() const {
+  auto bytes = [](const kernels::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.bytes()) : int64_t{0}; };
+  MemoryBytes m;
+  m.weights = (dp_shard_.sharded() ? bytes(padded_values_) : bytes(values_)) + bytes(values_bf16_);
+  m.grads = (dp_shard_.sharded() ? bytes(padded_grads_) : bytes(grads_)) + bytes(shard_grads_);
+  m.optimizer = bytes(adam_m_) + bytes(adam_v_);
+  return m;
+}
+
 absl::Status ParameterStore::Place(kernels::Device device) {
   if (grads_.defined()) {
     if (device == values_.device()) return absl::OkStatus();
@@ -114,23 +156,40 @@ absl::Status ParameterStore::Place(kernels::Device device) {
                                                       kernels::DeviceToString(device)));
   }
   const int64_t total = values_.numel();
-  const std::string bytes = absl::StrCat(" (", total * 4, " bytes)");
+  const bool sharded = dp_shard_.sharded();
+  // Sharded: values and gradients padded to the DP group's whole shards, the
+  // moments of this rank's shard only.
+  const int64_t flat = sharded ? dp_shard_.padded() : total;
+  const int64_t moments = sharded ? dp_shard_.count : total;
+  auto bytes = [](int64_t n) { return absl::StrCat(" (", n * 4, " bytes)"); };
   kernels::Tensor values = values_;
-  if (device != values_.device()) {
-    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {total});
-    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat("the parameter values", bytes));
-    values = *std::move(placed);
+  kernels::Tensor padded_values;
+  if (device != values_.device() || sharded) {
+    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {flat});
+    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat("the parameter values", bytes(flat)));
+    if (sharded) padded_values = *placed;
+    values = placed->Rows(0, total);
     BATON_RETURN_IF_ERROR(CopyAndWait(device, values, values_));
   }
-  kernels::Tensor zeroed[3];  // gradients, AdamW first and second moments
-  const char* what[3] = {"the gradients", "the AdamW first moments", "the AdamW second moments"};
-  for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {total});
-    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat(what[i], bytes));
+  kernels::Tensor zeroed[4];  // gradients, AdamW first and second moments, the shard's gradients
+  const char* what[4] = {"the gradients", "the AdamW first moments", "the AdamW second moments",
+                         "the data-parallel shard's gradients"};
+  const int64_t counts[4] = {flat, moments, moments, sharded ? dp_shard_.count : 0};
+  for (int i = 0; i < 4; ++i) {
+    if (counts[i] == 0 && i == 3) continue;
+    absl::StatusOr<kernels::Tensor> placed = kernels::ZerosOn(device, {counts[i]});
+    if (!placed.ok()) return WithContext(placed.status(), absl::StrCat(what[i], bytes(counts[i])));
     zeroed[i] = *std::move(placed);
   }
   values_ = std::move(values);
-  grads_ = std::move(zeroed[0]);
+  if (sharded) {
+    padded_values_ = std::move(padded_values);
+    padded_grads_ = zeroed[0];
+    grads_ = zeroed[0].Rows(0, total);
+    shard_grads_ = std::move(zeroed[3]);
+  } else {
+    grads_ = std::move(zeroed[0]);
+  }
   adam_m_ = std::move(zeroed[1]);
   adam_v_ = std::move(zeroed[2]);
   BindViews();
@@ -149,6 +208,7 @@ absl::StatusOr<ParameterStore> ParameterStore::Create(std::vector<ParameterSpec>
 
 ParameterStore::ParameterStore(std::vector<ParameterSpec> specs, kernels::Tensor values, int tp_rank, int tp_size)
     : values_(std::move(values)), tp_rank_(tp_rank), tp_size_(tp_size) {
+  dp_shard_ = DpShard::Of(values_.numel(), 0, 1);
   for (ParameterSpec& spec : specs) {
     Parameter p;
     p.spec = std::move(spec);
@@ -167,10 +227,11 @@ void ParameterStore::BindViews() {
     auto view = [&](const kernels::Tensor& flat) {
       return flat.defined() ? flat.Rows(offset, offset + n).Reshaped(local) : kernels::Tensor();
     };
+    p.offset = offset;
     p.value = view(values_);
     p.grad = view(grads_);
-    p.adam_m = view(adam_m_);
-    p.adam_v = view(adam_v_);
+    p.adam_m = dp_shard_.sharded() ? kernels::Tensor() : view(adam_m_);
+    p.adam_v = dp_shard_.sharded() ? kernels::Tensor() : view(adam_v_);
     offset += n;
   }
 }

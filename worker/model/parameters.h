@@ -62,6 +62,11 @@ struct ParameterSpec {
 struct Parameter {
   ParameterSpec spec;
   kernels::Tensor value, grad, adam_m, adam_v;  // local shard, views into the store
+  // Where `value` starts in the store's flat buffers (elements). With the
+  // optimizer state sharded over DP (ParameterStore::ShardOverDp) adam_m and
+  // adam_v are undefined: the moments of this rank's DP shard live in the
+  // store's flat adam_m() / adam_v(), which may cut through any parameter.
+  int64_t offset = 0;
   // bf16 copy of `value` (GEMM weights with bf16 copies; undefined
   // otherwise). AdamW rewrites it with every update; RefreshBf16Copies sets
   // it from `value` (after initialisation or a restore).
@@ -75,6 +80,23 @@ int64_t LocalElements(const ShardSpec& shard, int size);
 
 // Deterministic N(0, std) values for element indices [0, n) of `name`.
 void FillNormal(uint64_t seed, const std::string& name, float std, float* out, int64_t n);
+
+// The DP shard of a stage's flat buffers under ZeRO-1 (parallel.zero_stage):
+// the flat buffer of `elements` is padded to `size` * `count`, and DP rank
+// `rank` owns elements [begin, begin + count), begin = rank * count. The
+// count is ceil(elements / size) rounded up to 16 elements (64 bytes), so
+// every rank's shard is aligned. Unsharded: size 1, the whole buffer.
+struct DpShard {
+  int rank = 0;
+  int size = 1;
+  int64_t elements = 0;  // the stage's parameter elements on this TP rank
+  int64_t begin = 0;
+  int64_t count = 0;
+  int64_t padded() const { return count * size; }
+  bool sharded() const { return size > 1; }
+
+  static DpShard Of(int64_t elements, int rank, int size);
+};
 
 class ParameterStore {
  public:
@@ -93,6 +115,14 @@ class ParameterStore {
   // first; parameter views rebound. Out of memory: OutOfMemoryError, and
   // the store is unchanged.
   absl::Status Place(kernels::Device device);
+  // ZeRO-1: keeps the AdamW moments of DP rank `dp_rank`'s shard only (of
+  // `dp_size`; DpShard), and a gradient buffer of that shard for the
+  // reduce-scatter; the values and gradients are padded to DpShard::padded
+  // so an all-gather and a reduce-scatter move them in one piece. Call
+  // before Place. INVALID_ARGUMENT for a rank outside the group; after
+  // Place, FAILED_PRECONDITION.
+  absl::Status ShardOverDp(int dp_rank, int dp_size);
+  const DpShard& dp_shard() const { return dp_shard_; }
   kernels::Device device() const { return values_.device(); }
   // Gives every GEMM weight (ParameterSpec::gemm_weight) a bf16 copy, one
   // flat bf16 buffer on device() (call after Place), and fills it with
@@ -116,11 +146,29 @@ class ParameterStore {
   // Every gradient of the stage in one buffer (for zeroing, or one
   // data-parallel all-reduce).
   const kernels::Tensor& grads() const { return grads_; }
-  // The flat values and AdamW moments (same order as grads()), for
-  // capturing and restoring a stage's state.
+  // The flat values (same order as grads()), for capturing and restoring a
+  // stage's state.
   const kernels::Tensor& values() const { return values_; }
+  // The AdamW moments: of every value, or of the DP shard's values
+  // (dp_shard().count elements) when sharded.
   const kernels::Tensor& adam_m() const { return adam_m_; }
   const kernels::Tensor& adam_v() const { return adam_v_; }
+  // Sharded only (undefined otherwise): the values and gradients padded to
+  // dp_shard().padded() (grads() and values() are their first elements; the
+  // padding stays zero), the shard's part of the values, and the shard's
+  // gradient, where the reduce-scatter puts it.
+  const kernels::Tensor& padded_values() const { return padded_values_; }
+  const kernels::Tensor& padded_grads() const { return padded_grads_; }
+  kernels::Tensor shard_values() const;
+  const kernels::Tensor& shard_grads() const { return shard_grads_; }
+
+  // Bytes this store holds on its device, by kind: the fp32 values and bf16
+  // copies ("weights"), the gradients and the shard's gradient ("grads"),
+  // the two AdamW moments ("optimizer").
+  struct MemoryBytes {
+    int64_t weights = 0, grads = 0, optimizer = 0;
+  };
+  MemoryBytes memory_bytes() const;
 
  private:
   ParameterStore(std::vector<ParameterSpec> specs, kernels::Tensor values, int tp_rank, int tp_size);
@@ -131,6 +179,8 @@ class ParameterStore {
   std::vector<Parameter> params_;
   kernels::Tensor values_, grads_, adam_m_, adam_v_;
   kernels::Tensor values_bf16_;  // GEMM weights' bf16 copies, when allocated
+  kernels::Tensor padded_values_, padded_grads_, shard_grads_;  // sharded only
+  DpShard dp_shard_;
   int tp_rank_, tp_size_;
 };
 
