@@ -393,7 +393,7 @@ TEST(SyntheticResumeTest, SyntheticChunksSaveAndLoadTheirWeightAndStep) {
   AsyncWriter writer;
   std::vector<std::string> files;
   ASSERT_TRUE(writer
-                  .Save(dir, 1, {{0, 0, 1, chunks[0].get()}, {1, 0, 1, chunks[1].get()}},
+                  .Save(dir, 1, {{0, 0, 1, chunks[0].get(), {}}, {1, 0, 1, chunks[1].get(), {}}},
                         [&](const SaveResult& r) { files = r.files; })
                   .ok());
   writer.Flush();
