@@ -5,7 +5,8 @@
 #
 # Run r draws its schedule from random.Random("SEED-r"): a layout from
 #   PP=3 1F1B, PP=2xTP=2 1F1B, PP=2xTP=2xDP=2 1F1B, PP=3xTP=2 interleaved v=2,
-#   PP=2xTP=2xDP=2 interleaved v=3 (6 layers, 6 microbatches)
+#   PP=2xTP=2xDP=2 interleaved v=3, the same under ZeRO-1 (zero_stage 1)
+#   (6 layers, 6 microbatches)
 # and one fault: kind (SIGKILL 70%, SIGSTOP past the lease 30%, half of those
 # thawed with SIGCONT 4-6 s later), a random rank (stage, tp, dp), a step N in
 # [5, STEPS*2/3] and an offset of 0-40 ms after `batonctl local` saw step N
@@ -51,20 +52,22 @@ batonctl = os.path.join(bin_dir, "cli/batonctl")
 LEASE_S = 3.0  # baton-coordinator's default --lease_ms
 RUN_LIMIT_S = 300
 
-# name, pp, tp, dp, virtual_stages, schedule, microbatches
+# name, pp, tp, dp, virtual_stages, schedule, microbatches[, zero_stage]
 LAYOUTS = [
     ("pp3_1f1b", 3, 1, 1, 1, "1f1b", 4),
     ("pp2tp2_1f1b", 2, 2, 1, 1, "1f1b", 4),
     ("pp2tp2dp2_1f1b", 2, 2, 2, 1, "1f1b", 4),
     ("pp3tp2_interleaved", 3, 2, 1, 2, "interleaved", 6),
     ("pp2tp2dp2_interleaved", 2, 2, 2, 3, "interleaved", 6),
+    ("pp2tp2dp2_interleaved_zero1", 2, 2, 2, 3, "interleaved", 6, 1),
 ]
 
 def job_text(l):
-    name, pp, tp, dp, v, kind, mb = l
+    name, pp, tp, dp, v, kind, mb = l[:7]
+    zero = l[7] if len(l) > 7 else 0
     return f'''name: "chaos"
 model {{ layers: 6 d_model: 32 heads: 4 vocab: 16 seq_len: 20 }}
-parallel {{ pp: {pp} tp: {tp} dp: {dp} virtual_stages: {v} }}
+parallel {{ pp: {pp} tp: {tp} dp: {dp} virtual_stages: {v} zero_stage: {zero} }}
 schedule {{ kind: "{kind}" microbatches: {mb} }}
 train {{ steps: {steps} micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 5 }}
 data {{ synthetic {{ task: "addition" }} }}

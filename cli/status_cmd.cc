@@ -35,6 +35,9 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
         ",\"bubble_ratio\":", JsonNumber(st.bubble_ratio()),
         ",\"comm_ratio\":", JsonNumber(st.comm_ratio()),
         ",\"tokens_per_second\":", JsonNumber(st.tokens_per_second()),
+        ",\"weights_bytes\":", st.weights_bytes(),
+        ",\"grads_bytes\":", st.grads_bytes(),
+        ",\"optimizer_bytes\":", st.optimizer_bytes(),
         ",\"workers\":[", absl::StrJoin(workers, ","), "]}"));
   }
   std::vector<std::string> workers;
@@ -138,13 +141,15 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
       out << absl::StrFormat("eval after step %d: loss %.4f  perplexity %.2f\n", status.eval_step(),
                              status.eval_loss(), status.eval_perplexity());
     }
-    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE", "COMM",
-                           "TOK/S", "WORKERS");
+    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %-24s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE", "COMM",
+                           "TOK/S", "STATE W/G/OPT MiB", "WORKERS");
     for (const v1::StageStatus& st : status.stages()) {
-      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %s\n", st.pp_rank(), st.step(),
+      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %-24s %s\n", st.pp_rank(), st.step(),
                              st.pp_rank() + 1 == status.stages_size() ? absl::StrFormat("%.4f", st.loss()) : "-",
                              absl::StrFormat("%.1f%%", 100 * st.bubble_ratio()),
                              absl::StrFormat("%.1f%%", 100 * st.comm_ratio()), st.tokens_per_second(),
+                             absl::StrFormat("%.1f/%.1f/%.1f", st.weights_bytes() / 1048576.0,
+                                             st.grads_bytes() / 1048576.0, st.optimizer_bytes() / 1048576.0),
                              absl::StrJoin(st.workers(), ","));
     }
   }

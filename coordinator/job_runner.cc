@@ -1598,6 +1598,8 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
   rec.tokens_per_second = tokens / wall;
   rec.epoch = epoch;
   double bubble = 0, comm = 0, worker_wall = 0;
+  // The most any one worker sent or holds (the rank that bounds the job).
+  int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0;
   std::map<int, v1::StageStatus> stages;
   bool replay = false;
   std::optional<absl::Duration> recovered_in;
@@ -1641,11 +1643,19 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       bubble += s.bubble_seconds();
       comm += c;
       worker_wall += s.wall_seconds();
+      max_tp_bytes = std::max(max_tp_bytes, s.comm_tp_bytes());
+      max_dp_bytes = std::max(max_dp_bytes, s.comm_dp_bytes());
+      max_weights = std::max(max_weights, s.weights_bytes());
+      max_grads = std::max(max_grads, s.grads_bytes());
+      max_optimizer = std::max(max_optimizer, s.optimizer_bytes());
       v1::StageStatus& st = stages[assigned_[name].pp_rank()];
       st.set_pp_rank(assigned_[name].pp_rank());
       st.set_step(step);
       st.set_bubble_ratio(st.bubble_ratio() + s.bubble_seconds() / std::max(1e-9, s.wall_seconds()));
       st.set_comm_ratio(st.comm_ratio() + c / std::max(1e-9, s.wall_seconds()));
+      st.set_weights_bytes(std::max(st.weights_bytes(), s.weights_bytes()));
+      st.set_grads_bytes(std::max(st.grads_bytes(), s.grads_bytes()));
+      st.set_optimizer_bytes(std::max(st.optimizer_bytes(), s.optimizer_bytes()));
       st.add_workers(name);
     }
     for (auto& [pp, st] : stages) {
@@ -1684,7 +1694,9 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"accuracy\": ", Num(rec.accuracy), ", \"grad_norm\": ", Num(norm), ", \"clip\": ", Num(clip),
       ", \"wall_seconds\": ", Num(wall), ", \"tokens_per_second\": ", Num(rec.tokens_per_second),
       ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio),
-      ", \"epoch\": ", epoch, "}"));
+      ", \"epoch\": ", epoch, ", \"max_tp_bytes\": ", max_tp_bytes, ", \"max_dp_bytes\": ", max_dp_bytes,
+      ", \"max_weights_bytes\": ", max_weights, ", \"max_grads_bytes\": ", max_grads,
+      ", \"max_optimizer_bytes\": ", max_optimizer, "}"));
 }
 
 bool JobRunner::CheckpointDue(int64_t step) const {

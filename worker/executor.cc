@@ -288,6 +288,8 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
   compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
+  tp_bytes_at_start_ = tp_ != nullptr ? tp_->collective_bytes_sent() : 0;
+  dp_bytes_at_start_ = dp_ != nullptr ? dp_->collective_bytes_sent() : 0;
   if (tp_ != nullptr) {
     // What a failed step's collectives left (they may never have run).
     if (std::shared_ptr<comm::StreamCollectives> coll = comm::StreamCollectives::Find(*tp_)) coll->ForgetStreamSeconds();
@@ -865,6 +867,18 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   done.set_comm_tp_seconds(tp_comm_);
   done.set_comm_dp_seconds(dp_comm_);
   done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_));
+  if (tp_ != nullptr) done.set_comm_tp_bytes(tp_->collective_bytes_sent() - tp_bytes_at_start_);
+  if (dp_ != nullptr) done.set_comm_dp_bytes(dp_->collective_bytes_sent() - dp_bytes_at_start_);
+  int64_t weights = 0, grads = 0, optimizer = 0;
+  for (const auto& [stage, model] : chunks_) {
+    const model::ParameterStore::MemoryBytes m = model->MemoryBytes();
+    weights += m.weights;
+    grads += m.grads;
+    optimizer += m.optimizer;
+  }
+  done.set_weights_bytes(weights);
+  done.set_grads_bytes(grads);
+  done.set_optimizer_bytes(optimizer);
   for (v1::TraceEvent& e : events_) *done.add_events() = std::move(e);
   events_.clear();
   return done;

@@ -212,6 +212,8 @@ class StepExecutor {
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
+  // Communicators' collective_bytes_sent() when the step started.
+  int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0;
   double tp_waited_at_start_ = 0;  // tp_->waited_seconds() when the step started
   bool trace_ = false;
   std::vector<v1::TraceEvent> events_;

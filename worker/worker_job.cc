@@ -116,6 +116,10 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                       .Name("baton_comm_seconds_total")
                       .Help("Time data was moving or a collective ran, by kind (p2p, tp, dp)")
                       .Register(metrics);
+  comm_bytes_family_ = &prometheus::BuildCounter()
+                            .Name("baton_comm_bytes_total")
+                            .Help("Payload bytes this worker's collectives sent, by group (tp, dp)")
+                            .Register(metrics);
   bubble_family_ = &prometheus::BuildCounter()
                         .Name("baton_bubble_seconds_total")
                         .Help("Time idle waiting for a peer: wall - compute - comm")
@@ -502,18 +506,13 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   const int64_t syncs = kernels::HostSyncCount();
   host_syncs_family_->Add(l).Increment(static_cast<double>(std::max<int64_t>(0, syncs - host_syncs_seen_)));
   host_syncs_seen_ = syncs;
+  comm_bytes_family_->Add(with_kind("tp")).Increment(static_cast<double>(done.comm_tp_bytes()));
+  comm_bytes_family_->Add(with_kind("dp")).Increment(static_cast<double>(done.comm_dp_bytes()));
   // The model state this worker holds, by kind, on any device (ZeRO-1
   // divides "optimizer" by dp).
-  model::ParameterStore::MemoryBytes state;
-  for (const auto& [c, model] : job_->chunks) {
-    const model::ParameterStore::MemoryBytes m = model->MemoryBytes();
-    state.weights += m.weights;
-    state.grads += m.grads;
-    state.optimizer += m.optimizer;
-  }
-  device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(state.weights));
-  device_memory_family_->Add(with_kind("grads")).Set(static_cast<double>(state.grads));
-  device_memory_family_->Add(with_kind("optimizer")).Set(static_cast<double>(state.optimizer));
+  device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(done.weights_bytes()));
+  device_memory_family_->Add(with_kind("grads")).Set(static_cast<double>(done.grads_bytes()));
+  device_memory_family_->Add(with_kind("optimizer")).Set(static_cast<double>(done.optimizer_bytes()));
   if (!job_->device.is_cpu()) {  // the CPU's memory is not counted by the backend
     const kernels::MemoryStats memory = kernels::GetMemoryStats(job_->device);
     device_memory_family_->Add(with_kind("in_use")).Set(static_cast<double>(memory.in_use_bytes));

@@ -167,6 +167,7 @@ class WorkerJob {
   prometheus::Family<prometheus::Counter>* wall_family_;
   prometheus::Family<prometheus::Counter>* compute_family_;
   prometheus::Family<prometheus::Counter>* comm_family_;
+  prometheus::Family<prometheus::Counter>* comm_bytes_family_;
   prometheus::Family<prometheus::Counter>* bubble_family_;
   prometheus::Family<prometheus::Counter>* tokens_family_;
   prometheus::Family<prometheus::Gauge>* loss_family_;

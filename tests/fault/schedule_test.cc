@@ -13,7 +13,8 @@
 //     and --resume takes the previous complete one, bitwise;
 //   - kill -9 of a TP rank or a DP rank at a seeded point inside a seeded step
 //     (--inject ...,after_ms=M lands in forward, backward, optimizer or
-//     all-reduce) in PP=3xTP=2 and PP=2xTP=2xDP=2, 1F1B and interleaved.
+//     all-reduce) in PP=3xTP=2 and PP=2xTP=2xDP=2, 1F1B and interleaved,
+//     and a DP rank under ZeRO-1 (parallel.zero_stage 1).
 // Each run asserts that the job completes (bounded: nothing hangs), its
 // per-step losses and final weights are bitwise equal to the fault-free run,
 // and the survivors kept their processes (same PIDs).
@@ -385,6 +386,17 @@ TEST(FaultScheduleTest, DataParallelRankPp2Tp2Dp2Interleaved) {
 
 TEST(FaultScheduleTest, DataParallelReplicaZeroPp2Tp2Dp2OneFOneB) {
   KillAtSeededPoint("pp2tp2dp2_1f1b_dp0", Pp2Tp2Dp2("1f1b", 1), 0, 1, 0, 4);
+}
+
+// Under ZeRO-1 the killed rank's moment shard exists only in its buddy's
+// snapshot (no DP replica holds it); three chunks per rank, so the
+// reduce-scatter and the all-gather run per chunk, and grad_clip uses the
+// norm summed over the shards.
+TEST(FaultScheduleTest, DataParallelRankUnderZeroStage1Pp2Tp2Dp2Interleaved) {
+  Layout l = Pp2Tp2Dp2("interleaved", 3);
+  l.parallel_extra = "zero_stage: 1";
+  l.extra_name = "_zero1";
+  KillAtSeededPoint("pp2tp2dp2_interleaved_zero1_dp", l, 1, 1, 1, 5);
 }
 
 }  // namespace

@@ -19,6 +19,18 @@ StepLosses ReadStepLosses(const std::string& path) {
   return losses;
 }
 
+std::vector<double> ReadStepField(const std::string& path, const std::string& key) {
+  std::vector<double> values;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    auto v = JsonValue::Parse(line);
+    if (!v.ok() || v->Find("step") == nullptr) continue;
+    const JsonValue* x = v->Find(key);
+    if (x != nullptr && x->is_number()) values.push_back(x->number());
+  }
+  return values;
+}
+
 std::vector<EvalLine> ReadEvalLines(const std::string& path) {
   std::vector<EvalLine> lines;
   std::ifstream in(path);

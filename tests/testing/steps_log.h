@@ -28,6 +28,10 @@ struct EvalLine {
 };
 std::vector<EvalLine> ReadEvalLines(const std::string& path);
 
+// Numeric field `key` of every step line of `path` that has it, in file
+// order (e.g. "max_optimizer_bytes", "max_dp_bytes").
+std::vector<double> ReadStepField(const std::string& path, const std::string& key);
+
 }  // namespace baton::testing
 
 #endif  // BATON_TESTS_TESTING_STEPS_LOG_H_

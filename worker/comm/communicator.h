@@ -103,6 +103,15 @@ class Communicator {
   // Completes every pending op with ABORTED; later ops fail fast.
   virtual void Abort(absl::string_view reason) = 0;
 
+  // Payload bytes this rank's collectives (not Send/Recv) have sent since
+  // the communicator was made, counted when a collective completes. Gloo
+  // counts what its rings hand to the transport (a ring all-reduce of S
+  // bytes sends 2(n-1)/n S; reduce-scatter and all-gather (n-1)/n S, S the
+  // whole buffer); NCCL counts the same ring volume (nccl-tests' bus bytes:
+  // its own algorithm choice is not visible); wrappers pass it through;
+  // inproc counts nothing.
+  virtual int64_t collective_bytes_sent() const { return 0; }
+
   // Stream-ordered point-to-point, for communicators whose ops run on CUDA
   // streams (NCCL; RunsOnStreams()): enqueues `ops` as one group on the
   // caller's CUDA stream `stream` (a cudaStream_t), after the work already

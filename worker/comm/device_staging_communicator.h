@@ -41,6 +41,7 @@ class DeviceStagingCommunicator : public Communicator {
   std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
                                   std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
+  int64_t collective_bytes_sent() const override { return host_->collective_bytes_sent(); }
 
  private:
   const std::unique_ptr<Communicator> host_;

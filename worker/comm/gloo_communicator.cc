@@ -337,6 +337,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   // link_ under mu_) before the op is posted; io_done_ belongs to whoever
   // moves its bytes.
   std::shared_ptr<PeerLink> link_;
+  std::atomic<int64_t> sent_{0};
   bool io_recv_ = false;
   uint64_t io_tag_ = 0;
   char* io_data_ = nullptr;
@@ -505,6 +506,11 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return true;
   }
+
+  // Payload bytes this collective handed to the transport (only the thread
+  // running it counts).
+  void CountSent(size_t bytes) { sent_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed); }
+  int64_t sent() const { return sent_.load(std::memory_order_relaxed); }
 
   // Zeroed scratch memory that lives as long as this op.
   char* Scratch(size_t bytes) {
@@ -1307,6 +1313,7 @@ absl::Status Exchange(GlooWork& w, UnboundBuffer* send_ub, size_t send_off, size
   try {
     if (recv_n > 0) recv_ub->recv(from, slot, recv_off, recv_n);
     if (send_n > 0) send_ub->send(to, slot, send_off, send_n);
+    w.CountSent(send_n);
   } catch (const std::exception& e) {
     return GlooError(w, e);
   }
@@ -1752,6 +1759,7 @@ std::shared_ptr<Work> GlooCommunicator::EnqueueCollective(std::string what, Coll
       return;
     }
     status = run(*work, seq);
+    collective_bytes_sent_.fetch_add(work->sent(), std::memory_order_relaxed);
     if (!status.ok() && !absl::IsAborted(status)) {
       // A failed collective leaves the group out of step and Gloo may still
       // hold this op's buffers on other pairs: abort, so none is touched.
@@ -1940,6 +1948,7 @@ absl::Status GlooCommunicator::DirectBroadcast(GlooWork& w, uint64_t seq, Buffer
     if (ub == nullptr) return absl::AbortedError(absl::StrCat(w.what(), ": aborted"));
     try {
       ub->send(peer, slot);
+      w.CountSent(buf.bytes());
     } catch (const std::exception& e) {
       return GlooError(w, e);
     }
@@ -1966,6 +1975,7 @@ absl::Status GlooCommunicator::AllToAllBarrier(GlooWork& w, uint64_t seq) {
     try {
       in->recv(peer, slot);
       out->send(peer, slot);
+      w.CountSent(1);
     } catch (const std::exception& e) {
       return GlooError(w, e);
     }
@@ -2022,6 +2032,7 @@ absl::Status GlooCommunicator::PairwiseAllToAllV(GlooWork& w, uint64_t seq, Buff
     try {
       from->recv(peer, counts_slot);
       to->send(peer, counts_slot);
+      w.CountSent(kRecord);
     } catch (const std::exception& e) {
       return GlooError(w, e);
     }
@@ -2068,6 +2079,7 @@ absl::Status GlooCommunicator::PairwiseAllToAllV(GlooWork& w, uint64_t seq, Buff
       try {
         from->recv(peer, token_slot);
         to->send(peer, token_slot);
+        w.CountSent(1);
       } catch (const std::exception&) {
         return disagreement;
       }

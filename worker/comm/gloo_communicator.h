@@ -45,6 +45,7 @@
 #ifndef BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_
 #define BATON_WORKER_COMM_GLOO_COMMUNICATOR_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -110,6 +111,9 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
                                   std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
+  int64_t collective_bytes_sent() const override {
+    return collective_bytes_sent_.load(std::memory_order_relaxed);
+  }
 
  private:
   using Collective = std::function<absl::Status(GlooWork&, uint64_t seq)>;
@@ -173,6 +177,7 @@ class GlooCommunicator : public Communicator {
   std::unique_ptr<LinkPoller> poller_;
   std::vector<std::shared_ptr<PeerLink>> links_;
   std::vector<char> executor_scratch_[2];
+  std::atomic<int64_t> collective_bytes_sent_{0};
   // Standing receives, indexed by peer (see WatchPeer), and their target.
   std::vector<char> sentinel_bytes_;
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> sentinels_;

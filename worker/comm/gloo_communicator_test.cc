@@ -356,6 +356,40 @@ TEST_P(GlooCollectivesTest, MatchASequentialReference) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GlooCollectivesTest, ::testing::Range(2, 9));
 
+// collective_bytes_sent is what the rings sent: an all-reduce of S bytes
+// 2(n-1)/n S (chunks of an S not divisible by n as they fall), reduce-scatter
+// and all-gather (n-1)/n S, so ZeRO's pair moves what the all-reduce moves;
+// Send/Recv are not counted.
+TEST(GlooCollectivesTest, BytesSentByEachCollectiveAreTheRingVolume) {
+  const int n = 4;
+  InMemoryStore store;
+  auto comms = Group(store, "bytes", n);
+  const int64_t shard = 1024;  // floats per rank
+  const int64_t s = shard * n * 4;  // the whole buffer, in bytes
+  OnEachRank(n, [&](int r) {
+    Communicator& c = *comms[r];
+    EXPECT_EQ(c.collective_bytes_sent(), 0);
+    std::vector<float> full(shard * n, 1.0f), part(shard);
+    ASSERT_TRUE(c.AllReduceSum(Buffer::Host(full.data(), shard * n))->Wait(kWait).ok());
+    const int64_t after_all_reduce = c.collective_bytes_sent();
+    EXPECT_EQ(after_all_reduce, 2 * (n - 1) * s / n) << "rank " << r;
+    ASSERT_TRUE(c.ReduceScatterSum(Buffer::Host(full.data(), shard * n), Buffer::Host(part.data(), shard))
+                    ->Wait(kWait).ok());
+    ASSERT_TRUE(c.AllGather(Buffer::Host(part.data(), shard), Buffer::Host(full.data(), shard * n))
+                    ->Wait(kWait).ok());
+    EXPECT_EQ(c.collective_bytes_sent() - after_all_reduce, after_all_reduce)
+        << "rank " << r << ": reduce-scatter + all-gather should move what the all-reduce moved";
+    const int64_t before_p2p = c.collective_bytes_sent();
+    float x = 1;
+    const int peer = r ^ 1;
+    auto send = c.Send(Buffer::Host(&x, 1), peer, 5);
+    float y = 0;
+    ASSERT_TRUE(c.Recv(Buffer::Host(&y, 1), peer, 5)->Wait(kWait).ok());
+    ASSERT_TRUE(send->Wait(kWait).ok());
+    EXPECT_EQ(c.collective_bytes_sent(), before_p2p) << "point-to-point is not a collective";
+  });
+}
+
 TEST(GlooCollectivesTest, BarrierHoldsEveryRankUntilTheLastArrives) {
   InMemoryStore store;
   const int n = 3;

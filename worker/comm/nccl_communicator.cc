@@ -370,6 +370,7 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSum(Buffer buf) {
   std::string what = absl::StrCat("AllReduceSum(", buf.count, " elements)");
   absl::Status valid = CheckDevice(buf, what);
   if (!valid.ok()) return Failed(std::move(what), valid);
+  CountBusBytes(2 * static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(buf.bytes()) / options_.size);
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclAllReduce(buf.data, buf.data, buf.count, NcclType(buf.dtype), ncclSum, comm_,
                          stream_);
@@ -385,6 +386,7 @@ std::shared_ptr<Work> NcclCommunicator::AllGather(Buffer in, Buffer out) {
         absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
+  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(in.bytes()));
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclAllGather(in.data, out.data, in.count, NcclType(in.dtype), comm_, stream_);
   });
@@ -399,6 +401,7 @@ std::shared_ptr<Work> NcclCommunicator::ReduceScatterSum(Buffer in, Buffer out) 
         absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
+  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(out.bytes()));
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclReduceScatter(in.data, out.data, out.count, NcclType(in.dtype), ncclSum, comm_,
                              stream_);
@@ -412,6 +415,7 @@ std::shared_ptr<Work> NcclCommunicator::Broadcast(Buffer buf, int root) {
     valid = absl::InvalidArgumentError(absl::StrCat(what, ": no such root"));
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
+  if (root == options_.rank && options_.size > 1) CountBusBytes(static_cast<int64_t>(buf.bytes()));
   return Issue(std::move(what), root == options_.rank ? -1 : root,
                [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
                  return ncclBroadcast(buf.data, buf.data, buf.count, NcclType(buf.dtype), root,
@@ -439,6 +443,11 @@ std::shared_ptr<Work> NcclCommunicator::AllToAllV(Buffer in, std::vector<int64_t
   const size_t es = DTypeSize(in.dtype);
   const std::vector<int64_t> send_off = ChunkOffsets(send_counts);
   const std::vector<int64_t> recv_off = ChunkOffsets(recv_counts);
+  int64_t sent = 0;
+  for (int peer = 0; peer < options_.size; ++peer) {
+    if (peer != options_.rank) sent += send_counts[peer] * static_cast<int64_t>(es);
+  }
+  CountBusBytes(sent);
   const ncclDataType_t type = NcclType(in.dtype);
   char* src = static_cast<char*>(in.data);
   char* dst = static_cast<char*>(out.data);
@@ -535,6 +544,7 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSumOnStream(Buffer buf, void* s
                                          : CheckDevice(buf, what);
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
+  CountBusBytes(2 * static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(buf.bytes()) / options_.size);
   return Issue(
       std::move(what), -1,
       [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -554,6 +564,7 @@ std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out,
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
+  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(in.bytes()));
   return Issue(
       std::move(what), -1,
       [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {

@@ -79,6 +79,8 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
                                   std::vector<int64_t> recv_counts) override;
   void Abort(absl::string_view reason) override;
+  // Counted when a collective is enqueued, as the ring volume (bus bytes).
+  int64_t collective_bytes_sent() const override { return bus_bytes_.load(std::memory_order_relaxed); }
 
   bool RunsOnStreams() const override { return true; }
   std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override;
@@ -105,6 +107,7 @@ class NcclCommunicator : public Communicator {
   ncclResult_t AwaitReady(ncclResult_t result, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDevice(const Buffer& b, absl::string_view what) const;
+  void CountBusBytes(int64_t bytes) { bus_bytes_.fetch_add(bytes, std::memory_order_relaxed); }
   void AbortWith(absl::Status status, const NcclWork* culprit, absl::Status culprit_status);
   void WatchdogLoop();
 
@@ -121,6 +124,7 @@ class NcclCommunicator : public Communicator {
   std::vector<std::shared_ptr<NcclWork>> pending_ ABSL_GUARDED_BY(mu_);
   // Lets Abort() and the watchdog cut short a poll that holds mu_.
   std::atomic<bool> abort_requested_{false};
+  std::atomic<int64_t> bus_bytes_{0};  // collective_bytes_sent()
   std::thread watchdog_;
 
   // --- Parent + split per job generation (communicator_factory.h) ---

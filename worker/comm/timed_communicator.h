@@ -40,6 +40,7 @@ class TimedCommunicator : public Communicator {
     return Wrap(inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts)));
   }
   void Abort(absl::string_view reason) override { inner_->Abort(reason); }
+  int64_t collective_bytes_sent() const override { return inner_->collective_bytes_sent(); }
   // Stream-ordered ops pass through untimed: nothing waits for them on the
   // host (their time is the stream's).
   bool RunsOnStreams() const override { return inner_->RunsOnStreams(); }
