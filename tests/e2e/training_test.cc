@@ -187,7 +187,8 @@ TEST(TrainingTest, ZeroStage1TrainsLikeOneWorkerAndIsBitwiseReproducible) {
     if (l.pp != 1 || l.tp != 2) continue;
     // What the workers report (StepDone, steps.jsonl) against the same
     // layout without ZeRO: the moments halve (padded shards: within 1%),
-    // weights and gradients stay (padding aside), and the reduce-scatter
+    // weights stay, gradients are the full buffer plus the shard (1 + 1/dp;
+    // padding aside), and the reduce-scatter
     // plus all-gather send what the all-reduce sent (the ZeRO paper's
     // volume; ring chunks and padding: within 1%).
     const RunResult dense = RunJob(l.Name(), GptJob(l));
@@ -199,7 +200,7 @@ TEST(TrainingTest, ZeroStage1TrainsLikeOneWorkerAndIsBitwiseReproducible) {
     const double dense_moments = last(ds, "max_optimizer_bytes");
     ASSERT_GT(dense_moments, 0);
     EXPECT_NEAR(last(zs, "max_optimizer_bytes") / dense_moments, 0.5, 0.005);
-    EXPECT_NEAR(last(zs, "max_grads_bytes") / last(ds, "max_grads_bytes"), 1.0, 0.01);
+    EXPECT_NEAR(last(zs, "max_grads_bytes") / last(ds, "max_grads_bytes"), 1.5, 0.01);
     EXPECT_NEAR(last(zs, "max_weights_bytes") / last(ds, "max_weights_bytes"), 1.0, 0.01);
     const double dense_dp = last(ds, "max_dp_bytes");
     ASSERT_GT(dense_dp, 0);
