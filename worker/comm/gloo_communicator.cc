@@ -337,7 +337,6 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   // link_ under mu_) before the op is posted; io_done_ belongs to whoever
   // moves its bytes.
   std::shared_ptr<PeerLink> link_;
-  std::atomic<int64_t> sent_{0};
   bool io_recv_ = false;
   uint64_t io_tag_ = 0;
   char* io_data_ = nullptr;
@@ -509,8 +508,8 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
 
   // Payload bytes this collective handed to the transport (only the thread
   // running it counts).
-  void CountSent(size_t bytes) { sent_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed); }
-  int64_t sent() const { return sent_.load(std::memory_order_relaxed); }
+  void CountSent(size_t bytes) { sent_ += static_cast<int64_t>(bytes); }
+  int64_t sent() const { return sent_; }
 
   // Zeroed scratch memory that lives as long as this op.
   char* Scratch(size_t bytes) {
@@ -603,6 +602,7 @@ class GlooWork : public Work, public std::enable_shared_from_this<GlooWork> {
   bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::unique_ptr<UnboundBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
   std::deque<std::vector<char>> scratch_ ABSL_GUARDED_BY(mu_);
+  int64_t sent_ = 0;  // CountSent: the collective's thread only
 };
 
 // A direct TCP connection to one peer that carries this communicator's

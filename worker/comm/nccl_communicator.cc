@@ -370,7 +370,7 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSum(Buffer buf) {
   std::string what = absl::StrCat("AllReduceSum(", buf.count, " elements)");
   absl::Status valid = CheckDevice(buf, what);
   if (!valid.ok()) return Failed(std::move(what), valid);
-  CountBusBytes(2 * static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(buf.bytes()) / options_.size);
+  CountAllReduceBytes(buf.bytes());
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclAllReduce(buf.data, buf.data, buf.count, NcclType(buf.dtype), ncclSum, comm_,
                          stream_);
@@ -386,7 +386,7 @@ std::shared_ptr<Work> NcclCommunicator::AllGather(Buffer in, Buffer out) {
         absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
-  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(in.bytes()));
+  CountAllGatherBytes(in.bytes());
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclAllGather(in.data, out.data, in.count, NcclType(in.dtype), comm_, stream_);
   });
@@ -401,7 +401,7 @@ std::shared_ptr<Work> NcclCommunicator::ReduceScatterSum(Buffer in, Buffer out) 
         absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
-  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(out.bytes()));
+  CountAllGatherBytes(out.bytes());  // the reduce-scatter's ring volume is the all-gather's
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return ncclReduceScatter(in.data, out.data, out.count, NcclType(in.dtype), ncclSum, comm_,
                              stream_);
@@ -544,7 +544,7 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSumOnStream(Buffer buf, void* s
                                          : CheckDevice(buf, what);
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
-  CountBusBytes(2 * static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(buf.bytes()) / options_.size);
+  CountAllReduceBytes(buf.bytes());
   return Issue(
       std::move(what), -1,
       [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -564,7 +564,7 @@ std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out,
   }
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
-  CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(in.bytes()));
+  CountAllGatherBytes(in.bytes());
   return Issue(
       std::move(what), -1,
       [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {

@@ -108,6 +108,14 @@ class NcclCommunicator : public Communicator {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDevice(const Buffer& b, absl::string_view what) const;
   void CountBusBytes(int64_t bytes) { bus_bytes_.fetch_add(bytes, std::memory_order_relaxed); }
+  // Ring volume: an all-reduce of `bytes` sends 2(n-1)/n of them; an
+  // all-gather (and a reduce-scatter) of `per_rank` bytes a rank (n-1) times.
+  void CountAllReduceBytes(size_t bytes) {
+    CountBusBytes(2 * static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(bytes) / options_.size);
+  }
+  void CountAllGatherBytes(size_t per_rank) {
+    CountBusBytes(static_cast<int64_t>(options_.size - 1) * static_cast<int64_t>(per_rank));
+  }
   void AbortWith(absl::Status status, const NcclWork* culprit, absl::Status culprit_status);
   void WatchdogLoop();
 
