@@ -191,4 +191,9 @@ std::shared_ptr<Work> Communicator::AllGatherOnStream(Buffer, Buffer, void*) {
       absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
 }
 
+std::shared_ptr<Work> Communicator::ReduceScatterSumOnStream(Buffer, Buffer, void*) {
+  return CompletedWork(absl::UnimplementedError(
+      absl::StrCat("the ", backend(), " communicator does not run ops on CUDA streams")));
+}
+
 }  // namespace baton::comm

@@ -123,10 +123,11 @@ class Communicator {
   virtual bool RunsOnStreams() const { return false; }
   virtual std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream);
   // Stream-ordered collectives (comm/stream_collectives.h), same contract as
-  // GroupOnStream: AllReduceSum / AllGather enqueued on the caller's CUDA
-  // stream. Others: a Work failed with UNIMPLEMENTED.
+  // GroupOnStream: AllReduceSum / AllGather / ReduceScatterSum enqueued on
+  // the caller's CUDA stream. Others: a Work failed with UNIMPLEMENTED.
   virtual std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream);
   virtual std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream);
+  virtual std::shared_ptr<Work> ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream);
 };
 
 // The argument checks of AllToAllV on rank `rank` of a group of `size`,

@@ -573,6 +573,26 @@ std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out,
       on);
 }
 
+std::shared_ptr<Work> NcclCommunicator::ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream) {
+  std::string what = absl::StrCat("ReduceScatterSum(", out.count, " elements per rank) on the caller's stream");
+  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                         : CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  if (valid.ok() && (in.count != out.count * options_.size || out.dtype != in.dtype)) {
+    valid = absl::InvalidArgumentError(
+        absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
+  }
+  if (!valid.ok()) return Failed(std::move(what), valid);
+  cudaStream_t on = static_cast<cudaStream_t>(stream);
+  CountAllGatherBytes(out.bytes());  // the reduce-scatter's ring volume is the all-gather's
+  return Issue(
+      std::move(what), -1,
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return ncclReduceScatter(in.data, out.data, out.count, NcclType(in.dtype), ncclSum, comm_, on);
+      },
+      on);
+}
+
 // --- Parent + split per job generation; abort off the caller's thread ---
 
 namespace {

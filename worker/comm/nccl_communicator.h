@@ -85,9 +85,11 @@ class NcclCommunicator : public Communicator {
   bool RunsOnStreams() const override { return true; }
   std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override;
   // On the caller's stream (comm/stream_collectives.h); in place / out.count
-  // == size() * in.count as AllReduceSum / AllGather.
+  // == size() * in.count as AllReduceSum / AllGather; in.count == size() *
+  // out.count as ReduceScatterSum.
   std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream) override;
   std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream) override;
+  std::shared_ptr<Work> ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream) override;
 
  private:
   NcclCommunicator(const NcclOptions& options, ncclComm_t comm, cudaStream_t stream,

@@ -78,6 +78,19 @@ absl::Status StreamCollectives::AllGather(Buffer in, Buffer out, std::string nam
       [&comm, in, out](void* native) { return comm.AllGatherOnStream(in, out, native); });
 }
 
+absl::Status StreamCollectives::ReduceScatterSum(Buffer in, Buffer out, std::string name,
+                                                 kernels::Stream& stream, absl::Duration timeout,
+                                                 const std::shared_ptr<StreamCommStatus>& status) {
+  if (!CanEnqueue(in) || !CanEnqueue(out)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": a ", comm_.backend(),
+                                                   " communicator cannot reduce-scatter these buffers from a stream"));
+  }
+  Communicator& comm = comm_;
+  return Enqueue(
+      stream, std::move(name), timeout, status, [&comm, in, out] { return comm.ReduceScatterSum(in, out); },
+      [&comm, in, out](void* native) { return comm.ReduceScatterSumOnStream(in, out, native); });
+}
+
 absl::Status StreamCollectives::FollowLastStream(kernels::Stream& stream) {
   if (last_stream_ != nullptr && last_stream_ != &stream) {
     if (handoff_ == nullptr) {

@@ -9,7 +9,8 @@
 // simulated device on the stream's thread) that posts the op and waits for
 // it, at most the op timeout. Over a communicator whose ops run on CUDA
 // streams (NCCL) it is the NCCL op on the stream
-// (Communicator::AllReduceSumOnStream / AllGatherOnStream), its Work kept in
+// (Communicator::AllReduceSumOnStream / AllGatherOnStream /
+// ReduceScatterSumOnStream), its Work kept in
 // the StreamCommStatus. CUDA memory over a host communicator (Gloo staging
 // through pinned memory) cannot be reached from a stream: CanEnqueue refuses
 // it, and the caller synchronises and waits on the host instead.
@@ -75,6 +76,10 @@ class StreamCollectives {
   // `out` (size() * in.count elements) receives every rank's `in`, on `stream`.
   absl::Status AllGather(Buffer in, Buffer out, std::string name, kernels::Stream& stream,
                          absl::Duration timeout, const std::shared_ptr<StreamCommStatus>& status);
+  // `out` receives rank()'s part of the sum of every rank's `in` (size() *
+  // out.count elements), on `stream`.
+  absl::Status ReduceScatterSum(Buffer in, Buffer out, std::string name, kernels::Stream& stream,
+                                absl::Duration timeout, const std::shared_ptr<StreamCommStatus>& status);
 
   // From now on, times every op enqueued on a CUDA stream (NCCL) by an event
   // pair around it on its stream, for TakeStreamSeconds. Off by default: the

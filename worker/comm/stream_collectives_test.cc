@@ -45,24 +45,30 @@ void Read(kernels::Stream& s, SimBuffer& b, std::vector<float>* out) {
   ASSERT_TRUE(s.LaunchHostFunc([&b, out] { std::memcpy(out->data(), b.p, b.n * sizeof(float)); }).ok());
 }
 
-TEST(StreamCollectivesTest, AllReduceAndAllGatherRunInStreamOrderWithoutAHostWait) {
+TEST(StreamCollectivesTest, AllReduceAllGatherAndReduceScatterRunInStreamOrderWithoutAHostWait) {
   auto group = InProcCommunicator::CreateGroup(2);
   std::unique_ptr<kernels::Stream> s[2] = {NewStream(), NewStream()};
-  std::unique_ptr<SimBuffer> sum[2], in[2], all[2];
+  std::unique_ptr<SimBuffer> sum[2], in[2], all[2], whole[2], part[2];
   auto status = std::make_shared<StreamCommStatus>();
   const int64_t syncs = kernels::HostSyncCount();
-  std::vector<float> got_sum[2], got_all[2];
+  std::vector<float> got_sum[2], got_all[2], got_part[2];
   for (int r = 0; r < 2; ++r) {
     sum[r] = std::make_unique<SimBuffer>(100);
     in[r] = std::make_unique<SimBuffer>(3);
     all[r] = std::make_unique<SimBuffer>(6);
+    whole[r] = std::make_unique<SimBuffer>(8);
+    part[r] = std::make_unique<SimBuffer>(4);
     auto coll = StreamCollectives::For(*group[r]);
     Fill(*s[r], *sum[r], 10.0f * (r + 1));
     Fill(*s[r], *in[r], 100.0f * r);
+    Fill(*s[r], *whole[r], 1000.0f * (r + 1));
     ASSERT_TRUE(coll->AllReduceSum(sum[r]->buf(), "sum", *s[r], absl::Seconds(30), status).ok());
     ASSERT_TRUE(coll->AllGather(in[r]->buf(), all[r]->buf(), "gather", *s[r], absl::Seconds(30), status).ok());
+    ASSERT_TRUE(
+        coll->ReduceScatterSum(whole[r]->buf(), part[r]->buf(), "scatter", *s[r], absl::Seconds(30), status).ok());
     Read(*s[r], *sum[r], &got_sum[r]);
     Read(*s[r], *all[r], &got_all[r]);
+    Read(*s[r], *part[r], &got_part[r]);
   }
   EXPECT_EQ(kernels::HostSyncCount(), syncs) << "enqueueing waited on the host";
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(s[r]->Synchronize().ok());
@@ -70,6 +76,8 @@ TEST(StreamCollectivesTest, AllReduceAndAllGatherRunInStreamOrderWithoutAHostWai
   for (int r = 0; r < 2; ++r) {
     for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(got_sum[r][i], 30.0f + 2.0f * i) << "rank " << r << " " << i;
     EXPECT_EQ(got_all[r], (std::vector<float>{0, 1, 2, 100, 101, 102})) << "rank " << r;
+    // Element i of the sum is 3000 + 2i; rank r holds elements [4r, 4r + 4).
+    for (int64_t i = 0; i < 4; ++i) ASSERT_EQ(got_part[r][i], 3000.0f + 2.0f * (4 * r + i)) << "rank " << r;
   }
 }
 

@@ -53,6 +53,9 @@ class TimedCommunicator : public Communicator {
   std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream) override {
     return inner_->AllGatherOnStream(in, out, stream);
   }
+  std::shared_ptr<Work> ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream) override {
+    return inner_->ReduceScatterSumOnStream(in, out, stream);
+  }
 
  private:
   std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work);
