@@ -168,6 +168,11 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    absl::StrCat("must be divisible by parallel.tp = ", c.tp_size,
                                 " for a vocabulary-parallel embedding"));
   }
+  if (c.sequence_parallel && c.tp_size < 2) {
+    return Invalid("parallel.sequence_parallel", "true",
+                   absl::StrCat("shards the sequence over the tensor-parallel group, but parallel.tp = ", c.tp_size,
+                                ": set tp >= 2 or sequence_parallel false"));
+  }
   if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
     return Invalid("tp_rank", c.tp_rank, absl::StrCat("outside [0, ", c.tp_size, ")"));
   }

@@ -94,6 +94,13 @@ struct StageConfig {
   // the TP group (needs model.vocab divisible by tp) instead of replicating
   // them; the loss then takes a two-step sharded cross-entropy.
   bool vocab_parallel = false;
+  // Megatron sequence parallelism (parallel.sequence_parallel; needs tp_size
+  // > 1): the residual stream, the norms and the biases after the
+  // row-parallel GEMMs hold this rank's 1/tp of every microbatch's tokens
+  // (rows of the flattened [batch · seq, d_model]; batch · seq must be
+  // divisible by tp_size); the TP all-reduces become reduce-scatters and the
+  // column-parallel GEMMs' inputs are all-gathered (see GptStage).
+  bool sequence_parallel = false;
   uint64_t seed = 0;  // weight initialisation
   absl::Duration comm_timeout = absl::Minutes(5);
   // Where the stage's parameters, gradients, optimizer state and activations

@@ -290,6 +290,7 @@ GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, Para
       vocab_begin_(vocab_parallel_ ? config.tp_rank * (config.model.vocab / config.tp_size) : 0),
       bf16_(config.precision == kernels::Precision::kBFloat16),
       llama_(config.model.llama()),
+      sp_(config.sequence_parallel && config.tp_size > 1),
       gemm_dtype_(bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32) {
   BindParameters();
 }
@@ -301,6 +302,7 @@ absl::Status GptStage::PlaceOnDevice() {
   BATON_RETURN_IF_ERROR(params_.Place(device));
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
   scratch_ = std::make_unique<kernels::Arena>(device, "the op scratch arena");
+  sp_scratch_ = std::make_unique<kernels::Arena>(device, "the sequence-parallel scratch arena");
   ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get(), config_.precision);
   if (bf16_) BATON_RETURN_IF_ERROR(params_.AllocateBf16Copies(ctx_));
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -406,6 +408,94 @@ absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const ch
   return WithContext(status, name);
 }
 
+absl::Status GptStage::ReduceScatterTp(const Tensor& in, const Tensor& out, const char* what, int block) {
+  const std::string name = absl::StrCat("tensor-parallel reduce-scatter of ", what,
+                                        block >= 0 ? absl::StrCat(" in block ", block) : "");
+  const comm::Buffer from = CommBuffer(in), to = CommBuffer(out);
+  if (tp_collectives_->CanEnqueue(from) && tp_collectives_->CanEnqueue(to)) {
+    return tp_collectives_->ReduceScatterSum(from, to, name, *stream_, config_.comm_timeout, comm_status_);
+  }
+  // CUDA memory over a host communicator: it reads memory the stream has
+  // finished writing.
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) status = tp_->ReduceScatterSum(from, to)->Wait(config_.comm_timeout);
+  return WithContext(status, name);
+}
+
+absl::StatusOr<Tensor> GptStage::SumOverTp(const Tensor& partial, const char* what, int block) {
+  if (!sp_) {
+    BATON_RETURN_IF_ERROR(AllReduceTp(partial, what, block));
+    return partial;
+  }
+  BATON_ASSIGN_OR_RETURN(Tensor rows, sp_scratch_->Allocate({partial.dim(0) / config_.tp_size, partial.dim(1)}));
+  BATON_RETURN_IF_ERROR(ReduceScatterTp(partial, rows, what, block));
+  return rows;
+}
+
+absl::Status GptStage::NormForGemm(kernels::Arena& arena, const Tensor& x, const Parameter* w, const Parameter* b,
+                                   Tensor* out, Tensor* mean, Tensor* rstd, const char* what, int block) {
+  if (!sp_) return Norm(arena, x, w, b, out, mean, rstd);
+  // The statistics stay with the microbatch (the norm's backward reads
+  // them); the rows are a temporary.
+  const int64_t rows = x.dim(0), c = x.dim(1);
+  BATON_ASSIGN_OR_RETURN(*rstd, arena.Allocate({rows}));
+  BATON_ASSIGN_OR_RETURN(Tensor local, sp_scratch_->Allocate({rows, c}, gemm_dtype_));
+  if (llama_) {
+    kernels::RmsNorm(ctx_, local, *rstd, x, w->value, config_.model.norm_eps);
+  } else {
+    BATON_ASSIGN_OR_RETURN(*mean, arena.Allocate({rows}));
+    kernels::LayerNorm(ctx_, local, *mean, *rstd, x, w->value, b->value);
+  }
+  BATON_ASSIGN_OR_RETURN(*out, arena.Allocate({rows * config_.tp_size, c}, gemm_dtype_));
+  const std::string name = block >= 0 ? absl::StrCat(what, " in block ", block) : std::string(what);
+  return AllGatherTp(local, *out, name.c_str());
+}
+
+absl::StatusOr<Tensor> GptStage::GatherRows(kernels::Arena& arena, const Tensor& rows, const char* what, int block) {
+  if (!sp_) return rows;
+  BATON_ASSIGN_OR_RETURN(Tensor whole, arena.Allocate({rows.dim(0) * config_.tp_size, rows.dim(1)}, rows.dtype()));
+  const std::string name = block >= 0 ? absl::StrCat(what, " in block ", block) : std::string(what);
+  BATON_RETURN_IF_ERROR(AllGatherTp(rows, whole, name.c_str()));
+  return whole;
+}
+
+Tensor GptStage::OwnRows(const Tensor& whole, int64_t n) const {
+  const Tensor flat = whole.Reshaped({n, whole.numel() / n});
+  if (!sp_) return flat;
+  const int64_t rows = n / config_.tp_size;
+  return flat.Rows(config_.tp_rank * rows, (config_.tp_rank + 1) * rows);
+}
+
+absl::Status GptStage::SumNormGradsOverTp() {
+  std::vector<const Parameter*> norms;
+  for (const Block& b : blocks_) {
+    for (const Parameter* p : {b.ln1_w, b.ln1_b, b.ln2_w, b.ln2_b}) {
+      if (p != nullptr) norms.push_back(p);
+    }
+  }
+  for (const Parameter* p : {lnf_w_, lnf_b_}) {
+    if (p != nullptr) norms.push_back(p);
+  }
+  int64_t total = 0;
+  for (const Parameter* p : norms) total += p->grad.numel();
+  if (total == 0) return absl::OkStatus();
+  // Packed into one buffer of the op scratch (reset at ZeroGrad), summed,
+  // unpacked.
+  BATON_ASSIGN_OR_RETURN(Tensor packed, scratch_->Allocate({total}));
+  int64_t at = 0;
+  for (const Parameter* p : norms) {
+    kernels::Copy(ctx_, packed.Rows(at, at + p->grad.numel()), p->grad.Reshaped({p->grad.numel()}));
+    at += p->grad.numel();
+  }
+  BATON_RETURN_IF_ERROR(AllReduceTp(packed, "the sequence-parallel norm weight gradients", -1));
+  at = 0;
+  for (const Parameter* p : norms) {
+    kernels::Copy(ctx_, p->grad.Reshaped({p->grad.numel()}), packed.Rows(at, at + p->grad.numel()));
+    at += p->grad.numel();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GptStage::AllReduceOnStream(comm::StreamCollectives& coll, const Tensor& t, const std::string& name) {
   const comm::Buffer buf = CommBuffer(t);
   if (coll.CanEnqueue(buf)) return coll.AllReduceSum(buf, name, *stream_, config_.comm_timeout, comm_status_);
@@ -460,6 +550,12 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
         shaped_name, ": sequence of ", *seq, " tokens is longer than model.seq_len = ", m.seq_len));
   }
   const int64_t n = *batch * *seq;
+  if (sp_ && n % config_.tp_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": parallel.sequence_parallel splits the microbatch's ", *batch, " x ", *seq, " = ", n,
+        " tokens over parallel.tp = ", config_.tp_size,
+        " ranks, which does not divide them: make train.micro_batch_size * model.seq_len divisible by tp"));
+  }
   auto check_ids = [&](const Tensor& ids, const char* name, bool allow_ignore) -> absl::Status {
     if (!ids.defined() || ids.dtype() != kernels::DType::kInt32 || ids.numel() != n ||
         !ids.device().is_cpu()) {
@@ -525,6 +621,7 @@ absl::Status GptStage::Forward(int mb, const StageInputs& inputs, const Tensor& 
   // The loss and hits went into the device accumulators (see score()).
   score_.tokens += score.tokens;
   in_flight_[mb] = std::move(state);
+  SampleActivationBytes();
   return absl::OkStatus();
 }
 
@@ -562,24 +659,37 @@ absl::Status GptStage::ForwardLogits(const StageInputs& inputs, const Tensor& lo
 absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, const Tensor& output,
                                   StepScore* score, const Tensor* logits) {
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
+  const int64_t rows = ResidualRows(n);  // of the residual stream here
   kernels::Arena& arena = s.arena;
+  if (sp_) sp_scratch_->Reset();
   if (config_.is_first()) {
     BATON_ASSIGN_OR_RETURN(s.tokens, Copy(ctx_, arena, inputs.tokens, {s.batch, s.seq}));
-    BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({n, c}));
+    // Under SP the whole embedding is a temporary: the stream keeps this
+    // rank's rows of it.
+    kernels::Arena& whole_arena = sp_ ? *sp_scratch_ : arena;
+    BATON_ASSIGN_OR_RETURN(Tensor x0, whole_arena.Allocate({n, c}));
     // With a vocabulary-parallel table each rank embeds the tokens it holds,
     // rank 0 adds the positions, and the all-reduce assembles the whole.
     const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
-    kernels::Embedding(ctx_, s.x0, s.tokens, wte_->value, vocab_begin_,
+    kernels::Embedding(ctx_, x0, s.tokens, wte_->value, vocab_begin_,
                        add_positions && wpe_ != nullptr ? wpe_->value : Tensor());
-    if (vocab_parallel_) {
-      BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
+    if (!sp_) {
+      s.x0 = x0;
+      if (vocab_parallel_) BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
+    } else {
+      BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({rows, c}));
+      if (vocab_parallel_) {
+        BATON_RETURN_IF_ERROR(ReduceScatterTp(x0, s.x0, "the vocabulary-parallel embedding", -1));
+      } else {
+        kernels::Copy(ctx_, s.x0, OwnRows(x0, n));
+      }
     }
   } else if (bf16_) {
     // The residual stream is fp32; the message between stages is bf16.
-    BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({n, c}));
-    kernels::Cast(ctx_, s.x0, inputs.activations);
+    BATON_ASSIGN_OR_RETURN(s.x0, arena.Allocate({rows, c}));
+    kernels::Cast(ctx_, s.x0, OwnRows(inputs.activations, n));
   } else {
-    BATON_ASSIGN_OR_RETURN(s.x0, Copy(ctx_, arena, inputs.activations, {n, c}));
+    BATON_ASSIGN_OR_RETURN(s.x0, Copy(ctx_, arena, OwnRows(inputs.activations, n), {rows, c}));
   }
   if (config_.is_last() && logits == nullptr) {
     // Scored tokens are counted on the host, from the host targets.
@@ -598,14 +708,20 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     x = s.blocks[i].x_out;
   }
   if (!config_.is_last()) {
-    if (bf16_) {
+    if (sp_) {
+      // The message is whole: every rank's rows, gathered (in fp32, then
+      // rounded for a bf16 message).
+      if (!bf16_) return AllGatherTp(x, output, "the stage output");
+      BATON_ASSIGN_OR_RETURN(Tensor whole, GatherRows(*sp_scratch_, x, "the stage output", -1));
+      kernels::Cast(ctx_, output, whole);
+    } else if (bf16_) {
       kernels::Cast(ctx_, output, x);
     } else {
       kernels::Copy(ctx_, output, x);
     }
     return absl::OkStatus();
   }
-  BATON_RETURN_IF_ERROR(Norm(arena, x, lnf_w_, lnf_b_, &s.xf, &s.meanf, &s.rstdf));
+  BATON_RETURN_IF_ERROR(NormForGemm(arena, x, lnf_w_, lnf_b_, &s.xf, &s.meanf, &s.rstdf, "the final norm output", -1));
   // This rank's vocabulary columns.
   BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, head_->value.dim(0)}));
   kernels::Linear(ctx_, s.dlogits, s.xf, W(head_), Tensor());
@@ -656,17 +772,20 @@ absl::Status GptStage::ScoreVocabularyParallel(Microbatch& s, float grad_scale) 
 }
 
 absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivations& a) {
-  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t rows = ResidualRows(mb.batch * mb.seq), c = config_.model.d_model;
   kernels::Arena& arena = mb.arena;
+  if (sp_) sp_scratch_->Reset();
   // Attention sub-block: x_mid = x_in + proj(attn(norm1(x_in))).
-  BATON_RETURN_IF_ERROR(Norm(arena, a.x_in, b.ln1_w, b.ln1_b, &a.ln1, &a.mean1, &a.rstd1));
+  BATON_RETURN_IF_ERROR(
+      NormForGemm(arena, a.x_in, b.ln1_w, b.ln1_b, &a.ln1, &a.mean1, &a.rstd1, "the attention input", b.index));
   BATON_ASSIGN_OR_RETURN(Tensor attn_out, AttentionForward(b, mb, a));
-  BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({n, c}));
+  BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({rows, c}));
   kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
   // MLP sub-block: x_out = x_mid + mlp(norm2(x_mid)).
-  BATON_RETURN_IF_ERROR(Norm(arena, a.x_mid, b.ln2_w, b.ln2_b, &a.ln2, &a.mean2, &a.rstd2));
+  BATON_RETURN_IF_ERROR(
+      NormForGemm(arena, a.x_mid, b.ln2_w, b.ln2_b, &a.ln2, &a.mean2, &a.rstd2, "the MLP input", b.index));
   BATON_ASSIGN_OR_RETURN(Tensor mlp_out, MlpForward(b, mb, a));
-  BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({n, c}));
+  BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({rows, c}));
   kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
   return absl::OkStatus();
 }
@@ -700,9 +819,9 @@ absl::StatusOr<Tensor> GptStage::AttentionForward(const Block& b, Microbatch& mb
   const kernels::AttentionBuffers att = kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
   BATON_ASSIGN_OR_RETURN(a.att, arena.Allocate(att.saved, att.saved_dtype));
   kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
-  BATON_ASSIGN_OR_RETURN(Tensor attn_out, arena.Allocate({n, c}));
-  kernels::Linear(ctx_, attn_out, a.y, W(b.proj_w), Tensor());
-  BATON_RETURN_IF_ERROR(AllReduceTp(attn_out, "the attention output", b.index));
+  BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
+  kernels::Linear(ctx_, partial, a.y, W(b.proj_w), Tensor());
+  BATON_ASSIGN_OR_RETURN(Tensor attn_out, SumOverTp(partial, "the attention output", b.index));
   if (b.proj_b != nullptr) kernels::AddBias(ctx_, attn_out, b.proj_b->value);
   return attn_out;
 }
@@ -725,9 +844,9 @@ absl::StatusOr<Tensor> GptStage::MlpForward(const Block& b, Microbatch& mb, Bloc
     kernels::Gelu(ctx_, g, a.h);  // fp32 (h too: GELU's backward reads it)
   }
   BATON_ASSIGN_OR_RETURN(a.g, ForGemm(arena, g));
-  BATON_ASSIGN_OR_RETURN(Tensor mlp_out, arena.Allocate({n, c}));
-  kernels::Linear(ctx_, mlp_out, a.g, W(b.fc2_w), Tensor());
-  BATON_RETURN_IF_ERROR(AllReduceTp(mlp_out, "the MLP output", b.index));
+  BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
+  kernels::Linear(ctx_, partial, a.g, W(b.fc2_w), Tensor());
+  BATON_ASSIGN_OR_RETURN(Tensor mlp_out, SumOverTp(partial, "the MLP output", b.index));
   if (b.fc2_b != nullptr) kernels::AddBias(ctx_, mlp_out, b.fc2_b->value);
   return mlp_out;
 }
@@ -762,6 +881,7 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
                                                    ", ", c, "]"));
   }
   const absl::Status status = RunBackwardInput(*s, grad_output, grad_input);
+  SampleActivationBytes();
   if (status.ok()) return status;
   return ActivationError(status, absl::StrCat("BackwardInput(", mb, ")"));
 }
@@ -769,33 +889,49 @@ absl::Status GptStage::BackwardInput(int mb, const Tensor& grad_output, const Te
 absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output,
                                         const Tensor& grad_input) {
   const int64_t n = s.batch * s.seq, c = config_.model.d_model;
+  const int64_t rows = ResidualRows(n);
   kernels::Arena& arena = s.arena;
-  Tensor d;  // gradient of the current block's output
+  if (sp_) sp_scratch_->Reset();
+  Tensor d;  // gradient of the current block's output (this rank's rows under SP)
   if (config_.is_last()) {
     const Tensor x_last = s.blocks.empty() ? s.x0 : s.blocks.back().x_out;
-    BATON_ASSIGN_OR_RETURN(Tensor dxf, arena.Allocate({n, c}));
+    BATON_ASSIGN_OR_RETURN(Tensor dxf, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
     BATON_ASSIGN_OR_RETURN(s.dlogits_gemm, ForGemm(arena, s.dlogits));
     kernels::LinearBackwardInput(ctx_, dxf, s.dlogits_gemm, W(head_), /*accumulate=*/false);
     if (vocab_parallel_) {
-      BATON_RETURN_IF_ERROR(AllReduceTp(dxf, "the LM head input gradient", -1));
+      BATON_ASSIGN_OR_RETURN(dxf, SumOverTp(dxf, "the LM head input gradient", -1));
+    } else if (sp_) {
+      dxf = OwnRows(dxf, n);  // every rank computed the whole
     }
-    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
+    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({rows, c}));
     kernels::FillZero(ctx_, d);
     NormBackward(d, lnf_w_, lnf_b_, dxf, x_last, s.meanf, s.rstdf);
   } else if (bf16_) {
-    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({n, c}));
-    kernels::Cast(ctx_, d, grad_output);
+    BATON_ASSIGN_OR_RETURN(d, arena.Allocate({rows, c}));
+    kernels::Cast(ctx_, d, OwnRows(grad_output, n));
   } else {
-    BATON_ASSIGN_OR_RETURN(d, Copy(ctx_, arena, grad_output, {n, c}));
+    BATON_ASSIGN_OR_RETURN(d, Copy(ctx_, arena, OwnRows(grad_output, n), {rows, c}));
   }
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
-    BATON_ASSIGN_OR_RETURN(Tensor d_in, arena.Allocate({n, c}));
+    BATON_ASSIGN_OR_RETURN(Tensor d_in, arena.Allocate({rows, c}));
     BATON_RETURN_IF_ERROR_CTX(BlockBackwardInput(blocks_[i], s, s.blocks[i], d, d_in), "block ",
                               blocks_[i].index, " backward");
     d = d_in;
   }
+  if (sp_) {
+    // The embedding's gradient and the message are whole: every rank's rows
+    // gathered (the first stage keeps them for BackwardWeight).
+    if (config_.is_first()) {
+      BATON_ASSIGN_OR_RETURN(d, GatherRows(arena, d, "the embedding gradient", -1));
+    } else if (!bf16_) {
+      BATON_RETURN_IF_ERROR(AllGatherTp(d, grad_input, "the stage input gradient"));
+    } else {
+      BATON_ASSIGN_OR_RETURN(Tensor whole, GatherRows(*sp_scratch_, d, "the stage input gradient", -1));
+      kernels::Cast(ctx_, grad_input, whole);
+    }
+  }
   s.d_x0 = d;
-  if (!config_.is_first()) {
+  if (!config_.is_first() && !sp_) {
     if (bf16_) {
       kernels::Cast(ctx_, grad_input, d);
     } else {
@@ -808,20 +944,26 @@ absl::Status GptStage::RunBackwardInput(Microbatch& s, const Tensor& grad_output
 
 absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
                                           const Tensor& d_out, const Tensor& d_in) {
-  const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
+  const int64_t rows = ResidualRows(mb.batch * mb.seq), c = config_.model.d_model;
   kernels::Arena& arena = mb.arena;
+  if (sp_) sp_scratch_->Reset();
   // With bf16, each gradient entering a GEMM is rounded to bf16 once (a.d_out,
   // a.dh, a.d_mid, ...; dqkv comes out of attention in bf16); bias and norm
-  // gradients and the residual stream stay fp32.
-  BATON_ASSIGN_OR_RETURN(a.d_out, ForGemm(arena, d_out));
-  BATON_ASSIGN_OR_RETURN(Tensor dln2, MlpBackwardInput(b, mb, a, d_out));
-  BATON_RETURN_IF_ERROR(AllReduceTp(dln2, "the MLP input gradient", b.index));
-  BATON_ASSIGN_OR_RETURN(a.d_mid, arena.Allocate({n, c}));
-  kernels::Copy(ctx_, a.d_mid, d_out);
-  NormBackward(a.d_mid, b.ln2_w, b.ln2_b, dln2, a.x_mid, a.mean2, a.rstd2);
-  const Tensor d_mid = a.d_mid;  // fp32, the residual stream's gradient
-  BATON_ASSIGN_OR_RETURN(Tensor dln1, AttentionBackwardInput(b, mb, a, d_mid));
-  BATON_RETURN_IF_ERROR(AllReduceTp(dln1, "the attention input gradient", b.index));
+  // gradients and the residual stream stay fp32. Under SP the row-parallel
+  // GEMMs read every token's output gradient: this rank's rows gathered (an
+  // fp32 temporary when a bf16 copy is what stays).
+  BATON_ASSIGN_OR_RETURN(const Tensor d_out_all,
+                         GatherRows(bf16_ ? *sp_scratch_ : arena, d_out, "the MLP output gradient", b.index));
+  BATON_ASSIGN_OR_RETURN(a.d_out, ForGemm(arena, d_out_all));
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, MlpBackwardInput(b, mb, a, d_out_all));
+  BATON_ASSIGN_OR_RETURN(dln2, SumOverTp(dln2, "the MLP input gradient", b.index));
+  BATON_ASSIGN_OR_RETURN(Tensor d_mid, arena.Allocate({rows, c}));  // fp32, the residual stream's gradient
+  kernels::Copy(ctx_, d_mid, d_out);
+  NormBackward(d_mid, b.ln2_w, b.ln2_b, dln2, a.x_mid, a.mean2, a.rstd2);
+  BATON_ASSIGN_OR_RETURN(const Tensor d_mid_all,
+                         GatherRows(bf16_ ? *sp_scratch_ : arena, d_mid, "the attention output gradient", b.index));
+  BATON_ASSIGN_OR_RETURN(Tensor dln1, AttentionBackwardInput(b, mb, a, d_mid_all));
+  BATON_ASSIGN_OR_RETURN(dln1, SumOverTp(dln1, "the attention input gradient", b.index));
   kernels::Copy(ctx_, d_in, d_mid);
   NormBackward(d_in, b.ln1_w, b.ln1_b, dln1, a.x_in, a.mean1, a.rstd1);
   return absl::OkStatus();
@@ -835,7 +977,8 @@ absl::StatusOr<Tensor> GptStage::MlpBackwardInput(const Block& b, Microbatch& mb
   if (b.fc2_b != nullptr) kernels::BiasBackward(ctx_, b.fc2_b->grad, d_out);
   BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({n, fl}));
   kernels::LinearBackwardInput(ctx_, dg, a.d_out, W(b.fc2_w), /*accumulate=*/false);
-  BATON_ASSIGN_OR_RETURN(Tensor dln2, arena.Allocate({n, c}));
+  // A partial sum over TP: under SP a temporary (reduce-scattered).
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   if (llama_) {
     BATON_ASSIGN_OR_RETURN(Tensor dgate, arena.Allocate({n, fl}));
     BATON_ASSIGN_OR_RETURN(Tensor dup, arena.Allocate({n, fl}));
@@ -869,7 +1012,7 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
       kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
   BATON_ASSIGN_OR_RETURN(Tensor scratch, arena.Allocate({att.backward_scratch}));
   kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
-  BATON_ASSIGN_OR_RETURN(Tensor dln1, arena.Allocate({n, c}));
+  BATON_ASSIGN_OR_RETURN(Tensor dln1, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   if (llama_) {
     const int kv_heads = m.key_value_heads() / static_cast<int>(tp);
     const int64_t kvl = int64_t{kv_heads} * m.head_dim();
@@ -911,6 +1054,7 @@ absl::Status GptStage::BackwardWeight(int mb) {
   it->second->arena.Reset();
   free_.push_back(std::move(it->second));
   in_flight_.erase(it);
+  if (sp_ && ++backward_weights_ == config_.microbatches) return SumNormGradsOverTp();
   return absl::OkStatus();
 }
 
@@ -931,6 +1075,12 @@ void GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
 absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor& grad_input) {
   BATON_RETURN_IF_ERROR(BackwardInput(mb, grad_output, grad_input));
   return BackwardWeight(mb);
+}
+
+void GptStage::SampleActivationBytes() {
+  int64_t total = static_cast<int64_t>(sp_scratch_->used_bytes());
+  for (const auto& [mb, state] : in_flight_) total += static_cast<int64_t>(state->arena.used_bytes());
+  activation_high_water_ = std::max(activation_high_water_, total);
 }
 
 int64_t GptStage::activation_system_allocations() const {
@@ -969,6 +1119,8 @@ void GptStage::ZeroGrad() {
   comm_status_->Reset();
   scratch_->Reset();
   kernels::FillZero(ctx_, params_.grads());
+  backward_weights_ = 0;
+  activation_high_water_ = 0;
   kernels::FillZero(ctx_, loss_acc_);
   kernels::FillZero(ctx_, hits_acc_);
   score_ = StepScore();

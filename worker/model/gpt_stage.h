@@ -79,6 +79,23 @@
 // fp32. The stage's input and output activations and their gradients (the
 // pipeline messages) are bf16 tensors: activation_dtype().
 //
+// Sequence parallelism (StageConfig::sequence_parallel, Megatron's SP): each
+// TP rank keeps rows [r · n/tp, (r + 1) · n/tp) of the microbatch's n =
+// batch · seq tokens in the residual stream, the norms (and their saved
+// statistics) and the biases after the row-parallel GEMMs. Where TP
+// all-reduces a partial sum (attention and MLP outputs, their input
+// gradients, a vocabulary-parallel embedding and LM-head input gradient) SP
+// reduce-scatters it; the norm outputs entering the column-parallel GEMMs and
+// the output gradients entering the row-parallel ones are all-gathered (the
+// gathered norm outputs are kept for the weight gradients). The stage's input
+// and output messages stay whole [B, T, C]: a rank takes its rows of its
+// input and all-gathers its output and input gradient. The norm weights see
+// only this rank's rows, so after the step's last BackwardWeight (the
+// microbatches-th since ZeroGrad) their gradients are summed over the TP
+// group. Temporaries of the SP path (the partial sums before a
+// reduce-scatter, the norm rows before a gather) live in an arena reset per
+// block, so only what backward reads stays with the microbatch.
+//
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool (for attention, what the device's attention path keeps:
 // kernels::AttentionBuffersFor — P [B,H,T,T], or with cuDNN's fused bf16
@@ -224,6 +241,10 @@ class GptStage {
   // Times the activation arenas asked the system for memory; flat once the
   // arenas have grown to a step's high-water mark.
   int64_t activation_system_allocations() const;
+  // The most activation bytes in use at once since ZeroGrad: the stashes of
+  // the microbatches in flight plus the SP temporaries, sampled after every
+  // Forward and BackwardInput (the arenas' used bytes, not their capacity).
+  int64_t activation_bytes() const { return activation_high_water_; }
 
  private:
   struct Block;
@@ -274,6 +295,28 @@ class GptStage {
   // for none.
   absl::Status AllReduceTp(const kernels::Tensor& t, const char* what, int block);
   absl::Status AllGatherTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what);
+  // Sequence parallelism: out [n/tp, c] = this rank's rows of the sum of
+  // every rank's `in` [n, c].
+  absl::Status ReduceScatterTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what, int block);
+  // The TP sum of a GEMM's partial output `partial` [n, c]: `partial` itself,
+  // all-reduced; under SP this rank's rows of the sum, in the SP arena.
+  absl::StatusOr<kernels::Tensor> SumOverTp(const kernels::Tensor& partial, const char* what, int block);
+  // Norm() for a GEMM's input: under SP the norm of this rank's rows
+  // all-gathered into `out` [n, c] (in `arena`, the statistics too).
+  absl::Status NormForGemm(kernels::Arena& arena, const kernels::Tensor& x, const Parameter* w, const Parameter* b,
+                           kernels::Tensor* out, kernels::Tensor* mean, kernels::Tensor* rstd, const char* what,
+                           int block);
+  // Under SP `t` [n, c] every rank's rows gathered from this rank's `rows`
+  // (in `arena`); otherwise `rows` itself.
+  absl::StatusOr<kernels::Tensor> GatherRows(kernels::Arena& arena, const kernels::Tensor& rows, const char* what,
+                                             int block);
+  // Rows of the residual stream this rank holds of n tokens: n, or n / tp
+  // under SP; and this rank's rows of a whole [n, c] tensor (a view).
+  int64_t ResidualRows(int64_t n) const { return sp_ ? n / config_.tp_size : n; }
+  kernels::Tensor OwnRows(const kernels::Tensor& whole, int64_t n) const;
+  // SP: the norm weights' gradients summed over the TP group (each rank's
+  // saw its rows only), in one all-reduce.
+  absl::Status SumNormGradsOverTp();
   // A sum of `t` over `coll`'s group on the stream, or, where it cannot run
   // from the stream, after a stream synchronisation on the host.
   absl::Status AllReduceOnStream(comm::StreamCollectives& coll, const kernels::Tensor& t, const std::string& name);
@@ -294,6 +337,7 @@ class GptStage {
   const int64_t vocab_begin_;  // first vocabulary row of this rank's wte
   const bool bf16_;            // config.precision is kBFloat16
   const bool llama_;           // config.model.arch is kLlama
+  const bool sp_;              // config.sequence_parallel (tp > 1)
   const kernels::DType gemm_dtype_;  // of GEMM inputs and attention tensors
   std::vector<Block> blocks_;
   Parameter* wte_ = nullptr;  // token embedding: first stage, and the tied head's copy on the last
@@ -307,6 +351,11 @@ class GptStage {
   // Op temporaries (ExecContext::scratch), on config.device; reset at
   // ZeroGrad, between steps.
   std::unique_ptr<kernels::Arena> scratch_;
+  // SP temporaries (see Sequence parallelism above), reset per block.
+  std::unique_ptr<kernels::Arena> sp_scratch_;
+  int backward_weights_ = 0;  // BackwardWeight calls since ZeroGrad
+  int64_t activation_high_water_ = 0;  // see activation_bytes()
+  void SampleActivationBytes();
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
   // Host copies of the three, written on the stream by EnqueueStepResults

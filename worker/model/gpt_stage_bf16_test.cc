@@ -46,9 +46,9 @@ class GptStageBf16Test : public ::testing::Test {
   }
 
   std::unique_ptr<InProcModel> Run(int pp, int tp, Precision precision, double* loss,
-                                   bool vocab_parallel = false) {
+                                   bool vocab_parallel = false, bool sequence_parallel = false) {
     auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
-                                 kernels::Device::Cpu(), precision);
+                                 kernels::Device::Cpu(), precision, sequence_parallel);
     EXPECT_TRUE(m.ok()) << m.status();
     auto l = (*m)->ForwardBackward(tokens_, targets_);
     EXPECT_TRUE(l.ok()) << l.status();
@@ -63,19 +63,21 @@ class GptStageBf16Test : public ::testing::Test {
 struct Layout {
   int pp, tp;
   bool vocab_parallel;
+  bool sequence_parallel = false;
 };
 
 TEST_F(GptStageBf16Test, LossAndGradientsStayCloseToFp32InEveryLayout) {
   double fp32_loss = 0;
   auto fp32 = Run(1, 1, Precision::kFloat32, &fp32_loss);
   const Layout layouts[] = {{1, 1, false}, {2, 1, false}, {1, 2, false}, {2, 2, false},
-                            {2, 2, true}};
+                            {2, 2, true},  {2, 2, false, true}, {2, 2, true, true}};
   double worst_loss = 0, worst_grad = 0;
   for (const Layout& l : layouts) {
     SCOPED_TRACE(::testing::Message() << "pp=" << l.pp << " tp=" << l.tp
-                                      << (l.vocab_parallel ? " vocab-parallel" : ""));
+                                      << (l.vocab_parallel ? " vocab-parallel" : "")
+                                      << (l.sequence_parallel ? " sequence-parallel" : ""));
     double loss = 0;
-    auto m = Run(l.pp, l.tp, Precision::kBFloat16, &loss, l.vocab_parallel);
+    auto m = Run(l.pp, l.tp, Precision::kBFloat16, &loss, l.vocab_parallel, l.sequence_parallel);
     EXPECT_NEAR(loss, fp32_loss, 1e-2 * fp32_loss);
     EXPECT_NE(loss, fp32_loss);  // the bf16 path really ran
     worst_loss = std::max(worst_loss, std::fabs(loss - fp32_loss) / fp32_loss);

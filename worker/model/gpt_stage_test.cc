@@ -47,8 +47,10 @@ class GptStageTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false) {
-    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel);
+  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false,
+                                   bool sequence_parallel = false) {
+    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
+                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel);
     EXPECT_TRUE(m.ok()) << m.status();
     auto l = (*m)->ForwardBackward(tokens_, targets_);
     EXPECT_TRUE(l.ok()) << l.status();
@@ -110,6 +112,66 @@ TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
   model_.vocab = 37;
   auto bad = InProcModel::Create(model_, 1, 2, 42, 1, /*vocab_parallel=*/true);
   EXPECT_NE(bad.status().message().find("model.vocab"), absl::string_view::npos) << bad.status();
+}
+
+// Megatron sequence parallelism: each TP rank holds a quarter or half of the
+// tokens in the norms and the residual stream, yet every layout gives the
+// unsharded model's loss and gradients (the norm weights' gradients summed
+// over the group), repeatably, and holds less activation memory than TP alone.
+TEST_F(GptStageTest, SequenceParallelLayoutsMatchTheUnshardedModel) {
+  model_.vocab = 40;  // divisible by 2 and 4, for the vocabulary-parallel case
+  tokens_.clear();
+  targets_.clear();
+  SetUp();
+  double base_loss = 0;
+  auto base = Run(1, 1, &base_loss);
+  const struct { int pp, tp; bool vocab_parallel; } layouts[] = {{1, 2, false}, {1, 4, false}, {2, 2, false},
+                                                                 {2, 4, true}, {3, 2, true}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(::testing::Message() << "pp=" << layout.pp << " tp=" << layout.tp
+                                      << " vocab_parallel=" << layout.vocab_parallel);
+    double loss = 0, again = 0, tp_only = 0;
+    auto m = Run(layout.pp, layout.tp, &loss, layout.vocab_parallel, /*sequence_parallel=*/true);
+    EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
+    for (const std::string& name : base->ParameterNames()) {
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
+    }
+    auto m2 = Run(layout.pp, layout.tp, &again, layout.vocab_parallel, /*sequence_parallel=*/true);
+    EXPECT_EQ(loss, again);
+    for (const std::string& name : {"h.0.ln_1.weight", "h.3.ln_2.bias", "ln_f.weight", "wte"}) {
+      EXPECT_EQ(Full(m->FullGrad(name)), Full(m2->FullGrad(name))) << name << " not bitwise repeatable";
+    }
+    // Every TP rank ends with the same (summed) norm gradients.
+    for (int r = 1; r < layout.tp; ++r) {
+      const auto rank0 = ParameterStore::ToHost(m->stage(0, 0).parameters().Find("h.0.ln_1.weight")->grad);
+      const auto rank = ParameterStore::ToHost(m->stage(0, r).parameters().Find("h.0.ln_1.weight")->grad);
+      ASSERT_TRUE(rank0.ok() && rank.ok());
+      EXPECT_EQ(*rank0, *rank) << "TP rank " << r;
+    }
+    // The first stage's microbatch stashes shrink: the residual stream and
+    // the norms keep 1/tp of the tokens.
+    auto plain = Run(layout.pp, layout.tp, &tp_only, layout.vocab_parallel);
+    EXPECT_LT(m->stage(0, 0).activation_bytes(), plain->stage(0, 0).activation_bytes());
+  }
+}
+
+TEST_F(GptStageTest, SequenceParallelRefusesWhatItCannotSplit) {
+  // Without a TP group there is nothing to split over.
+  auto alone = InProcModel::Create(model_, 1, 1, 42, 1, false, kernels::Device::Cpu(), kernels::Precision::kFloat32,
+                                   /*sequence_parallel=*/true);
+  ASSERT_FALSE(alone.ok());
+  EXPECT_NE(alone.status().message().find("parallel.sequence_parallel"), std::string::npos) << alone.status();
+  // 1 x 7 tokens do not split over 2 ranks: an error, not a crash.
+  auto m = InProcModel::Create(model_, 1, 2, 42, 1, false, kernels::Device::Cpu(), kernels::Precision::kFloat32,
+                               /*sequence_parallel=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::mt19937 rng(3);
+  const absl::StatusOr<double> loss =
+      (*m)->ForwardBackward({RandomIds(rng, 1, 7, model_.vocab)}, {RandomIds(rng, 1, 7, model_.vocab)});
+  ASSERT_FALSE(loss.ok());
+  EXPECT_NE(loss.status().message().find("parallel.sequence_parallel"), std::string::npos) << loss.status();
+  EXPECT_NE(loss.status().message().find("train.micro_batch_size"), std::string::npos) << loss.status();
 }
 
 // Marks about a third of the targets ignored (-1).

@@ -16,7 +16,8 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
                                                                  int microbatches,
                                                                  bool vocab_parallel,
                                                                  kernels::Device device,
-                                                                 kernels::Precision precision) {
+                                                                 kernels::Precision precision,
+                                                                 bool sequence_parallel) {
   auto m = std::unique_ptr<InProcModel>(new InProcModel());
   m->device_ = device;
   m->pp_ = pp;
@@ -29,6 +30,7 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
       BATON_ASSIGN_OR_RETURN(StageConfig config, MakeStageConfig(model, s, pp, r, tp, seed));
       config.microbatches = microbatches;
       config.vocab_parallel = vocab_parallel;
+      config.sequence_parallel = sequence_parallel;
       config.comm_timeout = absl::Seconds(60);
       config.device = device;
       config.precision = precision;

@@ -29,10 +29,11 @@ class InProcModel {
   // stage runs (StageConfig::device); stages hand activations and gradients
   // to each other through events between their streams. `precision`: see
   // StageConfig::precision (bf16: the stages exchange bf16 activations).
+  // `sequence_parallel`: see StageConfig::sequence_parallel.
   static absl::StatusOr<std::unique_ptr<InProcModel>> Create(
       const GptConfig& model, int pp, int tp, uint64_t seed, int microbatches, bool vocab_parallel,
       kernels::Device device = kernels::Device::Cpu(),
-      kernels::Precision precision = kernels::Precision::kFloat32);
+      kernels::Precision precision = kernels::Precision::kFloat32, bool sequence_parallel = false);
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);

@@ -48,8 +48,10 @@ class LlamaStageTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false) {
-    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel);
+  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false,
+                                   bool sequence_parallel = false) {
+    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
+                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return nullptr;
     auto l = (*m)->ForwardBackward(tokens_, targets_);
@@ -58,7 +60,8 @@ class LlamaStageTest : public ::testing::Test {
     return std::move(*m);
   }
 
-  void ExpectEveryLayoutMatches(const std::vector<std::pair<int, int>>& layouts, bool vocab_parallel = false) {
+  void ExpectEveryLayoutMatches(const std::vector<std::pair<int, int>>& layouts, bool vocab_parallel = false,
+                                bool sequence_parallel = false) {
     double base_loss = 0;
     auto base = Run(1, 1, &base_loss);
     ASSERT_NE(base, nullptr);
@@ -66,7 +69,7 @@ class LlamaStageTest : public ::testing::Test {
     for (const auto& [pp, tp] : layouts) {
       SCOPED_TRACE(::testing::Message() << "pp=" << pp << " tp=" << tp);
       double loss = 0;
-      auto m = Run(pp, tp, &loss, vocab_parallel);
+      auto m = Run(pp, tp, &loss, vocab_parallel, sequence_parallel);
       ASSERT_NE(m, nullptr);
       EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
       EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
@@ -132,6 +135,13 @@ TEST_F(LlamaStageTest, MultiHeadAndSingleKeyValueHeadLayoutsMatch) {
 
 TEST_F(LlamaStageTest, VocabularyParallelLayoutsMatch) {
   ExpectEveryLayoutMatches({{1, 2}, {2, 2}}, /*vocab_parallel=*/true);
+}
+
+// RMSNorm weights (no biases) summed over the group; rotary positions and the
+// grouped heads see every token, gathered.
+TEST_F(LlamaStageTest, SequenceParallelLayoutsMatch) {
+  ExpectEveryLayoutMatches({{1, 2}, {2, 2}}, /*vocab_parallel=*/false, /*sequence_parallel=*/true);
+  ExpectEveryLayoutMatches({{2, 2}}, /*vocab_parallel=*/true, /*sequence_parallel=*/true);
 }
 
 TEST_F(LlamaStageTest, TiedHeadLayoutsMatchAndSumTheirTwoCopies) {

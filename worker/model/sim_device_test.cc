@@ -59,6 +59,7 @@ struct Layout {
   int pp, tp;
   bool vocab_parallel;
   bool bf16;
+  bool sequence_parallel = false;
 };
 
 class SimDeviceTest : public ::testing::TestWithParam<Layout> {};
@@ -70,9 +71,9 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   const kernels::Precision precision =
       l.bf16 ? kernels::Precision::kBFloat16 : kernels::Precision::kFloat32;
   auto cpu = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
-                                 kernels::Device::Cpu(), precision);
+                                 kernels::Device::Cpu(), precision, l.sequence_parallel);
   auto sim = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
-                                 kernels::Device::Sim(0), precision);
+                                 kernels::Device::Sim(0), precision, l.sequence_parallel);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   ASSERT_TRUE(sim.ok()) << sim.status();
   EXPECT_EQ((*sim)->stage(0, 0).parameters().device(), kernels::Device::Sim(0));
@@ -247,12 +248,14 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
                                            Layout{3, 1, false, false}, Layout{1, 2, false, false},
                                            Layout{2, 2, false, false}, Layout{2, 2, true, false},
                                            Layout{1, 1, false, true}, Layout{2, 2, false, true},
-                                           Layout{2, 2, true, true}),
+                                           Layout{2, 2, true, true}, Layout{2, 2, false, false, true},
+                                           Layout{2, 2, true, true, true}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_tp" +
                                   std::to_string(info.param.tp) +
                                   (info.param.vocab_parallel ? "_vocab" : "") +
-                                  (info.param.bf16 ? "_bf16" : "");
+                                  (info.param.bf16 ? "_bf16" : "") +
+                                  (info.param.sequence_parallel ? "_sp" : "");
                          });
 
 }  // namespace
