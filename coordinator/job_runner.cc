@@ -1599,7 +1599,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
   rec.epoch = epoch;
   double bubble = 0, comm = 0, worker_wall = 0;
   // The most any one worker sent or holds (the rank that bounds the job).
-  int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0;
+  int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0, max_activations = 0;
   std::map<int, v1::StageStatus> stages;
   bool replay = false;
   std::optional<absl::Duration> recovered_in;
@@ -1648,6 +1648,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       max_weights = std::max(max_weights, s.weights_bytes());
       max_grads = std::max(max_grads, s.grads_bytes());
       max_optimizer = std::max(max_optimizer, s.optimizer_bytes());
+      max_activations = std::max(max_activations, s.activation_bytes());
       v1::StageStatus& st = stages[assigned_[name].pp_rank()];
       st.set_pp_rank(assigned_[name].pp_rank());
       st.set_step(step);
@@ -1696,7 +1697,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio),
       ", \"epoch\": ", epoch, ", \"max_tp_bytes\": ", max_tp_bytes, ", \"max_dp_bytes\": ", max_dp_bytes,
       ", \"max_weights_bytes\": ", max_weights, ", \"max_grads_bytes\": ", max_grads,
-      ", \"max_optimizer_bytes\": ", max_optimizer, "}"));
+      ", \"max_optimizer_bytes\": ", max_optimizer, ", \"max_activation_bytes\": ", max_activations, "}"));
 }
 
 bool JobRunner::CheckpointDue(int64_t step) const {

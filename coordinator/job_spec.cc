@@ -256,6 +256,29 @@ absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
   return absl::OkStatus();
 }
 
+// parallel.sequence_parallel splits each microbatch's tokens over the TP
+// group, so it needs a group (tp >= 2), a real model, and tokens that split.
+absl::Status ValidateSequenceParallel(const v1::JobSpec& job, const ParallelDims& d) {
+  if (!d.sequence_parallel) return absl::OkStatus();
+  const char* field = "parallel.sequence_parallel";
+  if (d.tp < 2) {
+    return Invalid(field, absl::StrCat("is true but parallel.tp = ", d.tp, "; sequence parallelism splits the "
+                                       "tokens over the tensor-parallel ranks: set tp >= 2 or "
+                                       "sequence_parallel false"));
+  }
+  if (job.model().has_synthetic()) {
+    return Invalid(field, "is true but model.synthetic is set, and synthetic stages have no sequence to split: "
+                          "set sequence_parallel false, or train a real model");
+  }
+  const int64_t tokens = int64_t{job.train().micro_batch_size()} * job.model().seq_len();
+  if (tokens % d.tp != 0) {
+    return Invalid(field, absl::StrCat("is true but a microbatch's train.micro_batch_size * model.seq_len = ",
+                                       tokens, " tokens do not split over parallel.tp = ", d.tp,
+                                       " ranks: make them divisible by tp"));
+  }
+  return absl::OkStatus();
+}
+
 // cp and ep are planned (the planner and the job groups know them) but no
 // model code splits sequences or experts yet.
 absl::Status RefusePlannedAxes(const ParallelDims& d) {
@@ -454,6 +477,7 @@ ParallelDims DimsOf(const v1::JobSpec& job) {
   d.cp = p.has_cp() ? p.cp() : 1;
   d.ep = p.has_ep() ? p.ep() : 1;
   d.zero_stage = p.zero_stage();  // unset: 0
+  d.sequence_parallel = p.sequence_parallel();
   return d;
 }
 
@@ -565,6 +589,7 @@ absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateParallel(d));
   BATON_RETURN_IF_ERROR(ValidateZeroStage(job, d));
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
+  BATON_RETURN_IF_ERROR(ValidateSequenceParallel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));
   if (!job.model().has_synthetic()) BATON_RETURN_IF_ERROR(CheckTensorSizes(job, d));

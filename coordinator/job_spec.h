@@ -62,6 +62,7 @@ struct ParallelDims {
   int cp = 1;
   int ep = 1;
   int zero_stage = 0;
+  bool sequence_parallel = false;  // Megatron SP inside the TP groups; adds no ranks
   int world_size() const { return pp * tp * cp * dp; }
   // Whether the DP ranks hold different optimizer shards (ZeRO stage >= 1),
   // so that no DP rank is a replica of another's full state.

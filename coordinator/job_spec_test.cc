@@ -472,6 +472,34 @@ TEST(JobSpecTest, ZeroStageOneIsAcceptedOnTwoDataParallelRanks) {
   EXPECT_EQ(ErrorOf(job), "") << "zero_stage 0 needs no dp";
 }
 
+TEST(JobSpecTest, SequenceParallelNeedsATensorParallelGroupAndTokensThatSplit) {
+  v1::JobSpec job = Good();  // pp 2, tp 2
+  EXPECT_FALSE(DimsOf(job).sequence_parallel) << "unset means off";
+  job.mutable_parallel()->set_sequence_parallel(true);
+  EXPECT_EQ(ErrorOf(job), "");
+  EXPECT_TRUE(DimsOf(job).sequence_parallel);
+  EXPECT_EQ(DimsOf(job).world_size(), 2 * 2) << "SP adds no ranks";
+
+  job.mutable_parallel()->clear_tp();
+  std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.sequence_parallel: is true but parallel.tp = 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("set tp >= 2 or sequence_parallel false"), std::string::npos) << error;
+
+  job = Good();
+  job.mutable_parallel()->set_sequence_parallel(true);
+  job.mutable_parallel()->set_tp(4);
+  job.mutable_model()->set_heads(4);
+  job.mutable_train()->set_micro_batch_size(1);
+  job.mutable_model()->set_seq_len(6);  // 6 tokens over 4 ranks
+  error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.sequence_parallel: is true but a microbatch's train.micro_batch_size * "
+                       "model.seq_len = 6 tokens do not split over parallel.tp = 4"),
+            std::string::npos)
+      << error;
+  job.mutable_model()->set_seq_len(8);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
 TEST(JobSpecTest, EachBadZeroStageNamesTheFieldAndTheFix) {
   v1::JobSpec job = Good();
   job.mutable_parallel()->set_dp(2);

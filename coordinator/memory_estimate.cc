@@ -108,16 +108,24 @@ BlockShape BlockShapeOf(const v1::ModelSpec& m, double tp) {
 //     the packed rotated qkv (3 C'), y (C'), gate, up and SwiGLU (3 F');
 //     backward: 3 C, dg, dgate and dup (3 F'), dy and dqkv (4 C'), dq (C'),
 //     dk and dv (2 KV').
-double BlockActivationBytes(double n, double b, double s, const BlockShape& w, double heads, double tp,
+// With sequence parallelism (`sp`) the residual stream and the norms'
+// statistics keep n / tp rows; the gathered norm outputs (2 C) stay whole,
+// the projections' outputs are per-block temporaries (the SP arena, counted
+// once per chunk by the caller); backward keeps the gathered output
+// gradients (2 C) and the residual stream's rows (2 C / tp).
+double BlockActivationBytes(double n, double b, double s, const BlockShape& w, double heads, double tp, bool sp,
                             const AttentionTerms& att) {
   const double c = w.c, cl = w.cl, fl = w.fl, h = heads / tp;
+  const double rows = sp ? n / tp : n;  // of the residual stream and the norms' statistics
+  const double stream_forward = sp ? 2 * n * c + 2 * rows * c : 6 * n * c;
+  const double stream_backward = sp ? 2 * n * c + 2 * rows * c : 3 * n * c;
   double forward = 0, backward = 0;
   if (w.llama) {
-    forward = kFloat * (6 * n * c + 2 * n + n * (5 * cl + 2 * w.kvl) + 3 * n * fl);
-    backward = kFloat * (3 * n * c + 3 * n * fl + n * (5 * cl + 2 * w.kvl));
+    forward = kFloat * (stream_forward + 2 * rows + n * (5 * cl + 2 * w.kvl) + 3 * n * fl);
+    backward = kFloat * (stream_backward + 3 * n * fl + n * (5 * cl + 2 * w.kvl));
   } else {
-    forward = kFloat * (6 * n * c + 4 * n + 4 * n * cl + 2 * n * fl);
-    backward = kFloat * (3 * n * c + n * fl + 4 * n * cl);
+    forward = kFloat * (stream_forward + 4 * rows + 4 * n * cl + 2 * n * fl);
+    backward = kFloat * (stream_backward + n * fl + 4 * n * cl);
   }
   const double saved = att.fused ? std::ceil(kFloat * b * h * s / 256) * 256 + 2 * n * cl
                                  : att.p_element_bytes * b * h * s * s;
@@ -208,7 +216,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
     }
     double chunk_params = layers * block_params;
     gemm_weights += layers * block_gemm + (last ? v * c : 0);  // the head's GEMM weight
-    double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, att);
+    double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, d.sequence_parallel && d.tp > 1, att);
     if (first) {
       // Token (+ GPT-2's position) embeddings; Llama's positions are rotary.
       chunk_params += shape.llama ? v * c : v * c + s * c;
@@ -235,6 +243,9 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   // and AdamW's m and v.
   w.optimizer_bytes = kFloat * params + 2 * kFloat * moment_elements;
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
+  // Sequence parallelism's per-block temporaries: a partial sum [n, C] and
+  // the rows around it, one arena per chunk.
+  if (d.sequence_parallel && d.tp > 1) w.activation_bytes += chunks * kFloat * 2 * n * c;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
   }
@@ -286,7 +297,21 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
       zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", d.dp,
                           " data-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
     }
-    return absl::StrCat(zero,
+    std::string sp;
+    if (d.tp >= 2 && !d.sequence_parallel && !job.model().has_synthetic() &&
+        int64_t{job.train().micro_batch_size()} * job.model().seq_len() % d.tp == 0) {
+      v1::JobSpec split = job;
+      split.mutable_parallel()->set_sequence_parallel(true);
+      double saved = 0;
+      for (int p = 0; p < d.pp; ++p) {
+        saved = std::max(saved, per_stage[p].activation_bytes - EstimateWorkerMemory(split, plan, p).activation_bytes);
+      }
+      if (saved > 0) {
+        sp = absl::StrCat("set parallel.sequence_parallel: true to split the residual stream over the ", d.tp,
+                          " tensor-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
+      }
+    }
+    return absl::StrCat(zero, sp,
                         "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
                         "parallel.pp or parallel.tp, or use workers with more memory");
   };

@@ -449,6 +449,35 @@ double Shard(int64_t n, int64_t dp) { return static_cast<double>(((n + dp - 1) /
 
 // With parallel.zero_stage 1 each DP rank keeps AdamW's m and v for its shard
 // only; its gradients, parameters, activations and buffers are the same.
+// Sequence parallelism keeps 1/tp of the residual stream per block: the
+// estimate falls (GPT-2 and Llama), the rest of it does not move, and a job
+// whose activations fit only with it is told to set it.
+TEST(MemoryEstimateTest, SequenceParallelShrinksTheActivationsAndIsSuggested) {
+  for (const std::string model : {std::string("layers: 4 d_model: 256 heads: 4 vocab: 256 seq_len: 256"),
+                                  std::string("arch: \"llama\" layers: 4 d_model: 256 heads: 4 kv_heads: 2 "
+                                              "vocab: 256 seq_len: 256 ffn_dim: 512")}) {
+    SCOPED_TRACE(model);
+    const v1::JobSpec tp = Demo(model, "kind: \"1f1b\" microbatches: 4", 8);
+    v1::JobSpec sp = tp;
+    sp.mutable_parallel()->set_sequence_parallel(true);
+    ASSERT_TRUE(ValidateJobSpec(sp).ok()) << ValidateJobSpec(sp);
+    auto plan = MakePlan(tp, Workers(4, 0), 1);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const WorkerMemory a = EstimateWorkerMemory(tp, *plan, 0), b = EstimateWorkerMemory(sp, *plan, 0);
+    EXPECT_LT(b.activation_bytes, 0.95 * a.activation_bytes);
+    EXPECT_DOUBLE_EQ(a.parameter_bytes, b.parameter_bytes);
+    EXPECT_DOUBLE_EQ(a.optimizer_bytes, b.optimizer_bytes);
+
+    // Workers with room for the SP job but not the TP one.
+    const int64_t between = static_cast<int64_t>((a.total() + b.total()) / 2);
+    auto refused = MakePlan(tp, Workers(4, between), 1);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("set parallel.sequence_parallel: true"), std::string::npos)
+        << refused.status();
+    EXPECT_TRUE(MakePlan(sp, Workers(4, between), 1).ok());
+  }
+}
+
 TEST(MemoryEstimateTest, ZeroStageOneShardsTheAdamWMomentsOverTheDataParallelRanks) {
   // GPT-2 of d 36 (heads of 9) so that the shard needs padding: 2 blocks of
   // 12 d^2 + 13 d, wte 17 x d and its tied copy, wpe 20 x d, the final norm.

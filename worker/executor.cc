@@ -869,13 +869,15 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_));
   if (tp_ != nullptr) done.set_comm_tp_bytes(tp_->collective_bytes_sent() - tp_bytes_at_start_);
   if (dp_ != nullptr) done.set_comm_dp_bytes(dp_->collective_bytes_sent() - dp_bytes_at_start_);
-  int64_t weights = 0, grads = 0, optimizer = 0;
+  int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;
   for (const auto& [stage, model] : chunks_) {
     const model::ParameterStore::MemoryBytes m = model->MemoryBytes();
     weights += m.weights;
     grads += m.grads;
     optimizer += m.optimizer;
+    activations += model->activation_bytes();
   }
+  done.set_activation_bytes(activations);
   done.set_weights_bytes(weights);
   done.set_grads_bytes(grads);
   done.set_optimizer_bytes(optimizer);

@@ -87,6 +87,7 @@ class GptStageModel : public StageModel {
   DpShardBuffers DpShard() override;
   void ValuesGathered() override { stage_->RefreshBf16Weights(); }
   model::ParameterStore::MemoryBytes MemoryBytes() const override { return stage_->parameters().memory_bytes(); }
+  int64_t activation_bytes() const override { return stage_->activation_bytes(); }
   const kernels::ExecContext& context() const override { return stage_->context(); }
   absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 

@@ -169,6 +169,9 @@ class StageModel {
   // Bytes of weights, gradients and optimizer state the chunk holds on its
   // device (baton_device_memory_bytes); zero for a model without them.
   virtual model::ParameterStore::MemoryBytes MemoryBytes() const { return {}; }
+  // The most activation bytes held at once since ZeroGrad (GptStage::
+  // activation_bytes); zero for a model that does not count them.
+  virtual int64_t activation_bytes() const { return 0; }
   // Sets the state bit for bit from a CaptureState() of the same layout,
   // drops microbatches in flight and zeroes gradients, so the next step runs
   // exactly as the captured model's next step would. INVALID_ARGUMENT (model

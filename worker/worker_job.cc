@@ -513,6 +513,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(done.weights_bytes()));
   device_memory_family_->Add(with_kind("grads")).Set(static_cast<double>(done.grads_bytes()));
   device_memory_family_->Add(with_kind("optimizer")).Set(static_cast<double>(done.optimizer_bytes()));
+  device_memory_family_->Add(with_kind("activations")).Set(static_cast<double>(done.activation_bytes()));
   if (!job_->device.is_cpu()) {  // the CPU's memory is not counted by the backend
     const kernels::MemoryStats memory = kernels::GetMemoryStats(job_->device);
     device_memory_family_->Add(with_kind("in_use")).Set(static_cast<double>(memory.in_use_bytes));
@@ -943,6 +944,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     config.comm_timeout = options_.op_timeout;
     config.device = device;
     config.precision = precision;
+    config.sequence_parallel = job->spec.parallel().sequence_parallel();
     if (job->spec.parallel().zero_stage() > 1) {  // a coordinator newer than this worker
       return absl::InvalidArgumentError(absl::StrCat("parallel.zero_stage is ", job->spec.parallel().zero_stage(),
                                                      "; this worker runs ZeRO stages 0 and 1 only"));

@@ -170,6 +170,49 @@ TEST(TrainingTest, DataParallelLayoutsTrainLikeOneWorkerOnTheSameGlobalBatch) {
 // per rank, the tied embedding's both ends on rank 0), dp 3 (shards padded),
 // and Llama; the final checkpoint (moments gathered from every DP rank)
 // holds the same weights; the same layout twice is bitwise identical.
+// Megatron sequence parallelism: pp x tp x dp layouts under several
+// schedules (ZeRO-1 and Llama too) train like one worker, bitwise again on a
+// rerun; the workers report fewer activation bytes than the same layout
+// without it.
+TEST(TrainingTest, SequenceParallelTrainsLikeOneWorkerAndHoldsFewerActivations) {
+  auto sp = [](Layout l, std::string extra = "") {
+    l.parallel_extra = "sequence_parallel: true " + extra;
+    l.tag = "sp_" + l.tag;
+    return l;
+  };
+  Layout one;
+  one.microbatches = 8;
+  const RunResult single = RunJob("sp_single_m8", GptJob(one));
+  Layout zero = sp(Layout{2, 2, 2, 1, 4, "1f1b"}, "zero_stage: 1");
+  zero.tag = "sp_zero1_";
+  for (const Layout& job : {sp(Layout{1, 2, 1, 1, 8, "1f1b"}), sp(Layout{2, 2, 1, 2, 8, "zb-v"}), zero}) {
+    const RunResult run = RunJob(job.Name(), GptJob(job));
+    ExpectSameTraining(single, run, job.Name());
+    if (job.pp != 1) continue;
+    const RunResult again = RunJob(job.Name() + "_again", GptJob(job));
+    EXPECT_EQ(run.loss_text, again.loss_text) << "not bitwise reproducible";
+    Layout plain = job;
+    plain.parallel_extra.clear();
+    plain.tag = "sp_off_";
+    const RunResult dense = RunJob(plain.Name(), GptJob(plain));
+    const std::vector<double> with = testing::ReadStepField(run.dir + "/out/steps.jsonl", "max_activation_bytes");
+    const std::vector<double> without =
+        testing::ReadStepField(dense.dir + "/out/steps.jsonl", "max_activation_bytes");
+    ASSERT_FALSE(with.empty());
+    ASSERT_FALSE(without.empty());
+    ASSERT_GT(without.back(), 0);
+    EXPECT_LT(with.back(), 0.9 * without.back()) << with.back() << " vs " << without.back();
+  }
+  Layout llama_one;
+  llama_one.microbatches = 8;
+  llama_one.model_extra = R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48)pb";
+  const RunResult llama_single = RunJob("sp_llama_single_m8", GptJob(llama_one));
+  Layout llama = sp(Layout{2, 2, 1, 1, 8, "gpipe"});
+  llama.model_extra = llama_one.model_extra;
+  llama.tag = "sp_llama_";
+  ExpectSameTraining(llama_single, RunJob(llama.Name(), GptJob(llama)), llama.Name());
+}
+
 TEST(TrainingTest, ZeroStage1TrainsLikeOneWorkerAndIsBitwiseReproducible) {
   auto zero = [](Layout l) {
     l.parallel_extra = "zero_stage: 1";
