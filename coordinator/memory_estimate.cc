@@ -108,16 +108,17 @@ BlockShape BlockShapeOf(const v1::ModelSpec& m, double tp) {
 //     the packed rotated qkv (3 C'), y (C'), gate, up and SwiGLU (3 F');
 //     backward: 3 C, dg, dgate and dup (3 F'), dy and dqkv (4 C'), dq (C'),
 //     dk and dv (2 KV').
-// With sequence parallelism (`sp`) the residual stream and the norms'
-// statistics keep n / tp rows; the gathered norm outputs (2 C) stay whole,
-// the projections' outputs are per-block temporaries (the SP arena, counted
-// once per chunk by the caller); backward keeps the gathered output
-// gradients (2 C) and the residual stream's rows (2 C / tp).
+// With sequence parallelism (`sp`) the norm outputs, the residual stream and
+// the norms' statistics keep n / tp rows (4 C / tp: the weight gradients
+// gather the norm outputs again); the projections' outputs and the gathered
+// norm outputs are per-block temporaries (the SP arena, counted once per
+// chunk by the caller); backward keeps the gathered output gradients (2 C,
+// read by the weight gradients) and the residual stream's rows (2 C / tp).
 double BlockActivationBytes(double n, double b, double s, const BlockShape& w, double heads, double tp, bool sp,
                             const AttentionTerms& att) {
   const double c = w.c, cl = w.cl, fl = w.fl, h = heads / tp;
   const double rows = sp ? n / tp : n;  // of the residual stream and the norms' statistics
-  const double stream_forward = sp ? 2 * n * c + 2 * rows * c : 6 * n * c;
+  const double stream_forward = sp ? 4 * rows * c : 6 * n * c;
   const double stream_backward = sp ? 2 * n * c + 2 * rows * c : 3 * n * c;
   double forward = 0, backward = 0;
   if (w.llama) {
@@ -243,8 +244,8 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   // and AdamW's m and v.
   w.optimizer_bytes = kFloat * params + 2 * kFloat * moment_elements;
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
-  // Sequence parallelism's per-block temporaries: a partial sum [n, C] and
-  // the rows around it, one arena per chunk.
+  // Sequence parallelism's per-block temporaries: a gathered norm output and
+  // a partial sum, [n, C] each, one arena per chunk.
   if (d.sequence_parallel && d.tp > 1) w.activation_bytes += chunks * kFloat * 2 * n * c;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);

@@ -433,22 +433,19 @@ absl::StatusOr<Tensor> GptStage::SumOverTp(const Tensor& partial, const char* wh
 }
 
 absl::Status GptStage::NormForGemm(kernels::Arena& arena, const Tensor& x, const Parameter* w, const Parameter* b,
-                                   Tensor* out, Tensor* mean, Tensor* rstd, const char* what, int block) {
-  if (!sp_) return Norm(arena, x, w, b, out, mean, rstd);
-  // The statistics stay with the microbatch (the norm's backward reads
-  // them); the rows are a temporary.
-  const int64_t rows = x.dim(0), c = x.dim(1);
-  BATON_ASSIGN_OR_RETURN(*rstd, arena.Allocate({rows}));
-  BATON_ASSIGN_OR_RETURN(Tensor local, sp_scratch_->Allocate({rows, c}, gemm_dtype_));
-  if (llama_) {
-    kernels::RmsNorm(ctx_, local, *rstd, x, w->value, config_.model.norm_eps);
-  } else {
-    BATON_ASSIGN_OR_RETURN(*mean, arena.Allocate({rows}));
-    kernels::LayerNorm(ctx_, local, *mean, *rstd, x, w->value, b->value);
+                                   Tensor* whole, Tensor* rows, Tensor* mean, Tensor* rstd, const char* what,
+                                   int block) {
+  if (!sp_) {
+    BATON_RETURN_IF_ERROR(Norm(arena, x, w, b, whole, mean, rstd));
+    *rows = *whole;
+    return absl::OkStatus();
   }
-  BATON_ASSIGN_OR_RETURN(*out, arena.Allocate({rows * config_.tp_size, c}, gemm_dtype_));
-  const std::string name = block >= 0 ? absl::StrCat(what, " in block ", block) : std::string(what);
-  return AllGatherTp(local, *out, name.c_str());
+  // The rows and statistics stay with the microbatch (the weight gradient
+  // gathers the rows again, the norm's backward reads the statistics); the
+  // whole is a temporary.
+  BATON_RETURN_IF_ERROR(Norm(arena, x, w, b, rows, mean, rstd));
+  BATON_ASSIGN_OR_RETURN(*whole, GatherRows(*sp_scratch_, *rows, what, block));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> GptStage::GatherRows(kernels::Arena& arena, const Tensor& rows, const char* what, int block) {
@@ -721,10 +718,12 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     }
     return absl::OkStatus();
   }
-  BATON_RETURN_IF_ERROR(NormForGemm(arena, x, lnf_w_, lnf_b_, &s.xf, &s.meanf, &s.rstdf, "the final norm output", -1));
+  Tensor xf;  // the head's input, whole (s.xf keeps this rank's rows under SP)
+  BATON_RETURN_IF_ERROR(
+      NormForGemm(arena, x, lnf_w_, lnf_b_, &xf, &s.xf, &s.meanf, &s.rstdf, "the final norm output", -1));
   // This rank's vocabulary columns.
   BATON_ASSIGN_OR_RETURN(s.dlogits, arena.Allocate({n, head_->value.dim(0)}));
-  kernels::Linear(ctx_, s.dlogits, s.xf, W(head_), Tensor());
+  kernels::Linear(ctx_, s.dlogits, xf, W(head_), Tensor());
   if (logits != nullptr) {
     kernels::Copy(ctx_, *logits, s.dlogits);
     return absl::OkStatus();
@@ -776,15 +775,20 @@ absl::Status GptStage::BlockForward(const Block& b, Microbatch& mb, BlockActivat
   kernels::Arena& arena = mb.arena;
   if (sp_) sp_scratch_->Reset();
   // Attention sub-block: x_mid = x_in + proj(attn(norm1(x_in))).
+  // a.ln1 / a.ln2: the whole norm output while the sub-block runs, then (SP)
+  // the rows the weight gradient gathers again.
+  Tensor kept;
   BATON_RETURN_IF_ERROR(
-      NormForGemm(arena, a.x_in, b.ln1_w, b.ln1_b, &a.ln1, &a.mean1, &a.rstd1, "the attention input", b.index));
+      NormForGemm(arena, a.x_in, b.ln1_w, b.ln1_b, &a.ln1, &kept, &a.mean1, &a.rstd1, "the attention input", b.index));
   BATON_ASSIGN_OR_RETURN(Tensor attn_out, AttentionForward(b, mb, a));
+  a.ln1 = kept;
   BATON_ASSIGN_OR_RETURN(a.x_mid, arena.Allocate({rows, c}));
   kernels::Residual(ctx_, a.x_mid, a.x_in, attn_out);
   // MLP sub-block: x_out = x_mid + mlp(norm2(x_mid)).
   BATON_RETURN_IF_ERROR(
-      NormForGemm(arena, a.x_mid, b.ln2_w, b.ln2_b, &a.ln2, &a.mean2, &a.rstd2, "the MLP input", b.index));
+      NormForGemm(arena, a.x_mid, b.ln2_w, b.ln2_b, &a.ln2, &kept, &a.mean2, &a.rstd2, "the MLP input", b.index));
   BATON_ASSIGN_OR_RETURN(Tensor mlp_out, MlpForward(b, mb, a));
+  a.ln2 = kept;
   BATON_ASSIGN_OR_RETURN(a.x_out, arena.Allocate({rows, c}));
   kernels::Residual(ctx_, a.x_out, a.x_mid, mlp_out);
   return absl::OkStatus();
@@ -1042,9 +1046,14 @@ absl::Status GptStage::BackwardWeight(int mb) {
     return absl::FailedPreconditionError(
         absl::StrCat("BackwardWeight(", mb, "): BackwardInput has not run"));
   }
-  if (config_.is_last()) kernels::LinearBackwardWeight(ctx_, head_->grad, s->dlogits_gemm, s->xf);
+  if (sp_) sp_scratch_->Reset();
+  if (config_.is_last()) {
+    BATON_ASSIGN_OR_RETURN(const Tensor xf, GatherRows(*sp_scratch_, s->xf, "the final norm output", -1));
+    kernels::LinearBackwardWeight(ctx_, head_->grad, s->dlogits_gemm, xf);
+  }
   for (int i = static_cast<int>(blocks_.size()) - 1; i >= 0; --i) {
-    BlockBackwardWeight(blocks_[i], s->blocks[i]);
+    BATON_RETURN_IF_ERROR_CTX(BlockBackwardWeight(blocks_[i], s->blocks[i]), "block ", blocks_[i].index,
+                              " weight gradient");
   }
   if (config_.is_first())
     kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_ != nullptr ? wpe_->grad : Tensor(), s->d_x0,
@@ -1058,18 +1067,24 @@ absl::Status GptStage::BackwardWeight(int mb) {
   return absl::OkStatus();
 }
 
-void GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
+absl::Status GptStage::BlockBackwardWeight(const Block& b, const BlockActivations& a) {
+  // Under SP the norm outputs were kept as this rank's rows: gathered again
+  // (Megatron's sequence-parallel backward), into the per-block temporaries.
+  if (sp_) sp_scratch_->Reset();
   kernels::LinearBackwardWeight(ctx_, b.fc2_w->grad, a.d_out, a.g);
-  kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, a.ln2);
-  if (llama_) kernels::LinearBackwardWeight(ctx_, b.up_w->grad, a.dup, a.ln2);
+  BATON_ASSIGN_OR_RETURN(const Tensor ln2, GatherRows(*sp_scratch_, a.ln2, "the MLP input", b.index));
+  kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, ln2);
+  if (llama_) kernels::LinearBackwardWeight(ctx_, b.up_w->grad, a.dup, ln2);
   kernels::LinearBackwardWeight(ctx_, b.proj_w->grad, a.d_mid, a.y);
+  BATON_ASSIGN_OR_RETURN(const Tensor ln1, GatherRows(*sp_scratch_, a.ln1, "the attention input", b.index));
   if (llama_) {
-    kernels::LinearBackwardWeight(ctx_, b.q_w->grad, a.dq, a.ln1);
-    kernels::LinearBackwardWeight(ctx_, b.k_w->grad, a.dk, a.ln1);
-    kernels::LinearBackwardWeight(ctx_, b.v_w->grad, a.dv, a.ln1);
+    kernels::LinearBackwardWeight(ctx_, b.q_w->grad, a.dq, ln1);
+    kernels::LinearBackwardWeight(ctx_, b.k_w->grad, a.dk, ln1);
+    kernels::LinearBackwardWeight(ctx_, b.v_w->grad, a.dv, ln1);
   } else {
-    kernels::LinearBackwardWeight(ctx_, b.qkv_w->grad, a.dqkv, a.ln1);
+    kernels::LinearBackwardWeight(ctx_, b.qkv_w->grad, a.dqkv, ln1);
   }
+  return absl::OkStatus();
 }
 
 absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor& grad_input) {

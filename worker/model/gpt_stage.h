@@ -86,14 +86,15 @@
 // all-reduces a partial sum (attention and MLP outputs, their input
 // gradients, a vocabulary-parallel embedding and LM-head input gradient) SP
 // reduce-scatters it; the norm outputs entering the column-parallel GEMMs and
-// the output gradients entering the row-parallel ones are all-gathered (the
-// gathered norm outputs are kept for the weight gradients). The stage's input
+// the output gradients entering the row-parallel ones are all-gathered; the
+// norm outputs are kept as this rank's rows and gathered again for the
+// weight gradients (BackwardWeight), as Megatron does. The stage's input
 // and output messages stay whole [B, T, C]: a rank takes its rows of its
 // input and all-gathers its output and input gradient. The norm weights see
 // only this rank's rows, so after the step's last BackwardWeight (the
 // microbatches-th since ZeroGrad) their gradients are summed over the TP
 // group. Temporaries of the SP path (the partial sums before a
-// reduce-scatter, the norm rows before a gather) live in an arena reset per
+// reduce-scatter, the gathered norm outputs) live in an arena reset per
 // block, so only what backward reads stays with the microbatch.
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
@@ -290,7 +291,7 @@ class GptStage {
                                                          const kernels::Tensor& d_mid);
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
-  void BlockBackwardWeight(const Block& block, const BlockActivations& a);
+  absl::Status BlockBackwardWeight(const Block& block, const BlockActivations& a);
   // On the stream (see Device above). `block` names the block in errors; -1
   // for none.
   absl::Status AllReduceTp(const kernels::Tensor& t, const char* what, int block);
@@ -301,11 +302,14 @@ class GptStage {
   // The TP sum of a GEMM's partial output `partial` [n, c]: `partial` itself,
   // all-reduced; under SP this rank's rows of the sum, in the SP arena.
   absl::StatusOr<kernels::Tensor> SumOverTp(const kernels::Tensor& partial, const char* what, int block);
-  // Norm() for a GEMM's input: under SP the norm of this rank's rows
-  // all-gathered into `out` [n, c] (in `arena`, the statistics too).
+  // Norm() for a GEMM's input: `whole` [n, c] is what the GEMM reads and
+  // `rows` what the microbatch keeps; without SP both are the norm output
+  // (in `arena`); under SP `rows` is the norm of this rank's rows (in
+  // `arena`, the statistics too) and `whole` every rank's rows gathered, a
+  // temporary.
   absl::Status NormForGemm(kernels::Arena& arena, const kernels::Tensor& x, const Parameter* w, const Parameter* b,
-                           kernels::Tensor* out, kernels::Tensor* mean, kernels::Tensor* rstd, const char* what,
-                           int block);
+                           kernels::Tensor* whole, kernels::Tensor* rows, kernels::Tensor* mean,
+                           kernels::Tensor* rstd, const char* what, int block);
   // Under SP `t` [n, c] every rank's rows gathered from this rank's `rows`
   // (in `arena`); otherwise `rows` itself.
   absl::StatusOr<kernels::Tensor> GatherRows(kernels::Arena& arena, const kernels::Tensor& rows, const char* what,
