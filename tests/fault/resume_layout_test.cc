@@ -194,6 +194,25 @@ TEST(ResumeLayoutTest, ZeroStage1CheckpointsHoldTheWholeStateAndResumeBothWays) 
   }
 }
 
+// Sequence parallelism changes no parameter: a checkpoint saved under it at
+// pp 2 x tp 2 resumes without it, and that one back into it at tp 4, holding
+// the same state bit for bit.
+TEST(ResumeLayoutTest, SequenceParallelCheckpointsResumeOutOfAndIntoIt) {
+  const std::string root = TempDir("resume_sp_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  const LocalResult sp = Local("sp_full", Job(Layout{2, 2, 1, "1f1b", "sequence_parallel: true"}, 10, ck));
+  ASSERT_EQ(sp.exit_code, 0) << sp.log;
+  ASSERT_EQ(sp.losses.size(), 10u);
+  const std::string step10 = root + "/step-00000010";
+  const LocalResult plain = Local("sp_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
+  ASSERT_EQ(plain.exit_code, 0) << plain.log;
+  ExpectSameState(step10, plain.out + "/final", "sequence_parallel saved, resumed without it");
+  const LocalResult back = Local("plain_into_sp_tp4", Job(Layout{1, 4, 1, "1f1b", "sequence_parallel: true"}, 10),
+                                 {"--resume=" + plain.out + "/final"});
+  ASSERT_EQ(back.exit_code, 0) << back.log;
+  ExpectSameState(step10, back.out + "/final", "resumed into sequence_parallel at tp 4");
+}
+
 // The same for a Llama (grouped-query attention, untied head): saved at
 // pp=2, resumed bit for bit at pp=1 tp=2 and under zb-v, continued within
 // the layout drift; and refused, naming the field, by a job whose Llama

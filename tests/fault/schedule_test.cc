@@ -399,5 +399,16 @@ TEST(FaultScheduleTest, DataParallelRankUnderZeroStage1Pp2Tp2Dp2Interleaved) {
   KillAtSeededPoint("pp2tp2dp2_interleaved_zero1_dp", l, 1, 1, 1, 5);
 }
 
+// Under sequence parallelism a TP rank holds its rows of the residual
+// stream and its share of the norm weights' gradient sum: the replacement
+// (from the buddy snapshot) must rejoin both, on the first stage, where the
+// embedding is scattered.
+TEST(FaultScheduleTest, TensorParallelRankUnderSequenceParallelPp3Tp2Interleaved) {
+  Layout l = Pp3Tp2("interleaved", 2);
+  l.parallel_extra = "sequence_parallel: true";
+  l.extra_name = "_sp";
+  KillAtSeededPoint("pp3tp2_interleaved_sp_tp", l, 0, 1, 0, 6);
+}
+
 }  // namespace
 }  // namespace baton
