@@ -396,29 +396,28 @@ absl::Status GptStage::AllReduceTp(const Tensor& t, const char* what, int block)
 }
 
 absl::Status GptStage::AllGatherTp(const Tensor& in, const Tensor& out, const char* what) {
-  const std::string name = absl::StrCat("tensor-parallel all-gather of ", what);
-  const comm::Buffer from = CommBuffer(in), to = CommBuffer(out);
-  if (tp_collectives_->CanEnqueue(from) && tp_collectives_->CanEnqueue(to)) {
-    return tp_collectives_->AllGather(from, to, name, *stream_, config_.comm_timeout, comm_status_);
-  }
-  // CUDA memory over a host communicator: it reads memory the stream has
-  // finished writing.
-  absl::Status status = stream_->Synchronize();
-  if (status.ok()) status = tp_->AllGather(from, to)->Wait(config_.comm_timeout);
-  return WithContext(status, name);
+  return MoveOverTp(TpMove::kAllGather, in, out, absl::StrCat("tensor-parallel all-gather of ", what));
 }
 
 absl::Status GptStage::ReduceScatterTp(const Tensor& in, const Tensor& out, const char* what, int block) {
-  const std::string name = absl::StrCat("tensor-parallel reduce-scatter of ", what,
-                                        block >= 0 ? absl::StrCat(" in block ", block) : "");
+  return MoveOverTp(TpMove::kReduceScatter, in, out,
+                    absl::StrCat("tensor-parallel reduce-scatter of ", what,
+                                 block >= 0 ? absl::StrCat(" in block ", block) : ""));
+}
+
+absl::Status GptStage::MoveOverTp(TpMove move, const Tensor& in, const Tensor& out, const std::string& name) {
   const comm::Buffer from = CommBuffer(in), to = CommBuffer(out);
+  const bool gather = move == TpMove::kAllGather;
   if (tp_collectives_->CanEnqueue(from) && tp_collectives_->CanEnqueue(to)) {
-    return tp_collectives_->ReduceScatterSum(from, to, name, *stream_, config_.comm_timeout, comm_status_);
+    return gather ? tp_collectives_->AllGather(from, to, name, *stream_, config_.comm_timeout, comm_status_)
+                  : tp_collectives_->ReduceScatterSum(from, to, name, *stream_, config_.comm_timeout, comm_status_);
   }
   // CUDA memory over a host communicator: it reads memory the stream has
   // finished writing.
   absl::Status status = stream_->Synchronize();
-  if (status.ok()) status = tp_->ReduceScatterSum(from, to)->Wait(config_.comm_timeout);
+  if (status.ok()) {
+    status = (gather ? tp_->AllGather(from, to) : tp_->ReduceScatterSum(from, to))->Wait(config_.comm_timeout);
+  }
   return WithContext(status, name);
 }
 

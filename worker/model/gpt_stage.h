@@ -299,6 +299,11 @@ class GptStage {
   // Sequence parallelism: out [n/tp, c] = this rank's rows of the sum of
   // every rank's `in` [n, c].
   absl::Status ReduceScatterTp(const kernels::Tensor& in, const kernels::Tensor& out, const char* what, int block);
+  // The two: on the stream where the communicator can run them from it,
+  // else after a stream synchronisation on the host.
+  enum class TpMove { kAllGather, kReduceScatter };
+  absl::Status MoveOverTp(TpMove move, const kernels::Tensor& in, const kernels::Tensor& out,
+                          const std::string& name);
   // The TP sum of a GEMM's partial output `partial` [n, c]: `partial` itself,
   // all-reduced; under SP this rank's rows of the sum, in the SP arena.
   absl::StatusOr<kernels::Tensor> SumOverTp(const kernels::Tensor& partial, const char* what, int block);
