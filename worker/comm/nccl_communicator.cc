@@ -255,6 +255,20 @@ absl::Status NcclCommunicator::CheckDevice(const Buffer& b, absl::string_view wh
   return absl::OkStatus();
 }
 
+absl::Status NcclCommunicator::CheckPieces(const Buffer& in, const Buffer& out, absl::string_view what,
+                                           bool gather) const {
+  absl::Status valid = CheckDevice(in, what);
+  if (valid.ok()) valid = CheckDevice(out, what);
+  const Buffer& part = gather ? in : out;
+  const Buffer& whole = gather ? out : in;
+  if (valid.ok() && (whole.count != part.count * options_.size || out.dtype != in.dtype)) {
+    valid = absl::InvalidArgumentError(absl::StrCat(what, gather ? ": output must hold size() * input elements"
+                                                                 : ": input must hold size() * output elements",
+                                                    " of the same dtype"));
+  }
+  return valid;
+}
+
 std::shared_ptr<Work> NcclCommunicator::Issue(std::string what, int peer,
                                               const std::function<ncclResult_t()>& launch,
                                               cudaStream_t stream) {
@@ -379,12 +393,7 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSum(Buffer buf) {
 
 std::shared_ptr<Work> NcclCommunicator::AllGather(Buffer in, Buffer out) {
   std::string what = absl::StrCat("AllGather(", in.count, " elements per rank)");
-  absl::Status valid = CheckDevice(in, what);
-  if (valid.ok()) valid = CheckDevice(out, what);
-  if (valid.ok() && (out.count != in.count * options_.size || out.dtype != in.dtype)) {
-    valid = absl::InvalidArgumentError(
-        absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
-  }
+  const absl::Status valid = CheckPieces(in, out, what, /*gather=*/true);
   if (!valid.ok()) return Failed(std::move(what), valid);
   CountAllGatherBytes(in.bytes());
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -394,12 +403,7 @@ std::shared_ptr<Work> NcclCommunicator::AllGather(Buffer in, Buffer out) {
 
 std::shared_ptr<Work> NcclCommunicator::ReduceScatterSum(Buffer in, Buffer out) {
   std::string what = absl::StrCat("ReduceScatterSum(", out.count, " elements per rank)");
-  absl::Status valid = CheckDevice(in, what);
-  if (valid.ok()) valid = CheckDevice(out, what);
-  if (valid.ok() && (in.count != out.count * options_.size || out.dtype != in.dtype)) {
-    valid = absl::InvalidArgumentError(
-        absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
-  }
+  const absl::Status valid = CheckPieces(in, out, what, /*gather=*/false);
   if (!valid.ok()) return Failed(std::move(what), valid);
   CountAllGatherBytes(out.bytes());  // the reduce-scatter's ring volume is the all-gather's
   return Issue(std::move(what), -1, [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -555,13 +559,8 @@ std::shared_ptr<Work> NcclCommunicator::AllReduceSumOnStream(Buffer buf, void* s
 
 std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out, void* stream) {
   std::string what = absl::StrCat("AllGather(", in.count, " elements per rank) on the caller's stream");
-  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
-                                         : CheckDevice(in, what);
-  if (valid.ok()) valid = CheckDevice(out, what);
-  if (valid.ok() && (out.count != in.count * options_.size || out.dtype != in.dtype)) {
-    valid = absl::InvalidArgumentError(
-        absl::StrCat(what, ": output must hold size() * input elements of the same dtype"));
-  }
+  const absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                               : CheckPieces(in, out, what, /*gather=*/true);
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
   CountAllGatherBytes(in.bytes());
@@ -575,13 +574,8 @@ std::shared_ptr<Work> NcclCommunicator::AllGatherOnStream(Buffer in, Buffer out,
 
 std::shared_ptr<Work> NcclCommunicator::ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream) {
   std::string what = absl::StrCat("ReduceScatterSum(", out.count, " elements per rank) on the caller's stream");
-  absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
-                                         : CheckDevice(in, what);
-  if (valid.ok()) valid = CheckDevice(out, what);
-  if (valid.ok() && (in.count != out.count * options_.size || out.dtype != in.dtype)) {
-    valid = absl::InvalidArgumentError(
-        absl::StrCat(what, ": input must hold size() * output elements of the same dtype"));
-  }
+  const absl::Status valid = stream == nullptr ? absl::InvalidArgumentError(absl::StrCat(what, ": no stream"))
+                                               : CheckPieces(in, out, what, /*gather=*/false);
   if (!valid.ok()) return Failed(std::move(what), valid);
   cudaStream_t on = static_cast<cudaStream_t>(stream);
   CountAllGatherBytes(out.bytes());  // the reduce-scatter's ring volume is the all-gather's

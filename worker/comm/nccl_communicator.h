@@ -109,6 +109,10 @@ class NcclCommunicator : public Communicator {
   ncclResult_t AwaitReady(ncclResult_t result, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckDevice(const Buffer& b, absl::string_view what) const;
+  // An all-gather's (`gather`: out holds size() pieces of in) or a
+  // reduce-scatter's (in holds size() pieces of out) buffers: both on this
+  // device, of one dtype.
+  absl::Status CheckPieces(const Buffer& in, const Buffer& out, absl::string_view what, bool gather) const;
   void CountBusBytes(int64_t bytes) { bus_bytes_.fetch_add(bytes, std::memory_order_relaxed); }
   // Ring volume: an all-reduce of `bytes` sends 2(n-1)/n of them; an
   // all-gather (and a reduce-scatter) of `per_rank` bytes a rank (n-1) times.
