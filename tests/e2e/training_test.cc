@@ -5,8 +5,9 @@
 //    single-worker run's per-step losses and final weights (1e-5 relative
 //    over 20 steps); DP=k is compared with one worker running k*m
 //    microbatches, the same global batch. The same layout twice is bitwise
-//    identical. ZeRO-1 (parallel.zero_stage 1) layouts train like one
-//    worker too.
+//    identical. ZeRO-1 (parallel.zero_stage 1) and sequence-parallel
+//    (parallel.sequence_parallel) layouts train like one worker too; SP
+//    workers report fewer activation bytes than TP alone.
 //  - Bubble truth: with the synthetic cost model, the measured bubble ratio
 //    is within 0.02 of the simulator's for gpipe, 1f1b, zb-h1, zb-v and
 //    dualpipe-v.
@@ -185,7 +186,8 @@ TEST(TrainingTest, SequenceParallelTrainsLikeOneWorkerAndHoldsFewerActivations) 
   const RunResult single = RunJob("sp_single_m8", GptJob(one));
   Layout zero = sp(Layout{2, 2, 2, 1, 4, "1f1b"}, "zero_stage: 1");
   zero.tag = "sp_zero1_";
-  for (const Layout& job : {sp(Layout{1, 2, 1, 1, 8, "1f1b"}), sp(Layout{2, 2, 1, 2, 8, "zb-v"}), zero}) {
+  for (const Layout& job : {sp(Layout{1, 2, 1, 1, 8, "1f1b"}), sp(Layout{1, 4, 1, 1, 8, "1f1b"}),
+                            sp(Layout{2, 2, 1, 2, 8, "zb-v"}), sp(Layout{2, 2, 1, 2, 8, "dualpipe-v"}), zero}) {
     const RunResult run = RunJob(job.Name(), GptJob(job));
     ExpectSameTraining(single, run, job.Name());
     if (job.pp != 1) continue;
@@ -367,7 +369,10 @@ TEST(TrainingTest, EvaluationReportsTheSameHeldOutLossAtEveryLayoutAndLeavesTrai
 
   Layout mesh{2, 2, 2, 1, 4, "1f1b"};
   Layout v{2, 1, 1, 2, 8, "zb-v"};
-  for (Layout l : {mesh, v}) {
+  Layout sp{2, 2, 1, 1, 8, "1f1b"};  // evaluation's forwards under sequence parallelism too
+  sp.parallel_extra = "sequence_parallel: true";
+  sp.tag = "sp_";
+  for (Layout l : {mesh, v, sp}) {
     l.train_extra = eval;
     const RunResult run = RunJob("eval_" + l.Name(), GptJob(l));
     const std::vector<testing::EvalLine> got = testing::ReadEvalLines(run.dir + "/out/steps.jsonl");
