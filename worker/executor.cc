@@ -330,13 +330,13 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
       // the executor's message buffer; on a stream, later work reusing the
       // memory is ordered after this forward).
       if (options_.forward_only) chunks_.at(a.stage())->DropInFlight();
-      // The chunk's gradients are final: its DP all-reduce may start now,
-      // overlapping the rank's other chunks' backward (the chunk's stream
-      // waits for it at REDUCE_GRADS). Not for the chunks of the tied
-      // embedding, whose sum comes first.
+      // The chunk's gradients are final: its DP all-reduce (ZeRO-1: its
+      // reduce-scatter) may start now, overlapping the rank's other chunks'
+      // backward (the chunk's stream waits for it at REDUCE_GRADS). Not for
+      // the chunks of the tied embedding, whose sum comes first.
       auto last = last_backward_.find(a.stage());
       if (dp_ != nullptr && last != last_backward_.end() && last->second == i - 1 && a.stage() != 0 &&
-          a.stage() != options_.num_stages - 1 && !chunks_.at(a.stage())->DpShard().sharded()) {
+          a.stage() != options_.num_stages - 1) {
         BATON_ASSIGN_OR_RETURN(dp_started_[a.stage()], StartDpReduce(a.stage(), chunks_.at(a.stage())));
       }
     }
@@ -774,15 +774,27 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
 
 absl::StatusOr<kernels::Event*> StepExecutor::StartDpReduce(int stage, StageModel* model) {
   kernels::Stream* chunk_stream = model->context().stream;
-  const comm::Buffer grads = model::CommBuffer(model->Gradients());
-  if (chunk_stream == nullptr || !dp_collectives_->CanEnqueue(grads)) return nullptr;
+  // ZeRO-1: the padded gradients reduce-scattered into the shard's.
+  const DpShardBuffers shard = model->DpShard();
+  const comm::Buffer grads = model::CommBuffer(shard.sharded() ? shard.padded_grads : model->Gradients());
+  const comm::Buffer shard_grads = shard.sharded() ? model::CommBuffer(shard.shard_grads) : comm::Buffer();
+  if (chunk_stream == nullptr || !dp_collectives_->CanEnqueue(grads) ||
+      (shard.sharded() && !dp_collectives_->CanEnqueue(shard_grads))) {
+    return nullptr;
+  }
   BATON_RETURN_IF_ERROR(EnsureDpStream(chunk_stream->device()));
   BATON_ASSIGN_OR_RETURN(kernels::Event * grads_ready, RecordEvent(chunk_stream, stage));
   BATON_RETURN_IF_ERROR_CTX(grads_ready->StreamWait(*dp_stream_), "data-parallel stream waiting for stage ", stage);
   BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(dp_stream_.get(), kDpStream));
-  BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(grads,
-                                                      absl::StrCat("data-parallel gradient all-reduce of stage ", stage),
-                                                      *dp_stream_, options_.op_timeout, dp_status_));
+  if (shard.sharded()) {
+    BATON_RETURN_IF_ERROR(dp_collectives_->ReduceScatterSum(
+        grads, shard_grads, absl::StrCat("data-parallel gradient reduce-scatter of stage ", stage), *dp_stream_,
+        options_.op_timeout, dp_status_));
+  } else {
+    BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(
+        grads, absl::StrCat("data-parallel gradient all-reduce of stage ", stage), *dp_stream_, options_.op_timeout,
+        dp_status_));
+  }
   BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(dp_stream_.get(), kDpStream));
   dp_spans_.push_back({before, after});
   return after;
@@ -816,9 +828,25 @@ absl::Status StepExecutor::ReduceGrads() {
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     }
     if (dp_ == nullptr) continue;
-    if (const DpShardBuffers shard = model->DpShard(); shard.sharded()) {
-      // ZeRO-1: this rank keeps the sum of its shard only (host wait: the
-      // communicator reads what the chunk's stream wrote).
+    const DpShardBuffers shard = model->DpShard();
+    auto started = dp_started_.find(stage);
+    kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
+    if (reduced == nullptr) {
+      const absl::Time enqueue_start = absl::Now();
+      BATON_ASSIGN_OR_RETURN(reduced, StartDpReduce(stage, model));
+      waited_for_compute += absl::Now() - enqueue_start;  // timed by its events
+    }
+    if (shard.sharded() && reduced != nullptr) {
+      // ZeRO-1 on the DP stream: this rank keeps the sum of its shard only.
+      BATON_RETURN_IF_ERROR_CTX(reduced->StreamWait(*model->context().stream), "stage ", stage,
+                                " waiting for the data-parallel stream");
+      kernels::Scale(model->context(), shard.shard_grads, 1.0f / static_cast<float>(options_.dp_size));
+      continue;
+    }
+    if (shard.sharded()) {
+      // ZeRO-1, CUDA memory over a host communicator: this rank keeps the
+      // sum of its shard only (host wait: the communicator reads what the
+      // chunk's stream wrote).
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
       waited_for_compute += absl::Now() - wait_start;
@@ -830,13 +858,6 @@ absl::Status StepExecutor::ReduceGrads() {
       continue;
     }
     kernels::Tensor g = model->Gradients();
-    auto started = dp_started_.find(stage);
-    kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
-    if (reduced == nullptr) {
-      const absl::Time enqueue_start = absl::Now();
-      BATON_ASSIGN_OR_RETURN(reduced, StartDpReduce(stage, model));
-      waited_for_compute += absl::Now() - enqueue_start;  // timed by its events
-    }
     if (reduced != nullptr) {
       BATON_RETURN_IF_ERROR_CTX(reduced->StreamWait(*model->context().stream), "stage ", stage,
                                 " waiting for the data-parallel stream");
