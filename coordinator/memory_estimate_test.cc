@@ -453,7 +453,7 @@ double Shard(int64_t n, int64_t dp) { return static_cast<double>(((n + dp - 1) /
 // estimate falls (GPT-2 and Llama), the rest of it does not move, and a job
 // whose activations fit only with it is told to set it.
 TEST(MemoryEstimateTest, SequenceParallelShrinksTheActivationsAndIsSuggested) {
-  for (const std::string model : {std::string("layers: 4 d_model: 256 heads: 4 vocab: 256 seq_len: 256"),
+  for (const std::string& model : {std::string("layers: 4 d_model: 256 heads: 4 vocab: 256 seq_len: 256"),
                                   std::string("arch: \"llama\" layers: 4 d_model: 256 heads: 4 kv_heads: 2 "
                                               "vocab: 256 seq_len: 256 ffn_dim: 512")}) {
     SCOPED_TRACE(model);
