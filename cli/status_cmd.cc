@@ -38,6 +38,7 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
         ",\"weights_bytes\":", st.weights_bytes(),
         ",\"grads_bytes\":", st.grads_bytes(),
         ",\"optimizer_bytes\":", st.optimizer_bytes(),
+        ",\"activation_bytes\":", st.activation_bytes(),
         ",\"workers\":[", absl::StrJoin(workers, ","), "]}"));
   }
   std::vector<std::string> workers;
@@ -141,16 +142,16 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
       out << absl::StrFormat("eval after step %d: loss %.4f  perplexity %.2f\n", status.eval_step(),
                              status.eval_loss(), status.eval_perplexity());
     }
-    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %-24s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE", "COMM",
-                           "TOK/S", "STATE W/G/OPT MiB", "WORKERS");
+    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %-24s %-8s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE",
+                           "COMM", "TOK/S", "STATE W/G/OPT MiB", "ACT MiB", "WORKERS");
     for (const v1::StageStatus& st : status.stages()) {
-      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %-24s %s\n", st.pp_rank(), st.step(),
+      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %-24s %-8.1f %s\n", st.pp_rank(), st.step(),
                              st.pp_rank() + 1 == status.stages_size() ? absl::StrFormat("%.4f", st.loss()) : "-",
                              absl::StrFormat("%.1f%%", 100 * st.bubble_ratio()),
                              absl::StrFormat("%.1f%%", 100 * st.comm_ratio()), st.tokens_per_second(),
                              absl::StrFormat("%.1f/%.1f/%.1f", st.weights_bytes() / 1048576.0,
                                              st.grads_bytes() / 1048576.0, st.optimizer_bytes() / 1048576.0),
-                             absl::StrJoin(st.workers(), ","));
+                             st.activation_bytes() / 1048576.0, absl::StrJoin(st.workers(), ","));
     }
   }
   out << absl::StrFormat("%-20s %-9s %-8s %-20s %s\n", "WORKER", "STATE", "DEVICE", "HOST", "LAST HEARTBEAT");

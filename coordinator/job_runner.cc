@@ -1657,6 +1657,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       st.set_weights_bytes(std::max(st.weights_bytes(), s.weights_bytes()));
       st.set_grads_bytes(std::max(st.grads_bytes(), s.grads_bytes()));
       st.set_optimizer_bytes(std::max(st.optimizer_bytes(), s.optimizer_bytes()));
+      st.set_activation_bytes(std::max(st.activation_bytes(), s.activation_bytes()));
       st.add_workers(name);
     }
     for (auto& [pp, st] : stages) {

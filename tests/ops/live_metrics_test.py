@@ -301,11 +301,14 @@ def check_status_json(coordinator):
             fail(f"batonctl status --json lacks {key!r}: {js.stdout}")
     if doc.get("job") != "live" or f"job live ({doc.get('job_state')})" not in text.stdout:
         fail(f"job/job_state differ between text and JSON:\n{text.stdout}\n{js.stdout}")
+    if "ACT MiB" not in text.stdout:
+        fail(f"batonctl status has no ACT MiB column:\n{text.stdout}")
     stages = doc.get("stages", [])
     if [s.get("stage") for s in stages] != [0, 1]:
         fail(f"batonctl status --json stages: {stages}")
     for s in stages:
-        for key in ("step", "loss", "bubble_ratio", "comm_ratio", "tokens_per_second", "workers"):
+        for key in ("step", "loss", "bubble_ratio", "comm_ratio", "tokens_per_second", "weights_bytes",
+                    "grads_bytes", "optimizer_bytes", "activation_bytes", "workers"):
             if key not in s:
                 fail(f"batonctl status --json stage lacks {key!r}: {s}")
         line = next((l for l in text.stdout.splitlines() if l.split()[:1] == [str(s.get("stage"))]), None)
