@@ -12,6 +12,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/gemm.h"
 #include "worker/model/inproc_model.h"
+#include "worker/model/layout_test_fixture.h"
 #include "worker/model/model_test_util.h"
 
 // The allocations below that no host can give must fail as the system's
@@ -35,31 +36,9 @@ GptConfig SmallModel() {
   return c;
 }
 
-class GptStageTest : public ::testing::Test {
+class GptStageTest : public LayoutTest {
  protected:
-  static void SetUpTestSuite() { kernels::cpu::SetBlasThreads(1); }
-
-  void SetUp() override {
-    std::mt19937 rng(7);
-    for (int mb = 0; mb < 2; ++mb) {
-      tokens_.push_back(RandomIds(rng, 2, 12, model_.vocab));  // T < seq_len
-      targets_.push_back(RandomIds(rng, 2, 12, model_.vocab));
-    }
-  }
-
-  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false,
-                                   bool sequence_parallel = false) {
-    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
-                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel);
-    EXPECT_TRUE(m.ok()) << m.status();
-    auto l = (*m)->ForwardBackward(tokens_, targets_);
-    EXPECT_TRUE(l.ok()) << l.status();
-    *loss = *l;
-    return std::move(*m);
-  }
-
-  GptConfig model_ = SmallModel();
-  std::vector<Tensor> tokens_, targets_;
+  GptStageTest() : LayoutTest(SmallModel()) {}
 };
 
 TEST_F(GptStageTest, EveryLayoutMatchesTheUnshardedModel) {
@@ -88,9 +67,7 @@ TEST_F(GptStageTest, EveryLayoutMatchesTheUnshardedModel) {
 
 TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
   model_.vocab = 40;  // divisible by 2 and 4
-  tokens_.clear();
-  targets_.clear();
-  SetUp();
+  DrawBatches();
   double base_loss = 0;
   auto base = Run(1, 1, &base_loss);
   const struct { int pp, tp; } layouts[] = {{1, 2}, {2, 4}};
@@ -120,9 +97,7 @@ TEST_F(GptStageTest, VocabularyParallelLayoutsMatchTheUnshardedModel) {
 // over the group), repeatably, and holds less activation memory than TP alone.
 TEST_F(GptStageTest, SequenceParallelLayoutsMatchTheUnshardedModel) {
   model_.vocab = 40;  // divisible by 2 and 4, for the vocabulary-parallel case
-  tokens_.clear();
-  targets_.clear();
-  SetUp();
+  DrawBatches();
   double base_loss = 0;
   auto base = Run(1, 1, &base_loss);
   const struct { int pp, tp; bool vocab_parallel; } layouts[] = {{1, 2, false}, {1, 4, false}, {2, 2, false},
@@ -189,9 +164,7 @@ void IgnoreSomeTargets(std::vector<Tensor>& targets) {
 
 TEST_F(GptStageTest, IgnoredTargetsGiveTheUnshardedModelInEveryLayout) {
   model_.vocab = 40;  // divisible by 2 for the vocabulary-parallel head
-  tokens_.clear();
-  targets_.clear();
-  SetUp();
+  DrawBatches();
   IgnoreSomeTargets(targets_);
   double base_loss = 0;
   auto base = Run(1, 1, &base_loss);
@@ -395,26 +368,7 @@ TEST_F(GptStageTest, TinyModelOverfitsAFixedBatch) {
   tiny.heads = 2;
   tiny.vocab = 16;
   tiny.seq_len = 8;
-  auto m = InProcModel::Create(tiny, 1, 1, 3, 1, false);
-  ASSERT_TRUE(m.ok());
-  std::mt19937 rng(11);
-  const std::vector<Tensor> tokens = {RandomIds(rng, 4, 8, tiny.vocab)};
-  const std::vector<Tensor> targets = {RandomIds(rng, 4, 8, tiny.vocab)};
-  kernels::AdamWConfig adam;
-  adam.lr = 1e-2f;
-  double first = 0, last = 0;
-  for (int step = 0; step < 300; ++step) {
-    auto loss = (*m)->ForwardBackward(tokens, targets);
-    ASSERT_TRUE(loss.ok());
-    if (step == 0) first = *loss;
-    last = *loss;
-    ASSERT_TRUE((*m)->OptimizerStep(adam, 1.0).ok());
-  }
-  EXPECT_GT(first, 2.0);  // ~ln 16 before training
-  EXPECT_LT(last, 0.05);  // memorised
-  const StepScore score = (*m)->stage(0, 0).score();
-  EXPECT_EQ(score.tokens, 4 * 8);
-  EXPECT_EQ(score.correct, score.tokens);  // every argmax is the target
+  ExpectMemorisesAFixedBatch(tiny);
 }
 
 TEST_F(GptStageTest, ActivationsAreFreedAndArenaMemoryReused) {

@@ -13,6 +13,7 @@
 #include "kernels/cpu/gemm.h"
 #include "worker/model/gpt_stage.h"
 #include "worker/model/inproc_model.h"
+#include "worker/model/layout_test_fixture.h"
 #include "worker/model/model_test_util.h"
 
 namespace baton::model {
@@ -36,29 +37,9 @@ GptConfig SmallLlama() {
   return c;
 }
 
-class LlamaStageTest : public ::testing::Test {
+class LlamaStageTest : public LayoutTest {
  protected:
-  static void SetUpTestSuite() { kernels::cpu::SetBlasThreads(1); }
-
-  void SetUp() override {
-    std::mt19937 rng(7);
-    for (int mb = 0; mb < 2; ++mb) {
-      tokens_.push_back(RandomIds(rng, 2, 12, model_.vocab));  // T < seq_len
-      targets_.push_back(RandomIds(rng, 2, 12, model_.vocab));
-    }
-  }
-
-  std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false,
-                                   bool sequence_parallel = false) {
-    auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
-                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel);
-    EXPECT_TRUE(m.ok()) << m.status();
-    if (!m.ok()) return nullptr;
-    auto l = (*m)->ForwardBackward(tokens_, targets_);
-    EXPECT_TRUE(l.ok()) << l.status();
-    *loss = l.ok() ? *l : NAN;
-    return std::move(*m);
-  }
+  LlamaStageTest() : LayoutTest(SmallLlama()) {}
 
   void ExpectEveryLayoutMatches(const std::vector<std::pair<int, int>>& layouts, bool vocab_parallel = false,
                                 bool sequence_parallel = false) {
@@ -80,8 +61,6 @@ class LlamaStageTest : public ::testing::Test {
     }
   }
 
-  GptConfig model_ = SmallLlama();
-  std::vector<Tensor> tokens_, targets_;
 };
 
 TEST_F(LlamaStageTest, ParametersAreLlamasUnderHuggingFaceNames) {
@@ -217,23 +196,7 @@ TEST_F(LlamaStageTest, TinyLlamaOverfitsAFixedBatch) {
   tiny.layers = 2;
   tiny.vocab = 16;
   tiny.seq_len = 8;
-  auto m = InProcModel::Create(tiny, 1, 1, 3, 1, false);
-  ASSERT_TRUE(m.ok());
-  std::mt19937 rng(11);
-  const std::vector<Tensor> tokens = {RandomIds(rng, 4, 8, tiny.vocab)};
-  const std::vector<Tensor> targets = {RandomIds(rng, 4, 8, tiny.vocab)};
-  kernels::AdamWConfig adam;
-  adam.lr = 1e-2f;
-  double first = 0, last = 0;
-  for (int step = 0; step < 300; ++step) {
-    auto loss = (*m)->ForwardBackward(tokens, targets);
-    ASSERT_TRUE(loss.ok());
-    if (step == 0) first = *loss;
-    last = *loss;
-    ASSERT_TRUE((*m)->OptimizerStep(adam, 1.0).ok());
-  }
-  EXPECT_GT(first, 2.0);  // ~ln 16 before training
-  EXPECT_LT(last, 0.05);  // memorised
+  ExpectMemorisesAFixedBatch(tiny);
 }
 
 TEST(LlamaConfigTest, BadConfigsNameTheField) {
