@@ -40,6 +40,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gen_hf_golden import pack, write_safetensors  # the same writer as the GPT-2 goldens
+
 BATCH = 2
 COMMON = dict(
     num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=48, vocab_size=64,
@@ -49,26 +51,6 @@ MODELS = {
     "llama_tiny": dict(COMMON, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False),
     "llama_tiny_tied": dict(COMMON, num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=True),
 }
-
-
-def write_safetensors(path, tensors, metadata):
-    """tensors: name -> (dtype, shape, bytes); header padded to 8 bytes."""
-    header = {"__metadata__": metadata}
-    offset = 0
-    for name, (dtype, shape, data) in sorted(tensors.items()):
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for name, (_, _, data) in sorted(tensors.items()):
-            f.write(data)
-
-
-def pack(fmt, values):
-    return struct.pack("<%d%s" % (len(values), fmt), *values)
 
 
 def baton_name(hf_name):
