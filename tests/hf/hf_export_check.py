@@ -31,14 +31,16 @@ def venv_python():
     return venv, os.path.join(venv, "bin", "python")
 
 
-def reexec_in_venv():
+def reexec_in_venv(script=__file__):
+    """Runs `script` (this file by default) again under the venv's python,
+    with the same arguments, unless already there; FAILS without the venv."""
     venv, python = venv_python()
     if os.path.realpath(sys.prefix) == os.path.realpath(venv):
         return
     if not os.path.exists(python):
         print(f"FAIL: no Hugging Face venv at {venv} (needs torch and transformers): run scripts/setup.sh")
         sys.exit(1)
-    os.execv(python, [python, os.path.abspath(__file__)] + sys.argv[1:])
+    os.execv(python, [python, os.path.abspath(script)] + sys.argv[1:])
 
 
 def read_safetensors(path):

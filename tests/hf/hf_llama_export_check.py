@@ -25,30 +25,18 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_export_check import read_safetensors, run, venv_python  # noqa: E402
+from hf_export_check import read_safetensors, reexec_in_venv, run  # noqa: E402
 
 CONFIG_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "hidden_act",
     "rope_scaling", "attention_bias",
 )
-def reexec_in_venv():
-    # As hf_export_check.reexec_in_venv, but re-executing this script (that
-    # one re-executes its own file).
-    venv, python = venv_python()
-    if os.path.realpath(sys.prefix) == os.path.realpath(venv):
-        return
-    if not os.path.exists(python):
-        print(f"FAIL: no Hugging Face venv at {venv} (needs torch and transformers): run scripts/setup.sh")
-        sys.exit(1)
-    os.execv(python, [python, os.path.abspath(__file__)] + sys.argv[1:])
-
-
 CASES = (("llama_tiny", "llama_tiny"), ("llama_tiny_sharded", "llama_tiny"), ("llama_tiny_tied", "llama_tiny_tied"))
 
 
 def main():
-    reexec_in_venv()
+    reexec_in_venv(__file__)
     import torch
     import transformers
     from transformers import LlamaForCausalLM
