@@ -194,6 +194,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double c = m.d_model(), v = m.vocab(), s = m.seq_len(), heads = m.heads(), tp = d.tp;
   const double b = job.train().micro_batch_size(), n = b * s;
   const BlockShape shape = BlockShapeOf(m, tp);
+  const bool sp = d.sequence_parallel && d.tp > 1;  // sequence parallelism
   // GPT-2: LayerNorms and the replicated biases (6 C), qkv, proj and the
   // 4x MLP with their split biases. Llama: two RMSNorm weights (2 C), q and
   // o (C x C each), k and v (KV·hd x C each), gate, up and down (F x C each).
@@ -217,7 +218,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
     }
     double chunk_params = layers * block_params;
     gemm_weights += layers * block_gemm + (last ? v * c : 0);  // the head's GEMM weight
-    double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, d.sequence_parallel && d.tp > 1, att);
+    double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, sp, att);
     if (first) {
       // Token (+ GPT-2's position) embeddings; Llama's positions are rotary.
       chunk_params += shape.llama ? v * c : v * c + s * c;
@@ -246,7 +247,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   w.activation_bytes = max_chunk_activations * w.peak_microbatches;
   // Sequence parallelism's per-block temporaries: a gathered norm output and
   // a partial sum, [n, C] each, one arena per chunk.
-  if (d.sequence_parallel && d.tp > 1) w.activation_bytes += chunks * kFloat * 2 * n * c;
+  if (sp) w.activation_bytes += chunks * kFloat * 2 * n * c;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
   }
@@ -286,27 +287,28 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
   // What to change; with several DP replicas of whole AdamW state, ZeRO
   // stage 1 first, the fix that changes nothing else about the job, with
   // what it saves (computed only for a refusal).
+  // The most any stage's worker saves of `bytes` with `changed` instead.
+  auto most_saved = [&](const v1::JobSpec& changed, double WorkerMemory::*bytes) {
+    double saved = 0;
+    for (int p = 0; p < d.pp; ++p) {
+      saved = std::max(saved, per_stage[p].*bytes - EstimateWorkerMemory(changed, plan, p).*bytes);
+    }
+    return saved;
+  };
   auto fix = [&]() {
     std::string zero;
     if (d.dp >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
       v1::JobSpec sharded = job;
       sharded.mutable_parallel()->set_zero_stage(1);
-      double saved = 0;  // the most any stage saves, per worker
-      for (int p = 0; p < d.pp; ++p) {
-        saved = std::max(saved, per_stage[p].optimizer_bytes - EstimateWorkerMemory(sharded, plan, p).optimizer_bytes);
-      }
       zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", d.dp,
-                          " data-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
+                          " data-parallel ranks (up to ",
+                          FormatBytes(most_saved(sharded, &WorkerMemory::optimizer_bytes)), " less per worker), ");
     }
     std::string sp;
-    if (d.tp >= 2 && !d.sequence_parallel && !job.model().has_synthetic() &&
-        int64_t{job.train().micro_batch_size()} * job.model().seq_len() % d.tp == 0) {
-      v1::JobSpec split = job;
-      split.mutable_parallel()->set_sequence_parallel(true);
-      double saved = 0;
-      for (int p = 0; p < d.pp; ++p) {
-        saved = std::max(saved, per_stage[p].activation_bytes - EstimateWorkerMemory(split, plan, p).activation_bytes);
-      }
+    v1::JobSpec split = job;
+    split.mutable_parallel()->set_sequence_parallel(true);
+    if (!d.sequence_parallel && ValidateJobSpec(split).ok()) {  // SP applies to this job
+      const double saved = most_saved(split, &WorkerMemory::activation_bytes);
       if (saved > 0) {
         sp = absl::StrCat("set parallel.sequence_parallel: true to split the residual stream over the ", d.tp,
                           " tensor-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
