@@ -65,6 +65,9 @@ bool IsLlama(const v1::ModelSpec& m) { return m.arch() == "llama"; }
 int64_t FfnDim(const v1::ModelSpec& m) { return m.has_ffn_dim() ? m.ffn_dim() : 4 * int64_t{m.d_model()}; }
 
 // The largest tensor of a stage, in elements (see JobLimits::kMaxTensorElements).
+// With context parallelism a rank holds seq_len/cp tokens of every sequence;
+// its attention scores are counted as those query rows against the whole
+// sequence's keys (an upper bound of any one ring block's).
 absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
   const int64_t tokens = int64_t{job.train().micro_batch_size()} * m.seq_len();
@@ -73,10 +76,10 @@ absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
     const char* what;
     int64_t elements;
   } tensors[] = {
-      {"attention scores (micro_batch_size * heads/tp * seq_len^2)",
-       tokens * (m.heads() / d.tp) * m.seq_len()},
-      {"logits (micro_batch_size * seq_len * vocab)", tokens * m.vocab()},
-      {"MLP activations (micro_batch_size * seq_len * MLP width)", tokens * ffn},
+      {"attention scores (micro_batch_size * heads/tp * seq_len^2 / cp)",
+       tokens * (m.heads() / d.tp) * m.seq_len() / d.cp},
+      {"logits (micro_batch_size * seq_len/cp * vocab)", tokens / d.cp * m.vocab()},
+      {"MLP activations (micro_batch_size * seq_len/cp * MLP width)", tokens / d.cp * ffn},
       {"token embedding (vocab * d_model)", int64_t{m.vocab()} * m.d_model()},
       {"MLP weight (d_model * MLP width)", int64_t{m.d_model()} * ffn},
   };
@@ -85,7 +88,8 @@ absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
       return Invalid("model", absl::StrCat("the ", t.what, " would hold ", t.elements, " elements in one tensor; ",
                                            "baton supports at most ", JobLimits::kMaxTensorElements,
                                            ": lower train.micro_batch_size, model.seq_len, model.vocab, "
-                                           "model.d_model or model.ffn_dim, or raise parallel.tp"));
+                                           "model.d_model or model.ffn_dim, or raise parallel.tp (or "
+                                           "parallel.cp, for the token-sized ones)"));
     }
   }
   return absl::OkStatus();
@@ -229,8 +233,9 @@ absl::Status ValidateParallel(const ParallelDims& d) {
 }
 
 // parallel.zero_stage (ZeRO, job.proto): 0 to 3, of which 0 and 1 run. Stage
-// 1 shards the AdamW moments over the DP ranks, so it needs at least two of
-// them and a model that has optimizer state.
+// 1 shards the AdamW moments over the data-parallel group (with cp > 1 the
+// dp*cp ranks of one (pp, tp), which reduce the gradients together), so it
+// needs at least two of them and a model that has optimizer state.
 absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
   const char* field = "parallel.zero_stage";
   if (d.zero_stage < 0 || d.zero_stage > 3) {
@@ -243,7 +248,7 @@ absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
                                        "are not implemented yet: use 1 (sharded optimizer state) or 0"));
   }
   if (d.zero_stage == 0) return absl::OkStatus();
-  if (d.dp == 1) {
+  if (d.dp * d.cp == 1) {
     return Invalid(field, absl::StrCat("is ", d.zero_stage, " and shards the optimizer state over the "
                                        "data-parallel ranks; with parallel.dp = 1 there is nothing to shard: "
                                        "set dp >= 2 or zero_stage 0"));
@@ -270,22 +275,54 @@ absl::Status ValidateSequenceParallel(const v1::JobSpec& job, const ParallelDims
     return Invalid(field, "is true but model.synthetic is set, and synthetic stages have no sequence to split: "
                           "set sequence_parallel false, or train a real model");
   }
-  const int64_t tokens = int64_t{job.train().micro_batch_size()} * job.model().seq_len();
+  // With context parallelism each rank holds seq_len / cp tokens of every
+  // sequence (ValidateContextParallel has checked that they split), and SP
+  // splits those.
+  const int64_t tokens = int64_t{job.train().micro_batch_size()} * job.model().seq_len() / d.cp;
   if (tokens % d.tp != 0) {
-    return Invalid(field, absl::StrCat("is true but a microbatch's train.micro_batch_size * model.seq_len = ",
-                                       tokens, " tokens do not split over parallel.tp = ", d.tp,
+    return Invalid(field, absl::StrCat("is true but a microbatch's train.micro_batch_size * model.seq_len",
+                                       d.cp > 1 ? absl::StrCat(" / parallel.cp = ", tokens,
+                                                               " tokens per context-parallel rank")
+                                                : absl::StrCat(" = ", tokens, " tokens"),
+                                       " do not split over parallel.tp = ", d.tp,
                                        " ranks: make them divisible by tp"));
   }
   return absl::OkStatus();
 }
 
-// cp and ep are planned (the planner and the job groups know them) but no
-// model code splits sequences or experts yet.
-absl::Status RefusePlannedAxes(const ParallelDims& d) {
-  if (d.cp > 1) {
-    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, "; context parallelism is planned but not implemented "
-                                               "in this version; leave it unset"));
+// parallel.cp splits every sequence into 2*cp chunks, CP rank c holding
+// chunks c and 2cp-1-c (the load-balanced causal split,
+// worker/model/context_parallel.h), and runs ring attention over the cp
+// group; the gradients are reduced over the dp*cp ranks of one (pp, tp).
+// So it needs attention to split (a real model), sequences that cut into
+// 2*cp equal chunks, and the fp32 block-attention kernels.
+absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims& d) {
+  if (d.cp == 1) return absl::OkStatus();
+  const char* field = "parallel.cp";
+  if (job.model().has_synthetic()) {
+    return Invalid(field, absl::StrCat("is ", d.cp, " but model.synthetic is set, a cost model with no attention "
+                                       "to split over context-parallel ranks: leave cp unset (1), or train a "
+                                       "real model"));
   }
+  const int64_t seq = job.model().seq_len();
+  if (seq % (2 * int64_t{d.cp}) != 0) {
+    return Invalid(field, absl::StrCat("is ", d.cp, " and splits every sequence into 2*cp = ", 2 * d.cp,
+                                       " equal chunks (each context-parallel rank holds two, for an even share "
+                                       "of the causal attention), but model.seq_len = ", seq,
+                                       " does not divide by ", 2 * d.cp,
+                                       ": make model.seq_len a multiple of 2*cp, or choose a cp for which it is"));
+  }
+  if (job.train().precision() == "bf16") {
+    return Invalid(field, absl::StrCat("is ", d.cp, " but train.precision is \"bf16\", and context parallelism's "
+                                       "block-attention kernels are fp32 only in this version: set "
+                                       "train.precision: \"fp32\" (or leave it unset), or leave cp unset"));
+  }
+  return absl::OkStatus();
+}
+
+// ep is planned (the planner and the job groups know it) but no model code
+// splits experts yet.
+absl::Status RefusePlannedAxes(const ParallelDims& d) {
   if (d.ep > 1) {
     return Invalid("parallel.ep", absl::StrCat("is ", d.ep, "; expert parallelism is planned but not implemented "
                                                "in this version; leave it unset"));
@@ -589,6 +626,7 @@ absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateParallel(d));
   BATON_RETURN_IF_ERROR(ValidateZeroStage(job, d));
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
+  BATON_RETURN_IF_ERROR(ValidateContextParallel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSequenceParallel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));
   BATON_RETURN_IF_ERROR(ValidateTrain(job.train()));

@@ -30,7 +30,7 @@ struct JobLimits {
   static constexpr int kMaxMicroBatchSize = 1 << 16;
   static constexpr int kMaxMicrobatches = 1 << 16;
   static constexpr int64_t kMaxSteps = 100'000'000;
-  // pp * tp * dp that a job may plan (paper-scale meshes); how many workers one
+  // pp * tp * cp * dp that a job may plan (paper-scale meshes); how many workers one
   // coordinator holds is its --max_workers (default 4096, worker_registry.h).
   static constexpr int kMaxWorkers = 65536;
   static constexpr int kMaxVirtualStages = 64;
@@ -48,12 +48,14 @@ struct JobLimits {
   static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };
 
-// The effective parallel layout (unset sizes mean 1). cp and ep are planned
-// axes (docs/architecture.md "Parallel mesh"): cp ranks split each sequence,
-// ep ranks are carved out of dp (ep divides dp, adds no ranks). zero_stage
-// (unset: 0) says how the DP ranks share the training state: 0 every replica
-// whole, 1 each DP rank holds the AdamW moments of its 1/dp shard of each
-// chunk's parameters only (docs/model.md "ZeRO"); it adds no ranks.
+// The effective parallel layout (unset sizes mean 1; docs/architecture.md
+// "Parallel mesh"). cp ranks split each sequence (2*cp chunks, two per rank)
+// and reduce the gradients with the DP ranks as one group of dp*cp; ep is a
+// planned axis, its ranks carved out of dp (ep divides dp, adds no ranks).
+// zero_stage (unset: 0) says how that group shares the training state: 0
+// every rank whole, 1 each of the dp*cp ranks holds the AdamW moments of its
+// 1/(dp*cp) shard of each chunk's parameters only (docs/model.md "ZeRO"); it
+// adds no ranks.
 struct ParallelDims {
   int pp = 1;
   int tp = 1;
@@ -64,8 +66,9 @@ struct ParallelDims {
   int zero_stage = 0;
   bool sequence_parallel = false;  // Megatron SP inside the TP groups; adds no ranks
   int world_size() const { return pp * tp * cp * dp; }
-  // Whether the DP ranks hold different optimizer shards (ZeRO stage >= 1),
-  // so that no DP rank is a replica of another's full state.
+  // Whether the ranks of the data-parallel group (dp*cp of one (pp, tp))
+  // hold different optimizer shards (ZeRO stage >= 1), so that none is a
+  // replica of another's full state.
   bool sharded_optimizer() const { return zero_stage >= 1; }
 };
 
@@ -80,14 +83,15 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
-// Refuses parallel.cp > 1 and parallel.ep > 1: no model code uses them yet.
+// Refuses parallel.ep > 1: no model code uses it yet. parallel.cp > 1 needs a
+// real model, model.seq_len divisible by 2*cp and fp32 (train.precision).
 // parallel.zero_stage 2 and 3 are refused here and by
 // ValidateJobSpecAllowingPlannedAxes alike: they are not planned axes.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);
 
-// ValidateJobSpec without that refusal (every other check, cp and ep's own
-// included): for planning meshes with the planned axes (MakePlanOfMesh) before
-// the model uses them. Never for a job that is going to run.
+// ValidateJobSpec without that refusal (every other check, ep's own and cp's
+// included): for planning meshes with the planned axis (MakePlanOfMesh) before
+// the model uses it. Never for a job that is going to run.
 absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job);
 
 }  // namespace baton

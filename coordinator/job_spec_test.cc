@@ -81,8 +81,14 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
          j->mutable_parallel()->set_ep(3);
        },
        "parallel.ep", "must divide parallel.dp=4"},
-      {"cp not implemented", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(2); }, "parallel.cp",
-       "not implemented in this version; leave it unset"},
+      {"cp over a sequence that does not split", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(3); },
+       "parallel.cp", "make model.seq_len a multiple of 2*cp"},
+      {"cp on bf16",
+       [](v1::JobSpec* j) {
+         j->mutable_parallel()->set_cp(2);
+         j->mutable_train()->set_precision("bf16");
+       },
+       "parallel.cp", "train.precision"},
       {"ep not implemented",
        [](v1::JobSpec* j) {
          j->mutable_parallel()->set_dp(2);
@@ -413,8 +419,8 @@ TEST(JobSpecTest, EvaluationNeedsItsDataAndBoundedBatchesAndNamesTheirFields) {
   EXPECT_NE(ErrorOf(job).find("synthetic cost model has no loss"), std::string::npos) << ErrorOf(job);
 }
 
-TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
-  v1::JobSpec job = Good();  // pp 2, tp 2
+TEST(JobSpecTest, ExpertParallelismIsPlannedButRefusedAndContextParallelismRuns) {
+  v1::JobSpec job = Good();  // pp 2, tp 2, seq_len 16
   EXPECT_EQ(DimsOf(job).cp, 1) << "unset cp means 1";
   EXPECT_EQ(DimsOf(job).ep, 1) << "unset ep means 1";
   job.mutable_parallel()->set_cp(1);
@@ -428,20 +434,18 @@ TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
   EXPECT_EQ(d.cp, 2);
   EXPECT_EQ(d.ep, 2);
   EXPECT_EQ(d.world_size(), 2 * 2 * 2 * 4) << "cp adds ranks, ep does not";
-  // Consistent apart from being unimplemented: the planner may plan it...
+  // Consistent apart from ep being unimplemented: the planner may plan it...
   EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
   // ...but no job runs it.
-  EXPECT_NE(ErrorOf(job).find("parallel.cp: is 2; context parallelism is planned but not implemented"),
-            std::string::npos)
-      << ErrorOf(job);
-  job.mutable_parallel()->clear_cp();
   EXPECT_NE(ErrorOf(job).find("parallel.ep: is 2; expert parallelism is planned but not implemented"),
             std::string::npos)
       << ErrorOf(job);
   job.mutable_parallel()->clear_ep();
+  EXPECT_EQ(ErrorOf(job), "") << "cp = 2 runs";
+  job.mutable_parallel()->clear_cp();
   EXPECT_EQ(ErrorOf(job), "");
 
-  // The planned axes' own checks hold either way.
+  // The planned axis's own checks hold either way.
   job.mutable_parallel()->set_ep(3);
   const absl::Status allowing = ValidateJobSpecAllowingPlannedAxes(job);
   EXPECT_NE(allowing.message().find("parallel.ep: is 3 and must divide parallel.dp=4"), std::string::npos)
@@ -453,6 +457,83 @@ TEST(JobSpecTest, ContextAndExpertParallelismArePlannedButRefused) {
   job.mutable_parallel()->set_cp(2);
   job.mutable_model()->set_heads(3);
   EXPECT_NE(std::string(ValidateJobSpecAllowingPlannedAxes(job).message()).find("model.heads"), std::string::npos);
+}
+
+TEST(JobSpecTest, ContextParallelismIsAcceptedOnARealFp32ModelWhoseSequencesSplit) {
+  v1::JobSpec job = Good();  // pp 2, tp 2, seq_len 16, micro_batch_size 2
+  job.mutable_parallel()->set_cp(2);
+  EXPECT_EQ(ErrorOf(job), "");
+  EXPECT_EQ(DimsOf(job).world_size(), 2 * 2 * 2) << "cp multiplies the ranks";
+  job.mutable_parallel()->set_cp(8);  // 16 tokens in 16 chunks of one
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_train()->set_precision("fp32");
+  EXPECT_EQ(ErrorOf(job), "") << "fp32 spelled out";
+  // With dp*cp >= 2 ranks in the data-parallel group, ZeRO 1 has something
+  // to shard even at dp 1.
+  job.mutable_parallel()->set_cp(2);
+  job.mutable_parallel()->set_zero_stage(1);
+  EXPECT_EQ(ErrorOf(job), "");
+  // Sequence parallelism splits the seq_len / cp tokens of a rank: 2 * 16 / 2
+  // = 16 over tp 2.
+  job.mutable_parallel()->set_sequence_parallel(true);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
+TEST(JobSpecTest, ContextParallelismOnASyntheticModelNamesParallelCp) {
+  v1::JobSpec job = Good();
+  MakeSynthetic(&job);
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_parallel()->set_cp(2);
+  const std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.cp: is 2 but model.synthetic is set"), std::string::npos) << error;
+  EXPECT_NE(error.find("no attention to split"), std::string::npos) << error;
+  EXPECT_NE(error.find("leave cp unset (1), or train a real model"), std::string::npos) << error;
+  EXPECT_FALSE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << "not a planned axis any more";
+}
+
+TEST(JobSpecTest, ContextParallelismNeedsSequencesThatSplitIntoTwoChunksPerRank) {
+  v1::JobSpec job = Good();  // seq_len 16
+  job.mutable_parallel()->set_cp(3);  // 16 is not a multiple of 6
+  std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.cp: is 3 and splits every sequence into 2*cp = 6 equal chunks"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("model.seq_len = 16 does not divide by 6"), std::string::npos) << error;
+  EXPECT_NE(error.find("make model.seq_len a multiple of 2*cp"), std::string::npos) << error;
+  // cp = 16: 32 chunks of 16 tokens would be half a token each.
+  job.mutable_parallel()->set_cp(16);
+  error = ErrorOf(job);
+  EXPECT_NE(error.find("model.seq_len = 16 does not divide by 32"), std::string::npos) << error;
+  job.mutable_model()->set_seq_len(24);
+  job.mutable_parallel()->set_cp(3);
+  EXPECT_EQ(ErrorOf(job), "");
+}
+
+TEST(JobSpecTest, ContextParallelismRefusesBf16NamingTrainPrecision) {
+  v1::JobSpec job = Good();
+  job.mutable_train()->set_precision("bf16");
+  EXPECT_EQ(ErrorOf(job), "") << "bf16 alone runs";
+  job.mutable_parallel()->set_cp(2);
+  const std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.cp: is 2 but train.precision is \"bf16\""), std::string::npos) << error;
+  EXPECT_NE(error.find("fp32 only"), std::string::npos) << error;
+  EXPECT_NE(error.find("set train.precision: \"fp32\""), std::string::npos) << error;
+}
+
+TEST(JobSpecTest, SequenceParallelWithContextParallelSplitsEachRanksTokens) {
+  v1::JobSpec job = Good();  // tp 2
+  job.mutable_parallel()->set_tp(4);
+  job.mutable_train()->set_micro_batch_size(1);
+  job.mutable_parallel()->set_sequence_parallel(true);
+  EXPECT_EQ(ErrorOf(job), "") << "16 tokens over tp 4";
+  job.mutable_parallel()->set_cp(8);  // 16 / 8 = 2 tokens per CP rank, not over 4 TP ranks
+  const std::string error = ErrorOf(job);
+  EXPECT_NE(error.find("parallel.sequence_parallel: is true but a microbatch's train.micro_batch_size * "
+                       "model.seq_len / parallel.cp = 2 tokens per context-parallel rank do not split over "
+                       "parallel.tp = 4"),
+            std::string::npos)
+      << error;
+  job.mutable_parallel()->set_cp(2);  // 8 per CP rank
+  EXPECT_EQ(ErrorOf(job), "");
 }
 
 TEST(JobSpecTest, ZeroStageOneIsAcceptedOnTwoDataParallelRanks) {

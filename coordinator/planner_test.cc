@@ -368,14 +368,12 @@ TEST(PlannerTest, ContextParallelRanksSitBetweenTpAndPp) {
   v1::JobSpec job = Job(4, 2, 2, 2);
   job.mutable_parallel()->set_cp(2);
   const std::vector<v1::WorkerInfo> workers = PairsOnHosts(17);
-  // A job cannot run it yet...
-  auto refused = MakePlan(job, workers, 1);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("parallel.cp"), std::string::npos) << refused.status();
-  // ...but the mesh plans.
-  auto plan = MakePlanOfMesh(job, workers, 1);
+  // A job runs it: MakePlan plans the mesh MakePlanOfMesh does.
+  auto plan = MakePlan(job, workers, 1);
   ASSERT_TRUE(plan.ok()) << plan.status();
+  auto mesh = MakePlanOfMesh(job, workers, 1);
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  EXPECT_EQ(plan->SerializeAsString(), mesh->SerializeAsString());
   EXPECT_EQ(plan->cp(), 2);
   EXPECT_EQ(plan->ep(), 1);
   ASSERT_EQ(plan->ranks_size(), 16);
@@ -443,6 +441,18 @@ TEST(PlannerTest, ExpertParallelismAddsNoRanks) {
   auto bad = MakePlanOfMesh(job, workers, 1);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("must divide parallel.dp"), std::string::npos) << bad.status();
+}
+
+TEST(PlannerTest, AContextParallelJobWhoseSequencesDoNotSplitIsNotPlanned) {
+  v1::JobSpec job = Job(4, 2, 1, 1);  // seq_len 16
+  job.mutable_parallel()->set_cp(3);  // 2*cp = 6 chunks
+  for (bool mesh : {false, true}) {
+    auto plan = mesh ? MakePlanOfMesh(job, PairsOnHosts(6), 1) : MakePlan(job, PairsOnHosts(6), 1);
+    ASSERT_FALSE(plan.ok()) << mesh;
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find("parallel.cp"), std::string::npos) << plan.status();
+    EXPECT_NE(plan.status().message().find("model.seq_len"), std::string::npos) << plan.status();
+  }
 }
 
 TEST(PlannerTest, TooFewWorkersForAContextParallelMeshCountsCp) {
