@@ -122,7 +122,8 @@ TEST(JobCommunicatorsTest, GlooGivesContextAndExpertGroupsTheirMembers) {
       const int me = JobRank(layout, RankCoords{0, 0, d, c});
       ASSERT_EQ(kinds[me], (std::vector<GroupKind>{GroupKind::kDp, GroupKind::kCp, GroupKind::kEp,
                                                    GroupKind::kExpertDp}));
-      EXPECT_EQ(got[me][0], bits({{0, c}, {1, c}, {2, c}, {3, c}})) << "DP: every replica of this cp rank";
+      EXPECT_EQ(got[me][0], bits({{0, 0}, {0, 1}, {1, 0}, {1, 1}, {2, 0}, {2, 1}, {3, 0}, {3, 1}}))
+          << "DP: every cp rank of every replica (the dp x cp group)";
       EXPECT_EQ(got[me][1], bits({{d, 0}, {d, 1}})) << "CP: both halves of this replica's sequences";
       const int g = d / 2 * 2, slot = d % 2;
       EXPECT_EQ(got[me][2], bits({{g, c}, {g + 1, c}})) << "EP: two consecutive replicas";

@@ -56,7 +56,9 @@ absl::StatusOr<std::vector<GroupRound>> PlanJobGroups(const JobLayout& layout,
   const std::string cn = cp > 1 ? absl::StrCat("-c", c) : "";
   if (tp > 1) add(GroupKind::kTp, (d * pp + p) * cp + c, t, tp, absl::StrCat("tp-d", d, "-p", p, cn));
   if (pp > 1) add(GroupKind::kPipeline, (d * cp + c) * tp + t, p, pp, absl::StrCat("pp-d", d, cn, "-t", t));
-  if (dp > 1) add(GroupKind::kDp, (p * cp + c) * tp + t, d, dp, absl::StrCat("dp-p", p, cn, "-t", t));
+  // Megatron's dp x cp group: the cp ranks of a replica hold the same
+  // parameters too, so gradients reduce (and ZeRO shards) over all of them.
+  if (dp * cp > 1) add(GroupKind::kDp, p * tp + t, d * cp + c, dp * cp, absl::StrCat("dp-p", p, "-t", t));
   const int first = layout.first_stage_rank, last = layout.last_stage_rank < 0 ? pp - 1 : layout.last_stage_rank;
   if (first < 0 || first >= pp || last >= pp) {
     return absl::InvalidArgumentError(absl::StrCat("the first and last stages sit on pipeline ranks ", first, " and ",

@@ -21,7 +21,9 @@
 // "-c<c>" appears in names only when cp > 1 (so cp = 1 names are unchanged):
 //   tp   the tp ranks of one (d, p, c)                   "tp-d<d>-p<p>[-c<c>]"
 //   pp   the pp ranks of one (d, c, t)                   "pp-d<d>[-c<c>]-t<t>"
-//   dp   the dp ranks of one (p, c, t)                   "dp-p<p>[-c<c>]-t<t>"
+//   dp   the dp x cp ranks of one (p, t), key d * cp + c: the ranks that
+//        hold the same parameters (Megatron's "dp-cp" group), over which
+//        gradients are averaged and ZeRO shards (dp * cp > 1) "dp-p<p>-t<t>"
 //   tie  first and last stage's pp ranks of one (d, c, t) "tie-d<d>[-c<c>]-t<t>"
 //   cp   the cp ranks of one (d, p, t), the ring context parallelism passes
 //        key/value blocks around (cp > 1)                 "cp-d<d>-p<p>-t<t>"
@@ -30,8 +32,6 @@
 //   edp  the expert-data-parallel group: the dp ranks of one (p, c, t) that
 //        hold the same expert slot s = d % ep, key d / ep; it reduces the
 //        experts' gradients (dp / ep > 1)                 "edp-p<p>[-c<c>]-t<t>-s<s>"
-// (DP gradients of a cp > 1 job will need the dp x cp ranks of one (p, t),
-// Megatron's "dp-cp" group; no round makes it yet.)
 //
 // Pure functions: no I/O, thread-safe.
 #ifndef BATON_WORKER_COMM_JOB_GROUPS_H_

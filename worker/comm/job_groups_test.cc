@@ -51,7 +51,7 @@ void CheckLayout(const JobLayout& l) {
   std::vector<GroupKind> want_kinds;
   if (l.tp > 1) want_kinds.push_back(GroupKind::kTp);
   if (l.pp > 1) want_kinds.push_back(GroupKind::kPipeline);
-  if (l.dp > 1) want_kinds.push_back(GroupKind::kDp);
+  if (l.dp * l.cp > 1) want_kinds.push_back(GroupKind::kDp);
   if (l.pp > 1 && l.tied_embedding) want_kinds.push_back(GroupKind::kTie);
   if (l.cp > 1) want_kinds.push_back(GroupKind::kCp);
   if (l.ep > 1) want_kinds.push_back(GroupKind::kEp);
@@ -106,10 +106,10 @@ void CheckLayout(const JobLayout& l) {
             EXPECT_EQ(name, "pp-d" + std::to_string(r.dp_rank) + c + "-t" + std::to_string(r.tp_rank));
             break;
           case GroupKind::kDp:
-            EXPECT_EQ(size, l.dp);
-            EXPECT_EQ(key, r.dp_rank);
-            EXPECT_EQ(std::tie(r.pp_rank, r.tp_rank, r.cp_rank), std::tie(first.pp_rank, first.tp_rank, first.cp_rank));
-            EXPECT_EQ(name, "dp-p" + std::to_string(r.pp_rank) + c + "-t" + std::to_string(r.tp_rank));
+            EXPECT_EQ(size, l.dp * l.cp) << "the dp x cp ranks that hold the same parameters";
+            EXPECT_EQ(key, r.dp_rank * l.cp + r.cp_rank);
+            EXPECT_EQ(std::tie(r.pp_rank, r.tp_rank), std::tie(first.pp_rank, first.tp_rank));
+            EXPECT_EQ(name, "dp-p" + std::to_string(r.pp_rank) + "-t" + std::to_string(r.tp_rank));
             break;
           case GroupKind::kTie:
             EXPECT_EQ(size, 2);
@@ -233,7 +233,7 @@ TEST(JobGroupsTest, OrderIsTpPipelineDpTieCpEpEdp) {
   ASSERT_EQ(plan->size(), 7u);
   const std::vector<std::tuple<GroupKind, std::string, int, int>> want = {
       {GroupKind::kTp, "tp-d3-p1-c1", 1, 2},      {GroupKind::kPipeline, "pp-d3-c1-t1", 1, 2},
-      {GroupKind::kDp, "dp-p1-c1-t1", 3, 4},      {GroupKind::kTie, "tie-d3-c1-t1", 1, 2},
+      {GroupKind::kDp, "dp-p1-t1", 7, 8},      {GroupKind::kTie, "tie-d3-c1-t1", 1, 2},
       {GroupKind::kCp, "cp-d3-p1-t1", 1, 2},      {GroupKind::kEp, "ep-p1-c1-t1-g1", 1, 2},
       {GroupKind::kExpertDp, "edp-p1-c1-t1-s1", 1, 2},
   };
