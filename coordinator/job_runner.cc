@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
+#include <tuple>
 #include <sys/stat.h>
 
 #include "absl/strings/match.h"
@@ -137,6 +139,15 @@ int64_t StepOf(const v1::WorkerMessage& m) {
   }
 }
 
+// A rank's coordinates, the key of the slots a coordinator adopts.
+std::vector<int> SlotKey(int pp_rank, int tp_rank, int cp_rank, int dp_rank) {
+  return {pp_rank, tp_rank, cp_rank, dp_rank};
+}
+
+// The cp rank of a worker's HeldJob: it carries none, and only jobs of cp 1
+// are adopted (Waiting).
+constexpr int kHeldCpRank = 0;
+
 absl::StatusCode CodeOr(int32_t code, absl::StatusCode fallback) {
   return code > 0 && code <= static_cast<int>(absl::StatusCode::kUnauthenticated) ? static_cast<absl::StatusCode>(code)
                                                                                  : fallback;
@@ -157,8 +168,35 @@ FaultTolerance FaultToleranceOf(const v1::JobSpec& job) {
   return ft;
 }
 
+absl::Status ValidatePlanMesh(const v1::Plan& plan) {
+  const int cp = std::max(1, plan.cp());
+  if (plan.pp() < 1 || plan.tp() < 1 || plan.dp() < 1 || plan.cp() < 0 ||
+      static_cast<int64_t>(plan.pp()) * plan.tp() * cp * plan.dp() != plan.ranks_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan of pp ", plan.pp(), ", tp ", plan.tp(), ", cp ", cp,
+                                                   ", dp ", plan.dp(), " has ", plan.ranks_size(),
+                                                   " ranks; pp*tp*cp*dp make a whole mesh"));
+  }
+  std::set<std::tuple<int, int, int, int>> held;
+  for (const v1::RankAssignment& r : plan.ranks()) {
+    if (r.pp_rank() < 0 || r.pp_rank() >= plan.pp() || r.tp_rank() < 0 || r.tp_rank() >= plan.tp() ||
+        r.cp_rank() < 0 || r.cp_rank() >= cp || r.dp_rank() < 0 || r.dp_rank() >= plan.dp()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank of ", r.worker_name(), " (pp ", r.pp_rank(), ", tp ",
+                                                     r.tp_rank(), ", cp ", r.cp_rank(), ", dp ", r.dp_rank(),
+                                                     ") is outside the plan's mesh"));
+    }
+    if (!held.insert({r.pp_rank(), r.tp_rank(), r.cp_rank(), r.dp_rank()}).second) {
+      return absl::InvalidArgumentError(absl::StrCat("pp ", r.pp_rank(), ", tp ", r.tp_rank(), ", cp ",
+                                                     r.cp_rank(), ", dp ", r.dp_rank(), " is held twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 int ReportGroupColumns(const v1::Plan& plan, int min_ranks, int group_ranks) {
   if (plan.pp() < 1 || plan.ranks_size() < std::max(1, min_ranks)) return 0;
+  // The seats of common/report_group.h (the workers' too) know no cp rank:
+  // a context-parallel job reports rank by rank.
+  if (plan.cp() > 1) return 0;
   const auto all = [&plan](bool (v1::RankAssignment::*has)() const) {
     return std::all_of(plan.ranks().begin(), plan.ranks().end(), [has](const v1::RankAssignment& r) {
       return (r.*has)();
@@ -172,19 +210,15 @@ int ReportGroupColumns(const v1::Plan& plan, int min_ranks, int group_ranks) {
 }
 
 absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan) {
-  if (plan.pp() < 1 || plan.tp() < 1 || plan.dp() < 1 ||
-      static_cast<int64_t>(plan.pp()) * plan.tp() * plan.dp() != plan.ranks_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("plan of pp ", plan.pp(), ", tp ", plan.tp(), ", dp ", plan.dp(),
-                                                   " has ", plan.ranks_size(), " ranks"));
+  BATON_RETURN_IF_ERROR(ValidatePlanMesh(plan));
+  if (plan.cp() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a plan of cp ", plan.cp(), " has no report groups (their seats know no cp rank)"));
   }
   const int columns = std::max(1, plan.report_group_columns());
   // group -> names by seat.
   std::map<int, std::vector<std::string>> seats;
   for (const v1::RankAssignment& r : plan.ranks()) {
-    if (r.pp_rank() < 0 || r.pp_rank() >= plan.pp() || r.tp_rank() < 0 || r.tp_rank() >= plan.tp() ||
-        r.dp_rank() < 0 || r.dp_rank() >= plan.dp()) {
-      return absl::InvalidArgumentError(absl::StrCat("rank of ", r.worker_name(), " is outside the plan's mesh"));
-    }
     const ReportGroupSeat seat =
         ReportGroupSeatOf(plan.pp(), plan.tp(), plan.dp(), columns, r.pp_rank(), r.tp_rank(), r.dp_rank());
     std::vector<std::string>& group = seats[seat.group];
@@ -400,19 +434,30 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
   const ParallelDims d = DimsOf(job_);
   const int world = d.world_size();
   const absl::Time start = clock_->Now();
-  bool reported = false;
+  bool reported = false, cp_reported = false;
   for (;;) {
     std::vector<v1::WorkerInfo> ready;
     for (v1::WorkerInfo& w : workers_->List()) {
       if (w.state() == v1::READY) ready.push_back(std::move(w));
     }
     // Workers that hold this job from an earlier coordinator: the newest
-    // generation's reports, one per slot.
+    // generation's reports, one per slot. A held job names no cp rank
+    // (HeldJob has none), so with cp > 1 the cp peers of a (pp, tp, dp)
+    // would claim one slot: such a job is not adopted, it starts over.
     int64_t held_generation = 0;
     for (const v1::WorkerInfo& w : ready) {
       if (w.held().job() == job_.name() && w.held().steps_size() > 0) {
         held_generation = std::max(held_generation, w.held().generation());
       }
+    }
+    if (held_generation > 0 && d.cp > 1) {
+      if (!cp_reported) {
+        cp_reported = true;
+        BATON_LOG(WARNING) << "job '" << job_.name() << "': workers hold generation " << held_generation
+                           << ", but a job with parallel.cp = " << d.cp
+                           << " cannot be adopted (the workers report no cp rank); starting the job over";
+      }
+      held_generation = 0;
     }
     std::map<std::vector<int>, v1::WorkerInfo> slots;
     bool conflict = false;
@@ -420,7 +465,7 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
       const v1::HeldJob& h = w.held();
       if (h.job() != job_.name() || h.generation() != held_generation || h.steps_size() == 0) continue;
       if (h.pp_rank() >= d.pp || h.tp_rank() >= d.tp || h.dp_rank() >= d.dp) continue;
-      conflict |= !slots.emplace(std::vector<int>{h.pp_rank(), h.tp_rank(), h.dp_rank()}, w).second;
+      conflict |= !slots.emplace(SlotKey(h.pp_rank(), h.tp_rank(), kHeldCpRank, h.dp_rank()), w).second;
     }
     if (held_generation > 0 && !conflict && static_cast<int>(slots.size()) == world) {
       return Adopt(ready, slots, held_generation);
@@ -444,7 +489,8 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
     if (!reported && clock_->Now() - start > options_.ready_timeout) {
       reported = true;
       error_ = absl::FailedPreconditionError(
-          absl::StrCat("job '", job_.name(), "' needs pp*tp*dp = ", world, " ready workers, ", ready.size(),
+          absl::StrCat("job '", job_.name(), "' needs ", d.cp > 1 ? "pp*tp*cp*dp" : "pp*tp*dp", " = ", world,
+                       " ready workers, ", ready.size(),
                        " are ready after ", absl::FormatDuration(options_.ready_timeout), "; start ",
                        world - static_cast<int>(ready.size()), " more workers (still waiting)"));
       BATON_LOG(WARNING) << error_.message();
@@ -463,7 +509,7 @@ absl::StatusOr<JobState> JobRunner::Adopt(const std::vector<v1::WorkerInfo>& rea
   BATON_ASSIGN_OR_RETURN(v1::Plan plan, MakePlan(job_, ready, generation));
   std::set<std::string> taken;
   for (v1::RankAssignment& r : *plan.mutable_ranks()) {
-    const v1::WorkerInfo& w = slots.at({r.pp_rank(), r.tp_rank(), r.dp_rank()});
+    const v1::WorkerInfo& w = slots.at(SlotKey(r.pp_rank(), r.tp_rank(), r.cp_rank(), r.dp_rank()));
     PlaceRank(w, &r);
     taken.insert(w.name());
   }
@@ -594,6 +640,7 @@ absl::StatusOr<JobState> JobRunner::Configuring() {
     setup = setup_;
   }
   v1::Plan& plan = setup.plan;
+  BATON_RETURN_IF_ERROR_CTX(ValidatePlanMesh(plan), "configuring generation ", plan.generation());
   const int group_columns =
       ReportGroupColumns(plan, options_.report_groups_min_ranks, options_.report_group_ranks);
   plan.set_report_groups(group_columns > 0);
@@ -821,7 +868,10 @@ absl::Status JobRunner::Evaluate(int64_t step, std::shared_ptr<const WorkerSet> 
   int64_t tokens = 0;
   {
     absl::MutexLock lock(&mu_);
-    // One TP rank of each last stage counts (its TP peers hold the same sum).
+    // One TP rank of each last stage counts (its TP peers hold the same
+    // sum); each DP replica and CP rank scores its own tokens (a CP rank its
+    // two chunks of every sequence), so the sums over them all are the
+    // batch's.
     for (const auto& [name, msg] : *reports) {
       const v1::EvalReport& r = msg.eval_report();
       if (!r.has_loss() || assigned_[name].tp_rank() != 0) continue;
@@ -1214,9 +1264,13 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
   for (const auto& [name, a] : assigned_) {
     if (!lost.count(name)) survivors.push_back(name);
   }
-  // With ZeRO stage >= 1 a DP replica holds other AdamW moments than the lost
-  // rank (its own 1/dp shard), so its snapshot cannot stand in for the lost
-  // one: only the buddy holding the lost rank's own snapshot can.
+  // Without ZeRO every rank of a (pp, tp)'s data-parallel group (its dp*cp
+  // ranks: the DP replicas and, with cp > 1, their CP peers) holds the same
+  // parameters, gradients and AdamW state, so any of them is a source. With
+  // ZeRO stage >= 1 each holds other AdamW moments than the lost rank (its
+  // own 1/(dp*cp) shard), so none can stand in for the lost one: only the
+  // buddy holding the lost rank's own snapshot (kept by SlotOf, which tells
+  // the (dp, cp) shards apart) can.
   const bool dp_replicas_are_sources = !DimsOf(job_).sharded_optimizer();
   for (int64_t s = committed_; s > 0; --s) {
     bool ok = true;
@@ -1225,7 +1279,7 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
     sources->clear();
     for (const std::string& name : lost) {
       const v1::RankAssignment& a = assigned_[name];
-      for (const std::string& w : survivors) {  // a DP replica of the same shard
+      for (const std::string& w : survivors) {  // a DP replica (or CP peer) of the same shard
         const v1::RankAssignment& b = assigned_[w];
         if (dp_replicas_are_sources && b.pp_rank() == a.pp_rank() && b.tp_rank() == a.tp_rank() &&
             Holds(own_snapshots_[w], s)) {
@@ -1298,13 +1352,19 @@ std::string JobRunner::StageOf(const std::string& worker) const {
   auto it = assigned_.find(worker);
   if (it == assigned_.end()) return "a spare";
   const v1::RankAssignment& r = it->second;
-  return absl::StrCat("stage ", r.pp_rank(), " (tp ", r.tp_rank(), ", dp ", r.dp_rank(), ")");
+  const std::string cp = std::max(1, plan_.cp()) > 1 ? absl::StrCat(", cp ", r.cp_rank()) : "";
+  return absl::StrCat("stage ", r.pp_rank(), " (tp ", r.tp_rank(), ", dp ", r.dp_rank(), cp, ")");
 }
 
 std::string JobRunner::SlotOf(const std::string& worker) const {
   auto it = assigned_.find(worker);
   if (it == assigned_.end()) return "";
-  return absl::StrCat(it->second.pp_rank(), ".", it->second.tp_rank(), ".", it->second.dp_rank());
+  // With cp > 1 the cp rank too: the cp peers of a (pp, tp, dp) are
+  // distinct shards under ZeRO 1 (shard index dp_rank * cp + cp_rank), and
+  // each one's snapshot is held apart from its peers' in any case.
+  const v1::RankAssignment& r = it->second;
+  if (std::max(1, plan_.cp()) == 1) return absl::StrCat(r.pp_rank(), ".", r.tp_rank(), ".", r.dp_rank());
+  return absl::StrCat(r.pp_rank(), ".", r.tp_rank(), ".", r.dp_rank(), ".", r.cp_rank());
 }
 
 std::string JobRunner::Who(const std::string& worker) const {
@@ -1554,19 +1614,27 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
                             int64_t* predicted, bool* finite) {
   double sq = 0, loss_sum = 0;
   int losses = 0;
-  // Without ZeRO the DP replicas hold the same averaged gradients, so DP
-  // rank 0's count for all; with ZeRO stage >= 1 each DP rank reports the
-  // squared norm of its own shard's averaged gradient only, and the shards
-  // together are the whole: every rank counts (in the map's name order, the
-  // same order every step).
-  const bool every_dp_rank = DimsOf(job_).sharded_optimizer();
+  // The gradients are reduced over the data-parallel group: the dp*cp ranks
+  // of one (pp, tp) (with cp > 1 the CP ranks reduce with the DP replicas as
+  // one group, averaging over dp*cp). Without ZeRO every rank of the group
+  // holds the same averaged gradients, so the rank of dp 0 and cp 0 counts
+  // for all; with ZeRO stage >= 1 each rank of the group reports the squared
+  // norm of its own shard's averaged gradient only, and the shards together
+  // are the whole: every rank counts (in the map's name order, the same
+  // order every step).
+  //
+  // The loss: each last-stage rank's mean over its own tokens (one TP rank
+  // of each counts, its TP peers hold the same), averaged over the (dp, cp)
+  // reporters; every rank holds as many tokens (a CP rank two chunks of
+  // seq_len / (2 cp) of every sequence), so that is the mean over the batch.
+  const bool every_rank = DimsOf(job_).sharded_optimizer();
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, msg] : reports) {
       const v1::StepReport& r = msg.report();
       const v1::RankAssignment& rank = assigned_[name];
       *finite &= r.finite();
-      if (every_dp_rank || rank.dp_rank() == 0) sq += r.grad_sq_norm();
+      if (every_rank || (rank.dp_rank() == 0 && rank.cp_rank() == 0)) sq += r.grad_sq_norm();
       if (r.has_loss() && rank.tp_rank() == 0) {
         loss_sum += r.loss();
         ++losses;
@@ -1715,6 +1783,10 @@ bool JobRunner::MaybeStartCheckpoint(int64_t step) {
     PendingCheckpoint p;
     p.step = step;
     p.dir = job_.checkpoint().dir() + "/" + checkpoint::StepDirName(step);
+    // Every rank answers a save: the writers (dp rank 0, cp rank 0) first
+    // that their state is copied, then with its files; the others (and under
+    // ZeRO 1 the group's gatherers other than its rank 0) once, with no
+    // files, which ends their wait at once (Handle).
     for (const auto& [name, a] : assigned_) p.waiting.insert(name);
     p.copying = p.waiting;
     save.mutable_save_weights()->set_dir(p.dir);

@@ -133,16 +133,24 @@ inline constexpr double kMaxSnapshotOverhead = 0.05;
 // is snapshotted every few seconds instead of slowing every step.
 bool SnapshotDue(std::optional<int> every, int64_t step, int64_t last, double stall_seconds, double step_seconds);
 
+// Checks that `plan` is one whole mesh: pp*tp*cp*dp ranks (Plan.cp 0 means
+// 1), each with its pp, tp, cp and dp rank inside the mesh and no two on the
+// same coordinates. INVALID_ARGUMENT naming the first rank that is not.
+absl::Status ValidatePlanMesh(const v1::Plan& plan);
+
 // How many pipeline columns make one report group for `plan`'s job
 // (Plan.report_group_columns, common/report_group.h), 0 when it runs without
 // groups: every rank registered report_groups and verdict_in_run_step and
 // the plan has at least `min_ranks` ranks. Groups are single columns unless
 // every rank registered report_group_columns; then about `group_ranks`
-// ranks each (whole columns). A group must have two ranks or more.
+// ranks each (whole columns). A group must have two ranks or more. Always 0
+// with cp > 1: the seats (ReportGroupSeatOf, which the workers share) are
+// laid over the (pp, tp, dp) mesh only.
 int ReportGroupColumns(const v1::Plan& plan, int min_ranks, int group_ranks);
 // The report groups of `plan` (Plan.report_group_columns columns each):
 // each group's leader -> its members' names by seat 1 .. size-1.
-// INVALID_ARGUMENT when a rank is outside the mesh, held twice or missing.
+// INVALID_ARGUMENT when a rank is outside the mesh, held twice or missing,
+// or when the plan has cp > 1 (no report groups then).
 absl::StatusOr<std::map<std::string, std::vector<std::string>>> ReportGroupsOf(const v1::Plan& plan);
 
 class JobRunner : public JobObserver {

@@ -78,9 +78,9 @@ class FakeWorkers : public JobWorkers {
     }
     drop_members_ = drop_members;
   }
-  // Reports whose numbers depend on the rank (grad_sq_norm by pp and dp
-  // rank, the loss from the last stage only), so a report counted under the
-  // wrong worker or left out changes the step's record.
+  // Reports whose numbers depend on the rank (grad_sq_norm by pp, dp and cp
+  // rank, the loss from the last stage only, by dp and cp rank), so a report
+  // counted under the wrong worker or left out changes the step's record.
   void SetRankDependentReports() {
     absl::MutexLock lock(&mu_);
     rank_dependent_ = true;
@@ -368,9 +368,10 @@ class FakeWorkers : public JobWorkers {
         rep->set_loss(10.0 / m.run_step().step());
         if (rank_dependent_) {
           const v1::RankAssignment& rank = rank_[worker];
-          rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank() + 1.0 * rank.dp_rank());
+          rep->set_grad_sq_norm(0.25 + 0.5 * rank.pp_rank() + 1.0 * rank.dp_rank() + 2.0 * rank.cp_rank());
           rep->set_has_loss(rank.pp_rank() == plan_of_[worker].pp() - 1);
-          rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() : 0);
+          rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() + 0.01 * rank.cp_rank()
+                                        : 0);
         }
         traced_[worker] = m.run_step().trace();
         break;
@@ -969,6 +970,128 @@ TEST_P(ZeroGradNormTest, TheGlobalNormSumsDpRankZeroOrEveryShard) {
 
 INSTANTIATE_TEST_SUITE_P(WithoutAndWithZeroStageOne, ZeroGradNormTest, ::testing::Values(0, 1));
 
+// ZeroJob with parallel.cp `cp` (seq_len 8: 2*cp divides it for cp 2 and 4).
+v1::JobSpec CpJob(int pp, int dp, int cp, int steps, int zero_stage) {
+  v1::JobSpec job = ZeroJob(pp, dp, steps, zero_stage);
+  job.mutable_parallel()->set_cp(cp);
+  return job;
+}
+
+// The values of `key` in `out`/steps.jsonl's step lines, in order.
+std::vector<double> StepValues(const std::string& out, const char* key) {
+  std::vector<double> values;
+  absl::StatusOr<std::string> steps = ReadFile(out + "/steps.jsonl");
+  EXPECT_TRUE(steps.ok()) << steps.status();
+  if (!steps.ok()) return values;
+  for (absl::string_view line : absl::StrSplit(*steps, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<JsonValue> v = JsonValue::Parse(line);
+    EXPECT_TRUE(v.ok()) << line;
+    if (v.ok() && v->Find("step") != nullptr && v->Find(key) != nullptr) values.push_back(v->Find(key)->number());
+  }
+  return values;
+}
+
+// With cp > 1 the gradients are reduced over the dp*cp ranks of a (pp, tp):
+// without ZeRO only the rank of dp 0 and cp 0 counts toward the norm (its
+// CP peers and DP replicas hold the same gradients); with ZeRO 1 every
+// rank's shard counts. The loss is the mean over every (dp, cp) reporter of
+// the last stage. A context-parallel job forms no report groups even where
+// every worker takes them.
+class ContextParallelStepTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ContextParallelStepTest, TheNormCountsOneRankOfTheGroupOrEveryShardAndTheLossEveryReporter) {
+  const int zero_stage = GetParam();
+  const std::string out = absl::StrCat(::testing::TempDir(), "/cp_step_", zero_stage);
+  report_groups_min_ranks_ = 1;
+  Start(CpJob(2, 2, 2, 3, zero_stage), 8,
+        [](FakeWorkers* f) {
+          f->SetRankDependentReports();
+          f->SetReportGroups(false, /*columns=*/true);
+        },
+        out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  // Squared norms 0.25 + 0.5 pp + dp + 2 cp: the (dp 0, cp 0) column 0.25 +
+  // 0.75 = 1; all eight ranks 8 * 0.25 + 4 * 0.5 + 4 * 1 + 4 * 2 = 16.
+  const double norm = zero_stage == 0 ? 1.0 : 4.0;
+  EXPECT_EQ(StepValues(out, "grad_norm"), (std::vector<double>{norm, norm, norm}));
+  // Last-stage losses 10/step + 0.1 dp + 0.01 cp over dp, cp in {0, 1}.
+  const std::vector<double> losses = StepValues(out, "loss");
+  ASSERT_EQ(losses.size(), 3u);
+  // (steps.jsonl keeps 9 digits.)
+  for (int step = 1; step <= 3; ++step) EXPECT_NEAR(losses[step - 1], 10.0 / step + 0.055, 1e-7) << step;
+  for (int i = 0; i < 8; ++i) {
+    const std::string w = absl::StrCat("worker-", i);
+    const std::vector<v1::Configure> c = fake_->Configures(w);
+    ASSERT_EQ(c.size(), 1u) << w;
+    EXPECT_EQ(c[0].plan().cp(), 2);
+    EXPECT_FALSE(c[0].plan().report_groups()) << "no report groups with cp > 1";
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3})) << w << ": every rank is sent its steps";
+    EXPECT_TRUE(fake_->StepsPassedOn(w).empty()) << w;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WithoutAndWithZeroStageOne, ContextParallelStepTest, ::testing::Values(0, 1));
+
+// A lost CP rank's replacement gets the state of its own shard: without
+// ZeRO from a CP peer (the same parameters and AdamW state), under ZeRO 1
+// from the buddy holding its own snapshot, kept apart from its CP peer's
+// (the peers of one (pp, tp, dp) are distinct shards).
+class ContextParallelRecoveryTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ContextParallelRecoveryTest, ALostCpRankGetsItsOwnShardsState) {
+  const int zero_stage = GetParam();
+  Start(CpJob(1, 1, 2, 4, zero_stage), 3);  // worker-0: cp rank 0, worker-1: cp rank 1, worker-2 a spare
+  KillAt("worker-0", 3);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 2) << "not the seed: a source of step 2 was found";
+  EXPECT_EQ(spare[0].state(), "0.0@2");
+  ASSERT_EQ(spare[0].plan().ranks_size(), 1);
+  EXPECT_EQ(spare[0].plan().ranks(0).cp_rank(), 0);
+  std::vector<std::string> owners;
+  for (const auto& m : fake_->Sent("worker-1")) {
+    if (m.has_fetch_state()) owners.push_back(m.fetch_state().owner());
+  }
+  const std::string recovery = Status().recovery();
+  if (zero_stage == 0) {
+    EXPECT_EQ(owners, (std::vector<std::string>{"worker-1"})) << "the CP peer's own state";
+    EXPECT_NE(recovery.find("DP replica worker-1"), std::string::npos) << recovery;
+  } else {
+    EXPECT_EQ(owners, (std::vector<std::string>{"worker-0"})) << "the lost rank's snapshot, held by its buddy";
+    EXPECT_NE(recovery.find("from worker-1's snapshot"), std::string::npos) << recovery;
+  }
+  EXPECT_NE(recovery.find("stage 0 (tp 0, dp 0, cp 0) (worker worker-0)"), std::string::npos) << recovery;
+}
+
+INSTANTIATE_TEST_SUITE_P(WithoutAndWithZeroStageOne, ContextParallelRecoveryTest, ::testing::Values(0, 1));
+
+TEST_F(JobRunnerTest, ALostCpRankIsNamedWithItsCpRank) {
+  Start(CpJob(2, 1, 2, 6, 0), 4);
+  KillAt("worker-3", 2);  // global rank 3: pp 1, cp 1
+  ASSERT_EQ(Finish(), JobState::kFailed);
+  const std::string error(runner_->error().message());
+  EXPECT_NE(error.find("stage 1 (tp 0, dp 0, cp 1) (worker worker-3) was lost"), std::string::npos) << error;
+}
+
+// Workers holding a context-parallel job from an earlier coordinator report
+// no cp rank (HeldJob has none): the job starts over instead of adopting
+// two workers into one slot.
+TEST_F(JobRunnerTest, AContextParallelJobIsNotAdoptedButStartsOver) {
+  Start(CpJob(1, 1, 2, 3, 0), 2, [](FakeWorkers* f) {
+    f->SetHeld("worker-0", 0, 0, 7, {2});
+    f->SetHeld("worker-1", 0, 0, 7, {2});
+  });
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  for (const char* w : {"worker-0", "worker-1"}) {
+    const std::vector<v1::Configure> c = fake_->Configures(w);
+    ASSERT_EQ(c.size(), 1u) << w;
+    EXPECT_EQ(c[0].resume_step(), 0) << w;
+    EXPECT_EQ(fake_->StepsRun(w), (std::vector<int64_t>{1, 2, 3})) << w;
+  }
+  EXPECT_EQ(Status().recoveries(), 0);
+}
+
 TEST_F(JobRunnerTest, WithoutAReplacementTheJobFailsAfterTheTimeoutNamingTheWorker) {
   Start(Job(2, 1, 6), 2);
   KillAt("worker-1", 2);
@@ -1020,6 +1143,54 @@ TEST(ReportGroupsOfTest, ColumnsByPipelineRankLedByStageZero) {
   v1::Plan outside = plan;
   outside.mutable_ranks(2)->set_pp_rank(3);
   EXPECT_EQ(ReportGroupsOf(outside).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A plan of pp 2, tp 1, cp 2, dp 2 in global-rank order.
+v1::Plan CpPlan() {
+  v1::Plan plan = GroupPlan(2, 2);
+  plan.clear_ranks();
+  plan.set_cp(2);
+  for (int d = 0; d < 2; ++d) {
+    for (int p = 0; p < 2; ++p) {
+      for (int c = 0; c < 2; ++c) {
+        v1::RankAssignment* r = plan.add_ranks();
+        r->set_worker_name(absl::StrCat("w", d, p, c));
+        r->set_global_rank(plan.ranks_size() - 1);
+        r->set_pp_rank(p);
+        r->set_dp_rank(d);
+        r->set_cp_rank(c);
+        r->set_report_groups(true);
+        r->set_verdict_in_run_step(true);
+        r->set_report_group_columns(true);
+      }
+    }
+  }
+  return plan;
+}
+
+TEST(ValidatePlanMeshTest, AContextParallelPlanHasPpTimesTpTimesCpTimesDpRanks) {
+  EXPECT_TRUE(ValidatePlanMesh(GroupPlan(3, 2)).ok()) << "cp unset (0) is 1";
+  const v1::Plan plan = CpPlan();
+  EXPECT_TRUE(ValidatePlanMesh(plan).ok()) << ValidatePlanMesh(plan);
+  v1::Plan short_of_cp = plan;
+  short_of_cp.set_cp(1);  // 8 ranks for a mesh of 4
+  absl::Status s = ValidatePlanMesh(short_of_cp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("has 8 ranks"), std::string::npos) << s;
+  v1::Plan outside = plan;
+  outside.mutable_ranks(3)->set_cp_rank(2);
+  s = ValidatePlanMesh(outside);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank of w011 (pp 1, tp 0, cp 2, dp 0) is outside the plan's mesh"), std::string::npos)
+      << s;
+  v1::Plan twice = plan;
+  twice.mutable_ranks(3)->set_cp_rank(0);  // w011 on w010's coordinates
+  s = ValidatePlanMesh(twice);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("pp 1, tp 0, cp 0, dp 0 is held twice"), std::string::npos) << s;
+  // No report groups: their seats know no cp rank.
+  EXPECT_EQ(ReportGroupColumns(plan, 1, 4), 0);
+  EXPECT_EQ(ReportGroupsOf(plan).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ReportGroupsOfTest, SeveralColumnsWhereEveryWorkerTakesThem) {
