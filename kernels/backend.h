@@ -8,7 +8,11 @@
 //    programming error and aborts with the op's name), then calls the entry of
 //    the Backend registered for ctx.device.type. Every entry below is
 //    required; a backend that lacks a kernel sets the entry to a function that
-//    aborts naming it (never null).
+//    aborts naming it (never null). Exceptions, which may be null:
+//    fused_attention (see there) and the context-parallel attention entries
+//    (kv_of_qkv .. qkv_grad_of_kv), for which ops.cc aborts naming the op and
+//    saying the backend has no context-parallel attention kernel yet (CUDA
+//    today).
 //
 // 2. Backends. kCpu: kernels/cpu, linked into everything, always registered;
 //    it runs each op inline on the calling thread (its Stream and Event are
@@ -363,10 +367,27 @@ struct Backend {
   void (*swiglu_backward)(const ExecContext&, const Tensor& dgate, const Tensor& dup,
                           const Tensor& dout, const Tensor& gate, const Tensor& up);
   void (*rope_pack)(const ExecContext&, const Tensor& qkv, const Tensor& q, const Tensor& k,
-                    const Tensor& v, int heads, int kv_heads, float theta);
+                    const Tensor& v, int heads, int kv_heads, float theta,
+                    int64_t position_offset);
   void (*rope_pack_backward)(const ExecContext&, const Tensor& dq, const Tensor& dk,
                              const Tensor& dv, const Tensor& dqkv, int heads, int kv_heads,
-                             float theta);
+                             float theta, int64_t position_offset);
+
+  // --- context-parallel (ring) attention, fp32 (see ops.h); null where the
+  // backend has none (CUDA today): the ops then abort naming themselves ---
+  void (*kv_of_qkv)(const ExecContext&, const Tensor& kv, const Tensor& qkv);
+  void (*block_attention)(const ExecContext&, const Tensor& out, const Tensor& lse,
+                          const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
+                          int64_t k_offset, const Tensor& scratch);
+  void (*merge_attention_block)(const ExecContext&, const Tensor& out, const Tensor& lse,
+                                const Tensor& block_out, const Tensor& block_lse, int heads);
+  void (*attention_delta)(const ExecContext&, const Tensor& delta, const Tensor& dout,
+                          const Tensor& out, int heads);
+  void (*block_attention_backward)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv,
+                                   const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                                   const Tensor& lse, const Tensor& delta, int heads,
+                                   int64_t q_offset, int64_t k_offset, const Tensor& scratch);
+  void (*qkv_grad_of_kv)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv);
 };
 
 // Registers `backend` for its type (once per type; later calls for the same

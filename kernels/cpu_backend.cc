@@ -21,6 +21,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/block_attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gelu.h"
@@ -399,28 +400,83 @@ void SwiGluBackward(const ExecContext&, const Tensor& dgate, const Tensor& dup, 
 
 // qkv [B, T, 3·H·D]: fp32, or the fp32 result rounded once to bf16.
 void RopePack(const ExecContext&, const Tensor& qkv, const Tensor& q, const Tensor& k,
-              const Tensor& v, int heads, int kv_heads, float theta) {
+              const Tensor& v, int heads, int kv_heads, float theta, int64_t position_offset) {
   const int64_t head_dim = qkv.dim(2) / (3 * int64_t{heads});
   std::vector<float> packed;
   float* target = Target(qkv, false, packed);
   cpu::RopePackForward(target, q.f32(), k.f32(), v.f32(), qkv.dim(0), qkv.dim(1), heads, kv_heads,
-                       head_dim, theta);
+                       head_dim, theta, position_offset);
   Store(qkv, target);
 }
 
 // A bf16 dqkv is widened exactly; bf16 gradients are the fp32 ones rounded once.
 void RopePackBackward(const ExecContext&, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+                      const Tensor& dqkv, int heads, int kv_heads, float theta,
+                      int64_t position_offset) {
   const int64_t head_dim = dqkv.dim(2) / (3 * int64_t{heads});
   std::vector<float> g, q_buffer, k_buffer, v_buffer;
   float* q = Target(dq, false, q_buffer);
   float* k = Target(dk, false, k_buffer);
   float* v = Target(dv, false, v_buffer);
   cpu::RopePackBackward(q, k, v, Widened("RopePackBackward", dqkv, g), dqkv.dim(0), dqkv.dim(1),
-                        heads, kv_heads, head_dim, theta);
+                        heads, kv_heads, head_dim, theta, position_offset);
   Store(dq, q);
   Store(dk, k);
   Store(dv, v);
+}
+
+// Context-parallel attention (fp32; ops.cc has checked the shapes). q is
+// the first C columns of qkv's [B,Tq,3C] rows, k and v the halves of kv's
+// [B,Tk,2C] rows: the kernels read and write them in place through row
+// strides, without copies.
+void KvOfQkv(const ExecContext&, const Tensor& kv, const Tensor& qkv) {
+  const int64_t rows = qkv.dim(0) * qkv.dim(1), c = qkv.dim(2) / 3;
+  const float* src = qkv.f32();
+  float* dst = kv.f32();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * 2 * c, src + r * 3 * c + c, sizeof(float) * 2 * c);
+  }
+}
+
+void BlockAttention(const ExecContext&, const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                    const Tensor& kv, int heads, int64_t q_offset, int64_t k_offset,
+                    const Tensor& scratch) {
+  const int64_t c = qkv.dim(2) / 3;
+  cpu::BlockAttentionForward(out.f32(), lse.f32(), qkv.f32(), kv.f32(), kv.f32() + c, qkv.dim(0),
+                             qkv.dim(1), kv.dim(1), c, heads, q_offset, k_offset, scratch.f32(),
+                             cpu::BlockAttentionStrides{3 * c, 2 * c});
+}
+
+void MergeAttentionBlock(const ExecContext&, const Tensor& out, const Tensor& lse,
+                         const Tensor& block_out, const Tensor& block_lse, int heads) {
+  cpu::MergeAttentionBlock(out.f32(), lse.f32(), block_out.f32(), block_lse.f32(), out.dim(0),
+                           out.dim(1), out.dim(2), heads);
+}
+
+void AttentionDelta(const ExecContext&, const Tensor& delta, const Tensor& dout, const Tensor& out,
+                    int heads) {
+  cpu::AttentionDelta(delta.f32(), dout.f32(), out.f32(), out.dim(0), out.dim(1), out.dim(2),
+                      heads);
+}
+
+void BlockAttentionBackward(const ExecContext&, const Tensor& dqkv, const Tensor& dkv,
+                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
+                            int64_t k_offset, const Tensor& scratch) {
+  const int64_t c = qkv.dim(2) / 3;
+  cpu::BlockAttentionBackward(dqkv.f32(), dkv.f32(), dkv.f32() + c, dout.f32(), qkv.f32(),
+                              kv.f32(), kv.f32() + c, lse.f32(), delta.f32(), qkv.dim(0),
+                              qkv.dim(1), kv.dim(1), c, heads, q_offset, k_offset, scratch.f32(),
+                              cpu::BlockAttentionStrides{3 * c, 2 * c});
+}
+
+void QkvGradOfKv(const ExecContext&, const Tensor& dqkv, const Tensor& dkv) {
+  const int64_t rows = dqkv.dim(0) * dqkv.dim(1), c = dqkv.dim(2) / 3;
+  const float* src = dkv.f32();
+  float* dst = dqkv.f32();
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * 3 * c + c, src + r * 2 * c, sizeof(float) * 2 * c);
+  }
 }
 
 const Backend kCpu = {
@@ -476,6 +532,12 @@ const Backend kCpu = {
     SwiGluBackward,
     RopePack,
     RopePackBackward,
+    KvOfQkv,
+    BlockAttention,
+    MergeAttentionBlock,
+    AttentionDelta,
+    BlockAttentionBackward,
+    QkvGradOfKv,
 };
 
 }  // namespace

@@ -118,7 +118,9 @@ void EmbeddingBackward(const ExecContext& ctx, const Tensor& dwte, int64_t vocab
   const Backend& be = On(ctx, "EmbeddingBackward", {&dwte, &dwpe, &dout, &tokens});
   const int64_t b = tokens.dim(0), t = tokens.dim(1);
   const int64_t c = dout.numel() / (b * t);
-  Require(dout.numel() == b * t * c, "EmbeddingBackward", "shape mismatch");
+  Require(dout.numel() == b * t * c &&
+              (!dwpe.defined() || (dwpe.ndim() == 2 && dwpe.dim(0) >= t && dwpe.dim(1) == c)),
+          "EmbeddingBackward", "shape mismatch");
   be.embedding_backward(ctx, dwte, vocab_begin, dwpe, dout, tokens);
 }
 
@@ -377,21 +379,152 @@ void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& d
 }
 
 void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
-              const Tensor& v, int heads, int kv_heads, float theta) {
+              const Tensor& v, int heads, int kv_heads, float theta, int64_t position_offset) {
   const Backend& be = On(ctx, "RopePack", {&qkv, &q, &k, &v});
   RequireFloat("RopePack", {&q, &k, &v}, false, "q, k and v must be float32");
   RequireFloat("RopePack", {&qkv}, true, "qkv must be float32 or bfloat16");
   RequireRopeShapes("RopePack", qkv, q, k, v, heads, kv_heads, theta);
-  be.rope_pack(ctx, qkv, q, k, v, heads, kv_heads, theta);
+  Require(position_offset >= 0, "RopePack", "position_offset must be >= 0");
+  be.rope_pack(ctx, qkv, q, k, v, heads, kv_heads, theta, position_offset);
 }
 
 void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+                      const Tensor& dqkv, int heads, int kv_heads, float theta,
+                      int64_t position_offset) {
   const Backend& be = On(ctx, "RopePackBackward", {&dq, &dk, &dv, &dqkv});
   RequireFloat("RopePackBackward", {&dq, &dk, &dv, &dqkv}, true,
                "dqkv, dq, dk and dv must be float32 or bfloat16");
   RequireRopeShapes("RopePackBackward", dqkv, dq, dk, dv, heads, kv_heads, theta);
-  be.rope_pack_backward(ctx, dq, dk, dv, dqkv, heads, kv_heads, theta);
+  Require(position_offset >= 0, "RopePackBackward", "position_offset must be >= 0");
+  be.rope_pack_backward(ctx, dq, dk, dv, dqkv, heads, kv_heads, theta, position_offset);
+}
+
+// ---- Context-parallel attention ----
+
+int64_t BlockAttentionScratch(int64_t q_len, int64_t k_len) { return q_len * k_len; }
+int64_t BlockAttentionBackwardScratch(int64_t q_len, int64_t k_len) { return 2 * q_len * k_len; }
+
+namespace {
+
+// The backend's entry `fn`, or an abort naming `op` where the backend has
+// none (backend.h §1: these entries may be null).
+template <typename Fn>
+Fn CpEntry(const Backend& be, Fn fn, const char* op) {
+  if (fn == nullptr) {
+    const std::string name = be.name;
+    Fail(op, "context-parallel attention has no " + std::string(name == "cuda" ? "CUDA" : name) +
+                 " kernel yet (it runs on CPU devices only for now); run jobs with cp > 1 on "
+                 "CPU workers, or set cp = 1");
+  }
+  return fn;
+}
+
+// Packed qkv [B,Tq,3C] with heads | C; returns C.
+int64_t RequireQkv(const char* op, const Tensor& qkv, int heads) {
+  Require(qkv.ndim() == 3 && qkv.dim(0) > 0 && qkv.dim(1) > 0 && qkv.dim(2) > 0 &&
+              qkv.dim(2) % 3 == 0 && heads > 0 && (qkv.dim(2) / 3) % heads == 0,
+          op, "shape mismatch: qkv must be [batch, seq, 3 * channels] with heads dividing channels");
+  return qkv.dim(2) / 3;
+}
+
+// A key/value block kv [B,Tk,2C] of qkv's batch and channels.
+void RequireKv(const char* op, const Tensor& kv, const Tensor& qkv, int64_t c) {
+  Require(kv.ndim() == 3 && kv.dim(0) == qkv.dim(0) && kv.dim(1) > 0 && kv.dim(2) == 2 * c, op,
+          "shape mismatch: kv must be [batch, k_len, 2 * channels] of qkv's batch and channels");
+}
+
+// out-like [B,Tq,C] with heads | C, and lse-like tensors [B,heads,Tq].
+void RequireOutAndLse(const char* op, const Tensor& out, std::initializer_list<const Tensor*> lse,
+                      int heads) {
+  Require(out.ndim() == 3 && out.dim(0) > 0 && out.dim(1) > 0 && out.dim(2) > 0 && heads > 0 &&
+              out.dim(2) % heads == 0,
+          op, "shape mismatch: out must be [batch, q_len, channels] with heads dividing channels");
+  for (const Tensor* l : lse) {
+    Require(l->numel() == out.dim(0) * heads * out.dim(1), op,
+            "shape mismatch: lse and delta must be [batch, heads, q_len]");
+  }
+}
+
+}  // namespace
+
+void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv) {
+  const Backend& be = On(ctx, "KvOfQkv", {&kv, &qkv});
+  RequireFloat("KvOfQkv", {&kv, &qkv}, false, "kv and qkv must be float32");
+  const int64_t c = RequireQkv("KvOfQkv", qkv, 1);
+  RequireKv("KvOfQkv", kv, qkv, c);
+  Require(kv.dim(1) == qkv.dim(1), "KvOfQkv", "shape mismatch: kv and qkv differ in seq");
+  CpEntry(be, be.kv_of_qkv, "KvOfQkv")(ctx, kv, qkv);
+}
+
+void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                    const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
+                    int64_t k_offset, const Tensor& scratch) {
+  const char* op = "BlockAttention";
+  const Backend& be = On(ctx, op, {&out, &lse, &qkv, &kv, &scratch});
+  RequireFloat(op, {&out, &lse, &qkv, &kv, &scratch}, false, "every tensor must be float32");
+  const int64_t c = RequireQkv(op, qkv, heads);
+  RequireKv(op, kv, qkv, c);
+  const int64_t b = qkv.dim(0), tq = qkv.dim(1), tk = kv.dim(1);
+  Require(out.numel() == b * tq * c && lse.numel() == b * heads * tq, op,
+          "shape mismatch: out must be [batch, q_len, channels], lse [batch, heads, q_len]");
+  Require(q_offset >= 0 && k_offset >= 0, op, "offsets must be >= 0");
+  Require(scratch.numel() >= BlockAttentionScratch(tq, tk), op,
+          "scratch is smaller than BlockAttentionScratch(q_len, k_len)");
+  CpEntry(be, be.block_attention, op)(ctx, out, lse, qkv, kv, heads, q_offset, k_offset, scratch);
+}
+
+void MergeAttentionBlock(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                         const Tensor& block_out, const Tensor& block_lse, int heads) {
+  const char* op = "MergeAttentionBlock";
+  const Backend& be = On(ctx, op, {&out, &lse, &block_out, &block_lse});
+  RequireFloat(op, {&out, &lse, &block_out, &block_lse}, false, "every tensor must be float32");
+  RequireOutAndLse(op, out, {&lse, &block_lse}, heads);
+  Require(block_out.numel() == out.numel(), op, "shape mismatch: block_out differs from out");
+  CpEntry(be, be.merge_attention_block, op)(ctx, out, lse, block_out, block_lse, heads);
+}
+
+void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& dout,
+                    const Tensor& out, int heads) {
+  const char* op = "AttentionDelta";
+  const Backend& be = On(ctx, op, {&delta, &dout, &out});
+  RequireFloat(op, {&delta, &dout, &out}, false, "every tensor must be float32");
+  RequireOutAndLse(op, out, {&delta}, heads);
+  Require(dout.numel() == out.numel(), op, "shape mismatch: dout differs from out");
+  CpEntry(be, be.attention_delta, op)(ctx, delta, dout, out, heads);
+}
+
+void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
+                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
+                            int64_t k_offset, const Tensor& scratch) {
+  const char* op = "BlockAttentionBackward";
+  const Backend& be = On(ctx, op, {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta, &scratch});
+  RequireFloat(op, {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta, &scratch}, false,
+               "every tensor must be float32");
+  const int64_t c = RequireQkv(op, qkv, heads);
+  RequireKv(op, kv, qkv, c);
+  const int64_t b = qkv.dim(0), tq = qkv.dim(1), tk = kv.dim(1);
+  Require(dqkv.numel() == qkv.numel() && dkv.numel() == kv.numel(), op,
+          "shape mismatch: dqkv must be qkv's shape, dkv kv's");
+  Require(dout.numel() == b * tq * c && lse.numel() == b * heads * tq &&
+              delta.numel() == b * heads * tq,
+          op,
+          "shape mismatch: dout must be [batch, q_len, channels], lse and delta "
+          "[batch, heads, q_len]");
+  Require(q_offset >= 0 && k_offset >= 0, op, "offsets must be >= 0");
+  Require(scratch.numel() >= BlockAttentionBackwardScratch(tq, tk), op,
+          "scratch is smaller than BlockAttentionBackwardScratch(q_len, k_len)");
+  CpEntry(be, be.block_attention_backward, op)(ctx, dqkv, dkv, dout, qkv, kv, lse, delta, heads,
+                                               q_offset, k_offset, scratch);
+}
+
+void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) {
+  const Backend& be = On(ctx, "QkvGradOfKv", {&dqkv, &dkv});
+  RequireFloat("QkvGradOfKv", {&dqkv, &dkv}, false, "dqkv and dkv must be float32");
+  const int64_t c = RequireQkv("QkvGradOfKv", dqkv, 1);
+  RequireKv("QkvGradOfKv", dkv, dqkv, c);
+  Require(dkv.dim(1) == dqkv.dim(1), "QkvGradOfKv", "shape mismatch: dkv and dqkv differ in seq");
+  CpEntry(be, be.qkv_grad_of_kv, "QkvGradOfKv")(ctx, dqkv, dkv);
 }
 
 // ---- On the CPU ----

@@ -31,7 +31,10 @@ using cpu::kMaxArgmaxVocab;
 // undefined (no position term); out [B·T,C].
 void Embedding(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t vocab_begin,
                const Tensor& wpe);
-// Either gradient may be undefined to skip it.
+// Either gradient may be undefined to skip it. dwte and dwpe accumulate
+// (+=), and only dwpe's rows [0, T) are touched, so a sequence chunk at
+// global positions [p, p + T) (context parallelism) passes wpe.Rows(p, p + T)
+// to Embedding and dwpe.Rows(p, p + T) here (both forms, every backend).
 void EmbeddingBackward(const Tensor& dwte, int64_t vocab_begin, const Tensor& dwpe,
                        const Tensor& dout, const Tensor& tokens);
 
@@ -206,21 +209,88 @@ void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& d
 // head_dim (even); qkv [B, T, 3·H·D] fp32 or bf16 (rounded once), laid out as
 // Attention wants: q heads, then k heads, then v heads, each head D wide.
 // Query head h reads key/value head h / (H / KV) (Hugging Face's repeat_kv).
-// q and k are rotated at position t (the row's index in its sequence) by
-// rotate-half (Hugging Face Llama): for i < D/2,
-//   inv_freq_i = fl(1 / fl(theta ^ fl(2i / D))),  angle = fl(t · inv_freq_i)
+// q and k are rotated at position pos = position_offset + t (t: the row's
+// index in its sequence; position_offset ≥ 0 is the global position of row
+// 0, e.g. of a context-parallel rank's chunk, and 0 gives exactly the bits of
+// the op before the offset existed) by rotate-half (Hugging Face Llama): for
+// i < D/2,
+//   inv_freq_i = fl(1 / fl(theta ^ fl(2i / D))),  angle = fl(pos · inv_freq_i)
 // (fl: rounded to float32, as transformers computes them), and
 //   (x_i, x_{i+D/2}) → (x_i cos(angle) − x_{i+D/2} sin(angle),
 //                       x_{i+D/2} cos(angle) + x_i sin(angle)).
 // v is copied unrotated.
 void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
-              const Tensor& v, int heads, int kv_heads, float theta);
+              const Tensor& v, int heads, int kv_heads, float theta,
+              int64_t position_offset = 0);
 // The adjoint of RopePack: from dqkv [B, T, 3·H·D] (fp32 or bf16) writes
 // (overwrites) dq [B·T, H·D] and dk, dv [B·T, KV·D] (fp32 or bf16, rounded
-// once): q and k rotated back by −angle, and each key/value head's gradient
-// the sum of its query heads' in increasing head order (deterministic).
+// once): q and k rotated back by −angle (at the same positions as the
+// forward: pass it the same position_offset), and each key/value head's
+// gradient the sum of its query heads' in increasing head order
+// (deterministic).
 void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                      const Tensor& dqkv, int heads, int kv_heads, float theta);
+                      const Tensor& dqkv, int heads, int kv_heads, float theta,
+                      int64_t position_offset = 0);
+
+// ---- Context-parallel (ring) attention (context forms only; fp32 only) ----
+//
+// Causal attention over a sequence split into chunks held by different
+// ranks, one key/value block at a time, with the math of
+// kernels/cpu/block_attention.h (online softmax over log-sum-exp; backward
+// from the final lse and δ). Layouts, with C = channels of q and
+// heads | C (head h is the h-th C/heads-wide slice of q, k and v):
+//   qkv [B, Tq, 3C]  packed as Attention reads it: q, then k, then v columns
+//   kv  [B, Tk, 2C]  a key/value block: k, then v columns (KvOfQkv)
+//   out [B, Tq, C],  lse, delta [B, heads, Tq]
+// Query row i sits at global position q_offset + i, key row j at k_offset + j;
+// j is visible to i iff k_offset + j ≤ q_offset + i. One rank's forward:
+// BlockAttention of the first key block straight into (out, lse), then for
+// each further block BlockAttention into (block_out, block_lse) and
+// MergeAttentionBlock into (out, lse), blocks in any order (rows no block
+// has reached yet have lse −∞, which merging handles). Backward: AttentionDelta from the final
+// out, then for each key block BlockAttentionBackward with the final lse and
+// delta, which adds the block's dq into dqkv and its dk, dv into that
+// block's dkv (to be reduced back to the block's owner); the owner writes
+// its summed dkv into its dqkv with QkvGradOfKv. q, k and v are read in
+// place (row strides), never copied. Fixed shapes give fixed bits (Gemm and
+// row-order loops; no threads of their own). On a backend without these
+// kernels (CUDA today) every op below aborts naming itself.
+
+// Floats of BlockAttention's and BlockAttentionBackward's `scratch` for a
+// query block of q_len rows and a key block of k_len rows: Tq·Tk and
+// 2·Tq·Tk.
+int64_t BlockAttentionScratch(int64_t q_len, int64_t k_len);
+int64_t BlockAttentionBackwardScratch(int64_t q_len, int64_t k_len);
+
+// kv [B,T,2C] = qkv's k and v columns (overwrites kv).
+void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv);
+// One key/value block's attention for the queries in qkv's first C columns:
+// writes (overwrites) out [B,Tq,C] and lse [B,heads,Tq]. A row that sees no
+// key of the block gets out = 0, lse = −∞. q_offset, k_offset ≥ 0;
+// scratch fp32 with ≥ BlockAttentionScratch(Tq, Tk) elements.
+void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                    const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
+                    int64_t k_offset, const Tensor& scratch);
+// Merges (block_out, block_lse) into the running (out, lse) in place (shapes
+// as BlockAttention's). A block row with lse −∞ leaves the running row's bits
+// as they are; a running row with lse −∞ takes the block's.
+void MergeAttentionBlock(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                         const Tensor& block_out, const Tensor& block_lse, int heads);
+// delta [B,heads,Tq] = Σ over each head's channels of dout ⊙ out (out the
+// final merged output; dout, out [B,Tq,C]). Overwrites delta.
+void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& dout,
+                    const Tensor& out, int heads);
+// One key/value block's share of the gradients: ACCUMULATES (+=) dq into
+// dqkv's first C columns (its k and v columns untouched) and dk, dv into dkv
+// [B,Tk,2C]. lse and delta are the final (merged) ones; offsets as the
+// forward's; scratch fp32 with ≥ BlockAttentionBackwardScratch(Tq, Tk)
+// elements. A block no query row sees adds nothing.
+void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
+                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
+                            int64_t k_offset, const Tensor& scratch);
+// dqkv's k and v columns = dkv [B,T,2C] (overwritten; its q columns untouched).
+void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv);
 
 }  // namespace baton::kernels
 

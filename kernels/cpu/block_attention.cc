@@ -49,6 +49,15 @@ BATON_ELEMENTWISE void BackwardRow(float* p, float* ds, int64_t valid, int64_t n
 void BlockAttentionForward(float* out, float* lse, const float* q, const float* k, const float* v,
                            int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
                            int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch) {
+  BlockAttentionForward(out, lse, q, k, v, batch, q_len, k_len, channels, heads, q_offset, k_offset,
+                        scratch, BlockAttentionStrides{channels, channels});
+}
+
+void BlockAttentionForward(float* out, float* lse, const float* q, const float* k, const float* v,
+                           int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
+                           int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch,
+                           BlockAttentionStrides strides) {
+  const int64_t qs = strides.q, ks = strides.kv;
   const int64_t hd = channels / heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // Rows [0, first) see no key of the block (all rows when first == q_len).
@@ -56,14 +65,14 @@ void BlockAttentionForward(float* out, float* lse, const float* q, const float* 
   while (first < q_len && VisibleKeys(first, q_offset, k_offset, k_len) == 0) ++first;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* qh = q + b * q_len * channels + h * hd;
-      const float* kh = k + b * k_len * channels + h * hd;
-      const float* vh = v + b * k_len * channels + h * hd;
+      const float* qh = q + b * q_len * qs + h * hd;
+      const float* kh = k + b * k_len * ks + h * hd;
+      const float* vh = v + b * k_len * ks + h * hd;
       float* oh = out + b * q_len * channels + h * hd;
       float* lh = lse + (b * heads + h) * q_len;
       if (first < q_len) {
         float* p = scratch;
-        Gemm(false, true, q_len, k_len, hd, scale, qh, channels, kh, channels, 0.0f, p, k_len);
+        Gemm(false, true, q_len, k_len, hd, scale, qh, qs, kh, ks, 0.0f, p, k_len);
         for (int64_t i = 0; i < q_len; ++i) {
           float* row = p + i * k_len;
           const int64_t valid = VisibleKeys(i, q_offset, k_offset, k_len);
@@ -79,7 +88,7 @@ void BlockAttentionForward(float* out, float* lse, const float* q, const float* 
           ScalePrefix(row, valid, 1.0f / sum);
           lh[i] = max + std::log(sum);
         }
-        Gemm(false, false, q_len, hd, k_len, 1.0f, p, k_len, vh, channels, 0.0f, oh, channels);
+        Gemm(false, false, q_len, hd, k_len, 1.0f, p, k_len, vh, ks, 0.0f, oh, channels);
       }
       // Rows that see nothing: out = +0 exactly (a Gemm over a zero row of P
       // can give −0), lse = −∞.
@@ -145,6 +154,17 @@ void BlockAttentionBackward(float* dq, float* dk, float* dv, const float* dout, 
                             const float* k, const float* v, const float* lse, const float* delta,
                             int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
                             int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch) {
+  BlockAttentionBackward(dq, dk, dv, dout, q, k, v, lse, delta, batch, q_len, k_len, channels,
+                         heads, q_offset, k_offset, scratch,
+                         BlockAttentionStrides{channels, channels});
+}
+
+void BlockAttentionBackward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                            const float* k, const float* v, const float* lse, const float* delta,
+                            int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
+                            int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch,
+                            BlockAttentionStrides strides) {
+  const int64_t qs = strides.q, ks = strides.kv;
   // The last query row sees the most keys; if it sees none, no row does.
   if (q_len == 0 || VisibleKeys(q_len - 1, q_offset, k_offset, k_len) == 0) return;
   const int64_t hd = channels / heads;
@@ -153,25 +173,21 @@ void BlockAttentionBackward(float* dq, float* dk, float* dv, const float* dout, 
   float* ds = scratch + q_len * k_len;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t qo = b * q_len * channels + h * hd;
-      const int64_t ko = b * k_len * channels + h * hd;
+      const int64_t qo = b * q_len * qs + h * hd;  // q, dq
+      const int64_t oo = b * q_len * channels + h * hd;  // dout
+      const int64_t ko = b * k_len * ks + h * hd;  // k, v, dk, dv
       const float* lh = lse + (b * heads + h) * q_len;
       const float* dh = delta + (b * heads + h) * q_len;
       // p = S = q kᵀ / √hd, ds = dP = do vᵀ; then both row by row.
-      Gemm(false, true, q_len, k_len, hd, scale, q + qo, channels, k + ko, channels, 0.0f, p,
-           k_len);
-      Gemm(false, true, q_len, k_len, hd, 1.0f, dout + qo, channels, v + ko, channels, 0.0f, ds,
-           k_len);
+      Gemm(false, true, q_len, k_len, hd, scale, q + qo, qs, k + ko, ks, 0.0f, p, k_len);
+      Gemm(false, true, q_len, k_len, hd, 1.0f, dout + oo, channels, v + ko, ks, 0.0f, ds, k_len);
       for (int64_t i = 0; i < q_len; ++i) {
         BackwardRow(p + i * k_len, ds + i * k_len, VisibleKeys(i, q_offset, k_offset, k_len),
                     k_len, lh[i], dh[i], scale);
       }
-      Gemm(true, false, k_len, hd, q_len, 1.0f, p, k_len, dout + qo, channels, 1.0f, dv + ko,
-           channels);
-      Gemm(false, false, q_len, hd, k_len, 1.0f, ds, k_len, k + ko, channels, 1.0f, dq + qo,
-           channels);
-      Gemm(true, false, k_len, hd, q_len, 1.0f, ds, k_len, q + qo, channels, 1.0f, dk + ko,
-           channels);
+      Gemm(true, false, k_len, hd, q_len, 1.0f, p, k_len, dout + oo, channels, 1.0f, dv + ko, ks);
+      Gemm(false, false, q_len, hd, k_len, 1.0f, ds, k_len, k + ko, ks, 1.0f, dq + qo, qs);
+      Gemm(true, false, k_len, hd, q_len, 1.0f, ds, k_len, q + qo, qs, 1.0f, dk + ko, ks);
     }
   }
 }

@@ -33,11 +33,28 @@
 
 namespace baton::kernels::cpu {
 
+// Row strides (in floats) of the q-side and k/v-side arrays, so that q, k and
+// v may be column slices of packed rows: q (and dq) row i of batch b starts
+// at q + (b·Tq + i)·q; k, v (and dk, dv) row j at k + (b·Tk + j)·kv. E.g. q
+// read from qkv [B,Tq,3C] has q = 3C, and k, v from kv [B,Tk,2C] have
+// kv = 2C (v = k + C). out, dout, lse and delta are always contiguous. The
+// forms without strides use q = kv = C. Strides change only where rows are
+// read and written, never the arithmetic: the bits are those of contiguous
+// copies.
+struct BlockAttentionStrides {
+  int64_t q;
+  int64_t kv;
+};
+
 // Writes out [B,Tq,C] and lse [B,NH,Tq] for one key/value block.
 // `scratch` holds Tq·Tk floats.
 void BlockAttentionForward(float* out, float* lse, const float* q, const float* k, const float* v,
                            int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
                            int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch);
+void BlockAttentionForward(float* out, float* lse, const float* q, const float* k, const float* v,
+                           int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
+                           int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch,
+                           BlockAttentionStrides strides);
 
 // Merges one block's (block_out [B,Tq,C], block_lse [B,NH,Tq]) into the
 // running (out, lse) in place. Initialize out = 0, lse = −∞ before the first
@@ -59,6 +76,11 @@ void BlockAttentionBackward(float* dq, float* dk, float* dv, const float* dout, 
                             const float* k, const float* v, const float* lse, const float* delta,
                             int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
                             int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch);
+void BlockAttentionBackward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                            const float* k, const float* v, const float* lse, const float* delta,
+                            int64_t batch, int64_t q_len, int64_t k_len, int64_t channels,
+                            int64_t heads, int64_t q_offset, int64_t k_offset, float* scratch,
+                            BlockAttentionStrides strides);
 
 }  // namespace baton::kernels::cpu
 

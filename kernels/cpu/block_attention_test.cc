@@ -400,5 +400,61 @@ TEST_F(BlockAttentionTest, RunningTwiceGivesIdenticalBits) {
   for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(SameBits(first[i], second[i])) << i;
 }
 
+// q as the first C columns of packed [B,Tq,3C] rows and k, v as the two
+// halves of [B,Tk,2C] rows (the strided forms) give the bits of contiguous
+// copies, forward and backward; the columns around the slices are untouched.
+TEST_F(BlockAttentionTest, StridedColumnSlicesGiveTheContiguousBits) {
+  const Problem p = RandomProblem(/*batch=*/2, /*seq=*/12, /*heads=*/2, /*hd=*/4);
+  const int64_t c = p.channels;
+  const Span qs{4, 8}, ks{0, 8};
+  const Vec q = Rows(p.q, p, qs), k = Rows(p.k, p, ks), v = Rows(p.v, p, ks);
+  const Vec dout = Rows(p.dout, p, qs);
+  const int64_t nq = p.batch * qs.len, nk = p.batch * ks.len;
+  // Packed copies, the columns the kernel must not touch filled with 7.
+  Vec qkv(nq * 3 * c, 7.0f), kv(nk * 2 * c, 7.0f);
+  for (int64_t r = 0; r < nq; ++r) std::memcpy(&qkv[r * 3 * c], &q[r * c], c * sizeof(float));
+  for (int64_t r = 0; r < nk; ++r) {
+    std::memcpy(&kv[r * 2 * c], &k[r * c], c * sizeof(float));
+    std::memcpy(&kv[r * 2 * c + c], &v[r * c], c * sizeof(float));
+  }
+  const BlockAttentionStrides strides{3 * c, 2 * c};
+
+  State contiguous = EmptyState(p, qs), strided = EmptyState(p, qs);
+  Vec scratch(2 * qs.len * ks.len);
+  BlockAttentionForward(contiguous.out.data(), contiguous.lse.data(), q.data(), k.data(),
+                        v.data(), p.batch, qs.len, ks.len, c, p.heads, qs.start, ks.start,
+                        scratch.data());
+  BlockAttentionForward(strided.out.data(), strided.lse.data(), qkv.data(), kv.data(),
+                        kv.data() + c, p.batch, qs.len, ks.len, c, p.heads, qs.start, ks.start,
+                        scratch.data(), strides);
+  EXPECT_TRUE(SameBits(strided.out, contiguous.out));
+  EXPECT_TRUE(SameBits(strided.lse, contiguous.lse));
+
+  Vec delta(p.batch * p.heads * qs.len);
+  AttentionDelta(delta.data(), dout.data(), contiguous.out.data(), p.batch, qs.len, c, p.heads);
+  // Gradients start from nonzero values: both forms accumulate.
+  Vec dq = q, dk = k, dv = v;
+  Vec dqkv = qkv, dkv = kv;
+  BlockAttentionBackward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                         v.data(), contiguous.lse.data(), delta.data(), p.batch, qs.len, ks.len, c,
+                         p.heads, qs.start, ks.start, scratch.data());
+  BlockAttentionBackward(dqkv.data(), dkv.data(), dkv.data() + c, dout.data(), qkv.data(),
+                         kv.data(), kv.data() + c, contiguous.lse.data(), delta.data(), p.batch,
+                         qs.len, ks.len, c, p.heads, qs.start, ks.start, scratch.data(), strides);
+  Vec dq_s(nq * c), dk_s(nk * c), dv_s(nk * c);
+  for (int64_t r = 0; r < nq; ++r) {
+    std::memcpy(&dq_s[r * c], &dqkv[r * 3 * c], c * sizeof(float));
+    for (int64_t j = c; j < 3 * c; ++j) EXPECT_EQ(dqkv[r * 3 * c + j], 7.0f);
+  }
+  for (int64_t r = 0; r < nk; ++r) {
+    std::memcpy(&dk_s[r * c], &dkv[r * 2 * c], c * sizeof(float));
+    std::memcpy(&dv_s[r * c], &dkv[r * 2 * c + c], c * sizeof(float));
+  }
+  EXPECT_FALSE(SameBits(dq, q));  // the block is visible: something was added
+  EXPECT_TRUE(SameBits(dq_s, dq));
+  EXPECT_TRUE(SameBits(dk_s, dk));
+  EXPECT_TRUE(SameBits(dv_s, dv));
+}
+
 }  // namespace
 }  // namespace baton::kernels::cpu

@@ -29,7 +29,7 @@ void RotateBack(float* out, const float* g, const float* c, const float* s, int6
 }  // namespace
 
 void RopeTable(std::vector<float>& cos, std::vector<float>& sin, int64_t seq, int64_t head_dim,
-               float theta) {
+               float theta, int64_t position_offset) {
   const int64_t half = head_dim / 2;
   std::vector<float> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
@@ -40,7 +40,7 @@ void RopeTable(std::vector<float>& cos, std::vector<float>& sin, int64_t seq, in
   sin.resize(static_cast<size_t>(seq * half));
   for (int64_t t = 0; t < seq; ++t) {
     for (int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(t) * inv_freq[i];
+      const float angle = static_cast<float>(position_offset + t) * inv_freq[i];
       cos[t * half + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
       sin[t * half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
     }
@@ -48,9 +48,10 @@ void RopeTable(std::vector<float>& cos, std::vector<float>& sin, int64_t seq, in
 }
 
 void RopePackForward(float* qkv, const float* q, const float* k, const float* v, int64_t batch,
-                     int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, float theta) {
+                     int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, float theta,
+                     int64_t position_offset) {
   std::vector<float> cos, sin;
-  RopeTable(cos, sin, seq, head_dim, theta);
+  RopeTable(cos, sin, seq, head_dim, theta, position_offset);
   const int64_t half = head_dim / 2, group = heads / kv_heads;
   const int64_t qc = heads * head_dim, kvc = kv_heads * head_dim;
   for (int64_t b = 0; b < batch; ++b) {
@@ -71,9 +72,10 @@ void RopePackForward(float* qkv, const float* q, const float* k, const float* v,
 }
 
 void RopePackBackward(float* dq, float* dk, float* dv, const float* dqkv, int64_t batch,
-                      int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, float theta) {
+                      int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, float theta,
+                      int64_t position_offset) {
   std::vector<float> cos, sin;
-  RopeTable(cos, sin, seq, head_dim, theta);
+  RopeTable(cos, sin, seq, head_dim, theta, position_offset);
   const int64_t half = head_dim / 2, group = heads / kv_heads;
   const int64_t qc = heads * head_dim, kvc = kv_heads * head_dim;
   std::vector<float> dk_sum(static_cast<size_t>(head_dim));

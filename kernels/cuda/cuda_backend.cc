@@ -915,7 +915,7 @@ RopeGradOut GradOut(const char* op, const Tensor& t) {
 }
 
 void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
-              const Tensor& v, int heads, int kv_heads, float theta) {
+              const Tensor& v, int heads, int kv_heads, float theta, int64_t position_offset) {
   StreamState& st = Enter(ctx, "RopePack");
   RequireF32("RopePack", {&q, &k, &v});
   const int64_t b = qkv.dim(0), t = qkv.dim(1), d = qkv.dim(2) / (3 * int64_t{heads});
@@ -923,17 +923,20 @@ void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const 
   cudaError_t err;
   if (qkv.dtype() == DType::kBFloat16) {
     err = LaunchRopePackForward(qkv.data<__nv_bfloat16>(), q.data<float>(), k.data<float>(),
-                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx));
+                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx),
+                                position_offset);
   } else {
     RequireF32("RopePack", {&qkv});
     err = LaunchRopePackForward(qkv.data<float>(), q.data<float>(), k.data<float>(),
-                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx));
+                                v.data<float>(), b, t, heads, kv_heads, d, theta, Native(ctx),
+                                position_offset);
   }
   Note(st, "RopePack", err);
 }
 
 void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+                      const Tensor& dqkv, int heads, int kv_heads, float theta,
+                      int64_t position_offset) {
   StreamState& st = Enter(ctx, "RopePackBackward");
   const int64_t b = dqkv.dim(0), t = dqkv.dim(1), d = dqkv.dim(2) / (3 * int64_t{heads});
   if (!RopeHeadDimOk(st, "RopePackBackward", d)) return;
@@ -942,11 +945,11 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
   cudaError_t err;
   if (dqkv.dtype() == DType::kBFloat16) {
     err = LaunchRopePackBackward(gq, gk, gv, dqkv.data<__nv_bfloat16>(), b, t, heads, kv_heads, d,
-                                 theta, Native(ctx));
+                                 theta, Native(ctx), position_offset);
   } else {
     RequireF32("RopePackBackward", {&dqkv});
     err = LaunchRopePackBackward(gq, gk, gv, dqkv.data<float>(), b, t, heads, kv_heads, d, theta,
-                                 Native(ctx));
+                                 Native(ctx), position_offset);
   }
   Note(st, "RopePackBackward", err);
 }
@@ -1004,6 +1007,14 @@ const kernels::Backend kCuda = {
     SwiGluBackward,
     RopePack,
     RopePackBackward,
+    // Context-parallel attention: no CUDA kernels yet; ops.cc aborts naming
+    // the op (backend.h §1).
+    nullptr,  // kv_of_qkv
+    nullptr,  // block_attention
+    nullptr,  // merge_attention_block
+    nullptr,  // attention_delta
+    nullptr,  // block_attention_backward
+    nullptr,  // qkv_grad_of_kv
 };
 
 BATON_REGISTER_BACKEND(kCuda);

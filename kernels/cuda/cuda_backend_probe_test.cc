@@ -7,6 +7,7 @@
 
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -74,6 +75,37 @@ TEST(CudaBackendProbeTest, FusedAttentionIsTheBackendsOwnChoice) {
       kernels::AttentionBuffersFor(ctx, 2, 128, 768, 12, kernels::DType::kBFloat16);
   EXPECT_EQ(b.saved.size() == 1, fused.ok()) << "saved rank " << b.saved.size() << "; probe: " << fused;
   EXPECT_EQ(kernels::ProbeFusedAttention(Device::Cuda(count + 7)).code(), absl::StatusCode::kUnavailable);
+}
+
+// Context-parallel attention has no CUDA kernels yet: the backend's entries
+// are null and each op aborts naming itself and saying so, from ops.cc's
+// checks, before any device memory is touched (so no GPU is needed here;
+// the tensors are views of a host buffer tagged cuda:0, never dereferenced).
+TEST(CudaBackendProbeTest, ContextParallelAttentionFailsNamingTheOp) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  EXPECT_EQ(CudaBackend().kv_of_qkv, nullptr);
+  EXPECT_EQ(CudaBackend().block_attention, nullptr);
+  EXPECT_EQ(CudaBackend().merge_attention_block, nullptr);
+  EXPECT_EQ(CudaBackend().attention_delta, nullptr);
+  EXPECT_EQ(CudaBackend().block_attention_backward, nullptr);
+  EXPECT_EQ(CudaBackend().qkv_grad_of_kv, nullptr);
+  kernels::ExecContext ctx;
+  ctx.device = Device::Cuda(0);
+  ctx.backend = &CudaBackend();
+  static float memory[64];
+  auto on_gpu = [](kernels::Shape shape) {
+    return kernels::Tensor::View(memory, std::move(shape), kernels::DType::kFloat32,
+                                 Device::Cuda(0));
+  };
+  const kernels::Tensor qkv = on_gpu({1, 2, 6}), kv = on_gpu({1, 2, 4}), out = on_gpu({1, 2, 2}),
+                        lse = on_gpu({1, 1, 2}), scratch = on_gpu({8});
+  EXPECT_DEATH(kernels::BlockAttention(ctx, out, lse, qkv, kv, 1, 0, 0, scratch),
+               "BlockAttention: context-parallel attention has no CUDA kernel yet");
+  EXPECT_DEATH(kernels::KvOfQkv(ctx, kv, qkv),
+               "KvOfQkv: context-parallel attention has no CUDA kernel yet");
+  EXPECT_DEATH(kernels::BlockAttentionBackward(ctx, qkv, kv, out, qkv, kv, lse, lse, 1, 0, 0,
+                                               scratch),
+               "BlockAttentionBackward: context-parallel attention has no CUDA kernel yet");
 }
 
 }  // namespace

@@ -30,10 +30,11 @@ bool ValidHeads(int64_t heads, int64_t kv_heads) {
   return heads > 0 && kv_heads > 0 && heads % kv_heads == 0;
 }
 
-// c, s of frequency i at position t.
-__device__ __forceinline__ void CosSin(const RopeFreqs& f, int64_t t, int64_t i, float* c,
+// c, s of frequency i at position `pos` (position_offset + t, converted to
+// float whole, as the CPU does).
+__device__ __forceinline__ void CosSin(const RopeFreqs& f, int64_t pos, int64_t i, float* c,
                                        float* s) {
-  const float angle = __fmul_rn(static_cast<float>(t), f.inv_freq[i]);
+  const float angle = __fmul_rn(static_cast<float>(pos), f.inv_freq[i]);
   double sd, cd;
   sincos(static_cast<double>(angle), &sd, &cd);
   *c = __double2float_rn(cd);
@@ -54,13 +55,13 @@ template <typename Tout>
 __global__ void RopePackForwardKernel(Tout* __restrict__ qkv, const float* __restrict__ q,
                                       const float* __restrict__ k, const float* __restrict__ v,
                                       int64_t rows, int64_t seq, int64_t H, int64_t group,
-                                      int64_t D, RopeFreqs f) {
+                                      int64_t D, RopeFreqs f, int64_t position_offset) {
   const int64_t half = D / 2, kvc = (H / group) * D;
   const int64_t n = rows * H * half;
   for (int64_t p = GlobalThread(); p < n; p += GridThreads()) {
     const int64_t i = p % half, h = (p / half) % H, row = p / (half * H);
     float c, s;
-    CosSin(f, row % seq, i, &c, &s);
+    CosSin(f, position_offset + row % seq, i, &c, &s);
     Tout* out = qkv + row * 3 * H * D + h * D;
     const float* xq = q + row * H * D + h * D;
     const float* xk = k + row * kvc + (h / group) * D;
@@ -83,7 +84,8 @@ __global__ void RopePackForwardKernel(Tout* __restrict__ qkv, const float* __res
 template <typename Tin>
 __global__ void RopePackBackwardKernel(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv,
                                        const Tin* __restrict__ dqkv, int64_t rows, int64_t seq,
-                                       int64_t H, int64_t group, int64_t D, RopeFreqs f) {
+                                       int64_t H, int64_t group, int64_t D, RopeFreqs f,
+                                       int64_t position_offset) {
   const int64_t half = D / 2, KV = H / group;
   const int64_t nq = rows * H * half, n = nq + rows * KV * half;
   for (int64_t p = GlobalThread(); p < n; p += GridThreads()) {
@@ -91,7 +93,7 @@ __global__ void RopePackBackwardKernel(RopeGradOut dq, RopeGradOut dk, RopeGradO
     const int64_t e = is_q ? p : p - nq, heads = is_q ? H : KV;
     const int64_t i = e % half, h = (e / half) % heads, row = e / (half * heads);
     float c, s;
-    CosSin(f, row % seq, i, &c, &s);
+    CosSin(f, position_offset + row % seq, i, &c, &s);
     const Tin* g = dqkv + row * 3 * H * D;
     if (is_q) {
       const float g1 = ToFloat(g[h * D + i]), g2 = ToFloat(g[h * D + i + half]);
@@ -121,32 +123,32 @@ __global__ void RopePackBackwardKernel(RopeGradOut dq, RopeGradOut dk, RopeGradO
 template <typename Tout>
 cudaError_t Forward(Tout* qkv, const float* q, const float* k, const float* v, int64_t batch,
                     int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim, float theta,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int64_t position_offset) {
   RopeFreqs f;
-  if (!MakeFreqs(&f, head_dim, theta) || !ValidHeads(heads, kv_heads)) {
+  if (!MakeFreqs(&f, head_dim, theta) || !ValidHeads(heads, kv_heads) || position_offset < 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = batch * seq;
   if (rows <= 0) return cudaSuccess;
   const LaunchShape s = ElementwiseLaunch(rows * heads * (head_dim / 2), 1);
   RopePackForwardKernel<Tout><<<s.blocks, s.threads, 0, stream>>>(
-      qkv, q, k, v, rows, seq, heads, heads / kv_heads, head_dim, f);
+      qkv, q, k, v, rows, seq, heads, heads / kv_heads, head_dim, f, position_offset);
   return cudaGetLastError();
 }
 
 template <typename Tin>
 cudaError_t Backward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv, const Tin* dqkv,
                      int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     float theta, cudaStream_t stream) {
+                     float theta, cudaStream_t stream, int64_t position_offset) {
   RopeFreqs f;
-  if (!MakeFreqs(&f, head_dim, theta) || !ValidHeads(heads, kv_heads)) {
+  if (!MakeFreqs(&f, head_dim, theta) || !ValidHeads(heads, kv_heads) || position_offset < 0) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = batch * seq;
   if (rows <= 0) return cudaSuccess;
   const LaunchShape s = ElementwiseLaunch(rows * (heads + kv_heads) * (head_dim / 2), 1);
   RopePackBackwardKernel<Tin><<<s.blocks, s.threads, 0, stream>>>(
-      dq, dk, dv, dqkv, rows, seq, heads, heads / kv_heads, head_dim, f);
+      dq, dk, dv, dqkv, rows, seq, heads, heads / kv_heads, head_dim, f, position_offset);
   return cudaGetLastError();
 }
 
@@ -154,31 +156,34 @@ cudaError_t Backward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv, const Tin* 
 
 cudaError_t LaunchRopePackForward(float* qkv, const float* q, const float* k, const float* v,
                                   int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                                  int64_t head_dim, float theta, cudaStream_t stream) {
-  return Forward<float>(qkv, q, k, v, batch, seq, heads, kv_heads, head_dim, theta, stream);
+                                  int64_t head_dim, float theta, cudaStream_t stream,
+                                  int64_t position_offset) {
+  return Forward<float>(qkv, q, k, v, batch, seq, heads, kv_heads, head_dim, theta, stream,
+                        position_offset);
 }
 
 cudaError_t LaunchRopePackForward(__nv_bfloat16* qkv, const float* q, const float* k,
                                   const float* v, int64_t batch, int64_t seq, int64_t heads,
                                   int64_t kv_heads, int64_t head_dim, float theta,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int64_t position_offset) {
   return Forward<__nv_bfloat16>(qkv, q, k, v, batch, seq, heads, kv_heads, head_dim, theta,
-                                stream);
+                                stream, position_offset);
 }
 
 cudaError_t LaunchRopePackBackward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv,
                                    const float* dqkv, int64_t batch, int64_t seq, int64_t heads,
                                    int64_t kv_heads, int64_t head_dim, float theta,
-                                   cudaStream_t stream) {
-  return Backward<float>(dq, dk, dv, dqkv, batch, seq, heads, kv_heads, head_dim, theta, stream);
+                                   cudaStream_t stream, int64_t position_offset) {
+  return Backward<float>(dq, dk, dv, dqkv, batch, seq, heads, kv_heads, head_dim, theta, stream,
+                         position_offset);
 }
 
 cudaError_t LaunchRopePackBackward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv,
                                    const __nv_bfloat16* dqkv, int64_t batch, int64_t seq,
                                    int64_t heads, int64_t kv_heads, int64_t head_dim, float theta,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, int64_t position_offset) {
   return Backward<__nv_bfloat16>(dq, dk, dv, dqkv, batch, seq, heads, kv_heads, head_dim, theta,
-                                 stream);
+                                 stream, position_offset);
 }
 
 }  // namespace baton::cuda

@@ -5,7 +5,8 @@
 // qkv [B, T, 3·H·D]: H query heads, then H key heads, then H value heads,
 // each D wide; query head h reads key/value head h / (H / KV). For i < D/2:
 //   inv_freq_i = fl(1 / powf(theta, fl(2i / D)))      (on the host, below)
-//   angle = fl(t · inv_freq_i),  c = fl(cos(angle)), s = fl(sin(angle))
+//   angle = fl(pos · inv_freq_i),  c = fl(cos(angle)), s = fl(sin(angle))
+//   pos = position_offset + t (t: the row's index in its sequence)
 //                                                     (cos, sin in float64)
 //   (x_i, x_{i+D/2}) → (x_i·c − x_{i+D/2}·s,  x_{i+D/2}·c + x_i·s)
 // q and k are rotated, v is copied. Backward (the adjoint): per key/value
@@ -49,24 +50,26 @@ struct RopeGradOut {
 };
 
 // Writes every element of qkv. head_dim even, in [2, kRopeMaxHeadDim];
-// kv_heads divides heads.
+// kv_heads divides heads; position_offset ≥ 0 (the position of each
+// sequence's row 0; 0 gives the bits of the launchers before the offset).
 cudaError_t LaunchRopePackForward(float* qkv, const float* q, const float* k, const float* v,
                                   int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                                  int64_t head_dim, float theta, cudaStream_t stream);
+                                  int64_t head_dim, float theta, cudaStream_t stream,
+                                  int64_t position_offset = 0);
 cudaError_t LaunchRopePackForward(__nv_bfloat16* qkv, const float* q, const float* k,
                                   const float* v, int64_t batch, int64_t seq, int64_t heads,
                                   int64_t kv_heads, int64_t head_dim, float theta,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, int64_t position_offset = 0);
 
-// Writes (overwrites) every element of dq, dk and dv.
+// Writes (overwrites) every element of dq, dk and dv (position_offset as above).
 cudaError_t LaunchRopePackBackward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv,
                                    const float* dqkv, int64_t batch, int64_t seq, int64_t heads,
                                    int64_t kv_heads, int64_t head_dim, float theta,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, int64_t position_offset = 0);
 cudaError_t LaunchRopePackBackward(RopeGradOut dq, RopeGradOut dk, RopeGradOut dv,
                                    const __nv_bfloat16* dqkv, int64_t batch, int64_t seq,
                                    int64_t heads, int64_t kv_heads, int64_t head_dim, float theta,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, int64_t position_offset = 0);
 
 }  // namespace baton::cuda
 

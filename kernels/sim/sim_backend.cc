@@ -427,14 +427,49 @@ void SwiGluBackward(const ExecContext& ctx, const Tensor& dgate, const Tensor& d
   SIM_ENQUEUE(Cpu().swiglu_backward(Host(), a, b, c, d, e));
 }
 void RopePack(const ExecContext& ctx, const Tensor& qkv, const Tensor& q, const Tensor& k,
-              const Tensor& v, int heads, int kv_heads, float theta) {
+              const Tensor& v, int heads, int kv_heads, float theta, int64_t position_offset) {
   Tensor a = H(qkv), b = H(q), c = H(k), d = H(v);
-  SIM_ENQUEUE(Cpu().rope_pack(Host(), a, b, c, d, heads, kv_heads, theta));
+  SIM_ENQUEUE(Cpu().rope_pack(Host(), a, b, c, d, heads, kv_heads, theta, position_offset));
 }
 void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                      const Tensor& dqkv, int heads, int kv_heads, float theta) {
+                      const Tensor& dqkv, int heads, int kv_heads, float theta,
+                      int64_t position_offset) {
   Tensor a = H(dq), b = H(dk), c = H(dv), d = H(dqkv);
-  SIM_ENQUEUE(Cpu().rope_pack_backward(Host(), a, b, c, d, heads, kv_heads, theta));
+  SIM_ENQUEUE(
+      Cpu().rope_pack_backward(Host(), a, b, c, d, heads, kv_heads, theta, position_offset));
+}
+void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv) {
+  Tensor a = H(kv), b = H(qkv);
+  SIM_ENQUEUE(Cpu().kv_of_qkv(Host(), a, b));
+}
+void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse, const Tensor& qkv,
+                    const Tensor& kv, int heads, int64_t q_offset, int64_t k_offset,
+                    const Tensor& scratch) {
+  Tensor a = H(out), b = H(lse), c = H(qkv), d = H(kv), e = H(scratch);
+  SIM_ENQUEUE(Cpu().block_attention(Host(), a, b, c, d, heads, q_offset, k_offset, e));
+}
+void MergeAttentionBlock(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                         const Tensor& block_out, const Tensor& block_lse, int heads) {
+  Tensor a = H(out), b = H(lse), c = H(block_out), d = H(block_lse);
+  SIM_ENQUEUE(Cpu().merge_attention_block(Host(), a, b, c, d, heads));
+}
+void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& dout,
+                    const Tensor& out, int heads) {
+  Tensor a = H(delta), b = H(dout), c = H(out);
+  SIM_ENQUEUE(Cpu().attention_delta(Host(), a, b, c, heads));
+}
+void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
+                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
+                            int64_t k_offset, const Tensor& scratch) {
+  Tensor a = H(dqkv), b = H(dkv), c = H(dout), d = H(qkv), e = H(kv), f = H(lse), g = H(delta),
+         h = H(scratch);
+  SIM_ENQUEUE(Cpu().block_attention_backward(Host(), a, b, c, d, e, f, g, heads, q_offset,
+                                             k_offset, h));
+}
+void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) {
+  Tensor a = H(dqkv), b = H(dkv);
+  SIM_ENQUEUE(Cpu().qkv_grad_of_kv(Host(), a, b));
 }
 
 #undef SIM_ENQUEUE
@@ -492,6 +527,12 @@ const Backend kSim = {
     SwiGluBackward,
     RopePack,
     RopePackBackward,
+    KvOfQkv,
+    BlockAttention,
+    MergeAttentionBlock,
+    AttentionDelta,
+    BlockAttentionBackward,
+    QkvGradOfKv,
 };
 
 BATON_REGISTER_BACKEND(kSim);
