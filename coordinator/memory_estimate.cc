@@ -162,11 +162,12 @@ double CudaStreamScratchBytes(double n, double b, double s, double c, double hea
   return bytes;
 }
 
-// ZeRO stage 1: the elements of one DP rank's shard of a chunk's flat buffer
-// of `n` parameters (its local count on its TP rank) over `dp` ranks,
-// round_up(ceil(n / dp), 16); the buffer is padded to dp times that. The same
-// rule as the worker's sharding (docs/model.md "ZeRO"), restated here for
-// the reason the attention sizes above are.
+// ZeRO stage 1: the elements of one rank's shard of a chunk's flat buffer of
+// `n` parameters (its local count on its TP rank) over the `dp` ranks of the
+// data-parallel group (with cp > 1 its dp*cp ranks), round_up(ceil(n / dp),
+// 16); the buffer is padded to dp times that. The same rule as the worker's
+// sharding (docs/model.md "ZeRO"), restated here for the reason the
+// attention sizes above are.
 constexpr double kZeroShardAlignment = 16;
 
 double ZeroShardElements(double n, double dp) {
@@ -235,7 +236,8 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       act += kFloat * (3 * n * c + n * v + 8 * n);  // xf, logits / their gradient, loss stats
     }
     params += chunk_params;
-    moment_elements += d.sharded_optimizer() ? ZeroShardElements(std::ceil(chunk_params), d.dp) : chunk_params;
+    moment_elements +=
+        d.sharded_optimizer() ? ZeroShardElements(std::ceil(chunk_params), double{d.dp} * d.cp) : chunk_params;
     max_chunk_activations = std::max(max_chunk_activations, act);
   }
   const bool bf16 = job.train().precision() == "bf16";
@@ -248,11 +250,22 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   // Sequence parallelism's per-block temporaries: a gathered norm output and
   // a partial sum, [n, C] each, one arena per chunk.
   if (sp) w.activation_bytes += chunks * kFloat * 2 * n * c;
+  // Context parallelism: each rank holds seq_len / cp tokens of every
+  // sequence (two chunks of seq_len / (2 cp)), so every token-sized term
+  // above falls by cp; attention's are taken to fall by cp too (the rank's
+  // query rows against the whole sequence's keys: P's T·T becomes T/cp · T).
+  // Kept simple: the whole activation term is divided by cp, not the shapes
+  // re-derived. The CUDA stream scratch and the messages below stay at the
+  // whole microbatch's size, an upper bound that also covers the ring's
+  // key/value blocks in flight.
+  w.activation_bytes /= d.cp;
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
   }
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
-  w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp > 1 ? w.parameter_bytes : 0);
+  // With a data-parallel group (dp*cp ranks: the CP ranks reduce the
+  // gradients with the DP replicas), a flat gradient buffer.
+  w.comm_bytes = 4 * message + (d.tp > 1 ? message : 0) + (d.dp * d.cp > 1 ? w.parameter_bytes : 0);
   return w;
 }
 
@@ -295,14 +308,17 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
     }
     return saved;
   };
-  auto fix = [&]() {
+  // `short_by`: how much less each refused worker would have to need.
+  auto fix = [&](double short_by) {
     std::string zero;
-    if (d.dp >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
+    const int group = d.dp * d.cp;  // the data-parallel group the moments shard over
+    if (group >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
       v1::JobSpec sharded = job;
       sharded.mutable_parallel()->set_zero_stage(1);
-      zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", d.dp,
-                          " data-parallel ranks (up to ",
-                          FormatBytes(most_saved(sharded, &WorkerMemory::optimizer_bytes)), " less per worker), ");
+      zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", group,
+                          d.cp > 1 ? " ranks of the data-parallel group (dp*cp)" : " data-parallel ranks",
+                          " (up to ", FormatBytes(most_saved(sharded, &WorkerMemory::optimizer_bytes)),
+                          " less per worker), ");
     }
     std::string sp;
     v1::JobSpec split = job;
@@ -314,7 +330,33 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                           " tensor-parallel ranks (up to ", FormatBytes(saved), " less per worker), ");
       }
     }
-    return absl::StrCat(zero, sp,
+    // Context parallelism: what each worker saves in all (fewer activations,
+    // less the data-parallel group's gradient buffer it may add), for 2, 4
+    // and 8 times the job's cp while the job still validates with it; the
+    // smallest that covers `short_by`, else the largest.
+    std::string cp;
+    int best_cp = 0;
+    double best_saved = 0;
+    for (int times : {2, 4, 8}) {
+      v1::JobSpec more = job;
+      more.mutable_parallel()->set_cp(d.cp * times);
+      if (!ValidateJobSpec(more).ok()) break;  // nor would a larger cp
+      double saved = 0;
+      for (int p = 0; p < d.pp; ++p) {
+        saved = std::max(saved, per_stage[p].total() - EstimateWorkerMemory(more, plan, p).total());
+      }
+      if (saved <= 0) continue;  // the group's gradient buffer outweighs it; a larger cp may not
+      best_cp = d.cp * times;
+      best_saved = saved;
+      if (saved >= short_by) break;
+    }
+    if (best_cp > 0) {
+      const int times = best_cp / d.cp;
+      cp = absl::StrCat("set parallel.cp: ", best_cp, " to split each sequence over ", best_cp,
+                        " context-parallel ranks, on ", times, "x the workers (pp*tp*cp*dp = ",
+                        int64_t{d.world_size()} * times, "; up to ", FormatBytes(best_saved), " less per worker), ");
+    }
+    return absl::StrCat(zero, sp, cp,
                         "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
                         "parallel.pp or parallel.tp, or use workers with more memory");
   };
@@ -331,8 +373,8 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
     if (need.total() > has) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name(), "': pipeline stage ", r.pp_rank(), " (tp rank ", r.tp_rank(), ", dp rank ",
-          r.dp_rank(), ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
-          "' has ", FormatBytes(has), " (", detail(need), "); ", fix()));
+          r.dp_rank(), d.cp > 1 ? absl::StrCat(", cp rank ", r.cp_rank()) : "", ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
+          "' has ", FormatBytes(has), " (", detail(need), "); ", fix(need.total() - has)));
     }
     Host& h = hosts[MemoryPoolOf(*it->second)];
     h.need += need.total();
@@ -344,7 +386,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name(), "': the ", h.names.size(), " workers the plan puts on ", host, " need about ",
           FormatBytes(h.need), " together but it has ", FormatBytes(h.has), " (per stage: ", detail(per_stage[0]),
-          " for stage 0); ", fix(), ", or spread the workers over more ",
+          " for stage 0); ", fix((h.need - h.has) / h.names.size()), ", or spread the workers over more ",
           absl::StartsWith(host, "GPU") ? "GPUs" : "hosts"));
     }
   }

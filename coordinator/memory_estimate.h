@@ -9,9 +9,10 @@
 //                and position embeddings, the last the tied LM head's copy),
 //                and with bf16 the GEMM weights' bf16 copy
 //   optimizer    gradients + AdamW's two moments: 3x the fp32 parameters;
-//                with parallel.zero_stage 1 each moment holds only the DP
-//                rank's shard of every chunk, round_up(ceil(N / dp), 16) of
-//                a chunk's N parameters (gradients stay whole)
+//                with parallel.zero_stage 1 each moment holds only the
+//                rank's shard of every chunk over the data-parallel group,
+//                round_up(ceil(N / (dp*cp)), 16) of a chunk's N parameters
+//                (gradients stay whole)
 //   activations  what a microbatch keeps from its forward until its backward
 //                plus the backward's temporaries (the arena of
 //                worker/model/gpt_stage.cc), times the schedule's peak of
@@ -19,13 +20,16 @@
 //                attention's P in train.precision's bytes; for bf16 on a
 //                stage whose every rank reported fused attention
 //                (RankAssignment.fused_attention_bf16), cuDNN's softmax
-//                statistics and o's copy instead (memory_estimate.cc)
+//                statistics and o's copy instead (memory_estimate.cc);
+//                with parallel.cp, divided by cp (each rank holds seq_len/cp
+//                tokens of every sequence)
 //   scratch      on CUDA, each chunk's stream's op temporaries: cuBLASLt's
 //                workspace, the attention backward's (cuDNN's workspace,
 //                or the GEMM path's H'·T·T floats for one batch row), the
 //                bf16 QKV projection's fp32 fallback output
 //   comm         point-to-point activation and gradient buffers, the TP
-//                all-reduce buffer and, with dp > 1, a flat gradient buffer
+//                all-reduce buffer and, with dp*cp > 1, a flat gradient
+//                buffer
 // Synthetic models: activation_bytes per stored microbatch-chunk and message.
 // The numbers are estimates (within a few percent of the arena sizes for GPT
 // shapes); a fixed kRuntimeOverheadBytes covers the process itself.
@@ -73,8 +77,10 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
 // more than it has: one host's RAM for CPU workers, one GPU for CUDA workers
 // (told apart by UUID, else by host and cuda:N; workers sharing a GPU share
 // its memory, workers on different GPUs of one host do not). Workers that
-// reported 0 (unknown) are not checked. With dp >= 2 and zero_stage 0 the
-// message suggests parallel.zero_stage: 1 first, with what it saves.
+// reported 0 (unknown) are not checked. With dp*cp >= 2 and zero_stage 0 the
+// message suggests parallel.zero_stage: 1 first, with what it saves; then
+// sequence_parallel and parallel.cp (2, 4 or 8 times the job's, on as many
+// times the workers) where the job validates with them and they save memory.
 absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                                  const std::vector<v1::WorkerInfo>& workers);
 

@@ -338,6 +338,89 @@ TEST(MemoryEstimateTest, FormatBytesIsReadable) {
   EXPECT_EQ(FormatBytes(24.0 * kGiB), "24.0 GiB");
 }
 
+// Context parallelism: each rank holds seq_len / cp tokens of every
+// sequence, so the activations fall by cp (the estimate divides the whole
+// term); the CP ranks reduce the gradients with the DP ranks, so a job of
+// dp 1 gains the group's gradient buffer, and ZeRO 1 shards over dp*cp.
+TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const WorkerMemory a = EstimateWorkerMemory(one, *plan, 0), b = EstimateWorkerMemory(two, *cp_plan, 0);
+  EXPECT_DOUBLE_EQ(b.activation_bytes, a.activation_bytes / 2);
+  EXPECT_DOUBLE_EQ(b.parameter_bytes, a.parameter_bytes);
+  EXPECT_DOUBLE_EQ(b.optimizer_bytes, a.optimizer_bytes);
+  EXPECT_DOUBLE_EQ(b.comm_bytes, a.comm_bytes + a.parameter_bytes) << "the dp*cp group's gradient buffer";
+  EXPECT_EQ(b.peak_microbatches, a.peak_microbatches);
+  // ZeRO 1 at dp 1 shards over the two CP ranks.
+  const v1::JobSpec sharded = Job((text + "cp: 2 zero_stage: 1 }").c_str());
+  EXPECT_LT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes);
+  EXPECT_GT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes / 3 * 2)
+      << "the gradients stay whole, the two moments halve";
+}
+
+// A sequence too long for one worker's memory: refused naming parallel.cp
+// with what it saves and the workers it takes, and accepted with it.
+TEST(MemoryEstimateTest, ASequenceTooLongForOneRankIsToldToSetParallelCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const double need_one = EstimateWorkerMemory(one, *plan, 0).total();
+  const double need_two = EstimateWorkerMemory(two, *cp_plan, 0).total();
+  ASSERT_LT(need_two, need_one);
+  const int64_t memory = static_cast<int64_t>((need_one + need_two) / 2);
+
+  auto refused = MakePlan(one, Workers(1, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("set parallel.cp: 2 to split each sequence over 2 context-parallel ranks, on 2x the "
+                         "workers (pp*tp*cp*dp = 2; up to " +
+                         FormatBytes(need_one - EstimateWorkerMemory(two, *plan, 0).total()) + " less per worker)"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("zero_stage"), std::string::npos) << "dp 1, cp 1: nothing to shard; " << message;
+
+  auto accepted = MakePlan(two, Workers(2, memory), 1);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_EQ(accepted->ranks_size(), 2);
+
+  // Short by more than cp 2 saves: the advice goes to cp 4 (4x the workers).
+  const v1::JobSpec four = Job((text + "cp: 4 }").c_str());
+  auto four_plan = MakePlan(four, Workers(4, 0), 1);
+  ASSERT_TRUE(four_plan.ok()) << four_plan.status();
+  const double need_four = EstimateWorkerMemory(four, *four_plan, 0).total();
+  const int64_t less = static_cast<int64_t>((need_two + need_four) / 2);
+  auto further = MakePlan(one, Workers(1, less), 1);
+  ASSERT_FALSE(further.ok());
+  EXPECT_NE(further.status().message().find("set parallel.cp: 4 to split each sequence over 4 context-parallel "
+                                            "ranks, on 4x the workers (pp*tp*cp*dp = 4;"),
+            std::string::npos)
+      << further.status();
+  EXPECT_TRUE(MakePlan(four, Workers(4, less), 1).ok());
+
+  // A sequence that does not split into 2*cp chunks gets no cp advice.
+  const v1::JobSpec odd = Job(R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2047 }
+                                   schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 })pb");
+  auto odd_plan = MakePlan(odd, Workers(1, 0), 1);
+  ASSERT_TRUE(odd_plan.ok()) << odd_plan.status();
+  auto no_cp = MakePlan(odd, Workers(1, static_cast<int64_t>(EstimateWorkerMemory(odd, *odd_plan, 0).total() / 2)), 1);
+  ASSERT_FALSE(no_cp.ok());
+  EXPECT_EQ(no_cp.status().message().find("parallel.cp"), std::string::npos) << no_cp.status();
+}
+
 }  // namespace
 }  // namespace baton
 
@@ -372,6 +455,89 @@ TEST(MemoryEstimateTest, AVPlacementPutsBothEndsOnRankZero) {
   EXPECT_DOUBLE_EQ(v_rank0.parameter_bytes + v_rank1.parameter_bytes,
                    looped0.parameter_bytes + looped1.parameter_bytes);
   EXPECT_EQ(v_rank0.peak_microbatches, 4);  // zb-v: min(2p, v*m) chunk-activations
+}
+
+// Context parallelism: each rank holds seq_len / cp tokens of every
+// sequence, so the activations fall by cp (the estimate divides the whole
+// term); the CP ranks reduce the gradients with the DP ranks, so a job of
+// dp 1 gains the group's gradient buffer, and ZeRO 1 shards over dp*cp.
+TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const WorkerMemory a = EstimateWorkerMemory(one, *plan, 0), b = EstimateWorkerMemory(two, *cp_plan, 0);
+  EXPECT_DOUBLE_EQ(b.activation_bytes, a.activation_bytes / 2);
+  EXPECT_DOUBLE_EQ(b.parameter_bytes, a.parameter_bytes);
+  EXPECT_DOUBLE_EQ(b.optimizer_bytes, a.optimizer_bytes);
+  EXPECT_DOUBLE_EQ(b.comm_bytes, a.comm_bytes + a.parameter_bytes) << "the dp*cp group's gradient buffer";
+  EXPECT_EQ(b.peak_microbatches, a.peak_microbatches);
+  // ZeRO 1 at dp 1 shards over the two CP ranks.
+  const v1::JobSpec sharded = Job((text + "cp: 2 zero_stage: 1 }").c_str());
+  EXPECT_LT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes);
+  EXPECT_GT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes / 3 * 2)
+      << "the gradients stay whole, the two moments halve";
+}
+
+// A sequence too long for one worker's memory: refused naming parallel.cp
+// with what it saves and the workers it takes, and accepted with it.
+TEST(MemoryEstimateTest, ASequenceTooLongForOneRankIsToldToSetParallelCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const double need_one = EstimateWorkerMemory(one, *plan, 0).total();
+  const double need_two = EstimateWorkerMemory(two, *cp_plan, 0).total();
+  ASSERT_LT(need_two, need_one);
+  const int64_t memory = static_cast<int64_t>((need_one + need_two) / 2);
+
+  auto refused = MakePlan(one, Workers(1, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("set parallel.cp: 2 to split each sequence over 2 context-parallel ranks, on 2x the "
+                         "workers (pp*tp*cp*dp = 2; up to " +
+                         FormatBytes(need_one - EstimateWorkerMemory(two, *plan, 0).total()) + " less per worker)"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("zero_stage"), std::string::npos) << "dp 1, cp 1: nothing to shard; " << message;
+
+  auto accepted = MakePlan(two, Workers(2, memory), 1);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_EQ(accepted->ranks_size(), 2);
+
+  // Short by more than cp 2 saves: the advice goes to cp 4 (4x the workers).
+  const v1::JobSpec four = Job((text + "cp: 4 }").c_str());
+  auto four_plan = MakePlan(four, Workers(4, 0), 1);
+  ASSERT_TRUE(four_plan.ok()) << four_plan.status();
+  const double need_four = EstimateWorkerMemory(four, *four_plan, 0).total();
+  const int64_t less = static_cast<int64_t>((need_two + need_four) / 2);
+  auto further = MakePlan(one, Workers(1, less), 1);
+  ASSERT_FALSE(further.ok());
+  EXPECT_NE(further.status().message().find("set parallel.cp: 4 to split each sequence over 4 context-parallel "
+                                            "ranks, on 4x the workers (pp*tp*cp*dp = 4;"),
+            std::string::npos)
+      << further.status();
+  EXPECT_TRUE(MakePlan(four, Workers(4, less), 1).ok());
+
+  // A sequence that does not split into 2*cp chunks gets no cp advice.
+  const v1::JobSpec odd = Job(R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2047 }
+                                   schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 })pb");
+  auto odd_plan = MakePlan(odd, Workers(1, 0), 1);
+  ASSERT_TRUE(odd_plan.ok()) << odd_plan.status();
+  auto no_cp = MakePlan(odd, Workers(1, static_cast<int64_t>(EstimateWorkerMemory(odd, *odd_plan, 0).total() / 2)), 1);
+  ASSERT_FALSE(no_cp.ok());
+  EXPECT_EQ(no_cp.status().message().find("parallel.cp"), std::string::npos) << no_cp.status();
 }
 
 }  // namespace
@@ -559,6 +725,89 @@ TEST(MemoryEstimateTest, AJobThatFitsOnlyShardedIsToldToSetZeroStageOne) {
   ASSERT_FALSE(alone.ok());
   EXPECT_EQ(alone.status().message().find("zero_stage"), std::string::npos) << alone.status();
   EXPECT_NE(alone.status().message().find("raise parallel.pp"), std::string::npos) << alone.status();
+}
+
+// Context parallelism: each rank holds seq_len / cp tokens of every
+// sequence, so the activations fall by cp (the estimate divides the whole
+// term); the CP ranks reduce the gradients with the DP ranks, so a job of
+// dp 1 gains the group's gradient buffer, and ZeRO 1 shards over dp*cp.
+TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const WorkerMemory a = EstimateWorkerMemory(one, *plan, 0), b = EstimateWorkerMemory(two, *cp_plan, 0);
+  EXPECT_DOUBLE_EQ(b.activation_bytes, a.activation_bytes / 2);
+  EXPECT_DOUBLE_EQ(b.parameter_bytes, a.parameter_bytes);
+  EXPECT_DOUBLE_EQ(b.optimizer_bytes, a.optimizer_bytes);
+  EXPECT_DOUBLE_EQ(b.comm_bytes, a.comm_bytes + a.parameter_bytes) << "the dp*cp group's gradient buffer";
+  EXPECT_EQ(b.peak_microbatches, a.peak_microbatches);
+  // ZeRO 1 at dp 1 shards over the two CP ranks.
+  const v1::JobSpec sharded = Job((text + "cp: 2 zero_stage: 1 }").c_str());
+  EXPECT_LT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes);
+  EXPECT_GT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes / 3 * 2)
+      << "the gradients stay whole, the two moments halve";
+}
+
+// A sequence too long for one worker's memory: refused naming parallel.cp
+// with what it saves and the workers it takes, and accepted with it.
+TEST(MemoryEstimateTest, ASequenceTooLongForOneRankIsToldToSetParallelCp) {
+  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { )pb";
+  const v1::JobSpec one = Job((text + "}").c_str());
+  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  auto plan = MakePlan(one, Workers(1, 0), 1);
+  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
+  const double need_one = EstimateWorkerMemory(one, *plan, 0).total();
+  const double need_two = EstimateWorkerMemory(two, *cp_plan, 0).total();
+  ASSERT_LT(need_two, need_one);
+  const int64_t memory = static_cast<int64_t>((need_one + need_two) / 2);
+
+  auto refused = MakePlan(one, Workers(1, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("set parallel.cp: 2 to split each sequence over 2 context-parallel ranks, on 2x the "
+                         "workers (pp*tp*cp*dp = 2; up to " +
+                         FormatBytes(need_one - EstimateWorkerMemory(two, *plan, 0).total()) + " less per worker)"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("zero_stage"), std::string::npos) << "dp 1, cp 1: nothing to shard; " << message;
+
+  auto accepted = MakePlan(two, Workers(2, memory), 1);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_EQ(accepted->ranks_size(), 2);
+
+  // Short by more than cp 2 saves: the advice goes to cp 4 (4x the workers).
+  const v1::JobSpec four = Job((text + "cp: 4 }").c_str());
+  auto four_plan = MakePlan(four, Workers(4, 0), 1);
+  ASSERT_TRUE(four_plan.ok()) << four_plan.status();
+  const double need_four = EstimateWorkerMemory(four, *four_plan, 0).total();
+  const int64_t less = static_cast<int64_t>((need_two + need_four) / 2);
+  auto further = MakePlan(one, Workers(1, less), 1);
+  ASSERT_FALSE(further.ok());
+  EXPECT_NE(further.status().message().find("set parallel.cp: 4 to split each sequence over 4 context-parallel "
+                                            "ranks, on 4x the workers (pp*tp*cp*dp = 4;"),
+            std::string::npos)
+      << further.status();
+  EXPECT_TRUE(MakePlan(four, Workers(4, less), 1).ok());
+
+  // A sequence that does not split into 2*cp chunks gets no cp advice.
+  const v1::JobSpec odd = Job(R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2047 }
+                                   schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 })pb");
+  auto odd_plan = MakePlan(odd, Workers(1, 0), 1);
+  ASSERT_TRUE(odd_plan.ok()) << odd_plan.status();
+  auto no_cp = MakePlan(odd, Workers(1, static_cast<int64_t>(EstimateWorkerMemory(odd, *odd_plan, 0).total() / 2)), 1);
+  ASSERT_FALSE(no_cp.ok());
+  EXPECT_EQ(no_cp.status().message().find("parallel.cp"), std::string::npos) << no_cp.status();
 }
 
 }  // namespace
