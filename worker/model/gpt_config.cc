@@ -173,6 +173,19 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    absl::StrCat("shards the sequence over the tensor-parallel group, but parallel.tp = ", c.tp_size,
                                 ": set tp >= 2 or sequence_parallel false"));
   }
+  if (c.cp_size <= 0) return Invalid("parallel.cp", c.cp_size, "must be positive");
+  if (c.cp_rank < 0 || c.cp_rank >= c.cp_size) {
+    return Invalid("cp_rank", c.cp_rank, absl::StrCat("outside [0, ", c.cp_size, ")"));
+  }
+  if (c.cp_size > 1 && c.model.seq_len % (2 * c.cp_size) != 0) {
+    return Invalid("model.seq_len", c.model.seq_len,
+                   absl::StrCat("must be divisible by 2 * parallel.cp = ", 2 * c.cp_size,
+                                " (each context-parallel rank holds two of the sequence's 2 * cp chunks)"));
+  }
+  if (c.cp_size > 1 && c.precision != kernels::Precision::kFloat32) {
+    return Invalid("parallel.cp", c.cp_size,
+                   "needs train.precision fp32: the ring-attention kernels have no bf16 form yet");
+  }
   if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
     return Invalid("tp_rank", c.tp_rank, absl::StrCat("outside [0, ", c.tp_size, ")"));
   }

@@ -118,6 +118,13 @@ struct StageConfig {
   // and all-gathers the values after the optimizer step. dp_size 1: whole.
   int dp_rank = 0;
   int dp_size = 1;
+  // Context parallelism (parallel.cp; see GptStage "Context parallelism"):
+  // every sequence of model.seq_len tokens is cut into 2 · cp_size chunks and
+  // this rank holds chunks cp_rank and 2 · cp_size − 1 − cp_rank (the
+  // load-balanced causal split); attention runs as ring attention over the
+  // cp group. cp_size 1: whole sequences. fp32 only.
+  int cp_rank = 0;
+  int cp_size = 1;
 
   bool is_first() const { return pp_rank == 0; }
   bool is_last() const { return pp_rank == pp_size - 1; }

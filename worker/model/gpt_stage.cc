@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "worker/model/comm_buffer.h"
+#include "worker/model/context_parallel.h"
 
 namespace baton::model {
 
@@ -249,8 +250,22 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& config,
-                                                           comm::Communicator* tp_group) {
+                                                           comm::Communicator* tp_group,
+                                                           comm::Communicator* cp_group) {
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  if (config.cp_size > 1) {
+    if (cp_group == nullptr || cp_group->size() != config.cp_size || cp_group->rank() != config.cp_rank) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.cp = ", config.cp_size,
+                                                     " needs a context-parallel communicator of that size where this "
+                                                     "stage is rank ", config.cp_rank));
+    }
+    if (config.device.type == kernels::DeviceType::kCuda) {
+      return absl::UnimplementedError(absl::StrCat(
+          "parallel.cp = ", config.cp_size, " on ", kernels::DeviceToString(config.device),
+          ": ring attention has no CUDA kernels in this version; run context parallelism on CPU workers, or leave "
+          "parallel.cp unset"));
+    }
+  }
   if (config.tp_size > 1) {
     if (tp_group == nullptr || tp_group->size() != config.tp_size ||
         tp_group->rank() != config.tp_rank) {
@@ -270,7 +285,8 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
       return ParameterError(sharded, where);
     }
   }
-  auto stage = std::unique_ptr<GptStage>(new GptStage(config, tp_group, *std::move(params)));
+  auto stage = std::unique_ptr<GptStage>(
+      new GptStage(config, tp_group, config.cp_size > 1 ? cp_group : nullptr, *std::move(params)));
   if (tp_group != nullptr) {
     stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
     // TP time over NCCL is in no host wait: event pairs time it, taken by the
@@ -282,7 +298,8 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   return stage;
 }
 
-GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, ParameterStore params)
+GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, comm::Communicator* cp_group,
+                   ParameterStore params)
     : config_(config),
       tp_(tp_group),
       params_(std::move(params)),
@@ -291,6 +308,7 @@ GptStage::GptStage(const StageConfig& config, comm::Communicator* tp_group, Para
       bf16_(config.precision == kernels::Precision::kBFloat16),
       llama_(config.model.llama()),
       sp_(config.sequence_parallel && config.tp_size > 1),
+      cp_(cp_group),
       gemm_dtype_(bf16_ ? kernels::DType::kBFloat16 : kernels::DType::kFloat32) {
   BindParameters();
 }
@@ -303,6 +321,7 @@ absl::Status GptStage::PlaceOnDevice() {
   BATON_ASSIGN_OR_RETURN(stream_, kernels::Stream::Create(device));
   scratch_ = std::make_unique<kernels::Arena>(device, "the op scratch arena");
   sp_scratch_ = std::make_unique<kernels::Arena>(device, "the sequence-parallel scratch arena");
+  cp_scratch_ = std::make_unique<kernels::Arena>(device, "the ring-attention scratch arena");
   ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get(), config_.precision);
   if (bf16_) BATON_RETURN_IF_ERROR(params_.AllocateBf16Copies(ctx_));
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
@@ -545,6 +564,12 @@ absl::Status GptStage::ValidateInputs(const StageInputs& in, const Tensor& outpu
     return absl::InvalidArgumentError(absl::StrCat(
         shaped_name, ": sequence of ", *seq, " tokens is longer than model.seq_len = ", m.seq_len));
   }
+  if (cp_ != nullptr && (*batch % 2 != 0 || *seq * 2 * config_.cp_size > m.seq_len)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shaped_name, ": [", *batch, ", ", *seq, "] is no context-parallel view of a microbatch: want [2 * "
+        "micro_batch_size, T / (2 * parallel.cp)] for sequences of T <= model.seq_len = ", m.seq_len,
+        " tokens (worker/model/context_parallel.h)"));
+  }
   const int64_t n = *batch * *seq;
   if (sp_ && n % config_.tp_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -630,6 +655,11 @@ absl::Status GptStage::ForwardLogits(const StageInputs& inputs, const Tensor& lo
     return absl::FailedPreconditionError(absl::StrCat(
         "ForwardLogits: ", in_flight_.size(), " microbatches are in flight; call it between steps"));
   }
+  if (cp_ != nullptr) {
+    return absl::UnimplementedError(
+        "ForwardLogits: sampling from a context-parallel stage (parallel.cp > 1) is not implemented; sample from a "
+        "checkpoint loaded without parallel.cp");
+  }
   int64_t batch = 0, seq = 0;
   BATON_RETURN_IF_ERROR_CTX(ValidateInputs(inputs, Tensor(), &batch, &seq, /*logits_only=*/true), "ForwardLogits");
   const int64_t columns = head_->value.dim(0);
@@ -667,8 +697,19 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     // With a vocabulary-parallel table each rank embeds the tokens it holds,
     // rank 0 adds the positions, and the all-reduce assembles the whole.
     const bool add_positions = !vocab_parallel_ || config_.tp_rank == 0;
-    kernels::Embedding(ctx_, x0, s.tokens, wte_->value, vocab_begin_,
-                       add_positions && wpe_ != nullptr ? wpe_->value : Tensor());
+    const Tensor wpe = add_positions && wpe_ != nullptr ? wpe_->value : Tensor();
+    if (cp_ == nullptr) {
+      kernels::Embedding(ctx_, x0, s.tokens, wte_->value, vocab_begin_, wpe);
+    } else {
+      // Each half of the CP view at its chunk's positions.
+      const int64_t rows_b = s.batch / 2;
+      for (int half = 0; half < 2; ++half) {
+        const int64_t offset = HalfOffset(half, s.seq);
+        kernels::Embedding(ctx_, x0.Rows(half * rows_b * s.seq, (half + 1) * rows_b * s.seq),
+                           s.tokens.Rows(half * rows_b, (half + 1) * rows_b), wte_->value, vocab_begin_,
+                           wpe.defined() ? wpe.Rows(offset, offset + s.seq) : Tensor());
+      }
+    }
     if (!sp_) {
       s.x0 = x0;
       if (vocab_parallel_) BATON_RETURN_IF_ERROR(AllReduceTp(s.x0, "the vocabulary-parallel embedding", -1));
@@ -812,16 +853,29 @@ absl::StatusOr<Tensor> GptStage::AttentionForward(const Block& b, Microbatch& mb
     kernels::Linear(ctx_, a.q, a.ln1, W(b.q_w), Tensor());
     kernels::Linear(ctx_, a.k, a.ln1, W(b.k_w), Tensor());
     kernels::Linear(ctx_, a.v, a.ln1, W(b.v_w), Tensor());
-    kernels::RopePack(ctx_, a.qkv, a.q, a.k, a.v, heads, kv_heads, m.rope_theta);
+    if (cp_ == nullptr) {
+      kernels::RopePack(ctx_, a.qkv, a.q, a.k, a.v, heads, kv_heads, m.rope_theta);
+    } else {
+      const int64_t rows_b = mb.batch / 2, r = rows_b * mb.seq;
+      for (int half = 0; half < 2; ++half) {
+        kernels::RopePack(ctx_, a.qkv.Rows(half * rows_b, (half + 1) * rows_b), a.q.Rows(half * r, (half + 1) * r),
+                          a.k.Rows(half * r, (half + 1) * r), a.v.Rows(half * r, (half + 1) * r), heads, kv_heads,
+                          m.rope_theta, HalfOffset(half, mb.seq));
+      }
+    }
   } else {
     kernels::Linear(ctx_, a.qkv, a.ln1, W(b.qkv_w), b.qkv_b->value);
   }
   BATON_ASSIGN_OR_RETURN(a.y, arena.Allocate({n, cl}, g16));
-  // What this device's attention keeps for the backward: P [B,H,T,T], or
-  // only the softmax statistics and the output where a fused kernel runs.
-  const kernels::AttentionBuffers att = kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
-  BATON_ASSIGN_OR_RETURN(a.att, arena.Allocate(att.saved, att.saved_dtype));
-  kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
+  if (cp_ != nullptr) {
+    BATON_RETURN_IF_ERROR(RingAttentionForward(b, mb, a));
+  } else {
+    // What this device's attention keeps for the backward: P [B,H,T,T], or
+    // only the softmax statistics and the output where a fused kernel runs.
+    const kernels::AttentionBuffers att = kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, g16);
+    BATON_ASSIGN_OR_RETURN(a.att, arena.Allocate(att.saved, att.saved_dtype));
+    kernels::Attention(ctx_, a.y, a.att, a.qkv, heads);
+  }
   BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   kernels::Linear(ctx_, partial, a.y, W(b.proj_w), Tensor());
   BATON_ASSIGN_OR_RETURN(Tensor attn_out, SumOverTp(partial, "the attention output", b.index));
@@ -1011,10 +1065,14 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
   BATON_ASSIGN_OR_RETURN(Tensor dy, arena.Allocate({n, cl}, gemm_dtype_));
   kernels::LinearBackwardInput(ctx_, dy, a.d_mid, W(b.proj_w), /*accumulate=*/false);
   BATON_ASSIGN_OR_RETURN(a.dqkv, arena.Allocate({mb.batch, mb.seq, 3 * cl}, gemm_dtype_));
-  const kernels::AttentionBuffers att =
-      kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
-  BATON_ASSIGN_OR_RETURN(Tensor scratch, arena.Allocate({att.backward_scratch}));
-  kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
+  if (cp_ != nullptr) {
+    BATON_RETURN_IF_ERROR(RingAttentionBackward(b, mb, a, dy));
+  } else {
+    const kernels::AttentionBuffers att =
+        kernels::AttentionBuffersFor(ctx_, mb.batch, mb.seq, cl, heads, gemm_dtype_);
+    BATON_ASSIGN_OR_RETURN(Tensor scratch, arena.Allocate({att.backward_scratch}));
+    kernels::AttentionBackward(ctx_, a.dqkv, scratch, dy, a.qkv, a.att, heads);
+  }
   BATON_ASSIGN_OR_RETURN(Tensor dln1, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   if (llama_) {
     const int kv_heads = m.key_value_heads() / static_cast<int>(tp);
@@ -1022,7 +1080,16 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
     BATON_ASSIGN_OR_RETURN(a.dq, arena.Allocate({n, cl}, gemm_dtype_));
     BATON_ASSIGN_OR_RETURN(a.dk, arena.Allocate({n, kvl}, gemm_dtype_));
     BATON_ASSIGN_OR_RETURN(a.dv, arena.Allocate({n, kvl}, gemm_dtype_));
-    kernels::RopePackBackward(ctx_, a.dq, a.dk, a.dv, a.dqkv, heads, kv_heads, m.rope_theta);
+    if (cp_ == nullptr) {
+      kernels::RopePackBackward(ctx_, a.dq, a.dk, a.dv, a.dqkv, heads, kv_heads, m.rope_theta);
+    } else {
+      const int64_t rows_b = mb.batch / 2, r = rows_b * mb.seq;
+      for (int half = 0; half < 2; ++half) {
+        kernels::RopePackBackward(ctx_, a.dq.Rows(half * r, (half + 1) * r), a.dk.Rows(half * r, (half + 1) * r),
+                                  a.dv.Rows(half * r, (half + 1) * r), a.dqkv.Rows(half * rows_b, (half + 1) * rows_b),
+                                  heads, kv_heads, m.rope_theta, HalfOffset(half, mb.seq));
+      }
+    }
     kernels::LinearBackwardInput(ctx_, dln1, a.dq, W(b.q_w), /*accumulate=*/false);
     kernels::LinearBackwardInput(ctx_, dln1, a.dk, W(b.k_w), /*accumulate=*/true);
     kernels::LinearBackwardInput(ctx_, dln1, a.dv, W(b.v_w), /*accumulate=*/true);
@@ -1037,6 +1104,141 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
   }
   kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, W(b.qkv_w), /*accumulate=*/false);
   return dln1;
+}
+
+// ---------------------------------------------------------------------------
+// Context parallelism: ring attention (see gpt_stage.h).
+
+struct GptStage::RingTransfer {
+  std::shared_ptr<comm::Work> send, recv;
+};
+
+int64_t GptStage::HalfOffset(int half, int64_t seq) const {
+  if (cp_ == nullptr) return 0;
+  return CpHalfOffset(half, config_.cp_rank, config_.cp_size, seq * 2 * config_.cp_size);
+}
+
+absl::StatusOr<GptStage::RingTransfer> GptStage::StartRing(const Tensor& send, const Tensor& recv) {
+  // The communicator reads host memory: what the stream wrote must be done
+  // (immediate on the CPU, which runs ops inline).
+  BATON_RETURN_IF_ERROR(stream_->Synchronize());
+  const int cp = config_.cp_size, c = config_.cp_rank;
+  // Chunks of one rank share its cp group: the chunk index keeps their tags apart.
+  const uint64_t tag = (static_cast<uint64_t>(config_.pp_rank) << 48) | ++cp_tag_;
+  RingTransfer t;
+  t.recv = cp_->Recv(CommBuffer(recv), (c + cp - 1) % cp, tag);
+  t.send = cp_->Send(CommBuffer(send), (c + 1) % cp, tag);
+  return t;
+}
+
+absl::Status GptStage::AwaitRing(RingTransfer& t, const char* what, int block) {
+  const std::string name = absl::StrCat("context-parallel ring transfer of ", what, " in block ", block);
+  BATON_RETURN_IF_ERROR_CTX(t.send->Wait(config_.comm_timeout), name, " (sending to cp rank ",
+                            (config_.cp_rank + 1) % config_.cp_size, ")");
+  BATON_RETURN_IF_ERROR_CTX(t.recv->Wait(config_.comm_timeout), name, " (receiving from cp rank ",
+                            (config_.cp_rank + config_.cp_size - 1) % config_.cp_size, ")");
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Rows [half · B, (half + 1) · B) of a [2B, ...] CP view.
+Tensor Half(const Tensor& t, int half) {
+  const int64_t b = t.dim(0) / 2;
+  return t.Rows(half * b, (half + 1) * b);
+}
+
+}  // namespace
+
+absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  const int cp = config_.cp_size, c = config_.cp_rank;
+  const int64_t t = mb.seq, full = t * 2 * cp, rows_b = mb.batch / 2;
+  const int64_t cl = a.qkv.dim(2) / 3;
+  const int heads = static_cast<int>(config_.model.heads / config_.tp_size);
+  kernels::Arena& tmp = *cp_scratch_;
+  tmp.Reset();
+  BATON_ASSIGN_OR_RETURN(a.att, mb.arena.Allocate({mb.batch, heads, t}));  // the log-sum-exps
+  const Tensor y = a.y.Reshaped({mb.batch, t, cl});
+  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor block_out, tmp.Allocate({rows_b, t, cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor block_lse, tmp.Allocate({rows_b, heads, t}));
+  BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionScratch(t, t)}));
+  kernels::KvOfQkv(ctx_, cur, a.qkv);
+  // The diagonal blocks first: every query sees itself there, so they start
+  // the running output and log-sum-exp.
+  for (int half = 0; half < 2; ++half) {
+    kernels::BlockAttention(ctx_, Half(y, half), Half(a.att, half), Half(a.qkv, half), Half(cur, half), heads,
+                            HalfOffset(half, t), HalfOffset(half, t), scratch);
+  }
+  for (int step = 0; step < cp; ++step) {
+    RingTransfer transfer;
+    if (step + 1 < cp) {
+      BATON_ASSIGN_OR_RETURN(transfer, StartRing(cur, next));
+    }
+    const int owner = (c - step + cp) % cp;  // whose k and v `cur` holds
+    for (int qh = 0; qh < 2; ++qh) {
+      for (int kh = 0; kh < 2; ++kh) {
+        if (step == 0 && qh == kh) continue;  // the diagonal, done
+        const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
+        if (k_offset > q_offset + t - 1) continue;  // wholly in the causal future
+        kernels::BlockAttention(ctx_, block_out, block_lse, Half(a.qkv, qh), Half(cur, kh), heads, q_offset,
+                                k_offset, scratch);
+        kernels::MergeAttentionBlock(ctx_, Half(y, qh), Half(a.att, qh), block_out, block_lse, heads);
+      }
+    }
+    if (step + 1 < cp) {
+      BATON_RETURN_IF_ERROR(AwaitRing(transfer, "the keys and values", b.index));
+      std::swap(cur, next);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, BlockActivations& a, const Tensor& dy) {
+  const int cp = config_.cp_size, c = config_.cp_rank;
+  const int64_t t = mb.seq, full = t * 2 * cp;
+  const int64_t cl = a.qkv.dim(2) / 3;
+  const int heads = static_cast<int>(config_.model.heads / config_.tp_size);
+  kernels::Arena& tmp = *cp_scratch_;
+  tmp.Reset();
+  const Tensor y = a.y.Reshaped({mb.batch, t, cl}), dout = dy.Reshaped({mb.batch, t, cl});
+  BATON_ASSIGN_OR_RETURN(Tensor delta, tmp.Allocate({mb.batch, heads, t}));
+  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor dkv, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor dkv_next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionBackwardScratch(t, t)}));
+  kernels::AttentionDelta(ctx_, delta, dout, y, heads);
+  kernels::FillZero(ctx_, a.dqkv);
+  kernels::FillZero(ctx_, dkv);
+  kernels::KvOfQkv(ctx_, cur, a.qkv);
+  for (int step = 0; step < cp; ++step) {
+    RingTransfer transfer;
+    if (step + 1 < cp) {
+      BATON_ASSIGN_OR_RETURN(transfer, StartRing(cur, next));
+    }
+    const int owner = (c - step + cp) % cp;  // whose k, v and accumulator `cur` and `dkv` are
+    for (int qh = 0; qh < 2; ++qh) {
+      for (int kh = 0; kh < 2; ++kh) {
+        const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
+        if (k_offset > q_offset + t - 1) continue;
+        kernels::BlockAttentionBackward(ctx_, Half(a.dqkv, qh), Half(dkv, kh), Half(dout, qh), Half(a.qkv, qh),
+                                        Half(cur, kh), Half(a.att, qh), Half(delta, qh), heads, q_offset, k_offset,
+                                        scratch);
+      }
+    }
+    if (step + 1 < cp) {
+      BATON_RETURN_IF_ERROR(AwaitRing(transfer, "the keys and values", b.index));
+      std::swap(cur, next);
+    }
+    // The accumulator travels with its block; after cp hops it is home.
+    BATON_ASSIGN_OR_RETURN(RingTransfer grads, StartRing(dkv, dkv_next));
+    BATON_RETURN_IF_ERROR(AwaitRing(grads, "the key and value gradients", b.index));
+    std::swap(dkv, dkv_next);
+  }
+  kernels::QkvGradOfKv(ctx_, a.dqkv, dkv);
+  return absl::OkStatus();
 }
 
 absl::Status GptStage::BackwardWeight(int mb) {
@@ -1054,9 +1256,18 @@ absl::Status GptStage::BackwardWeight(int mb) {
     BATON_RETURN_IF_ERROR_CTX(BlockBackwardWeight(blocks_[i], s->blocks[i]), "block ", blocks_[i].index,
                               " weight gradient");
   }
-  if (config_.is_first())
+  if (config_.is_first() && cp_ == nullptr) {
     kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_ != nullptr ? wpe_->grad : Tensor(), s->d_x0,
                                s->tokens);
+  } else if (config_.is_first()) {
+    const int64_t rows_b = s->batch / 2, r = rows_b * s->seq;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t offset = HalfOffset(half, s->seq);
+      kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_,
+                                 wpe_ != nullptr ? wpe_->grad.Rows(offset, offset + s->seq) : Tensor(),
+                                 s->d_x0.Rows(half * r, (half + 1) * r), s->tokens.Rows(half * rows_b, (half + 1) * rows_b));
+    }
+  }
   // The microbatch is done: its activations go back to the pool.
   auto it = in_flight_.find(mb);
   it->second->arena.Reset();
@@ -1092,7 +1303,7 @@ absl::Status GptStage::Backward(int mb, const Tensor& grad_output, const Tensor&
 }
 
 void GptStage::SampleActivationBytes() {
-  int64_t total = static_cast<int64_t>(sp_scratch_->used_bytes());
+  int64_t total = static_cast<int64_t>(sp_scratch_->used_bytes() + cp_scratch_->used_bytes());
   for (const auto& [mb, state] : in_flight_) total += static_cast<int64_t>(state->arena.used_bytes());
   activation_high_water_ = std::max(activation_high_water_, total);
 }

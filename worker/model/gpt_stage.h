@@ -97,6 +97,25 @@
 // reduce-scatter, the gathered norm outputs) live in an arena reset per
 // block, so only what backward reads stays with the microbatch.
 //
+// Context parallelism (StageConfig::cp_size > 1; Liu et al.'s ring
+// attention with the load-balanced causal split, context_parallel.h): the
+// stage sees its CP rank's view of every microbatch, two chunks of each
+// sequence as the two halves of a [2B, T/(2cp)] batch; everything but
+// attention works on it row by row, the GPT-2 position embedding and RoPE
+// take each half's global offset. Attention: this rank's q against every
+// rank's k and v, which pass around the cp group's ring (each step's
+// send/receive posted before the step's block attentions, so the transfer
+// runs behind them); the blocks' outputs merge by their log-sum-exps
+// (kernels::MergeAttentionBlock), in ring order, so the bits are fixed. A
+// block no query can see (wholly in the causal future) is skipped. The
+// backward passes the k and v around again, each block's dk/dv accumulator
+// travelling with it and arriving home after cp hops. Saved per block: qkv,
+// the output and the log-sum-exps [B, H, T] (not P). The parameters'
+// gradients here are this rank's tokens' share: the executor averages them
+// over the cp ranks with the dp replicas (one dp · cp group). fp32 on the
+// CPU and the simulated device only (StageConfig validation; the CUDA
+// backend has no block-attention kernels yet).
+//
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool (for attention, what the device's attention path keeps:
 // kernels::AttentionBuffersFor — P [B,H,T,T], or with cuDNN's fused bf16
@@ -134,6 +153,9 @@
 
 namespace baton::model {
 
+// Under context parallelism (StageConfig::cp_size > 1) B and T below are
+// those of the rank's view of the microbatch (context_parallel.h): B = 2 ·
+// micro_batch_size rows, T = model.seq_len / (2 · cp) tokens each.
 struct StageInputs {
   kernels::Tensor tokens;       // first stage: int32 [B, T]
   kernels::Tensor activations;  // other stages: [B, T, C] of activation_dtype(), from the previous stage
@@ -143,9 +165,12 @@ struct StageInputs {
 class GptStage {
  public:
   // `tp_group` has config.tp_size ranks (this one is config.tp_rank); it may be
-  // null when tp_size == 1. Parameters are initialised from config.seed.
+  // null when tp_size == 1. `cp_group` likewise has config.cp_size ranks
+  // (this one config.cp_rank), null when cp_size == 1. Parameters are
+  // initialised from config.seed.
   static absl::StatusOr<std::unique_ptr<GptStage>> Create(const StageConfig& config,
-                                                          comm::Communicator* tp_group);
+                                                          comm::Communicator* tp_group,
+                                                          comm::Communicator* cp_group = nullptr);
   ~GptStage();
   GptStage(const GptStage&) = delete;
   GptStage& operator=(const GptStage&) = delete;
@@ -252,7 +277,8 @@ class GptStage {
   struct BlockActivations;
   struct Microbatch;
 
-  GptStage(const StageConfig& config, comm::Communicator* tp_group, ParameterStore params);
+  GptStage(const StageConfig& config, comm::Communicator* tp_group, comm::Communicator* cp_group,
+           ParameterStore params);
   void BindParameters();
   void BindLlamaParameters();
   // The block's norm of `x` (LayerNorm, or RMSNorm for Llama, whose `b` is
@@ -289,6 +315,21 @@ class GptStage {
                                                    const kernels::Tensor& d_out);
   absl::StatusOr<kernels::Tensor> AttentionBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                                          const kernels::Tensor& d_mid);
+  // Context parallelism: ring attention over the cp group from a.qkv into
+  // a.y, keeping the log-sum-exps in a.att; and its backward from dy into
+  // a.dqkv (see Context parallelism above).
+  absl::Status RingAttentionForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  absl::Status RingAttentionBackward(const Block& block, Microbatch& mb, BlockActivations& a,
+                                     const kernels::Tensor& dy);
+  // Sends `send` to the next cp rank and receives the previous rank's into
+  // `recv` (both on the host once the stream is synchronised); returns the
+  // pending transfer, waited for by AwaitRing.
+  struct RingTransfer;
+  absl::StatusOr<RingTransfer> StartRing(const kernels::Tensor& send, const kernels::Tensor& recv);
+  absl::Status AwaitRing(RingTransfer& transfer, const char* what, int block);
+  // The global position of the first token of half `half` of a CP view of
+  // `seq`-token rows (0 without CP).
+  int64_t HalfOffset(int half, int64_t seq) const;
   absl::Status BlockBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                   const kernels::Tensor& d_out, const kernels::Tensor& d_in);
   absl::Status BlockBackwardWeight(const Block& block, const BlockActivations& a);
@@ -347,6 +388,11 @@ class GptStage {
   const bool bf16_;            // config.precision is kBFloat16
   const bool llama_;           // config.model.arch is kLlama
   const bool sp_;              // config.sequence_parallel (tp > 1)
+  comm::Communicator* cp_;     // the context-parallel group (cp_size > 1), else null
+  uint64_t cp_tag_ = 0;        // ring messages sent since Create: every cp rank counts the same
+  // Ring attention's temporaries (block outputs, the travelling k/v and
+  // their gradients), reset per attention call.
+  std::unique_ptr<kernels::Arena> cp_scratch_;
   const kernels::DType gemm_dtype_;  // of GEMM inputs and attention tensors
   std::vector<Block> blocks_;
   Parameter* wte_ = nullptr;  // token embedding: first stage, and the tied head's copy on the last

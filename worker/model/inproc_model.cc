@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/grad_norm.h"
+#include "worker/model/comm_buffer.h"
+#include "worker/model/context_parallel.h"
 
 namespace baton::model {
 
@@ -17,34 +19,44 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
                                                                  bool vocab_parallel,
                                                                  kernels::Device device,
                                                                  kernels::Precision precision,
-                                                                 bool sequence_parallel) {
+                                                                 bool sequence_parallel, int cp) {
+  if (cp < 1) return absl::InvalidArgumentError(absl::StrCat("parallel.cp = ", cp, ": must be positive"));
   auto m = std::unique_ptr<InProcModel>(new InProcModel());
   m->device_ = device;
   m->pp_ = pp;
   m->tp_ = tp;
+  m->cp_ = cp;
   m->model_ = model;
   m->stages_.resize(pp);
+  const int lanes = cp * tp;
   for (int s = 0; s < pp; ++s) {
-    m->tp_groups_.push_back(comm::InProcCommunicator::CreateGroup(tp));
-    for (int r = 0; r < tp; ++r) {
+    for (int c = 0; c < cp; ++c) m->tp_groups_.push_back(comm::InProcCommunicator::CreateGroup(tp));
+    if (cp > 1) {
+      for (int t = 0; t < tp; ++t) m->cp_groups_.push_back(comm::InProcCommunicator::CreateGroup(cp));
+    }
+    for (int lane = 0; lane < lanes; ++lane) {
+      const int c = lane / tp, r = lane % tp;
       BATON_ASSIGN_OR_RETURN(StageConfig config, MakeStageConfig(model, s, pp, r, tp, seed));
       config.microbatches = microbatches;
       config.vocab_parallel = vocab_parallel;
       config.sequence_parallel = sequence_parallel;
+      config.cp_rank = c;
+      config.cp_size = cp;
       config.comm_timeout = absl::Seconds(60);
       config.device = device;
       config.precision = precision;
-      BATON_ASSIGN_OR_RETURN(auto stage, GptStage::Create(config, m->tp_groups_[s][r].get()));
+      BATON_ASSIGN_OR_RETURN(auto stage, GptStage::Create(config, m->tp_groups_[s * cp + c][r].get(),
+                                                          cp > 1 ? m->cp_groups_[s * tp + r][c].get() : nullptr));
       m->stages_[s].push_back(std::move(stage));
     }
     m->ready_.emplace_back();
-    for (int r = 0; r < tp; ++r) {
+    for (int lane = 0; lane < lanes; ++lane) {
       BATON_ASSIGN_OR_RETURN(auto event, kernels::Event::Create(device));
       m->ready_[s].push_back(std::move(event));
     }
   }
   if (pp > 1) {
-    for (int r = 0; r < tp; ++r) m->tie_groups_.push_back(comm::InProcCommunicator::CreateGroup(2));
+    for (int lane = 0; lane < lanes; ++lane) m->tie_groups_.push_back(comm::InProcCommunicator::CreateGroup(2));
   }
   return m;
 }
@@ -63,9 +75,25 @@ absl::Status InProcModel::SetParameter(const std::string& name, absl::Span<const
   return absl::OkStatus();
 }
 
-absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
-                                  const std::vector<Tensor>& targets) {
-  const int mbs = static_cast<int>(tokens.size());
+absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& whole_tokens,
+                                  const std::vector<Tensor>& whole_targets) {
+  const int mbs = static_cast<int>(whole_tokens.size());
+  const int cr = r / tp_;  // this lane's cp rank
+  // Under CP the lane's view of every microbatch (context_parallel.h).
+  std::vector<Tensor> tokens = whole_tokens, targets = whole_targets;
+  if (cp_ > 1) {
+    for (int mb = 0; mb < mbs; ++mb) {
+      const int64_t batch = whole_tokens[mb].dim(0), seq = whole_tokens[mb].dim(1);
+      if (seq % (2 * cp_) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("sequences of ", seq, " tokens do not split into 2 * cp = ",
+                                                       2 * cp_, " chunks"));
+      }
+      tokens[mb] = Tensor::Zeros({2 * batch, seq / (2 * cp_)}, kernels::DType::kInt32);
+      targets[mb] = Tensor::Zeros({2 * batch, seq / (2 * cp_)}, kernels::DType::kInt32);
+      SliceForContextParallel(whole_tokens[mb].i32(), batch, seq, cr, cp_, tokens[mb].i32());
+      SliceForContextParallel(whole_targets[mb].i32(), batch, seq, cr, cp_, targets[mb].i32());
+    }
+  }
   const int64_t b = tokens[0].dim(0), t = tokens[0].dim(1), c = model_.d_model;
   // acts[mb][s]: output of stage s; grads[mb][s]: gradient of stage s's input.
   std::vector<std::vector<Tensor>> acts(mbs), grads(mbs);
@@ -114,6 +142,16 @@ absl::Status InProcModel::RunRank(int r, const std::vector<Tensor>& tokens,
     BATON_RETURN_IF_ERROR(first_status);
     BATON_RETURN_IF_ERROR(last_status);
   }
+  if (cp_ > 1) {
+    // The cp ranks' gradients averaged, as the executor does over dp x cp.
+    for (int s = 0; s < pp_; ++s) {
+      GptStage& stage = *stages_[s][r];
+      BATON_RETURN_IF_ERROR(stage.stream().Synchronize());
+      const Tensor g = stage.parameters().grads();
+      BATON_RETURN_IF_ERROR(cp_groups_[s * tp_ + r % tp_][cr]->AllReduceSum(CommBuffer(g))->Wait(absl::Seconds(60)));
+      kernels::Scale(stage.context(), g, 1.0f / static_cast<float>(cp_));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -125,27 +163,35 @@ absl::StatusOr<double> InProcModel::ForwardBackward(const std::vector<Tensor>& t
   for (auto& row : stages_) {
     for (auto& stage : row) stage->ZeroGrad();
   }
-  std::vector<absl::Status> status(tp_);
+  const int lanes = cp_ * tp_;
+  std::vector<absl::Status> status(lanes);
   std::vector<std::thread> threads;
-  for (int r = 0; r < tp_; ++r) {
+  for (int r = 0; r < lanes; ++r) {
     threads.emplace_back([&, r] {
       status[r] = RunRank(r, tokens, targets);
       if (!status[r].ok()) {
         // Unblock the other ranks waiting in collectives with this one.
-        for (auto& group : tp_groups_) group[r]->Abort(status[r].message());
-        for (int s = 0; s < pp_; ++s) stages_[s][r]->DropInFlight();
+        for (int s = 0; s < pp_; ++s) {
+          tp_groups_[s * cp_ + r / tp_][r % tp_]->Abort(status[r].message());
+          if (cp_ > 1) cp_groups_[s * tp_ + r % tp_][r / tp_]->Abort(status[r].message());
+          stages_[s][r]->DropInFlight();
+        }
       }
     });
   }
   for (auto& thread : threads) thread.join();
   for (const absl::Status& s : status) BATON_RETURN_IF_ERROR(s);
-  return stages_[pp_ - 1][0]->MeanLoss();
+  // Each cp rank's mean over its tokens (equal counts: their mean is the whole's).
+  double loss = 0.0;
+  for (int c = 0; c < cp_; ++c) loss += stages_[pp_ - 1][c * tp_]->MeanLoss();
+  return loss / cp_;
 }
 
 double InProcModel::GlobalGradSqNorm() const {
   double sum = 0.0;
   for (const auto& row : stages_) {
-    for (const auto& stage : row) sum += stage->LocalGradSqNorm();
+    // The cp ranks hold the same averaged gradients: cp rank 0's lanes count.
+    for (int r = 0; r < tp_; ++r) sum += row[r]->LocalGradSqNorm();
   }
   return sum;
 }

@@ -29,11 +29,14 @@ class InProcModel {
   // stage runs (StageConfig::device); stages hand activations and gradients
   // to each other through events between their streams. `precision`: see
   // StageConfig::precision (bf16: the stages exchange bf16 activations).
-  // `sequence_parallel`: see StageConfig::sequence_parallel.
+  // `sequence_parallel`: see StageConfig::sequence_parallel. `cp`: context
+  // parallelism (StageConfig::cp_size): cp x tp threads ("lanes", lane = cp
+  // rank · tp + tp rank), each slicing its view of every microbatch; the
+  // gradients are averaged over the cp ranks after the backward.
   static absl::StatusOr<std::unique_ptr<InProcModel>> Create(
       const GptConfig& model, int pp, int tp, uint64_t seed, int microbatches, bool vocab_parallel,
       kernels::Device device = kernels::Device::Cpu(),
-      kernels::Precision precision = kernels::Precision::kFloat32, bool sequence_parallel = false);
+      kernels::Precision precision = kernels::Precision::kFloat32, bool sequence_parallel = false, int cp = 1);
 
   // Sets parameter `name` on every stage and rank that holds it.
   absl::Status SetParameter(const std::string& name, absl::Span<const float> full);
@@ -65,16 +68,18 @@ class InProcModel {
   absl::Status RunRank(int tp_rank, const std::vector<kernels::Tensor>& tokens,
                        const std::vector<kernels::Tensor>& targets);
 
-  int pp_ = 1, tp_ = 1;
+  int pp_ = 1, tp_ = 1, cp_ = 1;
   GptConfig model_;
   kernels::Device device_;
-  // [pp][tp]: recorded on a stage's stream after it produced an output.
+  // [pp][lane]: recorded on a stage's stream after it produced an output.
   std::vector<std::vector<std::unique_ptr<kernels::Event>>> ready_;
-  // [pp][tp] stages; tp_groups_[pp] the TP group of a stage; tie_groups_[tp]
-  // the (first, last) stage pair of a TP rank.
+  // [pp][lane] stages; tp_groups_[pp · cp + cp rank] the TP group of a
+  // stage; cp_groups_[pp · tp + tp rank] its CP ring (cp > 1);
+  // tie_groups_[lane] the (first, last) stage pair of a lane.
   std::vector<std::vector<std::unique_ptr<GptStage>>> stages_;
   std::vector<std::vector<std::unique_ptr<comm::InProcCommunicator>>> tp_groups_;
   std::vector<std::vector<std::unique_ptr<comm::InProcCommunicator>>> tie_groups_;
+  std::vector<std::vector<std::unique_ptr<comm::InProcCommunicator>>> cp_groups_;
 };
 
 }  // namespace baton::model

@@ -28,24 +28,24 @@ class LayoutTest : public ::testing::Test {
   static void SetUpTestSuite() { kernels::cpu::SetBlasThreads(1); }
   void SetUp() override { DrawBatches(); }
 
-  // Two microbatches of 2 x 12 ids (T < seq_len) for model_, from seed 7:
-  // again after a test changes model_.vocab.
-  void DrawBatches() {
+  // Two microbatches of 2 x `seq` ids (12 < seq_len by default) for model_,
+  // from seed 7: again after a test changes model_.vocab.
+  void DrawBatches(int64_t seq = 12) {
     tokens_.clear();
     targets_.clear();
     std::mt19937 rng(7);
     for (int mb = 0; mb < 2; ++mb) {
-      tokens_.push_back(RandomIds(rng, 2, 12, model_.vocab));
-      targets_.push_back(RandomIds(rng, 2, 12, model_.vocab));
+      tokens_.push_back(RandomIds(rng, 2, seq, model_.vocab));
+      targets_.push_back(RandomIds(rng, 2, seq, model_.vocab));
     }
   }
 
-  // model_ at pp x tp (seed 42), one forward and backward of the batches;
+  // model_ at pp x tp (x cp) (seed 42), one forward and backward of the batches;
   // *loss is their mean loss. Null (a failed expectation) when it cannot run.
   std::unique_ptr<InProcModel> Run(int pp, int tp, double* loss, bool vocab_parallel = false,
-                                   bool sequence_parallel = false) {
+                                   bool sequence_parallel = false, int cp = 1) {
     auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
-                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel);
+                                 kernels::Device::Cpu(), kernels::Precision::kFloat32, sequence_parallel, cp);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return nullptr;
     auto l = (*m)->ForwardBackward(tokens_, targets_);

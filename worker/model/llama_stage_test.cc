@@ -42,7 +42,7 @@ class LlamaStageTest : public LayoutTest {
   LlamaStageTest() : LayoutTest(SmallLlama()) {}
 
   void ExpectEveryLayoutMatches(const std::vector<std::pair<int, int>>& layouts, bool vocab_parallel = false,
-                                bool sequence_parallel = false) {
+                                bool sequence_parallel = false, int cp = 1) {
     double base_loss = 0;
     auto base = Run(1, 1, &base_loss);
     ASSERT_NE(base, nullptr);
@@ -50,7 +50,7 @@ class LlamaStageTest : public LayoutTest {
     for (const auto& [pp, tp] : layouts) {
       SCOPED_TRACE(::testing::Message() << "pp=" << pp << " tp=" << tp);
       double loss = 0;
-      auto m = Run(pp, tp, &loss, vocab_parallel, sequence_parallel);
+      auto m = Run(pp, tp, &loss, vocab_parallel, sequence_parallel, cp);
       ASSERT_NE(m, nullptr);
       EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
       EXPECT_NEAR(m->GlobalGradSqNorm(), base->GlobalGradSqNorm(), 1e-5 * base->GlobalGradSqNorm());
@@ -121,6 +121,14 @@ TEST_F(LlamaStageTest, VocabularyParallelLayoutsMatch) {
 TEST_F(LlamaStageTest, SequenceParallelLayoutsMatch) {
   ExpectEveryLayoutMatches({{1, 2}, {2, 2}}, /*vocab_parallel=*/false, /*sequence_parallel=*/true);
   ExpectEveryLayoutMatches({{2, 2}}, /*vocab_parallel=*/true, /*sequence_parallel=*/true);
+}
+
+// Context parallelism: each rank's two chunks take RoPE at their global
+// offsets; ring attention over grouped key/value heads.
+TEST_F(LlamaStageTest, ContextParallelLayoutsMatch) {
+  DrawBatches(/*seq=*/model_.seq_len);
+  ExpectEveryLayoutMatches({{1, 1}, {2, 2}}, /*vocab_parallel=*/false, /*sequence_parallel=*/false, /*cp=*/2);
+  ExpectEveryLayoutMatches({{1, 2}}, /*vocab_parallel=*/false, /*sequence_parallel=*/true, /*cp=*/4);
 }
 
 TEST_F(LlamaStageTest, TiedHeadLayoutsMatchAndSumTheirTwoCopies) {
