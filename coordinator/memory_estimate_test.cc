@@ -583,9 +583,9 @@ TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
   EXPECT_EQ(b.peak_microbatches, a.peak_microbatches);
   // ZeRO 1 at dp 1 shards over the two CP ranks.
   const v1::JobSpec sharded = Job((text + "cp: 2 zero_stage: 1 }").c_str());
-  EXPECT_LT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes);
-  EXPECT_GT(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, b.optimizer_bytes / 3 * 2)
-      << "the gradients stay whole, the two moments halve";
+  const int64_t n = static_cast<int64_t>(b.parameter_bytes / 4);
+  EXPECT_DOUBLE_EQ(EstimateWorkerMemory(sharded, *cp_plan, 0).optimizer_bytes, 4.0 * n + 2 * 4 * Shard(n, 2))
+      << "the gradients stay whole, the two moments hold half each";
 }
 
 // A sequence too long for one worker's memory: refused naming parallel.cp
