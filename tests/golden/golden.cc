@@ -61,11 +61,11 @@ absl::StatusOr<Golden> LoadGolden(const SafetensorsFile& file) {
 absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, int tp, int pp,
                                                           bool vocab_parallel,
                                                           kernels::Device device,
-                                                          kernels::Precision precision) {
+                                                          kernels::Precision precision, int cp) {
   BATON_ASSIGN_OR_RETURN(auto model,
                          model::InProcModel::Create(golden.config, pp, tp, /*seed=*/0,
                                                     /*microbatches=*/1, vocab_parallel, device,
-                                                    precision));
+                                                    precision, /*sequence_parallel=*/false, cp));
   const std::vector<std::string> names = model->ParameterNames();
   if (names.size() != golden.params.size() || names.size() != golden.grads.size()) {
     return absl::InvalidArgumentError(

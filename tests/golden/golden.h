@@ -36,11 +36,12 @@ struct Comparison {
 // allow, or a golden whose parameters do not match the model's. `device`:
 // where the stages run (kernels/backend.h; its backend must be linked).
 // `precision`: train.precision of the run (bf16: GEMM inputs, attention and
-// the stages' messages in bf16 against PyTorch's float64 golden).
+// the stages' messages in bf16 against PyTorch's float64 golden). `cp`:
+// context parallelism (each sequence over cp ranks, ring attention).
 absl::StatusOr<std::vector<Comparison>> CompareWithGolden(
     const Golden& golden, int tp, int pp, bool vocab_parallel,
     kernels::Device device = kernels::Device::Cpu(),
-    kernels::Precision precision = kernels::Precision::kFloat32);
+    kernels::Precision precision = kernels::Precision::kFloat32, int cp = 1);
 
 }  // namespace baton::golden
 

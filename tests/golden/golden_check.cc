@@ -25,6 +25,7 @@
 ABSL_FLAG(std::string, golden, "", "golden safetensors file from gen_golden.py");
 ABSL_FLAG(int, tp, 1, "tensor-parallel ranks");
 ABSL_FLAG(int, pp, 1, "pipeline stages");
+ABSL_FLAG(int, cp, 1, "context-parallel ranks (each sequence split over them, ring attention)");
 ABSL_FLAG(bool, vocab_parallel, false, "split the embedding and LM head by vocabulary over tp");
 ABSL_FLAG(double, tolerance, -1,
           "largest relative error accepted, for the loss and every gradient (default: fp32 1e-4; "
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   baton::kernels::cpu::SetBlasThreads(1);
   const std::string path = absl::GetFlag(FLAGS_golden);
-  const int tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp);
+  const int tp = absl::GetFlag(FLAGS_tp), pp = absl::GetFlag(FLAGS_pp), cp = absl::GetFlag(FLAGS_cp);
   auto file = baton::SafetensorsFile::Read(path);
   if (!file.ok()) {
     std::fprintf(stderr, "golden_check: %s\n", std::string(file.status().message()).c_str());
@@ -64,7 +65,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool bf16 = *precision == baton::kernels::Precision::kBFloat16;
-  auto result = baton::golden::CompareWithGolden(*golden, tp, pp, vocab_parallel, *device, *precision);
+  auto result = baton::golden::CompareWithGolden(*golden, tp, pp, vocab_parallel, *device, *precision, cp);
   if (!result.ok()) {
     std::fprintf(stderr, "golden_check: tp=%d pp=%d: %s\n", tp, pp,
                  std::string(result.status().message()).c_str());
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
   const double grad_tolerance = given >= 0 ? given : (bf16 ? 5e-2 : 1e-4);
   int bad = 0;
   double worst = 0;
-  std::printf("golden %s  tp=%d pp=%d%s on %s in %s\n", path.c_str(), tp, pp,
+  std::printf("golden %s  tp=%d pp=%d cp=%d%s on %s in %s\n", path.c_str(), tp, pp, cp,
               vocab_parallel ? " vocab_parallel" : "",
               baton::kernels::DeviceToString(*device).c_str(), bf16 ? "bf16" : "fp32");
   for (const auto& c : *result) {

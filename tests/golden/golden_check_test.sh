@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs golden_check on every golden at TP 1/2 × PP 1/2, and on the goldens
+# Runs golden_check on every golden at TP 1/2 × PP 1/2 (in fp32 also at CP 2,
+# CP 2 with TP 2 × PP 2, and CP 4), and on the goldens
 # listed after --vocab_parallel also at TP 2 × PP 1/2 with the vocabulary-
 # parallel embedding and head; fails if any run differs from PyTorch by more
 # than golden_check's tolerance (fp32: 1e-4; bf16: 1e-2 loss, 5e-2 gradients).
@@ -46,6 +47,12 @@ for golden in "$@"; do
     for tp in 1 2; do
       for pp in 1 2; do run --golden="$golden" --tp="$tp" --pp="$pp"; done
     done
+    # Context parallelism (ring attention; fp32 only).
+    if [[ "$precision" == --precision=fp32 ]]; then
+      run --golden="$golden" --cp=2
+      run --golden="$golden" --tp=2 --pp=2 --cp=2
+      run --golden="$golden" --cp=4
+    fi
   fi
 done
 exit "$failed"

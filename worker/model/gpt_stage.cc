@@ -768,8 +768,21 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
     kernels::Copy(ctx_, *logits, s.dlogits);
     return absl::OkStatus();
   }
+  // The microbatch's scored tokens: under CP every rank's, summed over the
+  // ring (ignored targets need not split evenly), and the scale is cp times
+  // larger because the executor averages the cp ranks' gradients: their
+  // average is then the serial model's gradient exactly.
+  int64_t scored = score->tokens;
+  if (cp_ != nullptr) {
+    int64_t count = scored;
+    comm::Buffer buffer{&count, 1, comm::DType::kInt64, -1};
+    BATON_RETURN_IF_ERROR_CTX(cp_->AllReduceSum(buffer)->Wait(config_.comm_timeout),
+                              "context-parallel sum of the microbatch's scored tokens");
+    scored = count;
+  }
   const float grad_scale =
-      score->tokens == 0 ? 0.0f : 1.0f / static_cast<float>(score->tokens * config_.microbatches);
+      scored == 0 ? 0.0f
+                  : static_cast<float>(config_.cp_size) / static_cast<float>(scored * config_.microbatches);
   if (vocab_parallel_) return ScoreVocabularyParallel(s, grad_scale);
   BATON_ASSIGN_OR_RETURN(Tensor max, arena.Allocate({n}));
   BATON_ASSIGN_OR_RETURN(Tensor index, arena.Allocate({n}));

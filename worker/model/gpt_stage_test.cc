@@ -192,6 +192,30 @@ TEST_F(GptStageTest, ContextParallelLayoutsMatchTheSerialModel) {
   }
 }
 
+// Ignored targets need not fall evenly on the cp ranks (here they crowd the
+// sequences' ends): the microbatch's scored tokens are counted over the ring,
+// so the loss and the gradients are still the serial model's.
+TEST_F(GptStageTest, ContextParallelWithUnevenlyIgnoredTargetsMatchesTheSerialModel) {
+  DrawBatches(/*seq=*/model_.seq_len);
+  for (Tensor& t : targets_) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (i % model_.seq_len >= 10 || i % 5 == 0) t.i32()[i] = -1;
+    }
+  }
+  double base_loss = 0;
+  auto base = Run(1, 1, &base_loss);
+  for (int cp : {2, 4}) {
+    SCOPED_TRACE(::testing::Message() << "cp=" << cp);
+    double loss = 0;
+    auto m = Run(2, 1, &loss, false, false, cp);
+    ASSERT_NE(m, nullptr);
+    EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+    for (const std::string& name : base->ParameterNames()) {
+      EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
+    }
+  }
+}
+
 TEST_F(GptStageTest, ContextParallelRefusesWhatItCannotSplit) {
   // model.seq_len 16 does not split into 2·cp = 6 chunks.
   auto three = InProcModel::Create(model_, 1, 1, 42, 1, false, kernels::Device::Cpu(), kernels::Precision::kFloat32,

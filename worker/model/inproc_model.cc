@@ -181,10 +181,16 @@ absl::StatusOr<double> InProcModel::ForwardBackward(const std::vector<Tensor>& t
   }
   for (auto& thread : threads) thread.join();
   for (const absl::Status& s : status) BATON_RETURN_IF_ERROR(s);
-  // Each cp rank's mean over its tokens (equal counts: their mean is the whole's).
-  double loss = 0.0;
-  for (int c = 0; c < cp_; ++c) loss += stages_[pp_ - 1][c * tp_]->MeanLoss();
-  return loss / cp_;
+  if (cp_ == 1) return stages_[pp_ - 1][0]->MeanLoss();
+  // The cp ranks' losses over all their scored tokens.
+  double loss_sum = 0.0;
+  int64_t scored = 0;
+  for (int c = 0; c < cp_; ++c) {
+    const StepScore score = stages_[pp_ - 1][c * tp_]->score();
+    loss_sum += score.loss_sum;
+    scored += score.tokens;
+  }
+  return scored == 0 ? 0.0 : loss_sum / static_cast<double>(scored);
 }
 
 double InProcModel::GlobalGradSqNorm() const {
