@@ -196,6 +196,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double b = job.train().micro_batch_size(), n = b * s;
   const BlockShape shape = BlockShapeOf(m, tp);
   const bool sp = d.sequence_parallel && d.tp > 1;  // sequence parallelism
+  const double group = static_cast<double>(d.dp) * d.cp;  // the data-parallel group ZeRO 1 shards over
   // GPT-2: LayerNorms and the replicated biases (6 C), qkv, proj and the
   // 4x MLP with their split biases. Llama: two RMSNorm weights (2 C), q and
   // o (C x C each), k and v (KV·hd x C each), gate, up and down (F x C each).
@@ -236,8 +237,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
       act += kFloat * (3 * n * c + n * v + 8 * n);  // xf, logits / their gradient, loss stats
     }
     params += chunk_params;
-    moment_elements +=
-        d.sharded_optimizer() ? ZeroShardElements(std::ceil(chunk_params), double{d.dp} * d.cp) : chunk_params;
+    moment_elements += d.sharded_optimizer() ? ZeroShardElements(std::ceil(chunk_params), group) : chunk_params;
     max_chunk_activations = std::max(max_chunk_activations, act);
   }
   const bool bf16 = job.train().precision() == "bf16";
@@ -373,7 +373,8 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
     if (need.total() > has) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name(), "': pipeline stage ", r.pp_rank(), " (tp rank ", r.tp_rank(), ", dp rank ",
-          r.dp_rank(), d.cp > 1 ? absl::StrCat(", cp rank ", r.cp_rank()) : "", ") needs about ", FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
+          r.dp_rank(), d.cp > 1 ? absl::StrCat(", cp rank ", r.cp_rank()) : "", ") needs about ",
+          FormatBytes(need.total()), " per worker but worker '", r.worker_name(),
           "' has ", FormatBytes(has), " (", detail(need), "); ", fix(need.total() - has)));
     }
     Host& h = hosts[MemoryPoolOf(*it->second)];
