@@ -53,7 +53,7 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a worker silent this long is marked lost");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "heartbeat period asked of workers (< lease_ms)");
 ABSL_FLAG(std::string, out, "", "with --job: write summary.json, steps.jsonl, trace.json and final/ weights here");
 ABSL_FLAG(int64_t, max_workers, 4096,
-          "worker names this coordinator holds at once (live or recently lost); a job needs pp*tp*dp of them");
+          "worker names this coordinator holds at once (live or recently lost); a job needs pp*tp*cp*dp of them");
 ABSL_FLAG(int64_t, ready_timeout_s, 60, "with --job: report missing workers as the job error after this long");
 ABSL_FLAG(std::string, resume, "",
           "with --job: resume from this checkpoint directory (or the newest complete one under a checkpoint.dir); "
@@ -130,7 +130,8 @@ int Main() {
     if (!loaded.ok()) return Fail(2, std::string(loaded.status().message()));
     job = *loaded;
     if (DimsOf(*job).world_size() > max_workers) {
-      return Fail(2, absl::StrCat("job '", job->name(), "' needs pp*tp*dp = ", DimsOf(*job).world_size(),
+      return Fail(2, absl::StrCat("job '", job->name(), "' needs ", DimsOf(*job).cp > 1 ? "pp*tp*cp*dp" : "pp*tp*dp",
+                                  " = ", DimsOf(*job).world_size(),
                                   " workers; this coordinator holds at most ", max_workers,
                                   " (--max_workers): raise --max_workers"));
     }
