@@ -1623,11 +1623,22 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
   // are the whole: every rank counts (in the map's name order, the same
   // order every step).
   //
-  // The loss: each last-stage rank's mean over its own tokens (one TP rank
-  // of each counts, its TP peers hold the same), averaged over the (dp, cp)
-  // reporters; every rank holds as many tokens (a CP rank two chunks of
-  // seq_len / (2 cp) of every sequence), so that is the mean over the batch.
+  // The loss: each last-stage rank's mean over its own scored tokens (one TP
+  // rank of each counts, its TP peers hold the same). A DP replica's is its
+  // ranks' mean; with cp > 1 a replica's CP ranks hold different tokens of
+  // the same sequences, and not necessarily as many scored ones (ignored
+  // targets), so its loss is their means weighted by their scored tokens
+  // (`predicted`): the replica's mean over all its tokens, as the workers'
+  // gradient scale (GptStage) counts them (the plain mean where none says
+  // how many it scored). The replicas' losses are averaged.
   const bool every_rank = DimsOf(job_).sharded_optimizer();
+  const bool cp = DimsOf(job_).cp > 1;
+  struct Replica {
+    double weighted = 0, plain = 0;  // Σ loss · tokens, Σ loss
+    int64_t tokens = 0;
+    int reporters = 0;
+  };
+  std::map<int, Replica> replicas;  // cp > 1, by dp rank
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, msg] : reports) {
@@ -1636,12 +1647,25 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
       *finite &= r.finite();
       if (every_rank || (rank.dp_rank() == 0 && rank.cp_rank() == 0)) sq += r.grad_sq_norm();
       if (r.has_loss() && rank.tp_rank() == 0) {
-        loss_sum += r.loss();
-        ++losses;
+        if (cp) {
+          Replica& replica = replicas[rank.dp_rank()];
+          replica.weighted += r.loss() * static_cast<double>(r.predicted());
+          replica.plain += r.loss();
+          replica.tokens += r.predicted();
+          ++replica.reporters;
+        } else {
+          loss_sum += r.loss();
+          ++losses;
+        }
         *correct += r.correct();
         *predicted += r.predicted();
       }
     }
+  }
+  for (const auto& [dp_rank, replica] : replicas) {
+    loss_sum += replica.tokens > 0 ? replica.weighted / static_cast<double>(replica.tokens)
+                                   : replica.plain / replica.reporters;
+    ++losses;
   }
   *loss = losses > 0 ? loss_sum / losses : 0;
   const double norm = std::sqrt(sq);
@@ -1667,7 +1691,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
   rec.epoch = epoch;
   double bubble = 0, comm = 0, worker_wall = 0;
   // The most any one worker sent or holds (the rank that bounds the job).
-  int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0, max_activations = 0;
+  int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_cp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0, max_activations = 0;
   std::map<int, v1::StageStatus> stages;
   bool replay = false;
   std::optional<absl::Duration> recovered_in;
@@ -1707,12 +1731,13 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
     recorded_ = step;
     for (const auto& [name, msg] : done) {
       const v1::StepDone& s = msg.step_done();
-      const double c = s.comm_p2p_seconds() + s.comm_tp_seconds() + s.comm_dp_seconds();
+      const double c = s.comm_p2p_seconds() + s.comm_tp_seconds() + s.comm_dp_seconds() + s.comm_cp_seconds();
       bubble += s.bubble_seconds();
       comm += c;
       worker_wall += s.wall_seconds();
       max_tp_bytes = std::max(max_tp_bytes, s.comm_tp_bytes());
       max_dp_bytes = std::max(max_dp_bytes, s.comm_dp_bytes());
+      max_cp_bytes = std::max(max_cp_bytes, s.comm_cp_bytes());
       max_weights = std::max(max_weights, s.weights_bytes());
       max_grads = std::max(max_grads, s.grads_bytes());
       max_optimizer = std::max(max_optimizer, s.optimizer_bytes());
@@ -1765,6 +1790,7 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"wall_seconds\": ", Num(wall), ", \"tokens_per_second\": ", Num(rec.tokens_per_second),
       ", \"bubble_ratio\": ", Num(rec.bubble_ratio), ", \"comm_ratio\": ", Num(rec.comm_ratio),
       ", \"epoch\": ", epoch, ", \"max_tp_bytes\": ", max_tp_bytes, ", \"max_dp_bytes\": ", max_dp_bytes,
+      ", \"max_cp_bytes\": ", max_cp_bytes,
       ", \"max_weights_bytes\": ", max_weights, ", \"max_grads_bytes\": ", max_grads,
       ", \"max_optimizer_bytes\": ", max_optimizer, ", \"max_activation_bytes\": ", max_activations, "}"));
 }

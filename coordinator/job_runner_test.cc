@@ -372,6 +372,7 @@ class FakeWorkers : public JobWorkers {
           rep->set_has_loss(rank.pp_rank() == plan_of_[worker].pp() - 1);
           rep->set_loss(rep->has_loss() ? 10.0 / m.run_step().step() + 0.1 * rank.dp_rank() + 0.01 * rank.cp_rank()
                                         : 0);
+          rep->set_predicted(rep->has_loss() ? 10 + 30 * rank.cp_rank() : 0);  // CP ranks score unevenly
         }
         traced_[worker] = m.run_step().trace();
         break;
@@ -994,12 +995,12 @@ std::vector<double> StepValues(const std::string& out, const char* key) {
 // With cp > 1 the gradients are reduced over the dp*cp ranks of a (pp, tp):
 // without ZeRO only the rank of dp 0 and cp 0 counts toward the norm (its
 // CP peers and DP replicas hold the same gradients); with ZeRO 1 every
-// rank's shard counts. The loss is the mean over every (dp, cp) reporter of
-// the last stage. A context-parallel job forms no report groups even where
-// every worker takes them.
+// rank's shard counts. The loss is a replica's CP ranks' losses weighted by
+// the tokens each scored, averaged over the replicas. A context-parallel job
+// forms no report groups even where every worker takes them.
 class ContextParallelStepTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
 
-TEST_P(ContextParallelStepTest, TheNormCountsOneRankOfTheGroupOrEveryShardAndTheLossEveryReporter) {
+TEST_P(ContextParallelStepTest, TheNormCountsOneRankOfTheGroupOrEveryShardAndTheLossWeighsTheCpRanks) {
   const int zero_stage = GetParam();
   const std::string out = absl::StrCat(::testing::TempDir(), "/cp_step_", zero_stage);
   report_groups_min_ranks_ = 1;
@@ -1014,11 +1015,13 @@ TEST_P(ContextParallelStepTest, TheNormCountsOneRankOfTheGroupOrEveryShardAndThe
   // 0.75 = 1; all eight ranks 8 * 0.25 + 4 * 0.5 + 4 * 1 + 4 * 2 = 16.
   const double norm = zero_stage == 0 ? 1.0 : 4.0;
   EXPECT_EQ(StepValues(out, "grad_norm"), (std::vector<double>{norm, norm, norm}));
-  // Last-stage losses 10/step + 0.1 dp + 0.01 cp over dp, cp in {0, 1}.
+  // Last-stage losses 10/step + 0.1 dp + 0.01 cp over dp, cp in {0, 1}, of
+  // 10 and 40 scored tokens (cp 0, 1): a replica's is 10/step + 0.1 dp +
+  // 0.01 * 40/50; their mean 10/step + 0.05 + 0.008.
   const std::vector<double> losses = StepValues(out, "loss");
   ASSERT_EQ(losses.size(), 3u);
   // (steps.jsonl keeps 9 digits.)
-  for (int step = 1; step <= 3; ++step) EXPECT_NEAR(losses[step - 1], 10.0 / step + 0.055, 1e-7) << step;
+  for (int step = 1; step <= 3; ++step) EXPECT_NEAR(losses[step - 1], 10.0 / step + 0.058, 1e-7) << step;
   for (int i = 0; i < 8; ++i) {
     const std::string w = absl::StrCat("worker-", i);
     const std::vector<v1::Configure> c = fake_->Configures(w);

@@ -90,7 +90,7 @@ v1::Program ForwardOnlyProgram(const v1::Program& program) {
 
 StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks,
                            BatchFn batch, comm::Communicator* pipeline, comm::TimedCommunicator* tp,
-                           comm::Communicator* dp)
+                           comm::Communicator* dp, comm::TimedCommunicator* cp)
     : program_(std::move(program)),
       options_(std::move(options)),
       chunks_(std::move(chunks)),
@@ -98,6 +98,7 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       pipeline_(pipeline),
       tp_(tp),
       dp_(dp),
+      cp_(cp),
       dp_collectives_(dp != nullptr ? std::make_shared<comm::StreamCollectives>(*dp) : nullptr) {
   for (int i = 0; i < program_.actions_size(); ++i) {
     const Action& a = program_.actions(i);
@@ -286,7 +287,8 @@ absl::Status StepExecutor::ResolveSpans() {
 
 absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
-  compute_ = p2p_ = tp_comm_ = dp_comm_ = 0;
+  compute_ = p2p_ = tp_comm_ = dp_comm_ = cp_comm_ = 0;
+  cp_bytes_at_start_ = cp_ != nullptr ? cp_->p2p_bytes_sent() : 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
   tp_bytes_at_start_ = tp_ != nullptr ? tp_->collective_bytes_sent() : 0;
   dp_bytes_at_start_ = dp_ != nullptr ? dp_->collective_bytes_sent() : 0;
@@ -444,6 +446,7 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   const bool on_stream = model->context().stream != nullptr;
   const absl::Time start = absl::Now();
   const double tp_before = tp_ ? tp_->waited_seconds() : 0;
+  const double cp_before = cp_ ? cp_->waited_seconds() : 0;
   if (on_stream) BATON_RETURN_IF_ERROR(BeginSpan(model, s));
 
   absl::Status status;
@@ -501,12 +504,14 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   }
   const absl::Time end = absl::Now();
   const double tp_wait = tp_ ? tp_->waited_seconds() - tp_before : 0;
+  const double cp_wait = cp_ ? cp_->waited_seconds() - cp_before : 0;
   tp_comm_ += tp_wait;
+  cp_comm_ += cp_wait;
   if (on_stream) {
-    if (status.ok()) status = EndSpan(model, s, absl::StrCat(Name(a.kind()), s, " mb", mb), tp_wait);
+    if (status.ok()) status = EndSpan(model, s, absl::StrCat(Name(a.kind()), s, " mb", mb), tp_wait + cp_wait);
     return status;
   }
-  compute_ += absl::ToDoubleSeconds(end - start) - tp_wait;
+  compute_ += absl::ToDoubleSeconds(end - start) - tp_wait - cp_wait;
   Record(absl::StrCat(Name(a.kind()), s, " mb", mb), "compute", start, end);
   return status;
 }
@@ -887,7 +892,9 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   done.set_comm_p2p_seconds(p2p_);
   done.set_comm_tp_seconds(tp_comm_);
   done.set_comm_dp_seconds(dp_comm_);
-  done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_));
+  done.set_comm_cp_seconds(cp_comm_);
+  done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_ - cp_comm_));
+  if (cp_ != nullptr) done.set_comm_cp_bytes(cp_->p2p_bytes_sent() - cp_bytes_at_start_);
   if (tp_ != nullptr) done.set_comm_tp_bytes(tp_->collective_bytes_sent() - tp_bytes_at_start_);
   if (dp_ != nullptr) done.set_comm_dp_bytes(dp_->collective_bytes_sent() - dp_bytes_at_start_);
   int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;

@@ -93,6 +93,10 @@ namespace baton {
 struct ExecutorOptions {
   int num_stages = 1;  // pp * virtual_stages
   int microbatches = 1;
+  // The data replica this rank reads microbatches of (batch index dp_rank ·
+  // microbatches + mb), and the size of the group its gradients are
+  // averaged over: the dp group's, which under context parallelism is the
+  // dp x cp ranks (so dp_size is then dp · cp).
   int dp_rank = 0;
   int dp_size = 1;
   int64_t tokens_per_microbatch = 0;  // micro_batch_size * seq_len
@@ -123,9 +127,13 @@ class StepExecutor {
   // `chunks`: stage index -> model, for the stages this rank holds. `pipeline`
   // has one rank per pipeline rank (null when pp == 1); `tp` wraps the TP
   // group the chunks use (null when tp == 1); `dp` the replicas of this
-  // (pp, tp) rank (null when dp == 1).
+  // (pp, tp) rank (null when dp == 1; the dp x cp ranks under context
+  // parallelism); `cp` wraps the context-parallel ring the chunks' attention
+  // uses (null when cp == 1): its waits inside an action are cp comm, not
+  // compute.
   StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks, BatchFn batch,
-               comm::Communicator* pipeline, comm::TimedCommunicator* tp, comm::Communicator* dp);
+               comm::Communicator* pipeline, comm::TimedCommunicator* tp, comm::Communicator* dp,
+               comm::TimedCommunicator* cp = nullptr);
   // Waits for the communication stream's work (it uses the pipeline
   // communicator and the message buffers).
   ~StepExecutor();
@@ -204,6 +212,7 @@ class StepExecutor {
   comm::Communicator* pipeline_;
   comm::TimedCommunicator* tp_;
   comm::Communicator* dp_;
+  comm::TimedCommunicator* cp_;
 
   // Per step.
   std::map<Key, Message> act_out_, act_in_, grad_out_, grad_in_;
@@ -211,9 +220,10 @@ class StepExecutor {
   std::set<int> filled_;                // microbatches whose data this step has read
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
-  double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0;
-  // Communicators' collective_bytes_sent() when the step started.
-  int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0;
+  double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0, cp_comm_ = 0;
+  // Communicators' collective_bytes_sent() (cp: p2p_bytes_sent()) when the
+  // step started.
+  int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0, cp_bytes_at_start_ = 0;
   double tp_waited_at_start_ = 0;  // tp_->waited_seconds() when the step started
   bool trace_ = false;
   std::vector<v1::TraceEvent> events_;

@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "worker/model/comm_buffer.h"
+#include "worker/model/context_parallel.h"
 
 namespace baton {
 
@@ -28,7 +29,7 @@ kernels::AdamWConfig AdamWFromTrainSpec(const v1::TrainSpec& train) {
 
 absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
     const model::StageConfig& config, int64_t micro_batch_size, comm::Communicator* tp_group,
-    comm::Communicator* tie_group, const kernels::AdamWConfig& adamw) {
+    comm::Communicator* tie_group, const kernels::AdamWConfig& adamw, comm::Communicator* cp_group) {
   if (micro_batch_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("train.micro_batch_size = ", micro_batch_size, ": must be positive"));
@@ -44,7 +45,7 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
         "rank 0 and the last rank 1"));
   }
   BATON_ASSIGN_OR_RETURN(std::unique_ptr<model::GptStage> stage,
-                         model::GptStage::Create(config, tp_group));
+                         model::GptStage::Create(config, tp_group, cp_group));
   std::unique_ptr<GptStageModel> model(
       new GptStageModel(config, micro_batch_size, std::move(stage), tie_group, adamw));
   if (needs_tie) {
@@ -54,24 +55,50 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
 }
 
 int64_t GptStageModel::activation_elements() const {
-  return batch_ * config_.model.seq_len * config_.model.d_model;
+  return batch_ * config_.model.seq_len / config_.cp_size * config_.model.d_model;
 }
+
+namespace {
+
+// This CP rank's view [2B, T / (2 cp)] of a microbatch's int32 [B, T] ids.
+absl::StatusOr<Tensor> ContextParallelView(const Tensor& whole, const model::StageConfig& config,
+                                           const char* what) {
+  if (config.cp_size == 1) return whole;
+  const int64_t seq = config.model.seq_len;
+  if (!whole.defined() || whole.dtype() != kernels::DType::kInt32 || !whole.device().is_cpu() ||
+      whole.ndim() != 2 || whole.dim(1) != seq) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": want host int32 [micro_batch_size, model.seq_len = ", seq,
+                                                   "] to split over parallel.cp = ", config.cp_size, " ranks"));
+  }
+  const int64_t batch = whole.dim(0);
+  BATON_ASSIGN_OR_RETURN(Tensor local, Tensor::TryZeros({2 * batch, seq / (2 * config.cp_size)},
+                                                        kernels::DType::kInt32));
+  model::SliceForContextParallel(whole.i32(), batch, seq, config.cp_rank, config.cp_size, local.i32());
+  return local;
+}
+
+}  // namespace
 
 absl::Status GptStageModel::Forward(int mb, const MicrobatchData& data, const Tensor& input,
                                     const Tensor& output) {
   model::StageInputs in;
   if (config_.is_first()) {
-    in.tokens = data.tokens;
+    BATON_ASSIGN_OR_RETURN(in.tokens, ContextParallelView(data.tokens, config_, "tokens"));
   } else {
     if (!input.defined() || input.numel() != activation_elements()) {
       return absl::InvalidArgumentError(
           absl::StrCat("Forward(", mb, "): input: want ", activation_elements(),
-                       " activations (micro_batch_size × seq_len × d_model), got ",
+                       " activations (micro_batch_size × seq_len / cp × d_model), got ",
                        input.defined() ? input.numel() : 0));
     }
-    in.activations = input.Reshaped({batch_, config_.model.seq_len, config_.model.d_model});
+    const bool cp = config_.cp_size > 1;
+    in.activations = input.Reshaped({cp ? 2 * batch_ : batch_,
+                                     cp ? config_.model.seq_len / (2 * config_.cp_size) : config_.model.seq_len,
+                                     config_.model.d_model});
   }
-  if (config_.is_last()) in.targets = data.targets;
+  if (config_.is_last()) {
+    BATON_ASSIGN_OR_RETURN(in.targets, ContextParallelView(data.targets, config_, "targets"));
+  }
   return stage_->Forward(mb, in, output);
 }
 

@@ -50,12 +50,17 @@ class GptStageModel : public StageModel {
   // and last chunk of a pipeline of more than one chunk, a two-rank group of
   // this TP rank's first chunk (rank 0) and last chunk (rank 1); null
   // elsewhere, and null when both chunks are on this rank (a V placement):
-  // then TieLocally pairs them. Both communicators must outlive the model.
+  // then TieLocally pairs them. `cp_group`: config.cp_size ranks (this one
+  // config.cp_rank) when cp_size > 1, else null; the model hands the stage
+  // its CP rank's view of each microbatch's tokens and targets
+  // (model/context_parallel.h) and its activations are that view's. The
+  // communicators must outlive the model.
   static absl::StatusOr<std::unique_ptr<GptStageModel>> Create(const model::StageConfig& config,
                                                                int64_t micro_batch_size,
                                                                comm::Communicator* tp_group,
                                                                comm::Communicator* tie_group,
-                                                               const kernels::AdamWConfig& adamw);
+                                                               const kernels::AdamWConfig& adamw,
+                                                               comm::Communicator* cp_group = nullptr);
 
   int64_t activation_elements() const override;
   kernels::DType activation_dtype() const override { return stage_->activation_dtype(); }

@@ -30,8 +30,10 @@ struct WorkerJob::Job {
   v1::JobSpec spec;
   v1::RankAssignment rank;
   std::unique_ptr<comm::Store> store;
-  std::unique_ptr<comm::Communicator> tp, pipeline, dp, tie;
-  std::unique_ptr<comm::TimedCommunicator> timed_tp;
+  // dp: the dp x cp ranks holding the same parameters (comm/job_groups.h);
+  // cp: this replica's context-parallel ring (cp > 1).
+  std::unique_ptr<comm::Communicator> tp, pipeline, dp, tie, cp;
+  std::unique_ptr<comm::TimedCommunicator> timed_tp, timed_cp;
   std::map<int, std::unique_ptr<StageModel>> chunks;
   std::unique_ptr<data::DataSource> data;
   std::unique_ptr<StepExecutor> executor;
@@ -306,7 +308,7 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (message.save_weights().with_state()) return SaveCheckpoint(message.save_weights());
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->set_generation(job_->plan.generation());
-      if (job_->rank.dp_rank() == 0) {  // DP replicas hold identical weights
+      if (job_->rank.dp_rank() == 0 && job_->rank.cp_rank() == 0) {  // dp and cp peers hold identical weights
         absl::StatusOr<std::string> dir =
             ConfineWritePath(message.save_weights().dir(), options_.output_dirs, "output_dir", "weights directory");
         if (!dir.ok()) {
@@ -499,6 +501,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   comm_family_->Add(with_kind("p2p")).Increment(done.comm_p2p_seconds());
   comm_family_->Add(with_kind("tp")).Increment(done.comm_tp_seconds());
   comm_family_->Add(with_kind("dp")).Increment(done.comm_dp_seconds());
+  if (job_->cp != nullptr) comm_family_->Add(with_kind("cp")).Increment(done.comm_cp_seconds());
   bubble_family_->Add(l).Increment(done.bubble_seconds());
   tokens_family_->Add(l).Increment(static_cast<double>(report.tokens()));
   if (report.has_loss()) loss_family_->Add(l).Set(report.loss());
@@ -508,6 +511,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   host_syncs_seen_ = syncs;
   comm_bytes_family_->Add(with_kind("tp")).Increment(static_cast<double>(done.comm_tp_bytes()));
   comm_bytes_family_->Add(with_kind("dp")).Increment(static_cast<double>(done.comm_dp_bytes()));
+  if (job_->cp != nullptr) comm_bytes_family_->Add(with_kind("cp")).Increment(static_cast<double>(done.comm_cp_bytes()));
   // The model state this worker holds, by kind, on any device (ZeRO-1
   // divides "optimizer" by dp).
   device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(done.weights_bytes()));
@@ -716,7 +720,7 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
       full[c] = *std::move(state);
     }
   }
-  if (job_->rank.dp_rank() != 0) {  // DP replicas hold identical state: replica 0 writes
+  if (job_->rank.dp_rank() != 0 || job_->rank.cp_rank() != 0) {  // dp and cp peers hold identical state: one writes
     Reply(reply);
     return;
   }
@@ -828,6 +832,14 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   if (!found) return absl::InvalidArgumentError(absl::StrCat("the plan has no rank for worker '", options_.name, "'"));
   const int pp = plan.pp(), tp = plan.tp(), dp = plan.dp(), v = std::max(1, plan.virtual_stages());
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
+  const int cp = std::max(1, plan.cp()), cr = job->rank.cp_rank();
+  if (cr < 0 || cr >= cp) {
+    return absl::InvalidArgumentError(absl::StrCat("cp rank ", cr, " is outside the plan's cp ", cp));
+  }
+  if (cp > 1 && plan.report_groups()) {  // a coordinator that planned report groups over cp ranks
+    return absl::InvalidArgumentError("the plan has report groups and parallel.cp > 1; report groups cover "
+                                      "pp x tp x dp jobs only");
+  }
   const int stages = pp * v;
   if (plan.stages_size() != stages) return absl::InvalidArgumentError("plan stages do not match pp * virtual_stages");
   job->labels = {{"training_job", plan.job()},
@@ -852,7 +864,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   }
   auto rank_of = [&](int stage) { return placement.empty() ? stage % pp : placement.Get(stage); };
   comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic(), rank_of(0), rank_of(stages - 1)};
-  comm_spec.rank = comm::RankCoords{p, t, d};
+  comm_spec.layout.cp = cp;
+  comm_spec.rank = comm::RankCoords{p, t, d, cr};
   // The coordinator's choice for the whole generation (plan.proto
   // comm_backend): NCCL splits one parent communicator per generation
   // (comm::CreateJobCommunicators); Gloo stages CUDA tensors through host
@@ -918,9 +931,12 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
         job->tie = std::move(comms[i]);  // null on the middle pipeline ranks
         break;
       case comm::GroupKind::kCp:
+        job->cp = std::move(comms[i]);
+        job->timed_cp = std::make_unique<comm::TimedCommunicator>(job->cp.get());
+        break;
       case comm::GroupKind::kEp:
       case comm::GroupKind::kExpertDp:
-        break;  // planned axes: the layout above has cp = ep = 1, so no such round
+        break;  // a planned axis: the layout above has ep = 1, so no such round
     }
   }
 
@@ -945,22 +961,24 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     config.device = device;
     config.precision = precision;
     config.sequence_parallel = job->spec.parallel().sequence_parallel();
+    config.cp_rank = cr;
+    config.cp_size = cp;
     if (job->spec.parallel().zero_stage() > 1) {  // a coordinator newer than this worker
       return absl::InvalidArgumentError(absl::StrCat("parallel.zero_stage is ", job->spec.parallel().zero_stage(),
                                                      "; this worker runs ZeRO stages 0 and 1 only"));
     }
-    if (job->spec.parallel().zero_stage() >= 1) {  // ZeRO-1: the moments sharded over the DP group
-      config.dp_rank = d;
-      config.dp_size = dp;
+    if (job->spec.parallel().zero_stage() >= 1) {  // ZeRO-1: the moments sharded over the dp x cp group
+      config.dp_rank = d * cp + cr;
+      config.dp_size = dp * cp;
     }
     BATON_ASSIGN_OR_RETURN(job->chunks[c], GptStageModel::Create(config, job->spec.train().micro_batch_size(),
                                                                  job->timed_tp.get(),
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
-                                                                 AdamWFromTrainSpec(job->spec.train())));
+                                                                 AdamWFromTrainSpec(job->spec.train()), job->timed_cp.get()));
   }
   if (job->spec.parallel().zero_stage() >= 1) {
     for (const auto& [c, m] : job->chunks) {
-      BATON_LOG(INFO) << "chunk " << c << ": AdamW moments sharded over " << dp << " data-parallel ranks (ZeRO-1): "
+      BATON_LOG(INFO) << "chunk " << c << ": AdamW moments sharded over " << dp * cp << " data-parallel ranks (ZeRO-1): "
                       << m->MemoryBytes().optimizer << " bytes here";
     }
   }
@@ -978,7 +996,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   eo.num_stages = stages;
   eo.microbatches = job->spec.schedule().microbatches();
   eo.dp_rank = d;
-  eo.dp_size = dp;
+  eo.dp_size = dp * cp;  // gradients are averaged over the dp x cp group
   eo.tokens_per_microbatch = static_cast<int64_t>(job->spec.train().micro_batch_size()) *
                              std::max(1, job->spec.model().seq_len());
   eo.op_timeout = options_.op_timeout;
@@ -991,7 +1009,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
       [data](int64_t step, int global_mb, MicrobatchData* out) {
         return data ? data->Fill(step, global_mb, 0, out) : absl::OkStatus();
       },
-      job->pipeline.get(), job->timed_tp.get(), job->dp.get());
+      job->pipeline.get(), job->timed_tp.get(), job->dp.get(), job->timed_cp.get());
   if (job->spec.train().eval_every_steps() > 0 && !job->spec.model().has_synthetic()) {
     BATON_ASSIGN_OR_RETURN(job->eval_data, data::MakeEvalDataSource(job->spec, options_.data_dir));
     ExecutorOptions eval = eo;
@@ -1004,7 +1022,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
         [eval_data](int64_t step, int global_mb, MicrobatchData* out) {
           return eval_data->Fill(step, global_mb, 0, out);
         },
-        job->pipeline.get(), job->timed_tp.get(), nullptr);
+        job->pipeline.get(), job->timed_tp.get(), nullptr, job->timed_cp.get());
   }
   return absl::OkStatus();
 }

@@ -57,6 +57,7 @@ struct Layout {
   int pp, tp, dp, v, microbatches;
   std::string schedule;
   int layers = 4;
+  int seq_len = 20;
   std::string csv_file;  // with schedule "csv": a runfile of coordinator/schedule/testdata
   std::string train_extra;  // more train { } fields, e.g. the evaluation's
   std::string model_extra;  // more model { } fields, e.g. Llama's
@@ -75,13 +76,13 @@ std::string GptJob(const Layout& l) {
                          : absl::StrCat(" csv_file: \"", RunfilePath("coordinator/schedule/testdata/" + l.csv_file), "\"");
   return absl::StrFormat(R"pb(
     name: "%s"
-    model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: 20 %s }
+    model { layers: %d d_model: 32 heads: 4 vocab: 16 seq_len: %d %s }
     parallel { pp: %d tp: %d dp: %d virtual_stages: %d %s }
     schedule { kind: "%s" microbatches: %d%s }
     train { steps: 20 micro_batch_size: 2 lr: 0.003 weight_decay: 0.01 grad_clip: 1.0 seed: 7 %s }
     data { synthetic { task: "addition" } }
   )pb",
-                         l.Name(), l.layers, l.model_extra, l.pp, l.tp, l.dp, l.v, l.parallel_extra, l.schedule,
+                         l.Name(), l.layers, l.seq_len, l.model_extra, l.pp, l.tp, l.dp, l.v, l.parallel_extra, l.schedule,
                          l.microbatches, csv, l.train_extra);
 }
 
@@ -214,6 +215,65 @@ TEST(TrainingTest, SequenceParallelTrainsLikeOneWorkerAndHoldsFewerActivations) 
   Layout llama = sp(Layout{2, 2, 1, 1, 8, "gpipe"});
   llama.model_extra = llama_one.model_extra;
   llama.tag = "sp_llama_";
+  ExpectSameTraining(llama_single, RunJob(llama.Name(), GptJob(llama)), llama.Name());
+}
+
+// Context parallelism (parallel.cp): each sequence split over cp workers,
+// ring attention between them, gradients averaged over dp x cp. With PP, TP
+// and SP, ZeRO-1, V schedules and Llama (rotary positions at each chunk's
+// offset) it trains like one worker on the same global batch, bitwise again
+// on a rerun, and each worker reports a fraction of the activation bytes.
+TEST(TrainingTest, ContextParallelTrainsLikeOneWorkerAndHoldsFewerActivations) {
+  auto cp = [](Layout l, int c, std::string extra = "") {
+    l.seq_len = 24;  // 2·cp chunks of whole tokens for cp 2 and 4
+    l.parallel_extra = absl::StrCat("cp: ", c, " ", extra);
+    l.tag = absl::StrCat("cp", c, "_", l.tag);
+    return l;
+  };
+  Layout one;
+  one.seq_len = 24;
+  one.tag = "cp_ref_";
+  const RunResult single = RunJob(one.Name(), GptJob(one));
+  Layout one_m8 = one;
+  one_m8.microbatches = 8;
+  const RunResult single_m8 = RunJob(one_m8.Name(), GptJob(one_m8));
+  Layout zero = cp(Layout{1, 1, 2, 1, 4, "1f1b"}, 2, "zero_stage: 1");
+  zero.tag = "cp2_zero1_";
+  const struct {
+    Layout layout;
+    const RunResult* reference;
+  } runs[] = {
+      {cp(Layout{1, 1, 1, 1, 4, "1f1b"}, 2), &single},
+      {cp(Layout{1, 1, 1, 1, 4, "1f1b"}, 4), &single},
+      {cp(Layout{2, 1, 1, 1, 4, "1f1b"}, 2), &single},
+      {cp(Layout{1, 2, 1, 1, 4, "1f1b"}, 2, "sequence_parallel: true"), &single},
+      {cp(Layout{2, 1, 1, 2, 4, "zb-v"}, 2), &single},
+      {cp(Layout{2, 1, 1, 2, 4, "dualpipe-v"}, 2), &single},
+      {zero, &single_m8},
+  };
+  for (const auto& [job, reference] : runs) {
+    const RunResult run = RunJob(job.Name(), GptJob(job));
+    ExpectSameTraining(*reference, run, job.Name());
+    if (job.pp != 1 || job.tp != 1 || job.dp != 1) continue;
+    const RunResult again = RunJob(job.Name() + "_again", GptJob(job));
+    EXPECT_EQ(run.loss_text, again.loss_text) << "not bitwise reproducible";
+    const std::vector<double> with = testing::ReadStepField(run.dir + "/out/steps.jsonl", "max_activation_bytes");
+    const std::vector<double> without =
+        testing::ReadStepField(single.dir + "/out/steps.jsonl", "max_activation_bytes");
+    ASSERT_FALSE(with.empty());
+    ASSERT_FALSE(without.empty());
+    ASSERT_GT(without.back(), 0);
+    EXPECT_LT(with.back(), 0.8 * without.back()) << with.back() << " vs " << without.back();
+    std::printf("%s: max_activation_bytes %.0f with context parallelism, %.0f without (%.3f)\n", job.Name().c_str(),
+                with.back(), without.back(), with.back() / without.back());
+  }
+  Layout llama_one = one;
+  llama_one.model_extra = R"pb(arch: "llama" kv_heads: 2 ffn_dim: 48)pb";
+  llama_one.tag = "cp_llama_ref_";
+  const RunResult llama_single = RunJob(llama_one.Name(), GptJob(llama_one));
+  Layout llama = cp(Layout{2, 1, 1, 1, 4, "gpipe"}, 2);
+  llama.model_extra = llama_one.model_extra;
+  llama.tag = "cp2_llama_";
   ExpectSameTraining(llama_single, RunJob(llama.Name(), GptJob(llama)), llama.Name());
 }
 

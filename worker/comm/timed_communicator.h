@@ -22,11 +22,18 @@ class TimedCommunicator : public Communicator {
 
   // Seconds spent in Wait() since construction.
   double waited_seconds() const { return waited_ns_.load() * 1e-9; }
+  // Payload bytes posted with Send since construction (point-to-point
+  // traffic, which collective_bytes_sent leaves out: context parallelism's
+  // ring).
+  int64_t p2p_bytes_sent() const { return p2p_bytes_.load(); }
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string backend() const override { return inner_->backend(); }
-  std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Send(buf, peer, tag)); }
+  std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override {
+    p2p_bytes_.fetch_add(static_cast<int64_t>(buf.bytes()));
+    return Wrap(inner_->Send(buf, peer, tag));
+  }
   std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Recv(buf, peer, tag)); }
   std::shared_ptr<Work> AllReduceSum(Buffer buf) override { return Wrap(inner_->AllReduceSum(buf)); }
   std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override { return Wrap(inner_->AllGather(in, out)); }
@@ -62,6 +69,7 @@ class TimedCommunicator : public Communicator {
 
   Communicator* const inner_;
   std::atomic<int64_t> waited_ns_{0};
+  std::atomic<int64_t> p2p_bytes_{0};
 };
 
 }  // namespace baton::comm
