@@ -164,13 +164,14 @@ bool MentionsName(const std::string& text, const std::string& name) {
 
 // --inject=KIND:TARGET@WHEN, one fault:
 //   KIND    kill (SIGKILL) | stop (SIGSTOP: a frozen worker)
-//   TARGET  stage=P[,tp=T][,dp=D] (the worker holding that rank now) | worker=NAME
+//   TARGET  stage=P[,tp=T][,dp=D][,cp=C] (the worker holding that rank now) |
+//           worker=NAME
 //   WHEN    step=N[,after_ms=M][,for=S]: once the job reached step N, M ms
 //           later (0..60000; a point inside a later step); for stop, for=S
 //           sends SIGCONT S seconds (0.001..3600) after the SIGSTOP (a thaw).
 struct Injection {
   int sig = SIGKILL;
-  int stage = -1, tp = -1, dp = -1;  // a worker of this rank, or
+  int stage = -1, tp = -1, dp = -1, cp = -1;  // a worker of this rank, or
   std::string worker;                // this worker
   int64_t step = 0;
   int64_t after_ms = 0;
@@ -188,7 +189,7 @@ absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text)
     return absl::InvalidArgumentError(
         absl::StrCat("--inject=", text, ": ", why,
                      " (expected KIND:TARGET@step=N[,after_ms=M][,for=S] with KIND kill or stop, TARGET "
-                     "stage=P[,tp=T][,dp=D] or worker=NAME; e.g. kill:stage=1@step=300, "
+                     "stage=P[,tp=T][,dp=D][,cp=C] or worker=NAME; e.g. kill:stage=1@step=300, "
                      "stop:stage=0,tp=1@step=50,for=5)"));
   };
   Injection inj;
@@ -210,14 +211,15 @@ absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text)
       int* field = absl::ConsumePrefix(&part, "stage=") ? &inj.stage
                    : absl::ConsumePrefix(&part, "tp=")  ? &inj.tp
                    : absl::ConsumePrefix(&part, "dp=")  ? &inj.dp
+                   : absl::ConsumePrefix(&part, "cp=")  ? &inj.cp
                                                         : nullptr;
       if (field == nullptr) return bad(absl::StrCat("unknown target part '", part, "'"));
       if (*field >= 0 || !absl::SimpleAtoi(part, field) || *field < 0) {
-        return bad("stage, tp and dp must each be given once, as a number >= 0");
+        return bad("stage, tp, dp and cp must each be given once, as a number >= 0");
       }
     }
   } else {
-    return bad("the target must be stage=P[,tp=T][,dp=D] or worker=NAME");
+    return bad("the target must be stage=P[,tp=T][,dp=D][,cp=C] or worker=NAME");
   }
   bool have_step = false;
   for (absl::string_view part : absl::StrSplit(when, ',')) {
@@ -242,15 +244,21 @@ absl::StatusOr<std::optional<Injection>> ParseInjection(const std::string& text)
 }
 
 // The rank a worker's log says it was configured for last ("configured for
-// job 'x' generation G: stage P, tp T, dp D, ..."), or false.
-bool LastConfiguredRank(const std::string& log_path, int* stage, int* tp, int* dp) {
+// job 'x' generation G: stage P, tp T, dp D[, cp C], ..."; cp 0 when the
+// line has none), or false.
+bool LastConfiguredRank(const std::string& log_path, int* stage, int* tp, int* dp, int* cp) {
   absl::StatusOr<std::string> log = ReadFile(log_path);
   if (!log.ok()) return false;
   const size_t line = log->rfind("configured for job");
   if (line == std::string::npos) return false;
   const size_t at = log->find(": stage ", line);
   if (at == std::string::npos) return false;
-  return std::sscanf(log->c_str() + at, ": stage %d, tp %d, dp %d", stage, tp, dp) == 3;
+  if (std::sscanf(log->c_str() + at, ": stage %d, tp %d, dp %d", stage, tp, dp) != 3) return false;
+  *cp = 0;
+  const size_t end = log->find('\n', at);
+  const size_t cp_at = log->find(", cp ", at);
+  if (cp_at != std::string::npos && cp_at < end) std::sscanf(log->c_str() + cp_at, ", cp %d", cp);
+  return true;
 }
 
 // Runs one job; the children live as long as this object.
@@ -473,9 +481,10 @@ void LocalRun::Inject(const v1::GetStatusResponse& s) {
           name = w;
           break;
         }
-        int pp = -1, tp = -1, dp = -1;
-        if (LastConfiguredRank(absl::StrCat(out_dir_, "/logs/", w, ".log"), &pp, &tp, &dp) &&
-            pp == inject_->stage && (inject_->tp < 0 || tp == inject_->tp) && (inject_->dp < 0 || dp == inject_->dp)) {
+        int pp = -1, tp = -1, dp = -1, cp = -1;
+        if (LastConfiguredRank(absl::StrCat(out_dir_, "/logs/", w, ".log"), &pp, &tp, &dp, &cp) &&
+            pp == inject_->stage && (inject_->tp < 0 || tp == inject_->tp) && (inject_->dp < 0 || dp == inject_->dp) &&
+            (inject_->cp < 0 || cp == inject_->cp)) {
           name = w;
           break;
         }

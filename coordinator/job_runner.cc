@@ -144,10 +144,6 @@ std::vector<int> SlotKey(int pp_rank, int tp_rank, int cp_rank, int dp_rank) {
   return {pp_rank, tp_rank, cp_rank, dp_rank};
 }
 
-// The cp rank of a worker's HeldJob: it carries none, and only jobs of cp 1
-// are adopted (Waiting).
-constexpr int kHeldCpRank = 0;
-
 absl::StatusCode CodeOr(int32_t code, absl::StatusCode fallback) {
   return code > 0 && code <= static_cast<int>(absl::StatusCode::kUnauthenticated) ? static_cast<absl::StatusCode>(code)
                                                                                  : fallback;
@@ -434,38 +430,29 @@ absl::StatusOr<JobState> JobRunner::Waiting() {
   const ParallelDims d = DimsOf(job_);
   const int world = d.world_size();
   const absl::Time start = clock_->Now();
-  bool reported = false, cp_reported = false;
+  bool reported = false;
   for (;;) {
     std::vector<v1::WorkerInfo> ready;
     for (v1::WorkerInfo& w : workers_->List()) {
       if (w.state() == v1::READY) ready.push_back(std::move(w));
     }
     // Workers that hold this job from an earlier coordinator: the newest
-    // generation's reports, one per slot. A held job names no cp rank
-    // (HeldJob has none), so with cp > 1 the cp peers of a (pp, tp, dp)
-    // would claim one slot: such a job is not adopted, it starts over.
+    // generation's reports, one per (pp, tp, cp, dp) slot.
     int64_t held_generation = 0;
     for (const v1::WorkerInfo& w : ready) {
       if (w.held().job() == job_.name() && w.held().steps_size() > 0) {
         held_generation = std::max(held_generation, w.held().generation());
       }
     }
-    if (held_generation > 0 && d.cp > 1) {
-      if (!cp_reported) {
-        cp_reported = true;
-        BATON_LOG(WARNING) << "job '" << job_.name() << "': workers hold generation " << held_generation
-                           << ", but a job with parallel.cp = " << d.cp
-                           << " cannot be adopted (the workers report no cp rank); starting the job over";
-      }
-      held_generation = 0;
-    }
     std::map<std::vector<int>, v1::WorkerInfo> slots;
     bool conflict = false;
     for (const v1::WorkerInfo& w : ready) {
       const v1::HeldJob& h = w.held();
       if (h.job() != job_.name() || h.generation() != held_generation || h.steps_size() == 0) continue;
-      if (h.pp_rank() >= d.pp || h.tp_rank() >= d.tp || h.dp_rank() >= d.dp) continue;
-      conflict |= !slots.emplace(SlotKey(h.pp_rank(), h.tp_rank(), kHeldCpRank, h.dp_rank()), w).second;
+      if (h.pp_rank() >= d.pp || h.tp_rank() >= d.tp || h.dp_rank() >= d.dp || h.cp_rank() < 0 || h.cp_rank() >= d.cp) {
+        continue;
+      }
+      conflict |= !slots.emplace(SlotKey(h.pp_rank(), h.tp_rank(), h.cp_rank(), h.dp_rank()), w).second;
     }
     if (held_generation > 0 && !conflict && static_cast<int>(slots.size()) == world) {
       return Adopt(ready, slots, held_generation);

@@ -197,6 +197,7 @@ void WorkerJob::Describe(v1::HeldJob* held) {
   held->set_pp_rank(held_rank_.pp_rank());
   held->set_tp_rank(held_rank_.tp_rank());
   held->set_dp_rank(held_rank_.dp_rank());
+  held->set_cp_rank(held_rank_.cp_rank());
   for (const auto& [step, state] : own_) held->add_steps(step);
 }
 
@@ -575,7 +576,9 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   }
   BATON_LOG(INFO) << "configured for job '" << job_->plan.job() << "' generation " << job_->plan.generation()
                   << ": stage " << job_->rank.pp_rank() << ", tp " << job_->rank.tp_rank() << ", dp "
-                  << job_->rank.dp_rank() << ", " << job_->chunks.size() << " chunk(s)"
+                  << job_->rank.dp_rank()
+                  << (job_->plan.cp() > 1 ? absl::StrCat(", cp ", job_->rank.cp_rank()) : std::string())
+                  << ", " << job_->chunks.size() << " chunk(s)"
                   << (resume > 0 || !configure.checkpoint_dir().empty() ? absl::StrCat(", resumed at step ", resume,
                                                 !configure.checkpoint_dir().empty()
                                                     ? absl::StrCat(" from checkpoint ", configure.checkpoint_dir())
