@@ -128,8 +128,11 @@ class LocalRun {
   }
 
   // The worker configured (first generation) as (stage, tp, dp).
-  std::string WorkerAt(int stage, int tp, int dp) const {
-    const std::string want = absl::StrFormat("generation 1: stage %d, tp %d, dp %d,", stage, tp, dp);
+  // The worker of (stage, tp, dp) in generation 1, and of cp rank `cp` when
+  // >= 0 (a context-parallel job).
+  std::string WorkerAt(int stage, int tp, int dp, int cp = -1) const {
+    const std::string want = cp < 0 ? absl::StrFormat("generation 1: stage %d, tp %d, dp %d,", stage, tp, dp)
+                                    : absl::StrFormat("generation 1: stage %d, tp %d, dp %d, cp %d,", stage, tp, dp, cp);
     for (int i = 0; i < 32; ++i) {
       const std::string name = absl::StrCat("worker-", i);
       if (ReadAll(absl::StrCat(out_, "/logs/", name, ".log")).find(want) != std::string::npos) return name;

@@ -213,6 +213,27 @@ TEST(ResumeLayoutTest, SequenceParallelCheckpointsResumeOutOfAndIntoIt) {
   ExpectSameState(step10, back.out + "/final", "resumed into sequence_parallel at tp 4");
 }
 
+// Context parallelism changes no parameter either: a checkpoint saved at
+// pp 2 x cp 2 (ZeRO-1 over the dp x cp group: each cp rank a shard of the
+// moments) resumes without cp, and that one back into cp 2 with tp 2 and
+// sequence parallelism, holding the same state bit for bit.
+TEST(ResumeLayoutTest, ContextParallelCheckpointsResumeOutOfAndIntoIt) {
+  const std::string root = TempDir("resume_cp_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  const LocalResult cp = Local("cp_full", Job(Layout{2, 1, 1, "1f1b", "cp: 2 zero_stage: 1"}, 10, ck));
+  ASSERT_EQ(cp.exit_code, 0) << cp.log;
+  ASSERT_EQ(cp.losses.size(), 10u);
+  const std::string step10 = root + "/step-00000010";
+  const LocalResult plain = Local("cp_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
+  ASSERT_EQ(plain.exit_code, 0) << plain.log;
+  ExpectSameState(step10, plain.out + "/final", "saved under cp 2 and ZeRO-1, resumed without either");
+  const LocalResult back =
+      Local("plain_into_cp_tp2", Job(Layout{1, 2, 1, "1f1b", "cp: 2 sequence_parallel: true"}, 10),
+            {"--resume=" + plain.out + "/final"});
+  ASSERT_EQ(back.exit_code, 0) << back.log;
+  ExpectSameState(step10, back.out + "/final", "resumed into cp 2 at tp 2 with sequence parallelism");
+}
+
 // The same for a Llama (grouped-query attention, untied head): saved at
 // pp=2, resumed bit for bit at pp=1 tp=2 and under zb-v, continued within
 // the layout drift; and refused, naming the field, by a job whose Llama

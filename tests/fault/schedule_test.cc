@@ -328,18 +328,19 @@ TEST(FaultScheduleTest, AKillDuringACheckpointWriteLeavesNothingThatLooksComplet
 // of milliseconds after `batonctl local` saw it commit: a point inside a later
 // step (forward, backward, optimizer or the all-reduce; which one depends on
 // timing, the schedule itself is fixed by the seed).
-void KillAtSeededPoint(const std::string& name, const Layout& layout, int stage, int tp, int dp, uint32_t salt) {
+void KillAtSeededPoint(const std::string& name, const Layout& layout, int stage, int tp, int dp, uint32_t salt,
+                       int cp = -1) {
   std::mt19937 rng(kScheduleSeed + salt);
   const int step = std::uniform_int_distribution<int>(8, 25)(rng);
   const int after_ms = std::uniform_int_distribution<int>(0, 40)(rng);
-  const std::string inject =
-      absl::StrFormat("--inject=kill:stage=%d,tp=%d,dp=%d@step=%d,after_ms=%d", stage, tp, dp, step, after_ms);
+  const std::string inject = absl::StrFormat("--inject=kill:stage=%d,tp=%d,dp=%d%s@step=%d,after_ms=%d", stage, tp, dp,
+                                             cp < 0 ? "" : absl::StrCat(",cp=", cp), step, after_ms);
   std::cerr << name << ": " << inject << "\n";
   const LocalRun& reference = Reference(layout);
   LocalRun run(name, Job(layout), {"--spares=1", inject});
   run.Start();
   run.WaitForStep(3);
-  const std::string victim = run.WorkerAt(stage, tp, dp);
+  const std::string victim = run.WorkerAt(stage, tp, dp, cp);
   ASSERT_FALSE(victim.empty()) << run.Log();
   const std::map<std::string, pid_t> before = PlanPids(run);
   run.WaitForRecoveries(1);
@@ -408,6 +409,32 @@ TEST(FaultScheduleTest, TensorParallelRankUnderSequenceParallelPp3Tp2Interleaved
   l.parallel_extra = "sequence_parallel: true";
   l.extra_name = "_sp";
   KillAtSeededPoint("pp3tp2_interleaved_sp_tp", l, 0, 1, 0, 6);
+}
+
+// Context parallelism: a cp rank of the first stage holds half of every
+// sequence's activations and meets its peer in every attention; its
+// replacement restores from the cp peer (without ZeRO the same state) and
+// rejoins the ring, and the run ends bitwise equal to the fault-free one.
+TEST(FaultScheduleTest, ContextParallelRankPp2Cp2OneFOneB) {
+  Layout l;
+  l.pp = 2;
+  l.steps = 60;
+  l.parallel_extra = "cp: 2";
+  l.extra_name = "_cp2";
+  KillAtSeededPoint("pp2cp2_1f1b_cp", l, 0, 0, 0, 7, /*cp=*/1);
+}
+
+// Under ZeRO-1 over the dp x cp group each cp rank holds its own shard of
+// the moments: the lost one's exists only in its buddy's snapshot.
+TEST(FaultScheduleTest, ContextParallelRankUnderZeroStage1Pp2Cp2Interleaved) {
+  Layout l;
+  l.pp = 2;
+  l.v = 2;
+  l.schedule = "interleaved";
+  l.steps = 60;
+  l.parallel_extra = "cp: 2 zero_stage: 1";
+  l.extra_name = "_cp2_zero1";
+  KillAtSeededPoint("pp2cp2_interleaved_zero1_cp", l, 1, 0, 0, 8, /*cp=*/0);
 }
 
 }  // namespace
