@@ -1131,26 +1131,42 @@ int64_t GptStage::HalfOffset(int half, int64_t seq) const {
   return CpHalfOffset(half, config_.cp_rank, config_.cp_size, seq * 2 * config_.cp_size);
 }
 
-absl::StatusOr<GptStage::RingTransfer> GptStage::StartRing(const Tensor& send, const Tensor& recv) {
+uint64_t GptStage::NextRingTag() {
+  // Chunks of one rank share its cp group: the chunk index keeps their tags apart.
+  return (static_cast<uint64_t>(config_.pp_rank) << 48) | ++cp_tag_;
+}
+
+int GptStage::PrevCpRank() const { return (config_.cp_rank + config_.cp_size - 1) % config_.cp_size; }
+
+absl::StatusOr<std::shared_ptr<comm::Work>> GptStage::SendToNext(const Tensor& t, uint64_t tag) {
   // The communicator reads host memory: what the stream wrote must be done
   // (immediate on the CPU, which runs ops inline).
   BATON_RETURN_IF_ERROR(stream_->Synchronize());
-  const int cp = config_.cp_size, c = config_.cp_rank;
-  // Chunks of one rank share its cp group: the chunk index keeps their tags apart.
-  const uint64_t tag = (static_cast<uint64_t>(config_.pp_rank) << 48) | ++cp_tag_;
+  return cp_->Send(CommBuffer(t), (config_.cp_rank + 1) % config_.cp_size, tag);
+}
+
+absl::StatusOr<GptStage::RingTransfer> GptStage::StartRing(const Tensor& send, const Tensor& recv) {
+  // Before the receive too: ops still on the stream may read `recv`'s
+  // memory (the block it held a step ago).
+  BATON_RETURN_IF_ERROR(stream_->Synchronize());
+  const uint64_t tag = NextRingTag();
   RingTransfer t;
-  t.recv = cp_->Recv(CommBuffer(recv), (c + cp - 1) % cp, tag);
-  t.send = cp_->Send(CommBuffer(send), (c + 1) % cp, tag);
+  t.recv = cp_->Recv(CommBuffer(recv), PrevCpRank(), tag);
+  BATON_ASSIGN_OR_RETURN(t.send, SendToNext(send, tag));
   return t;
 }
 
-absl::Status GptStage::AwaitRing(RingTransfer& t, const char* what, int block) {
-  const std::string name = absl::StrCat("context-parallel ring transfer of ", what, " in block ", block);
-  BATON_RETURN_IF_ERROR_CTX(t.send->Wait(config_.comm_timeout), name, " (sending to cp rank ",
-                            (config_.cp_rank + 1) % config_.cp_size, ")");
-  BATON_RETURN_IF_ERROR_CTX(t.recv->Wait(config_.comm_timeout), name, " (receiving from cp rank ",
-                            (config_.cp_rank + config_.cp_size - 1) % config_.cp_size, ")");
+absl::Status GptStage::AwaitRingWork(comm::Work& work, const char* what, int block, bool sending) {
+  BATON_RETURN_IF_ERROR_CTX(work.Wait(config_.comm_timeout), "context-parallel ring transfer of ", what,
+                            " in block ", block,
+                            sending ? absl::StrCat(" (sending to cp rank ", (config_.cp_rank + 1) % config_.cp_size, ")")
+                                    : absl::StrCat(" (receiving from cp rank ", PrevCpRank(), ")"));
   return absl::OkStatus();
+}
+
+absl::Status GptStage::AwaitRing(RingTransfer& t, const char* what, int block) {
+  BATON_RETURN_IF_ERROR(AwaitRingWork(*t.send, what, block, /*sending=*/true));
+  return AwaitRingWork(*t.recv, what, block, /*sending=*/false);
 }
 
 namespace {
@@ -1219,38 +1235,62 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   BATON_ASSIGN_OR_RETURN(Tensor delta, tmp.Allocate({mb.batch, heads, t}));
   BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
   BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
-  BATON_ASSIGN_OR_RETURN(Tensor dkv, tmp.Allocate({mb.batch, t, 2 * cl}));
-  BATON_ASSIGN_OR_RETURN(Tensor dkv_next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  // A block's dk/dv accumulator arrives from the previous rank (acc_in)
+  // while this rank computes its own share into a zeroed `part`; the sum
+  // goes on to the next rank. Two parts: one may still be on its way.
+  BATON_ASSIGN_OR_RETURN(Tensor acc_in, tmp.Allocate({mb.batch, t, 2 * cl}));
+  Tensor parts[2];
+  for (Tensor& part : parts) {
+    BATON_ASSIGN_OR_RETURN(part, tmp.Allocate({mb.batch, t, 2 * cl}));
+  }
   BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionBackwardScratch(t, t)}));
   kernels::AttentionDelta(ctx_, delta, dout, y, heads);
   kernels::FillZero(ctx_, a.dqkv);
-  kernels::FillZero(ctx_, dkv);
   kernels::KvOfQkv(ctx_, cur, a.qkv);
+  std::shared_ptr<comm::Work> sent[2];
+  uint64_t acc_tag = 0;  // the tag the previous step's accumulator went out with (the same on every rank)
+  const char* kGrads = "the key and value gradients";
   for (int step = 0; step < cp; ++step) {
     RingTransfer transfer;
     if (step + 1 < cp) {
       BATON_ASSIGN_OR_RETURN(transfer, StartRing(cur, next));
     }
-    const int owner = (c - step + cp) % cp;  // whose k, v and accumulator `cur` and `dkv` are
+    std::shared_ptr<comm::Work> acc_recv;
+    if (step > 0) acc_recv = cp_->Recv(CommBuffer(acc_in), PrevCpRank(), acc_tag);
+    const Tensor part = parts[step % 2];
+    if (sent[step % 2] != nullptr) {
+      BATON_RETURN_IF_ERROR(AwaitRingWork(*sent[step % 2], kGrads, b.index, /*sending=*/true));
+    }
+    kernels::FillZero(ctx_, part);
+    const int owner = (c - step + cp) % cp;  // whose k, v and accumulator `cur` and `part` are
     for (int qh = 0; qh < 2; ++qh) {
       for (int kh = 0; kh < 2; ++kh) {
         const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
         if (k_offset > q_offset + t - 1) continue;
-        kernels::BlockAttentionBackward(ctx_, Half(a.dqkv, qh), Half(dkv, kh), Half(dout, qh), Half(a.qkv, qh),
+        kernels::BlockAttentionBackward(ctx_, Half(a.dqkv, qh), Half(part, kh), Half(dout, qh), Half(a.qkv, qh),
                                         Half(cur, kh), Half(a.att, qh), Half(delta, qh), heads, q_offset, k_offset,
                                         scratch);
       }
     }
+    if (acc_recv != nullptr) {
+      BATON_RETURN_IF_ERROR(AwaitRingWork(*acc_recv, kGrads, b.index, /*sending=*/false));
+      kernels::Residual(ctx_, part, acc_in, part);  // the earlier ranks' sum, then this one's share
+    }
+    // The accumulator travels with its block; after cp hops it is home.
+    acc_tag = NextRingTag();
+    BATON_ASSIGN_OR_RETURN(sent[step % 2], SendToNext(part, acc_tag));
     if (step + 1 < cp) {
       BATON_RETURN_IF_ERROR(AwaitRing(transfer, "the keys and values", b.index));
       std::swap(cur, next);
     }
-    // The accumulator travels with its block; after cp hops it is home.
-    BATON_ASSIGN_OR_RETURN(RingTransfer grads, StartRing(dkv, dkv_next));
-    BATON_RETURN_IF_ERROR(AwaitRing(grads, "the key and value gradients", b.index));
-    std::swap(dkv, dkv_next);
   }
-  kernels::QkvGradOfKv(ctx_, a.dqkv, dkv);
+  // This rank's own block, back from its last hop.
+  std::shared_ptr<comm::Work> home = cp_->Recv(CommBuffer(acc_in), PrevCpRank(), acc_tag);
+  BATON_RETURN_IF_ERROR(AwaitRingWork(*home, kGrads, b.index, /*sending=*/false));
+  for (const std::shared_ptr<comm::Work>& s : sent) {
+    if (s != nullptr) BATON_RETURN_IF_ERROR(AwaitRingWork(*s, kGrads, b.index, /*sending=*/true));
+  }
+  kernels::QkvGradOfKv(ctx_, a.dqkv, acc_in);
   return absl::OkStatus();
 }
 

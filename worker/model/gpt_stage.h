@@ -109,7 +109,8 @@
 // (kernels::MergeAttentionBlock), in ring order, so the bits are fixed. A
 // block no query can see (wholly in the causal future) is skipped. The
 // backward passes the k and v around again, each block's dk/dv accumulator
-// travelling with it and arriving home after cp hops. Saved per block: qkv,
+// travelling one hop behind it (received while this rank computes its share,
+// added, sent on) and arriving home after cp hops. Saved per block: qkv,
 // the output and the log-sum-exps [B, H, T] (not P). The parameters'
 // gradients here are this rank's tokens' share: the executor averages them
 // over the cp ranks with the dp replicas (one dp · cp group). fp32 on the
@@ -327,6 +328,13 @@ class GptStage {
   struct RingTransfer;
   absl::StatusOr<RingTransfer> StartRing(const kernels::Tensor& send, const kernels::Tensor& recv);
   absl::Status AwaitRing(RingTransfer& transfer, const char* what, int block);
+  // The pieces: a fresh tag (every cp rank draws the same sequence), a send
+  // to the next rank after a stream synchronisation, the previous rank's
+  // index, and a wait naming the transfer.
+  uint64_t NextRingTag();
+  absl::StatusOr<std::shared_ptr<comm::Work>> SendToNext(const kernels::Tensor& t, uint64_t tag);
+  int PrevCpRank() const;
+  absl::Status AwaitRingWork(comm::Work& work, const char* what, int block, bool sending);
   // The global position of the first token of half `half` of a CP view of
   // `seq`-token rows (0 without CP).
   int64_t HalfOffset(int half, int64_t seq) const;

@@ -38,13 +38,13 @@ struct Batch {
   std::vector<Tensor> tokens, targets;
 };
 
-Batch MakeBatch(uint32_t seed, int microbatches, int vocab) {
+Batch MakeBatch(uint32_t seed, int microbatches, int vocab, int64_t seq = 10) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> dist(0, vocab - 1);
   Batch b;
   for (int mb = 0; mb < microbatches; ++mb) {
-    Tensor tok = Tensor::Zeros({2, 10}, kernels::DType::kInt32);
-    Tensor tgt = Tensor::Zeros({2, 10}, kernels::DType::kInt32);
+    Tensor tok = Tensor::Zeros({2, seq}, kernels::DType::kInt32);
+    Tensor tgt = Tensor::Zeros({2, seq}, kernels::DType::kInt32);
     for (int64_t i = 0; i < tok.numel(); ++i) {
       tok.i32()[i] = dist(rng);
       tgt.i32()[i] = i % 4 == 3 ? -1 : dist(rng);  // some positions ignored
@@ -60,6 +60,7 @@ struct Layout {
   bool vocab_parallel;
   bool bf16;
   bool sequence_parallel = false;
+  int cp = 1;  // context parallelism: whole sequences of seq_len (2·cp chunks)
 };
 
 class SimDeviceTest : public ::testing::TestWithParam<Layout> {};
@@ -71,9 +72,9 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   const kernels::Precision precision =
       l.bf16 ? kernels::Precision::kBFloat16 : kernels::Precision::kFloat32;
   auto cpu = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
-                                 kernels::Device::Cpu(), precision, l.sequence_parallel);
+                                 kernels::Device::Cpu(), precision, l.sequence_parallel, l.cp);
   auto sim = InProcModel::Create(model, l.pp, l.tp, 5, kMicrobatches, l.vocab_parallel,
-                                 kernels::Device::Sim(0), precision, l.sequence_parallel);
+                                 kernels::Device::Sim(0), precision, l.sequence_parallel, l.cp);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   ASSERT_TRUE(sim.ok()) << sim.status();
   EXPECT_EQ((*sim)->stage(0, 0).parameters().device(), kernels::Device::Sim(0));
@@ -82,7 +83,7 @@ TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   adamw.weight_decay = 0.1f;
   const int64_t ops_before = kernels::sim::SimOpsRun();
   for (int step = 0; step < 3; ++step) {
-    const Batch batch = MakeBatch(100 + step, kMicrobatches, model.vocab);
+    const Batch batch = MakeBatch(100 + step, kMicrobatches, model.vocab, l.cp > 1 ? model.seq_len : 10);
     auto cpu_loss = (*cpu)->ForwardBackward(batch.tokens, batch.targets);
     auto sim_loss = (*sim)->ForwardBackward(batch.tokens, batch.targets);
     ASSERT_TRUE(cpu_loss.ok()) << cpu_loss.status();
@@ -249,13 +250,16 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
                                            Layout{2, 2, false, false}, Layout{2, 2, true, false},
                                            Layout{1, 1, false, true}, Layout{2, 2, false, true},
                                            Layout{2, 2, true, true}, Layout{2, 2, false, false, true},
-                                           Layout{2, 2, true, true, true}),
+                                           Layout{2, 2, true, true, true}, Layout{2, 2, false, false, false, 2},
+                                           Layout{1, 1, false, false, false, 3},
+                                           Layout{2, 2, false, false, true, 3}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_tp" +
                                   std::to_string(info.param.tp) +
                                   (info.param.vocab_parallel ? "_vocab" : "") +
                                   (info.param.bf16 ? "_bf16" : "") +
-                                  (info.param.sequence_parallel ? "_sp" : "");
+                                  (info.param.sequence_parallel ? "_sp" : "") +
+                                  (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) : "");
                          });
 
 }  // namespace
