@@ -290,6 +290,8 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   compute_ = p2p_ = tp_comm_ = dp_comm_ = cp_comm_ = 0;
   cp_bytes_at_start_ = cp_ != nullptr ? cp_->p2p_bytes_sent() : 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
+  tp_gather_at_start_ = tp_ != nullptr ? tp_->all_gather_seconds() : 0;
+  tp_scatter_at_start_ = tp_ != nullptr ? tp_->reduce_scatter_seconds() : 0;
   tp_bytes_at_start_ = tp_ != nullptr ? tp_->collective_bytes_sent() : 0;
   dp_bytes_at_start_ = dp_ != nullptr ? dp_->collective_bytes_sent() : 0;
   if (tp_ != nullptr) {
@@ -891,6 +893,13 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   done.set_compute_seconds(compute_);
   done.set_comm_p2p_seconds(p2p_);
   done.set_comm_tp_seconds(tp_comm_);
+  if (tp_ != nullptr) {
+    // The host waits' split by collective; on NCCL streams nothing waits on
+    // the host and all of TP's time stays with the all-reduces.
+    done.set_comm_tp_all_gather_seconds(std::min(tp_comm_, tp_->all_gather_seconds() - tp_gather_at_start_));
+    done.set_comm_tp_reduce_scatter_seconds(
+        std::min(tp_comm_ - done.comm_tp_all_gather_seconds(), tp_->reduce_scatter_seconds() - tp_scatter_at_start_));
+  }
   done.set_comm_dp_seconds(dp_comm_);
   done.set_comm_cp_seconds(cp_comm_);
   done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_ - cp_comm_));

@@ -225,6 +225,8 @@ class StepExecutor {
   // step started.
   int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0, cp_bytes_at_start_ = 0;
   double tp_waited_at_start_ = 0;  // tp_->waited_seconds() when the step started
+  // tp_->all_gather_seconds() and reduce_scatter_seconds() then.
+  double tp_gather_at_start_ = 0, tp_scatter_at_start_ = 0;
   bool trace_ = false;
   std::vector<v1::TraceEvent> events_;
   // Events of chunks with a stream, reused step after step.

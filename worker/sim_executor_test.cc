@@ -818,6 +818,19 @@ TEST_P(SimExecutorParallelTest, SameBitsAsTheCpuAndAtMostTwoHostSyncsPerRank) {
     }
     if (c.tp > 1 && step > 1) {
       for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_tp_seconds(), 0.0) << "step " << step;
+      // On the CPU the TP collectives are host waits, told apart by kind:
+      // SP's all-gathers and reduce-scatters; without SP (or the
+      // vocabulary-parallel loss's gather) only all-reduces.
+      for (const v1::StepDone& d : want.done) {
+        EXPECT_LE(d.comm_tp_all_gather_seconds() + d.comm_tp_reduce_scatter_seconds(), d.comm_tp_seconds());
+        if (c.sequence_parallel) {
+          EXPECT_GT(d.comm_tp_all_gather_seconds(), 0.0) << "step " << step;
+          EXPECT_GT(d.comm_tp_reduce_scatter_seconds(), 0.0) << "step " << step;
+        } else {
+          EXPECT_EQ(d.comm_tp_reduce_scatter_seconds(), 0.0) << "step " << step;
+          if (!c.vocab_parallel) EXPECT_EQ(d.comm_tp_all_gather_seconds(), 0.0) << "step " << step;
+        }
+      }
     }
     if (c.dp > 1) {
       for (const v1::StepDone& d : got.done) EXPECT_GT(d.comm_dp_seconds(), 0.0) << "step " << step;

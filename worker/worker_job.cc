@@ -500,9 +500,13 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
     return k;
   };
   comm_family_->Add(with_kind("p2p")).Increment(done.comm_p2p_seconds());
-  comm_family_->Add(with_kind("tp")).Increment(done.comm_tp_seconds());
+  // TP's all-reduces as "tp"; its all-gathers and reduce-scatters (SP) apart.
+  comm_family_->Add(with_kind("tp")).Increment(std::max(
+      0.0, done.comm_tp_seconds() - done.comm_tp_all_gather_seconds() - done.comm_tp_reduce_scatter_seconds()));
+  comm_family_->Add(with_kind("all_gather")).Increment(done.comm_tp_all_gather_seconds());
+  comm_family_->Add(with_kind("reduce_scatter")).Increment(done.comm_tp_reduce_scatter_seconds());
   comm_family_->Add(with_kind("dp")).Increment(done.comm_dp_seconds());
-  if (job_->cp != nullptr) comm_family_->Add(with_kind("cp")).Increment(done.comm_cp_seconds());
+  comm_family_->Add(with_kind("cp")).Increment(done.comm_cp_seconds());  // 0 without context parallelism
   bubble_family_->Add(l).Increment(done.bubble_seconds());
   tokens_family_->Add(l).Increment(static_cast<double>(report.tokens()));
   if (report.has_loss()) loss_family_->Add(l).Set(report.loss());
@@ -512,7 +516,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   host_syncs_seen_ = syncs;
   comm_bytes_family_->Add(with_kind("tp")).Increment(static_cast<double>(done.comm_tp_bytes()));
   comm_bytes_family_->Add(with_kind("dp")).Increment(static_cast<double>(done.comm_dp_bytes()));
-  if (job_->cp != nullptr) comm_bytes_family_->Add(with_kind("cp")).Increment(static_cast<double>(done.comm_cp_bytes()));
+  comm_bytes_family_->Add(with_kind("cp")).Increment(static_cast<double>(done.comm_cp_bytes()));
   // The model state this worker holds, by kind, on any device (ZeRO-1
   // divides "optimizer" by dp).
   device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(done.weights_bytes()));

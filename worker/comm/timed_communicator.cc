@@ -7,13 +7,15 @@ namespace {
 
 class TimedWork : public Work {
  public:
-  TimedWork(std::shared_ptr<Work> inner, std::atomic<int64_t>* waited_ns)
-      : inner_(std::move(inner)), waited_ns_(waited_ns) {}
+  TimedWork(std::shared_ptr<Work> inner, std::atomic<int64_t>* waited_ns, std::atomic<int64_t>* also)
+      : inner_(std::move(inner)), waited_ns_(waited_ns), also_(also) {}
 
   absl::Status Wait(absl::Duration timeout) override {
     const absl::Time start = absl::Now();
     absl::Status s = inner_->Wait(timeout);
-    waited_ns_->fetch_add(absl::ToInt64Nanoseconds(absl::Now() - start));
+    const int64_t ns = absl::ToInt64Nanoseconds(absl::Now() - start);
+    waited_ns_->fetch_add(ns);
+    if (also_ != nullptr) also_->fetch_add(ns);
     return s;
   }
   bool IsCompleted() override { return inner_->IsCompleted(); }
@@ -21,12 +23,13 @@ class TimedWork : public Work {
  private:
   std::shared_ptr<Work> inner_;
   std::atomic<int64_t>* waited_ns_;
+  std::atomic<int64_t>* also_;
 };
 
 }  // namespace
 
-std::shared_ptr<Work> TimedCommunicator::Wrap(std::shared_ptr<Work> work) {
-  return std::make_shared<TimedWork>(std::move(work), &waited_ns_);
+std::shared_ptr<Work> TimedCommunicator::Wrap(std::shared_ptr<Work> work, std::atomic<int64_t>* also) {
+  return std::make_shared<TimedWork>(std::move(work), &waited_ns_, also);
 }
 
 }  // namespace baton::comm

@@ -22,6 +22,11 @@ class TimedCommunicator : public Communicator {
 
   // Seconds spent in Wait() since construction.
   double waited_seconds() const { return waited_ns_.load() * 1e-9; }
+  // The part of it spent waiting for all-gathers, and for reduce-scatters
+  // (sequence parallelism's collectives, and the vocabulary-parallel loss's
+  // gather), so they can be told apart from all-reduces.
+  double all_gather_seconds() const { return all_gather_ns_.load() * 1e-9; }
+  double reduce_scatter_seconds() const { return reduce_scatter_ns_.load() * 1e-9; }
   // Payload bytes posted with Send since construction (point-to-point
   // traffic, which collective_bytes_sent leaves out: context parallelism's
   // ring).
@@ -36,9 +41,11 @@ class TimedCommunicator : public Communicator {
   }
   std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Recv(buf, peer, tag)); }
   std::shared_ptr<Work> AllReduceSum(Buffer buf) override { return Wrap(inner_->AllReduceSum(buf)); }
-  std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override { return Wrap(inner_->AllGather(in, out)); }
+  std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override {
+    return Wrap(inner_->AllGather(in, out), &all_gather_ns_);
+  }
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override {
-    return Wrap(inner_->ReduceScatterSum(in, out));
+    return Wrap(inner_->ReduceScatterSum(in, out), &reduce_scatter_ns_);
   }
   std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner_->Broadcast(buf, root)); }
   std::shared_ptr<Work> Barrier() override { return Wrap(inner_->Barrier()); }
@@ -65,10 +72,12 @@ class TimedCommunicator : public Communicator {
   }
 
  private:
-  std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work);
+  // Its Wait adds to waited_ns_, and to `also` when not null.
+  std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work, std::atomic<int64_t>* also = nullptr);
 
   Communicator* const inner_;
   std::atomic<int64_t> waited_ns_{0};
+  std::atomic<int64_t> all_gather_ns_{0}, reduce_scatter_ns_{0};
   std::atomic<int64_t> p2p_bytes_{0};
 };
 
