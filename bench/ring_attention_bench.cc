@@ -52,6 +52,7 @@
 #include "worker/comm/communicator_factory.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/fake_coordinator_kv.h"
+#include "worker/comm/forwarding_communicator.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/model/context_parallel.h"
 #include "worker/model/gpt_config.h"
@@ -79,37 +80,20 @@ double Median(std::vector<double> v) {
 
 // Forwards to `inner` and records, per point-to-point op, when it was
 // posted and when its Wait started and ended (one thread posts and waits).
-class RecordingCommunicator : public comm::Communicator {
+class RecordingCommunicator : public comm::ForwardingCommunicator {
  public:
   struct Op {
     bool send = false;
     uint64_t tag = 0;
     int64_t posted_ns = 0, wait_ns = 0, done_ns = 0;
   };
-  explicit RecordingCommunicator(comm::Communicator* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
+  explicit RecordingCommunicator(comm::Communicator* inner) : ForwardingCommunicator(inner) {}
   std::shared_ptr<comm::Work> Send(comm::Buffer buf, int peer, uint64_t tag) override {
-    return Record(true, tag, inner_->Send(buf, peer, tag));
+    return Record(true, tag, inner()->Send(buf, peer, tag));
   }
   std::shared_ptr<comm::Work> Recv(comm::Buffer buf, int peer, uint64_t tag) override {
-    return Record(false, tag, inner_->Recv(buf, peer, tag));
+    return Record(false, tag, inner()->Recv(buf, peer, tag));
   }
-  std::shared_ptr<comm::Work> AllReduceSum(comm::Buffer buf) override { return inner_->AllReduceSum(buf); }
-  std::shared_ptr<comm::Work> AllGather(comm::Buffer in, comm::Buffer out) override {
-    return inner_->AllGather(in, out);
-  }
-  std::shared_ptr<comm::Work> ReduceScatterSum(comm::Buffer in, comm::Buffer out) override {
-    return inner_->ReduceScatterSum(in, out);
-  }
-  std::shared_ptr<comm::Work> Broadcast(comm::Buffer buf, int root) override { return inner_->Broadcast(buf, root); }
-  std::shared_ptr<comm::Work> Barrier() override { return inner_->Barrier(); }
-  std::shared_ptr<comm::Work> AllToAllV(comm::Buffer in, std::vector<int64_t> send_counts, comm::Buffer out,
-                                        std::vector<int64_t> recv_counts) override {
-    return inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts));
-  }
-  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
   std::vector<Op>& ops() { return ops_; }
 
  private:
@@ -134,7 +118,6 @@ class RecordingCommunicator : public comm::Communicator {
     ops_.push_back(Op{send, tag, absl::GetCurrentTimeNanos(), 0, 0});
     return std::make_shared<RecordedWork>(std::move(work), &ops_, ops_.size() - 1);
   }
-  comm::Communicator* inner_;
   std::vector<Op> ops_;
 };
 

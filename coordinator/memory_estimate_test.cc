@@ -561,18 +561,29 @@ TEST(MemoryEstimateTest, AJobThatFitsOnlyShardedIsToldToSetZeroStageOne) {
   EXPECT_NE(alone.status().message().find("raise parallel.pp"), std::string::npos) << alone.status();
 }
 
+// A long-sequence job (seq_len 2048) without cp, planned on one worker, and
+// with cp 2 on two; `text` opens its parallel { } for more fields.
+struct LongSequenceJobs {
+  std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
+                          schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                          parallel { )pb";
+  v1::JobSpec one = Job((text + "}").c_str());
+  v1::JobSpec two = Job((text + "cp: 2 }").c_str());
+  absl::StatusOr<v1::Plan> plan = MakePlan(one, Workers(1, 0), 1);
+  absl::StatusOr<v1::Plan> cp_plan = MakePlan(two, Workers(2, 0), 1);
+};
+
 // Context parallelism: each rank holds seq_len / cp tokens of every
 // sequence, so the activations fall by cp (the estimate divides the whole
 // term); the CP ranks reduce the gradients with the DP ranks, so a job of
 // dp 1 gains the group's gradient buffer, and ZeRO 1 shards over dp*cp.
 TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
-  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
-                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
-                                parallel { )pb";
-  const v1::JobSpec one = Job((text + "}").c_str());
-  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
-  auto plan = MakePlan(one, Workers(1, 0), 1);
-  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  const LongSequenceJobs jobs;
+  const std::string& text = jobs.text;
+  const v1::JobSpec& one = jobs.one;
+  const v1::JobSpec& two = jobs.two;
+  const absl::StatusOr<v1::Plan>& plan = jobs.plan;
+  const absl::StatusOr<v1::Plan>& cp_plan = jobs.cp_plan;
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
   const WorkerMemory a = EstimateWorkerMemory(one, *plan, 0), b = EstimateWorkerMemory(two, *cp_plan, 0);
@@ -591,13 +602,12 @@ TEST(MemoryEstimateTest, ContextParallelismDividesTheActivationsByCp) {
 // A sequence too long for one worker's memory: refused naming parallel.cp
 // with what it saves and the workers it takes, and accepted with it.
 TEST(MemoryEstimateTest, ASequenceTooLongForOneRankIsToldToSetParallelCp) {
-  const std::string text = R"pb(name: "c" model { layers: 2 d_model: 64 heads: 4 vocab: 64 seq_len: 2048 }
-                                schedule { kind: "gpipe" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
-                                parallel { )pb";
-  const v1::JobSpec one = Job((text + "}").c_str());
-  const v1::JobSpec two = Job((text + "cp: 2 }").c_str());
-  auto plan = MakePlan(one, Workers(1, 0), 1);
-  auto cp_plan = MakePlan(two, Workers(2, 0), 1);
+  const LongSequenceJobs jobs;
+  const std::string& text = jobs.text;
+  const v1::JobSpec& one = jobs.one;
+  const v1::JobSpec& two = jobs.two;
+  const absl::StatusOr<v1::Plan>& plan = jobs.plan;
+  const absl::StatusOr<v1::Plan>& cp_plan = jobs.cp_plan;
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_TRUE(cp_plan.ok()) << cp_plan.status();
   const double need_one = EstimateWorkerMemory(one, *plan, 0).total();

@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/forwarding_communicator.h"
 #include "worker/executor.h"
 
 namespace baton::message_testing {
@@ -131,12 +132,9 @@ struct WireOp {
 };
 
 // Forwards to another communicator and records the point-to-point ops.
-class RecordingCommunicator : public comm::Communicator {
+class RecordingCommunicator : public comm::ForwardingCommunicator {
  public:
-  explicit RecordingCommunicator(comm::Communicator* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
+  explicit RecordingCommunicator(comm::Communicator* inner) : ForwardingCommunicator(inner) {}
   std::shared_ptr<comm::Work> Send(comm::Buffer buf, int peer, uint64_t tag) override {
     WireOp op{true, tag, buf.bytes(), buf.dtype};
     // Read as the communicator reads it (from the batch's host function on
@@ -145,34 +143,19 @@ class RecordingCommunicator : public comm::Communicator {
       std::memcpy(&op.stamp, buf.data, sizeof(int64_t));
     }
     Add(op);
-    return inner_->Send(buf, peer, tag);
+    return inner()->Send(buf, peer, tag);
   }
   std::shared_ptr<comm::Work> Recv(comm::Buffer buf, int peer, uint64_t tag) override {
     Add(WireOp{false, tag, buf.bytes(), buf.dtype});
-    return inner_->Recv(buf, peer, tag);
+    return inner()->Recv(buf, peer, tag);
   }
-  std::shared_ptr<comm::Work> AllReduceSum(comm::Buffer buf) override { return inner_->AllReduceSum(buf); }
-  std::shared_ptr<comm::Work> AllGather(comm::Buffer in, comm::Buffer out) override {
-    return inner_->AllGather(in, out);
-  }
-  std::shared_ptr<comm::Work> ReduceScatterSum(comm::Buffer in, comm::Buffer out) override {
-    return inner_->ReduceScatterSum(in, out);
-  }
-  std::shared_ptr<comm::Work> Broadcast(comm::Buffer buf, int root) override { return inner_->Broadcast(buf, root); }
-  std::shared_ptr<comm::Work> Barrier() override { return inner_->Barrier(); }
-  std::shared_ptr<comm::Work> AllToAllV(comm::Buffer in, std::vector<int64_t> send_counts, comm::Buffer out,
-                                        std::vector<int64_t> recv_counts) override {
-    return inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts));
-  }
-  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
-  bool RunsOnStreams() const override { return inner_->RunsOnStreams(); }
   std::shared_ptr<comm::Work> GroupOnStream(const std::vector<comm::P2POp>& ops, void* stream) override {
     for (const comm::P2POp& op : ops) {
       WireOp w{op.send, op.tag, op.buf.bytes(), op.buf.dtype};
       w.group = true;
       Add(w);
     }
-    return inner_->GroupOnStream(ops, stream);
+    return inner()->GroupOnStream(ops, stream);
   }
 
   std::vector<WireOp> ops() const {
@@ -185,7 +168,6 @@ class RecordingCommunicator : public comm::Communicator {
     absl::MutexLock lock(&mu_);
     ops_.push_back(op);
   }
-  comm::Communicator* inner_;
   mutable absl::Mutex mu_;
   std::vector<WireOp> ops_ ABSL_GUARDED_BY(mu_);
 };

@@ -194,44 +194,38 @@ TEST(ResumeLayoutTest, ZeroStage1CheckpointsHoldTheWholeStateAndResumeBothWays) 
   }
 }
 
-// Sequence parallelism changes no parameter: a checkpoint saved under it at
-// pp 2 x tp 2 resumes without it, and that one back into it at tp 4, holding
-// the same state bit for bit.
-TEST(ResumeLayoutTest, SequenceParallelCheckpointsResumeOutOfAndIntoIt) {
-  const std::string root = TempDir("resume_sp_checkpoints");
+// A checkpoint saved at step 10 in `saved` resumes into the plain pp 2
+// layout, and that one back into `into`, holding the same state bit for bit
+// each time. `name` keeps the runs' directories apart.
+void ExpectResumesOutOfAndInto(const std::string& name, const Layout& saved, const Layout& into) {
+  const std::string root = TempDir(absl::StrCat("resume_", name, "_checkpoints"));
   const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
-  const LocalResult sp = Local("sp_full", Job(Layout{2, 2, 1, "1f1b", "sequence_parallel: true"}, 10, ck));
-  ASSERT_EQ(sp.exit_code, 0) << sp.log;
-  ASSERT_EQ(sp.losses.size(), 10u);
+  const LocalResult full = Local(name + "_full", Job(saved, 10, ck));
+  ASSERT_EQ(full.exit_code, 0) << full.log;
+  ASSERT_EQ(full.losses.size(), 10u);
   const std::string step10 = root + "/step-00000010";
-  const LocalResult plain = Local("sp_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
+  const LocalResult plain = Local(name + "_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
   ASSERT_EQ(plain.exit_code, 0) << plain.log;
-  ExpectSameState(step10, plain.out + "/final", "sequence_parallel saved, resumed without it");
-  const LocalResult back = Local("plain_into_sp_tp4", Job(Layout{1, 4, 1, "1f1b", "sequence_parallel: true"}, 10),
-                                 {"--resume=" + plain.out + "/final"});
+  ExpectSameState(step10, plain.out + "/final", saved.parallel_extra + " saved, resumed without it");
+  const LocalResult back = Local("plain_into_" + name, Job(into, 10), {"--resume=" + plain.out + "/final"});
   ASSERT_EQ(back.exit_code, 0) << back.log;
-  ExpectSameState(step10, back.out + "/final", "resumed into sequence_parallel at tp 4");
+  ExpectSameState(step10, back.out + "/final", "resumed into " + into.parallel_extra);
+}
+
+// Sequence parallelism changes no parameter: a checkpoint saved under it at
+// pp 2 x tp 2 resumes without it, and that one back into it at tp 4.
+TEST(ResumeLayoutTest, SequenceParallelCheckpointsResumeOutOfAndIntoIt) {
+  ExpectResumesOutOfAndInto("sp", Layout{2, 2, 1, "1f1b", "sequence_parallel: true"},
+                            Layout{1, 4, 1, "1f1b", "sequence_parallel: true"});
 }
 
 // Context parallelism changes no parameter either: a checkpoint saved at
 // pp 2 x cp 2 (ZeRO-1 over the dp x cp group: each cp rank a shard of the
 // moments) resumes without cp, and that one back into cp 2 with tp 2 and
-// sequence parallelism, holding the same state bit for bit.
+// sequence parallelism.
 TEST(ResumeLayoutTest, ContextParallelCheckpointsResumeOutOfAndIntoIt) {
-  const std::string root = TempDir("resume_cp_checkpoints");
-  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
-  const LocalResult cp = Local("cp_full", Job(Layout{2, 1, 1, "1f1b", "cp: 2 zero_stage: 1"}, 10, ck));
-  ASSERT_EQ(cp.exit_code, 0) << cp.log;
-  ASSERT_EQ(cp.losses.size(), 10u);
-  const std::string step10 = root + "/step-00000010";
-  const LocalResult plain = Local("cp_into_plain", Job(Layout{}, 10), {"--resume=" + step10});
-  ASSERT_EQ(plain.exit_code, 0) << plain.log;
-  ExpectSameState(step10, plain.out + "/final", "saved under cp 2 and ZeRO-1, resumed without either");
-  const LocalResult back =
-      Local("plain_into_cp_tp2", Job(Layout{1, 2, 1, "1f1b", "cp: 2 sequence_parallel: true"}, 10),
-            {"--resume=" + plain.out + "/final"});
-  ASSERT_EQ(back.exit_code, 0) << back.log;
-  ExpectSameState(step10, back.out + "/final", "resumed into cp 2 at tp 2 with sequence parallelism");
+  ExpectResumesOutOfAndInto("cp", Layout{2, 1, 1, "1f1b", "cp: 2 zero_stage: 1"},
+                            Layout{1, 2, 1, "1f1b", "cp: 2 sequence_parallel: true"});
 }
 
 // The same for a Llama (grouped-query attention, untied head): saved at

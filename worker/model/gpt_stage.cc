@@ -60,6 +60,14 @@ struct GptStage::Microbatch {
 
 namespace {
 
+// Half `half` of a tensor of a CP view (context_parallel.h): rows [half · R,
+// (half + 1) · R) of its 2R rows, whether they are the view's sequences
+// ([2B, ...]) or their tokens ([2B · T, ...]).
+Tensor Half(const Tensor& t, int half) {
+  const int64_t rows = t.dim(0) / 2;
+  return t.Rows(half * rows, (half + 1) * rows);
+}
+
 constexpr float kInitStd = 0.02f;
 static_assert(kMaxVocab <= kernels::kMaxArgmaxVocab, "token ids must pass exactly as floats");
 
@@ -702,11 +710,9 @@ absl::Status GptStage::RunForward(Microbatch& s, const StageInputs& inputs, cons
       kernels::Embedding(ctx_, x0, s.tokens, wte_->value, vocab_begin_, wpe);
     } else {
       // Each half of the CP view at its chunk's positions.
-      const int64_t rows_b = s.batch / 2;
       for (int half = 0; half < 2; ++half) {
         const int64_t offset = HalfOffset(half, s.seq);
-        kernels::Embedding(ctx_, x0.Rows(half * rows_b * s.seq, (half + 1) * rows_b * s.seq),
-                           s.tokens.Rows(half * rows_b, (half + 1) * rows_b), wte_->value, vocab_begin_,
+        kernels::Embedding(ctx_, Half(x0, half), Half(s.tokens, half), wte_->value, vocab_begin_,
                            wpe.defined() ? wpe.Rows(offset, offset + s.seq) : Tensor());
       }
     }
@@ -869,10 +875,8 @@ absl::StatusOr<Tensor> GptStage::AttentionForward(const Block& b, Microbatch& mb
     if (cp_ == nullptr) {
       kernels::RopePack(ctx_, a.qkv, a.q, a.k, a.v, heads, kv_heads, m.rope_theta);
     } else {
-      const int64_t rows_b = mb.batch / 2, r = rows_b * mb.seq;
       for (int half = 0; half < 2; ++half) {
-        kernels::RopePack(ctx_, a.qkv.Rows(half * rows_b, (half + 1) * rows_b), a.q.Rows(half * r, (half + 1) * r),
-                          a.k.Rows(half * r, (half + 1) * r), a.v.Rows(half * r, (half + 1) * r), heads, kv_heads,
+        kernels::RopePack(ctx_, Half(a.qkv, half), Half(a.q, half), Half(a.k, half), Half(a.v, half), heads, kv_heads,
                           m.rope_theta, HalfOffset(half, mb.seq));
       }
     }
@@ -1096,10 +1100,8 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
     if (cp_ == nullptr) {
       kernels::RopePackBackward(ctx_, a.dq, a.dk, a.dv, a.dqkv, heads, kv_heads, m.rope_theta);
     } else {
-      const int64_t rows_b = mb.batch / 2, r = rows_b * mb.seq;
       for (int half = 0; half < 2; ++half) {
-        kernels::RopePackBackward(ctx_, a.dq.Rows(half * r, (half + 1) * r), a.dk.Rows(half * r, (half + 1) * r),
-                                  a.dv.Rows(half * r, (half + 1) * r), a.dqkv.Rows(half * rows_b, (half + 1) * rows_b),
+        kernels::RopePackBackward(ctx_, Half(a.dq, half), Half(a.dk, half), Half(a.dv, half), Half(a.dqkv, half),
                                   heads, kv_heads, m.rope_theta, HalfOffset(half, mb.seq));
       }
     }
@@ -1168,16 +1170,6 @@ absl::Status GptStage::AwaitRing(RingTransfer& t, const char* what, int block) {
   BATON_RETURN_IF_ERROR(AwaitRingWork(*t.send, what, block, /*sending=*/true));
   return AwaitRingWork(*t.recv, what, block, /*sending=*/false);
 }
-
-namespace {
-
-// Rows [half · B, (half + 1) · B) of a [2B, ...] CP view.
-Tensor Half(const Tensor& t, int half) {
-  const int64_t b = t.dim(0) / 2;
-  return t.Rows(half * b, (half + 1) * b);
-}
-
-}  // namespace
 
 absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, BlockActivations& a) {
   const int cp = config_.cp_size, c = config_.cp_rank;
@@ -1313,12 +1305,11 @@ absl::Status GptStage::BackwardWeight(int mb) {
     kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_, wpe_ != nullptr ? wpe_->grad : Tensor(), s->d_x0,
                                s->tokens);
   } else if (config_.is_first()) {
-    const int64_t rows_b = s->batch / 2, r = rows_b * s->seq;
     for (int half = 0; half < 2; ++half) {
       const int64_t offset = HalfOffset(half, s->seq);
       kernels::EmbeddingBackward(ctx_, wte_->grad, vocab_begin_,
                                  wpe_ != nullptr ? wpe_->grad.Rows(offset, offset + s->seq) : Tensor(),
-                                 s->d_x0.Rows(half * r, (half + 1) * r), s->tokens.Rows(half * rows_b, (half + 1) * rows_b));
+                                 Half(s->d_x0, half), Half(s->tokens, half));
     }
   }
   // The microbatch is done: its activations go back to the pool.
