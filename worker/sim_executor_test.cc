@@ -828,7 +828,9 @@ TEST_P(SimExecutorParallelTest, SameBitsAsTheCpuAndAtMostTwoHostSyncsPerRank) {
           EXPECT_GT(d.comm_tp_reduce_scatter_seconds(), 0.0) << "step " << step;
         } else {
           EXPECT_EQ(d.comm_tp_reduce_scatter_seconds(), 0.0) << "step " << step;
-          if (!c.vocab_parallel) EXPECT_EQ(d.comm_tp_all_gather_seconds(), 0.0) << "step " << step;
+          if (!c.vocab_parallel) {
+            EXPECT_EQ(d.comm_tp_all_gather_seconds(), 0.0) << "step " << step;
+          }
         }
       }
     }
