@@ -5,9 +5,10 @@
 //    single-worker run's per-step losses and final weights (1e-5 relative
 //    over 20 steps); DP=k is compared with one worker running k*m
 //    microbatches, the same global batch. The same layout twice is bitwise
-//    identical. ZeRO-1 (parallel.zero_stage 1) and sequence-parallel
-//    (parallel.sequence_parallel) layouts train like one worker too; SP
-//    workers report fewer activation bytes than TP alone.
+//    identical. ZeRO-1 (parallel.zero_stage 1), sequence-parallel
+//    (parallel.sequence_parallel) and context-parallel (parallel.cp) layouts
+//    train like one worker too; SP and CP workers report fewer activation
+//    bytes.
 //  - Bubble truth: with the synthetic cost model, the measured bubble ratio
 //    is within 0.02 of the simulator's for gpipe, 1f1b, zb-h1, zb-v and
 //    dualpipe-v.
@@ -16,7 +17,7 @@
 //    imported from their CSVs (placement from the file), train like one
 //    worker too.
 //  - Evaluation (train.eval_every_steps): the same held-out loss at every
-//    layout, and training bitwise unchanged by it; a token-file job counts
+//    layout (SP and CP included), and training bitwise unchanged by it; a token-file job counts
 //    its data epochs in steps.jsonl.
 //  - A worker killed mid-run with no spare and no replacement fails the run
 //    after fault_tolerance.replacement_timeout_s, naming the worker and its
@@ -432,7 +433,10 @@ TEST(TrainingTest, EvaluationReportsTheSameHeldOutLossAtEveryLayoutAndLeavesTrai
   Layout sp{2, 2, 1, 1, 8, "1f1b"};  // evaluation's forwards under sequence parallelism too
   sp.parallel_extra = "sequence_parallel: true";
   sp.tag = "sp_";
-  for (Layout l : {mesh, v, sp}) {
+  Layout cp{2, 1, 1, 1, 8, "1f1b"};  // and under context parallelism: each cp rank scores its chunks
+  cp.parallel_extra = "cp: 2";
+  cp.tag = "cp_";
+  for (Layout l : {mesh, v, sp, cp}) {
     l.train_extra = eval;
     const RunResult run = RunJob("eval_" + l.Name(), GptJob(l));
     const std::vector<testing::EvalLine> got = testing::ReadEvalLines(run.dir + "/out/steps.jsonl");
