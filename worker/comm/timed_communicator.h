@@ -13,12 +13,13 @@
 #include <vector>
 
 #include "worker/comm/communicator.h"
+#include "worker/comm/forwarding_communicator.h"
 
 namespace baton::comm {
 
-class TimedCommunicator : public Communicator {
+class TimedCommunicator : public ForwardingCommunicator {
  public:
-  explicit TimedCommunicator(Communicator* inner) : inner_(inner) {}
+  explicit TimedCommunicator(Communicator* inner) : ForwardingCommunicator(inner) {}
 
   // Seconds spent in Wait() since construction.
   double waited_seconds() const { return waited_ns_.load() * 1e-9; }
@@ -32,50 +33,31 @@ class TimedCommunicator : public Communicator {
   // ring).
   int64_t p2p_bytes_sent() const { return p2p_bytes_.load(); }
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
   std::shared_ptr<Work> Send(Buffer buf, int peer, uint64_t tag) override {
     p2p_bytes_.fetch_add(static_cast<int64_t>(buf.bytes()));
-    return Wrap(inner_->Send(buf, peer, tag));
+    return Wrap(inner()->Send(buf, peer, tag));
   }
-  std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner_->Recv(buf, peer, tag)); }
-  std::shared_ptr<Work> AllReduceSum(Buffer buf) override { return Wrap(inner_->AllReduceSum(buf)); }
+  std::shared_ptr<Work> Recv(Buffer buf, int peer, uint64_t tag) override { return Wrap(inner()->Recv(buf, peer, tag)); }
+  std::shared_ptr<Work> AllReduceSum(Buffer buf) override { return Wrap(inner()->AllReduceSum(buf)); }
   std::shared_ptr<Work> AllGather(Buffer in, Buffer out) override {
-    return Wrap(inner_->AllGather(in, out), &all_gather_ns_);
+    return Wrap(inner()->AllGather(in, out), &all_gather_ns_);
   }
   std::shared_ptr<Work> ReduceScatterSum(Buffer in, Buffer out) override {
-    return Wrap(inner_->ReduceScatterSum(in, out), &reduce_scatter_ns_);
+    return Wrap(inner()->ReduceScatterSum(in, out), &reduce_scatter_ns_);
   }
-  std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner_->Broadcast(buf, root)); }
-  std::shared_ptr<Work> Barrier() override { return Wrap(inner_->Barrier()); }
+  std::shared_ptr<Work> Broadcast(Buffer buf, int root) override { return Wrap(inner()->Broadcast(buf, root)); }
+  std::shared_ptr<Work> Barrier() override { return Wrap(inner()->Barrier()); }
   std::shared_ptr<Work> AllToAllV(Buffer in, std::vector<int64_t> send_counts, Buffer out,
                                   std::vector<int64_t> recv_counts) override {
-    return Wrap(inner_->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts)));
+    return Wrap(inner()->AllToAllV(in, std::move(send_counts), out, std::move(recv_counts)));
   }
-  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
-  int64_t collective_bytes_sent() const override { return inner_->collective_bytes_sent(); }
-  // Stream-ordered ops pass through untimed: nothing waits for them on the
-  // host (their time is the stream's).
-  bool RunsOnStreams() const override { return inner_->RunsOnStreams(); }
-  std::shared_ptr<Work> GroupOnStream(const std::vector<P2POp>& ops, void* stream) override {
-    return inner_->GroupOnStream(ops, stream);
-  }
-  std::shared_ptr<Work> AllReduceSumOnStream(Buffer buf, void* stream) override {
-    return inner_->AllReduceSumOnStream(buf, stream);
-  }
-  std::shared_ptr<Work> AllGatherOnStream(Buffer in, Buffer out, void* stream) override {
-    return inner_->AllGatherOnStream(in, out, stream);
-  }
-  std::shared_ptr<Work> ReduceScatterSumOnStream(Buffer in, Buffer out, void* stream) override {
-    return inner_->ReduceScatterSumOnStream(in, out, stream);
-  }
+  // Stream-ordered ops pass through untimed (ForwardingCommunicator):
+  // nothing waits for them on the host (their time is the stream's).
 
  private:
   // Its Wait adds to waited_ns_, and to `also` when not null.
   std::shared_ptr<Work> Wrap(std::shared_ptr<Work> work, std::atomic<int64_t>* also = nullptr);
 
-  Communicator* const inner_;
   std::atomic<int64_t> waited_ns_{0};
   std::atomic<int64_t> all_gather_ns_{0}, reduce_scatter_ns_{0};
   std::atomic<int64_t> p2p_bytes_{0};
