@@ -294,8 +294,8 @@ absl::Status ValidateSequenceParallel(const v1::JobSpec& job, const ParallelDims
 // chunks c and 2cp-1-c (the load-balanced causal split,
 // worker/model/context_parallel.h), and runs ring attention over the cp
 // group; the gradients are reduced over the dp*cp ranks of one (pp, tp).
-// So it needs attention to split (a real model), sequences that cut into
-// 2*cp equal chunks, and the fp32 block-attention kernels.
+// So it needs attention to split (a real model) and sequences that cut into
+// 2*cp equal chunks.
 absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims& d) {
   if (d.cp == 1) return absl::OkStatus();
   const char* field = "parallel.cp";
@@ -311,11 +311,6 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
                                        "of the causal attention), but model.seq_len = ", seq,
                                        " does not divide by ", 2 * d.cp,
                                        ": make model.seq_len a multiple of 2*cp, or choose a cp for which it is"));
-  }
-  if (job.train().precision() == "bf16") {
-    return Invalid(field, absl::StrCat("is ", d.cp, " but train.precision is \"bf16\", and context parallelism's "
-                                       "block-attention kernels are fp32 only in this version: set "
-                                       "train.precision: \"fp32\" (or leave it unset), or leave cp unset"));
   }
   return absl::OkStatus();
 }

@@ -84,7 +84,7 @@ absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
 // Refuses parallel.ep > 1: no model code uses it yet. parallel.cp > 1 needs a
-// real model, model.seq_len divisible by 2*cp and fp32 (train.precision).
+// real model and model.seq_len divisible by 2*cp.
 // parallel.zero_stage 2 and 3 are refused here and by
 // ValidateJobSpecAllowingPlannedAxes alike: they are not planned axes.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);

@@ -83,12 +83,6 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "parallel.ep", "must divide parallel.dp=4"},
       {"cp over a sequence that does not split", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(3); },
        "parallel.cp", "make model.seq_len a multiple of 2*cp"},
-      {"cp on bf16",
-       [](v1::JobSpec* j) {
-         j->mutable_parallel()->set_cp(2);
-         j->mutable_train()->set_precision("bf16");
-       },
-       "parallel.cp", "train.precision"},
       {"ep not implemented",
        [](v1::JobSpec* j) {
          j->mutable_parallel()->set_dp(2);
@@ -508,15 +502,11 @@ TEST(JobSpecTest, ContextParallelismNeedsSequencesThatSplitIntoTwoChunksPerRank)
   EXPECT_EQ(ErrorOf(job), "");
 }
 
-TEST(JobSpecTest, ContextParallelismRefusesBf16NamingTrainPrecision) {
+TEST(JobSpecTest, ContextParallelismRunsInBf16) {
   v1::JobSpec job = Good();
   job.mutable_train()->set_precision("bf16");
-  EXPECT_EQ(ErrorOf(job), "") << "bf16 alone runs";
   job.mutable_parallel()->set_cp(2);
-  const std::string error = ErrorOf(job);
-  EXPECT_NE(error.find("parallel.cp: is 2 but train.precision is \"bf16\""), std::string::npos) << error;
-  EXPECT_NE(error.find("fp32 only"), std::string::npos) << error;
-  EXPECT_NE(error.find("set train.precision: \"fp32\""), std::string::npos) << error;
+  EXPECT_EQ(ErrorOf(job), "");
 }
 
 TEST(JobSpecTest, SequenceParallelWithContextParallelSplitsEachRanksTokens) {

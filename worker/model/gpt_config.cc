@@ -182,10 +182,6 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    absl::StrCat("must be divisible by 2 * parallel.cp = ", 2 * c.cp_size,
                                 " (each context-parallel rank holds two of the sequence's 2 * cp chunks)"));
   }
-  if (c.cp_size > 1 && c.precision != kernels::Precision::kFloat32) {
-    return Invalid("parallel.cp", c.cp_size,
-                   "needs train.precision fp32: the ring-attention kernels have no bf16 form yet");
-  }
   if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
     return Invalid("tp_rank", c.tp_rank, absl::StrCat("outside [0, ", c.tp_size, ")"));
   }

@@ -122,7 +122,7 @@ struct StageConfig {
   // every sequence of model.seq_len tokens is cut into 2 · cp_size chunks and
   // this rank holds chunks cp_rank and 2 · cp_size − 1 − cp_rank (the
   // load-balanced causal split); attention runs as ring attention over the
-  // cp group. cp_size 1: whole sequences. fp32 only.
+  // cp group. cp_size 1: whole sequences.
   int cp_rank = 0;
   int cp_size = 1;
 

@@ -1138,6 +1138,13 @@ uint64_t GptStage::NextRingTag() {
   return (static_cast<uint64_t>(config_.pp_rank) << 48) | ++cp_tag_;
 }
 
+absl::StatusOr<Tensor> GptStage::RingFp32(kernels::Arena& arena, const Tensor& t) const {
+  if (t.dtype() == kernels::DType::kFloat32) return t;
+  BATON_ASSIGN_OR_RETURN(Tensor wide, arena.Allocate(t.shape()));
+  kernels::Cast(ctx_, wide, t);
+  return wide;
+}
+
 int GptStage::PrevCpRank() const { return (config_.cp_rank + config_.cp_size - 1) % config_.cp_size; }
 
 absl::StatusOr<std::shared_ptr<comm::Work>> GptStage::SendToNext(const Tensor& t, uint64_t tag) {
@@ -1179,17 +1186,23 @@ absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, Bloc
   kernels::Arena& tmp = *cp_scratch_;
   tmp.Reset();
   BATON_ASSIGN_OR_RETURN(a.att, mb.arena.Allocate({mb.batch, heads, t}));  // the log-sum-exps
-  const Tensor y = a.y.Reshaped({mb.batch, t, cl});
+  // Under bf16 the ring runs on qkv's fp32 image and rounds the merged
+  // output once (see RingFp32).
+  BATON_ASSIGN_OR_RETURN(const Tensor qkv, RingFp32(tmp, a.qkv));
+  Tensor y = a.y.Reshaped({mb.batch, t, cl});
+  if (bf16_) {
+    BATON_ASSIGN_OR_RETURN(y, tmp.Allocate({mb.batch, t, cl}));
+  }
   BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
   BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
   BATON_ASSIGN_OR_RETURN(Tensor block_out, tmp.Allocate({rows_b, t, cl}));
   BATON_ASSIGN_OR_RETURN(Tensor block_lse, tmp.Allocate({rows_b, heads, t}));
   BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionScratch(t, t)}));
-  kernels::KvOfQkv(ctx_, cur, a.qkv);
+  kernels::KvOfQkv(ctx_, cur, qkv);
   // The diagonal blocks first: every query sees itself there, so they start
   // the running output and log-sum-exp.
   for (int half = 0; half < 2; ++half) {
-    kernels::BlockAttention(ctx_, Half(y, half), Half(a.att, half), Half(a.qkv, half), Half(cur, half), heads,
+    kernels::BlockAttention(ctx_, Half(y, half), Half(a.att, half), Half(qkv, half), Half(cur, half), heads,
                             HalfOffset(half, t), HalfOffset(half, t), scratch);
   }
   for (int step = 0; step < cp; ++step) {
@@ -1203,7 +1216,7 @@ absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, Bloc
         if (step == 0 && qh == kh) continue;  // the diagonal, done
         const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
         if (k_offset > q_offset + t - 1) continue;  // wholly in the causal future
-        kernels::BlockAttention(ctx_, block_out, block_lse, Half(a.qkv, qh), Half(cur, kh), heads, q_offset,
+        kernels::BlockAttention(ctx_, block_out, block_lse, Half(qkv, qh), Half(cur, kh), heads, q_offset,
                                 k_offset, scratch);
         kernels::MergeAttentionBlock(ctx_, Half(y, qh), Half(a.att, qh), block_out, block_lse, heads);
       }
@@ -1213,6 +1226,7 @@ absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, Bloc
       std::swap(cur, next);
     }
   }
+  if (bf16_) kernels::Cast(ctx_, a.y.Reshaped({mb.batch, t, cl}), y);
   return absl::OkStatus();
 }
 
@@ -1223,7 +1237,13 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   const int heads = static_cast<int>(config_.model.heads / config_.tp_size);
   kernels::Arena& tmp = *cp_scratch_;
   tmp.Reset();
-  const Tensor y = a.y.Reshaped({mb.batch, t, cl}), dout = dy.Reshaped({mb.batch, t, cl});
+  BATON_ASSIGN_OR_RETURN(const Tensor qkv, RingFp32(tmp, a.qkv));
+  BATON_ASSIGN_OR_RETURN(const Tensor y, RingFp32(tmp, a.y.Reshaped({mb.batch, t, cl})));
+  BATON_ASSIGN_OR_RETURN(const Tensor dout, RingFp32(tmp, dy.Reshaped({mb.batch, t, cl})));
+  Tensor dqkv = a.dqkv;  // under bf16, summed in fp32 and rounded once at the end
+  if (bf16_) {
+    BATON_ASSIGN_OR_RETURN(dqkv, tmp.Allocate(a.dqkv.shape()));
+  }
   BATON_ASSIGN_OR_RETURN(Tensor delta, tmp.Allocate({mb.batch, heads, t}));
   BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
   BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
@@ -1237,8 +1257,8 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   }
   BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionBackwardScratch(t, t)}));
   kernels::AttentionDelta(ctx_, delta, dout, y, heads);
-  kernels::FillZero(ctx_, a.dqkv);
-  kernels::KvOfQkv(ctx_, cur, a.qkv);
+  kernels::FillZero(ctx_, dqkv);
+  kernels::KvOfQkv(ctx_, cur, qkv);
   std::shared_ptr<comm::Work> sent[2];
   uint64_t acc_tag = 0;  // the tag the previous step's accumulator went out with (the same on every rank)
   const char* kGrads = "the key and value gradients";
@@ -1259,7 +1279,7 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
       for (int kh = 0; kh < 2; ++kh) {
         const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
         if (k_offset > q_offset + t - 1) continue;
-        kernels::BlockAttentionBackward(ctx_, Half(a.dqkv, qh), Half(part, kh), Half(dout, qh), Half(a.qkv, qh),
+        kernels::BlockAttentionBackward(ctx_, Half(dqkv, qh), Half(part, kh), Half(dout, qh), Half(qkv, qh),
                                         Half(cur, kh), Half(a.att, qh), Half(delta, qh), heads, q_offset, k_offset,
                                         scratch);
       }
@@ -1282,7 +1302,8 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   for (const std::shared_ptr<comm::Work>& s : sent) {
     if (s != nullptr) BATON_RETURN_IF_ERROR(AwaitRingWork(*s, kGrads, b.index, /*sending=*/true));
   }
-  kernels::QkvGradOfKv(ctx_, a.dqkv, acc_in);
+  kernels::QkvGradOfKv(ctx_, dqkv, acc_in);
+  if (bf16_) kernels::Cast(ctx_, a.dqkv, dqkv);
   return absl::OkStatus();
 }
 

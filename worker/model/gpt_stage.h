@@ -113,9 +113,11 @@
 // added, sent on) and arriving home after cp hops. Saved per block: qkv,
 // the output and the log-sum-exps [B, H, T] (not P). The parameters'
 // gradients here are this rank's tokens' share: the executor averages them
-// over the cp ranks with the dp replicas (one dp · cp group). fp32 on the
-// CPU and the simulated device only (StageConfig validation; the CUDA
-// backend has no block-attention kernels yet).
+// over the cp ranks with the dp replicas (one dp · cp group). The block
+// kernels are fp32: under bf16 the ring runs on the exact fp32 image of the
+// bf16 qkv (k and v travel as fp32, twice bf16's bytes), merges and sums in
+// fp32, and rounds the output and the qkv gradient to bf16 once each
+// (RingFp32). The CUDA backend has no block-attention kernels yet.
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool (for attention, what the device's attention path keeps:
@@ -334,6 +336,11 @@ class GptStage {
   uint64_t NextRingTag();
   absl::StatusOr<std::shared_ptr<comm::Work>> SendToNext(const kernels::Tensor& t, uint64_t tag);
   int PrevCpRank() const;
+  // The ring's block kernels are fp32: under bf16 it runs on the exact fp32
+  // image of the bf16 qkv (and of the output and its gradient), allocated in
+  // `arena`; sums stay fp32 and the results round to bf16 once, as they
+  // leave the ring. An fp32 tensor is returned as it is.
+  absl::StatusOr<kernels::Tensor> RingFp32(kernels::Arena& arena, const kernels::Tensor& t) const;
   absl::Status AwaitRingWork(comm::Work& work, const char* what, int block, bool sending);
   // The global position of the first token of half `half` of a CP view of
   // `seq`-token rows (0 without CP).

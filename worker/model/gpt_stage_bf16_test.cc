@@ -46,9 +46,9 @@ class GptStageBf16Test : public ::testing::Test {
   }
 
   std::unique_ptr<InProcModel> Run(int pp, int tp, Precision precision, double* loss,
-                                   bool vocab_parallel = false, bool sequence_parallel = false) {
+                                   bool vocab_parallel = false, bool sequence_parallel = false, int cp = 1) {
     auto m = InProcModel::Create(model_, pp, tp, /*seed=*/42, /*microbatches=*/2, vocab_parallel,
-                                 kernels::Device::Cpu(), precision, sequence_parallel);
+                                 kernels::Device::Cpu(), precision, sequence_parallel, cp);
     EXPECT_TRUE(m.ok()) << m.status();
     auto l = (*m)->ForwardBackward(tokens_, targets_);
     EXPECT_TRUE(l.ok()) << l.status();
@@ -123,6 +123,47 @@ TEST_F(GptStageBf16Test, LlamaStaysCloseToFp32AndRepeatsBitwise) {
     int copies = 0;
     for (const Parameter& p : (*m)->stage(s, 0).parameters().parameters()) copies += p.value_bf16.defined();
     EXPECT_EQ(copies, 7 * 2 + (s == 1 ? 1 : 0)) << "stage " << s;  // 7 matrices a block, + lm_head
+  }
+}
+
+// Context parallelism in bf16: the ring runs on the fp32 image of the bf16
+// qkv, so GPT-2 and Llama stay as close to fp32 as bf16 without cp does,
+// with pp, tp and sequence parallelism, and repeat bitwise.
+TEST_F(GptStageBf16Test, ContextParallelStaysCloseToFp32AndRepeatsBitwise) {
+  std::mt19937 rng(5);
+  tokens_.clear();
+  targets_.clear();
+  for (int mb = 0; mb < 2; ++mb) {  // whole sequences: cp splits seq_len
+    tokens_.push_back(RandomIds(rng, 2, model_.seq_len, model_.vocab));
+    targets_.push_back(RandomIds(rng, 2, model_.seq_len, model_.vocab));
+  }
+  for (const Arch arch : {Arch::kGpt2, Arch::kLlama}) {
+    if (arch == Arch::kLlama) {
+      model_.arch = Arch::kLlama;
+      model_.kv_heads = 2;
+      model_.ffn = 48;
+      model_.tie_embeddings = false;
+    }
+    double fp32_loss = 0, bf16_loss = 0;
+    auto fp32 = Run(1, 1, Precision::kFloat32, &fp32_loss);
+    auto bf16 = Run(1, 1, Precision::kBFloat16, &bf16_loss);
+    const struct { int pp, tp, cp; bool sp; } layouts[] = {{1, 1, 2, false}, {2, 2, 2, true}, {1, 1, 4, false}};
+    for (const auto& l : layouts) {
+      SCOPED_TRACE(::testing::Message() << (arch == Arch::kLlama ? "llama" : "gpt2") << " pp=" << l.pp
+                                        << " tp=" << l.tp << " cp=" << l.cp << (l.sp ? " sp" : ""));
+      double loss = 0, again = 0;
+      auto m = Run(l.pp, l.tp, Precision::kBFloat16, &loss, false, l.sp, l.cp);
+      auto m2 = Run(l.pp, l.tp, Precision::kBFloat16, &again, false, l.sp, l.cp);
+      ASSERT_NE(m, nullptr);
+      EXPECT_NE(loss, fp32_loss);  // the bf16 path really ran
+      EXPECT_NEAR(loss, fp32_loss, 1e-2 * fp32_loss);
+      EXPECT_NEAR(loss, bf16_loss, 1e-2 * bf16_loss);
+      EXPECT_EQ(loss, again);
+      for (const std::string& name : fp32->ParameterNames()) {
+        EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(fp32->FullGrad(name))), 5e-2) << name;
+        EXPECT_EQ(Full(m->FullGrad(name)), Full(m2->FullGrad(name))) << name << " not bitwise repeatable";
+      }
+    }
   }
 }
 

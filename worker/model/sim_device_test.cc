@@ -252,7 +252,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
                                            Layout{2, 2, true, true}, Layout{2, 2, false, false, true},
                                            Layout{2, 2, true, true, true}, Layout{2, 2, false, false, false, 2},
                                            Layout{1, 1, false, false, false, 3},
-                                           Layout{2, 2, false, false, true, 3}),
+                                           Layout{2, 2, false, false, true, 3},
+                                           Layout{1, 1, false, true, false, 2},
+                                           Layout{2, 2, true, true, true, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_tp" +
                                   std::to_string(info.param.tp) +
