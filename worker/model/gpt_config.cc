@@ -12,6 +12,31 @@ absl::Status Invalid(absl::string_view field, const absl::AlphaNum& value, absl:
   return absl::InvalidArgumentError(absl::StrCat(field, " = ", value, ": ", why));
 }
 
+// model.moe: moe_experts 0 is a dense model (the other fields unused).
+absl::Status ValidateMoe(const GptConfig& c) {
+  if (c.moe_experts == 0) return absl::OkStatus();
+  if (c.moe_experts < 2 || c.moe_experts > kMaxExperts) {
+    return Invalid("model.moe.experts", c.moe_experts,
+                   absl::StrCat("must be in [2, ", kMaxExperts, "] (leave model.moe unset for a dense model)"));
+  }
+  if (c.moe_top_k < 1 || c.moe_top_k > c.moe_experts) {
+    return Invalid("model.moe.top_k", c.moe_top_k,
+                   absl::StrCat("must be in [1, model.moe.experts = ", c.moe_experts, "]: the experts each token is sent to"));
+  }
+  if (c.moe_every < 1 || c.moe_every > c.layers) {
+    return Invalid("model.moe.every_n_layers", c.moe_every,
+                   absl::StrCat("must be in [1, model.layers = ", c.layers, "] (1, or unset: every block is an MoE block)"));
+  }
+  if (!std::isfinite(c.moe_capacity_factor) || c.moe_capacity_factor < 0 || c.moe_capacity_factor > 1e6) {
+    return Invalid("model.moe.capacity_factor", c.moe_capacity_factor,
+                   "must be a finite number >= 0 (0: dropless, every choice kept; 1.25: each expert takes 1.25x its even share)");
+  }
+  if (!std::isfinite(c.moe_aux_coef) || c.moe_aux_coef < 0) {
+    return Invalid("model.moe.aux_loss_coef", c.moe_aux_coef, "must be a finite number >= 0 (Switch: 0.01)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* TokenEmbeddingName(const GptConfig& config) {
@@ -32,6 +57,14 @@ GptConfig GptConfigFromSpec(const baton::v1::ModelSpec& spec) {
   if (spec.has_norm_eps()) config.norm_eps = spec.norm_eps();
   config.tie_embeddings = config.llama() ? spec.tie_embeddings() : true;
   if (!config.llama() && spec.has_tie_embeddings()) config.tie_embeddings = spec.tie_embeddings();
+  if (spec.has_moe()) {
+    const baton::v1::MoeSpec& moe = spec.moe();
+    config.moe_experts = moe.experts();
+    config.moe_top_k = moe.top_k();
+    config.moe_every = moe.every_n_layers() == 0 ? 1 : moe.every_n_layers();
+    config.moe_capacity_factor = moe.capacity_factor();
+    if (moe.has_aux_loss_coef()) config.moe_aux_coef = moe.aux_loss_coef();
+  }
   return config;
 }
 
@@ -61,6 +94,7 @@ absl::Status ValidateGptConfig(const GptConfig& c) {
     return Invalid("model.heads", c.heads, absl::StrCat("must divide model.d_model = ", c.d_model));
   }
   if (c.ffn_dim() <= 0) return Invalid("model.ffn_dim", c.ffn_dim(), "must be positive");
+  BATON_RETURN_IF_ERROR(ValidateMoe(c));
   if (!c.llama()) {
     // GPT-2 has none of Llama's knobs; a set one is a mistake, not ignored.
     if (c.kv_heads != 0 && c.kv_heads != c.heads) {

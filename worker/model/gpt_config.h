@@ -34,12 +34,25 @@ struct GptConfig {
   float rope_theta = 10000.0f;
   float norm_eps = 1e-5f;
   bool tie_embeddings = true;  // GPT-2 always; Llama from the spec (default false)
+  // Mixture of Experts (model.moe; proto MoeSpec has the math): 0 experts is
+  // a dense model. Block i's MLP is an MoE MLP iff moe_block(i).
+  int moe_experts = 0;
+  int moe_top_k = 0;
+  int moe_every = 1;                 // every_n_layers
+  double moe_capacity_factor = 0.0;  // 0: dropless
+  float moe_aux_coef = 0.01f;
 
   bool llama() const { return arch == Arch::kLlama; }
   int head_dim() const { return d_model / heads; }
   int key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   int ffn_dim() const { return ffn > 0 ? ffn : 4 * d_model; }
+  bool moe() const { return moe_experts > 0; }
+  bool moe_block(int block) const { return moe() && (block + 1) % moe_every == 0; }
 };
+
+// The largest model.moe.experts (each expert is a parameter tensor per
+// matrix per MoE block, and the dispatch plans hold one row per expert).
+inline constexpr int kMaxExperts = 1024;
 
 // The name of the token embedding parameter ("wte" for GPT-2,
 // "embed_tokens.weight" for Llama); with a tied head the last pipeline stage

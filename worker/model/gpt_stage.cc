@@ -261,6 +261,9 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
                                                            comm::Communicator* tp_group,
                                                            comm::Communicator* cp_group) {
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  if (config.model.moe()) {
+    return absl::UnimplementedError("model.moe: this worker's stage has no Mixture-of-Experts MLP yet; leave model.moe unset");
+  }
   if (config.cp_size > 1) {
     if (cp_group == nullptr || cp_group->size() != config.cp_size || cp_group->rank() != config.cp_rank) {
       return absl::InvalidArgumentError(absl::StrCat("parallel.cp = ", config.cp_size,
