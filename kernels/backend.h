@@ -11,8 +11,8 @@
 //    aborts naming it (never null). Exceptions, which may be null:
 //    fused_attention (see there) and the context-parallel attention entries
 //    (kv_of_qkv .. qkv_grad_of_kv), for which ops.cc aborts naming the op and
-//    saying the backend has no context-parallel attention kernel yet (CUDA
-//    today).
+//    saying the backend has no context-parallel attention kernel yet (none
+//    today: CPU, sim and CUDA have them; CUDA's in kernels/cuda/ring_attention.cu).
 //
 // 2. Backends. kCpu: kernels/cpu, linked into everything, always registered;
 //    it runs each op inline on the calling thread (its Stream and Event are
@@ -374,7 +374,7 @@ struct Backend {
                              float theta, int64_t position_offset);
 
   // --- context-parallel (ring) attention, fp32 (see ops.h); null where the
-  // backend has none (CUDA today): the ops then abort naming themselves ---
+  // backend has none (none today): the ops then abort naming themselves ---
   void (*kv_of_qkv)(const ExecContext&, const Tensor& kv, const Tensor& qkv);
   void (*block_attention)(const ExecContext&, const Tensor& out, const Tensor& lse,
                           const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,

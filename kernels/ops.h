@@ -253,8 +253,10 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
 // block's dkv (to be reduced back to the block's owner); the owner writes
 // its summed dkv into its dqkv with QkvGradOfKv. q, k and v are read in
 // place (row strides), never copied. Fixed shapes give fixed bits (Gemm and
-// row-order loops; no threads of their own). On a backend without these
-// kernels (CUDA today) every op below aborts naming itself.
+// row-order loops; no threads of their own; on CUDA, fixed-order sums and no
+// atomics: kernels/cuda/ring_attention.cuh, which recomputes scores per row
+// and leaves `scratch` unused). On a backend without these kernels every op
+// below aborts naming itself (CPU, sim and CUDA all have them).
 
 // Floats of BlockAttention's and BlockAttentionBackward's `scratch` for a
 // query block of q_len rows and a key block of k_len rows: Tq·Tk and

@@ -28,6 +28,7 @@
 #include "kernels/cuda/grad_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/plan.h"
+#include "kernels/cuda/ring_attention.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/stamp.cuh"
@@ -954,6 +955,90 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
   Note(st, "RopePackBackward", err);
 }
 
+// ------------------------------------- context-parallel (ring) attention
+//
+// fp32; ops.cc has checked the shapes. q is read in place from qkv
+// [B,Tq,3C], k and v from kv [B,Tk,2C] (ring_attention.cuh).
+
+// The block of (qkv, kv); past the kernels' head_dim limit, the stream's
+// error says so and nothing is launched.
+bool RingBlockOf(StreamState& st, const char* op, const Tensor& qkv, const Tensor& kv, int heads,
+                 int64_t q_offset, int64_t k_offset, RingBlock* block) {
+  *block = RingBlock{qkv.dim(0), qkv.dim(1), kv.dim(1), qkv.dim(2) / 3,
+                     heads, q_offset, k_offset};
+  const int64_t head_dim = block->channels / heads;
+  if (head_dim <= kRingAttentionMaxHeadDim) return true;
+  Note(st, op, absl::InvalidArgumentError(absl::StrCat(
+                   "head_dim ", head_dim, " is over the CUDA context-parallel attention kernels' "
+                   "limit of ", kRingAttentionMaxHeadDim, "; use a model with smaller heads, or "
+                   "cp = 1")));
+  return false;
+}
+
+void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv) {
+  StreamState& st = Enter(ctx, "KvOfQkv");
+  RequireF32("KvOfQkv", {&kv, &qkv});
+  Note(st, "KvOfQkv", LaunchKvOfQkv(kv.data<float>(), qkv.data<float>(), qkv.dim(0) * qkv.dim(1),
+                                    qkv.dim(2) / 3, Native(ctx)));
+}
+
+// The scores are recomputed per row, not stored: `scratch` is not used.
+void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                    const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
+                    int64_t k_offset, const Tensor& /*scratch*/) {
+  StreamState& st = Enter(ctx, "BlockAttention");
+  RequireF32("BlockAttention", {&out, &lse, &qkv, &kv});
+  RingBlock block;
+  if (!RingBlockOf(st, "BlockAttention", qkv, kv, heads, q_offset, k_offset, &block)) return;
+  Note(st, "BlockAttention",
+       LaunchBlockAttentionForward(out.data<float>(), lse.data<float>(), qkv.data<float>(),
+                                   kv.data<float>(), block, Native(ctx)));
+}
+
+void MergeAttentionBlock(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
+                         const Tensor& block_out, const Tensor& block_lse, int heads) {
+  StreamState& st = Enter(ctx, "MergeAttentionBlock");
+  RequireF32("MergeAttentionBlock", {&out, &lse, &block_out, &block_lse});
+  Note(st, "MergeAttentionBlock",
+       LaunchMergeAttentionBlock(out.data<float>(), lse.data<float>(), block_out.data<float>(),
+                                 block_lse.data<float>(), out.dim(0), out.dim(1), out.dim(2),
+                                 heads, Native(ctx)));
+}
+
+void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& dout,
+                    const Tensor& out, int heads) {
+  StreamState& st = Enter(ctx, "AttentionDelta");
+  RequireF32("AttentionDelta", {&delta, &dout, &out});
+  Note(st, "AttentionDelta",
+       LaunchAttentionDelta(delta.data<float>(), dout.data<float>(), out.data<float>(), out.dim(0),
+                            out.dim(1), out.dim(2), heads, Native(ctx)));
+}
+
+// As BlockAttention, `scratch` is not used.
+void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
+                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
+                            int64_t k_offset, const Tensor& /*scratch*/) {
+  StreamState& st = Enter(ctx, "BlockAttentionBackward");
+  RequireF32("BlockAttentionBackward", {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta});
+  RingBlock block;
+  if (!RingBlockOf(st, "BlockAttentionBackward", qkv, kv, heads, q_offset, k_offset, &block)) {
+    return;
+  }
+  Note(st, "BlockAttentionBackward",
+       LaunchBlockAttentionBackward(dqkv.data<float>(), dkv.data<float>(), dout.data<float>(),
+                                    qkv.data<float>(), kv.data<float>(), lse.data<float>(),
+                                    delta.data<float>(), block, Native(ctx)));
+}
+
+void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) {
+  StreamState& st = Enter(ctx, "QkvGradOfKv");
+  RequireF32("QkvGradOfKv", {&dqkv, &dkv});
+  Note(st, "QkvGradOfKv", LaunchQkvGradOfKv(dqkv.data<float>(), dkv.data<float>(),
+                                            dqkv.dim(0) * dqkv.dim(1), dqkv.dim(2) / 3,
+                                            Native(ctx)));
+}
+
 const kernels::Backend kCuda = {
     "cuda",
     kernels::DeviceType::kCuda,
@@ -1007,14 +1092,12 @@ const kernels::Backend kCuda = {
     SwiGluBackward,
     RopePack,
     RopePackBackward,
-    // Context-parallel attention: no CUDA kernels yet; ops.cc aborts naming
-    // the op (backend.h §1).
-    nullptr,  // kv_of_qkv
-    nullptr,  // block_attention
-    nullptr,  // merge_attention_block
-    nullptr,  // attention_delta
-    nullptr,  // block_attention_backward
-    nullptr,  // qkv_grad_of_kv
+    KvOfQkv,
+    BlockAttention,
+    MergeAttentionBlock,
+    AttentionDelta,
+    BlockAttentionBackward,
+    QkvGradOfKv,
 };
 
 BATON_REGISTER_BACKEND(kCuda);

@@ -77,18 +77,19 @@ TEST(CudaBackendProbeTest, FusedAttentionIsTheBackendsOwnChoice) {
   EXPECT_EQ(kernels::ProbeFusedAttention(Device::Cuda(count + 7)).code(), absl::StatusCode::kUnavailable);
 }
 
-// Context-parallel attention has no CUDA kernels yet: the backend's entries
-// are null and each op aborts naming itself and saying so, from ops.cc's
-// checks, before any device memory is touched (so no GPU is needed here;
-// the tensors are views of a host buffer tagged cuda:0, never dereferenced).
-TEST(CudaBackendProbeTest, ContextParallelAttentionFailsNamingTheOp) {
+// Context-parallel attention has CUDA kernels: the backend's six entries are
+// set, so ops.cc no longer aborts for want of a kernel. Without a CUDA stream
+// in the context (no GPU is needed here: the tensors are views of a host
+// buffer tagged cuda:0, never dereferenced) each entry aborts naming its op
+// and the missing stream, before any device memory is touched.
+TEST(CudaBackendProbeTest, ContextParallelAttentionHasCudaEntries) {
   ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
-  EXPECT_EQ(CudaBackend().kv_of_qkv, nullptr);
-  EXPECT_EQ(CudaBackend().block_attention, nullptr);
-  EXPECT_EQ(CudaBackend().merge_attention_block, nullptr);
-  EXPECT_EQ(CudaBackend().attention_delta, nullptr);
-  EXPECT_EQ(CudaBackend().block_attention_backward, nullptr);
-  EXPECT_EQ(CudaBackend().qkv_grad_of_kv, nullptr);
+  EXPECT_NE(CudaBackend().kv_of_qkv, nullptr);
+  EXPECT_NE(CudaBackend().block_attention, nullptr);
+  EXPECT_NE(CudaBackend().merge_attention_block, nullptr);
+  EXPECT_NE(CudaBackend().attention_delta, nullptr);
+  EXPECT_NE(CudaBackend().block_attention_backward, nullptr);
+  EXPECT_NE(CudaBackend().qkv_grad_of_kv, nullptr);
   kernels::ExecContext ctx;
   ctx.device = Device::Cuda(0);
   ctx.backend = &CudaBackend();
@@ -100,12 +101,18 @@ TEST(CudaBackendProbeTest, ContextParallelAttentionFailsNamingTheOp) {
   const kernels::Tensor qkv = on_gpu({1, 2, 6}), kv = on_gpu({1, 2, 4}), out = on_gpu({1, 2, 2}),
                         lse = on_gpu({1, 1, 2}), scratch = on_gpu({8});
   EXPECT_DEATH(kernels::BlockAttention(ctx, out, lse, qkv, kv, 1, 0, 0, scratch),
-               "BlockAttention: context-parallel attention has no CUDA kernel yet");
+               "BlockAttention \\(cuda\\): the execution context has no CUDA stream");
   EXPECT_DEATH(kernels::KvOfQkv(ctx, kv, qkv),
-               "KvOfQkv: context-parallel attention has no CUDA kernel yet");
+               "KvOfQkv \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::MergeAttentionBlock(ctx, out, lse, out, lse, 1),
+               "MergeAttentionBlock \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::AttentionDelta(ctx, lse, out, out, 1),
+               "AttentionDelta \\(cuda\\): the execution context has no CUDA stream");
   EXPECT_DEATH(kernels::BlockAttentionBackward(ctx, qkv, kv, out, qkv, kv, lse, lse, 1, 0, 0,
                                                scratch),
-               "BlockAttentionBackward: context-parallel attention has no CUDA kernel yet");
+               "BlockAttentionBackward \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::QkvGradOfKv(ctx, qkv, kv),
+               "QkvGradOfKv \\(cuda\\): the execution context has no CUDA stream");
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 //   RoPE: cos/sin ≤ 1 ulp; outputs bitwise where cos/sin are, v/dv always;
 //     all ≤ 1e-6
 //   bf16 RMSNorm / RoPE outputs vs the CPU's  ≤ 8e-3 (one bf16 ulp, ≤ 2⁻⁷)
+//   ring attention: block forward / backward ≤ 1e-5, merge ≤ 1e-6 (bitwise
+//     on −∞ rows), delta and the kv copies bitwise
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -25,8 +27,10 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
@@ -52,6 +56,7 @@
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/device_buffer_testing.h"
 #include "kernels/cuda/plan.h"
+#include "kernels/cuda/ring_attention.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/swiglu.cuh"
@@ -1062,6 +1067,286 @@ TEST_F(CudaOpsTest, LlamaEntriesOfTheCudaBackendMatchTheCpuBackend) {
   ASSERT_TRUE((*stream)->Synchronize().ok());
   for (size_t i = 0; i < want.size(); ++i) {
     EXPECT_LE(MaxRelError(down(got[i]), HostFloats(want[i])), bounds[i]) << names[i];
+  }
+}
+
+// ------------------------------------------- context-parallel (ring) attention
+//
+// The six entries (ring_attention.cuh) through kernels/ops.h against the CPU
+// backend on the same inputs, over every kind of block. Bounds: BlockAttention
+// and BlockAttentionBackward ≤ 1e-5 (the CPU's GEMMs add in another order;
+// expf vs FastExp); MergeAttentionBlock ≤ 1e-6 (exp and log1p rounded from
+// float64 vs glibc's float forms, ≤ 1 ulp), and bitwise where either side's
+// lse is −∞; AttentionDelta, KvOfQkv and QkvGradOfKv bitwise. The ops with
+// a bound run twice on the same inputs: the same bits.
+
+// One (query block, key block) pair; row i sees key j iff k_offset + j ≤ q_offset + i.
+struct RingCase {
+  const char* name;
+  int64_t B, Tq, Tk, C;
+  int heads;
+  int64_t q_offset, k_offset;
+};
+
+constexpr RingCase kRingCases[] = {
+    {"fully visible, hd 16", 2, 5, 7, 32, 2, 20, 0},
+    {"diagonal (causal), hd 32", 2, 9, 9, 96, 3, 9, 9},
+    {"partial, Tq < Tk (rows see 4..9 of 11 keys), hd 40", 2, 6, 11, 80, 2, 8, 5},
+    {"partial, Tq > Tk (rows 0-2 see nothing), hd 64", 2, 7, 5, 128, 2, 0, 3},
+    {"invisible, hd 64", 2, 4, 6, 128, 2, 0, 10},
+    {"diagonal, 48 rows, hd 100", 2, 48, 48, 200, 2, 48, 48},
+    {"partial, rows see 11..30 of 33 keys, hd 256", 1, 20, 33, 512, 2, 40, 30},
+};
+
+k::Tensor HostRandom(k::Shape shape, uint32_t seed, float scale = 1.0f) {
+  k::Tensor t = k::Tensor::Zeros(std::move(shape));
+  const std::vector<float> v = Random(t.numel(), seed, scale);
+  std::memcpy(t.f32(), v.data(), t.bytes());
+  return t;
+}
+
+k::Tensor HostCopy(const k::Tensor& t) {
+  k::Tensor c = k::Tensor::Zeros(t.shape());
+  std::memcpy(c.f32(), t.f32(), t.bytes());
+  return c;
+}
+
+// max|got − want| / max|want| over the finite elements of want; a
+// non-finite element of want (lse −∞) must be got exactly.
+template <typename T>
+double RingError(const std::vector<T>& got, const std::vector<T>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) {
+      if (got[i] != want[i]) return INFINITY;
+      continue;
+    }
+    diff = std::max(diff, std::fabs(static_cast<double>(got[i]) - want[i]));
+    norm = std::max(norm, std::fabs(static_cast<double>(want[i])));
+  }
+  return norm == 0 ? diff : diff / norm;
+}
+
+// after − before, in float64.
+std::vector<double> Increment(const std::vector<float>& after, const std::vector<float>& before) {
+  std::vector<double> d(after.size());
+  for (size_t i = 0; i < after.size() && i < before.size(); ++i) {
+    d[i] = static_cast<double>(after[i]) - before[i];
+  }
+  return d;
+}
+
+class CudaRingAttentionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::Status probe = k::ProbeDevice(k::Device::Cuda(0));
+    ASSERT_TRUE(probe.ok()) << "this test needs a GPU: " << probe;
+    absl::StatusOr<std::unique_ptr<k::Stream>> s = k::Stream::Create(k::Device::Cuda(0));
+    ASSERT_TRUE(s.ok()) << s.status();
+    stream_ = std::move(*s);
+    ctx_ = k::ExecContext::On(stream_.get());
+  }
+  k::Tensor Up(const k::Tensor& host) {
+    absl::StatusOr<k::Tensor> t = k::ZerosOn(k::Device::Cuda(0), host.shape(), host.dtype());
+    EXPECT_TRUE(t.ok()) << t.status();
+    k::Copy(ctx_, *t, host);
+    return *t;
+  }
+  // A device tensor of `shape` with every byte 0xff (NaN): what an op fails to write shows.
+  k::Tensor UpNaN(k::Shape shape) {
+    k::Tensor host = k::Tensor::Zeros(std::move(shape));
+    std::memset(host.f32(), 0xff, host.bytes());
+    return Up(host);
+  }
+  std::vector<float> Down(const k::Tensor& dev) {
+    k::Tensor host = k::Tensor::Zeros(dev.shape(), dev.dtype());
+    k::Copy(ctx_, host, dev);
+    EXPECT_TRUE(stream_->Synchronize().ok());
+    return HostFloats(host);
+  }
+
+  std::unique_ptr<k::Stream> stream_;
+  k::ExecContext ctx_;
+};
+
+TEST_F(CudaRingAttentionTest, BlockAttentionMatchesTheCpuOnEveryKindOfBlockAndRepeatsBitwise) {
+  for (const RingCase& rc : kRingCases) {
+    SCOPED_TRACE(rc.name);
+    const k::Tensor qkv = HostRandom({rc.B, rc.Tq, 3 * rc.C}, 200, 1.5f);
+    const k::Tensor kv = HostRandom({rc.B, rc.Tk, 2 * rc.C}, 201, 1.5f);
+    k::Tensor out = k::Tensor::Zeros({rc.B, rc.Tq, rc.C});
+    k::Tensor lse = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
+    const k::Tensor scratch = k::Tensor::Zeros({k::BlockAttentionScratch(rc.Tq, rc.Tk)});
+    k::BlockAttention(k::ExecContext::Host(), out, lse, qkv, kv, rc.heads, rc.q_offset,
+                      rc.k_offset, scratch);
+
+    const k::Tensor d_qkv = Up(qkv), d_kv = Up(kv), d_scratch = Up(scratch);
+    const k::Tensor d_out = UpNaN(out.shape()), d_lse = UpNaN(lse.shape());
+    k::BlockAttention(ctx_, d_out, d_lse, d_qkv, d_kv, rc.heads, rc.q_offset, rc.k_offset,
+                      d_scratch);
+    const std::vector<float> got_out = Down(d_out), got_lse = Down(d_lse);
+    EXPECT_LE(RingError(got_out, HostFloats(out)), 1e-5) << "out";
+    EXPECT_LE(RingError(got_lse, HostFloats(lse)), 1e-5) << "lse";
+
+    k::BlockAttention(ctx_, d_out, d_lse, d_qkv, d_kv, rc.heads, rc.q_offset, rc.k_offset,
+                      d_scratch);
+    EXPECT_TRUE(Bitwise(Down(d_out), got_out)) << "out, second run";
+    EXPECT_TRUE(Bitwise(Down(d_lse), got_lse)) << "lse, second run";
+  }
+}
+
+// Rows r ≡ 1 (mod 4) of the running lse are −∞ (no block merged yet) and rows
+// r ≡ 2 (mod 3) of the block's (it has no key for them); rows ≡ 5 (mod 12) are both.
+TEST_F(CudaRingAttentionTest, MergeMatchesTheCpuAndKeepsOrTakesRowsWhoseLseIsMinusInfinity) {
+  const int64_t B = 2, Tq = 9, C = 48, hd = 16;
+  const int heads = 3;
+  const k::Tensor out0 = HostRandom({B, Tq, C}, 210), block_out = HostRandom({B, Tq, C}, 211);
+  const k::Tensor lse0 = HostRandom({B, heads, Tq}, 212, 2.0f);
+  const k::Tensor block_lse = HostRandom({B, heads, Tq}, 213, 2.0f);
+  const int64_t rows = B * heads * Tq;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r % 4 == 1) lse0.f32()[r] = -INFINITY;
+    if (r % 3 == 2) block_lse.f32()[r] = -INFINITY;
+  }
+  k::Tensor out = HostCopy(out0), lse = HostCopy(lse0);
+  k::MergeAttentionBlock(k::ExecContext::Host(), out, lse, block_out, block_lse, heads);
+
+  const k::Tensor d_block_out = Up(block_out), d_block_lse = Up(block_lse);
+  auto merge = [&] {  // (out, lse) from (out0, lse0)
+    const k::Tensor d_out = Up(out0), d_lse = Up(lse0);
+    k::MergeAttentionBlock(ctx_, d_out, d_lse, d_block_out, d_block_lse, heads);
+    return std::make_pair(Down(d_out), Down(d_lse));
+  };
+  const auto [got_out, got_lse] = merge();
+  const auto [again_out, again_lse] = merge();
+  EXPECT_TRUE(Bitwise(again_out, got_out) && Bitwise(again_lse, got_lse)) << "second run";
+  EXPECT_LE(RingError(got_out, HostFloats(out)), 1e-6);
+  EXPECT_LE(RingError(got_lse, HostFloats(lse)), 1e-6);
+  // Row by row: a block row with lse −∞ leaves the running row's bits; a
+  // running row with lse −∞ takes the block's.
+  const std::vector<float> o0 = HostFloats(out0), bo = HostFloats(block_out);
+  const std::vector<float> l0 = HostFloats(lse0), bl = HostFloats(block_lse);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r % Tq, h = (r / Tq) % heads, b = r / (Tq * heads);
+    const size_t at = static_cast<size_t>((b * Tq + i) * C + h * hd);
+    auto row = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + at, v.begin() + at + hd);
+    };
+    if (bl[r] == -INFINITY) {
+      EXPECT_TRUE(Bitwise(row(got_out), row(o0))) << "row " << r << " kept";
+      EXPECT_TRUE(Bitwise({got_lse[r]}, {l0[r]})) << "row " << r << " kept";
+    } else if (l0[r] == -INFINITY) {
+      EXPECT_TRUE(Bitwise(row(got_out), row(bo))) << "row " << r << " taken";
+      EXPECT_TRUE(Bitwise({got_lse[r]}, {bl[r]})) << "row " << r << " taken";
+    }
+  }
+}
+
+TEST_F(CudaRingAttentionTest, DeltaAndTheKvCopiesAreTheCpusBits) {
+  const int64_t B = 2, T = 7, C = 80;
+  const int heads = 2;
+  const k::Tensor dout = HostRandom({B, T, C}, 220), out = HostRandom({B, T, C}, 221);
+  k::Tensor delta = k::Tensor::Zeros({B, heads, T});
+  k::AttentionDelta(k::ExecContext::Host(), delta, dout, out, heads);
+  const k::Tensor d_delta = UpNaN(delta.shape()), d_dout = Up(dout), d_out = Up(out);
+  k::AttentionDelta(ctx_, d_delta, d_dout, d_out, heads);
+  EXPECT_TRUE(Bitwise(Down(d_delta), HostFloats(delta))) << "delta";
+
+  const k::Tensor qkv = HostRandom({B, T, 3 * C}, 222), dkv = HostRandom({B, T, 2 * C}, 223);
+  k::Tensor kv = k::Tensor::Zeros({B, T, 2 * C}), dqkv = HostRandom({B, T, 3 * C}, 224);
+  const k::Tensor d_qkv = Up(qkv), d_kv = UpNaN(kv.shape()), d_dqkv = Up(dqkv), d_dkv = Up(dkv);
+  k::KvOfQkv(k::ExecContext::Host(), kv, qkv);
+  k::KvOfQkv(ctx_, d_kv, d_qkv);
+  EXPECT_TRUE(Bitwise(Down(d_kv), HostFloats(kv))) << "kv";
+  k::QkvGradOfKv(k::ExecContext::Host(), dqkv, dkv);  // q columns untouched
+  k::QkvGradOfKv(ctx_, d_dqkv, d_dkv);
+  EXPECT_TRUE(Bitwise(Down(d_dqkv), HostFloats(dqkv))) << "dqkv";
+}
+
+// lse: the block's own (as if it were the only key block), 0.25 where that
+// is −∞; delta random. dqkv and dkv start random: the op adds to them.
+TEST_F(CudaRingAttentionTest, BlockAttentionBackwardAccumulatesTheCpusGradientsAndRepeatsBitwise) {
+  for (const RingCase& rc : kRingCases) {
+    SCOPED_TRACE(rc.name);
+    const k::ExecContext& host = k::ExecContext::Host();
+    const k::Tensor qkv = HostRandom({rc.B, rc.Tq, 3 * rc.C}, 230, 1.5f);
+    const k::Tensor kv = HostRandom({rc.B, rc.Tk, 2 * rc.C}, 231, 1.5f);
+    const k::Tensor dout = HostRandom({rc.B, rc.Tq, rc.C}, 232);
+    const k::Tensor delta = HostRandom({rc.B, rc.heads, rc.Tq}, 233, 0.3f);
+    const k::Tensor dqkv0 = HostRandom({rc.B, rc.Tq, 3 * rc.C}, 234, 0.5f);
+    const k::Tensor dkv0 = HostRandom({rc.B, rc.Tk, 2 * rc.C}, 235, 0.5f);
+    k::Tensor out = k::Tensor::Zeros({rc.B, rc.Tq, rc.C});
+    k::Tensor lse = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
+    k::BlockAttention(host, out, lse, qkv, kv, rc.heads, rc.q_offset, rc.k_offset,
+                      k::Tensor::Zeros({k::BlockAttentionScratch(rc.Tq, rc.Tk)}));
+    for (int64_t r = 0; r < lse.numel(); ++r) {
+      if (lse.f32()[r] == -INFINITY) lse.f32()[r] = 0.25f;
+    }
+    const k::Tensor scratch = k::Tensor::Zeros({k::BlockAttentionBackwardScratch(rc.Tq, rc.Tk)});
+    k::Tensor dqkv = HostCopy(dqkv0), dkv = HostCopy(dkv0);
+    k::BlockAttentionBackward(host, dqkv, dkv, dout, qkv, kv, lse, delta, rc.heads, rc.q_offset,
+                              rc.k_offset, scratch);
+
+    const k::Tensor d_qkv = Up(qkv), d_kv = Up(kv), d_dout = Up(dout), d_lse = Up(lse);
+    const k::Tensor d_delta = Up(delta), d_scratch = Up(scratch);
+    auto backward = [&] {  // (dqkv, dkv) from (dqkv0, dkv0)
+      const k::Tensor d_dqkv = Up(dqkv0), d_dkv = Up(dkv0);
+      k::BlockAttentionBackward(ctx_, d_dqkv, d_dkv, d_dout, d_qkv, d_kv, d_lse, d_delta,
+                                rc.heads, rc.q_offset, rc.k_offset, d_scratch);
+      return std::make_pair(Down(d_dqkv), Down(d_dkv));
+    };
+    const auto [got_dqkv, got_dkv] = backward();
+    const auto [again_dqkv, again_dkv] = backward();
+    EXPECT_TRUE(Bitwise(again_dqkv, got_dqkv) && Bitwise(again_dkv, got_dkv)) << "second run";
+    const std::vector<float> init_dqkv = HostFloats(dqkv0), init_dkv = HostFloats(dkv0);
+    // The q columns gain dq; the k and v columns of dqkv keep their bits.
+    const std::vector<double> inc_dqkv = Increment(got_dqkv, init_dqkv);
+    const std::vector<double> want_dqkv = Increment(HostFloats(dqkv), init_dqkv);
+    EXPECT_LE(RingError(inc_dqkv, want_dqkv), 1e-5) << "dq";
+    EXPECT_LE(RingError(Increment(got_dkv, init_dkv), Increment(HostFloats(dkv), init_dkv)), 1e-5)
+        << "dk, dv";
+    bool kv_columns_kept = true;
+    for (size_t e = 0; e < got_dqkv.size(); ++e) {
+      if (static_cast<int64_t>(e) % (3 * rc.C) >= rc.C) {
+        kv_columns_kept = kv_columns_kept && Bitwise({got_dqkv[e]}, {init_dqkv[e]});
+      }
+    }
+    EXPECT_TRUE(kv_columns_kept) << "dqkv's k and v columns changed";
+    if (rc.q_offset + rc.Tq - 1 < rc.k_offset) {  // no row sees the block: nothing added
+      EXPECT_TRUE(Bitwise(got_dqkv, init_dqkv) && Bitwise(got_dkv, init_dkv)) << "invisible";
+    }
+  }
+}
+
+// Past the kernels' head_dim limit nothing is launched and the stream's
+// error names the op and the limit.
+TEST_F(CudaRingAttentionTest, HeadsOverTheLimitFailTheStreamNamingTheLimit) {
+  const int64_t B = 1, T = 4, C = 2 * (kRingAttentionMaxHeadDim + 32);
+  for (const bool backward : {false, true}) {
+    absl::StatusOr<std::unique_ptr<k::Stream>> s = k::Stream::Create(k::Device::Cuda(0));
+    ASSERT_TRUE(s.ok()) << s.status();
+    const k::ExecContext ctx = k::ExecContext::On(s->get());
+    auto zeros = [](k::Shape shape) {
+      absl::StatusOr<k::Tensor> t = k::ZerosOn(k::Device::Cuda(0), std::move(shape));
+      EXPECT_TRUE(t.ok()) << t.status();
+      return *t;
+    };
+    const k::Tensor qkv = zeros({B, T, 3 * C}), kv = zeros({B, T, 2 * C}), out = zeros({B, T, C});
+    const k::Tensor lse = zeros({B, 2, T}), scratch = zeros({2 * T * T});
+    if (backward) {
+      k::BlockAttentionBackward(ctx, qkv, kv, out, qkv, kv, lse, lse, 2, 0, 0, scratch);
+    } else {
+      k::BlockAttention(ctx, out, lse, qkv, kv, 2, 0, 0, scratch);
+    }
+    const absl::Status status = (*s)->Synchronize();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find(backward ? "BlockAttentionBackward" : "BlockAttention"),
+              absl::string_view::npos)
+        << status;
+    EXPECT_NE(status.message().find(absl::StrCat("limit of ", kRingAttentionMaxHeadDim)),
+              absl::string_view::npos)
+        << status;
   }
 }
 
