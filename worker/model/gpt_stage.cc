@@ -270,12 +270,6 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
                                                      " needs a context-parallel communicator of that size where this "
                                                      "stage is rank ", config.cp_rank));
     }
-    if (config.device.type == kernels::DeviceType::kCuda) {
-      return absl::UnimplementedError(absl::StrCat(
-          "parallel.cp = ", config.cp_size, " on ", kernels::DeviceToString(config.device),
-          ": ring attention has no CUDA kernels in this version; run context parallelism on CPU workers, or leave "
-          "parallel.cp unset"));
-    }
   }
   if (config.tp_size > 1) {
     if (tp_group == nullptr || tp_group->size() != config.tp_size ||

@@ -117,7 +117,8 @@
 // kernels are fp32: under bf16 the ring runs on the exact fp32 image of the
 // bf16 qkv (k and v travel as fp32, twice bf16's bytes), merges and sums in
 // fp32, and rounds the output and the qkv gradient to bf16 once each
-// (RingFp32). The CUDA backend has no block-attention kernels yet.
+// (RingFp32). On CUDA the ring passes device memory to the communicator
+// after a stream synchronisation per transfer (NCCL's or Gloo's staging).
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool (for attention, what the device's attention path keeps:
