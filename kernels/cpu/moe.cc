@@ -41,31 +41,49 @@ void TopK(int32_t* top, const float* p, int64_t n, int64_t k) {
 }  // namespace
 
 void RouterTopK(float* probs, int32_t* expert, float* gate, const float* logits, int64_t tokens,
-                int64_t experts, int64_t k) {
+                int64_t experts, int64_t k, bool renormalize) {
   for (int64_t t = 0; t < tokens; ++t) {
     float* p = probs + t * experts;
     int32_t* top = expert + t * k;
     float* g = gate + t * k;
     Softmax(p, logits + t * experts, experts);
     TopK(top, p, experts, k);
+    if (!renormalize) {
+      for (int64_t j = 0; j < k; ++j) g[j] = p[top[j]];
+      continue;
+    }
     double sum = 0.0;
     for (int64_t j = 0; j < k; ++j) sum += p[top[j]];
     for (int64_t j = 0; j < k; ++j) g[j] = static_cast<float>(p[top[j]] / sum);
   }
 }
 
-void RouterTopKBackward(float* dlogits, const float* dgate, const int32_t* expert, const float* gate,
-                        int64_t tokens, int64_t experts, int64_t k) {
+void RouterTopKBackward(float* dlogits, const float* dgate, const int32_t* expert,
+                        const float* gate, const float* probs, int64_t tokens, int64_t experts,
+                        int64_t k, bool renormalize) {
   for (int64_t t = 0; t < tokens; ++t) {
     float* dz = dlogits + t * experts;
     const float* dg = dgate + t * k;
-    const float* g = gate + t * k;
     const int32_t* top = expert + t * k;
-    double dot = 0.0;  // Σ_i g_i dg_i
-    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(g[j]) * dg[j];
-    std::fill(dz, dz + experts, 0.0f);
+    if (renormalize) {
+      const float* g = gate + t * k;
+      double dot = 0.0;  // Σ_i g_i dg_i
+      for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(g[j]) * dg[j];
+      std::fill(dz, dz + experts, 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        dz[top[j]] = static_cast<float>(g[j] * (dg[j] - dot));
+      }
+      continue;
+    }
+    // Raw gates: dz_e = p_e · (a_e − Σ_j p_{e_j} dg_j), a_e = dg_j for a
+    // chosen e = e_j, else 0.
+    const float* p = probs + t * experts;
+    double dot = 0.0;  // Σ_j p_{e_j} dg_j
+    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(p[top[j]]) * dg[j];
+    for (int64_t e = 0; e < experts; ++e) dz[e] = static_cast<float>(p[e] * (0.0 - dot));
     for (int64_t j = 0; j < k; ++j) {
-      dz[top[j]] = static_cast<float>(g[j] * (dg[j] - dot));
+      const int32_t e = top[j];
+      dz[e] = static_cast<float>(p[e] * (static_cast<double>(dg[j]) - dot));
     }
   }
 }

@@ -1,5 +1,6 @@
 // Mixture-of-Experts routing (Switch / GShard / Mixtral style): the router's
-// top-k with renormalised gates, the capacity-limited dispatch plan, the
+// top-k with renormalised (Mixtral) or raw (Switch) gates, the
+// capacity-limited dispatch plan, the
 // permutation of tokens into per-expert buffers and back, the gated combine,
 // and Switch Transformer's load-balancing loss, each with its backward.
 //
@@ -13,13 +14,20 @@
 //   expert[t,0..K) = the K largest p_e in descending order, equal values in
 //                    ascending expert index (so equal logits pick the lowest
 //                    indices)
-//   gate[t,j] = p_{e_j} / S,  S = Σ_j p_{e_j}  (Mixtral's renormalised gates;
-//                    Σ_j gate = 1, and gate = 1 for K = 1)
-// The gates are the softmax of the selected logits alone, so their backward
-// (the selection itself is piecewise constant and has no gradient) is
-//   dz_{e_j} = g_j · (dg_j − Σ_i g_i dg_i),   dz_e = 0 for unselected e.
-// For K = 1 the gate is constant and dz = 0: such a router learns only from
-// the auxiliary loss.
+//   renormalize = true (Mixtral's renormalised gates):
+//     gate[t,j] = p_{e_j} / S,  S = Σ_j p_{e_j}  (Σ_j gate = 1, and gate = 1
+//                    for K = 1)
+//   renormalize = false (Switch Transformer's raw probabilities):
+//     gate[t,j] = p_{e_j}  (the float probability itself, bit for bit)
+// The selection itself is piecewise constant and has no gradient. Renormalised,
+// the gates are the softmax of the selected logits alone, so
+//   dz_{e_j} = g_j · (dg_j − Σ_i g_i dg_i),   dz_e = 0 for unselected e;
+// for K = 1 the gate is the constant 1 and dz = 0: such a router learns only
+// from the auxiliary loss. Raw, the gates are entries of the softmax over all
+// E logits, so (∂p_i/∂z_e = p_i (δ_ie − p_e)) every logit gets a gradient:
+//   dz_e = p_e · (a_e − Σ_j p_{e_j} dg_j),  a_e = dg_j if e = e_j is chosen,
+//                                            else 0,
+// and a K = 1 router learns from the loss through its one gate (Switch).
 //
 // Dispatch: ExpertCapacity gives C; PlanDispatch walks the choices in the
 // order (j = 0, t = 0..N), (j = 1, t = 0..N), … so every token's first choice
@@ -45,8 +53,9 @@
 // everything on one expert with all its probability gives coef · E.
 //
 // Loops run in fixed index order with no threads: fixed shapes give fixed
-// bits. The softmax sums, the gate renormalisation, dgate's dot products and
-// the loss's sums go in double precision; the K-term sums of Combine and
+// bits. The softmax sums, the gate renormalisation, the router backward's
+// dot products (Σ g_i dg_i, Σ p_{e_j} dg_j), dgate's dot products and the
+// loss's sums go in double precision; the K-term sums of Combine and
 // PermuteBackward in float, in j order. Preconditions (the caller
 // validates): 1 ≤ K ≤ E; logits finite; expert indices in [0, E); slot[t,j]
 // as written by PlanDispatch for the same expert array and capacity (so no
@@ -63,15 +72,20 @@ namespace baton::kernels::cpu {
 // The slot of a dropped choice (its expert's buffer was full).
 inline constexpr int32_t kDroppedSlot = -1;
 
-// Writes probs [N,E], expert [N,K] and gate [N,K] from logits [N,E].
+// Writes probs [N,E], expert [N,K] and gate [N,K] from logits [N,E]; the
+// gates renormalised over the K chosen (renormalize) or the chosen
+// probabilities themselves (!renormalize). probs and expert do not depend
+// on renormalize.
 void RouterTopK(float* probs, int32_t* expert, float* gate, const float* logits, int64_t tokens,
-                int64_t experts, int64_t k);
+                int64_t experts, int64_t k, bool renormalize);
 
 // Overwrites dlogits [N,E] with the gradient through the gates given
-// dgate [N,K], from expert and gate as RouterTopK wrote them (the closed
-// form above needs no probabilities).
-void RouterTopKBackward(float* dlogits, const float* dgate, const int32_t* expert, const float* gate,
-                        int64_t tokens, int64_t experts, int64_t k);
+// dgate [N,K], from expert, gate and probs as RouterTopK wrote them with the
+// same renormalize. The renormalised form reads only expert and gate (probs
+// may be null then); the raw form reads expert and probs (gate may be null).
+void RouterTopKBackward(float* dlogits, const float* dgate, const int32_t* expert,
+                        const float* gate, const float* probs, int64_t tokens, int64_t experts,
+                        int64_t k, bool renormalize);
 
 // Rows per expert buffer: ceil(capacity_factor · N · K / E), the product
 // taken in double precision and snapped to the nearest integer when within a

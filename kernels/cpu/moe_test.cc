@@ -1,5 +1,6 @@
 // MoE routing kernels against float64 brute-force references: the router's
-// softmax, top-k and renormalised gates (ties included), every backward
+// softmax, top-k and gates, renormalised (Mixtral) or raw (Switch), ties
+// included, every backward
 // against central finite differences, hand-computed dispatch plans (drops,
 // first-choice priority, dropless), the permute/combine round trip, a whole
 // MoE layer's gradient, and determinism.
@@ -11,6 +12,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -69,8 +71,9 @@ struct RefRouting {
 };
 
 // Softmax per token, then K passes each taking the largest probability not
-// yet taken (the lowest index among equals), then p / Σ selected p.
-RefRouting RefRouter(const Dvec& logits, int64_t n, int64_t e, int64_t k) {
+// yet taken (the lowest index among equals), then gate = p / Σ selected p
+// (renormalize) or p itself.
+RefRouting RefRouter(const Dvec& logits, int64_t n, int64_t e, int64_t k, bool renormalize) {
   RefRouting r{Dvec(n * e), Ivec(n * k), Dvec(n * k)};
   for (int64_t t = 0; t < n; ++t) {
     const double* z = &logits[t * e];
@@ -90,6 +93,7 @@ RefRouting RefRouter(const Dvec& logits, int64_t n, int64_t e, int64_t k) {
       r.expert[t * k + j] = static_cast<int32_t>(best);
       selected += p[best];
     }
+    if (!renormalize) selected = 1;
     for (int64_t j = 0; j < k; ++j) r.gate[t * k + j] = p[r.expert[t * k + j]] / selected;
   }
   return r;
@@ -144,7 +148,7 @@ Dvec RefCombine(const Dvec& out, const Dvec& gate, const Ivec& expert, const Ive
 // coef · E · Σ_e f_e P_e, with f from `expert` and P from softmax(logits).
 double RefLoadBalancing(const Dvec& logits, const Ivec& expert, int64_t n, int64_t e, int64_t k,
                         double coef) {
-  const Dvec probs = RefRouter(logits, n, e, 1).probs;
+  const Dvec probs = RefRouter(logits, n, e, 1, true).probs;
   double loss = 0;
   for (int64_t i = 0; i < e; ++i) {
     const double f = std::count(expert.begin(), expert.end(), i) / static_cast<double>(n * k);
@@ -166,10 +170,19 @@ struct Routing {
   Ivec expert;
 };
 
-Routing Route(const Vec& logits, int64_t n, int64_t e, int64_t k) {
+Routing Route(const Vec& logits, int64_t n, int64_t e, int64_t k, bool renormalize = true) {
   Routing r{Vec(n * e, kNaN), Vec(n * k, kNaN), Ivec(n * k, -7)};
-  RouterTopK(r.probs.data(), r.expert.data(), r.gate.data(), logits.data(), n, e, k);
+  RouterTopK(r.probs.data(), r.expert.data(), r.gate.data(), logits.data(), n, e, k, renormalize);
   return r;
+}
+
+// The router's backward into a fresh dlogits [N,E].
+Vec RouteBackward(const Routing& r, const Vec& dgate, int64_t n, int64_t e, int64_t k,
+                  bool renormalize) {
+  Vec dlogits(n * e, kNaN);
+  RouterTopKBackward(dlogits.data(), dgate.data(), r.expert.data(), r.gate.data(), r.probs.data(),
+                     n, e, k, renormalize);
+  return dlogits;
 }
 
 struct Plan {
@@ -231,7 +244,7 @@ TEST_F(MoeTest, RouterMatchesFloat64Reference) {
   for (int64_t k : {1, 2, 3}) {
     SCOPED_TRACE(k);
     const Routing r = Route(logits, n, e, k);
-    const RefRouting ref = RefRouter(ToDouble(logits), n, e, k);
+    const RefRouting ref = RefRouter(ToDouble(logits), n, e, k, true);
     for (int64_t i = 0; i < n * e; ++i) EXPECT_NEAR(r.probs[i], ref.probs[i], kProbTol) << i;
     EXPECT_EQ(r.expert, ref.expert);
     for (int64_t t = 0; t < n; ++t) {
@@ -248,13 +261,41 @@ TEST_F(MoeTest, RouterMatchesFloat64Reference) {
   }
 }
 
+TEST_F(MoeTest, RawGatesAreTheChosenProbabilities) {
+  const int64_t n = 37, e = 8;
+  const Vec logits = Normal(n * e, 2.0f);
+  for (int64_t k : {1, 2, 3}) {
+    SCOPED_TRACE(k);
+    const Routing raw = Route(logits, n, e, k, /*renormalize=*/false);
+    const RefRouting ref = RefRouter(ToDouble(logits), n, e, k, false);
+    EXPECT_EQ(raw.expert, ref.expert);
+    for (int64_t i = 0; i < n * k; ++i) EXPECT_NEAR(raw.gate[i], ref.gate[i], kProbTol) << i;
+    // The probabilities and the choice do not depend on the mode, and each
+    // raw gate is its probability's float, bit for bit.
+    const Routing renormalized = Route(logits, n, e, k, /*renormalize=*/true);
+    EXPECT_TRUE(SameBits(raw.probs, renormalized.probs));
+    EXPECT_EQ(raw.expert, renormalized.expert);
+    bool below_one = false;
+    for (int64_t t = 0; t < n; ++t) {
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = t * k + j;
+        EXPECT_EQ(raw.gate[i], raw.probs[t * e + raw.expert[i]]) << t << "," << j;
+        sum += raw.gate[i];
+      }
+      below_one |= sum < 1.0 - 1e-3;
+    }
+    EXPECT_TRUE(below_one);  // unlike renormalised gates, they need not sum to 1
+  }
+}
+
 TEST_F(MoeTest, RouterIsStableForLogitsFarFromZero) {
   // exp would overflow (first token) or underflow to 0/0 (second) without
   // the max subtraction.
   const Vec logits = {1000,  1001, 998,   1000.5f,  //
                       -1000, -999, -1001, -1000.25f};
   const Routing r = Route(logits, 2, 4, 2);
-  const RefRouting ref = RefRouter(ToDouble(logits), 2, 4, 2);
+  const RefRouting ref = RefRouter(ToDouble(logits), 2, 4, 2, true);
   for (int64_t i = 0; i < 8; ++i) EXPECT_NEAR(r.probs[i], ref.probs[i], kProbTol) << i;
   EXPECT_EQ(r.expert, (Ivec{1, 3, 1, 0}));
   for (int64_t i = 0; i < 4; ++i) EXPECT_NEAR(r.gate[i], ref.gate[i], kProbTol) << i;
@@ -280,11 +321,14 @@ TEST_F(MoeTest, RouterBackwardMatchesFiniteDifferences) {
     SCOPED_TRACE(k);
     const Routing r = Route(logits, n, e, k);
     const Vec w = Normal(n * k);  // loss = Σ w ⊙ gate, so dgate = w
-    Vec dlogits(n * e, kNaN);
-    RouterTopKBackward(dlogits.data(), w.data(), r.expert.data(), r.gate.data(), n,
-                       e, k);
+    const Vec dlogits = RouteBackward(r, w, n, e, k, /*renormalize=*/true);
+    // The renormalised form reads no probabilities.
+    Vec without_probs(n * e, kNaN);
+    RouterTopKBackward(without_probs.data(), w.data(), r.expert.data(), r.gate.data(), nullptr, n,
+                       e, k, true);
+    EXPECT_TRUE(SameBits(without_probs, dlogits));
     const Dvec fd = FiniteDifferences(ToDouble(logits), [&](const Dvec& z) {
-      const RefRouting ref = RefRouter(z, n, e, k);
+      const RefRouting ref = RefRouter(z, n, e, k, true);
       EXPECT_EQ(ref.expert, r.expert);  // the step never changes the selection
       return Dot(ref.gate, ToDouble(w));
     });
@@ -306,6 +350,47 @@ TEST_F(MoeTest, RouterBackwardMatchesFiniteDifferences) {
         }
       }
     }
+  }
+}
+
+// Raw (Switch) gates: every logit gets a gradient through the softmax, and
+// a K = 1 router learns from its one gate.
+TEST_F(MoeTest, RawRouterBackwardMatchesFiniteDifferences) {
+  const int64_t n = 13, e = 8;
+  const Vec logits = SeparatedLogits(n, e);
+  for (int64_t k : {1, 2, 3}) {
+    SCOPED_TRACE(k);
+    const Routing r = Route(logits, n, e, k, /*renormalize=*/false);
+    const Vec w = Normal(n * k);  // loss = Σ w ⊙ gate, so dgate = w
+    const Vec dlogits = RouteBackward(r, w, n, e, k, /*renormalize=*/false);
+    const Dvec fd = FiniteDifferences(ToDouble(logits), [&](const Dvec& z) {
+      const RefRouting ref = RefRouter(z, n, e, k, false);
+      EXPECT_EQ(ref.expert, r.expert);  // the step never changes the selection
+      return Dot(ref.gate, ToDouble(w));
+    });
+    EXPECT_LE(RelativeL2(dlogits, fd), kFdTol);
+    // The closed form against a float64 evaluation of it from the float
+    // probabilities: p_e (a_e − Σ_j p_{e_j} w_j), per element.
+    for (int64_t t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        dot += double{r.probs[t * e + r.expert[t * k + j]]} * w[t * k + j];
+      }
+      for (int64_t i = 0; i < e; ++i) {
+        double a = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          if (r.expert[t * k + j] == i) a = w[t * k + j];
+        }
+        const double ref = r.probs[t * e + i] * (a - dot);
+        EXPECT_NEAR(dlogits[t * e + i], ref, 1e-6 * std::fabs(ref) + 1e-12) << t << "," << i;
+        // Unchosen experts get a gradient too (the softmax couples them).
+        EXPECT_NE(dlogits[t * e + i], 0.0f) << t << "," << i;
+      }
+    }
+    // The raw gates' gradient is not the renormalised one (which is exactly 0
+    // for K = 1): the test above can tell the modes apart.
+    const Vec renormalized = RouteBackward(Route(logits, n, e, k), w, n, e, k, true);
+    EXPECT_GT(RelativeL2(renormalized, ToDouble(dlogits)), 0.1);
   }
 }
 
@@ -545,6 +630,7 @@ TEST_F(MoeTest, CombineAndItsBackwardMatchFloat64) {
 struct Layer {
   Dims d;
   float coef;
+  bool renormalize;
   Vec x, logits, scale, w;  // [N,H], [N,E], [E,H], [N,H]
 };
 
@@ -564,7 +650,7 @@ void ScaleByExpert(Vec& buffer, const Layer& l) {
 LayerRun RunLayer(const Layer& l) {
   const Dims& d = l.d;
   LayerRun run;
-  run.r = Route(l.logits, d.n, d.e, d.k);
+  run.r = Route(l.logits, d.n, d.e, d.k, l.renormalize);
   run.plan = MakePlan(run.r.expert, d.n, d.e, d.k, d.c);
   const int32_t* expert = run.r.expert.data();
   const int32_t* slot = run.plan.slot.data();
@@ -581,9 +667,7 @@ LayerRun RunLayer(const Layer& l) {
   ScaleByExpert(dexpert, l);  // the experts are diagonal: their backward is the same scale
   run.dx.assign(d.n * d.h, kNaN);
   PermuteBackward(run.dx.data(), dexpert.data(), expert, slot, d.n, d.k, d.h, d.c);
-  run.dlogits.assign(d.n * d.e, kNaN);
-  RouterTopKBackward(run.dlogits.data(), dgate.data(), expert,
-                     run.r.gate.data(), d.n, d.e, d.k);
+  run.dlogits = RouteBackward(run.r, dgate, d.n, d.e, d.k, l.renormalize);
   Vec daux(d.n * d.e, kNaN);
   run.aux = LoadBalancingLoss(daux.data(), run.r.probs.data(), expert, d.n, d.e, d.k, l.coef);
   for (size_t i = 0; i < daux.size(); ++i) run.dlogits[i] += daux[i];
@@ -592,7 +676,7 @@ LayerRun RunLayer(const Layer& l) {
 
 double RefLayerLoss(const Dvec& x, const Dvec& logits, const Layer& l) {
   const Dims& d = l.d;
-  const RefRouting r = RefRouter(logits, d.n, d.e, d.k);
+  const RefRouting r = RefRouter(logits, d.n, d.e, d.k, l.renormalize);
   const Ivec slot = RefPlan(r.expert, d.n, d.k, d.c);
   double loss = 0;
   for (int64_t i = 0; i < d.n * d.k; ++i) {
@@ -607,9 +691,10 @@ double RefLayerLoss(const Dvec& x, const Dvec& logits, const Layer& l) {
 
 class MoeLayerTest : public MoeTest {
  protected:
-  Layer RandomLayer() {
-    Layer l{{12, 4, 2, 4, 0}, 0.1f, {}, {}, {}, {}};
-    l.d.c = ExpertCapacity(l.d.n, l.d.e, l.d.k, 0.75);  // 5 rows for 24 choices
+  // k = 2: 5 rows for 24 choices; k = 1: 3 rows for 12.
+  Layer RandomLayer(int64_t k = 2, bool renormalize = true) {
+    Layer l{{12, 4, k, 4, 0}, 0.1f, renormalize, {}, {}, {}, {}};
+    l.d.c = ExpertCapacity(l.d.n, l.d.e, l.d.k, 0.75);
     l.x = Normal(l.d.n * l.d.h);
     l.logits = SeparatedLogits(l.d.n, l.d.e);
     l.scale = Normal(l.d.e * l.d.h);
@@ -619,31 +704,39 @@ class MoeLayerTest : public MoeTest {
 };
 
 TEST_F(MoeLayerTest, LayerGradientMatchesFiniteDifferences) {
-  const Layer l = RandomLayer();
-  const LayerRun run = RunLayer(l);
-  ASSERT_GT(Drops(run.plan.slot), 0);
-  const Dvec x = ToDouble(l.x), logits = ToDouble(l.logits);
-  const Dvec fd_x =
-      FiniteDifferences(x, [&](const Dvec& xd) { return RefLayerLoss(xd, logits, l); });
-  const Dvec fd_logits =
-      FiniteDifferences(logits, [&](const Dvec& z) { return RefLayerLoss(x, z, l); });
-  EXPECT_LE(RelativeL2(run.dx, fd_x), kFdTol);
-  EXPECT_LE(RelativeL2(run.dlogits, fd_logits), kFdTol);
+  // Mixtral (top-2, renormalised), top-2 with raw gates, Switch (top-1, raw)
+  // and top-1 renormalised (gate 1: the router learns from the aux loss only).
+  for (const auto& [k, renormalize] :
+       {std::pair{2, true}, std::pair{2, false}, std::pair{1, false}, std::pair{1, true}}) {
+    SCOPED_TRACE(testing::Message() << "k " << k << (renormalize ? " renormalised" : " raw"));
+    const Layer l = RandomLayer(k, renormalize);
+    const LayerRun run = RunLayer(l);
+    ASSERT_GT(Drops(run.plan.slot), 0);
+    const Dvec x = ToDouble(l.x), logits = ToDouble(l.logits);
+    const Dvec fd_x =
+        FiniteDifferences(x, [&](const Dvec& xd) { return RefLayerLoss(xd, logits, l); });
+    const Dvec fd_logits =
+        FiniteDifferences(logits, [&](const Dvec& z) { return RefLayerLoss(x, z, l); });
+    EXPECT_LE(RelativeL2(run.dx, fd_x), kFdTol);
+    EXPECT_LE(RelativeL2(run.dlogits, fd_logits), kFdTol);
+  }
 }
 
 TEST_F(MoeLayerTest, RunningTwiceGivesIdenticalBits) {
-  const Layer l = RandomLayer();
-  const LayerRun a = RunLayer(l), b = RunLayer(l);
-  EXPECT_TRUE(SameBits(a.r.probs, b.r.probs));
-  EXPECT_TRUE(SameBits(a.r.gate, b.r.gate));
-  EXPECT_EQ(a.r.expert, b.r.expert);
-  EXPECT_EQ(a.plan.slot, b.plan.slot);
-  EXPECT_EQ(a.plan.counts, b.plan.counts);
-  EXPECT_TRUE(SameBits(a.expert_in, b.expert_in));
-  EXPECT_TRUE(SameBits(a.y, b.y));
-  EXPECT_TRUE(SameBits(a.dx, b.dx));
-  EXPECT_TRUE(SameBits(a.dlogits, b.dlogits));
-  EXPECT_EQ(std::memcmp(&a.aux, &b.aux, sizeof(double)), 0);
+  for (bool renormalize : {true, false}) {
+    const Layer l = RandomLayer(2, renormalize);
+    const LayerRun a = RunLayer(l), b = RunLayer(l);
+    EXPECT_TRUE(SameBits(a.r.probs, b.r.probs));
+    EXPECT_TRUE(SameBits(a.r.gate, b.r.gate));
+    EXPECT_EQ(a.r.expert, b.r.expert);
+    EXPECT_EQ(a.plan.slot, b.plan.slot);
+    EXPECT_EQ(a.plan.counts, b.plan.counts);
+    EXPECT_TRUE(SameBits(a.expert_in, b.expert_in));
+    EXPECT_TRUE(SameBits(a.y, b.y));
+    EXPECT_TRUE(SameBits(a.dx, b.dx));
+    EXPECT_TRUE(SameBits(a.dlogits, b.dlogits));
+    EXPECT_EQ(std::memcmp(&a.aux, &b.aux, sizeof(double)), 0);
+  }
 }
 
 }  // namespace
