@@ -92,6 +92,28 @@ absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
                                            "parallel.cp, for the token-sized ones)"));
     }
   }
+  if (!m.has_moe()) return absl::OkStatus();
+  // An MoE block's router probabilities [tokens, experts] and its experts'
+  // hidden rows [MoeExpertRows, MLP width / tp] (cp is refused with MoE).
+  const v1::MoeSpec& moe = m.moe();
+  const struct {
+    const char* what;
+    double elements;
+  } moe_tensors[] = {
+      {"MoE router probabilities (micro_batch_size * seq_len * model.moe.experts)",
+       static_cast<double>(tokens) * moe.experts()},
+      {"MoE expert hidden rows (the experts' rows of a microbatch * MLP width / tp)",
+       MoeExpertRows(moe, static_cast<double>(tokens)) * static_cast<double>(ffn / d.tp)},
+  };
+  for (const auto& t : moe_tensors) {
+    if (t.elements > static_cast<double>(JobLimits::kMaxTensorElements)) {
+      return Invalid("model.moe", absl::StrCat("the ", t.what, " would hold ", t.elements, " elements in one "
+                                               "tensor; baton supports at most ", JobLimits::kMaxTensorElements,
+                                               ": lower train.micro_batch_size, model.seq_len, model.moe.experts, "
+                                               "model.moe.top_k or model.moe.capacity_factor, or raise "
+                                               "parallel.tp"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -315,14 +337,79 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
   return absl::OkStatus();
 }
 
-// ep is planned (the planner and the job groups know it) but no model code
-// splits experts yet.
-absl::Status RefusePlannedAxes(const ParallelDims& d) {
-  if (d.ep > 1) {
-    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, "; expert parallelism is planned but not implemented "
-                                               "in this version; leave it unset"));
+// model.moe (job.proto MoeSpec): the same rules as the worker's ValidateMoe
+// (worker/model/gpt_config.cc; restated, as ValidateArchitecture's are),
+// then what this version runs MoE without: a synthetic model, context
+// parallelism, bf16. With parallel.ep > 1 (refused later, but a planned
+// mesh must be consistent) ep must divide the experts. Runs after
+// ValidateModel (model.layers is in range).
+absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
+  const v1::ModelSpec& m = job.model();
+  if (!m.has_moe()) return absl::OkStatus();
+  if (m.has_synthetic()) {
+    return Invalid("model.moe", "is set but model.synthetic is set, a cost model with no MLP to split into "
+                                "experts: remove model.moe, or train a real model");
+  }
+  const v1::MoeSpec& moe = m.moe();
+  BATON_RETURN_IF_ERROR(InRange("model.moe.experts", moe.experts(), 2, JobLimits::kMaxExperts,
+                                "(the expert MLPs of each MoE block; leave model.moe unset for a dense model)"));
+  if (moe.top_k() < 1 || moe.top_k() > moe.experts()) {
+    return Invalid("model.moe.top_k", absl::StrCat("is ", moe.top_k(), "; must be in [1, model.moe.experts = ",
+                                                   moe.experts(), "]: the experts each token is sent to "
+                                                   "(1: Switch, 2: Mixtral)"));
+  }
+  if (moe.every_n_layers() < 0 || moe.every_n_layers() > m.layers()) {
+    return Invalid("model.moe.every_n_layers",
+                   absl::StrCat("is ", moe.every_n_layers(), "; must be in [0, model.layers = ", m.layers(),
+                                "]: block i is an MoE block when (i + 1) % every_n_layers == 0 (0, unset, or 1: "
+                                "every block)"));
+  }
+  const double capacity = moe.capacity_factor();
+  if (!std::isfinite(capacity) || capacity < 0 || capacity > JobLimits::kMaxCapacityFactor) {
+    return Invalid("model.moe.capacity_factor",
+                   absl::StrCat("is ", capacity, "; must be a finite number in [0, ", JobLimits::kMaxCapacityFactor,
+                                "] (0, unset: dropless, every choice kept; 1.25: each expert takes 1.25x its "
+                                "even share of a microbatch's choices)"));
+  }
+  if (moe.has_aux_loss_coef() && (!std::isfinite(moe.aux_loss_coef()) || moe.aux_loss_coef() < 0)) {
+    return Invalid("model.moe.aux_loss_coef",
+                   absl::StrCat("is ", moe.aux_loss_coef(), "; must be a finite number >= 0 (unset: 0.01, "
+                                "Switch's; 0: no load-balancing loss)"));
+  }
+  if (d.cp > 1) {
+    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, " but model.moe is set, and MoE does not run with "
+                                               "context parallelism yet: the load-balancing loss would count "
+                                               "each cp rank's tokens alone. Leave cp unset (1), or "
+                                               "model.moe unset"));
+  }
+  if (job.train().precision() == "bf16") {
+    return Invalid("train.precision", "is \"bf16\" but model.moe is set, and MoE is fp32 in this version: set "
+                                      "precision: \"fp32\" (or leave it unset), or leave model.moe unset");
+  }
+  if (d.ep > 1 && moe.experts() % d.ep != 0) {
+    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " and must divide model.moe.experts=", moe.experts(),
+                                               " (each expert-parallel rank would hold experts/ep whole "
+                                               "experts); choose ep that divides experts"));
   }
   return absl::OkStatus();
+}
+
+// ep is planned (the planner and the job groups know it) but no model code
+// splits experts yet: with model.moe every rank holds all experts of its
+// blocks; a dense model has no experts to split. Runs after every other
+// check, so a spec whose ep is wrong for another reason (not dividing dp or
+// the experts) is told that first.
+absl::Status RefusePlannedAxes(const v1::JobSpec& job, const ParallelDims& d) {
+  if (d.ep == 1) return absl::OkStatus();
+  if (!job.model().has_moe()) {
+    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " but model.moe is unset: expert parallelism splits "
+                                               "the experts of a Mixture-of-Experts model over ranks, and a dense "
+                                               "model has none (nor does this version split them yet); leave ep "
+                                               "unset"));
+  }
+  return Invalid("parallel.ep", absl::StrCat("is ", d.ep, "; expert parallelism is not implemented yet: every "
+                                             "rank holds all experts of its blocks (MoE runs over pp, tp, dp and "
+                                             "ZeRO 1 without it), so leave ep unset"));
 }
 
 // schedule.kind "csv": the CSV parses, and its rows, stages and
@@ -513,6 +600,25 @@ ParallelDims DimsOf(const v1::JobSpec& job) {
   return d;
 }
 
+double MoeExpertRows(const v1::MoeSpec& moe, double tokens) {
+  const double choices = tokens * moe.top_k();
+  if (moe.capacity_factor() <= 0 || moe.experts() <= 0) return choices;  // dropless
+  const double capacity = std::ceil(moe.capacity_factor() * choices / moe.experts());
+  return std::min(capacity, tokens) * moe.experts();
+}
+
+int MoeEvery(const v1::ModelSpec& model) {
+  if (!model.has_moe()) return 0;
+  return model.moe().every_n_layers() > 0 ? model.moe().every_n_layers() : 1;
+}
+
+int MoeBlocksIn(int every, int first, int end) {
+  if (every <= 0 || end <= first) return 0;
+  // Blocks i in [first, end) with (i + 1) a multiple of `every`: the
+  // multiples in [first + 1, end].
+  return end / every - first / every;
+}
+
 absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source) {
   v1::JobSpec job;
   if (text.size() > JobLimits::kMaxSpecBytes) {
@@ -612,7 +718,7 @@ absl::Status ValidateFaultTolerance(const v1::FaultToleranceSpec& f) {
 
 absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateJobSpecAllowingPlannedAxes(job));
-  return RefusePlannedAxes(DimsOf(job));
+  return RefusePlannedAxes(job, DimsOf(job));
 }
 
 absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
@@ -621,6 +727,7 @@ absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job) {
   BATON_RETURN_IF_ERROR(ValidateParallel(d));
   BATON_RETURN_IF_ERROR(ValidateZeroStage(job, d));
   BATON_RETURN_IF_ERROR(ValidateModel(job, d));
+  BATON_RETURN_IF_ERROR(ValidateMoe(job, d));
   BATON_RETURN_IF_ERROR(ValidateContextParallel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSequenceParallel(job, d));
   BATON_RETURN_IF_ERROR(ValidateSchedule(job, d));

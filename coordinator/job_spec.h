@@ -44,6 +44,11 @@ struct JobLimits {
   static constexpr int64_t kMaxSyntheticActivationBytes = int64_t{1} << 30;
   static constexpr int64_t kMaxCheckpointEverySteps = kMaxSteps;
   static constexpr int kMaxEvalSteps = 10000;  // train.eval_steps: global batches per evaluation
+  // model.moe.experts and model.moe.capacity_factor: the worker's bounds
+  // (worker/model/gpt_config.h kMaxExperts, gpt_config.cc ValidateMoe),
+  // restated: the coordinator does not depend on worker/model (DESIGN.md §12).
+  static constexpr int kMaxExperts = 1024;
+  static constexpr double kMaxCapacityFactor = 1e6;
   static constexpr size_t kMaxSpecBytes = 1 << 20;  // the job file itself
   static constexpr size_t kMaxScheduleCsvBytes = 1 << 20;  // schedule.csv (or csv_file)
 };
@@ -83,16 +88,34 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
-// Refuses parallel.ep > 1: no model code uses it yet. parallel.cp > 1 needs a
-// real model and model.seq_len divisible by 2*cp.
+// Refuses parallel.ep > 1: no model code uses it yet (with model.moe every
+// rank holds all experts of its blocks; without it there are no experts).
+// parallel.cp > 1 needs a real model and model.seq_len divisible by 2*cp.
+// model.moe (job.proto MoeSpec) needs a real model, fp32, and no cp.
 // parallel.zero_stage 2 and 3 are refused here and by
 // ValidateJobSpecAllowingPlannedAxes alike: they are not planned axes.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);
 
 // ValidateJobSpec without that refusal (every other check, ep's own and cp's
-// included): for planning meshes with the planned axis (MakePlanOfMesh) before
+// included: ep divides parallel.dp and, with model.moe, model.moe.experts): for planning meshes with the planned axis (MakePlanOfMesh) before
 // the model uses it. Never for a job that is going to run.
 absl::Status ValidateJobSpecAllowingPlannedAxes(const v1::JobSpec& job);
+
+// The rows an MoE block's experts hold in all for one microbatch of `tokens`
+// tokens (docs/model.md "Mixture of Experts"): dropless (capacity_factor 0)
+// every choice, tokens * top_k; otherwise each expert's capacity
+// ceil(capacity_factor * tokens * top_k / experts), at most `tokens` (a
+// token chooses an expert once), times experts. For the tensor bound and
+// the memory estimate.
+double MoeExpertRows(const v1::MoeSpec& moe, double tokens);
+
+// model.moe.every_n_layers with its default (unset: 1, every block); 0 for
+// a dense model (no model.moe).
+int MoeEvery(const v1::ModelSpec& model);
+
+// How many of blocks [first, end) are MoE blocks in a model whose block i is
+// one iff (i + 1) % every == 0 (job.proto MoeSpec); 0 when `every` is 0.
+int MoeBlocksIn(int every, int first, int end);
 
 }  // namespace baton
 

@@ -83,12 +83,12 @@ TEST(JobSpecTest, EachInconsistencyNamesTheFieldAndTheFix) {
        "parallel.ep", "must divide parallel.dp=4"},
       {"cp over a sequence that does not split", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(3); },
        "parallel.cp", "make model.seq_len a multiple of 2*cp"},
-      {"ep not implemented",
+      {"ep without experts",
        [](v1::JobSpec* j) {
          j->mutable_parallel()->set_dp(2);
          j->mutable_parallel()->set_ep(2);
        },
-       "parallel.ep", "not implemented in this version; leave it unset"},
+       "parallel.ep", "is 2 but model.moe is unset"},
       {"heads vs d_model", [](v1::JobSpec* j) { j->mutable_model()->set_heads(3); }, "model.heads",
        "divides d_model"},
       {"tp vs heads",
@@ -430,8 +430,8 @@ TEST(JobSpecTest, ExpertParallelismIsPlannedButRefusedAndContextParallelismRuns)
   EXPECT_EQ(d.world_size(), 2 * 2 * 2 * 4) << "cp adds ranks, ep does not";
   // Consistent apart from ep being unimplemented: the planner may plan it...
   EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
-  // ...but no job runs it.
-  EXPECT_NE(ErrorOf(job).find("parallel.ep: is 2; expert parallelism is planned but not implemented"),
+  // ...but no job runs it (and this one has no experts to split).
+  EXPECT_NE(ErrorOf(job).find("parallel.ep: is 2 but model.moe is unset: expert parallelism splits the experts"),
             std::string::npos)
       << ErrorOf(job);
   job.mutable_parallel()->clear_ep();
@@ -758,6 +758,180 @@ TEST(JobSpecTest, EachBadArchitectureFieldNamesTheFieldAndTheFix) {
     EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
     EXPECT_NE(s.message().find(c.fix), std::string::npos) << c.what << ": " << s;
   }
+}
+
+// A GPT-2 MoE job (every second block, 4 experts, top 2) on pp 2 x tp 2 x dp 2.
+v1::JobSpec GoodMoe() {
+  v1::JobSpec job = Good();
+  v1::MoeSpec* moe = job.mutable_model()->mutable_moe();
+  moe->set_experts(4);
+  moe->set_top_k(2);
+  moe->set_every_n_layers(2);
+  job.mutable_parallel()->set_dp(2);
+  return job;
+}
+
+TEST(JobSpecTest, MoeValidatesWithPipelineTensorDataParallelismAndZero) {
+  v1::JobSpec job = GoodMoe();
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_parallel()->set_zero_stage(1);
+  job.mutable_parallel()->set_sequence_parallel(true);
+  job.mutable_train()->set_precision("fp32");
+  EXPECT_EQ(ErrorOf(job), "") << "ZeRO 1, SP and fp32 spelled out";
+  // The limits themselves: top_k = experts, every_n_layers = layers (only the
+  // last block), a capacity factor, no load-balancing loss, the most experts.
+  v1::MoeSpec* moe = job.mutable_model()->mutable_moe();
+  moe->set_top_k(4);
+  moe->set_every_n_layers(4);
+  moe->set_capacity_factor(1.25);
+  moe->set_aux_loss_coef(0);
+  EXPECT_EQ(ErrorOf(job), "");
+  moe->set_experts(JobLimits::kMaxExperts);
+  EXPECT_EQ(ErrorOf(job), "");
+  // Unset every_n_layers is every block; Llama takes MoE too.
+  job = GoodMoe();
+  job.mutable_model()->mutable_moe()->clear_every_n_layers();
+  EXPECT_EQ(ErrorOf(job), "");
+  v1::JobSpec llama = GoodLlama();
+  llama.mutable_model()->mutable_moe()->set_experts(8);
+  llama.mutable_model()->mutable_moe()->set_top_k(2);
+  EXPECT_EQ(ErrorOf(llama), "");
+}
+
+TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
+  struct Case {
+    const char* what;
+    void (*mutate)(v1::JobSpec*);
+    const char* field;
+    const char* fix;
+  };
+  const Case cases[] = {
+      {"an empty moe block", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->Clear(); },
+       "model.moe.experts: is 0; must be >= 2", "leave model.moe unset for a dense model"},
+      {"one expert", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_experts(1); },
+       "model.moe.experts: is 1", "must be >= 2"},
+      {"too many experts", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_experts(1025); },
+       "model.moe.experts: is 1025", "at most 1024"},
+      {"top_k 0", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_top_k(0); },
+       "model.moe.top_k: is 0", "must be in [1, model.moe.experts = 4]"},
+      {"top_k above experts", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_top_k(5); },
+       "model.moe.top_k: is 5", "must be in [1, model.moe.experts = 4]: the experts each token is sent to"},
+      {"negative every_n_layers", [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_every_n_layers(-1); },
+       "model.moe.every_n_layers: is -1", "must be in [0, model.layers = 4]"},
+      {"every_n_layers above layers",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_every_n_layers(5); },
+       "model.moe.every_n_layers: is 5", "(i + 1) % every_n_layers == 0"},
+      {"negative capacity_factor",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_capacity_factor(-0.5); },
+       "model.moe.capacity_factor: is -0.5", "must be a finite number in [0, 1e+06] (0, unset: dropless"},
+      {"NaN capacity_factor",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_capacity_factor(std::nan("")); },
+       "model.moe.capacity_factor: is nan", "must be a finite number"},
+      {"infinite capacity_factor",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_capacity_factor(1.0 / 0.0); },
+       "model.moe.capacity_factor: is inf", "must be a finite number"},
+      {"negative aux_loss_coef",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_aux_loss_coef(-0.01f); },
+       "model.moe.aux_loss_coef: is -0.01", "must be a finite number >= 0 (unset: 0.01"},
+      {"NaN aux_loss_coef",
+       [](v1::JobSpec* j) { j->mutable_model()->mutable_moe()->set_aux_loss_coef(std::nanf("")); },
+       "model.moe.aux_loss_coef: is nan", "must be a finite number >= 0"},
+      {"on a synthetic model",
+       [](v1::JobSpec* j) {
+         MakeSynthetic(j);
+         j->mutable_model()->mutable_moe()->set_experts(4);
+         j->mutable_model()->mutable_moe()->set_top_k(1);
+       },
+       "model.moe: is set but model.synthetic is set", "remove model.moe, or train a real model"},
+      {"with context parallelism", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(2); },
+       "parallel.cp: is 2 but model.moe is set",
+       "the load-balancing loss would count each cp rank's tokens alone. Leave cp unset (1)"},
+      {"in bf16", [](v1::JobSpec* j) { j->mutable_train()->set_precision("bf16"); },
+       "train.precision: is \"bf16\" but model.moe is set", "MoE is fp32 in this version: set precision: \"fp32\""},
+      {"ep not dividing dp, before the refusal",
+       [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(4); },
+       "parallel.ep: is 4 and must divide parallel.dp=2", "choose ep that divides dp"},
+      {"ep not dividing the experts, before the refusal",
+       [](v1::JobSpec* j) {
+         j->mutable_model()->mutable_moe()->set_experts(6);
+         j->mutable_parallel()->set_dp(4);
+         j->mutable_parallel()->set_ep(4);
+       },
+       "parallel.ep: is 4 and must divide model.moe.experts=6", "choose ep that divides experts"},
+      {"ep on an MoE model",
+       [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(2); },
+       "parallel.ep: is 2; expert parallelism is not implemented yet",
+       "every rank holds all experts of its blocks (MoE runs over pp, tp, dp and ZeRO 1 without it), so leave ep "
+       "unset"},
+      {"router probabilities too large for one tensor",
+       [](v1::JobSpec* j) {
+         // 6000 x 512 tokens: attention's 1 x 512 per token fits, 1024 experts' do not.
+         j->mutable_model()->set_seq_len(512);
+         j->mutable_model()->set_heads(1);
+         j->mutable_parallel()->set_tp(1);
+         j->mutable_train()->set_micro_batch_size(6000);
+         j->mutable_model()->mutable_moe()->set_experts(1024);
+       },
+       "model.moe: the MoE router probabilities", "model.moe.experts"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec job = GoodMoe();
+    c.mutate(&job);
+    absl::Status s = ValidateJobSpec(job);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.fix), std::string::npos) << c.what << ": " << s;
+  }
+}
+
+// The worker's bounds (worker/model/gpt_config.h), restated for the
+// coordinator: the two must move together.
+TEST(JobSpecTest, MoeLimitsAreTheWorkers) {
+  EXPECT_EQ(JobLimits::kMaxExperts, 1024);
+  EXPECT_EQ(JobLimits::kMaxCapacityFactor, 1e6);
+}
+
+TEST(JobSpecTest, ExpertParallelismIsPlannedOnAnMoeModelAndItsExpertsMustSplit) {
+  v1::JobSpec job = GoodMoe();  // dp 2, 4 experts
+  job.mutable_parallel()->set_ep(2);
+  EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
+  EXPECT_NE(ErrorOf(job).find("not implemented yet"), std::string::npos) << ErrorOf(job);
+  job.mutable_model()->mutable_moe()->set_experts(3);
+  job.mutable_model()->mutable_moe()->set_top_k(1);
+  const absl::Status odd = ValidateJobSpecAllowingPlannedAxes(job);
+  EXPECT_NE(odd.message().find("parallel.ep: is 2 and must divide model.moe.experts=3"), std::string::npos) << odd;
+}
+
+// The experts' rows of one microbatch: every choice when dropless, else each
+// expert's capacity (at most every token) times the experts.
+TEST(JobSpecTest, MoeExpertRowsAreTheChoicesOrTheCapacities) {
+  v1::MoeSpec moe;
+  moe.set_experts(8);
+  moe.set_top_k(2);
+  EXPECT_EQ(MoeExpertRows(moe, 100), 200) << "dropless: 100 tokens x top 2";
+  moe.set_capacity_factor(1.0);
+  EXPECT_EQ(MoeExpertRows(moe, 100), 8 * 25) << "ceil(1.0 * 200 / 8) = 25 each";
+  moe.set_capacity_factor(1.25);
+  EXPECT_EQ(MoeExpertRows(moe, 100), 8 * 32) << "ceil(1.25 * 200 / 8) = ceil(31.25)";
+  moe.set_capacity_factor(100);
+  EXPECT_EQ(MoeExpertRows(moe, 100), 8 * 100) << "no expert takes a token twice";
+}
+
+// Block i is an MoE block iff (i + 1) % every_n_layers == 0.
+TEST(JobSpecTest, MoeBlocksAreEveryNthBlock) {
+  v1::ModelSpec m = GoodMoe().model();  // every_n_layers 2
+  EXPECT_EQ(MoeEvery(m), 2);
+  EXPECT_EQ(MoeBlocksIn(2, 0, 4), 2) << "blocks 1 and 3";
+  EXPECT_EQ(MoeBlocksIn(2, 0, 1), 0);
+  EXPECT_EQ(MoeBlocksIn(2, 1, 2), 1);
+  EXPECT_EQ(MoeBlocksIn(2, 2, 3), 0);
+  EXPECT_EQ(MoeBlocksIn(3, 2, 9), 3) << "blocks 2, 5 and 8";
+  EXPECT_EQ(MoeBlocksIn(1, 3, 7), 4) << "every block";
+  m.mutable_moe()->clear_every_n_layers();
+  EXPECT_EQ(MoeEvery(m), 1) << "unset: every block";
+  m.clear_moe();
+  EXPECT_EQ(MoeEvery(m), 0);
+  EXPECT_EQ(MoeBlocksIn(0, 0, 4), 0) << "dense";
 }
 
 }  // namespace
