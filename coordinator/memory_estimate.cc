@@ -134,6 +134,30 @@ double BlockActivationBytes(double n, double b, double s, const BlockShape& w, d
   return forward + backward + attention;
 }
 
+// The dense MLP's part of BlockActivationBytes (its hidden activations:
+// GPT-2's fc and GELU outputs and their gradient, 3 F'; Llama's gate, up,
+// SwiGLU and dg, dgate, dup, 6 F'), which an MoE block replaces.
+double DenseMlpActivationBytes(double n, const BlockShape& w) {
+  return kFloat * (w.llama ? 6 : 3) * n * w.fl;
+}
+
+// What an MoE block's MLP keeps per microbatch instead (model.moe; see
+// memory_estimate.h), for n tokens whose experts hold `rows` rows in all
+// (MoeExpertRows). GptStage::MoeForward / MoeBackwardInput's buffers:
+//   router   logits, probabilities, the load-balancing loss's logit
+//            gradient and the logit gradient [n, E]; each choice's expert,
+//            gate, slot and gate gradient [n, K] (4 bytes each)
+//   experts  per row: its dispatched input, its output and their gradients
+//            (4 C); the hidden activations and their gradients (GPT-2 h, g,
+//            dh, dg: 4 F'; Llama h, up, g, dh, dup, dg: 6 F')
+// The stage pads every expert's buffer to the fullest expert's rows; a
+// dropless block is counted at an even spread (n * top_k rows in all), a
+// capped one at every expert full (MoeExpertRows).
+double MoeMlpActivationBytes(double n, double rows, double experts, double top_k, const BlockShape& w) {
+  const double router = 4 * n * experts + 4 * n * top_k;
+  return kFloat * (router + rows * (4 * w.c + (w.llama ? 6 : 4) * w.fl));
+}
+
 // The fused backward's workspace for one microbatch (stream scratch).
 double FusedWorkspaceBytes(double b, double s, double heads, double tp) {
   const double t = std::ceil(s / 64) * 64;
@@ -203,6 +227,17 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double block_gemm = shape.llama ? (2 * c * c + 2 * c * shape.kvl * tp + 3 * c * shape.fl * tp) / tp
                                         : 12 * c * c / tp;
   const double block_params = shape.llama ? 2 * c + block_gemm : 6 * c + (12 * c * c + 7 * c) / tp;
+  // An MoE block (model.moe) trades the dense MLP's matrices (GPT-2: c_fc
+  // and c_proj, 2 C x F split by tp, and their biases, F' split and C
+  // replicated; Llama: gate, up and down, 3 C x F split) for a router
+  // (E x C, replicated) and E experts of the same matrices without biases;
+  // every rank holds all experts (parallel.ep is not implemented).
+  const int moe_every = MoeEvery(m);
+  const double experts = moe_every > 0 ? m.moe().experts() : 0;
+  const double mlp_gemm = (shape.llama ? 3 : 2) * c * shape.fl;
+  const double mlp_bias = shape.llama ? 0 : shape.fl + c;
+  const double moe_block_gemm = block_gemm - mlp_gemm + experts * c + experts * mlp_gemm;
+  const double moe_block_params = block_params - mlp_gemm - mlp_bias + experts * c + experts * mlp_gemm;
   const bool tied = !shape.llama || m.tie_embeddings();  // Llama: unset means an untied lm_head
   double params = 0, gemm_weights = 0, max_chunk_activations = 0;
   double moment_elements = 0;  // per AdamW moment: every chunk's parameters, or with ZeRO 1 its shard
@@ -211,16 +246,24 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const std::vector<int> placement(plan.stage_ranks().begin(), plan.stage_ranks().end());
   for (int chunk : schedule::StagesOfRank(placement, d.pp, stages, pp_rank)) {
     ++chunks;
-    double layers = 0;
+    double layers = 0, moe_blocks = 0;
     bool first = chunk == 0, last = chunk == stages - 1;
     if (chunk < plan.stages_size()) {
-      layers = plan.stages(chunk).num_layers();
-      first = plan.stages(chunk).has_embedding();
-      last = plan.stages(chunk).has_head();
+      const v1::StagePartition& p = plan.stages(chunk);
+      layers = p.num_layers();
+      moe_blocks = MoeBlocksIn(moe_every, p.first_layer(), p.first_layer() + p.num_layers());
+      first = p.has_embedding();
+      last = p.has_head();
     }
-    double chunk_params = layers * block_params;
-    gemm_weights += layers * block_gemm + (last ? v * c : 0);  // the head's GEMM weight
+    const double dense_blocks = layers - moe_blocks;
+    double chunk_params = dense_blocks * block_params + moe_blocks * moe_block_params;
+    gemm_weights += dense_blocks * block_gemm + moe_blocks * moe_block_gemm + (last ? v * c : 0);  // + the head's
     double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, sp, att);
+    if (moe_blocks > 0) {
+      const v1::MoeSpec& moe = m.moe();
+      act += moe_blocks * (MoeMlpActivationBytes(n, MoeExpertRows(moe, n), experts, moe.top_k(), shape) -
+                           DenseMlpActivationBytes(n, shape));
+    }
     if (first) {
       // Token (+ GPT-2's position) embeddings; Llama's positions are rotary.
       chunk_params += shape.llama ? v * c : v * c + s * c;
@@ -356,7 +399,10 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                         " context-parallel ranks, on ", times, "x the workers (pp*tp*cp*dp = ",
                         int64_t{d.world_size()} * times, "; up to ", FormatBytes(best_saved), " less per worker), ");
     }
-    return absl::StrCat(zero, sp, cp,
+    // With MoE every rank holds all experts of its blocks (no ep yet).
+    const std::string experts =
+        job.model().has_moe() ? "lower model.moe.experts (every rank holds all experts of its blocks), " : "";
+    return absl::StrCat(zero, sp, cp, experts,
                         "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
                         "parallel.pp or parallel.tp, or use workers with more memory");
   };

@@ -30,6 +30,18 @@
 //   comm         point-to-point activation and gradient buffers, the TP
 //                all-reduce buffer and, with dp*cp > 1, a flat gradient
 //                buffer
+// MoE (model.moe): an MoE block's parameters are its router (E x C,
+// replicated over tp) and E experts' MLP matrices (split by tp as the dense
+// MLP's, no biases) instead of the dense MLP; every rank holds all experts
+// (no ep yet), and their gradients and moments follow as above. Its
+// activations trade the dense MLP's hidden ones for the router's (4 N E
+// floats: logits, probabilities, two logit gradients), each choice's
+// expert, gate, slot and gate gradient (4 N K), and per expert row its
+// input and output with their gradients (4 C) and the MLP's hidden
+// activations with theirs (GPT-2 4 F', Llama 6 F'); rows R = N K when
+// dropless (an even spread: the stage pads each expert to the fullest, so
+// a skewed router can need up to E N), else E x min(capacity, N)
+// (MoeExpertRows in job_spec.h).
 // Synthetic models: activation_bytes per stored microbatch-chunk and message.
 // The numbers are estimates (within a few percent of the arena sizes for GPT
 // shapes); a fixed kRuntimeOverheadBytes covers the process itself.

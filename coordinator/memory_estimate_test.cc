@@ -1,6 +1,7 @@
 #include "coordinator/memory_estimate.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "coordinator/job_spec.h"
 #include "coordinator/planner.h"
@@ -652,6 +653,123 @@ TEST(MemoryEstimateTest, ASequenceTooLongForOneRankIsToldToSetParallelCp) {
   auto no_cp = MakePlan(odd, Workers(1, static_cast<int64_t>(EstimateWorkerMemory(odd, *odd_plan, 0).total() / 2)), 1);
   ASSERT_FALSE(no_cp.ok());
   EXPECT_EQ(no_cp.status().message().find("parallel.cp"), std::string::npos) << no_cp.status();
+}
+
+// Mixture of Experts: `moe` is the model.moe block, "" for the dense model.
+// GPT-2 of 4 blocks, d 64 (F 256), pp 2 x tp 2 x dp 2, 1f1b over 4
+// microbatches of 2 x 16 tokens.
+v1::JobSpec MoeGpt2(const std::string& moe, const std::string& parallel = "") {
+  return Job((R"pb(name: "m" model { layers: 4 d_model: 64 heads: 4 vocab: 32 seq_len: 16 )pb" + moe +
+              R"pb( } parallel { pp: 2 tp: 2 dp: 2 )pb" + parallel +
+              R"pb( } schedule { kind: "1f1b" microbatches: 4 } train { steps: 1 micro_batch_size: 2 })pb")
+                 .c_str());
+}
+
+// The MoE blocks (i + 1) % every == 0 of pipeline stage `chunk` of `plan`.
+int MoeBlocksOfStage(const v1::Plan& plan, int chunk, int every) {
+  int blocks = 0;
+  const v1::StagePartition& p = plan.stages(chunk);
+  for (int i = p.first_layer(); i < p.first_layer() + p.num_layers(); ++i) blocks += (i + 1) % every == 0;
+  return blocks;
+}
+
+// An MoE block holds a router (E x C, replicated over tp) and E experts'
+// c_fc and c_proj (split over tp, no biases) instead of the dense MLP's
+// weights and biases: the estimate exceeds the dense one's by exactly that,
+// in the parameters (fp32), and three times that in the gradients and AdamW
+// moments; the activations trade the dense MLP's for the router's and the
+// experts' rows.
+TEST(MemoryEstimateTest, MoeBlocksHoldEveryExpertInsteadOfTheDenseMlp) {
+  const v1::JobSpec dense = MoeGpt2("");
+  const v1::JobSpec moe = MoeGpt2("moe { experts: 4 top_k: 2 every_n_layers: 2 }");
+  auto plan = MakePlan(dense, Workers(8, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const double c = 64, f = 256, tp = 2, e = 4, k = 2, n = 2 * 16;
+  const double dense_mlp = 2 * c * f / tp + f / tp + c;  // c_fc, c_proj; c_fc's split bias, c_proj's whole one
+  const double experts = e * c + e * 2 * c * f / tp;      // router + E x (c_fc, c_proj)
+  // Per microbatch: the router's logits, probabilities and two logit
+  // gradients [n, E], expert/gate/slot/gate gradient [n, K], and n * K rows
+  // of input, output and their gradients (4 C) and the MLP's h, g, dh, dg
+  // (4 F'), instead of the dense MLP's fc, GELU and gradient (3 F' per token).
+  const double rows = n * k;
+  const double moe_activations = 4 * (4 * n * e + 4 * n * k + rows * (4 * c + 4 * f / tp) - 3 * n * f / tp);
+  int total_moe_blocks = 0;
+  for (int stage = 0; stage < 2; ++stage) {
+    SCOPED_TRACE(stage);
+    const int blocks = MoeBlocksOfStage(*plan, stage, 2);
+    total_moe_blocks += blocks;
+    const WorkerMemory a = EstimateWorkerMemory(dense, *plan, stage), b = EstimateWorkerMemory(moe, *plan, stage);
+    EXPECT_DOUBLE_EQ(b.parameter_bytes - a.parameter_bytes, 4 * blocks * (experts - dense_mlp));
+    EXPECT_DOUBLE_EQ(b.optimizer_bytes - a.optimizer_bytes, 3 * 4 * blocks * (experts - dense_mlp));
+    EXPECT_DOUBLE_EQ(b.activation_bytes - a.activation_bytes, a.peak_microbatches * blocks * moe_activations);
+    EXPECT_DOUBLE_EQ(b.comm_bytes - a.comm_bytes, b.parameter_bytes - a.parameter_bytes)
+        << "the data-parallel group's flat gradient buffer holds the experts' gradients too";
+    EXPECT_DOUBLE_EQ(b.scratch_bytes, a.scratch_bytes);
+  }
+  EXPECT_EQ(total_moe_blocks, 2) << "blocks 1 and 3";
+
+  // ZeRO 1 shards the experts' moments with the rest of the chunk.
+  const v1::JobSpec sharded = MoeGpt2("moe { experts: 4 top_k: 2 every_n_layers: 2 }", "zero_stage: 1");
+  for (int stage = 0; stage < 2; ++stage) {
+    const WorkerMemory b = EstimateWorkerMemory(moe, *plan, stage);
+    const int64_t params = static_cast<int64_t>(b.parameter_bytes / 4);
+    EXPECT_DOUBLE_EQ(EstimateWorkerMemory(sharded, *plan, stage).optimizer_bytes, 4.0 * params + 8 * Shard(params, 2))
+        << stage;
+  }
+}
+
+// Llama's experts are SwiGLU MLPs (w1, w3 [F, C], w2 [C, F]); with a capacity
+// factor each expert holds ceil(factor * N * K / E) rows, at most N.
+TEST(MemoryEstimateTest, LlamaMoeExpertsAndTheirCapacity) {
+  const v1::JobSpec dense = SmallLlama("kv_heads: 2");  // 2 blocks, C 16, F 24, N 8, one worker
+  const v1::JobSpec moe = SmallLlama("kv_heads: 2 moe { experts: 3 top_k: 2 capacity_factor: 1.25 }");
+  auto plan = MakePlan(dense, Workers(1, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const double c = 16, f = 24, e = 3, k = 2, n = 8;
+  const double per_block = e * c + e * 3 * c * f - 3 * c * f;
+  const WorkerMemory a = EstimateWorkerMemory(dense, *plan, 0), b = EstimateWorkerMemory(moe, *plan, 0);
+  EXPECT_DOUBLE_EQ(b.parameter_bytes - a.parameter_bytes, 4 * 2 * per_block) << "both blocks";
+  EXPECT_DOUBLE_EQ(b.optimizer_bytes - a.optimizer_bytes, 3 * 4 * 2 * per_block);
+  const double rows = e * std::ceil(1.25 * n * k / e);  // 3 x ceil(6.67) = 21
+  ASSERT_EQ(rows, 21);
+  EXPECT_DOUBLE_EQ(b.activation_bytes - a.activation_bytes,
+                   2 * 4 * (4 * n * e + 4 * n * k + rows * (4 * c + 6 * f) - 6 * n * f))
+      << "Llama's h, up, g and their gradients per row, as its dense MLP's per token";
+}
+
+// Workers with room for the dense model but not for its experts: the MoE job
+// is refused naming the stage, the worker and the numbers, with the usual
+// advice and the experts to lower; the dense job is planned.
+TEST(MemoryEstimateTest, AnMoeJobThatDoesNotFitIsRefusedNamingTheExperts) {
+  const v1::JobSpec dense = MoeGpt2("");
+  const v1::JobSpec moe = MoeGpt2("moe { experts: 64 top_k: 2 }");
+  auto dense_plan = MakePlan(dense, Workers(8, 0), 1);
+  auto moe_plan = MakePlan(moe, Workers(8, 0), 1);
+  ASSERT_TRUE(dense_plan.ok()) << dense_plan.status();
+  ASSERT_TRUE(moe_plan.ok()) << moe_plan.status();
+  double need_dense = 0, need_moe = 0;
+  for (int stage = 0; stage < 2; ++stage) {
+    need_dense = std::max(need_dense, EstimateWorkerMemory(dense, *dense_plan, stage).total());
+    need_moe = std::max(need_moe, EstimateWorkerMemory(moe, *moe_plan, stage).total());
+  }
+  ASSERT_LT(need_dense, need_moe);
+  const int64_t memory = static_cast<int64_t>((need_dense + need_moe) / 2);
+  auto refused = MakePlan(moe, Workers(8, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("job 'm': pipeline stage "), std::string::npos) << message;
+  EXPECT_NE(message.find("parameters "), std::string::npos) << message;
+  EXPECT_NE(message.find("set parallel.zero_stage: 1"), std::string::npos) << message;
+  EXPECT_NE(message.find("lower model.moe.experts (every rank holds all experts of its blocks), lower "
+                         "train.micro_batch_size"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("raise parallel.pp or parallel.tp"), std::string::npos) << message;
+  EXPECT_TRUE(MakePlan(dense, Workers(8, memory), 1).ok());
+  auto dense_refused = MakePlan(dense, Workers(8, static_cast<int64_t>(need_dense / 2)), 1);
+  ASSERT_FALSE(dense_refused.ok());
+  EXPECT_EQ(dense_refused.status().message().find("model.moe"), std::string::npos) << dense_refused.status();
 }
 
 }  // namespace
