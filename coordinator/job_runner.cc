@@ -45,7 +45,8 @@ constexpr size_t kMaxRelayedSnapshotBytes = (4 << 20) - (64 << 10);
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
 
 // Simulator costs for the live plan: the synthetic model's own times, or
-// F = I = W = 1 per block with per-stage multipliers from the partition.
+// F = I = W = 1 per block (an MoE block more, BlocksCost) with per-stage
+// multipliers from the partition.
 schedule::CostModel CostsFor(const v1::JobSpec& job, const v1::Plan& plan) {
   schedule::CostModel costs;
   const int v = std::max(1, plan.virtual_stages());
@@ -61,7 +62,8 @@ schedule::CostModel CostsFor(const v1::JobSpec& job, const v1::Plan& plan) {
   double total = 0;
   std::vector<double> cost;
   for (const v1::StagePartition& p : plan.stages()) {
-    cost.push_back(p.num_layers() + (p.has_embedding() ? lc.embedding : 0) + (p.has_head() ? lc.head : 0));
+    cost.push_back(BlocksCost(lc, p.first_layer(), p.first_layer() + p.num_layers()) +
+                   (p.has_embedding() ? lc.embedding : 0) + (p.has_head() ? lc.head : 0));
     total += cost.back();
   }
   for (double c : cost) costs.stage_multipliers.push_back(c * cost.size() / total);

@@ -25,7 +25,19 @@ LayerCosts CostsOf(const v1::ModelSpec& model) {
   if (block <= 0) return c;
   c.head = 2.0 * d * v / block;
   c.embedding = 0.05;
+  if (model.has_moe()) {
+    const double mlp = model.arch() == "llama" ? 6.0 * d * (model.has_ffn_dim() ? model.ffn_dim() : 4.0 * d)
+                                               : 16.0 * d * d;
+    c.moe_every = MoeEvery(model);
+    c.moe_extra = ((model.moe().top_k() - 1) * mlp + 2.0 * d * model.moe().experts()) / block;
+  }
   return c;
+}
+
+double BlocksCost(const LayerCosts& costs, int first, int end) {
+  const double blocks = end - first;
+  if (costs.moe_every <= 0) return blocks;
+  return blocks + costs.moe_extra * MoeBlocksIn(costs.moe_every, first, end);
 }
 
 std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs) {
@@ -34,7 +46,8 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
   // keeps earlier stages no heavier.
   //
   // best[k][i] = min over j of max(best[k-1][j], cost(k-1, j, i)). best[k-1][.]
-  // is nondecreasing in j and cost(k-1, j, i) decreasing in j, so the minimum
+  // is nondecreasing in j and cost(k-1, j, i) decreasing in j (every block
+  // costs more than 0, an MoE block more than a dense one), so the minimum
   // sits where the two cross, and both the crossing and the largest minimising
   // j move right as i grows: two pointers give each row in O(layers), the
   // whole table in O(stages * layers) time and memory (stages <= layers <=
@@ -42,7 +55,7 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
   const double kInf = std::numeric_limits<double>::infinity();
   const double kTie = 1e-12;
   auto cost = [&](int stage, int first, int end) {
-    double c = end - first;
+    double c = BlocksCost(costs, first, end);
     if (stage == 0) c += costs.embedding;
     if (stage == stages - 1) c += costs.head;
     return c;

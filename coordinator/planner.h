@@ -16,8 +16,9 @@
 // Layer partition: contiguous blocks over pp * virtual_stages stages (chunk c
 // lives where the schedule's placement puts it, Plan.stage_ranks: pp rank
 // c % pp when looped, the V for zb-v and dualpipe-v), minimising the costliest stage, where a block
-// costs 1 and the first/last stage also pay for the embedding/LM head in
-// block units (see LayerCosts). Every stage gets at least one block.
+// costs 1 (an MoE block 1 + LayerCosts::moe_extra) and the first/last stage
+// also pay for the embedding/LM head in block units (see LayerCosts). Every
+// stage gets at least one block.
 #ifndef BATON_COORDINATOR_PLANNER_H_
 #define BATON_COORDINATOR_PLANNER_H_
 
@@ -33,12 +34,22 @@ namespace baton {
 struct LayerCosts {
   double embedding = 0;  // in units of one transformer block
   double head = 0;       // final LayerNorm + LM head + loss
+  // model.moe: block i is an MoE block iff (i + 1) % moe_every == 0 (0: a
+  // dense model), and costs moe_extra more than a dense block.
+  int moe_every = 0;
+  double moe_extra = 0;
 };
 
 // Forward FLOP ratios: a block is ~24*d^2 + 4*s*d per token, the LM head
 // 2*d*vocab, the embedding a lookup (counted as 0.05 blocks for its optimizer
-// and gradient traffic). Synthetic models cost the same per block and nothing else.
+// and gradient traffic). An MoE block runs each token through top_k experts
+// and its router: (top_k - 1) MLPs (GPT-2 16*d^2, Llama 6*d*ffn_dim) and
+// 2*d*experts more. Synthetic models cost the same per block and nothing else.
 LayerCosts CostsOf(const v1::ModelSpec& model);
+
+// The cost of blocks [first, end) in block units: one each, plus moe_extra
+// for each MoE block among them.
+double BlocksCost(const LayerCosts& costs, int first, int end);
 
 // Contiguous partition of `layers` blocks into `stages` stages (layers >= stages).
 std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const LayerCosts& costs);

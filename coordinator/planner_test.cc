@@ -89,7 +89,10 @@ TEST(PlannerTest, AHeavyHeadTakesLayersOffTheLastStage) {
 std::vector<int> ReferencePartition(int layers, int stages, const LayerCosts& costs) {
   const double kInf = std::numeric_limits<double>::infinity();
   auto cost = [&](int stage, int first, int end) {
-    double c = end - first;
+    double c = 0;
+    for (int i = first; i < end; ++i) {
+      c += 1 + (costs.moe_every > 0 && (i + 1) % costs.moe_every == 0 ? costs.moe_extra : 0);
+    }
     if (stage == 0) c += costs.embedding;
     if (stage == stages - 1) c += costs.head;
     return c;
@@ -129,6 +132,64 @@ TEST(PlannerTest, PartitionsMatchTheExhaustiveProgramme) {
     ASSERT_EQ(Sizes(PartitionLayers(layers, stages, costs)), ReferencePartition(layers, stages, costs))
         << layers << " layers, " << stages << " stages, head " << costs.head << ", embedding " << costs.embedding;
   }
+}
+
+// MoE blocks weigh more than dense ones at arbitrary places; the two-pointer
+// programme still finds the exhaustive one's partition.
+TEST(PlannerTest, PartitionsWithMoeBlocksMatchTheExhaustiveProgramme) {
+  std::mt19937 rng(34);
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int layers = 1 + static_cast<int>(rng() % 40);
+    const int stages = 1 + static_cast<int>(rng() % layers);
+    LayerCosts costs{rng() % 2 ? 0.05 : 0.0, (rng() % 1000) / 97.0};
+    costs.moe_every = 1 + static_cast<int>(rng() % layers);
+    costs.moe_extra = (rng() % 1000) / 53.0;
+    ASSERT_EQ(Sizes(PartitionLayers(layers, stages, costs)), ReferencePartition(layers, stages, costs))
+        << layers << " layers, " << stages << " stages, head " << costs.head << ", MoE every "
+        << costs.moe_every << " costing " << costs.moe_extra << " more";
+  }
+}
+
+// An MoE block runs each token through top_k expert MLPs and its router:
+// (top_k - 1) MLPs and 2*d*experts more FLOPs than a dense block, so the
+// partition moves blocks off the stage that holds it.
+TEST(PlannerTest, AnMoeBlockWeighsItsTopKExpertsAndItsRouter) {
+  v1::JobSpec job = Job(12, 2, 1, 1);  // d 64, seq_len 16
+  const std::vector<v1::WorkerInfo> workers = Workers({{"a", "h"}, {"b", "h"}});
+  auto dense = MakePlan(job, workers, 1);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  EXPECT_EQ(Sizes({dense->stages().begin(), dense->stages().end()}), (std::vector<int>{6, 6}));
+  EXPECT_EQ(CostsOf(job.model()).moe_every, 0);
+  EXPECT_EQ(CostsOf(job.model()).moe_extra, 0);
+
+  // Only the last block is an MoE block: 4 experts, each token to all 4.
+  v1::MoeSpec* moe = job.mutable_model()->mutable_moe();
+  moe->set_experts(4);
+  moe->set_top_k(4);
+  moe->set_every_n_layers(12);
+  const double d = 64, block = 24 * d * d + 4 * 16 * d;
+  const LayerCosts costs = CostsOf(job.model());
+  EXPECT_EQ(costs.moe_every, 12);
+  EXPECT_DOUBLE_EQ(costs.moe_extra, (3 * 16 * d * d + 2 * d * 4) / block);  // 1.92
+  EXPECT_DOUBLE_EQ(BlocksCost(costs, 0, 11), 11);
+  EXPECT_DOUBLE_EQ(BlocksCost(costs, 6, 12), 6 + costs.moe_extra);
+  auto plan = MakePlan(job, workers, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // {6, 6} would cost 6 + 1.92 + the head on the last stage; {7, 5} at most 7.05.
+  EXPECT_EQ(Sizes({plan->stages().begin(), plan->stages().end()}), (std::vector<int>{7, 5}));
+
+  // Unset every_n_layers is every block: uniform again. Llama's MLP is
+  // 3 matrices of d x ffn_dim; top_k 1 costs the router only.
+  moe->clear_every_n_layers();
+  EXPECT_EQ(CostsOf(job.model()).moe_every, 1);
+  auto uniform = MakePlan(job, workers, 1);
+  ASSERT_TRUE(uniform.ok()) << uniform.status();
+  EXPECT_EQ(Sizes({uniform->stages().begin(), uniform->stages().end()}), (std::vector<int>{6, 6}));
+  job.mutable_model()->set_arch("llama");
+  job.mutable_model()->set_ffn_dim(96);
+  EXPECT_DOUBLE_EQ(CostsOf(job.model()).moe_extra, (3 * 6 * d * 96 + 2 * d * 4) / block);
+  moe->set_top_k(1);
+  EXPECT_DOUBLE_EQ(CostsOf(job.model()).moe_extra, 2 * d * 4 / block);
 }
 
 // The largest plans the job spec allows take well under a second (the old
