@@ -9,10 +9,13 @@
 //    the Backend registered for ctx.device.type. Every entry below is
 //    required; a backend that lacks a kernel sets the entry to a function that
 //    aborts naming it (never null). Exceptions, which may be null:
-//    fused_attention (see there) and the context-parallel attention entries
+//    fused_attention (see there); the context-parallel attention entries
 //    (kv_of_qkv .. qkv_grad_of_kv), for which ops.cc aborts naming the op and
 //    saying the backend has no context-parallel attention kernel yet (none
-//    today: CPU, sim and CUDA have them; CUDA's in kernels/cuda/ring_attention.cu).
+//    today: CPU, sim and CUDA have them; CUDA's in kernels/cuda/ring_attention.cu);
+//    and the Mixture-of-Experts routing entries (router_top_k ..
+//    load_balancing_loss), for which ops.cc aborts naming the op and saying
+//    the backend has no MoE routing kernel yet (CUDA today).
 //
 // 2. Backends. kCpu: kernels/cpu, linked into everything, always registered;
 //    it runs each op inline on the calling thread (its Stream and Event are
@@ -51,7 +54,8 @@
 // 5. Scalars without host round trips. Ops that reduce to a scalar (loss sum,
 //    argmax hits, sum of squares) ADD into a one-element device tensor
 //    (float64 or int64) instead of returning a value, so a whole step can
-//    run with its results read back once at the end.
+//    run with its results read back once at the end. (LoadBalancingLoss adds
+//    into a float32 one: the double loss rounded once, then added in float.)
 //
 // 6. Precision. Master weights, gradients, AdamW moments, LayerNorm/softmax/
 //    loss math and every reduction are float32 (scalars float64). With
@@ -388,6 +392,31 @@ struct Backend {
                                    const Tensor& lse, const Tensor& delta, int heads,
                                    int64_t q_offset, int64_t k_offset, const Tensor& scratch);
   void (*qkv_grad_of_kv)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv);
+
+  // --- Mixture-of-Experts routing, fp32 data and int32 indices (see ops.h);
+  // null where the backend has none (CUDA today): the ops then abort naming
+  // themselves ---
+  void (*router_top_k)(const ExecContext&, const Tensor& probs, const Tensor& expert,
+                       const Tensor& gate, const Tensor& logits, bool renormalize);
+  void (*router_top_k_backward)(const ExecContext&, const Tensor& dlogits, const Tensor& dgate,
+                                const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                                bool renormalize);
+  void (*plan_dispatch)(const ExecContext&, const Tensor& slot, const Tensor& counts,
+                        const Tensor& expert, int64_t capacity);
+  void (*expert_token_counts)(const ExecContext&, const Tensor& routed, const Tensor& expert);
+  void (*permute)(const ExecContext&, const Tensor& expert_in, const Tensor& x,
+                  const Tensor& expert, const Tensor& slot);
+  void (*permute_backward)(const ExecContext&, const Tensor& dx, const Tensor& dexpert_in,
+                           const Tensor& expert, const Tensor& slot);
+  void (*combine)(const ExecContext&, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+                  const Tensor& expert, const Tensor& slot);
+  void (*combine_backward)(const ExecContext&, const Tensor& dexpert_out, const Tensor& dgate,
+                           const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                           const Tensor& expert, const Tensor& slot);
+  // loss: float32 [1], += the loss; dlogits_aux overwritten.
+  void (*load_balancing_loss)(const ExecContext&, const Tensor& loss, const Tensor& dlogits_aux,
+                              const Tensor& probs, const Tensor& expert, float coef,
+                              float grad_scale);
 };
 
 // Registers `backend` for its type (once per type; later calls for the same

@@ -28,6 +28,7 @@
 #include "kernels/cpu/grad_norm.h"
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/cpu/residual.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
@@ -479,6 +480,70 @@ void QkvGradOfKv(const ExecContext&, const Tensor& dqkv, const Tensor& dkv) {
   }
 }
 
+// Mixture-of-Experts routing (fp32, int32 indices; ops.cc has checked the
+// shapes): expert [N,K] gives N and K, the router rows [N,E] or the expert
+// buffers [E,Cap,H] give E, Cap and H.
+void RouterTopK(const ExecContext&, const Tensor& probs, const Tensor& expert, const Tensor& gate,
+                const Tensor& logits, bool renormalize) {
+  cpu::RouterTopK(probs.f32(), expert.i32(), gate.f32(), logits.f32(), expert.dim(0),
+                  logits.dim(1), expert.dim(1), renormalize);
+}
+
+void RouterTopKBackward(const ExecContext&, const Tensor& dlogits, const Tensor& dgate,
+                        const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                        bool renormalize) {
+  cpu::RouterTopKBackward(dlogits.f32(), dgate.f32(), expert.i32(), gate.f32(), probs.f32(),
+                          expert.dim(0), dlogits.dim(1), expert.dim(1), renormalize);
+}
+
+void PlanDispatch(const ExecContext&, const Tensor& slot, const Tensor& counts,
+                  const Tensor& expert, int64_t capacity) {
+  cpu::PlanDispatch(slot.i32(), I64(counts), expert.i32(), expert.dim(0), counts.dim(0),
+                    expert.dim(1), capacity);
+}
+
+void ExpertTokenCounts(const ExecContext&, const Tensor& routed, const Tensor& expert) {
+  cpu::ExpertTokenCounts(I64(routed), expert.i32(), expert.dim(0), routed.dim(0), expert.dim(1));
+}
+
+void Permute(const ExecContext&, const Tensor& expert_in, const Tensor& x, const Tensor& expert,
+             const Tensor& slot) {
+  cpu::Permute(expert_in.f32(), x.f32(), expert.i32(), slot.i32(), expert.dim(0),
+               expert_in.dim(0), expert.dim(1), expert_in.dim(2), expert_in.dim(1));
+}
+
+void PermuteBackward(const ExecContext&, const Tensor& dx, const Tensor& dexpert_in,
+                     const Tensor& expert, const Tensor& slot) {
+  cpu::PermuteBackward(dx.f32(), dexpert_in.f32(), expert.i32(), slot.i32(), expert.dim(0),
+                       expert.dim(1), dexpert_in.dim(2), dexpert_in.dim(1));
+}
+
+void Combine(const ExecContext&, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+             const Tensor& expert, const Tensor& slot) {
+  cpu::Combine(y.f32(), expert_out.f32(), gate.f32(), expert.i32(), slot.i32(), expert.dim(0),
+               expert.dim(1), expert_out.dim(2), expert_out.dim(1));
+}
+
+void CombineBackward(const ExecContext&, const Tensor& dexpert_out, const Tensor& dgate,
+                     const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                     const Tensor& expert, const Tensor& slot) {
+  cpu::CombineBackward(dexpert_out.f32(), dgate.f32(), dy.f32(), expert_out.f32(), gate.f32(),
+                       expert.i32(), slot.i32(), expert.dim(0), expert_out.dim(0), expert.dim(1),
+                       expert_out.dim(2), expert_out.dim(1));
+}
+
+// loss [1] fp32 += the double loss rounded once to float; dlogits_aux is the
+// kernel's fp32 gradient times grad_scale (in fp32).
+void LoadBalancingLoss(const ExecContext&, const Tensor& loss, const Tensor& dlogits_aux,
+                       const Tensor& probs, const Tensor& expert, float coef, float grad_scale) {
+  const double value =
+      cpu::LoadBalancingLoss(dlogits_aux.f32(), probs.f32(), expert.i32(), expert.dim(0),
+                             probs.dim(1), expert.dim(1), coef);
+  *loss.f32() += static_cast<float>(value);
+  float* d = dlogits_aux.f32();
+  for (int64_t i = 0; i < dlogits_aux.numel(); ++i) d[i] *= grad_scale;
+}
+
 const Backend kCpu = {
     "cpu",
     DeviceType::kCpu,
@@ -538,6 +603,15 @@ const Backend kCpu = {
     AttentionDelta,
     BlockAttentionBackward,
     QkvGradOfKv,
+    RouterTopK,
+    RouterTopKBackward,
+    PlanDispatch,
+    ExpertTokenCounts,
+    Permute,
+    PermuteBackward,
+    Combine,
+    CombineBackward,
+    LoadBalancingLoss,
 };
 
 }  // namespace

@@ -1,10 +1,14 @@
 #include "kernels/ops.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <initializer_list>
+#include <limits>
+#include <string>
+
+#include "kernels/cpu/moe.h"
 
 namespace baton::kernels {
 namespace {
@@ -525,6 +529,202 @@ void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) 
   RequireKv("QkvGradOfKv", dkv, dqkv, c);
   Require(dkv.dim(1) == dqkv.dim(1), "QkvGradOfKv", "shape mismatch: dkv and dqkv differ in seq");
   CpEntry(be, be.qkv_grad_of_kv, "QkvGradOfKv")(ctx, dqkv, dkv);
+}
+
+// ---- Mixture-of-Experts routing ----
+
+namespace {
+
+constexpr int64_t kMaxCapacity = std::numeric_limits<int32_t>::max();  // slots are int32
+
+// The backend's entry `fn`, or an abort naming `op` where the backend has
+// none (backend.h §1: these entries may be null).
+template <typename Fn>
+Fn MoeEntry(const Backend& be, Fn fn, const char* op) {
+  if (fn == nullptr) {
+    const std::string name = be.name;
+    Fail(op, "Mixture-of-Experts routing has no " + std::string(name == "cuda" ? "CUDA" : name) +
+                 " kernel yet (it runs on CPU devices only for now); run jobs with model.moe on "
+                 "CPU workers, or without model.moe");
+  }
+  return fn;
+}
+
+void RequireDType(const char* op, std::initializer_list<const Tensor*> tensors, DType dtype,
+                  const char* what) {
+  for (const Tensor* t : tensors) Require(t->defined() && t->dtype() == dtype, op, what);
+}
+
+// N tokens, top-k K.
+struct MoeChoices {
+  int64_t tokens;
+  int64_t k;
+};
+
+// expert int32 [N,K] (N, K >= 1), each of `slots` int32 [N,K] and each of
+// `gates` fp32 [N,K].
+MoeChoices RequireChoices(const char* op, const Tensor& expert,
+                          std::initializer_list<const Tensor*> slots,
+                          std::initializer_list<const Tensor*> gates) {
+  RequireDType(op, {&expert}, DType::kInt32, "expert must be int32");
+  Require(expert.ndim() == 2 && expert.dim(0) > 0 && expert.dim(1) > 0, op,
+          "shape mismatch: expert must be [tokens, top_k] with tokens, top_k >= 1");
+  RequireDType(op, slots, DType::kInt32, "slot must be int32");
+  for (const Tensor* s : slots) {
+    Require(s->shape() == expert.shape(), op, "shape mismatch: slot must be [tokens, top_k]");
+  }
+  RequireFloat(op, gates, false, "gate and dgate must be float32");
+  for (const Tensor* g : gates) {
+    Require(g->shape() == expert.shape(), op,
+            "shape mismatch: gate and dgate must be [tokens, top_k]");
+  }
+  return {expert.dim(0), expert.dim(1)};
+}
+
+// Per-token rows fp32 [N,E], all of one E >= K (logits, probs and their
+// gradients).
+void RequireRouterRows(const char* op, const MoeChoices& c,
+                       std::initializer_list<const Tensor*> rows) {
+  RequireFloat(op, rows, false, "logits, probs and their gradients must be float32");
+  const int64_t experts = (*rows.begin())->ndim() == 2 ? (*rows.begin())->dim(1) : 0;
+  for (const Tensor* r : rows) {
+    Require(r->ndim() == 2 && r->dim(0) == c.tokens && r->dim(1) == experts && experts >= c.k, op,
+            "shape mismatch: logits, probs and their gradients must be [tokens, experts] with "
+            "top_k <= experts");
+  }
+}
+
+// A per-expert int64 [E] vector (counts, routed) with E >= K.
+void RequireExpertCounts(const char* op, const MoeChoices& c, const Tensor& counts) {
+  RequireDType(op, {&counts}, DType::kInt64, "counts and routed must be int64");
+  Require(counts.ndim() == 1 && counts.dim(0) >= c.k, op,
+          "shape mismatch: counts and routed must be [experts] with top_k <= experts");
+}
+
+// Expert buffers fp32 [E,Cap,H] of one shape, E >= K, Cap < 2^31, H >= 1,
+// and token rows fp32 of N·H elements, H the last dimension (x, y and their
+// gradients).
+void RequireBuffers(const char* op, const MoeChoices& c,
+                    std::initializer_list<const Tensor*> buffers,
+                    std::initializer_list<const Tensor*> token_rows) {
+  RequireFloat(op, buffers, false, "expert buffers must be float32");
+  RequireFloat(op, token_rows, false, "x, y and their gradients must be float32");
+  const Tensor& first = **buffers.begin();
+  Require(first.ndim() == 3 && first.dim(0) >= c.k && first.dim(1) <= kMaxCapacity &&
+              first.dim(2) > 0,
+          op,
+          "shape mismatch: expert buffers must be [experts, capacity, hidden] with top_k <= "
+          "experts, capacity < 2^31 and hidden >= 1");
+  for (const Tensor* b : buffers) {
+    Require(b->shape() == first.shape(), op, "shape mismatch: expert buffers differ in shape");
+  }
+  for (const Tensor* x : token_rows) {
+    Require(x->ndim() >= 1 && x->dim(-1) == first.dim(2) && x->numel() == c.tokens * first.dim(2),
+            op,
+            "shape mismatch: x, y and their gradients must be [tokens, hidden] (or [batch, seq, "
+            "hidden]) of the expert buffers' hidden");
+  }
+}
+
+}  // namespace
+
+int64_t MoeExpertCapacity(int64_t tokens, int64_t experts, int64_t k, double capacity_factor) {
+  const char* op = "MoeExpertCapacity";
+  Require(tokens >= 0 && k >= 1 && k <= experts, op, "want tokens >= 0 and 1 <= top_k <= experts");
+  Require(std::isfinite(capacity_factor) && capacity_factor >= 0.0, op,
+          "capacity_factor must be finite and >= 0");
+  const int64_t capacity = cpu::ExpertCapacity(tokens, experts, k, capacity_factor);
+  Require(capacity <= kMaxCapacity, op,
+          "capacity past 2^31 - 1 rows per expert does not fit the int32 slots; lower "
+          "capacity_factor or the microbatch's tokens");
+  return capacity;
+}
+
+void RouterTopK(const ExecContext& ctx, const Tensor& probs, const Tensor& expert,
+                const Tensor& gate, const Tensor& logits, bool renormalize) {
+  const char* op = "RouterTopK";
+  const Backend& be = On(ctx, op, {&probs, &expert, &gate, &logits});
+  const MoeChoices c = RequireChoices(op, expert, {}, {&gate});
+  RequireRouterRows(op, c, {&logits, &probs});
+  MoeEntry(be, be.router_top_k, op)(ctx, probs, expert, gate, logits, renormalize);
+}
+
+void RouterTopKBackward(const ExecContext& ctx, const Tensor& dlogits, const Tensor& dgate,
+                        const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                        bool renormalize) {
+  const char* op = "RouterTopKBackward";
+  const Backend& be = On(ctx, op, {&dlogits, &dgate, &expert, &gate, &probs});
+  const MoeChoices c = RequireChoices(op, expert, {}, {&dgate, &gate});
+  RequireRouterRows(op, c, {&dlogits, &probs});
+  MoeEntry(be, be.router_top_k_backward, op)(ctx, dlogits, dgate, expert, gate, probs, renormalize);
+}
+
+void PlanDispatch(const ExecContext& ctx, const Tensor& slot, const Tensor& counts,
+                  const Tensor& expert, int64_t capacity) {
+  const char* op = "PlanDispatch";
+  const Backend& be = On(ctx, op, {&slot, &counts, &expert});
+  const MoeChoices c = RequireChoices(op, expert, {&slot}, {});
+  RequireExpertCounts(op, c, counts);
+  Require(capacity >= 0 && capacity <= kMaxCapacity, op,
+          "capacity must be in [0, 2^31) (see MoeExpertCapacity)");
+  MoeEntry(be, be.plan_dispatch, op)(ctx, slot, counts, expert, capacity);
+}
+
+void ExpertTokenCounts(const ExecContext& ctx, const Tensor& routed, const Tensor& expert) {
+  const char* op = "ExpertTokenCounts";
+  const Backend& be = On(ctx, op, {&routed, &expert});
+  const MoeChoices c = RequireChoices(op, expert, {}, {});
+  RequireExpertCounts(op, c, routed);
+  MoeEntry(be, be.expert_token_counts, op)(ctx, routed, expert);
+}
+
+void Permute(const ExecContext& ctx, const Tensor& expert_in, const Tensor& x, const Tensor& expert,
+             const Tensor& slot) {
+  const char* op = "Permute";
+  const Backend& be = On(ctx, op, {&expert_in, &x, &expert, &slot});
+  const MoeChoices c = RequireChoices(op, expert, {&slot}, {});
+  RequireBuffers(op, c, {&expert_in}, {&x});
+  MoeEntry(be, be.permute, op)(ctx, expert_in, x, expert, slot);
+}
+
+void PermuteBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dexpert_in,
+                     const Tensor& expert, const Tensor& slot) {
+  const char* op = "PermuteBackward";
+  const Backend& be = On(ctx, op, {&dx, &dexpert_in, &expert, &slot});
+  const MoeChoices c = RequireChoices(op, expert, {&slot}, {});
+  RequireBuffers(op, c, {&dexpert_in}, {&dx});
+  MoeEntry(be, be.permute_backward, op)(ctx, dx, dexpert_in, expert, slot);
+}
+
+void Combine(const ExecContext& ctx, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+             const Tensor& expert, const Tensor& slot) {
+  const char* op = "Combine";
+  const Backend& be = On(ctx, op, {&y, &expert_out, &gate, &expert, &slot});
+  const MoeChoices c = RequireChoices(op, expert, {&slot}, {&gate});
+  RequireBuffers(op, c, {&expert_out}, {&y});
+  MoeEntry(be, be.combine, op)(ctx, y, expert_out, gate, expert, slot);
+}
+
+void CombineBackward(const ExecContext& ctx, const Tensor& dexpert_out, const Tensor& dgate,
+                     const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                     const Tensor& expert, const Tensor& slot) {
+  const char* op = "CombineBackward";
+  const Backend& be = On(ctx, op, {&dexpert_out, &dgate, &dy, &expert_out, &gate, &expert, &slot});
+  const MoeChoices c = RequireChoices(op, expert, {&slot}, {&dgate, &gate});
+  RequireBuffers(op, c, {&dexpert_out, &expert_out}, {&dy});
+  MoeEntry(be, be.combine_backward, op)(ctx, dexpert_out, dgate, dy, expert_out, gate, expert,
+                                        slot);
+}
+
+void LoadBalancingLoss(const ExecContext& ctx, const Tensor& loss, const Tensor& dlogits_aux,
+                       const Tensor& probs, const Tensor& expert, float coef, float grad_scale) {
+  const char* op = "LoadBalancingLoss";
+  const Backend& be = On(ctx, op, {&loss, &dlogits_aux, &probs, &expert});
+  const MoeChoices c = RequireChoices(op, expert, {}, {});
+  RequireRouterRows(op, c, {&dlogits_aux, &probs});
+  Require(loss.defined() && loss.numel() == 1 && loss.dtype() == DType::kFloat32, op,
+          "loss must be a one-element float32 accumulator");
+  MoeEntry(be, be.load_balancing_loss, op)(ctx, loss, dlogits_aux, probs, expert, coef, grad_scale);
 }
 
 // ---- On the CPU ----

@@ -18,11 +18,13 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/tensor.h"
 
 namespace baton::kernels {
 
 using cpu::AdamWConfig;
+using cpu::kDroppedSlot;
 using cpu::kIgnoreTarget;
 using cpu::kMaxArgmaxVocab;
 
@@ -293,6 +295,99 @@ void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Te
                             int64_t k_offset, const Tensor& scratch);
 // dqkv's k and v columns = dkv [B,T,2C] (overwritten; its q columns untouched).
 void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv);
+
+// ---- Mixture of Experts routing (context forms only; fp32 data, int32 indices) ----
+//
+// The routing of a Mixture-of-Experts MLP with the math of
+// kernels/cpu/moe.h (the formulas, the tie-breaking, the dispatch order and
+// each backward are stated there). N tokens (N >= 1), E experts, top-k K
+// (1 <= K <= E), hidden size H, Cap rows per expert buffer
+// (MoeExpertCapacity). Shapes and dtypes, checked by every op:
+//   logits, probs, dlogits, dlogits_aux    [N,E] fp32
+//   expert, slot                           [N,K] int32
+//   gate, dgate                            [N,K] fp32
+//   x, y, dx, dy                           [N,H] fp32 (or [B,T,H], B·T = N)
+//   expert_in, expert_out and their grads  [E,Cap,H] fp32
+//   counts, routed                         [E] int64;  loss [1] fp32
+// Row views (Tensor::Rows, Reshaped) are tensors like any other.
+// Choice j of token t is (t,j). A layer's forward: RouterTopK; PlanDispatch
+// (slot, counts); Permute x into expert_in; each expert on its [Cap,H]
+// buffer; Combine into y (a token whose every choice was dropped gets 0: the
+// caller's residual carries it). Its backward: CombineBackward; the experts'
+// backward; PermuteBackward; RouterTopKBackward, plus LoadBalancingLoss's
+// dlogits_aux, into the router's dlogits. The indices live on the device and
+// are not checked: expert must hold RouterTopK's choices (or K distinct
+// experts in [0, E) per token) and slot PlanDispatch's plan for that expert
+// array, every kept slot below the buffers' Cap (PlanDispatch's capacity,
+// or any Cap at least the largest of its counts). Loops run in fixed order
+// with no atomics: fixed shapes give fixed bits, and the simulated device
+// gives the CPU's. On a backend without these kernels (CUDA today) every op
+// below aborts naming itself.
+
+// Rows per expert buffer (a host function): ceil(capacity_factor · N · K /
+// E), a decimal factor landing where its written value does (1.1 · 100 / 10
+// gives 11), or N · K (dropless: no expert can overflow) for
+// capacity_factor = 0; see kernels/cpu/moe.h ExpertCapacity. Needs N >= 0,
+// 1 <= K <= E, a finite capacity_factor >= 0, and a result below 2^31 (the
+// slots are int32); aborts naming itself otherwise.
+int64_t MoeExpertCapacity(int64_t tokens, int64_t experts, int64_t k, double capacity_factor);
+
+// Writes probs = softmax(logits) per token, expert (the K most probable,
+// most probable first, equal probabilities to the lower expert index) and
+// gate: renormalize, p_{e_j} / Σ_j p_{e_j} (Mixtral; Σ_j gate = 1, and 1 for
+// K = 1); !renormalize, p_{e_j} itself (Switch Transformer: a top-1 router
+// then learns from the model's loss through its gate). probs and expert do
+// not depend on renormalize.
+void RouterTopK(const ExecContext& ctx, const Tensor& probs, const Tensor& expert,
+                const Tensor& gate, const Tensor& logits, bool renormalize);
+// Overwrites dlogits with the gradient through the gates given dgate, from
+// RouterTopK's expert, gate and probs for the same renormalize (the
+// selection itself has no gradient). Renormalised: 0 off the chosen experts,
+// and everywhere for K = 1. Raw: dz_e = p_e · (a_e − Σ_j p_{e_j} dg_j) with
+// a_e = dg_j for a chosen e = e_j, else 0, so every logit gets a gradient.
+// The load-balancing loss's gradient is LoadBalancingLoss's; add it.
+void RouterTopKBackward(const ExecContext& ctx, const Tensor& dlogits, const Tensor& dgate,
+                        const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                        bool renormalize);
+// Writes slot (each choice's row in its expert's buffer, or kDroppedSlot when
+// that buffer already holds `capacity` rows; every token's first choice
+// claims a row before any second choice, tokens in order) and counts (kept
+// choices per expert, <= capacity). 0 <= capacity < 2^31.
+void PlanDispatch(const ExecContext& ctx, const Tensor& slot, const Tensor& counts,
+                  const Tensor& expert, int64_t capacity);
+// Overwrites routed with the number of choices routed to each expert before
+// capacity drops (N·K in all): the load balance, for metrics.
+void ExpertTokenCounts(const ExecContext& ctx, const Tensor& routed, const Tensor& expert);
+// Overwrites expert_in [E,Cap,H] (Cap = expert_in.dim(1)) with the kept
+// tokens of x: row slot[t,j] of expert e_j is x[t]; rows no choice fills
+// are 0.
+void Permute(const ExecContext& ctx, const Tensor& expert_in, const Tensor& x, const Tensor& expert,
+             const Tensor& slot);
+// Overwrites dx: dx[t] = Σ over t's kept choices, in j order, of their rows
+// of dexpert_in [E,Cap,H]; 0 for a token with none.
+void PermuteBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dexpert_in,
+                     const Tensor& expert, const Tensor& slot);
+// Overwrites y: y[t] = Σ over t's kept choices, in j order, of
+// gate[t,j] · expert_out[e_j, slot[t,j]]; 0 for a token with none.
+void Combine(const ExecContext& ctx, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+             const Tensor& expert, const Tensor& slot);
+// Overwrites dexpert_out (gate[t,j] · dy[t] in each kept choice's row, 0 in
+// rows no choice fills) and dgate (dy[t] · expert_out[e_j, slot[t,j]],
+// summed in double; 0 for a dropped choice).
+void CombineBackward(const ExecContext& ctx, const Tensor& dexpert_out, const Tensor& dgate,
+                     const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                     const Tensor& expert, const Tensor& slot);
+// Switch Transformer's load-balancing loss coef · E · Σ_e f_e · P_e (f_e:
+// the share of the N·K choices routed to e before capacity drops; P_e: e's
+// mean probability), from RouterTopK's probs and expert. ACCUMULATES: the
+// loss, computed in double and rounded once to float, is added (+=, in
+// float) to loss [1] fp32, so one device tensor can sum it over blocks and
+// microbatches. OVERWRITES dlogits_aux with grad_scale times the loss's
+// gradient w.r.t. the logits (f held constant, as Switch does; the fp32
+// gradient multiplied by grad_scale in fp32); add it into the router's
+// dlogits.
+void LoadBalancingLoss(const ExecContext& ctx, const Tensor& loss, const Tensor& dlogits_aux,
+                       const Tensor& probs, const Tensor& expert, float coef, float grad_scale);
 
 }  // namespace baton::kernels
 

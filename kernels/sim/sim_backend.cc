@@ -471,6 +471,53 @@ void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) 
   Tensor a = H(dqkv), b = H(dkv);
   SIM_ENQUEUE(Cpu().qkv_grad_of_kv(Host(), a, b));
 }
+void RouterTopK(const ExecContext& ctx, const Tensor& probs, const Tensor& expert,
+                const Tensor& gate, const Tensor& logits, bool renormalize) {
+  Tensor a = H(probs), b = H(expert), c = H(gate), d = H(logits);
+  SIM_ENQUEUE(Cpu().router_top_k(Host(), a, b, c, d, renormalize));
+}
+void RouterTopKBackward(const ExecContext& ctx, const Tensor& dlogits, const Tensor& dgate,
+                        const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                        bool renormalize) {
+  Tensor a = H(dlogits), b = H(dgate), c = H(expert), d = H(gate), e = H(probs);
+  SIM_ENQUEUE(Cpu().router_top_k_backward(Host(), a, b, c, d, e, renormalize));
+}
+void PlanDispatch(const ExecContext& ctx, const Tensor& slot, const Tensor& counts,
+                  const Tensor& expert, int64_t capacity) {
+  Tensor a = H(slot), b = H(counts), c = H(expert);
+  SIM_ENQUEUE(Cpu().plan_dispatch(Host(), a, b, c, capacity));
+}
+void ExpertTokenCounts(const ExecContext& ctx, const Tensor& routed, const Tensor& expert) {
+  Tensor a = H(routed), b = H(expert);
+  SIM_ENQUEUE(Cpu().expert_token_counts(Host(), a, b));
+}
+void Permute(const ExecContext& ctx, const Tensor& expert_in, const Tensor& x, const Tensor& expert,
+             const Tensor& slot) {
+  Tensor a = H(expert_in), b = H(x), c = H(expert), d = H(slot);
+  SIM_ENQUEUE(Cpu().permute(Host(), a, b, c, d));
+}
+void PermuteBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dexpert_in,
+                     const Tensor& expert, const Tensor& slot) {
+  Tensor a = H(dx), b = H(dexpert_in), c = H(expert), d = H(slot);
+  SIM_ENQUEUE(Cpu().permute_backward(Host(), a, b, c, d));
+}
+void Combine(const ExecContext& ctx, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+             const Tensor& expert, const Tensor& slot) {
+  Tensor a = H(y), b = H(expert_out), c = H(gate), d = H(expert), e = H(slot);
+  SIM_ENQUEUE(Cpu().combine(Host(), a, b, c, d, e));
+}
+void CombineBackward(const ExecContext& ctx, const Tensor& dexpert_out, const Tensor& dgate,
+                     const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                     const Tensor& expert, const Tensor& slot) {
+  Tensor a = H(dexpert_out), b = H(dgate), c = H(dy), d = H(expert_out), e = H(gate),
+         f = H(expert), g = H(slot);
+  SIM_ENQUEUE(Cpu().combine_backward(Host(), a, b, c, d, e, f, g));
+}
+void LoadBalancingLoss(const ExecContext& ctx, const Tensor& loss, const Tensor& dlogits_aux,
+                       const Tensor& probs, const Tensor& expert, float coef, float grad_scale) {
+  Tensor a = H(loss), b = H(dlogits_aux), c = H(probs), d = H(expert);
+  SIM_ENQUEUE(Cpu().load_balancing_loss(Host(), a, b, c, d, coef, grad_scale));
+}
 
 #undef SIM_ENQUEUE
 
@@ -533,6 +580,15 @@ const Backend kSim = {
     AttentionDelta,
     BlockAttentionBackward,
     QkvGradOfKv,
+    RouterTopK,
+    RouterTopKBackward,
+    PlanDispatch,
+    ExpertTokenCounts,
+    Permute,
+    PermuteBackward,
+    Combine,
+    CombineBackward,
+    LoadBalancingLoss,
 };
 
 BATON_REGISTER_BACKEND(kSim);
