@@ -1098,6 +1098,15 @@ const kernels::Backend kCuda = {
     AttentionDelta,
     BlockAttentionBackward,
     QkvGradOfKv,
+    nullptr,  // router_top_k: no MoE routing kernels on CUDA yet (ops.cc aborts naming the op)
+    nullptr,  // router_top_k_backward
+    nullptr,  // plan_dispatch
+    nullptr,  // expert_token_counts
+    nullptr,  // permute
+    nullptr,  // permute_backward
+    nullptr,  // combine
+    nullptr,  // combine_backward
+    nullptr,  // load_balancing_loss
 };
 
 BATON_REGISTER_BACKEND(kCuda);

@@ -115,5 +115,37 @@ TEST(CudaBackendProbeTest, ContextParallelAttentionHasCudaEntries) {
                "QkvGradOfKv \\(cuda\\): the execution context has no CUDA stream");
 }
 
+// Mixture-of-Experts routing has no CUDA kernels yet: the nine entries are
+// null (backend.h §1 allows it), and an op aborts naming itself and what to
+// do instead of calling through a null pointer. The tensors are views of a
+// host buffer tagged cuda:0, never dereferenced.
+TEST(CudaBackendProbeTest, MoeRoutingHasNoCudaEntriesAndItsOpsSaySo) {
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  EXPECT_EQ(CudaBackend().router_top_k, nullptr);
+  EXPECT_EQ(CudaBackend().router_top_k_backward, nullptr);
+  EXPECT_EQ(CudaBackend().plan_dispatch, nullptr);
+  EXPECT_EQ(CudaBackend().expert_token_counts, nullptr);
+  EXPECT_EQ(CudaBackend().permute, nullptr);
+  EXPECT_EQ(CudaBackend().permute_backward, nullptr);
+  EXPECT_EQ(CudaBackend().combine, nullptr);
+  EXPECT_EQ(CudaBackend().combine_backward, nullptr);
+  EXPECT_EQ(CudaBackend().load_balancing_loss, nullptr);
+  kernels::ExecContext ctx;
+  ctx.device = Device::Cuda(0);
+  ctx.backend = &CudaBackend();
+  static float memory[64];
+  auto on_gpu = [](kernels::Shape shape, kernels::DType dtype) {
+    return kernels::Tensor::View(memory, std::move(shape), dtype, Device::Cuda(0));
+  };
+  const kernels::Tensor logits = on_gpu({2, 4}, kernels::DType::kFloat32),
+                        probs = on_gpu({2, 4}, kernels::DType::kFloat32),
+                        gate = on_gpu({2, 1}, kernels::DType::kFloat32),
+                        expert = on_gpu({2, 1}, kernels::DType::kInt32);
+  EXPECT_DEATH(kernels::RouterTopK(ctx, probs, expert, gate, logits, false),
+               "RouterTopK: Mixture-of-Experts routing has no CUDA kernel yet");
+  EXPECT_DEATH(kernels::RouterTopKBackward(ctx, logits, gate, expert, gate, probs, false),
+               "RouterTopKBackward: Mixture-of-Experts routing has no CUDA kernel yet");
+}
+
 }  // namespace
 }  // namespace baton::cuda
