@@ -32,6 +32,15 @@ struct GptStage::Block {
   Parameter *ln2_w = nullptr, *ln2_b = nullptr, *fc_w = nullptr, *fc_b = nullptr;
   Parameter *fc2_w = nullptr, *fc2_b = nullptr;
   Parameter *q_w = nullptr, *k_w = nullptr, *v_w = nullptr, *up_w = nullptr;  // Llama
+  // An MoE block (GptConfig::moe_block): the router and each expert's MLP
+  // (fc = GPT-2's c_fc / Llama's w1, up = w3, fc2 = c_proj / w2); the dense
+  // MLP's pointers stay null.
+  struct Expert {
+    Parameter *fc = nullptr, *up = nullptr, *fc2 = nullptr;
+  };
+  Parameter* router = nullptr;
+  std::vector<Expert> experts;
+  bool moe() const { return router != nullptr; }
 };
 
 // What one block keeps from forward for backward, and the output gradients
@@ -43,6 +52,14 @@ struct GptStage::BlockActivations {
   Tensor x_in, ln1, mean1, rstd1, qkv, att, y, x_mid, ln2, mean2, rstd2, h, g, x_out;
   Tensor d_out, d_mid, dh, dqkv;
   Tensor q, k, v, up, dup, dq, dk, dv;  // Llama
+  // MoE (see MoeForward): the router's probabilities [n, E], choices and
+  // gates [n, K], their buffer rows [n, K], the load-balancing loss's logit
+  // gradient [n, E]; the expert buffers [E, cap, ·] (h, up, g as the dense
+  // MLP's, per expert row) and the rows each expert got; backward's expert
+  // output gradients and router logit gradient.
+  Tensor probs, expert, gate, slot, dlogits_aux, expert_in, expert_out, dexpert_out, dlogits;
+  std::vector<int64_t> expert_rows;
+  int64_t cap = 0;
 };
 
 struct GptStage::Microbatch {
@@ -176,6 +193,19 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
     replicated(p + "attn.c_proj.bias", {c}, InitKind::kZeros, 0, false);
     replicated(p + "ln_2.weight", {c}, InitKind::kOnes, 0, false);
     replicated(p + "ln_2.bias", {c}, InitKind::kZeros, 0, false);
+    if (m.moe_block(i)) {
+      // Bias-free experts behind a replicated router (see MoeForward).
+      replicated(p + "mlp.router.weight", {m.moe_experts, c}, InitKind::kNormal, kInitStd, true);
+      gemm_weight();
+      for (int e = 0; e < m.moe_experts; ++e) {
+        const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+        sharded(x + "c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd, true);
+        gemm_weight();
+        sharded(x + "c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal, proj_std, true);
+        gemm_weight();
+      }
+      continue;
+    }
     sharded(p + "mlp.c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd,
             true);
     gemm_weight();
@@ -238,6 +268,18 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
     add(p + "self_attn.v_proj.weight", {kvc, c}, ShardSpec::Rows(kvc, c), true);
     add(p + "self_attn.o_proj.weight", {c, qc}, ShardSpec::Columns(c, qc), true);
     add(p + "post_attention_layernorm.weight", {c}, ShardSpec::Replicated(c), false);
+    if (m.moe_block(i)) {
+      // Mixtral's names: the router "gate", experts' w1 (gate), w3 (up), w2 (down).
+      add(p + "block_sparse_moe.gate.weight", {m.moe_experts, c}, ShardSpec::Replicated(int64_t{m.moe_experts} * c),
+          true);
+      for (int e = 0; e < m.moe_experts; ++e) {
+        const std::string x = absl::StrCat(p, "block_sparse_moe.experts.", e, ".");
+        add(x + "w1.weight", {f, c}, ShardSpec::Rows(f, c), true);
+        add(x + "w3.weight", {f, c}, ShardSpec::Rows(f, c), true);
+        add(x + "w2.weight", {c, f}, ShardSpec::Columns(c, f), true);
+      }
+      continue;
+    }
     add(p + "mlp.gate_proj.weight", {f, c}, ShardSpec::Rows(f, c), true);
     add(p + "mlp.up_proj.weight", {f, c}, ShardSpec::Rows(f, c), true);
     add(p + "mlp.down_proj.weight", {c, f}, ShardSpec::Columns(c, f), true);
@@ -262,7 +304,14 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
                                                            comm::Communicator* cp_group) {
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
   if (config.model.moe()) {
-    return absl::UnimplementedError("model.moe: this worker's stage has no Mixture-of-Experts MLP yet; leave model.moe unset");
+    // A backend without the routing kernels would abort at the first op.
+    const kernels::Backend* backend = kernels::FindBackend(config.device.type);
+    if (backend != nullptr && backend->router_top_k == nullptr) {
+      return absl::UnimplementedError(absl::StrCat(
+          "model.moe on ", kernels::DeviceToString(config.device),
+          ": this device's backend has no Mixture-of-Experts routing kernels in this version; run MoE jobs on CPU "
+          "workers, or leave model.moe unset"));
+    }
   }
   if (config.cp_size > 1) {
     if (cp_group == nullptr || cp_group->size() != config.cp_size || cp_group->rank() != config.cp_rank) {
@@ -330,6 +379,9 @@ absl::Status GptStage::PlaceOnDevice() {
   ctx_ = kernels::ExecContext::On(stream_.get(), scratch_.get(), config_.precision);
   if (bf16_) BATON_RETURN_IF_ERROR(params_.AllocateBf16Copies(ctx_));
   BATON_ASSIGN_OR_RETURN(loss_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
+  BATON_ASSIGN_OR_RETURN(aux_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat32));
+  moe_routed_.assign(config_.model.moe_experts, 0);
+  moe_kept_.assign(config_.model.moe_experts, 0);
   BATON_ASSIGN_OR_RETURN(hits_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kInt64));
   BATON_ASSIGN_OR_RETURN(norm_acc_, kernels::ZerosOn(device, {1}, kernels::DType::kFloat64));
   // Pinned, so that copying the results into it waits for nothing on the host.
@@ -364,6 +416,13 @@ void GptStage::BindParameters() {
     b.fc_b = params_.Find(p + "mlp.c_fc.bias");
     b.fc2_w = params_.Find(p + "mlp.c_proj.weight");
     b.fc2_b = params_.Find(p + "mlp.c_proj.bias");
+    if (config_.model.moe_block(i)) {
+      b.router = params_.Find(p + "mlp.router.weight");
+      for (int e = 0; e < config_.model.moe_experts; ++e) {
+        const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
+        b.experts.push_back({params_.Find(x + "c_fc.weight"), nullptr, params_.Find(x + "c_proj.weight")});
+      }
+    }
     blocks_.push_back(b);
   }
 }
@@ -385,6 +444,14 @@ void GptStage::BindLlamaParameters() {
     b.fc_w = params_.Find(p + "mlp.gate_proj.weight");
     b.up_w = params_.Find(p + "mlp.up_proj.weight");
     b.fc2_w = params_.Find(p + "mlp.down_proj.weight");
+    if (config_.model.moe_block(i)) {
+      b.router = params_.Find(p + "block_sparse_moe.gate.weight");
+      for (int e = 0; e < config_.model.moe_experts; ++e) {
+        const std::string x = absl::StrCat(p, "block_sparse_moe.experts.", e, ".");
+        b.experts.push_back(
+            {params_.Find(x + "w1.weight"), params_.Find(x + "w3.weight"), params_.Find(x + "w2.weight")});
+      }
+    }
     blocks_.push_back(b);
   }
 }
@@ -898,6 +965,7 @@ absl::StatusOr<Tensor> GptStage::AttentionForward(const Block& b, Microbatch& mb
 }
 
 absl::StatusOr<Tensor> GptStage::MlpForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  if (b.moe()) return MoeForward(b, mb, a);
   const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
   const int64_t fl = config_.model.ffn_dim() / config_.tp_size;
   kernels::Arena& arena = mb.arena;
@@ -1042,6 +1110,7 @@ absl::Status GptStage::BlockBackwardInput(const Block& b, Microbatch& mb, BlockA
 
 absl::StatusOr<Tensor> GptStage::MlpBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
                                                   const Tensor& d_out) {
+  if (b.moe()) return MoeBackwardInput(b, mb, a, d_out);
   const int64_t n = mb.batch * mb.seq, c = config_.model.d_model;
   const int64_t fl = config_.model.ffn_dim() / config_.tp_size;
   kernels::Arena& arena = mb.arena;
@@ -1116,6 +1185,141 @@ absl::StatusOr<Tensor> GptStage::AttentionBackwardInput(const Block& b, Microbat
   }
   kernels::LinearBackwardInput(ctx_, dln1, a.dqkv, W(b.qkv_w), /*accumulate=*/false);
   return dln1;
+}
+
+// ---------------------------------------------------------------------------
+// Mixture of Experts (see gpt_stage.h).
+
+absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, BlockActivations& a) {
+  const GptConfig& m = config_.model;
+  const int64_t n = mb.batch * mb.seq, c = m.d_model, fl = m.ffn_dim() / config_.tp_size;
+  const int64_t experts = m.moe_experts, k = m.moe_top_k;
+  kernels::Arena& arena = mb.arena;
+  // Routing: every TP rank routes the same whole tokens with the same
+  // (replicated) router, so their choices agree bit for bit.
+  BATON_ASSIGN_OR_RETURN(Tensor logits, (sp_ ? *sp_scratch_ : arena).Allocate({n, experts}));
+  kernels::Linear(ctx_, logits, a.ln2, b.router->value, Tensor());
+  BATON_ASSIGN_OR_RETURN(a.probs, arena.Allocate({n, experts}));
+  BATON_ASSIGN_OR_RETURN(a.expert, arena.Allocate({n, k}, kernels::DType::kInt32));
+  BATON_ASSIGN_OR_RETURN(a.gate, arena.Allocate({n, k}));
+  BATON_ASSIGN_OR_RETURN(a.slot, arena.Allocate({n, k}, kernels::DType::kInt32));
+  kernels::RouterTopK(ctx_, a.probs, a.expert, a.gate, logits, /*renormalize=*/k > 1);
+  // Row 0: choices routed to each expert; row 1: those kept (capacity).
+  BATON_ASSIGN_OR_RETURN(Tensor counts, arena.Allocate({2, experts}, kernels::DType::kInt64));
+  kernels::ExpertTokenCounts(ctx_, counts.Rows(0, 1).Reshaped({experts}), a.expert);
+  const int64_t capacity = m.moe_capacity_factor == 0.0
+                               ? n * k  // dropless: no expert can take more
+                               : kernels::MoeExpertCapacity(n, experts, k, m.moe_capacity_factor);
+  kernels::PlanDispatch(ctx_, a.slot, counts.Rows(1, 2).Reshaped({experts}), a.expert, capacity);
+  // The load-balancing loss, weighted as a microbatch's share of the step's
+  // objective (1 / microbatches), with its logit gradient for the backward.
+  BATON_ASSIGN_OR_RETURN(a.dlogits_aux, arena.Allocate({n, experts}));
+  kernels::LoadBalancingLoss(ctx_, aux_acc_, a.dlogits_aux, a.probs, a.expert, m.moe_aux_coef,
+                             1.0f / static_cast<float>(config_.microbatches));
+  // The expert buffers are as long as the fullest expert's: the counts come
+  // to the host (one synchronisation per MoE block), which also keeps each
+  // expert's GEMMs to the rows it got.
+  const Tensor host_counts = Tensor::Zeros({2, experts}, kernels::DType::kInt64);
+  kernels::Copy(ctx_, host_counts, counts);
+  BATON_RETURN_IF_ERROR_CTX(stream_->Synchronize(), "reading the expert token counts");
+  a.expert_rows.assign(experts, 0);
+  a.cap = 1;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t routed = host_counts.data<int64_t>()[e], kept = host_counts.data<int64_t>()[experts + e];
+    a.expert_rows[e] = kept;
+    a.cap = std::max(a.cap, kept);
+    moe_routed_[e] += routed;
+    moe_kept_[e] += kept;
+  }
+  BATON_ASSIGN_OR_RETURN(a.expert_in, arena.Allocate({experts, a.cap, c}));
+  kernels::Permute(ctx_, a.expert_in, a.ln2, a.expert, a.slot);
+  BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({experts * a.cap, fl}));
+  BATON_ASSIGN_OR_RETURN(a.g, arena.Allocate({experts * a.cap, fl}));
+  if (llama_) {
+    BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({experts * a.cap, fl}));
+  }
+  BATON_ASSIGN_OR_RETURN(a.expert_out, arena.Allocate({experts, a.cap, c}));
+  const Tensor in = a.expert_in.Reshaped({experts * a.cap, c}), out = a.expert_out.Reshaped({experts * a.cap, c});
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
+    if (hi == lo) continue;
+    const Block::Expert& x = b.experts[e];
+    const Tensor h = a.h.Rows(lo, hi), g = a.g.Rows(lo, hi);
+    kernels::Linear(ctx_, h, in.Rows(lo, hi), x.fc->value, Tensor());
+    if (llama_) {
+      kernels::Linear(ctx_, a.up.Rows(lo, hi), in.Rows(lo, hi), x.up->value, Tensor());
+      kernels::SwiGlu(ctx_, g, h, a.up.Rows(lo, hi));
+    } else {
+      kernels::Gelu(ctx_, g, h);
+    }
+    kernels::Linear(ctx_, out.Rows(lo, hi), g, x.fc2->value, Tensor());
+  }
+  // The gated sum of each token's kept choices: a partial sum over TP.
+  BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
+  kernels::Combine(ctx_, partial, a.expert_out, a.gate, a.expert, a.slot);
+  return SumOverTp(partial, "the MoE output", b.index);
+}
+
+absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
+                                                  const Tensor& d_out) {
+  const GptConfig& m = config_.model;
+  const int64_t n = mb.batch * mb.seq, c = m.d_model, fl = m.ffn_dim() / config_.tp_size;
+  const int64_t experts = m.moe_experts, k = m.moe_top_k;
+  kernels::Arena& arena = mb.arena;
+  BATON_ASSIGN_OR_RETURN(a.dexpert_out, arena.Allocate({experts, a.cap, c}));
+  BATON_ASSIGN_OR_RETURN(Tensor dgate, arena.Allocate({n, k}));
+  kernels::CombineBackward(ctx_, a.dexpert_out, dgate, d_out, a.expert_out, a.gate, a.expert, a.slot);
+  // Each TP rank's expert outputs are partial sums, so are its gate gradients.
+  BATON_RETURN_IF_ERROR(AllReduceTp(dgate, "the MoE gate gradients", b.index));
+  BATON_ASSIGN_OR_RETURN(a.dh, arena.Allocate({experts * a.cap, fl}));
+  if (llama_) {
+    BATON_ASSIGN_OR_RETURN(a.dup, arena.Allocate({experts * a.cap, fl}));
+  }
+  BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({experts * a.cap, fl}));
+  BATON_ASSIGN_OR_RETURN(Tensor din, arena.Allocate({experts, a.cap, c}));
+  const Tensor dout = a.dexpert_out.Reshaped({experts * a.cap, c}), dx = din.Reshaped({experts * a.cap, c});
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
+    if (hi == lo) continue;
+    const Block::Expert& x = b.experts[e];
+    const Tensor dge = dg.Rows(lo, hi), dh = a.dh.Rows(lo, hi);
+    kernels::LinearBackwardInput(ctx_, dge, dout.Rows(lo, hi), x.fc2->value, /*accumulate=*/false);
+    if (llama_) {
+      kernels::SwiGluBackward(ctx_, dh, a.dup.Rows(lo, hi), dge, a.h.Rows(lo, hi), a.up.Rows(lo, hi));
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), a.dup.Rows(lo, hi), x.up->value, /*accumulate=*/true);
+    } else {
+      kernels::GeluBackward(ctx_, dh, a.h.Rows(lo, hi), dge);
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
+    }
+  }
+  // A partial sum over TP, like the dense MLP's (under SP a temporary).
+  BATON_ASSIGN_OR_RETURN(Tensor dln2, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
+  kernels::PermuteBackward(ctx_, dln2, din, a.expert, a.slot);
+  // The router: through the gates and the load-balancing loss. Its weight is
+  // replicated, so its input gradient joins the TP sum from rank 0 only.
+  BATON_ASSIGN_OR_RETURN(a.dlogits, arena.Allocate({n, experts}));
+  kernels::RouterTopKBackward(ctx_, a.dlogits, dgate, a.expert, a.gate, a.probs, /*renormalize=*/k > 1);
+  kernels::Residual(ctx_, a.dlogits, a.dlogits, a.dlogits_aux);
+  if (config_.tp_rank == 0) {
+    kernels::LinearBackwardInput(ctx_, dln2, a.dlogits, b.router->value, /*accumulate=*/true);
+  }
+  return dln2;
+}
+
+absl::Status GptStage::MoeBackwardWeight(const Block& b, const BlockActivations& a, const Tensor& ln2) {
+  const int64_t experts = config_.model.moe_experts, c = config_.model.d_model;
+  const Tensor in = a.expert_in.Reshaped({experts * a.cap, c}), dout = a.dexpert_out.Reshaped({experts * a.cap, c});
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
+    if (hi == lo) continue;
+    const Block::Expert& x = b.experts[e];
+    kernels::LinearBackwardWeight(ctx_, x.fc2->grad, dout.Rows(lo, hi), a.g.Rows(lo, hi));
+    kernels::LinearBackwardWeight(ctx_, x.fc->grad, a.dh.Rows(lo, hi), in.Rows(lo, hi));
+    if (llama_) kernels::LinearBackwardWeight(ctx_, x.up->grad, a.dup.Rows(lo, hi), in.Rows(lo, hi));
+  }
+  kernels::LinearBackwardWeight(ctx_, b.router->grad, a.dlogits, ln2);
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------
@@ -1343,10 +1547,14 @@ absl::Status GptStage::BlockBackwardWeight(const Block& b, const BlockActivation
   // Under SP the norm outputs were kept as this rank's rows: gathered again
   // (Megatron's sequence-parallel backward), into the per-block temporaries.
   if (sp_) sp_scratch_->Reset();
-  kernels::LinearBackwardWeight(ctx_, b.fc2_w->grad, a.d_out, a.g);
   BATON_ASSIGN_OR_RETURN(const Tensor ln2, GatherRows(*sp_scratch_, a.ln2, "the MLP input", b.index));
-  kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, ln2);
-  if (llama_) kernels::LinearBackwardWeight(ctx_, b.up_w->grad, a.dup, ln2);
+  if (b.moe()) {
+    BATON_RETURN_IF_ERROR(MoeBackwardWeight(b, a, ln2));
+  } else {
+    kernels::LinearBackwardWeight(ctx_, b.fc2_w->grad, a.d_out, a.g);
+    kernels::LinearBackwardWeight(ctx_, b.fc_w->grad, a.dh, ln2);
+    if (llama_) kernels::LinearBackwardWeight(ctx_, b.up_w->grad, a.dup, ln2);
+  }
   kernels::LinearBackwardWeight(ctx_, b.proj_w->grad, a.d_mid, a.y);
   BATON_ASSIGN_OR_RETURN(const Tensor ln1, GatherRows(*sp_scratch_, a.ln1, "the attention input", b.index));
   if (llama_) {
@@ -1410,7 +1618,18 @@ void GptStage::ZeroGrad() {
   activation_high_water_ = 0;
   kernels::FillZero(ctx_, loss_acc_);
   kernels::FillZero(ctx_, hits_acc_);
+  kernels::FillZero(ctx_, aux_acc_);
+  std::fill(moe_routed_.begin(), moe_routed_.end(), 0);
+  std::fill(moe_kept_.begin(), moe_kept_.end(), 0);
   score_ = StepScore();
+}
+
+double GptStage::MoeAuxLossSum() const {
+  if (!config_.model.moe()) return 0.0;
+  float sum = 0;
+  kernels::Copy(ctx_, Tensor::View(&sum, {1}, kernels::DType::kFloat32), aux_acc_);
+  if (!ctx_.stream->Synchronize().ok()) return NAN;
+  return sum;
 }
 
 void GptStage::DropInFlight() {

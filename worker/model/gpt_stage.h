@@ -97,6 +97,23 @@
 // reduce-scatter, the gathered norm outputs) live in an arena reset per
 // block, so only what backward reads stays with the microbatch.
 //
+// Mixture of Experts (GptConfig::moe(); proto MoeSpec has the math): the
+// MLP of an MoE block is E bias-free expert MLPs (the arch's MLP: GELU, or
+// SwiGLU) behind a replicated router. Per microbatch: logits = ln2 · Wrᵀ,
+// softmax top-k (renormalised gates for k > 1, the probability for k = 1),
+// the dispatch plan (capacity, or dropless), the tokens permuted into
+// per-expert buffers as long as the fullest expert's (the counts come to the
+// host: one synchronisation per MoE block and microbatch; each expert's
+// GEMMs run on the rows it got), the gated combine. The Switch
+// load-balancing loss accumulates on the device (MoeAuxLossSum) and its
+// logit gradient, weighted 1 / microbatches like the cross-entropy, joins
+// the router's in the backward. TP: every rank routes the whole tokens
+// alike; each expert is split like the dense MLP (fc rows, fc2 columns), so
+// the combine is a partial sum over TP and the gate gradients are summed
+// over TP; the router's input gradient joins the TP sum from rank 0 only.
+// Every rank holds every expert (no expert parallelism yet); fp32 only, and
+// no context parallelism (StageConfig validation).
+//
 // Context parallelism (StageConfig::cp_size > 1; Liu et al.'s ring
 // attention with the load-balanced causal split, context_parallel.h): the
 // stage sees its CP rank's view of every microbatch, two chunks of each
@@ -212,6 +229,16 @@ class GptStage {
   // Last stage: mean loss over the scored tokens of the microbatches run
   // forward since ZeroGrad() (0 when none was scored).
   double MeanLoss() const;
+  // MoE: the load-balancing losses of this stage's MoE blocks, summed over
+  // the blocks and the microbatches run forward since ZeroGrad() (0 for a
+  // dense model). The objective holds them weighted 1 / microbatches. Waits
+  // for the stream (a host synchronisation).
+  double MoeAuxLossSum() const;
+  // MoE: per expert, the choices routed to it and those kept (capacity)
+  // since ZeroGrad(), summed over this stage's MoE blocks (host counts;
+  // empty for a dense model).
+  const std::vector<int64_t>& moe_routed() const { return moe_routed_; }
+  const std::vector<int64_t>& moe_kept() const { return moe_kept_; }
   // Last stage: loss, scored tokens and argmax hits since ZeroGrad(); the same
   // on every TP rank. Zero on other stages. Waits for the stage's stream (a
   // host synchronisation; the loss and hits accumulate on the device).
@@ -319,6 +346,14 @@ class GptStage {
                                                    const kernels::Tensor& d_out);
   absl::StatusOr<kernels::Tensor> AttentionBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                                          const kernels::Tensor& d_mid);
+  // Mixture of Experts (an MoE block's MLP; see Mixture of Experts above):
+  // forward from a.ln2 (whole) to the TP sum of the gated expert outputs;
+  // backward to the MLP input's gradient (a partial sum over TP); the
+  // experts' and the router's weight gradients from `ln2` (whole).
+  absl::StatusOr<kernels::Tensor> MoeForward(const Block& block, Microbatch& mb, BlockActivations& a);
+  absl::StatusOr<kernels::Tensor> MoeBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
+                                                   const kernels::Tensor& d_out);
+  absl::Status MoeBackwardWeight(const Block& block, const BlockActivations& a, const kernels::Tensor& ln2);
   // Context parallelism: ring attention over the cp group from a.qkv into
   // a.y, keeping the log-sum-exps in a.att; and its backward from dy into
   // a.dqkv (see Context parallelism above).
@@ -429,6 +464,8 @@ class GptStage {
   void SampleActivationBytes();
   kernels::ExecContext ctx_;
   kernels::Tensor loss_acc_, hits_acc_, norm_acc_;  // float64 / int64 / float64 [1] on config.device
+  kernels::Tensor aux_acc_;                         // float32 [1]: MoE load-balancing losses (MoeAuxLossSum)
+  std::vector<int64_t> moe_routed_, moe_kept_;      // per expert, since ZeroGrad
   // Host copies of the three, written on the stream by EnqueueStepResults
   // (and by score() and LocalGradSqNorm, which then wait once),
   // in pinned memory (kernels::PinnedHostZeros) viewed as HostResults.

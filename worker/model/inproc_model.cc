@@ -26,6 +26,7 @@ absl::StatusOr<std::unique_ptr<InProcModel>> InProcModel::Create(const GptConfig
   m->pp_ = pp;
   m->tp_ = tp;
   m->cp_ = cp;
+  m->microbatches_ = microbatches;
   m->model_ = model;
   m->stages_.resize(pp);
   const int lanes = cp * tp;
@@ -191,6 +192,12 @@ absl::StatusOr<double> InProcModel::ForwardBackward(const std::vector<Tensor>& t
     scored += score.tokens;
   }
   return scored == 0 ? 0.0 : loss_sum / static_cast<double>(scored);
+}
+
+double InProcModel::LastAuxLoss() const {
+  double sum = 0.0;
+  for (const auto& row : stages_) sum += row[0]->MoeAuxLossSum();
+  return sum / static_cast<double>(microbatches_);
 }
 
 double InProcModel::GlobalGradSqNorm() const {

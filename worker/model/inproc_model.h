@@ -46,6 +46,11 @@ class InProcModel {
   // and returns the mean loss.
   absl::StatusOr<double> ForwardBackward(const std::vector<kernels::Tensor>& tokens,
                                          const std::vector<kernels::Tensor>& targets);
+  // MoE: the load-balancing losses of the last ForwardBackward as they enter
+  // its objective: summed over the MoE blocks, averaged over the
+  // microbatches (lane 0's stages; every TP rank routes alike). 0 for a
+  // dense model.
+  double LastAuxLoss() const;
   // Global squared gradient norm (sum of every rank's share).
   double GlobalGradSqNorm() const;
   // Clips to `max_grad_norm` (0 = off) and takes one AdamW step everywhere.
@@ -68,7 +73,7 @@ class InProcModel {
   absl::Status RunRank(int tp_rank, const std::vector<kernels::Tensor>& tokens,
                        const std::vector<kernels::Tensor>& targets);
 
-  int pp_ = 1, tp_ = 1, cp_ = 1;
+  int pp_ = 1, tp_ = 1, cp_ = 1, microbatches_ = 1;
   GptConfig model_;
   kernels::Device device_;
   // [pp][lane]: recorded on a stage's stream after it produced an output.

@@ -61,13 +61,19 @@ struct Layout {
   bool bf16;
   bool sequence_parallel = false;
   int cp = 1;  // context parallelism: whole sequences of seq_len (2·cp chunks)
+  bool moe = false;  // every block's MLP 4 experts, top-2, capacity 1.0 (drops)
 };
 
 class SimDeviceTest : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(SimDeviceTest, SameBitsAsTheCpu) {
   const Layout l = GetParam();
-  const GptConfig model = SmallModel();
+  GptConfig model = SmallModel();
+  if (l.moe) {
+    model.moe_experts = 4;
+    model.moe_top_k = 2;
+    model.moe_capacity_factor = 1.0;
+  }
   constexpr int kMicrobatches = 2;
   const kernels::Precision precision =
       l.bf16 ? kernels::Precision::kBFloat16 : kernels::Precision::kFloat32;
@@ -254,14 +260,17 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SimDeviceTest,
                                            Layout{1, 1, false, false, false, 3},
                                            Layout{2, 2, false, false, true, 3},
                                            Layout{1, 1, false, true, false, 2},
-                                           Layout{2, 2, true, true, true, 2}),
+                                           Layout{2, 2, true, true, true, 2},
+                                           Layout{1, 1, false, false, false, 1, true},
+                                           Layout{2, 2, false, false, true, 1, true}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "pp" + std::to_string(info.param.pp) + "_tp" +
                                   std::to_string(info.param.tp) +
                                   (info.param.vocab_parallel ? "_vocab" : "") +
                                   (info.param.bf16 ? "_bf16" : "") +
                                   (info.param.sequence_parallel ? "_sp" : "") +
-                                  (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) : "");
+                                  (info.param.cp > 1 ? "_cp" + std::to_string(info.param.cp) : "") +
+                                  (info.param.moe ? "_moe" : "");
                          });
 
 }  // namespace
