@@ -119,9 +119,20 @@ std::string FloatNumber(float f) {
   return text;
 }
 
+// A finite double as a JSON number that reads back as the same double: the
+// 6-digit form when it does ("1.25"), else the shortest longer one.
+std::string DoubleNumber(double d) {
+  if (!std::isfinite(d)) return "null";
+  std::string text = absl::StrCat(d);
+  for (int precision = 7; std::strtod(text.c_str(), nullptr) != d && precision <= 17; ++precision) {
+    text = absl::StrFormat("%.*g", precision, d);
+  }
+  return text;
+}
+
 // The manifest's model object. A GPT-2 model is written as before arch
 // existed (a reader without it still reads it right); a Llama model adds
-// arch and its fields.
+// arch and its fields; an MoE model (either) adds "moe".
 std::string ModelJson(const ModelShape& m) {
   if (m.synthetic) return absl::StrCat("{\"synthetic\": true, \"chunks\": ", m.chunks, "}");
   const std::string llama =
@@ -129,8 +140,49 @@ std::string ModelJson(const ModelShape& m) {
                                 ", \"rope_theta\": ", FloatNumber(m.rope_theta), ", \"norm_eps\": ", FloatNumber(m.norm_eps),
                                 ", \"tie_embeddings\": ", m.tie_embeddings ? "true" : "false")
                  : "";
+  const std::string moe =
+      m.moe() ? absl::StrCat(", \"moe\": {\"experts\": ", m.moe_experts, ", \"top_k\": ", m.moe_top_k,
+                             ", \"every_n_layers\": ", m.moe_every, ", \"capacity_factor\": ",
+                             DoubleNumber(m.moe_capacity_factor), ", \"aux_loss_coef\": ",
+                             FloatNumber(m.moe_aux_coef), "}")
+              : "";
   return absl::StrCat("{\"layers\": ", m.layers, ", \"d_model\": ", m.d_model, ", \"heads\": ", m.heads,
-                      ", \"vocab\": ", m.vocab, ", \"seq_len\": ", m.seq_len, llama, "}");
+                      ", \"vocab\": ", m.vocab, ", \"seq_len\": ", m.seq_len, llama, moe, "}");
+}
+
+// The MoE fields of a description: "" for a dense model.
+std::string DescribeMoe(const ModelShape& m) {
+  if (!m.moe()) return "";
+  return absl::StrCat(", MoE of ", m.moe_experts, " experts (top_k ", m.moe_top_k, ", every_n_layers ", m.moe_every,
+                      ", capacity_factor ", DoubleNumber(m.moe_capacity_factor), ", aux_loss_coef ",
+                      FloatNumber(m.moe_aux_coef), ")");
+}
+
+// The full shape of an MoE block's own tensor `rest` (its name after
+// "h.<i>." / "layers.<i>."): the router and each expert's matrices (see
+// ValidateCheckpointForJob); empty for any other name, an expert index
+// outside [0, experts) included.
+std::vector<int64_t> MoeTensorShape(const ModelShape& m, const std::string& rest) {
+  const bool llama = IsLlama(m);
+  const int64_t c = m.d_model, f = llama ? m.ffn_dim : 4 * int64_t{m.d_model};
+  if (rest == (llama ? "block_sparse_moe.gate.weight" : "mlp.router.weight")) return {m.moe_experts, c};
+  const std::string experts = llama ? "block_sparse_moe.experts." : "mlp.experts.";
+  if (!absl::StartsWith(rest, experts)) return {};
+  const size_t dot = rest.find('.', experts.size());
+  const std::string index = rest.substr(experts.size(), dot == std::string::npos ? 0 : dot - experts.size());
+  int e = -1;
+  if (!absl::SimpleAtoi(index, &e) || e < 0 || e >= m.moe_experts || absl::StrCat(e) != index) return {};
+  const std::string matrix = rest.substr(dot + 1);
+  if (matrix == (llama ? "w1.weight" : "c_fc.weight") || (llama && matrix == "w3.weight")) return {f, c};
+  if (matrix == (llama ? "w2.weight" : "c_proj.weight")) return {c, f};
+  return {};
+}
+
+// Whether `rest` names a tensor of an MoE MLP (router or experts, in either
+// architecture's names), well formed or not.
+bool IsMoeTensorName(const std::string& rest) {
+  return absl::StartsWith(rest, "mlp.router.") || absl::StartsWith(rest, "mlp.experts.") ||
+         absl::StartsWith(rest, "block_sparse_moe.");
 }
 
 }  // namespace
@@ -227,6 +279,11 @@ bool ModelShape::operator==(const ModelShape& o) const {
       seq_len != o.seq_len || IsLlama(*this) != IsLlama(o)) {
     return false;
   }
+  if (moe() != o.moe()) return false;
+  if (moe() && (moe_experts != o.moe_experts || moe_top_k != o.moe_top_k || moe_every != o.moe_every ||
+                moe_capacity_factor != o.moe_capacity_factor || moe_aux_coef != o.moe_aux_coef)) {
+    return false;
+  }
   // GPT-2 fixes the Llama fields (whatever a shape holds in them).
   if (!IsLlama(*this)) return true;
   return kv_heads == o.kv_heads && ffn_dim == o.ffn_dim && rope_theta == o.rope_theta && norm_eps == o.norm_eps &&
@@ -262,6 +319,15 @@ ModelShape ModelShapeOf(const v1::JobSpec& job) {
   m.heads = s.heads();
   m.vocab = s.vocab();
   m.seq_len = s.seq_len();
+  if (s.has_moe() && s.moe().experts() > 0) {
+    // Defaults as worker/model/gpt_config.cc GptConfigFromSpec fills them.
+    const v1::MoeSpec& moe = s.moe();
+    m.moe_experts = moe.experts();
+    m.moe_top_k = moe.top_k();
+    m.moe_every = moe.every_n_layers() > 0 ? moe.every_n_layers() : 1;
+    m.moe_capacity_factor = moe.capacity_factor();
+    m.moe_aux_coef = moe.has_aux_loss_coef() ? moe.aux_loss_coef() : 0.01f;
+  }
   if (s.arch() != "llama") return m;  // "" and "gpt2" (ValidateJobSpec refuses others)
   // Defaults as worker/model/gpt_config.cc GptConfigFromSpec fills them.
   m.arch = "llama";
@@ -279,10 +345,10 @@ std::string DescribeModel(const ModelShape& m) {
     return absl::StrCat("a Llama (arch llama) of layers ", m.layers, ", d_model ", m.d_model, ", heads ", m.heads,
                         ", kv_heads ", m.kv_heads, ", ffn_dim ", m.ffn_dim, ", vocab ", m.vocab, ", seq_len ",
                         m.seq_len, ", rope_theta ", FloatNumber(m.rope_theta), ", norm_eps ", FloatNumber(m.norm_eps),
-                        m.tie_embeddings ? ", tied embeddings" : ", untied lm_head");
+                        m.tie_embeddings ? ", tied embeddings" : ", untied lm_head", DescribeMoe(m));
   }
   return absl::StrCat("a GPT of layers ", m.layers, ", d_model ", m.d_model, ", heads ", m.heads, ", vocab ",
-                      m.vocab, ", seq_len ", m.seq_len);
+                      m.vocab, ", seq_len ", m.seq_len, DescribeMoe(m));
 }
 
 ManifestInfo ManifestFor(const v1::JobSpec& job, int64_t step, std::vector<std::string> files) {
@@ -427,6 +493,35 @@ absl::StatusOr<ManifestInfo> ReadManifest(const std::string& dir) {
               absl::StrCat(path, ": a Llama model's tie_embeddings must be true or false"));
         }
         m.tie_embeddings = tie->bool_value();
+      }
+      // "moe" is absent from dense manifests (and from every manifest
+      // written before MoE).
+      const JsonValue* moe = model->Find("moe");
+      if (moe != nullptr) {
+        ModelShape& m = info.model;
+        auto bad = [&](const char* what) {
+          return absl::InvalidArgumentError(absl::StrCat(path, ": model.moe", what));
+        };
+        if (!moe->is_object()) return bad(" must be an object of experts, top_k, every_n_layers, capacity_factor "
+                                          "and aux_loss_coef");
+        BATON_RETURN_IF_ERROR(get_int(*moe, "experts", &m.moe_experts));
+        BATON_RETURN_IF_ERROR(get_int(*moe, "top_k", &m.moe_top_k));
+        BATON_RETURN_IF_ERROR(get_int(*moe, "every_n_layers", &m.moe_every));
+        if (m.moe_experts < 2) return bad(".experts must be at least 2");
+        if (m.moe_top_k < 1 || m.moe_top_k > m.moe_experts) return bad(".top_k must be in [1, experts]");
+        if (m.moe_every < 1) return bad(".every_n_layers must be at least 1");
+        const JsonValue* capacity = moe->Find("capacity_factor");
+        const JsonValue* coef = moe->Find("aux_loss_coef");
+        if (capacity == nullptr || !capacity->is_number() || !std::isfinite(capacity->number()) ||
+            capacity->number() < 0) {
+          return bad(".capacity_factor must be a finite number >= 0");
+        }
+        if (coef == nullptr || !coef->is_number() || !std::isfinite(static_cast<float>(coef->number())) ||
+            coef->number() < 0) {
+          return bad(".aux_loss_coef must be a finite number >= 0");
+        }
+        m.moe_capacity_factor = capacity->number();
+        m.moe_aux_coef = static_cast<float>(coef->number());
       }
     }
     BATON_RETURN_IF_ERROR(get_int(*layout, "pp", &info.layout.pp));
@@ -886,6 +981,22 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
                                         " (checkpoint: ", have.tie_embeddings ? "true" : "false", ")"));
         }
       }
+      if (have.moe() != want.moe()) {
+        fields.push_back(want.moe() ? "model.moe set (checkpoint: a dense model)"
+                                    : absl::StrCat("model.moe unset (checkpoint: ", have.moe_experts, " experts)"));
+      } else if (want.moe()) {
+        field("moe.experts", have.moe_experts, want.moe_experts);
+        field("moe.top_k", have.moe_top_k, want.moe_top_k);
+        field("moe.every_n_layers", have.moe_every, want.moe_every);
+        if (have.moe_capacity_factor != want.moe_capacity_factor) {
+          fields.push_back(absl::StrCat("model.moe.capacity_factor ", DoubleNumber(want.moe_capacity_factor),
+                                        " (checkpoint: ", DoubleNumber(have.moe_capacity_factor), ")"));
+        }
+        if (have.moe_aux_coef != want.moe_aux_coef) {
+          fields.push_back(absl::StrCat("model.moe.aux_loss_coef ", FloatNumber(want.moe_aux_coef),
+                                        " (checkpoint: ", FloatNumber(have.moe_aux_coef), ")"));
+        }
+      }
     }
     return absl::InvalidArgumentError(absl::StrCat(
         manifest, ": the checkpoint holds ", DescribeModel(have), " but the job trains ", DescribeModel(want),
@@ -951,8 +1062,31 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
                                                      "-layer model"));
     }
     blocks.insert(block);
+    const std::string rest = name.substr(dot + 1);
+    // An MoE block holds the router and its experts instead of the dense
+    // MLP; a dense block none of them.
+    if (want.moe_block(block)) {
+      const std::vector<int64_t> moe_shape = MoeTensorShape(want, rest);
+      if (!moe_shape.empty()) {
+        if (t.shape != moe_shape) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              where(name), " has shape ", ShapeString(t.shape), " but the job's model needs ", ShapeString(moe_shape),
+              " (d_model ", c, ", experts ", want.moe_experts, llama ? absl::StrCat(", ffn_dim ", want.ffn_dim) : "",
+              ")"));
+        }
+        continue;
+      }
+      if (IsMoeTensorName(rest) || absl::StartsWith(rest, "mlp.")) {
+        return absl::InvalidArgumentError(absl::StrCat(where(name), " is not a tensor of MoE block ", block,
+                                                       " (", want.moe_experts, " experts)"));
+      }
+    } else if (IsMoeTensorName(rest)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where(name), " is a tensor of an MoE block but block ", block, " of the job's model is dense",
+          want.moe() ? absl::StrCat(" (model.moe.every_n_layers ", want.moe_every, ")") : " (model.moe unset)"));
+    }
     if (llama) {
-      auto it = llama_block.find(name.substr(dot + 1));
+      auto it = llama_block.find(rest);
       if (it == llama_block.end()) {
         return absl::InvalidArgumentError(absl::StrCat(where(name), " is not a tensor of a Llama block"));
       }

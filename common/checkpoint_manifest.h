@@ -79,6 +79,18 @@ struct ModelShape {
   int kv_heads = 0, ffn_dim = 0;
   float rope_theta = 0, norm_eps = 0;
   bool tie_embeddings = true;
+  // model.moe (job.proto MoeSpec), either architecture: moe_experts 0 is a
+  // dense model (the other fields 0). An MoE model's values have the
+  // defaults filled in (every_n_layers 1, aux_loss_coef 0.01, as
+  // worker/model/gpt_config.cc GptConfigFromSpec fills them); manifest.json
+  // records them, as "moe", for MoE models only, and operator== compares all
+  // five.
+  int moe_experts = 0, moe_top_k = 0, moe_every = 0;
+  double moe_capacity_factor = 0;
+  float moe_aux_coef = 0;
+  bool moe() const { return moe_experts > 0; }
+  // Block i is an MoE block iff (i + 1) % every_n_layers == 0.
+  bool moe_block(int block) const { return moe() && moe_every > 0 && (block + 1) % moe_every == 0; }
   bool operator==(const ModelShape& o) const;
 };
 struct ParallelLayout {
@@ -204,8 +216,13 @@ absl::StatusOr<FullState> LoadFullState(const std::string& dir,
 // d_model], norm.weight [d_model], lm_head.weight [vocab, d_model] when
 // untied (and none when tied), blocks layers.0 .. layers.<layers-1>, each
 // tensor of its Hugging Face shape; synthetic: one weight per chunk of the
-// job). The message names the file and the problem. The returned tensors
-// hold shapes only.
+// job; MoE blocks (ModelShape::moe_block) hold the router and every
+// expert's matrices instead of the dense MLP's: GPT-2 mlp.router.weight
+// [experts, d_model], mlp.experts.<e>.c_fc.weight [4 d_model, d_model] and
+// .c_proj.weight [d_model, 4 d_model]; Llama block_sparse_moe.gate.weight
+// [experts, d_model], block_sparse_moe.experts.<e>.w1 / w3.weight [ffn_dim,
+// d_model] and .w2.weight [d_model, ffn_dim]). The message names the file
+// and the problem. The returned tensors hold shapes only.
 absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir,
                                                    const v1::JobSpec& job);
 

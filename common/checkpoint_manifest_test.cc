@@ -409,5 +409,267 @@ TEST(CheckpointManifestTest, ResumingALlamaCheckpointChecksItsArchitectureAndTen
   EXPECT_THAT(std::string(s.status().message()), HasSubstr("holds 2 transformer blocks but the job's model has 3"));
 }
 
+// Job()'s GPT-2 (4 blocks, d_model 32) with MoE blocks 1 and 3: 4 experts,
+// top 2, a capacity factor, a non-default load-balancing coefficient.
+v1::JobSpec MoeJob() {
+  v1::JobSpec job = Job();
+  v1::MoeSpec* moe = job.mutable_model()->mutable_moe();
+  moe->set_experts(4);
+  moe->set_top_k(2);
+  moe->set_every_n_layers(2);
+  moe->set_capacity_factor(1.1);
+  moe->set_aux_loss_coef(0.02f);
+  return job;
+}
+
+TEST(CheckpointManifestTest, MoeManifestRoundTripsItsExpertsAndADenseOneIsUnchanged) {
+  const std::string dir = NewDir("manifest/moe");
+  ASSERT_TRUE(WriteFileAtomically(dir + "/chunk0-tp0.safetensors", "x").ok());
+  // A dense manifest is written byte for byte as before MoE.
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(Job(), 5, {"chunk0-tp0.safetensors"})).ok());
+  EXPECT_EQ(*ReadFile(dir + "/manifest.json"),
+            "{\n  \"format\": \"baton-checkpoint-v2\",\n  \"job\": \"demo\",\n  \"step\": 5,\n"
+            "  \"model\": {\"layers\": 4, \"d_model\": 32, \"heads\": 4, \"vocab\": 40, \"seq_len\": 12},\n"
+            "  \"layout\": {\"pp\": 2, \"tp\": 2, \"dp\": 1, \"virtual_stages\": 1, \"schedule\": \"1f1b\"},\n"
+            "  \"files\": [\"chunk0-tp0.safetensors\"]\n}\n");
+  EXPECT_FALSE(ModelShapeOf(Job()).moe());
+
+  const v1::JobSpec job = MoeJob();
+  const ModelShape shape = ModelShapeOf(job);
+  EXPECT_TRUE(shape.moe());
+  EXPECT_FALSE(shape.moe_block(0));
+  EXPECT_TRUE(shape.moe_block(1));
+  EXPECT_TRUE(shape.moe_block(3));
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(job, 7, {"chunk0-tp0.safetensors"})).ok());
+  EXPECT_THAT(*ReadFile(dir + "/manifest.json"),
+              HasSubstr("\"seq_len\": 12, \"moe\": {\"experts\": 4, \"top_k\": 2, \"every_n_layers\": 2, "
+                        "\"capacity_factor\": 1.1, \"aux_loss_coef\": 0.02}}"));
+  absl::StatusOr<ManifestInfo> m = ReadManifest(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->model == shape);
+  EXPECT_EQ(m->model.moe_experts, 4);
+  EXPECT_EQ(m->model.moe_top_k, 2);
+  EXPECT_EQ(m->model.moe_every, 2);
+  EXPECT_EQ(m->model.moe_capacity_factor, 1.1) << "the double read back exactly";
+  EXPECT_EQ(m->model.moe_aux_coef, 0.02f) << "the float read back exactly";
+  EXPECT_THAT(DescribeModel(m->model), HasSubstr("a GPT of layers 4, d_model 32, heads 4, vocab 40, seq_len 12, MoE "
+                                                 "of 4 experts (top_k 2, every_n_layers 2, capacity_factor 1.1, "
+                                                 "aux_loss_coef 0.02)"));
+  EXPECT_FALSE(m->model == ModelShapeOf(Job())) << "a dense model is another model";
+
+  // Each MoE field is part of the model.
+  for (void (*change)(v1::MoeSpec*) : {
+           +[](v1::MoeSpec* s) { s->set_experts(8); }, +[](v1::MoeSpec* s) { s->set_top_k(1); },
+           +[](v1::MoeSpec* s) { s->set_every_n_layers(1); }, +[](v1::MoeSpec* s) { s->set_capacity_factor(0); },
+           +[](v1::MoeSpec* s) { s->clear_aux_loss_coef(); }}) {
+    v1::JobSpec other = MoeJob();
+    change(other.mutable_model()->mutable_moe());
+    EXPECT_FALSE(m->model == ModelShapeOf(other)) << other.model().ShortDebugString();
+  }
+  // Unset fields take their defaults: every block, dropless, 0.01.
+  v1::JobSpec defaults = MoeJob();
+  defaults.mutable_model()->mutable_moe()->clear_every_n_layers();
+  defaults.mutable_model()->mutable_moe()->clear_capacity_factor();
+  defaults.mutable_model()->mutable_moe()->clear_aux_loss_coef();
+  const ModelShape d = ModelShapeOf(defaults);
+  EXPECT_EQ(d.moe_every, 1);
+  EXPECT_EQ(d.moe_capacity_factor, 0);
+  EXPECT_EQ(d.moe_aux_coef, 0.01f);
+
+  // A Llama MoE records both its fields and the experts.
+  v1::JobSpec llama = LlamaJob();
+  llama.mutable_model()->mutable_moe()->set_experts(3);
+  llama.mutable_model()->mutable_moe()->set_top_k(1);
+  ASSERT_TRUE(WriteManifest(dir, ManifestFor(llama, 7, {"chunk0-tp0.safetensors"})).ok());
+  EXPECT_THAT(*ReadFile(dir + "/manifest.json"),
+              HasSubstr("\"tie_embeddings\": false, \"moe\": {\"experts\": 3, \"top_k\": 1, \"every_n_layers\": 1, "
+                        "\"capacity_factor\": 0, \"aux_loss_coef\": 0.01}}"));
+  m = ReadManifest(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(m->model == ModelShapeOf(llama));
+  EXPECT_THAT(DescribeModel(m->model), HasSubstr("untied lm_head, MoE of 3 experts (top_k 1"));
+
+  const struct {
+    const char* moe;
+    const char* error;
+  } bad[] = {
+      {R"("moe": 4)", "model.moe must be an object"},
+      {R"("moe": {"top_k": 2, "every_n_layers": 1, "capacity_factor": 0, "aux_loss_coef": 0.01})", "experts"},
+      {R"("moe": {"experts": 1, "top_k": 1, "every_n_layers": 1, "capacity_factor": 0, "aux_loss_coef": 0.01})",
+       "model.moe.experts must be at least 2"},
+      {R"("moe": {"experts": 4, "top_k": 5, "every_n_layers": 1, "capacity_factor": 0, "aux_loss_coef": 0.01})",
+       "model.moe.top_k must be in [1, experts]"},
+      {R"("moe": {"experts": 4, "top_k": 2, "every_n_layers": 0, "capacity_factor": 0, "aux_loss_coef": 0.01})",
+       "model.moe.every_n_layers must be at least 1"},
+      {R"("moe": {"experts": 4, "top_k": 2, "every_n_layers": 1, "capacity_factor": -1, "aux_loss_coef": 0.01})",
+       "model.moe.capacity_factor must be a finite number >= 0"},
+      {R"("moe": {"experts": 4, "top_k": 2, "every_n_layers": 1, "capacity_factor": 0})",
+       "model.moe.aux_loss_coef must be a finite number >= 0"},
+  };
+  for (const auto& c : bad) {
+    ASSERT_TRUE(WriteFileAtomically(dir + "/manifest.json",
+                                    absl::StrCat(R"({"format": "baton-checkpoint-v2", "job": "j", "step": 1,
+        "model": {"layers": 2, "d_model": 16, "heads": 4, "vocab": 16, "seq_len": 8, )", c.moe, R"(},
+        "layout": {"pp": 1, "tp": 1, "dp": 1, "virtual_stages": 1}, "files": ["chunk0-tp0.safetensors"]})"))
+                    .ok());
+    absl::StatusOr<ManifestInfo> r = ReadManifest(dir);
+    ASSERT_FALSE(r.ok()) << c.moe;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.error)) << c.moe;
+  }
+}
+
+using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// A one-chunk, tp 1 checkpoint holding `shapes` (zeros, zero moments) whose
+// manifest records `manifest`'s model.
+std::string WriteCheckpoint(const std::string& name, const Shapes& shapes, const v1::JobSpec& manifest) {
+  const std::string dir = NewDir(name);
+  std::vector<std::vector<float>> values;
+  for (const auto& [n, s] : shapes) values.emplace_back(NumElements(s), 0.0f);
+  std::vector<StateShardTensor> tensors;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    StateShardTensor t;
+    t.name = shapes[i].first;
+    t.layout.full_shape = shapes[i].second;
+    t.values = t.adam_m = t.adam_v = values[i];
+    tensors.push_back(t);
+  }
+  absl::StatusOr<std::string> file = WriteStateShardFile(dir, 0, 0, 1, 3, /*moments=*/true, tensors);
+  EXPECT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(WriteManifest(dir, ManifestFor(manifest, 3, {*file})).ok());
+  return dir;
+}
+
+// The tensors of `job`'s GPT-2 (blocks' MoE MLPs as ModelShapeOf(job) says).
+Shapes Gpt2Shapes(const v1::JobSpec& job) {
+  const ModelShape m = ModelShapeOf(job);
+  const int64_t c = m.d_model, f = 4 * c;
+  Shapes shapes = {{"wte", {m.vocab, c}}, {"wpe", {m.seq_len, c}}, {"ln_f.weight", {c}}, {"ln_f.bias", {c}}};
+  for (int i = 0; i < m.layers; ++i) {
+    const std::string p = absl::StrCat("h.", i, ".");
+    for (auto& [n, s] : Shapes{{"ln_1.weight", {c}}, {"ln_1.bias", {c}}, {"attn.c_attn.weight", {3 * c, c}},
+                               {"attn.c_attn.bias", {3 * c}}, {"attn.c_proj.weight", {c, c}},
+                               {"attn.c_proj.bias", {c}}, {"ln_2.weight", {c}}, {"ln_2.bias", {c}}}) {
+      shapes.push_back({p + n, s});
+    }
+    if (!m.moe_block(i)) {
+      for (auto& [n, s] : Shapes{{"mlp.c_fc.weight", {f, c}}, {"mlp.c_fc.bias", {f}},
+                                 {"mlp.c_proj.weight", {c, f}}, {"mlp.c_proj.bias", {c}}}) {
+        shapes.push_back({p + n, s});
+      }
+      continue;
+    }
+    shapes.push_back({p + "mlp.router.weight", {m.moe_experts, c}});
+    for (int e = 0; e < m.moe_experts; ++e) {
+      shapes.push_back({absl::StrCat(p, "mlp.experts.", e, ".c_fc.weight"), {f, c}});
+      shapes.push_back({absl::StrCat(p, "mlp.experts.", e, ".c_proj.weight"), {c, f}});
+    }
+  }
+  return shapes;
+}
+
+// Resuming an MoE checkpoint: another MoE configuration (or a dense model)
+// is refused naming each field that differs, as the Llama fields are, and
+// shards that do not fit the job's MoE blocks are refused naming the tensor.
+TEST(CheckpointManifestTest, ResumingAnMoeCheckpointChecksItsExpertsAndTensors) {
+  const v1::JobSpec job = MoeJob();
+  const std::string dir = WriteCheckpoint("resume/moe", Gpt2Shapes(job), job);
+  absl::StatusOr<FullState> ok = ValidateCheckpointForJob(dir, job);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tensors.at("h.1.mlp.router.weight").shape, (std::vector<int64_t>{4, 32}));
+  const v1::JobSpec dense = Job();
+  ASSERT_TRUE(ValidateCheckpointForJob(WriteCheckpoint("resume/dense", Gpt2Shapes(dense), dense), dense).ok());
+
+  const struct {
+    const char* what;
+    void (*change)(v1::ModelSpec*);
+    const char* fields;
+  } models[] = {
+      {"experts", [](v1::ModelSpec* s) { s->mutable_moe()->set_experts(8); }, "model.moe.experts 8 (checkpoint: 4)"},
+      {"top_k", [](v1::ModelSpec* s) { s->mutable_moe()->set_top_k(1); }, "model.moe.top_k 1 (checkpoint: 2)"},
+      {"every_n_layers", [](v1::ModelSpec* s) { s->mutable_moe()->clear_every_n_layers(); },
+       "model.moe.every_n_layers 1 (checkpoint: 2)"},
+      {"capacity_factor", [](v1::ModelSpec* s) { s->mutable_moe()->set_capacity_factor(1.25); },
+       "model.moe.capacity_factor 1.25 (checkpoint: 1.1)"},
+      {"aux_loss_coef", [](v1::ModelSpec* s) { s->mutable_moe()->clear_aux_loss_coef(); },
+       "model.moe.aux_loss_coef 0.01 (checkpoint: 0.02)"},
+      {"dense", [](v1::ModelSpec* s) { s->clear_moe(); }, "model.moe unset (checkpoint: 4 experts)"},
+  };
+  for (const auto& c : models) {
+    v1::JobSpec other = MoeJob();
+    c.change(other.mutable_model());
+    absl::StatusOr<FullState> s = ValidateCheckpointForJob(dir, other);
+    ASSERT_FALSE(s.ok()) << c.what;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr("it is from another model")) << c.what;
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr(c.fields)) << c.what << ": " << s.status();
+  }
+  absl::StatusOr<FullState> s = ValidateCheckpointForJob(WriteCheckpoint("resume/was-dense", Gpt2Shapes(dense), dense), job);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("model.moe set (checkpoint: a dense model)")) << s.status();
+
+  // Shards that do not fit the manifest's (edited) MoE model.
+  v1::JobSpec eight = MoeJob();
+  eight.mutable_model()->mutable_moe()->set_experts(8);
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/router", Gpt2Shapes(job), eight), eight);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("tensor h.1.mlp.router.weight has shape [4, 32] but the job's model needs [8, 32] "
+                        "(d_model 32, experts 8)"));
+  Shapes extra = Gpt2Shapes(job);
+  extra.push_back({"h.1.mlp.experts.4.c_fc.weight", {128, 32}});
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/expert4", extra, job), job);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("tensor h.1.mlp.experts.4.c_fc.weight is not a tensor of MoE block 1 (4 experts)"));
+  extra = Gpt2Shapes(job);
+  extra.push_back({"h.3.mlp.c_fc.bias", {128}});
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/bias", extra, job), job);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("h.3.mlp.c_fc.bias is not a tensor of MoE block 3"));
+  v1::JobSpec every = MoeJob();
+  every.mutable_model()->mutable_moe()->set_every_n_layers(4);  // block 3 only
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/every", Gpt2Shapes(job), every), every);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("tensor h.1.mlp.experts.0.c_fc.weight is a tensor of an MoE block but block 1 of the job's "
+                        "model is dense (model.moe.every_n_layers 4)"));
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/edited-dense", Gpt2Shapes(job), dense), dense);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("is dense (model.moe unset)"));
+
+  // Llama's names: block_sparse_moe.gate and experts' w1, w3, w2.
+  v1::JobSpec llama = LlamaJob();  // 2 blocks, d_model 16, ffn_dim 24
+  llama.mutable_model()->mutable_moe()->set_experts(2);
+  llama.mutable_model()->mutable_moe()->set_top_k(1);
+  llama.mutable_model()->mutable_moe()->set_every_n_layers(2);  // block 1
+  Shapes shapes = {{"embed_tokens.weight", {16, 16}}, {"norm.weight", {16}}, {"lm_head.weight", {16, 16}}};
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = absl::StrCat("layers.", i, ".");
+    for (auto& [n, sh] : Shapes{{"input_layernorm.weight", {16}}, {"self_attn.q_proj.weight", {16, 16}},
+                                {"self_attn.k_proj.weight", {8, 16}}, {"self_attn.v_proj.weight", {8, 16}},
+                                {"self_attn.o_proj.weight", {16, 16}}, {"post_attention_layernorm.weight", {16}}}) {
+      shapes.push_back({p + n, sh});
+    }
+  }
+  for (auto& [n, sh] : Shapes{{"mlp.gate_proj.weight", {24, 16}}, {"mlp.up_proj.weight", {24, 16}},
+                              {"mlp.down_proj.weight", {16, 24}}}) {
+    shapes.push_back({"layers.0." + n, sh});
+  }
+  shapes.push_back({"layers.1.block_sparse_moe.gate.weight", {2, 16}});
+  for (int e = 0; e < 2; ++e) {
+    const std::string p = absl::StrCat("layers.1.block_sparse_moe.experts.", e, ".");
+    shapes.push_back({p + "w1.weight", {24, 16}});
+    shapes.push_back({p + "w3.weight", {24, 16}});
+    shapes.push_back({p + "w2.weight", {16, 24}});
+  }
+  ok = ValidateCheckpointForJob(WriteCheckpoint("resume/llama-moe", shapes, llama), llama);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  shapes.back().second = {24, 16};
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/llama-moe-w2", shapes, llama), llama);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("tensor layers.1.block_sparse_moe.experts.1.w2.weight has shape [24, 16] but the job's model "
+                        "needs [16, 24] (d_model 16, experts 2, ffn_dim 24)"));
+  shapes.back().second = {16, 24};
+  shapes.push_back({"layers.1.mlp.down_proj.weight", {16, 24}});
+  s = ValidateCheckpointForJob(WriteCheckpoint("resume/llama-moe-mlp", shapes, llama), llama);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("layers.1.mlp.down_proj.weight is not a tensor of MoE block 1 (2 experts)"));
+}
+
 }  // namespace
 }  // namespace baton::checkpoint

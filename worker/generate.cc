@@ -177,6 +177,13 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::FromCheckpoint(const std::
     config.norm_eps = manifest.model.norm_eps;
     config.tie_embeddings = manifest.model.tie_embeddings;
   }
+  if (manifest.model.moe()) {
+    config.moe_experts = manifest.model.moe_experts;
+    config.moe_top_k = manifest.model.moe_top_k;
+    config.moe_every = manifest.model.moe_every;
+    config.moe_capacity_factor = manifest.model.moe_capacity_factor;
+    config.moe_aux_coef = manifest.model.moe_aux_coef;
+  }
   BATON_ASSIGN_OR_RETURN(checkpoint::FullState state, checkpoint::LoadFullState(resolved));
   for (auto& [name, t] : state.tensors) {  // sampling needs no optimizer state
     std::vector<float>().swap(t.adam_m);
