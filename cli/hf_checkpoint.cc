@@ -149,7 +149,9 @@ bool SameModel(const ModelShape& a, const ModelShape& b) {
   return a.synthetic == b.synthetic && a.layers == b.layers && a.d_model == b.d_model && a.heads == b.heads &&
          a.vocab == b.vocab && a.seq_len == b.seq_len && a.arch == b.arch && a.kv_heads == b.kv_heads &&
          a.ffn_dim == b.ffn_dim && a.rope_theta == b.rope_theta && a.norm_eps == b.norm_eps &&
-         a.tie_embeddings == b.tie_embeddings;
+         a.tie_embeddings == b.tie_embeddings && a.moe_experts == b.moe_experts && a.moe_top_k == b.moe_top_k &&
+         a.moe_every == b.moe_every && a.moe_capacity_factor == b.moe_capacity_factor &&
+         a.moe_aux_coef == b.moe_aux_coef;
 }
 
 // ---- the tensors of a model ------------------------------------------------
@@ -766,6 +768,13 @@ absl::StatusOr<ModelShape> ExportHfCheckpoint(const std::string& checkpoint_dir,
     return absl::FailedPreconditionError(absl::StrCat(
         dir, ": the manifest names no GPT model (a v1 or synthetic checkpoint); export needs n_head, which "
              "only a v2 manifest records"));
+  }
+  if (m.moe()) {
+    // GPT2LMHeadModel has no experts, and a Mixtral-style export (and its
+    // golden against transformers) is not written yet.
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": holds ", checkpoint::DescribeModel(m), "; MoE export is not supported yet: only dense GPT-2 and "
+        "Llama checkpoints are exported"));
   }
   if (IsLlama(m) && (m.heads < 1 || m.kv_heads < 1 || m.ffn_dim < 1 || !(m.rope_theta > 0) || !(m.norm_eps > 0) ||
                      m.d_model % m.heads != 0)) {

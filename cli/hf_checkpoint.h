@@ -100,7 +100,8 @@ absl::StatusOr<checkpoint::ModelShape> ImportHfCheckpoint(const std::string& hf_
 // max_position_embeddings = seq_len, torch_dtype float32), lm_head.weight
 // only when untied. Same temporary name, rename and `force` rule as the
 // import. Refuses a checkpoint whose manifest holds no GPT model (v1,
-// synthetic) or a Llama without its fields.
+// synthetic), a Llama without its fields, or an MoE model (model.moe:
+// "MoE export is not supported yet"), before reading any shard.
 absl::StatusOr<checkpoint::ModelShape> ExportHfCheckpoint(const std::string& checkpoint_dir,
                                                           const std::string& out_dir, bool force);
 

@@ -27,6 +27,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A tiny GPT-2: 1 layer, n_embd 8, 2 heads, vocab 10, n_positions 6.
 constexpr int kC = 8, kV = 10, kP = 6, kF = 4 * kC;
@@ -453,6 +454,40 @@ TEST(HfCheckpointTest, ExportRefusesACheckpointWithoutAGptModel) {
   absl::Status s = ExportHfCheckpoint(dir, TmpDir("v1_export"), false).status();
   EXPECT_THAT(s.message(), HasSubstr("names no GPT model"));
   EXPECT_FALSE(Exists(TmpDir("v1_export")));
+}
+
+// An MoE checkpoint is refused before any shard is read, naming the model:
+// GPT2LMHeadModel has no experts, and no Mixtral export is written.
+TEST(HfCheckpointTest, ExportRefusesAnMoeCheckpoint) {
+  const std::string dir = TmpDir("moe_ckpt");
+  ASSERT_TRUE(MakeDirectories(dir).ok());
+  checkpoint::TensorLayout l;
+  l.full_shape = {2};
+  std::vector<float> v = {1, 2};
+  absl::StatusOr<std::string> f = checkpoint::WriteStateShardFile(dir, 0, 0, 1, 0, false, {{"w", l, v, {}, {}}});
+  ASSERT_TRUE(f.ok());
+  v1::JobSpec job;
+  job.set_name("moe");
+  v1::ModelSpec* m = job.mutable_model();
+  m->set_layers(2);
+  m->set_d_model(8);
+  m->set_heads(2);
+  m->set_vocab(10);
+  m->set_seq_len(6);
+  m->mutable_moe()->set_experts(4);
+  m->mutable_moe()->set_top_k(2);
+  ASSERT_TRUE(checkpoint::WriteManifest(dir, checkpoint::ManifestFor(job, 3, {*f})).ok());
+  absl::Status s = ExportHfCheckpoint(dir, TmpDir("moe_export"), false).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("holds a GPT of layers 2, d_model 8, heads 2, vocab 10, seq_len 6, MoE of 4 "
+                                     "experts"));
+  EXPECT_THAT(s.message(), HasSubstr("MoE export is not supported yet"));
+  EXPECT_FALSE(Exists(TmpDir("moe_export")));
+  // The same checkpoint without experts in its manifest gets past that check.
+  job.mutable_model()->clear_moe();
+  ASSERT_TRUE(checkpoint::WriteManifest(dir, checkpoint::ManifestFor(job, 3, {*f})).ok());
+  s = ExportHfCheckpoint(dir, TmpDir("dense_export"), false).status();
+  EXPECT_THAT(s.message(), Not(HasSubstr("MoE"))) << s;
 }
 
 // ---- Llama ------------------------------------------------------------------
