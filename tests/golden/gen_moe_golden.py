@@ -53,12 +53,23 @@ another --seed. It prints those facts per MoE block.
 checks the dense paths: the GPT-2 forward against gpt_a.safetensors and the
 Llama forward against transformers' tests/hf/testdata/llama_tiny golden.
 
-Needs PyTorch and NumPy (Debian: python3-torch; PyPI: torch numpy):
+Needs PyTorch and NumPy (Debian: python3-torch; PyPI: torch numpy). The
+committed goldens (d_model 16 keeps each file near 200 KB: every expert is a
+whole MLP):
 
   python3 tests/golden/gen_moe_golden.py --arch gpt2 --layers 2 --d_model 16 \\
       --heads 4 --vocab 64 --seq_len 16 --batch 2 --experts 4 --top_k 2 \\
-      --every_n_layers 1 --capacity_factor 0 --aux_loss_coef 0.01 --seed 11 \\
+      --every_n_layers 1 --capacity_factor 0 --aux_loss_coef 0.01 --seed 2 \\
       --out tests/golden/moe_gpt2_top2.safetensors
+  python3 tests/golden/gen_moe_golden.py --arch gpt2 --layers 2 --d_model 16 \\
+      --heads 4 --vocab 64 --seq_len 16 --batch 2 --experts 4 --top_k 1 \\
+      --every_n_layers 2 --capacity_factor 1.0 --aux_loss_coef 0.05 \\
+      --ignore_last --seed 2 --out tests/golden/moe_gpt2_top1_cap.safetensors
+  python3 tests/golden/gen_moe_golden.py --arch llama --layers 2 --d_model 16 \\
+      --heads 4 --kv_heads 2 --ffn_dim 32 --vocab 64 --seq_len 16 --batch 2 \\
+      --rope_theta 500000 --norm_eps 1e-6 --experts 4 --top_k 2 \\
+      --every_n_layers 1 --capacity_factor 1.25 --aux_loss_coef 0.02 \\
+      --ignore_last --seed 2 --out tests/golden/moe_llama_top2_cap.safetensors
 """
 
 import argparse

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/tensor.h"
@@ -18,6 +19,58 @@ double RelError(const std::vector<float>& ours, const std::vector<double>& golde
     norm += golden[i] * golden[i];
   }
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+absl::StatusOr<double> MetadataDouble(const SafetensorsFile& file, const std::string& key) {
+  auto it = file.metadata().find(key);
+  double value = 0;
+  if (it == file.metadata().end() || !absl::SimpleAtod(it->second, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat("golden metadata: want a number \"", key, "\""));
+  }
+  return value;
+}
+
+absl::StatusOr<int> MetadataInt32(const SafetensorsFile& file, const std::string& key) {
+  BATON_ASSIGN_OR_RETURN(int64_t value, file.MetadataInt(key));
+  return static_cast<int>(value);
+}
+
+// arch and the Llama fields (absent arch: GPT-2, which has none of them).
+absl::Status LoadArch(const SafetensorsFile& file, model::GptConfig& config) {
+  auto arch = file.metadata().find("arch");
+  if (arch == file.metadata().end() || arch->second == "gpt2") return absl::OkStatus();
+  if (arch->second != "llama") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("golden metadata: arch \"", arch->second, "\" is neither \"gpt2\" nor \"llama\""));
+  }
+  config.arch = model::Arch::kLlama;
+  BATON_ASSIGN_OR_RETURN(config.kv_heads, MetadataInt32(file, "kv_heads"));
+  BATON_ASSIGN_OR_RETURN(config.ffn, MetadataInt32(file, "ffn_dim"));
+  BATON_ASSIGN_OR_RETURN(double rope_theta, MetadataDouble(file, "rope_theta"));
+  BATON_ASSIGN_OR_RETURN(double norm_eps, MetadataDouble(file, "norm_eps"));
+  BATON_ASSIGN_OR_RETURN(int tie, MetadataInt32(file, "tie_embeddings"));
+  config.rope_theta = static_cast<float>(rope_theta);
+  config.norm_eps = static_cast<float>(norm_eps);
+  config.tie_embeddings = tie != 0;
+  return absl::OkStatus();
+}
+
+// The moe_* fields; absent moe_experts: a dense model.
+absl::Status LoadMoe(const SafetensorsFile& file, model::GptConfig& config) {
+  if (!file.metadata().count("moe_experts")) return absl::OkStatus();
+  BATON_ASSIGN_OR_RETURN(config.moe_experts, MetadataInt32(file, "moe_experts"));
+  BATON_ASSIGN_OR_RETURN(config.moe_top_k, MetadataInt32(file, "moe_top_k"));
+  BATON_ASSIGN_OR_RETURN(config.moe_every, MetadataInt32(file, "moe_every_n_layers"));
+  BATON_ASSIGN_OR_RETURN(config.moe_capacity_factor, MetadataDouble(file, "moe_capacity_factor"));
+  BATON_ASSIGN_OR_RETURN(double aux_coef, MetadataDouble(file, "moe_aux_loss_coef"));
+  config.moe_aux_coef = static_cast<float>(aux_coef);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Scalar(const SafetensorsFile& file, const std::string& name) {
+  BATON_ASSIGN_OR_RETURN(std::vector<double> v, file.Floats(name));
+  if (v.size() != 1) return absl::InvalidArgumentError(absl::StrCat("golden: ", name, " is not a scalar"));
+  return v[0];
 }
 
 }  // namespace
@@ -36,6 +89,8 @@ absl::StatusOr<Golden> LoadGolden(const SafetensorsFile& file) {
   g.config.vocab = static_cast<int>(vocab);
   g.config.seq_len = static_cast<int>(seq_len);
   g.batch = static_cast<int>(batch);
+  BATON_RETURN_IF_ERROR(LoadArch(file, g.config));
+  BATON_RETURN_IF_ERROR(LoadMoe(file, g.config));
   BATON_RETURN_IF_ERROR_CTX(model::ValidateGptConfig(g.config), "golden metadata");
   BATON_ASSIGN_OR_RETURN(std::vector<int64_t> tokens, file.Ints("tokens"));
   BATON_ASSIGN_OR_RETURN(std::vector<int64_t> targets, file.Ints("targets"));
@@ -44,9 +99,14 @@ absl::StatusOr<Golden> LoadGolden(const SafetensorsFile& file) {
   }
   g.tokens.assign(tokens.begin(), tokens.end());
   g.targets.assign(targets.begin(), targets.end());
-  BATON_ASSIGN_OR_RETURN(std::vector<double> loss, file.Floats("loss"));
-  if (loss.size() != 1) return absl::InvalidArgumentError("golden: loss is not a scalar");
-  g.loss = loss[0];
+  BATON_ASSIGN_OR_RETURN(g.loss, Scalar(file, "loss"));
+  if (g.config.moe() != (file.tensors().count("aux_loss") > 0)) {
+    return absl::InvalidArgumentError(g.config.moe() ? "golden: an MoE model (moe_experts) without \"aux_loss\""
+                                                     : "golden: \"aux_loss\" without moe_experts in the metadata");
+  }
+  if (g.config.moe()) {
+    BATON_ASSIGN_OR_RETURN(g.aux_loss, Scalar(file, "aux_loss"));
+  }
   for (const auto& [name, entry] : file.tensors()) {
     if (name.rfind("param/", 0) == 0) {
       BATON_ASSIGN_OR_RETURN(std::vector<double> v, file.Floats(name));
@@ -88,6 +148,10 @@ absl::StatusOr<std::vector<Comparison>> CompareWithGolden(const Golden& golden, 
 
   std::vector<Comparison> out;
   out.push_back({"loss", std::abs(loss - golden.loss) / std::abs(golden.loss)});
+  if (golden.config.moe()) {
+    out.push_back({"aux_loss", std::abs(model->LastAuxLoss() - golden.aux_loss) /
+                                   std::max(std::abs(golden.aux_loss), 1e-30)});
+  }
   for (const std::string& name : names) {
     const std::vector<double>& want = golden.grads.at(name);
     BATON_ASSIGN_OR_RETURN(const std::vector<float> got, model->FullGrad(name));
