@@ -215,6 +215,18 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    absl::StrCat("shards the sequence over the tensor-parallel group, but parallel.tp = ", c.tp_size,
                                 ": set tp >= 2 or sequence_parallel false"));
   }
+  if (c.ep_size <= 0) return Invalid("parallel.ep", c.ep_size, "must be positive");
+  if (c.ep_rank < 0 || c.ep_rank >= c.ep_size) {
+    return Invalid("ep_rank", c.ep_rank, absl::StrCat("outside [0, ", c.ep_size, ")"));
+  }
+  if (c.ep_size > 1 && !c.model.moe()) {
+    return Invalid("parallel.ep", c.ep_size, "splits the experts of model.moe, which is unset; leave ep unset");
+  }
+  if (c.ep_size > 1 && c.model.moe_experts % c.ep_size != 0) {
+    return Invalid("parallel.ep", c.ep_size,
+                   absl::StrCat("must divide model.moe.experts = ", c.model.moe_experts,
+                                " (each expert-parallel rank holds experts / ep whole experts)"));
+  }
   if (c.cp_size <= 0) return Invalid("parallel.cp", c.cp_size, "must be positive");
   if (c.cp_rank < 0 || c.cp_rank >= c.cp_size) {
     return Invalid("cp_rank", c.cp_rank, absl::StrCat("outside [0, ", c.cp_size, ")"));

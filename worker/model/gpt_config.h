@@ -138,6 +138,13 @@ struct StageConfig {
   // cp group. cp_size 1: whole sequences.
   int cp_rank = 0;
   int cp_size = 1;
+  // Expert parallelism (parallel.ep; model.moe only): this rank holds
+  // experts [ep_rank · E/ep, (ep_rank + 1) · E/ep) of every MoE block, and
+  // the tokens its router sends elsewhere go to the ep group's rank holding
+  // their expert and back by all-to-all (see GptStage "Mixture of
+  // Experts"). ep_size 1: every expert here.
+  int ep_rank = 0;
+  int ep_size = 1;
 
   bool is_first() const { return pp_rank == 0; }
   bool is_last() const { return pp_rank == pp_size - 1; }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 
@@ -43,6 +44,13 @@ struct GptStage::Block {
   bool moe() const { return router != nullptr; }
 };
 
+// One expert's rows of an MoE block's compute buffers: `expert` is its index
+// among this rank's experts (Block::experts).
+struct GptStage::ExpertRows {
+  int expert = 0;
+  int64_t row = 0, rows = 0;
+};
+
 // What one block keeps from forward for backward, and the output gradients
 // BackwardInput keeps for BackwardWeight. All views into the microbatch arena.
 // Llama: h is the gate, up the up projection, g silu(gate) · up; q, k, v the
@@ -58,8 +66,14 @@ struct GptStage::BlockActivations {
   // MLP's, per expert row) and the rows each expert got; backward's expert
   // output gradients and router logit gradient.
   Tensor probs, expert, gate, slot, dlogits_aux, expert_in, expert_out, dexpert_out, dlogits;
-  std::vector<int64_t> expert_rows;
   int64_t cap = 0;
+  // The rows this rank's experts computed (expert_rows_in, and h, up, g,
+  // dexpert_out, dh, dup in the same rows): this rank's buffer without EP;
+  // under EP what the all-to-all brought, ep_recv_rows from each ep rank
+  // (ep_send_rows to each: what goes the other way).
+  Tensor expert_rows_in;
+  std::vector<ExpertRows> expert_rows;
+  std::vector<int64_t> ep_send_rows, ep_recv_rows;
 };
 
 struct GptStage::Microbatch {
@@ -84,6 +98,17 @@ Tensor Half(const Tensor& t, int half) {
   const int64_t rows = t.dim(0) / 2;
   return t.Rows(half * rows, (half + 1) * rows);
 }
+
+// The experts (global indices, ascending) this rank holds: all, or its ep
+// rank's E/ep.
+std::vector<int> LocalExperts(const StageConfig& config) {
+  const int local = config.model.moe_experts / std::max(1, config.ep_size);
+  std::vector<int> experts(local);
+  for (int l = 0; l < local; ++l) experts[l] = config.ep_rank * local + l;
+  return experts;
+}
+
+int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
 
 constexpr float kInitStd = 0.02f;
 static_assert(kMaxVocab <= kernels::kMaxArgmaxVocab, "token ids must pass exactly as floats");
@@ -197,7 +222,7 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
       // Bias-free experts behind a replicated router (see MoeForward).
       replicated(p + "mlp.router.weight", {m.moe_experts, c}, InitKind::kNormal, kInitStd, true);
       gemm_weight();
-      for (int e = 0; e < m.moe_experts; ++e) {
+      for (const int e : LocalExperts(config)) {
         const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
         sharded(x + "c_fc.weight", {f, c}, ShardSpec::Rows(f, c), InitKind::kNormal, kInitStd, true);
         gemm_weight();
@@ -272,7 +297,7 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
       // Mixtral's names: the router "gate", experts' w1 (gate), w3 (up), w2 (down).
       add(p + "block_sparse_moe.gate.weight", {m.moe_experts, c}, ShardSpec::Replicated(int64_t{m.moe_experts} * c),
           true);
-      for (int e = 0; e < m.moe_experts; ++e) {
+      for (const int e : LocalExperts(config)) {
         const std::string x = absl::StrCat(p, "block_sparse_moe.experts.", e, ".");
         add(x + "w1.weight", {f, c}, ShardSpec::Rows(f, c), true);
         add(x + "w3.weight", {f, c}, ShardSpec::Rows(f, c), true);
@@ -301,8 +326,15 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
 
 absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& config,
                                                            comm::Communicator* tp_group,
-                                                           comm::Communicator* cp_group) {
+                                                           comm::Communicator* cp_group,
+                                                           comm::Communicator* ep_group) {
   BATON_RETURN_IF_ERROR(ValidateStageConfig(config));
+  if (config.ep_size > 1 &&
+      (ep_group == nullptr || ep_group->size() != config.ep_size || ep_group->rank() != config.ep_rank)) {
+    return absl::InvalidArgumentError(absl::StrCat("parallel.ep = ", config.ep_size,
+                                                   " needs an expert-parallel communicator of that size where this "
+                                                   "stage is rank ", config.ep_rank));
+  }
   if (config.model.moe()) {
     // A backend without the routing kernels would abort at the first op.
     const kernels::Backend* backend = kernels::FindBackend(config.device.type);
@@ -341,6 +373,7 @@ absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& co
   }
   auto stage = std::unique_ptr<GptStage>(
       new GptStage(config, tp_group, config.cp_size > 1 ? cp_group : nullptr, *std::move(params)));
+  if (config.ep_size > 1) stage->ep_ = ep_group;
   if (tp_group != nullptr) {
     stage->tp_collectives_ = comm::StreamCollectives::For(*tp_group);
     // TP time over NCCL is in no host wait: event pairs time it, taken by the
@@ -418,7 +451,7 @@ void GptStage::BindParameters() {
     b.fc2_b = params_.Find(p + "mlp.c_proj.bias");
     if (config_.model.moe_block(i)) {
       b.router = params_.Find(p + "mlp.router.weight");
-      for (int e = 0; e < config_.model.moe_experts; ++e) {
+      for (const int e : LocalExperts(config_)) {
         const std::string x = absl::StrCat(p, "mlp.experts.", e, ".");
         b.experts.push_back({params_.Find(x + "c_fc.weight"), nullptr, params_.Find(x + "c_proj.weight")});
       }
@@ -446,7 +479,7 @@ void GptStage::BindLlamaParameters() {
     b.fc2_w = params_.Find(p + "mlp.down_proj.weight");
     if (config_.model.moe_block(i)) {
       b.router = params_.Find(p + "block_sparse_moe.gate.weight");
-      for (int e = 0; e < config_.model.moe_experts; ++e) {
+      for (const int e : LocalExperts(config_)) {
         const std::string x = absl::StrCat(p, "block_sparse_moe.experts.", e, ".");
         b.experts.push_back(
             {params_.Find(x + "w1.weight"), params_.Find(x + "w3.weight"), params_.Find(x + "w2.weight")});
@@ -1222,28 +1255,38 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   const Tensor host_counts = Tensor::Zeros({2, experts}, kernels::DType::kInt64);
   kernels::Copy(ctx_, host_counts, counts);
   BATON_RETURN_IF_ERROR_CTX(stream_->Synchronize(), "reading the expert token counts");
-  a.expert_rows.assign(experts, 0);
+  std::vector<int64_t> kept(experts);
   a.cap = 1;
   for (int64_t e = 0; e < experts; ++e) {
-    const int64_t routed = host_counts.data<int64_t>()[e], kept = host_counts.data<int64_t>()[experts + e];
-    a.expert_rows[e] = kept;
-    a.cap = std::max(a.cap, kept);
+    const int64_t routed = host_counts.data<int64_t>()[e];
+    kept[e] = host_counts.data<int64_t>()[experts + e];
+    a.cap = std::max(a.cap, kept[e]);
     moe_routed_[e] += routed;
-    moe_kept_[e] += kept;
+    moe_kept_[e] += kept[e];
   }
   BATON_ASSIGN_OR_RETURN(a.expert_in, arena.Allocate({experts, a.cap, c}));
   kernels::Permute(ctx_, a.expert_in, a.ln2, a.expert, a.slot);
-  BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({experts * a.cap, fl}));
-  BATON_ASSIGN_OR_RETURN(a.g, arena.Allocate({experts * a.cap, fl}));
-  if (llama_) {
-    BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({experts * a.cap, fl}));
+  // The rows this rank's experts compute: its own tokens' (ep 1), or every
+  // ep rank's for the experts held here, by all-to-all.
+  BATON_RETURN_IF_ERROR(PlanExpertRows(b, kept, a));
+  const int64_t rows = a.ep_recv_rows.empty() ? experts * a.cap : Sum(a.ep_recv_rows);
+  Tensor in = a.expert_in.Reshaped({experts * a.cap, c});
+  if (ep_ != nullptr) {
+    BATON_ASSIGN_OR_RETURN(in, arena.Allocate({rows, c}));
+    BATON_RETURN_IF_ERROR(ExchangeExpertRows(a.expert_in.Reshaped({experts * a.cap, c}), a.ep_send_rows, in,
+                                             a.ep_recv_rows, "the tokens for the experts", b.index));
   }
-  BATON_ASSIGN_OR_RETURN(a.expert_out, arena.Allocate({experts, a.cap, c}));
-  const Tensor in = a.expert_in.Reshaped({experts * a.cap, c}), out = a.expert_out.Reshaped({experts * a.cap, c});
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
-    if (hi == lo) continue;
-    const Block::Expert& x = b.experts[e];
+  a.expert_rows_in = in;
+  BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({rows, fl}));
+  BATON_ASSIGN_OR_RETURN(a.g, arena.Allocate({rows, fl}));
+  if (llama_) {
+    BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({rows, fl}));
+  }
+  BATON_ASSIGN_OR_RETURN(Tensor out, arena.Allocate({rows, c}));
+  if (ep_ != nullptr) kernels::FillZero(ctx_, out);  // rows past an expert's count travel too
+  for (const ExpertRows& r : a.expert_rows) {
+    const Block::Expert& x = b.experts[r.expert];
+    const int64_t lo = r.row, hi = r.row + r.rows;
     const Tensor h = a.h.Rows(lo, hi), g = a.g.Rows(lo, hi);
     kernels::Linear(ctx_, h, in.Rows(lo, hi), x.fc->value, Tensor());
     if (llama_) {
@@ -1254,10 +1297,69 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
     }
     kernels::Linear(ctx_, out.Rows(lo, hi), g, x.fc2->value, Tensor());
   }
+  if (ep_ == nullptr) {
+    a.expert_out = out.Reshaped({experts, a.cap, c});
+  } else {
+    // Back to the ranks whose tokens they are, in this rank's buffer layout.
+    BATON_ASSIGN_OR_RETURN(a.expert_out, arena.Allocate({experts, a.cap, c}));
+    BATON_RETURN_IF_ERROR(ExchangeExpertRows(out, a.ep_recv_rows, a.expert_out.Reshaped({experts * a.cap, c}),
+                                             a.ep_send_rows, "the expert outputs", b.index));
+  }
   // The gated sum of each token's kept choices: a partial sum over TP.
   BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   kernels::Combine(ctx_, partial, a.expert_out, a.gate, a.expert, a.slot);
   return SumOverTp(partial, "the MoE output", b.index);
+}
+
+absl::Status GptStage::PlanExpertRows(const Block& b, const std::vector<int64_t>& kept, BlockActivations& a) {
+  const int64_t experts = config_.model.moe_experts;
+  a.expert_rows.clear();
+  a.ep_send_rows.clear();
+  a.ep_recv_rows.clear();
+  if (ep_ == nullptr) {
+    for (int64_t e = 0; e < experts; ++e) {
+      if (kept[e] > 0) a.expert_rows.push_back({static_cast<int>(e), e * a.cap, kept[e]});
+    }
+    return absl::OkStatus();
+  }
+  // Every ep rank's buffer length and kept counts, in one all-gather of
+  // host int64s: [cap, kept[0..E)] per rank.
+  const int ep = config_.ep_size;
+  const int64_t local = experts / ep;
+  std::vector<int64_t> mine(experts + 1), all((experts + 1) * ep);
+  mine[0] = a.cap;
+  std::copy(kept.begin(), kept.end(), mine.begin() + 1);
+  comm::Buffer from{mine.data(), static_cast<int64_t>(mine.size()), comm::DType::kInt64, -1};
+  comm::Buffer to{all.data(), static_cast<int64_t>(all.size()), comm::DType::kInt64, -1};
+  BATON_RETURN_IF_ERROR_CTX(ep_->AllGather(from, to)->Wait(config_.comm_timeout),
+                            "expert-parallel all-gather of the expert counts in block ", b.index);
+  // This rank sends rank r the slab of r's experts in its buffer (cap rows
+  // each, padding included) and receives, from each rank s, the slab of
+  // this rank's experts in s's buffer: [s][local expert][cap_s] rows.
+  int64_t row = 0;
+  for (int s = 0; s < ep; ++s) {
+    const int64_t cap_s = all[s * (experts + 1)];
+    a.ep_send_rows.push_back(local * a.cap);
+    a.ep_recv_rows.push_back(local * cap_s);
+    for (int64_t l = 0; l < local; ++l) {
+      const int64_t rows = all[s * (experts + 1) + 1 + config_.ep_rank * local + l];
+      if (rows > 0) a.expert_rows.push_back({static_cast<int>(l), row + l * cap_s, rows});
+    }
+    row += local * cap_s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GptStage::ExchangeExpertRows(const Tensor& from, const std::vector<int64_t>& send_rows, const Tensor& to,
+                                          const std::vector<int64_t>& recv_rows, const char* what, int block) {
+  const int64_t width = from.dim(1);
+  std::vector<int64_t> send(send_rows.size()), recv(recv_rows.size());
+  for (size_t i = 0; i < send.size(); ++i) send[i] = send_rows[i] * width;
+  for (size_t i = 0; i < recv.size(); ++i) recv[i] = recv_rows[i] * width;
+  // The communicator reads and writes memory the stream is done with.
+  absl::Status status = stream_->Synchronize();
+  if (status.ok()) status = ep_->AllToAllV(CommBuffer(from), send, CommBuffer(to), recv)->Wait(config_.comm_timeout);
+  return WithContext(status, absl::StrCat("expert-parallel all-to-all of ", what, " in block ", block));
 }
 
 absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb, BlockActivations& a,
@@ -1265,25 +1367,32 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
   const GptConfig& m = config_.model;
   const int64_t n = mb.batch * mb.seq, c = m.d_model, fl = m.ffn_dim() / config_.tp_size;
   const int64_t experts = m.moe_experts, k = m.moe_top_k;
+  const int64_t rows = a.expert_rows_in.dim(0);
   kernels::Arena& arena = mb.arena;
-  BATON_ASSIGN_OR_RETURN(a.dexpert_out, arena.Allocate({experts, a.cap, c}));
+  BATON_ASSIGN_OR_RETURN(Tensor dexpert_out, arena.Allocate({experts, a.cap, c}));
   BATON_ASSIGN_OR_RETURN(Tensor dgate, arena.Allocate({n, k}));
-  kernels::CombineBackward(ctx_, a.dexpert_out, dgate, d_out, a.expert_out, a.gate, a.expert, a.slot);
+  kernels::CombineBackward(ctx_, dexpert_out, dgate, d_out, a.expert_out, a.gate, a.expert, a.slot);
   // Each TP rank's expert outputs are partial sums, so are its gate gradients.
   BATON_RETURN_IF_ERROR(AllReduceTp(dgate, "the MoE gate gradients", b.index));
-  BATON_ASSIGN_OR_RETURN(a.dh, arena.Allocate({experts * a.cap, fl}));
-  if (llama_) {
-    BATON_ASSIGN_OR_RETURN(a.dup, arena.Allocate({experts * a.cap, fl}));
+  a.dexpert_out = dexpert_out.Reshaped({experts * a.cap, c});
+  if (ep_ != nullptr) {
+    // To the experts' ranks, in the rows their forward computed.
+    BATON_ASSIGN_OR_RETURN(a.dexpert_out, arena.Allocate({rows, c}));
+    BATON_RETURN_IF_ERROR(ExchangeExpertRows(dexpert_out.Reshaped({experts * a.cap, c}), a.ep_send_rows,
+                                             a.dexpert_out, a.ep_recv_rows, "the expert output gradients", b.index));
   }
-  BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({experts * a.cap, fl}));
-  BATON_ASSIGN_OR_RETURN(Tensor din, arena.Allocate({experts, a.cap, c}));
-  const Tensor dout = a.dexpert_out.Reshaped({experts * a.cap, c}), dx = din.Reshaped({experts * a.cap, c});
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
-    if (hi == lo) continue;
-    const Block::Expert& x = b.experts[e];
+  BATON_ASSIGN_OR_RETURN(a.dh, arena.Allocate({rows, fl}));
+  if (llama_) {
+    BATON_ASSIGN_OR_RETURN(a.dup, arena.Allocate({rows, fl}));
+  }
+  BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({rows, fl}));
+  BATON_ASSIGN_OR_RETURN(Tensor dx, arena.Allocate({rows, c}));
+  if (ep_ != nullptr) kernels::FillZero(ctx_, dx);  // rows past an expert's count travel too
+  for (const ExpertRows& r : a.expert_rows) {
+    const Block::Expert& x = b.experts[r.expert];
+    const int64_t lo = r.row, hi = r.row + r.rows;
     const Tensor dge = dg.Rows(lo, hi), dh = a.dh.Rows(lo, hi);
-    kernels::LinearBackwardInput(ctx_, dge, dout.Rows(lo, hi), x.fc2->value, /*accumulate=*/false);
+    kernels::LinearBackwardInput(ctx_, dge, a.dexpert_out.Rows(lo, hi), x.fc2->value, /*accumulate=*/false);
     if (llama_) {
       kernels::SwiGluBackward(ctx_, dh, a.dup.Rows(lo, hi), dge, a.h.Rows(lo, hi), a.up.Rows(lo, hi));
       kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
@@ -1292,6 +1401,14 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
       kernels::GeluBackward(ctx_, dh, a.h.Rows(lo, hi), dge);
       kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
     }
+  }
+  Tensor din;
+  if (ep_ == nullptr) {
+    din = dx.Reshaped({experts, a.cap, c});
+  } else {
+    BATON_ASSIGN_OR_RETURN(din, arena.Allocate({experts, a.cap, c}));
+    BATON_RETURN_IF_ERROR(ExchangeExpertRows(dx, a.ep_recv_rows, din.Reshaped({experts * a.cap, c}), a.ep_send_rows,
+                                             "the expert input gradients", b.index));
   }
   // A partial sum over TP, like the dense MLP's (under SP a temporary).
   BATON_ASSIGN_OR_RETURN(Tensor dln2, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
@@ -1308,15 +1425,12 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
 }
 
 absl::Status GptStage::MoeBackwardWeight(const Block& b, const BlockActivations& a, const Tensor& ln2) {
-  const int64_t experts = config_.model.moe_experts, c = config_.model.d_model;
-  const Tensor in = a.expert_in.Reshaped({experts * a.cap, c}), dout = a.dexpert_out.Reshaped({experts * a.cap, c});
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t lo = e * a.cap, hi = lo + a.expert_rows[e];
-    if (hi == lo) continue;
-    const Block::Expert& x = b.experts[e];
-    kernels::LinearBackwardWeight(ctx_, x.fc2->grad, dout.Rows(lo, hi), a.g.Rows(lo, hi));
-    kernels::LinearBackwardWeight(ctx_, x.fc->grad, a.dh.Rows(lo, hi), in.Rows(lo, hi));
-    if (llama_) kernels::LinearBackwardWeight(ctx_, x.up->grad, a.dup.Rows(lo, hi), in.Rows(lo, hi));
+  for (const ExpertRows& r : a.expert_rows) {
+    const Block::Expert& x = b.experts[r.expert];
+    const int64_t lo = r.row, hi = r.row + r.rows;
+    kernels::LinearBackwardWeight(ctx_, x.fc2->grad, a.dexpert_out.Rows(lo, hi), a.g.Rows(lo, hi));
+    kernels::LinearBackwardWeight(ctx_, x.fc->grad, a.dh.Rows(lo, hi), a.expert_rows_in.Rows(lo, hi));
+    if (llama_) kernels::LinearBackwardWeight(ctx_, x.up->grad, a.dup.Rows(lo, hi), a.expert_rows_in.Rows(lo, hi));
   }
   kernels::LinearBackwardWeight(ctx_, b.router->grad, a.dlogits, ln2);
   return absl::OkStatus();

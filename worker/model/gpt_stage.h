@@ -111,8 +111,16 @@
 // alike; each expert is split like the dense MLP (fc rows, fc2 columns), so
 // the combine is a partial sum over TP and the gate gradients are summed
 // over TP; the router's input gradient joins the TP sum from rank 0 only.
-// Every rank holds every expert (no expert parallelism yet); fp32 only, and
-// no context parallelism (StageConfig validation).
+// Expert parallelism (StageConfig::ep_size > 1): this rank holds E/ep of
+// the experts; after routing and permuting its own tokens it all-gathers the
+// ep group's buffer lengths and kept counts, sends each rank the slab of
+// that rank's experts (an AllToAllV, host memory after a stream
+// synchronisation, padding rows included), runs its experts on every
+// source's rows, and sends the outputs back the same way; the backward
+// exchanges the output gradients and the input gradients likewise. Each
+// expert's weight gradient then sums every ep rank's tokens' share; the
+// executor reduces it over the expert-data-parallel group only. fp32 only,
+// and no context parallelism (StageConfig validation).
 //
 // Context parallelism (StageConfig::cp_size > 1; Liu et al.'s ring
 // attention with the load-balanced causal split, context_parallel.h): the
@@ -189,9 +197,12 @@ class GptStage {
   // null when tp_size == 1. `cp_group` likewise has config.cp_size ranks
   // (this one config.cp_rank), null when cp_size == 1. Parameters are
   // initialised from config.seed.
+  // `ep_group`: config.ep_size ranks (this one config.ep_rank) of the
+  // stage's expert-parallel group, null when ep_size == 1.
   static absl::StatusOr<std::unique_ptr<GptStage>> Create(const StageConfig& config,
                                                           comm::Communicator* tp_group,
-                                                          comm::Communicator* cp_group = nullptr);
+                                                          comm::Communicator* cp_group = nullptr,
+                                                          comm::Communicator* ep_group = nullptr);
   ~GptStage();
   GptStage(const GptStage&) = delete;
   GptStage& operator=(const GptStage&) = delete;
@@ -305,6 +316,7 @@ class GptStage {
 
  private:
   struct Block;
+  struct ExpertRows;
   struct BlockActivations;
   struct Microbatch;
 
@@ -354,6 +366,16 @@ class GptStage {
   absl::StatusOr<kernels::Tensor> MoeBackwardInput(const Block& block, Microbatch& mb, BlockActivations& a,
                                                    const kernels::Tensor& d_out);
   absl::Status MoeBackwardWeight(const Block& block, const BlockActivations& a, const kernels::Tensor& ln2);
+  // The rows this rank's experts compute, from the kept counts per expert of
+  // this rank's tokens: without EP its own buffer's; under EP each ep rank's
+  // slab of this rank's experts (an all-gather of the counts first).
+  absl::Status PlanExpertRows(const Block& block, const std::vector<int64_t>& kept, BlockActivations& a);
+  // AllToAllV over the ep group of `from`'s rows (send_rows[r] rows to rank
+  // r, in rank order) into `to` (recv_rows[r] from rank r), after a stream
+  // synchronisation; errors name `what` and the block.
+  absl::Status ExchangeExpertRows(const kernels::Tensor& from, const std::vector<int64_t>& send_rows,
+                                  const kernels::Tensor& to, const std::vector<int64_t>& recv_rows, const char* what,
+                                  int block);
   // Context parallelism: ring attention over the cp group from a.qkv into
   // a.y, keeping the log-sum-exps in a.att; and its backward from dy into
   // a.dqkv (see Context parallelism above).
@@ -440,6 +462,7 @@ class GptStage {
   const bool llama_;           // config.model.arch is kLlama
   const bool sp_;              // config.sequence_parallel (tp > 1)
   comm::Communicator* cp_;     // the context-parallel group (cp_size > 1), else null
+  comm::Communicator* ep_ = nullptr;  // the expert-parallel group (ep_size > 1), else null
   uint64_t cp_tag_ = 0;        // ring messages sent since Create: every cp rank counts the same
   // Ring attention's temporaries (block outputs, the travelling k/v and
   // their gradients), reset per attention call.
