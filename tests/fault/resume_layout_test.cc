@@ -265,6 +265,30 @@ TEST(ResumeLayoutTest, ALlamaCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherM
   }
 }
 
+// An MoE model's checkpoint (router and experts by name; ZeRO-1 moments
+// sharded over dp) resumes without ZeRO at pp 1 x tp 2 and under zb-v bit
+// for bit, and is refused, naming the field, by a job with other experts.
+TEST(ResumeLayoutTest, AnMoeCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherMoe) {
+  const std::string moe = R"pb(moe { experts: 4 top_k: 2 capacity_factor: 1.25 aux_loss_coef: 0.02 })pb";
+  const std::string root = TempDir("resume_moe_checkpoints");
+  const std::string ck = absl::StrFormat("checkpoint { dir: \"%s\" every_steps: 10 keep: 2 }", root);
+  const LocalResult full = Local("moe_full", Job(Layout{2, 1, 1, "1f1b", "dp: 2 zero_stage: 1"}, 10, ck, 16, moe));
+  ASSERT_EQ(full.exit_code, 0) << full.log;
+  ASSERT_EQ(full.losses.size(), 10u);
+  const std::string step10 = root + "/step-00000010";
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}}) {
+    const LocalResult same = Local("moe_into_" + l.Name(), Job(l, 10, "", 16, moe), {"--resume=" + step10});
+    ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
+    ExpectSameState(step10, same.out + "/final", "moe " + l.Name());
+  }
+  const LocalResult refused =
+      Local("moe_refused_experts", Job(Layout{}, 20, "", 16, R"pb(moe { experts: 8 top_k: 2 })pb"),
+            {"--resume=" + step10});
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.log.find("experts"), std::string::npos) << refused.log;
+  EXPECT_TRUE(refused.losses.empty());
+}
+
 // A checkpoint that cannot be resumed is refused before any worker is
 // configured, naming the file and the problem.
 TEST(ResumeLayoutTest, ABrokenOrForeignCheckpointIsRefusedBeforeTraining) {

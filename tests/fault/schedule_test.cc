@@ -437,5 +437,17 @@ TEST(FaultScheduleTest, ContextParallelRankUnderZeroStage1Pp2Cp2Interleaved) {
   KillAtSeededPoint("pp2cp2_interleaved_zero1_cp", l, 1, 0, 0, 8, /*cp=*/0);
 }
 
+// Mixture of Experts under ZeRO-1: the killed rank holds its TP share of
+// every expert of its blocks and its shard of their moments (only in its
+// buddy's snapshot); routing depends on the replayed microbatches alone, so
+// the run ends bitwise equal to the fault-free one.
+TEST(FaultScheduleTest, ExpertHoldingRankUnderMoeAndZeroStage1Pp2Tp2Dp2OneFOneB) {
+  Layout l = Pp2Tp2Dp2("1f1b", 1);
+  l.model_extra = "moe { experts: 4 top_k: 2 capacity_factor: 1.25 }";
+  l.parallel_extra = "zero_stage: 1";
+  l.extra_name = "_moe_zero1";
+  KillAtSeededPoint("pp2tp2dp2_1f1b_moe_zero1", l, 1, 1, 1, 9);
+}
+
 }  // namespace
 }  // namespace baton
