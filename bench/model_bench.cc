@@ -28,6 +28,9 @@ ABSL_FLAG(int, steps, 10, "timed steps");
 ABSL_FLAG(std::string, arch, "gpt2", "gpt2 or llama");
 ABSL_FLAG(int, kv_heads, 0, "llama: key/value heads (0 = heads)");
 ABSL_FLAG(int, ffn_dim, 0, "llama: MLP width (0 = 4 * d_model)");
+ABSL_FLAG(int, moe_experts, 0, "model.moe.experts (0: a dense model)");
+ABSL_FLAG(int, moe_top_k, 2, "model.moe.top_k");
+ABSL_FLAG(double, moe_capacity_factor, 0.0, "model.moe.capacity_factor (0: dropless)");
 
 namespace {
 
@@ -50,6 +53,9 @@ int Run() {
     std::fprintf(stderr, "model_bench: --arch must be gpt2 or llama\n");
     return 2;
   }
+  model.moe_experts = absl::GetFlag(FLAGS_moe_experts);
+  model.moe_top_k = absl::GetFlag(FLAGS_moe_top_k);
+  model.moe_capacity_factor = absl::GetFlag(FLAGS_moe_capacity_factor);
   const int b = absl::GetFlag(FLAGS_micro_batch), t = model.seq_len;
   auto config = baton::model::MakeStageConfig(model, 0, 1, 0, 1, /*seed=*/1);
   if (!config.ok()) {
@@ -101,9 +107,10 @@ int Run() {
   const double best = seconds.front(), median = seconds[seconds.size() / 2];
   std::printf(
       "baton tokens_per_s=%.0f best_step_ms=%.1f median_step_ms=%.1f steps=%zu gemm_share=%.3f "
-      "gemm_gflops=%.1f loss=%.4f arch=%s\n",
+      "gemm_gflops=%.1f loss=%.4f arch=%s moe_experts=%d moe_top_k=%d\n",
       b * t / best, 1e3 * best, 1e3 * median, seconds.size(), gemm / total, flops / gemm / 1e9,
-      (*stage)->MeanLoss(), absl::GetFlag(FLAGS_arch).c_str());
+      (*stage)->MeanLoss(), absl::GetFlag(FLAGS_arch).c_str(), model.moe_experts,
+      model.moe() ? model.moe_top_k : 0);
   return 0;
 }
 
