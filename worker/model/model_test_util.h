@@ -1,5 +1,6 @@
 // Helpers shared by the model's tests: random token ids, the relative L2
-// error the gradient checks use, and the gathered tensors of an InProcModel.
+// error the gradient checks use, the gathered tensors of an InProcModel,
+// and the small MoE model of the MoE tests.
 #ifndef BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
 #define BATON_WORKER_MODEL_MODEL_TEST_UTIL_H_
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "gtest/gtest.h"
 #include "kernels/tensor.h"
+#include "worker/model/gpt_config.h"
 
 namespace baton::model {
 
@@ -44,6 +46,30 @@ inline std::vector<float> Full(absl::StatusOr<std::vector<float>> gathered) {
     return {};
   }
   return *std::move(gathered);
+}
+
+// A small MoE model (d_model 32, 4 heads, vocab 40, seq_len 16; Llama with
+// 2 key/value heads, MLP 48, untied head), every `every`-th block MoE with
+// `experts` experts, load-balancing coefficient 0.05.
+inline GptConfig SmallMoeModel(Arch arch, int layers, int experts, int top_k, double capacity_factor, int every = 1) {
+  GptConfig c;
+  c.arch = arch;
+  c.layers = layers;
+  c.d_model = 32;
+  c.heads = 4;
+  c.vocab = 40;
+  c.seq_len = 16;
+  if (arch == Arch::kLlama) {
+    c.kv_heads = 2;
+    c.ffn = 48;
+    c.tie_embeddings = false;
+  }
+  c.moe_experts = experts;
+  c.moe_top_k = top_k;
+  c.moe_every = every;
+  c.moe_capacity_factor = capacity_factor;
+  c.moe_aux_coef = 0.05f;
+  return c;
 }
 
 }  // namespace baton::model

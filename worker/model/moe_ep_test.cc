@@ -28,23 +28,7 @@ namespace {
 using kernels::Tensor;
 
 GptConfig MoeModel(Arch arch, int experts, int top_k, double capacity_factor) {
-  GptConfig c;
-  c.arch = arch;
-  c.layers = 2;
-  c.d_model = 32;
-  c.heads = 4;
-  c.vocab = 40;
-  c.seq_len = 16;
-  if (arch == Arch::kLlama) {
-    c.kv_heads = 2;
-    c.ffn = 48;
-    c.tie_embeddings = false;
-  }
-  c.moe_experts = experts;
-  c.moe_top_k = top_k;
-  c.moe_capacity_factor = capacity_factor;
-  c.moe_aux_coef = 0.05f;
-  return c;
+  return SmallMoeModel(arch, /*layers=*/2, experts, top_k, capacity_factor);
 }
 
 struct Batch {

@@ -22,24 +22,7 @@ namespace baton::model {
 namespace {
 
 GptConfig MoeModel(Arch arch, int top_k, double capacity_factor, int every) {
-  GptConfig c;
-  c.arch = arch;
-  c.layers = 4;
-  c.d_model = 32;
-  c.heads = 4;
-  c.vocab = 40;
-  c.seq_len = 16;
-  if (arch == Arch::kLlama) {
-    c.kv_heads = 2;
-    c.ffn = 48;
-    c.tie_embeddings = false;
-  }
-  c.moe_experts = 4;
-  c.moe_top_k = top_k;
-  c.moe_every = every;
-  c.moe_capacity_factor = capacity_factor;
-  c.moe_aux_coef = 0.05f;
-  return c;
+  return SmallMoeModel(arch, /*layers=*/4, /*experts=*/4, top_k, capacity_factor, every);
 }
 
 class MoeStageTest : public LayoutTest {
