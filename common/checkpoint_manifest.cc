@@ -280,8 +280,9 @@ bool ModelShape::operator==(const ModelShape& o) const {
     return false;
   }
   if (moe() != o.moe()) return false;
-  if (moe() && (moe_experts != o.moe_experts || moe_top_k != o.moe_top_k || moe_every != o.moe_every ||
-                moe_capacity_factor != o.moe_capacity_factor || moe_aux_coef != o.moe_aux_coef)) {
+  // capacity_factor and aux_loss_coef shape the training, not the weights
+  // (like train.lr): a resume may change them.
+  if (moe() && (moe_experts != o.moe_experts || moe_top_k != o.moe_top_k || moe_every != o.moe_every)) {
     return false;
   }
   // GPT-2 fixes the Llama fields (whatever a shape holds in them).
@@ -988,14 +989,6 @@ absl::StatusOr<FullState> ValidateCheckpointForJob(const std::string& dir, const
         field("moe.experts", have.moe_experts, want.moe_experts);
         field("moe.top_k", have.moe_top_k, want.moe_top_k);
         field("moe.every_n_layers", have.moe_every, want.moe_every);
-        if (have.moe_capacity_factor != want.moe_capacity_factor) {
-          fields.push_back(absl::StrCat("model.moe.capacity_factor ", DoubleNumber(want.moe_capacity_factor),
-                                        " (checkpoint: ", DoubleNumber(have.moe_capacity_factor), ")"));
-        }
-        if (have.moe_aux_coef != want.moe_aux_coef) {
-          fields.push_back(absl::StrCat("model.moe.aux_loss_coef ", FloatNumber(want.moe_aux_coef),
-                                        " (checkpoint: ", FloatNumber(have.moe_aux_coef), ")"));
-        }
       }
     }
     return absl::InvalidArgumentError(absl::StrCat(
