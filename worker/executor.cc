@@ -288,6 +288,7 @@ absl::Status StepExecutor::ResolveSpans() {
 absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
   compute_ = p2p_ = tp_comm_ = dp_comm_ = cp_comm_ = 0;
+  moe_ = MoeStats();  // a failed step reports none
   cp_bytes_at_start_ = cp_ != nullptr ? cp_->p2p_bytes_sent() : 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
   tp_gather_at_start_ = tp_ != nullptr ? tp_->all_gather_seconds() : 0;
@@ -401,6 +402,12 @@ absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
     loss.correct += s.correct;
     sq += chunk_sq;
     if (stage == options_.num_stages - 1) report.set_has_loss(true);
+  }
+  // MoE counts and load-balancing loss, summed over the chunks: read now,
+  // while every chunk is idle (the loss's read waits for nothing), and kept
+  // for the StepDone of this step, whether committed or discarded.
+  if (!options_.forward_only) {
+    for (auto& [stage, model] : chunks_) AddMoeStats(model->ReadMoeStats());
   }
   // The data-parallel stream's work is done too (each chunk waited for it).
   if (absl::Status dp = dp_status_->status(); !dp.ok()) {
@@ -884,6 +891,18 @@ absl::Status StepExecutor::ReduceGrads() {
   return absl::OkStatus();
 }
 
+void StepExecutor::AddMoeStats(const MoeStats& chunk) {
+  // Expert e of every chunk adds to index e (the chunks of a job have the
+  // same experts).
+  auto add = [](std::vector<int64_t>& sum, const std::vector<int64_t>& v) {
+    if (sum.size() < v.size()) sum.resize(v.size(), 0);
+    for (size_t e = 0; e < v.size(); ++e) sum[e] += v[e];
+  };
+  add(moe_.routed, chunk.routed);
+  add(moe_.kept, chunk.kept);
+  moe_.aux_loss += chunk.aux_loss;
+}
+
 v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   const double wall = absl::ToDoubleSeconds(absl::Now() - step_start_);
   v1::StepDone done;
@@ -918,6 +937,9 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   done.set_weights_bytes(weights);
   done.set_grads_bytes(grads);
   done.set_optimizer_bytes(optimizer);
+  for (int64_t n : moe_.routed) done.add_moe_routed_tokens(n);
+  for (int64_t n : moe_.kept) done.add_moe_kept_tokens(n);
+  done.set_moe_aux_loss(moe_.aux_loss);
   for (v1::TraceEvent& e : events_) *done.add_events() = std::move(e);
   events_.clear();
   return done;

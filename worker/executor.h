@@ -65,6 +65,11 @@
 // Data: replica d runs global microbatches d*m .. d*m+m-1 of the step, so a
 // DP=k run consumes the same global batch as one replica with k*m microbatches.
 //
+// Mixture of Experts: once the step's results are read (every chunk idle),
+// each chunk's routing counts and load-balancing loss (StageModel::
+// ReadMoeStats) are summed over the rank's chunks into the step's StepDone
+// (moe_routed_tokens, moe_kept_tokens, moe_aux_loss), a discarded step's too.
+//
 // Not thread-safe: one thread runs a worker's steps.
 #ifndef BATON_WORKER_EXECUTOR_H_
 #define BATON_WORKER_EXECUTOR_H_
@@ -198,6 +203,8 @@ class StepExecutor {
   // An event from the pool of `key` (a stage, or kCommStream) recorded on `stream`.
   absl::StatusOr<kernels::Event*> RecordEvent(kernels::Stream* stream, int key);
   v1::StepDone Finish(int64_t step, bool committed);
+  // Adds a chunk's MoE statistics to moe_.
+  void AddMoeStats(const MoeStats& chunk);
   // The message of (stage, mb) in `map`, created from the pool if new.
   absl::StatusOr<Message*> Buffer(std::map<Key, Message>& map, int stage, int mb);
   // Returns all messages to the pool and drops the step's data, first
@@ -221,6 +228,9 @@ class StepExecutor {
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
   double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0, cp_comm_ = 0;
+  // MoE: the chunks' routing counts and load-balancing loss of the step,
+  // summed (read with the step's results; StepDone.moe_*).
+  MoeStats moe_;
   // Communicators' collective_bytes_sent() (cp: p2p_bytes_sent()) when the
   // step started.
   int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0, cp_bytes_at_start_ = 0;

@@ -38,6 +38,7 @@ class FakeStage : public StageModel {
     if (stage_ > 0 && base != static_cast<float>(mb + stage_)) {
       return absl::DataLossError("stage " + std::to_string(stage_) + " got activations of the wrong microbatch");
     }
+    if (moe_experts > 0) CountMoe();
     if (stage_ == num_stages_ - 1) {
       if (data.targets.i32()[0] != mb) return absl::DataLossError("wrong targets");
       forwards_++;
@@ -46,6 +47,14 @@ class FakeStage : public StageModel {
     for (int i = 0; i < kElements; ++i) output.f32()[i] = base + 1;
     forwards_++;
     return absl::OkStatus();
+  }
+  // Counted per forward, as GptStage's routers do (on the last stage too).
+  void CountMoe() {
+    for (int e = 0; e < moe_experts; ++e) {
+      moe_.routed[e] += stage_ + 1 + e;
+      moe_.kept[e] += stage_ + 1;
+    }
+    moe_.aux_loss += 0.25 * (stage_ + 1);
   }
   absl::Status BackwardInput(int mb, const kernels::Tensor& grad_output, const kernels::Tensor& grad_input) override {
     if (on_backward) on_backward(stage_, mb);
@@ -63,7 +72,26 @@ class FakeStage : public StageModel {
     weights_++;
     return absl::OkStatus();
   }
-  void ZeroGrad() override { grads_[0] = 0; }
+  void ZeroGrad() override {
+    grads_[0] = 0;
+    results_read_ = false;
+    moe_ = MoeStats();
+    moe_.routed.assign(moe_experts, 0);
+    moe_.kept.assign(moe_experts, 0);
+  }
+  absl::Status ReadStepResults(model::StepScore* score, double* grad_sq_norm) override {
+    results_read_ = true;
+    return StageModel::ReadStepResults(score, grad_sq_norm);
+  }
+  // The losses summed over the microbatches, divided by them (GptStageModel).
+  MoeStats ReadMoeStats() const override {
+    ++moe_reads_;
+    if (!results_read_) ++moe_reads_before_results_;
+    if (moe_experts == 0) return {};
+    MoeStats stats = moe_;
+    stats.aux_loss /= moe_microbatches;
+    return stats;
+  }
   void DropInFlight() override { drops_++; }
   kernels::Tensor Gradients() override { return kernels::Tensor::View(grads_, {1}); }
   double LocalGradSqNorm() const override { return grads_[0] * grads_[0]; }
@@ -80,6 +108,11 @@ class FakeStage : public StageModel {
   absl::Status RestoreState(const ChunkState&) override { return absl::OkStatus(); }
 
   std::function<void(int stage, int mb)> on_backward;  // called as the input backward starts
+  int moe_experts = 0;       // > 0: counts routing per forward (CountMoe)
+  int moe_microbatches = 1;  // what ReadMoeStats divides the loss by
+  MoeStats moe_;
+  bool results_read_ = false;
+  mutable int moe_reads_ = 0, moe_reads_before_results_ = 0;
   int stage_, num_stages_;
   int forwards_ = 0, inputs_ = 0, weights_ = 0, steps_ = 0, drops_ = 0;
   float grads_[1] = {0};
@@ -174,6 +207,9 @@ void RunPipeline(const std::string& kind, int p, int v, int m,
                              d.comm_dp_seconds() + d.bubble_seconds();
     EXPECT_NEAR(accounted, d.wall_seconds(), 1e-6) << "rank " << r;
     EXPECT_GT(d.events_size(), 0);
+    EXPECT_EQ(d.moe_routed_tokens_size(), 0) << "a dense model reports no experts";
+    EXPECT_EQ(d.moe_kept_tokens_size(), 0);
+    EXPECT_EQ(d.moe_aux_loss(), 0);
   }
 }
 
@@ -285,6 +321,52 @@ TEST(StepExecutorTest, AnOverlappedPairSendsItsForwardBeforeItsBackwardRuns) {
   });
   EXPECT_GT(checked, 0);
   EXPECT_TRUE(missing.empty()) << "backward halves that ran before their pair's send: " << absl::StrJoin(missing, ", ");
+}
+
+// MoE: a rank's StepDone carries its chunks' routing counts summed per
+// expert and their load-balancing losses summed, read once per chunk and
+// step after the step's results (the chunk is idle then); a discarded step
+// reports what it ran, and a dense chunk adds nothing.
+TEST(StepExecutorTest, MoeCountsAreSummedOverTheRanksChunksOncePerStep) {
+  constexpr int kM = 3, kExperts = 4;
+  const absl::StatusOr<schedule::Schedule> lowered = LoweredSchedule("zb-v", 1, 2, kM);  // both chunks on rank 0
+  ASSERT_TRUE(lowered.ok()) << lowered.status();
+  std::vector<std::unique_ptr<FakeStage>> models;
+  for (int s = 0; s < 2; ++s) {
+    models.push_back(std::make_unique<FakeStage>(s, 2));
+    models.back()->moe_experts = kExperts;
+    models.back()->moe_microbatches = kM;
+  }
+  StepExecutor exec(schedule::ToPrograms(*lowered)[0], TestOptions(2, kM), ChunksOfRank(*lowered, models, 0),
+                    FillBatch, nullptr, nullptr, nullptr);
+  auto expect_counts = [&](const v1::StepDone& d, const std::string& what) {
+    ASSERT_EQ(d.moe_routed_tokens_size(), kExperts) << what;
+    ASSERT_EQ(d.moe_kept_tokens_size(), kExperts) << what;
+    for (int e = 0; e < kExperts; ++e) {
+      // Stage s routes s + 1 + e choices to expert e and keeps s + 1, per microbatch.
+      EXPECT_EQ(d.moe_routed_tokens(e), kM * ((1 + e) + (2 + e))) << what << " expert " << e;
+      EXPECT_EQ(d.moe_kept_tokens(e), kM * 3) << what << " expert " << e;
+    }
+    EXPECT_DOUBLE_EQ(d.moe_aux_loss(), 0.25 * 1 + 0.25 * 2) << what;  // each chunk's per-microbatch mean
+  };
+  ASSERT_TRUE(exec.RunStep(1, false).ok());
+  absl::StatusOr<v1::StepDone> committed = exec.Commit(1, 1.0f);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  expect_counts(*committed, "committed step");
+  ASSERT_TRUE(exec.RunStep(2, false).ok());
+  expect_counts(exec.Discard(2), "discarded step");  // Discard zeroes the chunks first
+  for (const auto& m : models) {
+    EXPECT_EQ(m->moe_reads_, 2) << "stage " << m->stage_ << ": once per step";
+    EXPECT_EQ(m->moe_reads_before_results_, 0) << "stage " << m->stage_ << ": read before the step's results";
+  }
+  // A dense chunk beside an MoE one adds nothing (and a failed step's
+  // numbers never reach the next StepDone: RunStep starts from none).
+  models[1]->moe_experts = 0;
+  ASSERT_TRUE(exec.RunStep(3, false).ok());
+  const v1::StepDone half = exec.Discard(3);
+  ASSERT_EQ(half.moe_routed_tokens_size(), kExperts);
+  EXPECT_EQ(half.moe_routed_tokens(0), kM * 1);
+  EXPECT_DOUBLE_EQ(half.moe_aux_loss(), 0.25);
 }
 
 }  // namespace

@@ -212,6 +212,17 @@ absl::Status GptStageModel::OptimizerStep(float grad_scale) {
 
 model::StepScore GptStageModel::score() const { return stage_->score(); }
 
+MoeStats GptStageModel::ReadMoeStats() const {
+  MoeStats stats;
+  if (!config_.model.moe()) return stats;
+  stats.routed = stage_->moe_routed();
+  stats.kept = stage_->moe_kept();
+  // GptStage sums each microbatch's losses; the objective weights them
+  // 1 / microbatches, like the cross-entropy.
+  stats.aux_loss = stage_->MoeAuxLossSum() / std::max(1, config_.microbatches);
+  return stats;
+}
+
 std::vector<NamedShard> GptStageModel::Shards() {
   std::vector<NamedShard> shards;
   for (model::Parameter& p : stage_->parameters().parameters()) {

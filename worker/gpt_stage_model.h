@@ -93,6 +93,8 @@ class GptStageModel : public StageModel {
   void ValuesGathered() override { stage_->RefreshBf16Weights(); }
   model::ParameterStore::MemoryBytes MemoryBytes() const override { return stage_->parameters().memory_bytes(); }
   int64_t activation_bytes() const override { return stage_->activation_bytes(); }
+  // GptStage's counts, and MoeAuxLossSum / microbatches (one host sync).
+  MoeStats ReadMoeStats() const override;
   const kernels::ExecContext& context() const override { return stage_->context(); }
   absl::Status Synchronize() override { return stage_->stream().Synchronize(); }
 

@@ -172,6 +172,57 @@ TEST_F(GptStageModelTest, ExplicitAndInterleavedChunksComputeTheUnshardedModel) 
   }
 }
 
+// MoE: each chunk reports its own blocks' routing (every token's top-k
+// choices, the kept ones within capacity) and its load-balancing loss as it
+// enters the objective, so the chunks' losses add up to the unsharded
+// model's; a dense chunk reports nothing.
+TEST_F(GptStageModelTest, MoeStatsAreEachChunksRoutingAndLoadBalancingLoss) {
+  model_.moe_experts = 4;
+  model_.moe_top_k = 2;
+  model_.moe_capacity_factor = 0.5;  // drops: an expert keeps at most 6 of a microbatch's 48 choices
+  model_.moe_aux_coef = 0.01f;
+  const double want_aux = Reference()->LastAuxLoss();
+  ASSERT_GT(want_aux, 0);
+  auto chunks = MakeChunks({{0, 1}, {1, 3}});
+  RunStep(chunks);
+  const int64_t tokens = 2 * kBatch * model_.seq_len;  // two microbatches
+  const int64_t capacity = kernels::MoeExpertCapacity(kBatch * model_.seq_len, 4, 2, 0.5);
+  double aux = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int blocks = c == 0 ? 1 : 3;
+    const MoeStats stats = chunks[c]->ReadMoeStats();
+    ASSERT_EQ(stats.routed.size(), 4u) << "chunk " << c;
+    ASSERT_EQ(stats.kept.size(), 4u) << "chunk " << c;
+    int64_t routed = 0, kept = 0;
+    for (int e = 0; e < 4; ++e) {
+      EXPECT_LE(stats.kept[e], stats.routed[e]) << "chunk " << c << " expert " << e;
+      EXPECT_LE(stats.kept[e], 2 * blocks * capacity) << "chunk " << c << " expert " << e;
+      routed += stats.routed[e];
+      kept += stats.kept[e];
+    }
+    EXPECT_EQ(routed, tokens * 2 * blocks) << "chunk " << c << ": every token's two choices in every block";
+    EXPECT_LT(kept, routed) << "chunk " << c << ": capacity 0.5 drops";
+    EXPECT_GT(stats.aux_loss, 0) << "chunk " << c;
+    aux += stats.aux_loss;
+  }
+  EXPECT_NEAR(aux, want_aux, 1e-6 * want_aux);
+  // ZeroGrad starts the counts over.
+  chunks[0]->ZeroGrad();
+  const MoeStats zeroed = chunks[0]->ReadMoeStats();
+  EXPECT_EQ(zeroed.routed, std::vector<int64_t>(4, 0));
+  EXPECT_EQ(zeroed.aux_loss, 0);
+
+  model_ = SmallModel();
+  auto dense = MakeChunks({{0, 2}, {2, 2}});
+  RunStep(dense);
+  for (const auto& chunk : dense) {
+    const MoeStats stats = chunk->ReadMoeStats();
+    EXPECT_TRUE(stats.routed.empty());
+    EXPECT_TRUE(stats.kept.empty());
+    EXPECT_EQ(stats.aux_loss, 0);
+  }
+}
+
 TEST_F(GptStageModelTest, TiedEmbeddingCopiesStayEqualAndTheOptimizerUsesTheTrainSpec) {
   train_.set_lr(0.01);
   train_.set_weight_decay(0.1);

@@ -74,6 +74,15 @@ struct DpShardBuffers {
   bool sharded() const { return shard_grads.defined(); }
 };
 
+// Mixture of Experts: what a chunk's routers did since ZeroGrad, over its
+// MoE blocks and the microbatches run forward (model::GptStage::moe_routed,
+// moe_kept, MoeAuxLossSum).
+struct MoeStats {
+  std::vector<int64_t> routed;  // per expert: top-k choices routed to it; empty for a dense model
+  std::vector<int64_t> kept;    // per expert: those kept after capacity drops
+  double aux_loss = 0;          // the load-balancing losses as they enter the objective (1 / microbatches)
+};
+
 class StageModel {
  public:
   virtual ~StageModel() = default;
@@ -172,6 +181,11 @@ class StageModel {
   // The most activation bytes held at once since ZeroGrad (GptStage::
   // activation_bytes); zero for a model that does not count them.
   virtual int64_t activation_bytes() const { return 0; }
+  // MoE: the chunk's routing counts and load-balancing loss since ZeroGrad.
+  // May wait for the chunk's stream (the loss is on the device): call it
+  // once the step's results were read, when the stream is idle. Empty for a
+  // model without experts.
+  virtual MoeStats ReadMoeStats() const { return {}; }
   // Sets the state bit for bit from a CaptureState() of the same layout,
   // drops microbatches in flight and zeroes gradients, so the next step runs
   // exactly as the captured model's next step would. INVALID_ARGUMENT (model
