@@ -156,6 +156,23 @@ WorkerJob::WorkerJob(Options options, std::shared_ptr<v1::Coordinator::StubInter
                                      "and of its accelerator: in_use (tensors and the used part of arenas) and "
                                      "reserved (held from the device's allocator), absent on cpu workers")
                                .Register(metrics);
+  // Mixture of Experts: series only for MoE jobs (RecordMetrics adds them
+  // when a StepDone carries expert counts; a dense job exports none).
+  moe_tokens_family_ = &prometheus::BuildCounter()
+                            .Name("baton_moe_tokens_total")
+                            .Help("MoE: top-k choices of the tokens per expert index, summed over this worker's "
+                                  "MoE blocks; kind routed (before capacity drops) or kept (after)")
+                            .Register(metrics);
+  moe_dropped_family_ = &prometheus::BuildGauge()
+                             .Name("baton_moe_dropped_ratio")
+                             .Help("MoE: share of the last step's top-k choices dropped at capacity, 1 - kept / "
+                                   "routed over this worker's MoE blocks")
+                             .Register(metrics);
+  moe_aux_loss_family_ = &prometheus::BuildGauge()
+                              .Name("baton_moe_aux_loss")
+                              .Help("MoE: the last step's load-balancing loss of this worker's MoE blocks, as it "
+                                    "enters the objective")
+                              .Register(metrics);
   host_syncs_family_ = &prometheus::BuildCounter()
                             .Name("baton_host_syncs_total")
                             .Help("Times the worker blocked on its device (stream or event waits), counted at "
@@ -527,6 +544,25 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
     const kernels::MemoryStats memory = kernels::GetMemoryStats(job_->device);
     device_memory_family_->Add(with_kind("in_use")).Set(static_cast<double>(memory.in_use_bytes));
     device_memory_family_->Add(with_kind("reserved")).Set(static_cast<double>(memory.reserved_bytes));
+  }
+  // MoE (a dense job's StepDone has no expert counts: no series). The
+  // expert label is bounded by model.moe.experts (at most 1024, JobLimits).
+  if (done.moe_routed_tokens_size() > 0) {
+    int64_t routed = 0, kept = 0;
+    for (int e = 0; e < done.moe_routed_tokens_size(); ++e) {
+      prometheus::Labels expert = l;
+      expert["expert"] = std::to_string(e);
+      expert["kind"] = "routed";
+      moe_tokens_family_->Add(expert).Increment(static_cast<double>(done.moe_routed_tokens(e)));
+      routed += done.moe_routed_tokens(e);
+      if (e < done.moe_kept_tokens_size()) {
+        expert["kind"] = "kept";
+        moe_tokens_family_->Add(expert).Increment(static_cast<double>(done.moe_kept_tokens(e)));
+        kept += done.moe_kept_tokens(e);
+      }
+    }
+    moe_dropped_family_->Add(l).Set(routed > 0 ? 1.0 - static_cast<double>(kept) / static_cast<double>(routed) : 0.0);
+    moe_aux_loss_family_->Add(l).Set(done.moe_aux_loss());
   }
 }
 

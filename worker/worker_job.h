@@ -178,6 +178,9 @@ class WorkerJob {
   prometheus::Family<prometheus::Counter>* checkpoint_stall_family_;
   prometheus::Family<prometheus::Gauge>* device_memory_family_;
   prometheus::Family<prometheus::Counter>* host_syncs_family_;
+  prometheus::Family<prometheus::Counter>* moe_tokens_family_;  // {expert, kind}
+  prometheus::Family<prometheus::Gauge>* moe_dropped_family_;
+  prometheus::Family<prometheus::Gauge>* moe_aux_loss_family_;
   int64_t host_syncs_seen_ = 0;  // kernels::HostSyncCount() at the last RecordMetrics (worker thread)
 
   // A command to run on the Loop thread: from the session, or (report

@@ -273,6 +273,104 @@ class WorkerJobTest : public ::testing::Test {
 
 std::vector<int64_t> Steps(const v1::HeldJob& held) { return {held.steps().begin(), held.steps().end()}; }
 
+// The value of the series of `name` whose labels include `labels`; -1 when
+// there is none. `series` counts the family's series.
+double MetricValue(prometheus::Registry& registry, const std::string& name,
+                   const std::map<std::string, std::string>& labels, int* series = nullptr) {
+  if (series != nullptr) *series = 0;
+  double value = -1;
+  for (const prometheus::MetricFamily& f : registry.Collect()) {
+    if (f.name != name) continue;
+    if (series != nullptr) *series = static_cast<int>(f.metric.size());
+    for (const prometheus::ClientMetric& m : f.metric) {
+      int matched = 0;
+      for (const prometheus::ClientMetric::Label& l : m.label) {
+        auto it = labels.find(l.name);
+        matched += it != labels.end() && it->second == l.value;
+      }
+      if (matched != static_cast<int>(labels.size())) continue;
+      value = f.type == prometheus::MetricType::Counter ? m.counter.value : m.gauge.value;
+    }
+  }
+  return value;
+}
+
+// An MoE job's StepDone carries each stage's routing counts per expert (its
+// MoE block's, over the step's microbatches) and its load-balancing loss,
+// discarded steps too; the worker exports them as
+// baton_moe_tokens_total{expert,kind}, baton_moe_dropped_ratio and
+// baton_moe_aux_loss with the step metrics' labels. A dense job exports no
+// MoE series.
+TEST_F(WorkerJobTest, AnMoeJobReportsItsExpertsLoadAndExportsItAsMetrics) {
+  spec_ = Spec(2);
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"pb(experts: 4 top_k: 2 capacity_factor: 0.5 aux_loss_coef: 0.01)pb", spec_.mutable_model()->mutable_moe()));
+  for (int i = 0; i < 2; ++i) workers_.push_back(MakeWorker(absl::StrCat("w", i)));
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  // One MoE block per stage: 2 microbatches of 2 x 20 tokens, two choices each.
+  constexpr int64_t kChoices = 2 * 2 * 20 * 2;
+  std::map<std::string, std::vector<int64_t>> routed_sum, kept_sum;
+  for (int64_t step = 1; step <= 2; ++step) {
+    StepResult r = Step(step, /*commit=*/step == 1, /*snapshot=*/false);
+    for (Worker& w : workers_) {
+      const v1::StepDone& done = r.done[w.name];
+      SCOPED_TRACE(absl::StrCat(w.name, " step ", step));
+      ASSERT_EQ(done.moe_routed_tokens_size(), 4);
+      ASSERT_EQ(done.moe_kept_tokens_size(), 4);
+      int64_t routed = 0, kept = 0;
+      for (int e = 0; e < 4; ++e) {
+        EXPECT_LE(done.moe_kept_tokens(e), done.moe_routed_tokens(e)) << "expert " << e;
+        routed += done.moe_routed_tokens(e);
+        kept += done.moe_kept_tokens(e);
+      }
+      EXPECT_EQ(routed, kChoices);
+      EXPECT_LT(kept, routed) << "capacity 0.5 drops choices";
+      EXPECT_GT(done.moe_aux_loss(), 0);
+      EXPECT_LT(done.moe_aux_loss(), 0.05) << "coef 0.01 times at most E";
+      routed_sum[w.name].resize(4);
+      kept_sum[w.name].resize(4);
+      for (int e = 0; e < 4; ++e) {
+        routed_sum[w.name][e] += done.moe_routed_tokens(e);
+        kept_sum[w.name][e] += done.moe_kept_tokens(e);
+      }
+      // The gauges hold the last step's.
+      const std::map<std::string, std::string> labels = {
+          {"training_job", "wj"}, {"stage", w.name == "w0" ? "0" : "1"}, {"worker", w.name}};
+      EXPECT_DOUBLE_EQ(MetricValue(*w.metrics, "baton_moe_dropped_ratio", labels),
+                       1.0 - static_cast<double>(kept) / static_cast<double>(routed));
+      EXPECT_DOUBLE_EQ(MetricValue(*w.metrics, "baton_moe_aux_loss", labels), done.moe_aux_loss());
+    }
+  }
+  for (Worker& w : workers_) {
+    // The counters add up the steps, per expert and kind.
+    int series = 0;
+    for (int e = 0; e < 4; ++e) {
+      std::map<std::string, std::string> labels = {
+          {"training_job", "wj"}, {"worker", w.name}, {"expert", std::to_string(e)}, {"kind", "routed"}};
+      EXPECT_EQ(MetricValue(*w.metrics, "baton_moe_tokens_total", labels, &series), routed_sum[w.name][e])
+          << w.name << " expert " << e;
+      labels["kind"] = "kept";
+      EXPECT_EQ(MetricValue(*w.metrics, "baton_moe_tokens_total", labels), kept_sum[w.name][e])
+          << w.name << " expert " << e;
+    }
+    EXPECT_EQ(series, 8) << w.name << ": 4 experts x routed, kept";
+  }
+}
+
+TEST_F(WorkerJobTest, ADenseJobReportsNoExpertsAndExportsNoMoeSeries) {
+  StartWorkers(1);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  StepResult dense = Step(1, true, false);
+  const v1::StepDone& done = dense.done["w0"];
+  EXPECT_EQ(done.moe_routed_tokens_size(), 0);
+  EXPECT_EQ(done.moe_aux_loss(), 0);
+  for (const char* name : {"baton_moe_tokens_total", "baton_moe_dropped_ratio", "baton_moe_aux_loss"}) {
+    int series = -1;
+    MetricValue(*workers_[0].metrics, name, {}, &series);
+    EXPECT_EQ(series, 0) << name;
+  }
+}
+
 TEST_F(WorkerJobTest, ConfiguresRunsAStepCommitsAndSnapshotsItsState) {
   StartWorkers(2);
   for (const v1::Configured& c : ConfigureAll(1)) {
