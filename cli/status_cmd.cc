@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/ascii.h"
@@ -39,6 +40,7 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
         ",\"grads_bytes\":", st.grads_bytes(),
         ",\"optimizer_bytes\":", st.optimizer_bytes(),
         ",\"activation_bytes\":", st.activation_bytes(),
+        ",\"moe_dropped_ratio\":", st.has_moe_dropped_ratio() ? JsonNumber(st.moe_dropped_ratio()) : "null",  // MoE only
         ",\"workers\":[", absl::StrJoin(workers, ","), "]}"));
   }
   std::vector<std::string> workers;
@@ -78,6 +80,34 @@ std::string StatusJson(const std::string& target, const v1::GetStatusResponse& s
       ",\"eval_perplexity\":", status.eval_step() > 0 ? JsonNumber(status.eval_perplexity()) : "null",
       ",\"stages\":[", absl::StrJoin(stages, ","), "]",
       ",\"workers\":[", absl::StrJoin(workers, ","), "]}");
+}
+
+std::string StagesTable(const v1::GetStatusResponse& status) {
+  // The MoE column only for a job with experts (the coordinator sets the
+  // ratio on every stage of an MoE job, on none of a dense one).
+  const bool moe = std::any_of(status.stages().begin(), status.stages().end(),
+                               [](const v1::StageStatus& st) { return st.has_moe_dropped_ratio(); });
+  std::string out = absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %-24s %-8s %s", "STAGE", "STEP", "LOSS", "BUBBLE",
+                                    "COMM", "TOK/S", "STATE W/G/OPT MiB", "ACT MiB", moe ? "MOE DROP " : "");
+  absl::StrAppend(&out, "WORKERS\n");
+  for (const v1::StageStatus& st : status.stages()) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %-24s %-8.1f ", st.pp_rank(), st.step(),
+                        st.pp_rank() + 1 == status.stages_size() ? absl::StrFormat("%.4f", st.loss()) : "-",
+                        absl::StrFormat("%.1f%%", 100 * st.bubble_ratio()),
+                        absl::StrFormat("%.1f%%", 100 * st.comm_ratio()), st.tokens_per_second(),
+                        absl::StrFormat("%.1f/%.1f/%.1f", st.weights_bytes() / 1048576.0,
+                                        st.grads_bytes() / 1048576.0, st.optimizer_bytes() / 1048576.0),
+                        st.activation_bytes() / 1048576.0));
+    if (moe) {
+      absl::StrAppend(&out, absl::StrFormat("%-8s ", st.has_moe_dropped_ratio()
+                                                         ? absl::StrFormat("%.1f%%", 100 * st.moe_dropped_ratio())
+                                                         : "-"));
+    }
+    absl::StrAppend(&out, absl::StrJoin(st.workers(), ","), "\n");
+  }
+  return out;
 }
 
 int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, std::ostream& err) {
@@ -142,17 +172,7 @@ int RunStatusCommand(const std::vector<std::string>& argv, std::ostream& out, st
       out << absl::StrFormat("eval after step %d: loss %.4f  perplexity %.2f\n", status.eval_step(),
                              status.eval_loss(), status.eval_perplexity());
     }
-    out << absl::StrFormat("%-6s %-7s %-9s %-8s %-8s %-10s %-24s %-8s %s\n", "STAGE", "STEP", "LOSS", "BUBBLE",
-                           "COMM", "TOK/S", "STATE W/G/OPT MiB", "ACT MiB", "WORKERS");
-    for (const v1::StageStatus& st : status.stages()) {
-      out << absl::StrFormat("%-6d %-7d %-9s %-8s %-8s %-10.0f %-24s %-8.1f %s\n", st.pp_rank(), st.step(),
-                             st.pp_rank() + 1 == status.stages_size() ? absl::StrFormat("%.4f", st.loss()) : "-",
-                             absl::StrFormat("%.1f%%", 100 * st.bubble_ratio()),
-                             absl::StrFormat("%.1f%%", 100 * st.comm_ratio()), st.tokens_per_second(),
-                             absl::StrFormat("%.1f/%.1f/%.1f", st.weights_bytes() / 1048576.0,
-                                             st.grads_bytes() / 1048576.0, st.optimizer_bytes() / 1048576.0),
-                             st.activation_bytes() / 1048576.0, absl::StrJoin(st.workers(), ","));
-    }
+    out << StagesTable(status);
   }
   out << absl::StrFormat("%-20s %-9s %-8s %-20s %s\n", "WORKER", "STATE", "DEVICE", "HOST", "LAST HEARTBEAT");
   for (const v1::WorkerInfo& w : status.workers()) {

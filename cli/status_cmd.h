@@ -15,6 +15,10 @@ namespace baton::cli {
 // (device, device_uuid, fused_attention_bf16, memory_bytes).
 std::string StatusJson(const std::string& target, const v1::GetStatusResponse& status);
 
+// The per-stage table of `batonctl status` (header and one line per stage);
+// an MoE job's has a MOE DROP column (StageStatus.moe_dropped_ratio).
+std::string StagesTable(const v1::GetStatusResponse& status);
+
 // `args` are the words after "batonctl" other than the subcommand itself.
 // Flags: --coordinator=HOST:PORT (required), --json, --timeout_ms (default 5000).
 // Returns 0, 1 when the coordinator cannot be reached in time, 2 for bad flags.

@@ -53,5 +53,38 @@ TEST(StatusJsonTest, TheLastEvaluationIsShownOnceThereIsOne) {
   EXPECT_DOUBLE_EQ(json->Find("eval_perplexity")->number(), 12.182);
 }
 
+// An MoE job's stages show the share of choices dropped at capacity, in
+// the JSON and as a MOE DROP column; a dense job's table and JSON have none
+// (the column is not there at all, the JSON field is null).
+TEST(StatusStagesTest, AnMoeJobShowsItsDroppedShareAndADenseJobDoesNot) {
+  v1::GetStatusResponse dense;
+  for (int pp = 0; pp < 2; ++pp) {
+    v1::StageStatus* st = dense.add_stages();
+    st->set_pp_rank(pp);
+    st->set_step(3);
+    st->set_activation_bytes(3 << 20);
+    st->add_workers(pp == 0 ? "w0" : "w1");
+  }
+  const std::string dense_table = StagesTable(dense);
+  EXPECT_EQ(dense_table.find("MOE"), std::string::npos) << dense_table;
+  EXPECT_NE(dense_table.find("ACT MiB  WORKERS\n"), std::string::npos) << dense_table;
+  EXPECT_NE(dense_table.find("3.0      w1\n"), std::string::npos) << dense_table;
+  absl::StatusOr<JsonValue> dense_json = JsonValue::Parse(StatusJson("t", dense));
+  ASSERT_TRUE(dense_json.ok()) << dense_json.status();
+  EXPECT_EQ(dense_json->Find("stages")->items()[0].Find("moe_dropped_ratio")->kind(), JsonValue::Kind::kNull);
+
+  v1::GetStatusResponse moe = dense;
+  moe.mutable_stages(0)->set_moe_dropped_ratio(0.125);
+  moe.mutable_stages(1)->set_moe_dropped_ratio(0.0);
+  const std::string table = StagesTable(moe);
+  EXPECT_NE(table.find("ACT MiB  MOE DROP WORKERS\n"), std::string::npos) << table;
+  EXPECT_NE(table.find("3.0      12.5%    w0\n"), std::string::npos) << table;
+  EXPECT_NE(table.find("3.0      0.0%     w1\n"), std::string::npos) << table;
+  absl::StatusOr<JsonValue> json = JsonValue::Parse(StatusJson("t", moe));
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_DOUBLE_EQ(json->Find("stages")->items()[0].Find("moe_dropped_ratio")->number(), 0.125);
+  EXPECT_DOUBLE_EQ(json->Find("stages")->items()[1].Find("moe_dropped_ratio")->number(), 0.0);
+}
+
 }  // namespace
 }  // namespace baton::cli

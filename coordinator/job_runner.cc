@@ -44,6 +44,12 @@ constexpr size_t kMaxRelayedSnapshotBytes = (4 << 20) - (64 << 10);
 
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
 
+// MoE: the share of the top-k choices dropped at capacity (0 when none were
+// routed).
+double DroppedRatio(int64_t routed, int64_t kept) {
+  return routed > 0 ? 1.0 - static_cast<double>(kept) / static_cast<double>(routed) : 0.0;
+}
+
 // Simulator costs for the live plan: the synthetic model's own times, or
 // F = I = W = 1 per block (an MoE block more, BlocksCost) with per-stage
 // multipliers from the partition.
@@ -1682,6 +1688,16 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
   // The most any one worker sent or holds (the rank that bounds the job).
   int64_t max_tp_bytes = 0, max_dp_bytes = 0, max_cp_bytes = 0, max_weights = 0, max_grads = 0, max_optimizer = 0, max_activations = 0;
   std::map<int, v1::StageStatus> stages;
+  // Mixture of Experts (MoE jobs only; a dense job's line is as before).
+  // Every TP rank of a stage routes the same tokens, so only TP rank 0's
+  // counts and loss are taken: per expert index, the choices routed and
+  // kept over every pipeline stage and DP replica; the load-balancing loss
+  // summed over the stages of a replica, then averaged over the replicas
+  // (as the cross-entropy). Per stage, the dropped share for GetStatus.
+  const bool moe = job_.model().has_moe();
+  std::vector<int64_t> moe_routed, moe_kept;
+  double moe_aux = 0;
+  std::map<int, std::pair<int64_t, int64_t>> stage_moe;  // pp rank -> (routed, kept)
   bool replay = false;
   std::optional<absl::Duration> recovered_in;
   {
@@ -1741,6 +1757,21 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       st.set_optimizer_bytes(std::max(st.optimizer_bytes(), s.optimizer_bytes()));
       st.set_activation_bytes(std::max(st.activation_bytes(), s.activation_bytes()));
       st.add_workers(name);
+      if (moe && assigned_[name].tp_rank() == 0) {
+        auto add = [](std::vector<int64_t>& sum, const auto& v) {
+          if (sum.size() < static_cast<size_t>(v.size())) sum.resize(v.size(), 0);
+          for (int e = 0; e < v.size(); ++e) sum[e] += v[e];
+        };
+        add(moe_routed, s.moe_routed_tokens());
+        add(moe_kept, s.moe_kept_tokens());
+        moe_aux += s.moe_aux_loss();
+        std::pair<int64_t, int64_t>& in_stage = stage_moe[assigned_[name].pp_rank()];
+        for (int64_t n : s.moe_routed_tokens()) in_stage.first += n;
+        for (int64_t n : s.moe_kept_tokens()) in_stage.second += n;
+      }
+    }
+    for (const auto& [pp, counts] : stage_moe) {
+      stages[pp].set_moe_dropped_ratio(DroppedRatio(counts.first, counts.second));
     }
     for (auto& [pp, st] : stages) {
       const double n = st.workers_size();
@@ -1773,6 +1804,21 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
     discarded_metric_->Increment();
     BATON_LOG(WARNING) << "step " << step << " discarded: non-finite loss or gradient norm";
   }
+  std::string moe_fields;
+  if (moe) {
+    int64_t routed = 0, kept = 0, most = 0;
+    for (int64_t n : moe_routed) {
+      routed += n;
+      most = std::max(most, n);
+    }
+    for (int64_t n : moe_kept) kept += n;
+    // The most loaded expert's routed choices over the mean expert's: 1 is
+    // perfectly balanced, E when one expert gets every choice.
+    const double mean = moe_routed.empty() ? 0 : static_cast<double>(routed) / static_cast<double>(moe_routed.size());
+    moe_fields = absl::StrCat(", \"moe_aux_loss\": ", Num(moe_aux / std::max(1, d.dp)),
+                              ", \"moe_dropped_ratio\": ", Num(DroppedRatio(routed, kept)),
+                              ", \"moe_load_imbalance\": ", Num(mean > 0 ? static_cast<double>(most) / mean : 0));
+  }
   AppendStepsLine(absl::StrCat(
       "{\"step\": ", step, ", \"committed\": ", committed ? "true" : "false", ", \"loss\": ", Num(loss),
       ", \"accuracy\": ", Num(rec.accuracy), ", \"grad_norm\": ", Num(norm), ", \"clip\": ", Num(clip),
@@ -1781,7 +1827,8 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
       ", \"epoch\": ", epoch, ", \"max_tp_bytes\": ", max_tp_bytes, ", \"max_dp_bytes\": ", max_dp_bytes,
       ", \"max_cp_bytes\": ", max_cp_bytes,
       ", \"max_weights_bytes\": ", max_weights, ", \"max_grads_bytes\": ", max_grads,
-      ", \"max_optimizer_bytes\": ", max_optimizer, ", \"max_activation_bytes\": ", max_activations, "}"));
+      ", \"max_optimizer_bytes\": ", max_optimizer, ", \"max_activation_bytes\": ", max_activations, moe_fields,
+      "}"));
 }
 
 bool JobRunner::CheckpointDue(int64_t step) const {

@@ -19,6 +19,9 @@
 //  - Evaluation (train.eval_every_steps): the same held-out loss at every
 //    layout (SP and CP included), and training bitwise unchanged by it; a token-file job counts
 //    its data epochs in steps.jsonl.
+//  - MoE step lines: steps.jsonl's moe_dropped_ratio, moe_load_imbalance and
+//    moe_aux_loss of a PP x TP x DP layout are the single worker's; dropless
+//    drops nothing; a dense job's lines have no moe field.
 //  - A worker killed mid-run with no spare and no replacement fails the run
 //    after fault_tolerance.replacement_timeout_s, naming the worker and its
 //    stage (recovery itself: tests/fault/).
@@ -407,6 +410,90 @@ TEST(TrainingTest, MixtureOfExpertsTrainsLikeOneWorkerUnderEverySchedule) {
       EXPECT_EQ(a.loss_text, b.loss_text) << "an MoE job repeats bitwise";
     }
   }
+}
+
+// steps.jsonl of an MoE job carries what the routers did in each step:
+// moe_dropped_ratio (choices dropped at capacity over those routed, all
+// workers), moe_load_imbalance (the most loaded expert index over the mean
+// one) and moe_aux_loss (the load-balancing loss as it enters the
+// objective: summed over the pipeline stages, TP ranks counted once,
+// averaged over DP replicas). So a PP x TP x DP layout gives the single
+// worker's numbers on the same global batch. A dropless job drops nothing;
+// a dense job's lines have no moe field at all.
+TEST(TrainingTest, MoeStepLinesShowDropsImbalanceAndTheLoadBalancingLoss) {
+  auto field = [](const RunResult& r, const char* key) {
+    return testing::ReadStepField(r.dir + "/out/steps.jsonl", key);
+  };
+  const std::string capped = R"pb(moe { experts: 4 top_k: 2 capacity_factor: 0.5 aux_loss_coef: 0.01 })pb";
+  Layout one;
+  one.microbatches = 8;
+  one.model_extra = capped;
+  one.tag = "moe_lines_";
+  Layout split{2, 2, 2, 1, 4, "1f1b"};
+  split.model_extra = capped;
+  split.tag = one.tag;
+  const RunResult single = RunJob(one.Name(), GptJob(one));
+  const RunResult layout = RunJob(split.Name(), GptJob(split));
+  for (const RunResult* r : {&single, &layout}) {
+    const std::vector<double> dropped = field(*r, "moe_dropped_ratio");
+    const std::vector<double> imbalance = field(*r, "moe_load_imbalance");
+    const std::vector<double> aux = field(*r, "moe_aux_loss");
+    ASSERT_EQ(dropped.size(), 20u) << r->dir;
+    ASSERT_EQ(imbalance.size(), 20u) << r->dir;
+    ASSERT_EQ(aux.size(), 20u) << r->dir;
+    for (size_t i = 0; i < dropped.size(); ++i) {
+      EXPECT_GT(dropped[i], 0) << r->dir << " step " << i + 1 << ": capacity 0.5 drops choices";
+      EXPECT_LT(dropped[i], 1) << r->dir << " step " << i + 1;
+      EXPECT_GE(imbalance[i], 1) << r->dir << " step " << i + 1;
+      EXPECT_LE(imbalance[i], 4) << r->dir << " step " << i + 1 << ": at most E";
+      EXPECT_GT(aux[i], 0) << r->dir << " step " << i + 1;
+      EXPECT_LT(aux[i], 4 * 0.01 * 4) << r->dir << " step " << i + 1 << ": 4 blocks, each at most coef * E";
+    }
+  }
+  const std::vector<double> want_dropped = field(single, "moe_dropped_ratio"),
+                            got_dropped = field(layout, "moe_dropped_ratio");
+  const std::vector<double> want_imbalance = field(single, "moe_load_imbalance"),
+                            got_imbalance = field(layout, "moe_load_imbalance");
+  const std::vector<double> want_aux = field(single, "moe_aux_loss"), got_aux = field(layout, "moe_aux_loss");
+  if (want_aux.size() == 20 && got_aux.size() == 20) {
+    std::printf("%s: step 1 dropped %.4f imbalance %.4f aux %.5f; step 20 dropped %.4f imbalance %.4f aux %.5f\n",
+                split.Name().c_str(), got_dropped[0], got_imbalance[0], got_aux[0], got_dropped[19],
+                got_imbalance[19], got_aux[19]);
+  }
+  for (size_t i = 0; i < want_aux.size() && i < got_aux.size(); ++i) {
+    EXPECT_NEAR(got_dropped[i], want_dropped[i], 1e-6) << "step " << i + 1;
+    EXPECT_NEAR(got_imbalance[i], want_imbalance[i], 1e-6) << "step " << i + 1;
+    EXPECT_NEAR(got_aux[i], want_aux[i], 1e-5 * want_aux[i]) << "step " << i + 1;
+  }
+
+  Layout dropless{2, 1, 1, 1, 4, "1f1b"};
+  dropless.model_extra = R"pb(moe { experts: 4 top_k: 2 })pb";
+  dropless.tag = "moe_lines_dropless_";
+  const RunResult none_dropped = RunJob(dropless.Name(), GptJob(dropless));
+  const std::vector<double> dropped = field(none_dropped, "moe_dropped_ratio");
+  const std::vector<double> imbalance = field(none_dropped, "moe_load_imbalance");
+  ASSERT_EQ(dropped.size(), 20u);
+  ASSERT_EQ(imbalance.size(), 20u);
+  for (size_t i = 0; i < dropped.size(); ++i) {
+    EXPECT_EQ(dropped[i], 0) << "dropless, step " << i + 1;
+    EXPECT_GE(imbalance[i], 1) << "step " << i + 1;
+  }
+  EXPECT_EQ(field(none_dropped, "moe_aux_loss").size(), 20u);
+
+  Layout dense{2, 1, 1, 1, 4, "1f1b"};
+  dense.tag = "moe_lines_dense_";
+  const RunResult plain = RunJob(dense.Name(), GptJob(dense));
+  std::ifstream steps(plain.dir + "/out/steps.jsonl");
+  std::string line;
+  int step_lines = 0;
+  while (std::getline(steps, line)) {
+    if (line.find("\"step\": ") == std::string::npos) continue;
+    ++step_lines;
+    EXPECT_EQ(line.find("moe_"), std::string::npos) << "a dense job's step line: " << line;
+    const std::string last = ", \"max_activation_bytes\"";  // the last field, as before MoE
+    EXPECT_EQ(line.substr(line.rfind(", \""), last.size()), last) << line;
+  }
+  EXPECT_EQ(step_lines, 20);
 }
 
 // PyTorch's own schedule artifacts, imported from their CSVs: the
