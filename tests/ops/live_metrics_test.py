@@ -3,7 +3,11 @@
 scrape configuration (deploy/prometheus/prometheus.yml: only the targets and
 the intervals are replaced, 1 s scrape and evaluation) and the shipped rules,
 scraping a real coordinator and five real workers on loopback (four in the
-plan, one spare) that run a synthetic job (PP=2 x DP=2, 1F1B).
+plan, one spare) that run a synthetic job (PP=2 x DP=2, 1F1B), and a second
+coordinator with one worker training a tiny Mixture-of-Experts GPT
+("live_moe", capacity 0.5: it drops choices), so the MoE panels and rules
+have data: their single-value check binds that job (a dense job exports no
+MoE series, which is checked too).
 
 While the job runs, then as faults are forced (a stage frozen; a worker
 killed, which the spare replaces; a second worker killed with no spare left,
@@ -18,7 +22,8 @@ queries through the HTTP API:
     the dashboard's variables resolved and substituted as Grafana does (the
     All option, and a single value),
 and fails if any query errors or never returns data. It also checks that
-`batonctl status --json` carries every field the text output shows.
+`batonctl status --json` carries every field the text output shows, and the
+MoE job's MOE DROP column.
 """
 import glob
 import json
@@ -41,6 +46,19 @@ train { steps: 100000 micro_batch_size: 1 lr: 0.001 }
 fault_tolerance { max_restarts: 5 replacement_timeout_s: 4 }
 """
 WORKERS = 5
+
+# Mixture of Experts on the CPU: 2 MoE blocks of 4 experts, top-2, capacity
+# 0.5 (half the choices an even split would give each expert: some dropped).
+MOE_JOB = """
+name: "live_moe"
+model { layers: 2 d_model: 16 heads: 2 vocab: 16 seq_len: 16
+        moe { experts: 4 top_k: 2 capacity_factor: 0.5 aux_loss_coef: 0.01 } }
+schedule { kind: "1f1b" microbatches: 2 }
+train { steps: 100000000 micro_batch_size: 2 lr: 0.001 }
+data { synthetic { task: "addition" } }
+"""
+# Panels of MoE metrics: for a single training_job value they show the MoE job.
+MOE_PANEL_PREFIX = "MoE "
 
 # Alerts whose condition this test forces, and the phase that forces it.
 FORCED = {
@@ -86,6 +104,15 @@ def main():
         for i in range(WORKERS)]
     for w in workers:
         w.wait_ports()
+    moe_job_file = os.path.join(work, "moe_job.textproto")
+    with open(moe_job_file, "w") as f:
+        f.write(MOE_JOB)
+    moe_coordinator = opslib.Daemon("moe-coordinator", [
+        opslib.runfile("coordinator/baton-coordinator"), "--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0",
+        "--job=" + moe_job_file, "--lease_ms=8000", "--heartbeat_ms=250", "--ready_timeout_s=60"], work).start()
+    moe_worker = opslib.Daemon("moe-worker", [
+        opslib.runfile("worker/baton-worker"), f"--coordinator=127.0.0.1:{moe_coordinator.grpc_port}",
+        "--name=moe-worker", "--listen=127.0.0.1:0", "--http_listen=127.0.0.1:0"], work).start()
 
     # The shipped configuration, with our targets and a 1 s scrape.
     with open(opslib.runfile("deploy/prometheus/prometheus.yml")) as f:
@@ -100,18 +127,19 @@ def main():
             for st in sc["static_configs"]:
                 component = st["labels"]["baton_component"]
                 if component == "coordinator":
-                    st["targets"] = [f"127.0.0.1:{coordinator.http_port}"] if with_coordinator else []
+                    st["targets"] = ([f"127.0.0.1:{c.http_port}" for c in (coordinator, moe_coordinator)]
+                                     if with_coordinator else [])
                 elif component == "worker":
-                    st["targets"] = [f"127.0.0.1:{w.http_port}" for w in workers]
+                    st["targets"] = [f"127.0.0.1:{w.http_port}" for w in workers + [moe_worker]]
                 else:
                     fail(f"prometheus.yml: unknown baton_component {component!r}")
         return c
 
     prom = opslib.Prometheus(work, config())
     grafana = opslib.Grafana(prom, scrape_interval_s=1)
-    everything = [coordinator] + workers
+    everything = [coordinator] + workers + [moe_coordinator, moe_worker]
     try:
-        run(prom, grafana, rules, dashboards, coordinator, workers, config)
+        run(prom, grafana, rules, dashboards, coordinator, workers, config, moe_coordinator)
     except Exception as e:  # noqa: BLE001 - report with the daemons' logs
         fail(f"{type(e).__name__}: {e}")
     finally:
@@ -138,7 +166,7 @@ def poll(what, fn, timeout):
         time.sleep(0.5)
 
 
-def run(prom, grafana, rules, dashboards, coordinator, workers, config):
+def run(prom, grafana, rules, dashboards, coordinator, workers, config, moe_coordinator):
     seen = set()          # expressions (or selectors) that returned data at least once
     errors = {}           # expression -> PromQL error
     alert_exprs = {name: expr for kind, name, expr in rules if kind == "alert"}
@@ -158,14 +186,16 @@ def run(prom, grafana, rules, dashboards, coordinator, workers, config):
             for choice in ("all", "first"):
                 try:
                     bindings = grafana.bindings_for(d, choice)
+                    moe_bindings = grafana.bindings_for(d, choice, prefer={"training_job": "live_moe"})
                 except (ValueError, KeyError) as e:
                     out.append((f"{fname}: variables ({choice})", None, str(e)))
                     continue
                 for p in opslib.panels(d):
                     for t in p.get("targets", []):
                         key = f"{fname}: panel {p.get('title')!r} {t.get('refId')} ({choice})"
+                        b = moe_bindings if p.get("title", "").startswith(MOE_PANEL_PREFIX) else bindings
                         try:
-                            out.append((key, grafana.substitute(t["expr"], bindings), None))
+                            out.append((key, grafana.substitute(t["expr"], b), None))
                         except KeyError as e:
                             out.append((key, None, f"undefined variable ${e}"))
         return out
@@ -204,10 +234,14 @@ def run(prom, grafana, rules, dashboards, coordinator, workers, config):
     # 1. Running: every stage reports, the rules have had a minute-window's worth of two samples.
     poll("every stage in baton:bubble_ratio",
          lambda: len(prom.query('baton:bubble_ratio{training_job="live"}')) == 2, 40)
-    poll("all workers scraped", lambda: len(prom.query('up{baton_component="worker"} == 1')) == WORKERS, 10)
+    poll("all workers scraped", lambda: len(prom.query('up{baton_component="worker"} == 1')) == WORKERS + 1, 10)
+    # The MoE job drops choices at capacity 0.5 (the rule has two samples of its counters).
+    poll("the MoE job's dropped share in baton:moe_dropped_ratio",
+         lambda: prom.query('baton:moe_dropped_ratio{training_job="live_moe"} > 0'), 60)
     time.sleep(3)
     sweep()
     check_status_json(coordinator)
+    check_moe(prom, moe_coordinator)
 
     # 2. The last stage frozen for 5 s: stage 0 waits, its bubble goes over the simulator's.
     last_stage = [w for w in workers if 'stage="1"' in scrape(w) and w.name in active_workers(coordinator)]
@@ -280,6 +314,31 @@ def active_workers(coordinator):
         return set()
 
 
+def check_moe(prom, moe_coordinator):
+    """The MoE job's experts are all used; the dense job has no MoE series; batonctl status shows the
+    MoE job's dropped share per stage (text column and JSON)."""
+    experts = prom.query('baton:moe_routed_per_second:by_expert{training_job="live_moe"} > 0')
+    if sorted(r["metric"].get("expert") for r in experts) != ["0", "1", "2", "3"]:
+        fail(f"baton:moe_routed_per_second:by_expert of live_moe: want experts 0-3 with choices, got {experts}")
+    dense = prom.query('{__name__=~"baton_moe_.*", training_job="live"}')
+    if dense:
+        fail(f"the dense job exports MoE series: {dense}")
+    batonctl = opslib.runfile("cli/batonctl")
+    target = f"--coordinator=127.0.0.1:{moe_coordinator.grpc_port}"
+    text = subprocess.run([batonctl, "status", target], capture_output=True, text=True, timeout=30)
+    js = subprocess.run([batonctl, "status", target, "--json"], capture_output=True, text=True, timeout=30)
+    if "MOE DROP" not in text.stdout:
+        fail(f"batonctl status of the MoE job has no MOE DROP column:\n{text.stdout}{text.stderr}")
+    try:
+        stages = json.loads(js.stdout)["stages"]
+    except (ValueError, KeyError) as e:
+        fail(f"batonctl status --json of the MoE job ({e}): {js.stdout}{js.stderr}")
+        return
+    ratios = [s.get("moe_dropped_ratio") for s in stages]
+    if len(ratios) != 1 or not isinstance(ratios[0], (int, float)) or not 0 < ratios[0] < 1:
+        fail(f"batonctl status --json of the MoE job: moe_dropped_ratio per stage {ratios}, want one in (0, 1)")
+
+
 def check_status_json(coordinator):
     """`batonctl status --json` carries every field the text output shows."""
     batonctl = opslib.runfile("cli/batonctl")
@@ -303,6 +362,8 @@ def check_status_json(coordinator):
         fail(f"job/job_state differ between text and JSON:\n{text.stdout}\n{js.stdout}")
     if "ACT MiB" not in text.stdout:
         fail(f"batonctl status has no ACT MiB column:\n{text.stdout}")
+    if "MOE DROP" in text.stdout:
+        fail(f"batonctl status of a dense job has a MOE DROP column:\n{text.stdout}")
     stages = doc.get("stages", [])
     if [s.get("stage") for s in stages] != [0, 1]:
         fail(f"batonctl status --json stages: {stages}")
@@ -311,6 +372,8 @@ def check_status_json(coordinator):
                     "grads_bytes", "optimizer_bytes", "activation_bytes", "workers"):
             if key not in s:
                 fail(f"batonctl status --json stage lacks {key!r}: {s}")
+        if s.get("moe_dropped_ratio", "absent") is not None:
+            fail(f"batonctl status --json of a dense job: moe_dropped_ratio should be null: {s}")
         line = next((l for l in text.stdout.splitlines() if l.split()[:1] == [str(s.get("stage"))]), None)
         if line is None or ",".join(s.get("workers", [])) not in line:
             fail(f"stage {s.get('stage')} workers differ between text and JSON:\n{text.stdout}\n{js.stdout}")

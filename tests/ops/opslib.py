@@ -207,8 +207,9 @@ class Grafana:
             params["match[]"] = m.group(1)
         return self.prom.label_values(m.group(2), params), query
 
-    def bindings_for(self, dashboard, choice):
-        """Binds every variable. `choice` is "all" (the All option) or "first" (one value)."""
+    def bindings_for(self, dashboard, choice, prefer=None):
+        """Binds every variable. `choice` is "all" (the All option) or "first" (one value: the first,
+        or the one `prefer` names for the variable, e.g. {"training_job": "x"}, when it is a value)."""
         bindings = {}
         for var in dashboard.get("templating", {}).get("list", []):
             if var["type"] == "datasource":
@@ -220,7 +221,8 @@ class Grafana:
             if choice == "all" and var.get("includeAll"):
                 bindings[var["name"]] = self.format(var, values, True)
             else:
-                bindings[var["name"]] = self.format(var, values[:1], False)
+                one = (prefer or {}).get(var["name"])
+                bindings[var["name"]] = self.format(var, [one] if one in values else values[:1], False)
         return bindings
 
 
