@@ -15,7 +15,8 @@
 //    today: CPU, sim and CUDA have them; CUDA's in kernels/cuda/ring_attention.cu);
 //    and the Mixture-of-Experts routing entries (router_top_k ..
 //    load_balancing_loss), for which ops.cc aborts naming the op and saying
-//    the backend has no MoE routing kernel yet (CUDA today).
+//    the backend has no MoE routing kernel yet (none today: CPU, sim and
+//    CUDA have them; CUDA's in kernels/cuda/moe.cu).
 //
 // 2. Backends. kCpu: kernels/cpu, linked into everything, always registered;
 //    it runs each op inline on the calling thread (its Stream and Event are
@@ -394,7 +395,7 @@ struct Backend {
   void (*qkv_grad_of_kv)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv);
 
   // --- Mixture-of-Experts routing, fp32 data and int32 indices (see ops.h);
-  // null where the backend has none (CUDA today): the ops then abort naming
+  // null where the backend has none (none today): the ops then abort naming
   // themselves ---
   void (*router_top_k)(const ExecContext&, const Tensor& probs, const Tensor& expert,
                        const Tensor& gate, const Tensor& logits, bool renormalize);

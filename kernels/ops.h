@@ -321,8 +321,11 @@ void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv);
 // array, every kept slot below the buffers' Cap (PlanDispatch's capacity,
 // or any Cap at least the largest of its counts). Loops run in fixed order
 // with no atomics: fixed shapes give fixed bits, and the simulated device
-// gives the CPU's. On a backend without these kernels (CUDA today) every op
-// below aborts naming itself.
+// gives the CPU's. CUDA's kernels (kernels/cuda/moe.cuh) keep the CPU's
+// summation orders with no atomics, written to give the CPU's bits but for
+// RouterTopK's probs and gate (exp taken in float64 there, glibc's expf on
+// the CPU: within a few ulp). On a backend without these kernels every op
+// below aborts naming itself (CPU, sim and CUDA all have them).
 
 // Rows per expert buffer (a host function): ceil(capacity_factor · N · K /
 // E), a decimal factor landing where its written value does (1.1 · 100 / 10

@@ -27,6 +27,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/grad_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/plan.h"
 #include "kernels/cuda/ring_attention.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
@@ -1039,6 +1040,106 @@ void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) 
                                             Native(ctx)));
 }
 
+// ------------------------------------------------ Mixture-of-Experts routing
+//
+// fp32 data, int32 indices, int64 counts; ops.cc has checked the shapes and
+// dtypes: expert [N,K] gives N and K, the router rows [N,E] or the expert
+// buffers [E,Cap,H] give E, Cap and H (moe.cuh).
+
+void RouterTopK(const ExecContext& ctx, const Tensor& probs, const Tensor& expert,
+                const Tensor& gate, const Tensor& logits, bool renormalize) {
+  StreamState& st = Enter(ctx, "RouterTopK");
+  RequireF32("RouterTopK", {&probs, &gate, &logits});
+  Note(st, "RouterTopK",
+       LaunchRouterTopK(probs.data<float>(), expert.data<int32_t>(), gate.data<float>(),
+                        logits.data<float>(), expert.dim(0), logits.dim(1), expert.dim(1),
+                        renormalize, Native(ctx)));
+}
+
+void RouterTopKBackward(const ExecContext& ctx, const Tensor& dlogits, const Tensor& dgate,
+                        const Tensor& expert, const Tensor& gate, const Tensor& probs,
+                        bool renormalize) {
+  StreamState& st = Enter(ctx, "RouterTopKBackward");
+  RequireF32("RouterTopKBackward", {&dlogits, &dgate, &gate, &probs});
+  Note(st, "RouterTopKBackward",
+       LaunchRouterTopKBackward(dlogits.data<float>(), dgate.data<float>(), expert.data<int32_t>(),
+                                gate.data<float>(), probs.data<float>(), expert.dim(0),
+                                dlogits.dim(1), expert.dim(1), renormalize, Native(ctx)));
+}
+
+void PlanDispatch(const ExecContext& ctx, const Tensor& slot, const Tensor& counts,
+                  const Tensor& expert, int64_t capacity) {
+  StreamState& st = Enter(ctx, "PlanDispatch");
+  Note(st, "PlanDispatch",
+       LaunchPlanDispatch(slot.data<int32_t>(), counts.data<int64_t>(), expert.data<int32_t>(),
+                          expert.dim(0), counts.dim(0), expert.dim(1), capacity, Native(ctx)));
+}
+
+void ExpertTokenCounts(const ExecContext& ctx, const Tensor& routed, const Tensor& expert) {
+  StreamState& st = Enter(ctx, "ExpertTokenCounts");
+  Note(st, "ExpertTokenCounts",
+       LaunchExpertTokenCounts(routed.data<int64_t>(), expert.data<int32_t>(), expert.dim(0),
+                               routed.dim(0), expert.dim(1), Native(ctx)));
+}
+
+void Permute(const ExecContext& ctx, const Tensor& expert_in, const Tensor& x,
+             const Tensor& expert, const Tensor& slot) {
+  StreamState& st = Enter(ctx, "Permute");
+  RequireF32("Permute", {&expert_in, &x});
+  Note(st, "Permute",
+       LaunchPermute(expert_in.data<float>(), x.data<float>(), expert.data<int32_t>(),
+                     slot.data<int32_t>(), expert.dim(0), expert_in.dim(0), expert.dim(1),
+                     expert_in.dim(2), expert_in.dim(1), Native(ctx)));
+}
+
+void PermuteBackward(const ExecContext& ctx, const Tensor& dx, const Tensor& dexpert_in,
+                     const Tensor& expert, const Tensor& slot) {
+  StreamState& st = Enter(ctx, "PermuteBackward");
+  RequireF32("PermuteBackward", {&dx, &dexpert_in});
+  Note(st, "PermuteBackward",
+       LaunchPermuteBackward(dx.data<float>(), dexpert_in.data<float>(), expert.data<int32_t>(),
+                             slot.data<int32_t>(), expert.dim(0), dexpert_in.dim(0),
+                             expert.dim(1), dexpert_in.dim(2), dexpert_in.dim(1), Native(ctx)));
+}
+
+void Combine(const ExecContext& ctx, const Tensor& y, const Tensor& expert_out, const Tensor& gate,
+             const Tensor& expert, const Tensor& slot) {
+  StreamState& st = Enter(ctx, "Combine");
+  RequireF32("Combine", {&y, &expert_out, &gate});
+  Note(st, "Combine",
+       LaunchCombine(y.data<float>(), expert_out.data<float>(), gate.data<float>(),
+                     expert.data<int32_t>(), slot.data<int32_t>(), expert.dim(0),
+                     expert_out.dim(0), expert.dim(1), expert_out.dim(2), expert_out.dim(1),
+                     Native(ctx)));
+}
+
+void CombineBackward(const ExecContext& ctx, const Tensor& dexpert_out, const Tensor& dgate,
+                     const Tensor& dy, const Tensor& expert_out, const Tensor& gate,
+                     const Tensor& expert, const Tensor& slot) {
+  StreamState& st = Enter(ctx, "CombineBackward");
+  RequireF32("CombineBackward", {&dexpert_out, &dgate, &dy, &expert_out, &gate});
+  Note(st, "CombineBackward",
+       LaunchCombineBackward(dexpert_out.data<float>(), dgate.data<float>(), dy.data<float>(),
+                             expert_out.data<float>(), gate.data<float>(), expert.data<int32_t>(),
+                             slot.data<int32_t>(), expert.dim(0), expert_out.dim(0),
+                             expert.dim(1), expert_out.dim(2), expert_out.dim(1), Native(ctx)));
+}
+
+// c_e and the per-expert loss terms live in the stream's scratch (2·E
+// doubles); if it cannot grow, the stream's error says so and nothing runs.
+void LoadBalancingLoss(const ExecContext& ctx, const Tensor& loss, const Tensor& dlogits_aux,
+                       const Tensor& probs, const Tensor& expert, float coef, float grad_scale) {
+  StreamState& st = Enter(ctx, "LoadBalancingLoss");
+  RequireF32("LoadBalancingLoss", {&loss, &dlogits_aux, &probs});
+  const int64_t experts = probs.dim(1);
+  absl::StatusOr<void*> scratch = Scratch(st, LoadBalancingLossScratchBytes(experts));
+  if (!scratch.ok()) return Note(st, "LoadBalancingLoss", scratch.status());
+  Note(st, "LoadBalancingLoss",
+       LaunchLoadBalancingLoss(loss.data<float>(), dlogits_aux.data<float>(), probs.data<float>(),
+                               expert.data<int32_t>(), expert.dim(0), experts, expert.dim(1), coef,
+                               grad_scale, static_cast<double*>(*scratch), Native(ctx)));
+}
+
 const kernels::Backend kCuda = {
     "cuda",
     kernels::DeviceType::kCuda,
@@ -1098,15 +1199,15 @@ const kernels::Backend kCuda = {
     AttentionDelta,
     BlockAttentionBackward,
     QkvGradOfKv,
-    nullptr,  // router_top_k: no MoE routing kernels on CUDA yet (ops.cc aborts naming the op)
-    nullptr,  // router_top_k_backward
-    nullptr,  // plan_dispatch
-    nullptr,  // expert_token_counts
-    nullptr,  // permute
-    nullptr,  // permute_backward
-    nullptr,  // combine
-    nullptr,  // combine_backward
-    nullptr,  // load_balancing_loss
+    RouterTopK,
+    RouterTopKBackward,
+    PlanDispatch,
+    ExpertTokenCounts,
+    Permute,
+    PermuteBackward,
+    Combine,
+    CombineBackward,
+    LoadBalancingLoss,
 };
 
 BATON_REGISTER_BACKEND(kCuda);

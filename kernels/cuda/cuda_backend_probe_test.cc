@@ -115,36 +115,58 @@ TEST(CudaBackendProbeTest, ContextParallelAttentionHasCudaEntries) {
                "QkvGradOfKv \\(cuda\\): the execution context has no CUDA stream");
 }
 
-// Mixture-of-Experts routing has no CUDA kernels yet: the nine entries are
-// null (backend.h §1 allows it), and an op aborts naming itself and what to
-// do instead of calling through a null pointer. The tensors are views of a
-// host buffer tagged cuda:0, never dereferenced.
-TEST(CudaBackendProbeTest, MoeRoutingHasNoCudaEntriesAndItsOpsSaySo) {
+// Mixture-of-Experts routing has CUDA kernels: the nine entries are set, so
+// ops.cc no longer aborts for want of a kernel (and GptStage::Create accepts
+// model.moe on a CUDA device). Without a CUDA stream in the context each
+// entry aborts naming its op and the missing stream, before any device
+// memory is touched (no GPU needed: the tensors are views of a host buffer
+// tagged cuda:0, never dereferenced).
+TEST(CudaBackendProbeTest, MoeRoutingHasCudaEntries) {
   ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
-  EXPECT_EQ(CudaBackend().router_top_k, nullptr);
-  EXPECT_EQ(CudaBackend().router_top_k_backward, nullptr);
-  EXPECT_EQ(CudaBackend().plan_dispatch, nullptr);
-  EXPECT_EQ(CudaBackend().expert_token_counts, nullptr);
-  EXPECT_EQ(CudaBackend().permute, nullptr);
-  EXPECT_EQ(CudaBackend().permute_backward, nullptr);
-  EXPECT_EQ(CudaBackend().combine, nullptr);
-  EXPECT_EQ(CudaBackend().combine_backward, nullptr);
-  EXPECT_EQ(CudaBackend().load_balancing_loss, nullptr);
+  EXPECT_NE(CudaBackend().router_top_k, nullptr);
+  EXPECT_NE(CudaBackend().router_top_k_backward, nullptr);
+  EXPECT_NE(CudaBackend().plan_dispatch, nullptr);
+  EXPECT_NE(CudaBackend().expert_token_counts, nullptr);
+  EXPECT_NE(CudaBackend().permute, nullptr);
+  EXPECT_NE(CudaBackend().permute_backward, nullptr);
+  EXPECT_NE(CudaBackend().combine, nullptr);
+  EXPECT_NE(CudaBackend().combine_backward, nullptr);
+  EXPECT_NE(CudaBackend().load_balancing_loss, nullptr);
   kernels::ExecContext ctx;
   ctx.device = Device::Cuda(0);
   ctx.backend = &CudaBackend();
-  static float memory[64];
+  alignas(8) static float memory[64];
   auto on_gpu = [](kernels::Shape shape, kernels::DType dtype) {
     return kernels::Tensor::View(memory, std::move(shape), dtype, Device::Cuda(0));
   };
+  // N = 2 tokens, E = 4 experts, K = 1, H = 2, Cap = 1.
   const kernels::Tensor logits = on_gpu({2, 4}, kernels::DType::kFloat32),
                         probs = on_gpu({2, 4}, kernels::DType::kFloat32),
                         gate = on_gpu({2, 1}, kernels::DType::kFloat32),
-                        expert = on_gpu({2, 1}, kernels::DType::kInt32);
+                        expert = on_gpu({2, 1}, kernels::DType::kInt32),
+                        slot = on_gpu({2, 1}, kernels::DType::kInt32),
+                        counts = on_gpu({4}, kernels::DType::kInt64),
+                        x = on_gpu({2, 2}, kernels::DType::kFloat32),
+                        buffer = on_gpu({4, 1, 2}, kernels::DType::kFloat32),
+                        loss = on_gpu({1}, kernels::DType::kFloat32);
   EXPECT_DEATH(kernels::RouterTopK(ctx, probs, expert, gate, logits, false),
-               "RouterTopK: Mixture-of-Experts routing has no CUDA kernel yet");
+               "RouterTopK \\(cuda\\): the execution context has no CUDA stream");
   EXPECT_DEATH(kernels::RouterTopKBackward(ctx, logits, gate, expert, gate, probs, false),
-               "RouterTopKBackward: Mixture-of-Experts routing has no CUDA kernel yet");
+               "RouterTopKBackward \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::PlanDispatch(ctx, slot, counts, expert, 1),
+               "PlanDispatch \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::ExpertTokenCounts(ctx, counts, expert),
+               "ExpertTokenCounts \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::Permute(ctx, buffer, x, expert, slot),
+               "Permute \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::PermuteBackward(ctx, x, buffer, expert, slot),
+               "PermuteBackward \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::Combine(ctx, x, buffer, gate, expert, slot),
+               "Combine \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::CombineBackward(ctx, buffer, gate, x, buffer, gate, expert, slot),
+               "CombineBackward \\(cuda\\): the execution context has no CUDA stream");
+  EXPECT_DEATH(kernels::LoadBalancingLoss(ctx, loss, logits, probs, expert, 0.01f, 1.0f),
+               "LoadBalancingLoss \\(cuda\\): the execution context has no CUDA stream");
 }
 
 }  // namespace

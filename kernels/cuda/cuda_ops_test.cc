@@ -18,6 +18,8 @@
 //   bf16 RMSNorm / RoPE outputs vs the CPU's  ≤ 8e-3 (one bf16 ulp, ≤ 2⁻⁷)
 //   ring attention: block forward / backward ≤ 1e-5, merge ≤ 1e-6 (bitwise
 //     on −∞ rows), delta and the kv copies bitwise
+//   MoE routing: RouterTopK's probs and gate ≤ 1e-6 (exp from float64 vs
+//     glibc's expf), its choices exact; the other eight ops bitwise
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +29,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -1347,6 +1350,322 @@ TEST_F(CudaRingAttentionTest, HeadsOverTheLimitFailTheStreamNamingTheLimit) {
     EXPECT_NE(status.message().find(absl::StrCat("limit of ", kRingAttentionMaxHeadDim)),
               absl::string_view::npos)
         << status;
+  }
+}
+
+// ------------------------------------------------ Mixture-of-Experts routing
+//
+// The nine entries (moe.cuh) through kernels/ops.h against the CPU backend on
+// the same inputs: E in {2, 4, 8, 64}, K in {1, 2, E}, N = 299 tokens (not a
+// multiple of a block's 8 warps or of PlanDispatch's 256-choice step), H not
+// a multiple of 32. Bounds: RouterTopK's probs and gate ≤ 1e-6 (exp rounded
+// from float64 here, glibc's expf on the CPU: one ulp apart for about 1 in
+// 10^4 arguments), its expert the CPU's; every other op the CPU's bits (the
+// same float and double operations in the same order; the 1e-6 bound is
+// checked too, so a miss says how far). Every op runs twice: the same bits.
+// Each op gets the CPU's inputs (the CPU router's choices, the CPU plan's
+// slots), so a difference points at one op.
+
+struct MoeCase {
+  int64_t E, K;
+};
+
+// K in {1, 2, E} for each E.
+std::vector<MoeCase> MoeCases() {
+  std::vector<MoeCase> cases;
+  for (const int64_t e : {2, 4, 8, 64}) {
+    for (const int64_t k : {int64_t{1}, int64_t{2}, e}) {
+      if (k == 2 && e == 2) continue;  // E = 2's K = 2 is its K = E
+      cases.push_back({e, k});
+    }
+  }
+  return cases;
+}
+
+std::string MoeName(const MoeCase& c, const char* more = "") {
+  return absl::StrCat("E=", c.E, " K=", c.K, more);
+}
+
+constexpr int64_t kMoeTokens = 299;
+
+// Router logits [N,E]. ties: quarters in [-2, 2] (distinct values at least a
+// quarter apart, equal ones equal) with expert 0 raised by 1 (so it
+// overflows a capacity), and token 0's logits all equal; else normal, σ = 2.
+std::vector<float> MoeLogits(int64_t n, int64_t e, bool ties, uint32_t seed) {
+  if (!ties) return Random(n * e, seed, 2.0f);
+  std::mt19937 rng(seed);
+  std::vector<float> z(n * e);
+  for (int64_t i = 0; i < n * e; ++i) {
+    z[i] = static_cast<float>(static_cast<int>(rng() % 17) - 8) / 4.0f + (i % e == 0 ? 1.0f : 0.0f);
+  }
+  std::fill(z.begin(), z.begin() + e, 0.5f);
+  return z;
+}
+
+template <typename T>
+k::Tensor HostTensor(const std::vector<T>& v, k::Shape shape, k::DType dtype) {
+  k::Tensor t = k::Tensor::Zeros(std::move(shape), dtype);
+  EXPECT_EQ(t.bytes(), v.size() * sizeof(T));
+  std::memcpy(t.raw(), v.data(), t.bytes());
+  return t;
+}
+
+template <typename T>
+std::vector<T> HostValues(const k::Tensor& host) {
+  std::vector<T> v(host.numel());
+  std::memcpy(v.data(), host.raw(), host.bytes());
+  return v;
+}
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// The CPU router's outputs for `logits` (the inputs of the other ops' tests).
+struct HostRouting {
+  k::Tensor probs, expert, gate;
+};
+HostRouting RouteOnHost(const std::vector<float>& logits, int64_t n, const MoeCase& c,
+                        bool renormalize) {
+  HostRouting r{k::Tensor::Zeros({n, c.E}), k::Tensor::Zeros({n, c.K}, k::DType::kInt32),
+                k::Tensor::Zeros({n, c.K})};
+  k::RouterTopK(k::ExecContext::Host(), r.probs, r.expert, r.gate, HostView(logits, {n, c.E}),
+                renormalize);
+  return r;
+}
+
+// The ring fixture's stream and transfers, plus downloads of any dtype.
+class CudaMoeTest : public CudaRingAttentionTest {
+ protected:
+  template <typename T>
+  std::vector<T> DownAs(const k::Tensor& dev) {
+    k::Tensor host = k::Tensor::Zeros(dev.shape(), dev.dtype());
+    k::Copy(ctx_, host, dev);
+    EXPECT_TRUE(stream_->Synchronize().ok());
+    return HostValues<T>(host);
+  }
+  // A device tensor with every byte 0xff (NaN, or −1 for indices).
+  k::Tensor UpFilled(k::Shape shape, k::DType dtype) {
+    k::Tensor host = k::Tensor::Zeros(std::move(shape), dtype);
+    std::memset(host.raw(), 0xff, host.bytes());
+    return Up(host);
+  }
+};
+
+TEST_F(CudaMoeTest, RouterTopKMatchesTheCpuBreaksTiesToTheLowerExpertAndRepeatsBitwise) {
+  const int64_t n = kMoeTokens;
+  for (const MoeCase& c : MoeCases()) {
+    for (const bool ties : {true, false}) {
+      for (const bool renormalize : {true, false}) {
+        SCOPED_TRACE(MoeName(c, ties ? " ties" : " normal") +
+                     (renormalize ? " renormalised" : " raw"));
+        const std::vector<float> logits =
+            MoeLogits(n, c.E, ties, static_cast<uint32_t>(300 + c.E * 3 + c.K));
+        const HostRouting want = RouteOnHost(logits, n, c, renormalize);
+        const k::Tensor d_logits = Up(HostView(logits, {n, c.E}));
+        auto route = [&] {
+          const k::Tensor probs = UpFilled({n, c.E}, k::DType::kFloat32);
+          const k::Tensor expert = UpFilled({n, c.K}, k::DType::kInt32);
+          const k::Tensor gate = UpFilled({n, c.K}, k::DType::kFloat32);
+          k::RouterTopK(ctx_, probs, expert, gate, d_logits, renormalize);
+          return std::make_tuple(DownAs<float>(probs), DownAs<int32_t>(expert),
+                                 DownAs<float>(gate));
+        };
+        const auto [probs, expert, gate] = route();
+        EXPECT_TRUE(SameBits(expert, HostValues<int32_t>(want.expert))) << "expert";
+        EXPECT_LE(MaxRelError(probs, HostFloats(want.probs)), 1e-6) << "probs";
+        EXPECT_LE(MaxRelError(gate, HostFloats(want.gate)), 1e-6) << "gate";
+        if (ties) {  // token 0's logits are all equal: experts 0 .. K-1, in order
+          for (int64_t j = 0; j < c.K; ++j) EXPECT_EQ(expert[j], j) << "choice " << j;
+        }
+        const auto [probs2, expert2, gate2] = route();
+        EXPECT_TRUE(SameBits(probs2, probs) && SameBits(expert2, expert) && SameBits(gate2, gate))
+            << "second run";
+      }
+    }
+  }
+}
+
+TEST_F(CudaMoeTest, RouterTopKBackwardIsTheCpusBitsInBothModes) {
+  const int64_t n = kMoeTokens;
+  for (const MoeCase& c : MoeCases()) {
+    for (const bool renormalize : {true, false}) {
+      SCOPED_TRACE(MoeName(c, renormalize ? " renormalised" : " raw"));
+      const std::vector<float> logits =
+          MoeLogits(n, c.E, false, static_cast<uint32_t>(310 + c.E * 3 + c.K));
+      const HostRouting r = RouteOnHost(logits, n, c, renormalize);
+      const std::vector<float> dgate = Random(n * c.K, 311);
+      k::Tensor want = k::Tensor::Zeros({n, c.E});
+      k::RouterTopKBackward(k::ExecContext::Host(), want, HostView(dgate, {n, c.K}), r.expert,
+                            r.gate, r.probs, renormalize);
+      const k::Tensor d_dgate = Up(HostView(dgate, {n, c.K})), d_expert = Up(r.expert);
+      const k::Tensor d_gate = Up(r.gate), d_probs = Up(r.probs);
+      auto backward = [&] {
+        const k::Tensor dlogits = UpFilled({n, c.E}, k::DType::kFloat32);
+        k::RouterTopKBackward(ctx_, dlogits, d_dgate, d_expert, d_gate, d_probs, renormalize);
+        return DownAs<float>(dlogits);
+      };
+      const std::vector<float> got = backward();
+      EXPECT_TRUE(Bitwise(got, HostFloats(want))) << "dlogits";
+      EXPECT_LE(MaxRelError(got, HostFloats(want)), 1e-6) << "dlogits";
+      EXPECT_TRUE(Bitwise(backward(), got)) << "second run";
+    }
+  }
+}
+
+// Capacities: dropless (N·K), MoeExpertCapacity at factors 1.0 and 1.25, 1
+// and 0. Expert 0 is favoured, so with K < E factor 1.0 drops choices.
+TEST_F(CudaMoeTest, PlanDispatchAndCountsAreTheCpusBitsDroplessAndCapped) {
+  const int64_t n = kMoeTokens;
+  for (const MoeCase& c : MoeCases()) {
+    const std::vector<float> logits =
+        MoeLogits(n, c.E, true, static_cast<uint32_t>(320 + c.E * 3 + c.K));
+    const HostRouting r = RouteOnHost(logits, n, c, c.K > 1);
+    const k::Tensor d_expert = Up(r.expert);
+
+    k::Tensor routed = k::Tensor::Zeros({c.E}, k::DType::kInt64);
+    k::ExpertTokenCounts(k::ExecContext::Host(), routed, r.expert);
+    const k::Tensor d_routed = UpFilled({c.E}, k::DType::kInt64);
+    k::ExpertTokenCounts(ctx_, d_routed, d_expert);
+    EXPECT_TRUE(SameBits(DownAs<int64_t>(d_routed), HostValues<int64_t>(routed)))
+        << MoeName(c, " routed");
+
+    const int64_t capacities[] = {n * c.K, k::MoeExpertCapacity(n, c.E, c.K, 1.0),
+                                  k::MoeExpertCapacity(n, c.E, c.K, 1.25), 1, 0};
+    for (const int64_t capacity : capacities) {
+      SCOPED_TRACE(MoeName(c, absl::StrCat(" capacity=", capacity).c_str()));
+      k::Tensor slot = k::Tensor::Zeros({n, c.K}, k::DType::kInt32);
+      k::Tensor counts = k::Tensor::Zeros({c.E}, k::DType::kInt64);
+      k::PlanDispatch(k::ExecContext::Host(), slot, counts, r.expert, capacity);
+      auto plan = [&] {
+        const k::Tensor d_slot = UpFilled({n, c.K}, k::DType::kInt32);
+        const k::Tensor d_counts = UpFilled({c.E}, k::DType::kInt64);
+        k::PlanDispatch(ctx_, d_slot, d_counts, d_expert, capacity);
+        return std::make_pair(DownAs<int32_t>(d_slot), DownAs<int64_t>(d_counts));
+      };
+      const auto [got_slot, got_counts] = plan();
+      const std::vector<int32_t> want_slot = HostValues<int32_t>(slot);
+      EXPECT_TRUE(SameBits(got_slot, want_slot)) << "slot";
+      EXPECT_TRUE(SameBits(got_counts, HostValues<int64_t>(counts))) << "counts";
+      const auto [again_slot, again_counts] = plan();
+      EXPECT_TRUE(SameBits(again_slot, got_slot) && SameBits(again_counts, got_counts))
+          << "second run";
+      const int64_t dropped = std::count(want_slot.begin(), want_slot.end(), k::kDroppedSlot);
+      if (capacity == n * c.K) {
+        EXPECT_EQ(dropped, 0) << "dropless";
+      }
+      if (capacity == 0) {
+        EXPECT_EQ(dropped, n * c.K) << "capacity 0";
+      }
+      if (capacity == capacities[1] && c.K < c.E) {
+        EXPECT_GT(dropped, 0) << "factor 1.0 drops";
+      }
+    }
+  }
+}
+
+// Dropless and factor-1.0 plans; buffers as long as the plan's capacity and
+// as the fullest expert's count (the stage's), H = 40 and 67; x and dy as
+// [B,T,H] for H = 67. Outputs start as NaN: a row or element not written
+// shows.
+TEST_F(CudaMoeTest, PermuteAndCombineAreTheCpusBitsWithShortAndFullBuffers) {
+  const int64_t n = kMoeTokens, batch = 13, seq = 23;  // 13 · 23 = 299
+  const k::ExecContext& host = k::ExecContext::Host();
+  for (const MoeCase& c : MoeCases()) {
+    const std::vector<float> logits =
+        MoeLogits(n, c.E, true, static_cast<uint32_t>(330 + c.E * 3 + c.K));
+    const HostRouting r = RouteOnHost(logits, n, c, c.K > 1);
+    const k::Tensor d_expert = Up(r.expert), d_gate = Up(r.gate);
+    for (const int64_t capacity : {n * c.K, k::MoeExpertCapacity(n, c.E, c.K, 1.0)}) {
+      k::Tensor slot = k::Tensor::Zeros({n, c.K}, k::DType::kInt32);
+      k::Tensor counts = k::Tensor::Zeros({c.E}, k::DType::kInt64);
+      k::PlanDispatch(host, slot, counts, r.expert, capacity);
+      const std::vector<int64_t> kept = HostValues<int64_t>(counts);
+      const int64_t fullest = *std::max_element(kept.begin(), kept.end());
+      const k::Tensor d_slot = Up(slot);
+      for (const int64_t h : {40, 67}) {
+        for (const int64_t cap : {fullest, capacity}) {
+          if (c.E * cap * h > (int64_t{1} << 24)) continue;  // 64 experts dropless: the short one
+          SCOPED_TRACE(MoeName(c, absl::StrCat(" capacity=", capacity, " H=", h, " Cap=", cap)
+                                      .c_str()));
+          const k::Shape rows = h == 67 ? k::Shape{batch, seq, h} : k::Shape{n, h};
+          const std::vector<float> x = Random(n * h, 331), dy = Random(n * h, 332);
+          const std::vector<float> expert_out = Random(c.E * cap * h, 333);
+          const std::vector<float> dexpert_in = Random(c.E * cap * h, 334);
+          const k::Tensor tx = HostView(x, rows), tdy = HostView(dy, rows);
+          const k::Tensor tout = HostView(expert_out, {c.E, cap, h});
+          const k::Tensor tdin = HostView(dexpert_in, {c.E, cap, h});
+          k::Tensor expert_in = k::Tensor::Zeros({c.E, cap, h}), dx = k::Tensor::Zeros(rows);
+          k::Tensor y = k::Tensor::Zeros(rows), dexpert_out = k::Tensor::Zeros({c.E, cap, h});
+          k::Tensor dgate = k::Tensor::Zeros({n, c.K});
+          k::Permute(host, expert_in, tx, r.expert, slot);
+          k::PermuteBackward(host, dx, tdin, r.expert, slot);
+          k::Combine(host, y, tout, r.gate, r.expert, slot);
+          k::CombineBackward(host, dexpert_out, dgate, tdy, tout, r.gate, r.expert, slot);
+
+          const k::Tensor d_x = Up(tx), d_dy = Up(tdy), d_out = Up(tout), d_din = Up(tdin);
+          auto run = [&] {
+            const k::Tensor g_in = UpNaN({c.E, cap, h}), g_dx = UpNaN(rows), g_y = UpNaN(rows);
+            const k::Tensor g_dout = UpNaN({c.E, cap, h}), g_dgate = UpNaN({n, c.K});
+            k::Permute(ctx_, g_in, d_x, d_expert, d_slot);
+            k::PermuteBackward(ctx_, g_dx, d_din, d_expert, d_slot);
+            k::Combine(ctx_, g_y, d_out, d_gate, d_expert, d_slot);
+            k::CombineBackward(ctx_, g_dout, g_dgate, d_dy, d_out, d_gate, d_expert, d_slot);
+            return std::vector<std::vector<float>>{Down(g_in), Down(g_dx), Down(g_y),
+                                                   Down(g_dout), Down(g_dgate)};
+          };
+          const std::vector<std::vector<float>> got = run();
+          const std::vector<float> want[] = {HostFloats(expert_in), HostFloats(dx), HostFloats(y),
+                                             HostFloats(dexpert_out), HostFloats(dgate)};
+          const char* names[] = {"Permute", "PermuteBackward", "Combine",
+                                 "CombineBackward dexpert_out", "CombineBackward dgate"};
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_TRUE(Bitwise(got[i], want[i])) << names[i];
+            EXPECT_LE(MaxRelError(got[i], want[i]), 1e-6) << names[i];
+          }
+          const std::vector<std::vector<float>> again = run();
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_TRUE(Bitwise(again[i], got[i])) << names[i] << ", second run";
+          }
+        }
+      }
+    }
+  }
+}
+
+// loss starts at 0.75 and gains the CPU's float at each call; dlogits_aux
+// starts as NaN and is overwritten with the CPU's bits each time.
+TEST_F(CudaMoeTest, LoadBalancingLossAccumulatesTheCpusLossAndOverwritesItsGradient) {
+  const int64_t n = kMoeTokens;
+  const float coef = 0.01f, grad_scale = 0.25f;
+  for (const MoeCase& c : MoeCases()) {
+    for (const bool ties : {true, false}) {
+      SCOPED_TRACE(MoeName(c, ties ? " ties" : " normal"));
+      const std::vector<float> logits =
+          MoeLogits(n, c.E, ties, static_cast<uint32_t>(340 + c.E * 3 + c.K));
+      const HostRouting r = RouteOnHost(logits, n, c, c.K > 1);
+      k::Tensor loss = HostTensor(std::vector<float>{0.75f}, {1}, k::DType::kFloat32);
+      k::Tensor aux = k::Tensor::Zeros({n, c.E});
+      const k::Tensor d_probs = Up(r.probs), d_expert = Up(r.expert), d_loss = Up(loss);
+      std::vector<float> first_aux;
+      for (int call = 0; call < 2; ++call) {
+        k::LoadBalancingLoss(k::ExecContext::Host(), loss, aux, r.probs, r.expert, coef,
+                             grad_scale);
+        const k::Tensor d_aux = UpNaN({n, c.E});
+        k::LoadBalancingLoss(ctx_, d_loss, d_aux, d_probs, d_expert, coef, grad_scale);
+        const std::vector<float> got_loss = Down(d_loss), got_aux = Down(d_aux);
+        EXPECT_TRUE(Bitwise(got_loss, HostFloats(loss))) << "loss after call " << call + 1 << ": "
+                                                         << got_loss[0] << " vs " << loss.f32()[0];
+        EXPECT_LE(MaxRelError(got_loss, HostFloats(loss)), 1e-6) << "loss";
+        EXPECT_TRUE(Bitwise(got_aux, HostFloats(aux))) << "dlogits_aux";
+        EXPECT_LE(MaxRelError(got_aux, HostFloats(aux)), 1e-6) << "dlogits_aux";
+        if (call == 0) first_aux = got_aux;
+        if (call == 1) {
+          EXPECT_TRUE(Bitwise(got_aux, first_aux)) << "dlogits_aux, second run";
+        }
+      }
+    }
   }
 }
 
