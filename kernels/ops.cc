@@ -411,16 +411,22 @@ int64_t BlockAttentionBackwardScratch(int64_t q_len, int64_t k_len) { return 2 *
 namespace {
 
 // The backend's entry `fn`, or an abort naming `op` where the backend has
-// none (backend.h §1: these entries may be null).
+// none (backend.h §1: the context-parallel and MoE entries may be null).
+// `family` names the ops, `setting` the job setting that needs them.
 template <typename Fn>
-Fn CpEntry(const Backend& be, Fn fn, const char* op) {
+Fn OptionalEntry(const Backend& be, Fn fn, const char* op, const char* family, const char* setting) {
   if (fn == nullptr) {
     const std::string name = be.name;
-    Fail(op, "context-parallel attention has no " + std::string(name == "cuda" ? "CUDA" : name) +
-                 " kernel yet (it runs on CPU devices only for now); run jobs with cp > 1 on "
-                 "CPU workers, or set cp = 1");
+    Fail(op, std::string(family) + " has no " + (name == "cuda" ? "CUDA" : name) +
+                 " kernel yet; run jobs with " + setting + " on workers whose device has one (the CPU), or without " +
+                 setting);
   }
   return fn;
+}
+
+template <typename Fn>
+Fn CpEntry(const Backend& be, Fn fn, const char* op) {
+  return OptionalEntry(be, fn, op, "context-parallel attention", "parallel.cp > 1");
 }
 
 // Packed qkv [B,Tq,3C] with heads | C; returns C.
@@ -537,17 +543,9 @@ namespace {
 
 constexpr int64_t kMaxCapacity = std::numeric_limits<int32_t>::max();  // slots are int32
 
-// The backend's entry `fn`, or an abort naming `op` where the backend has
-// none (backend.h §1: these entries may be null).
 template <typename Fn>
 Fn MoeEntry(const Backend& be, Fn fn, const char* op) {
-  if (fn == nullptr) {
-    const std::string name = be.name;
-    Fail(op, "Mixture-of-Experts routing has no " + std::string(name == "cuda" ? "CUDA" : name) +
-                 " kernel yet (it runs on CPU devices only for now); run jobs with model.moe on "
-                 "CPU workers, or without model.moe");
-  }
-  return fn;
+  return OptionalEntry(be, fn, op, "Mixture-of-Experts routing", "model.moe");
 }
 
 void RequireDType(const char* op, std::initializer_list<const Tensor*> tensors, DType dtype,
