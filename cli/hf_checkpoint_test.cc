@@ -442,14 +442,20 @@ TEST(HfCheckpointTest, ExportGathersAPipelineAndTensorParallelCheckpoint) {
   for (const auto& [name, t] : hf) EXPECT_EQ(*file->Float32s(name), t.values) << name;
 }
 
-TEST(HfCheckpointTest, ExportRefusesACheckpointWithoutAGptModel) {
-  const std::string dir = TmpDir("v1_ckpt");
-  ASSERT_TRUE(MakeDirectories(dir).ok());
+// A directory `dir` under the test's temp dir holding one shard file with a
+// tensor "w" of two floats (no manifest yet); returns the file's name.
+absl::StatusOr<std::string> OneTensorShard(const std::string& dir) {
+  if (absl::Status made = MakeDirectories(dir); !made.ok()) return made;
   checkpoint::TensorLayout l;
   l.full_shape = {2};
   std::vector<float> v = {1, 2};
-  absl::StatusOr<std::string> f = checkpoint::WriteStateShardFile(dir, 0, 0, 1, 0, false, {{"w", l, v, {}, {}}});
-  ASSERT_TRUE(f.ok());
+  return checkpoint::WriteStateShardFile(dir, 0, 0, 1, 0, false, {{"w", l, v, {}, {}}});
+}
+
+TEST(HfCheckpointTest, ExportRefusesACheckpointWithoutAGptModel) {
+  const std::string dir = TmpDir("v1_ckpt");
+  absl::StatusOr<std::string> f = OneTensorShard(dir);
+  ASSERT_TRUE(f.ok()) << f.status();
   ASSERT_TRUE(checkpoint::WriteManifest(dir, {*f}, "job", 3).ok());  // v1: no model
   absl::Status s = ExportHfCheckpoint(dir, TmpDir("v1_export"), false).status();
   EXPECT_THAT(s.message(), HasSubstr("names no GPT model"));
@@ -460,12 +466,8 @@ TEST(HfCheckpointTest, ExportRefusesACheckpointWithoutAGptModel) {
 // GPT2LMHeadModel has no experts, and no Mixtral export is written.
 TEST(HfCheckpointTest, ExportRefusesAnMoeCheckpoint) {
   const std::string dir = TmpDir("moe_ckpt");
-  ASSERT_TRUE(MakeDirectories(dir).ok());
-  checkpoint::TensorLayout l;
-  l.full_shape = {2};
-  std::vector<float> v = {1, 2};
-  absl::StatusOr<std::string> f = checkpoint::WriteStateShardFile(dir, 0, 0, 1, 0, false, {{"w", l, v, {}, {}}});
-  ASSERT_TRUE(f.ok());
+  absl::StatusOr<std::string> f = OneTensorShard(dir);
+  ASSERT_TRUE(f.ok()) << f.status();
   v1::JobSpec job;
   job.set_name("moe");
   v1::ModelSpec* m = job.mutable_model();
