@@ -1265,8 +1265,12 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
   // ZeRO stage >= 1 each holds other AdamW moments than the lost rank (its
   // own 1/(dp*cp) shard), so none can stand in for the lost one: only the
   // buddy holding the lost rank's own snapshot (kept by SlotOf, which tells
-  // the (dp, cp) shards apart) can.
-  const bool dp_replicas_are_sources = !DimsOf(job_).sharded_optimizer();
+  // the (dp, cp) shards apart) can. With expert parallelism (ep = G > 1) a
+  // DP replica holds the lost rank's experts only on the same slot
+  // (dp_rank % G); the others hold other experts.
+  const ParallelDims d = DimsOf(job_);
+  const bool dp_replicas_are_sources = !d.sharded_optimizer();
+  const int ep = std::max(1, d.ep);
   for (int64_t s = committed_; s > 0; --s) {
     bool ok = true;
     for (const std::string& w : survivors) ok &= Holds(own_snapshots_[w], s);
@@ -1277,7 +1281,7 @@ int64_t JobRunner::ChooseResumeStep(const std::set<std::string>& lost,
       for (const std::string& w : survivors) {  // a DP replica (or CP peer) of the same shard
         const v1::RankAssignment& b = assigned_[w];
         if (dp_replicas_are_sources && b.pp_rank() == a.pp_rank() && b.tp_rank() == a.tp_rank() &&
-            Holds(own_snapshots_[w], s)) {
+            b.dp_rank() % ep == a.dp_rank() % ep && Holds(own_snapshots_[w], s)) {
           (*sources)[name] = {w, w};
           break;
         }
@@ -1618,6 +1622,14 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
   // are the whole: every rank counts (in the map's name order, the same
   // order every step).
   //
+  // With expert parallelism (parallel.ep = G > 1, no ZeRO) the dense
+  // parameters' gradients are the same on every rank of the group, but an
+  // expert's only on the dp ranks of its slot (dp_rank % G): dp ranks 0 ..
+  // G-1 (cp 0; MoE runs without cp) hold every expert between them. Each
+  // of them reports its own experts' squared norm, dp 0 the dense
+  // parameters' too; the ranks of the other expert groups report what must
+  // not be added again.
+  //
   // The loss: each last-stage rank's mean over its own scored tokens (one TP
   // rank of each counts, its TP peers hold the same). A DP replica's is its
   // ranks' mean; with cp > 1 a replica's CP ranks hold different tokens of
@@ -1628,6 +1640,7 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
   // how many it scored). The replicas' losses are averaged.
   const bool every_rank = DimsOf(job_).sharded_optimizer();
   const bool cp = DimsOf(job_).cp > 1;
+  const int norm_dp_ranks = every_rank ? 0 : DimsOf(job_).ep;  // dp ranks [0, this) count, cp rank 0
   struct Replica {
     double weighted = 0, plain = 0;  // Σ loss · tokens, Σ loss
     int64_t tokens = 0;
@@ -1640,7 +1653,7 @@ double JobRunner::Aggregate(const std::map<std::string, v1::WorkerMessage>& repo
       const v1::StepReport& r = msg.report();
       const v1::RankAssignment& rank = assigned_[name];
       *finite &= r.finite();
-      if (every_rank || (rank.dp_rank() == 0 && rank.cp_rank() == 0)) sq += r.grad_sq_norm();
+      if (every_rank || (rank.dp_rank() < norm_dp_ranks && rank.cp_rank() == 0)) sq += r.grad_sq_norm();
       if (r.has_loss() && rank.tp_rank() == 0) {
         if (cp) {
           Replica& replica = replicas[rank.dp_rank()];
@@ -1736,7 +1749,8 @@ void JobRunner::RecordStep(int64_t step, bool committed, bool traced, double los
     recorded_ = step;
     for (const auto& [name, msg] : done) {
       const v1::StepDone& s = msg.step_done();
-      const double c = s.comm_p2p_seconds() + s.comm_tp_seconds() + s.comm_dp_seconds() + s.comm_cp_seconds();
+      const double c = s.comm_p2p_seconds() + s.comm_tp_seconds() + s.comm_dp_seconds() + s.comm_cp_seconds() +
+                       s.comm_all_to_all_seconds();
       bubble += s.bubble_seconds();
       comm += c;
       worker_wall += s.wall_seconds();

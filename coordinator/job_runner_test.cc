@@ -85,6 +85,12 @@ class FakeWorkers : public JobWorkers {
     absl::MutexLock lock(&mu_);
     rank_dependent_ = true;
   }
+  // Each StepDone counts `seconds` of expert-parallel exchanges
+  // (comm_all_to_all_seconds) in its wall time.
+  void SetAllToAllSeconds(double seconds) {
+    absl::MutexLock lock(&mu_);
+    all_to_all_seconds_ = seconds;
+  }
   // The RunStep steps `worker` got from its leader, in order.
   std::vector<int64_t> StepsPassedOn(const std::string& worker) const {
     absl::MutexLock lock(&mu_);
@@ -324,7 +330,9 @@ class FakeWorkers : public JobWorkers {
     return true;
   }
 
-  // A worker's state after step s is the string "<pp>.<tp>@<s>" (DP replicas equal).
+  // A worker's state after step s is the string "<pp>.<tp>@<s>" (DP replicas
+  // equal); with parallel.ep = G > 1 "<pp>.<tp>.e<dp % G>@<s>" (only the DP
+  // replicas of the same expert slot hold the same experts).
   void Answer(const std::string& worker, const v1::CoordinatorMessage& m, std::vector<v1::WorkerMessage>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     v1::WorkerMessage r;
@@ -335,6 +343,7 @@ class FakeWorkers : public JobWorkers {
         for (const auto& rank : c.plan().ranks()) {
           if (rank.worker_name() != worker) continue;
           shard_[worker] = absl::StrCat(rank.pp_rank(), ".", rank.tp_rank());
+          if (c.plan().ep() > 1) absl::StrAppend(&shard_[worker], ".e", rank.dp_rank() % c.plan().ep());
           rank_[worker] = rank;
         }
         plan_of_[worker] = c.plan();
@@ -385,6 +394,7 @@ class FakeWorkers : public JobWorkers {
         r.mutable_step_done()->set_committed(true);
         r.mutable_step_done()->set_generation(generation_of_[worker]);
         r.mutable_step_done()->set_wall_seconds(0.01);
+        r.mutable_step_done()->set_comm_all_to_all_seconds(all_to_all_seconds_);
         if (traced_[worker]) {  // one event per traced step
           v1::TraceEvent* e = r.mutable_step_done()->add_events();
           e->set_name(rank_dependent_ ? absl::StrCat("step ", step, " by ", worker) : absl::StrCat("step ", step));
@@ -485,6 +495,7 @@ class FakeWorkers : public JobWorkers {
   std::map<std::string, std::vector<int64_t>> passed_ ABSL_GUARDED_BY(mu_);
   bool drop_members_ ABSL_GUARDED_BY(mu_) = false;
   bool rank_dependent_ ABSL_GUARDED_BY(mu_) = false;
+  double all_to_all_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, bool> hold_done_ ABSL_GUARDED_BY(mu_);  // the RunStep being answered allows it
   std::map<std::string, v1::StepDone> held_done_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> dones_apart_ ABSL_GUARDED_BY(mu_), dones_in_reports_ ABSL_GUARDED_BY(mu_);
@@ -1036,6 +1047,90 @@ TEST_P(ContextParallelStepTest, TheNormCountsOneRankOfTheGroupOrEveryShardAndThe
 }
 
 INSTANTIATE_TEST_SUITE_P(WithoutAndWithZeroStageOne, ContextParallelStepTest, ::testing::Values(0, 1));
+
+// ZeroJob (zero_stage 0) as a Mixture-of-Experts model of 4 experts with
+// parallel.ep `ep`.
+v1::JobSpec EpJob(int pp, int dp, int ep, int steps) {
+  v1::JobSpec job = ZeroJob(pp, dp, steps, 0);
+  job.mutable_model()->mutable_moe()->set_experts(4);
+  job.mutable_model()->mutable_moe()->set_top_k(1);
+  job.mutable_parallel()->set_ep(ep);
+  return job;
+}
+
+// With expert parallelism (ep = G) each expert's gradients live only on the
+// dp ranks of its slot (dp % G): the norm sums dp ranks 0 .. G-1, where dp 0
+// reports the dense parameters with its experts and the others their
+// experts; the other expert groups' reports are not added. Their exchanges
+// (comm_all_to_all_seconds) are communication time. Through report groups.
+class ExpertParallelStepTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ExpertParallelStepTest, TheNormSumsTheFirstExpertGroupAndTheExchangesAreComm) {
+  const int ep = GetParam();
+  const std::string out = absl::StrCat(::testing::TempDir(), "/ep_step_", ep);
+  report_groups_min_ranks_ = 1;
+  Start(EpJob(2, 4, ep, 3), 8,
+        [](FakeWorkers* f) {
+          f->SetRankDependentReports();
+          f->SetReportGroups(false, /*columns=*/true);
+          f->SetAllToAllSeconds(0.004);  // of each worker's 0.01 s
+        },
+        out);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  // Squared norms 0.25 + 0.5 pp + dp; a dp column's two stages 1 + 2 dp:
+  // ep 1: dp 0's 1; ep 2: dp 0 and 1, 1 + 3 = 4; ep 4: every rank, 16.
+  const double norm = ep == 1 ? 1.0 : ep == 2 ? 2.0 : 4.0;
+  EXPECT_EQ(StepValues(out, "grad_norm"), (std::vector<double>{norm, norm, norm}));
+  for (double ratio : StepValues(out, "comm_ratio")) EXPECT_NEAR(ratio, 0.4, 1e-9);
+  EXPECT_EQ(StepValues(out, "comm_ratio").size(), 3u);
+  const std::vector<v1::Configure> c = fake_->Configures("worker-0");
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].plan().ep(), ep);
+  EXPECT_TRUE(c[0].plan().report_groups());
+}
+
+INSTANTIATE_TEST_SUITE_P(OneTwoAndFourExpertSlots, ExpertParallelStepTest, ::testing::Values(1, 2, 4));
+
+// A lost rank's experts are held by the DP replicas of its expert slot only
+// (dp % ep): with dp 4 and ep 2, dp 1's replacement gets the state of dp 3
+// (not dp 0, the first replica, whose experts differ); with dp 2 no replica
+// shares its slot, and the buddy holding its own snapshot is the source.
+class ExpertParallelRecoveryTest : public JobRunnerTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(ExpertParallelRecoveryTest, ALostRanksExpertsComeFromItsSlotsReplicaOrItsBuddy) {
+  const int dp = GetParam();
+  Start(EpJob(1, dp, 2, 4), dp + 1);  // worker-i: dp rank i; worker-<dp> a spare
+  KillAt("worker-1", 3);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  const std::string spare_name = absl::StrCat("worker-", dp);
+  const std::vector<v1::Configure> spare = fake_->Configures(spare_name);
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 2) << "not the seed: a source of step 2 was found";
+  EXPECT_EQ(spare[0].state(), "0.0.e1@2") << "expert slot 1's state";
+  ASSERT_EQ(spare[0].plan().ranks_size(), 1);
+  EXPECT_EQ(spare[0].plan().ranks(0).dp_rank(), 1);
+  std::map<std::string, std::vector<std::string>> owners;  // asked -> owners asked for
+  for (int i = 0; i < dp; ++i) {
+    const std::string w = absl::StrCat("worker-", i);
+    for (const auto& m : fake_->Sent(w)) {
+      if (m.has_fetch_state()) owners[w].push_back(m.fetch_state().owner());
+    }
+  }
+  const std::string recovery = Status().recovery();
+  if (dp == 4) {
+    EXPECT_EQ(owners, (std::map<std::string, std::vector<std::string>>{{"worker-3", {"worker-3"}}}))
+        << "the replica of slot 1's own state";
+    EXPECT_NE(recovery.find("DP replica worker-3"), std::string::npos) << recovery;
+  } else {
+    EXPECT_EQ(owners, (std::map<std::string, std::vector<std::string>>{{"worker-0", {"worker-1"}}}))
+        << "the lost rank's snapshot, held by its buddy";
+    EXPECT_NE(recovery.find("from worker-0's snapshot"), std::string::npos) << recovery;
+    EXPECT_EQ(recovery.find("DP replica"), std::string::npos) << recovery;
+  }
+  EXPECT_EQ(fake_->StepsRun(spare_name), (std::vector<int64_t>{3, 4}));
+}
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithoutAReplicaOfTheSlot, ExpertParallelRecoveryTest, ::testing::Values(4, 2));
 
 // A lost CP rank's replacement gets the state of its own shard: without
 // ZeRO from a CP peer (the same parameters and AdamW state), under ZeRO 1

@@ -257,7 +257,8 @@ absl::Status ValidateParallel(const ParallelDims& d) {
 // parallel.zero_stage (ZeRO, job.proto): 0 to 3, of which 0 and 1 run. Stage
 // 1 shards the AdamW moments over the data-parallel group (with cp > 1 the
 // dp*cp ranks of one (pp, tp), which reduce the gradients together), so it
-// needs at least two of them and a model that has optimizer state.
+// needs at least two of them and a model that has optimizer state; not yet
+// with expert parallelism.
 absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
   const char* field = "parallel.zero_stage";
   if (d.zero_stage < 0 || d.zero_stage > 3) {
@@ -270,6 +271,14 @@ absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
                                        "are not implemented yet: use 1 (sharded optimizer state) or 0"));
   }
   if (d.zero_stage == 0) return absl::OkStatus();
+  // ZeRO 1's shards cut one flat buffer over the whole data-parallel group,
+  // which under ep holds different experts on different slots. (A dense
+  // model with ep is refused by RefusePlannedAxes, which says why.)
+  if (d.ep > 1 && job.model().has_moe()) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, " with parallel.ep = ", d.ep,
+                                       ": ZeRO with expert parallelism is not supported yet; use zero_stage 0 "
+                                       "with ep > 1, or ep 1"));
+  }
   if (d.dp * d.cp == 1) {
     return Invalid(field, absl::StrCat("is ", d.zero_stage, " and shards the optimizer state over the "
                                        "data-parallel ranks; with parallel.dp = 1 there is nothing to shard: "
@@ -340,8 +349,8 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
 // model.moe (job.proto MoeSpec): the same rules as the worker's ValidateMoe
 // (worker/model/gpt_config.cc; restated, as ValidateArchitecture's are),
 // then what this version runs MoE without: a synthetic model, context
-// parallelism, bf16. With parallel.ep > 1 (refused later, but a planned
-// mesh must be consistent) ep must divide the experts. Runs after
+// parallelism, bf16. With parallel.ep > 1 ep must divide the experts (each
+// expert-parallel rank holds experts/ep of every MoE block). Runs after
 // ValidateModel (model.layers is in range).
 absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
@@ -394,22 +403,16 @@ absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
   return absl::OkStatus();
 }
 
-// ep is planned (the planner and the job groups know it) but no model code
-// splits experts yet: with model.moe every rank holds all experts of its
-// blocks; a dense model has no experts to split. Runs after every other
-// check, so a spec whose ep is wrong for another reason (not dividing dp or
-// the experts) is told that first.
+// Expert parallelism splits the experts of model.moe over ep data-parallel
+// ranks; a dense model has none to split (the planner may still plan its
+// mesh: ValidateJobSpecAllowingPlannedAxes). Runs after every other check,
+// so a spec whose ep is wrong for another reason (not dividing dp or the
+// experts) is told that first.
 absl::Status RefusePlannedAxes(const v1::JobSpec& job, const ParallelDims& d) {
-  if (d.ep == 1) return absl::OkStatus();
-  if (!job.model().has_moe()) {
-    return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " but model.moe is unset: expert parallelism splits "
-                                               "the experts of a Mixture-of-Experts model over ranks, and a dense "
-                                               "model has none (nor does this version split them yet); leave ep "
-                                               "unset"));
-  }
-  return Invalid("parallel.ep", absl::StrCat("is ", d.ep, "; expert parallelism is not implemented yet: every "
-                                             "rank holds all experts of its blocks (MoE runs over pp, tp, dp and "
-                                             "ZeRO 1 without it), so leave ep unset"));
+  if (d.ep == 1 || job.model().has_moe()) return absl::OkStatus();
+  return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " but model.moe is unset: expert parallelism splits "
+                                             "the experts of a Mixture-of-Experts model over ranks, and a dense "
+                                             "model has none; leave ep unset, or set model.moe"));
 }
 
 // schedule.kind "csv": the CSV parses, and its rows, stages and

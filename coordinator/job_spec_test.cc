@@ -413,7 +413,7 @@ TEST(JobSpecTest, EvaluationNeedsItsDataAndBoundedBatchesAndNamesTheirFields) {
   EXPECT_NE(ErrorOf(job).find("synthetic cost model has no loss"), std::string::npos) << ErrorOf(job);
 }
 
-TEST(JobSpecTest, ExpertParallelismIsPlannedButRefusedAndContextParallelismRuns) {
+TEST(JobSpecTest, ExpertParallelismOfADenseModelIsPlannedButRefusedAndContextParallelismRuns) {
   v1::JobSpec job = Good();  // pp 2, tp 2, seq_len 16
   EXPECT_EQ(DimsOf(job).cp, 1) << "unset cp means 1";
   EXPECT_EQ(DimsOf(job).ep, 1) << "unset ep means 1";
@@ -428,12 +428,15 @@ TEST(JobSpecTest, ExpertParallelismIsPlannedButRefusedAndContextParallelismRuns)
   EXPECT_EQ(d.cp, 2);
   EXPECT_EQ(d.ep, 2);
   EXPECT_EQ(d.world_size(), 2 * 2 * 2 * 4) << "cp adds ranks, ep does not";
-  // Consistent apart from ep being unimplemented: the planner may plan it...
+  // Consistent apart from ep on a dense model: the planner may plan its mesh...
   EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
-  // ...but no job runs it (and this one has no experts to split).
+  // ...but no job runs it: this one has no experts to split.
   EXPECT_NE(ErrorOf(job).find("parallel.ep: is 2 but model.moe is unset: expert parallelism splits the experts"),
             std::string::npos)
       << ErrorOf(job);
+  EXPECT_NE(ErrorOf(job).find("a dense model has none; leave ep unset, or set model.moe"), std::string::npos)
+      << ErrorOf(job);
+  EXPECT_EQ(ErrorOf(job).find("yet"), std::string::npos) << "ep is not a missing feature of a dense model";
   job.mutable_parallel()->clear_ep();
   EXPECT_EQ(ErrorOf(job), "") << "cp = 2 runs";
   job.mutable_parallel()->clear_cp();
@@ -848,21 +851,23 @@ TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
        "the load-balancing loss would count each cp rank's tokens alone. Leave cp unset (1)"},
       {"in bf16", [](v1::JobSpec* j) { j->mutable_train()->set_precision("bf16"); },
        "train.precision: is \"bf16\" but model.moe is set", "MoE is fp32 in this version: set precision: \"fp32\""},
-      {"ep not dividing dp, before the refusal",
+      {"ep not dividing dp",
        [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(4); },
        "parallel.ep: is 4 and must divide parallel.dp=2", "choose ep that divides dp"},
-      {"ep not dividing the experts, before the refusal",
+      {"ep not dividing the experts",
        [](v1::JobSpec* j) {
          j->mutable_model()->mutable_moe()->set_experts(6);
          j->mutable_parallel()->set_dp(4);
          j->mutable_parallel()->set_ep(4);
        },
        "parallel.ep: is 4 and must divide model.moe.experts=6", "choose ep that divides experts"},
-      {"ep on an MoE model",
-       [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(2); },
-       "parallel.ep: is 2; expert parallelism is not implemented yet",
-       "every rank holds all experts of its blocks (MoE runs over pp, tp, dp and ZeRO 1 without it), so leave ep "
-       "unset"},
+      {"ep with ZeRO 1",
+       [](v1::JobSpec* j) {
+         j->mutable_parallel()->set_ep(2);
+         j->mutable_parallel()->set_zero_stage(1);
+       },
+       "parallel.zero_stage: is 1 with parallel.ep = 2",
+       "ZeRO with expert parallelism is not supported yet; use zero_stage 0 with ep > 1, or ep 1"},
       {"router probabilities too large for one tensor",
        [](v1::JobSpec* j) {
          // 6000 x 512 tokens: attention's 1 x 512 per token fits, 1024 experts' do not.
@@ -891,15 +896,39 @@ TEST(JobSpecTest, MoeLimitsAreTheWorkers) {
   EXPECT_EQ(JobLimits::kMaxCapacityFactor, 1e6);
 }
 
-TEST(JobSpecTest, ExpertParallelismIsPlannedOnAnMoeModelAndItsExpertsMustSplit) {
-  v1::JobSpec job = GoodMoe();  // dp 2, 4 experts
+TEST(JobSpecTest, ExpertParallelismRunsOnAnMoeModelWhoseExpertsSplit) {
+  v1::JobSpec job = GoodMoe();  // pp 2, tp 2, dp 2, 4 experts
   job.mutable_parallel()->set_ep(2);
+  EXPECT_EQ(ErrorOf(job), "");
   EXPECT_TRUE(ValidateJobSpecAllowingPlannedAxes(job).ok()) << ValidateJobSpecAllowingPlannedAxes(job);
-  EXPECT_NE(ErrorOf(job).find("not implemented yet"), std::string::npos) << ErrorOf(job);
+  EXPECT_EQ(DimsOf(job).world_size(), 2 * 2 * 2) << "ep is carved out of dp";
+  // With sequence parallelism, a capacity factor, fp32 spelled out, and
+  // several expert groups (dp 4 = 2 groups of ep 2); ep = dp = experts.
+  job.mutable_parallel()->set_sequence_parallel(true);
+  job.mutable_model()->mutable_moe()->set_capacity_factor(1.25);
+  job.mutable_train()->set_precision("fp32");
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_parallel()->set_dp(4);
+  EXPECT_EQ(ErrorOf(job), "");
+  job.mutable_parallel()->set_ep(4);
+  EXPECT_EQ(ErrorOf(job), "");
+  // Not with ZeRO 1, for planning either: it is not a planned axis.
+  job.mutable_parallel()->set_zero_stage(1);
+  EXPECT_NE(ErrorOf(job).find("parallel.zero_stage: is 1 with parallel.ep = 4: ZeRO with expert parallelism is not "
+                              "supported yet; use zero_stage 0 with ep > 1, or ep 1"),
+            std::string::npos)
+      << ErrorOf(job);
+  EXPECT_FALSE(ValidateJobSpecAllowingPlannedAxes(job).ok());
+  job.mutable_parallel()->set_ep(1);
+  EXPECT_EQ(ErrorOf(job), "") << "ZeRO 1 without ep runs";
+  job.mutable_parallel()->clear_zero_stage();
+  // The experts must split over the ep ranks.
+  job.mutable_parallel()->set_ep(2);
   job.mutable_model()->mutable_moe()->set_experts(3);
   job.mutable_model()->mutable_moe()->set_top_k(1);
-  const absl::Status odd = ValidateJobSpecAllowingPlannedAxes(job);
+  const absl::Status odd = ValidateJobSpec(job);
   EXPECT_NE(odd.message().find("parallel.ep: is 2 and must divide model.moe.experts=3"), std::string::npos) << odd;
+  EXPECT_FALSE(ValidateJobSpecAllowingPlannedAxes(job).ok());
 }
 
 // The experts' rows of one microbatch: every choice when dropless, else each

@@ -152,10 +152,15 @@ double DenseMlpActivationBytes(double n, const BlockShape& w) {
 //            dh, dg: 4 F'; Llama h, up, g, dh, dup, dg: 6 F')
 // The stage pads every expert's buffer to the fullest expert's rows; a
 // dropless block is counted at an even spread (n * top_k rows in all), a
-// capped one at every expert full (MoeExpertRows).
-double MoeMlpActivationBytes(double n, double rows, double experts, double top_k, const BlockShape& w) {
+// capped one at every expert full (MoeExpertRows). With expert parallelism
+// (`exchanged`: parallel.ep > 1) the four C-wide buffers are held twice: in
+// this rank's layout (its tokens' rows for every expert) and in the
+// all-to-all's (every ep rank's rows for this rank's E / ep experts, about
+// as many: GptStage::ExchangeExpertRows); the hidden ones only once.
+double MoeMlpActivationBytes(double n, double rows, double experts, double top_k, const BlockShape& w,
+                             bool exchanged) {
   const double router = 4 * n * experts + 4 * n * top_k;
-  return kFloat * (router + rows * (4 * w.c + (w.llama ? 6 : 4) * w.fl));
+  return kFloat * (router + rows * ((exchanged ? 8 : 4) * w.c + (w.llama ? 6 : 4) * w.fl));
 }
 
 // The fused backward's workspace for one microbatch (stream scratch).
@@ -230,14 +235,16 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   // An MoE block (model.moe) trades the dense MLP's matrices (GPT-2: c_fc
   // and c_proj, 2 C x F split by tp, and their biases, F' split and C
   // replicated; Llama: gate, up and down, 3 C x F split) for a router
-  // (E x C, replicated) and E experts of the same matrices without biases;
-  // every rank holds all experts (parallel.ep is not implemented).
+  // (E x C, replicated) and E experts of the same matrices without biases.
+  // With parallel.ep each rank holds E / ep of them (its slot's experts:
+  // weights, gradients and moments); the router stays whole.
   const int moe_every = MoeEvery(m);
   const double experts = moe_every > 0 ? m.moe().experts() : 0;
+  const double local_experts = experts / d.ep;
   const double mlp_gemm = (shape.llama ? 3 : 2) * c * shape.fl;
   const double mlp_bias = shape.llama ? 0 : shape.fl + c;
-  const double moe_block_gemm = block_gemm - mlp_gemm + experts * c + experts * mlp_gemm;
-  const double moe_block_params = block_params - mlp_gemm - mlp_bias + experts * c + experts * mlp_gemm;
+  const double moe_block_gemm = block_gemm - mlp_gemm + experts * c + local_experts * mlp_gemm;
+  const double moe_block_params = block_params - mlp_gemm - mlp_bias + experts * c + local_experts * mlp_gemm;
   const bool tied = !shape.llama || m.tie_embeddings();  // Llama: unset means an untied lm_head
   double params = 0, gemm_weights = 0, max_chunk_activations = 0;
   double moment_elements = 0;  // per AdamW moment: every chunk's parameters, or with ZeRO 1 its shard
@@ -261,7 +268,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
     double act = layers * BlockActivationBytes(n, b, s, shape, heads, tp, sp, att);
     if (moe_blocks > 0) {
       const v1::MoeSpec& moe = m.moe();
-      act += moe_blocks * (MoeMlpActivationBytes(n, MoeExpertRows(moe, n), experts, moe.top_k(), shape) -
+      act += moe_blocks * (MoeMlpActivationBytes(n, MoeExpertRows(moe, n), experts, moe.top_k(), shape, d.ep > 1) -
                            DenseMlpActivationBytes(n, shape));
     }
     if (first) {
@@ -355,7 +362,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
   auto fix = [&](double short_by) {
     std::string zero;
     const int group = d.dp * d.cp;  // the data-parallel group the moments shard over
-    if (group >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
+    if (group >= 2 && d.zero_stage == 0 && d.ep == 1 && !job.model().has_synthetic()) {  // no ZeRO with ep yet
       v1::JobSpec sharded = job;
       sharded.mutable_parallel()->set_zero_stage(1);
       zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", group,
@@ -399,10 +406,37 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                         " context-parallel ranks, on ", times, "x the workers (pp*tp*cp*dp = ",
                         int64_t{d.world_size()} * times, "; up to ", FormatBytes(best_saved), " less per worker), ");
     }
-    // With MoE every rank holds all experts of its blocks (no ep yet).
-    const std::string experts =
-        job.model().has_moe() ? "lower model.moe.experts (every rank holds all experts of its blocks), " : "";
-    return absl::StrCat(zero, sp, cp, experts,
+    // MoE: expert parallelism, the most a worker saves in all with 2, 4, ...
+    // times the job's ep while the job still validates with it (ep divides
+    // dp and the experts; zero_stage 0), the smallest that covers
+    // `short_by`, else the largest; then fewer experts.
+    std::string ep, experts;
+    if (job.model().has_moe()) {
+      int best_ep = 0;
+      double best_ep_saved = 0;
+      for (int more_ep = 2 * d.ep; more_ep <= d.dp; more_ep *= 2) {
+        v1::JobSpec more = job;
+        more.mutable_parallel()->set_ep(more_ep);
+        if (!ValidateJobSpec(more).ok()) break;  // nor would a larger ep
+        double saved = 0;
+        for (int p = 0; p < d.pp; ++p) {
+          saved = std::max(saved, per_stage[p].total() - EstimateWorkerMemory(more, plan, p).total());
+        }
+        if (saved <= 0) continue;  // the exchange buffers outweigh the experts; a larger ep may not
+        best_ep = more_ep;
+        best_ep_saved = saved;
+        if (saved >= short_by) break;
+      }
+      if (best_ep > 0) {
+        ep = absl::StrCat("set parallel.ep: ", best_ep, " to split each MoE block's ", job.model().moe().experts(),
+                          " experts over ", best_ep, " data-parallel ranks (up to ", FormatBytes(best_ep_saved),
+                          " less per worker), ");
+      }
+      experts = d.ep > 1 ? absl::StrCat("lower model.moe.experts (every rank holds experts/ep = ",
+                                        job.model().moe().experts() / d.ep, " of each MoE block), ")
+                         : "lower model.moe.experts (every rank holds all experts of its blocks), ";
+    }
+    return absl::StrCat(zero, sp, cp, ep, experts,
                         "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
                         "parallel.pp or parallel.tp, or use workers with more memory");
   };

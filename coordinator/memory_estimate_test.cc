@@ -718,6 +718,68 @@ TEST(MemoryEstimateTest, MoeBlocksHoldEveryExpertInsteadOfTheDenseMlp) {
   }
 }
 
+// Expert parallelism: with parallel.ep = 2 each rank holds half the experts
+// of every MoE block (their weights, gradients and AdamW moments) and the
+// whole router, so a worker's parameters fall by half the experts'
+// matrices; the MoE blocks' C-wide expert buffers are held twice (this
+// rank's layout and the all-to-all's).
+TEST(MemoryEstimateTest, ExpertParallelismHoldsEachRanksShareOfTheExperts) {
+  const v1::JobSpec dense = MoeGpt2("");
+  const v1::JobSpec whole = MoeGpt2("moe { experts: 4 top_k: 2 every_n_layers: 2 }");
+  const v1::JobSpec split = MoeGpt2("moe { experts: 4 top_k: 2 every_n_layers: 2 }", "ep: 2");
+  auto plan = MakePlan(split, Workers(8, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->ep(), 2);
+  const double c = 64, f = 256, tp = 2, e = 4, n = 2 * 16, rows = n * 2;
+  const double expert_matrices = e * 2 * c * f / tp;  // E x (c_fc, c_proj) on one TP rank
+  for (int stage = 0; stage < 2; ++stage) {
+    SCOPED_TRACE(stage);
+    const int blocks = MoeBlocksOfStage(*plan, stage, 2);
+    ASSERT_EQ(blocks, 1);
+    const WorkerMemory a = EstimateWorkerMemory(dense, *plan, stage), b = EstimateWorkerMemory(whole, *plan, stage),
+                       x = EstimateWorkerMemory(split, *plan, stage);
+    EXPECT_DOUBLE_EQ(b.parameter_bytes - x.parameter_bytes, 4 * blocks * expert_matrices / 2)
+        << "half the experts' weights";
+    EXPECT_DOUBLE_EQ(b.optimizer_bytes - x.optimizer_bytes, 3 * 4 * blocks * expert_matrices / 2)
+        << "and their gradients and moments";
+    // The experts' share of the worker's parameters (router included) is
+    // more than halved: the router stays whole.
+    const double whole_moe = b.parameter_bytes - a.parameter_bytes, split_moe = x.parameter_bytes - a.parameter_bytes;
+    EXPECT_DOUBLE_EQ(split_moe, 4 * blocks * (e * c + expert_matrices / 2 - (2 * c * f / tp + f / tp + c)));
+    EXPECT_LT(x.parameter_bytes + x.optimizer_bytes, b.parameter_bytes + b.optimizer_bytes);
+    EXPECT_GT(whole_moe, 2 * split_moe);
+    EXPECT_DOUBLE_EQ(x.activation_bytes - b.activation_bytes, b.peak_microbatches * blocks * 4 * rows * 4 * c)
+        << "the exchanged input, output and their gradients";
+  }
+  // A job whose experts do not fit whole is told to split them, and fits split.
+  const v1::JobSpec big = MoeGpt2("moe { experts: 64 top_k: 2 }");
+  const v1::JobSpec big_split = MoeGpt2("moe { experts: 64 top_k: 2 }", "ep: 2");
+  double need_whole = 0, need_split = 0;
+  for (int stage = 0; stage < 2; ++stage) {
+    need_whole = std::max(need_whole, EstimateWorkerMemory(big, *plan, stage).total());
+    need_split = std::max(need_split, EstimateWorkerMemory(big_split, *plan, stage).total());
+  }
+  ASSERT_LT(need_split, need_whole);
+  const int64_t memory = static_cast<int64_t>((need_whole + need_split) / 2);
+  auto refused = MakePlan(big, Workers(8, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("set parallel.ep: 2 to split each MoE block's 64 experts over 2 data-parallel ranks (up "
+                         "to "),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(MakePlan(big_split, Workers(8, memory), 1).ok());
+  // Split, ZeRO 1 (not with ep yet) and more ep (dp is 2) are not offered.
+  auto still = MakePlan(big_split, Workers(8, static_cast<int64_t>(need_split / 2)), 1);
+  ASSERT_FALSE(still.ok());
+  const std::string split_message(still.status().message());
+  EXPECT_EQ(split_message.find("parallel.zero_stage"), std::string::npos) << split_message;
+  EXPECT_EQ(split_message.find("parallel.ep"), std::string::npos) << split_message;
+  EXPECT_NE(split_message.find("lower model.moe.experts (every rank holds experts/ep = 32 of each MoE block)"),
+            std::string::npos)
+      << split_message;
+}
+
 // Llama's experts are SwiGLU MLPs (w1, w3 [F, C], w2 [C, F]); with a capacity
 // factor each expert holds ceil(factor * N * K / E) rows, at most N.
 TEST(MemoryEstimateTest, LlamaMoeExpertsAndTheirCapacity) {
