@@ -90,7 +90,8 @@ v1::Program ForwardOnlyProgram(const v1::Program& program) {
 
 StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks,
                            BatchFn batch, comm::Communicator* pipeline, comm::TimedCommunicator* tp,
-                           comm::Communicator* dp, comm::TimedCommunicator* cp)
+                           comm::Communicator* dp, comm::TimedCommunicator* cp, comm::Communicator* edp,
+                           comm::TimedCommunicator* ep)
     : program_(std::move(program)),
       options_(std::move(options)),
       chunks_(std::move(chunks)),
@@ -99,6 +100,8 @@ StepExecutor::StepExecutor(v1::Program program, ExecutorOptions options, std::ma
       tp_(tp),
       dp_(dp),
       cp_(cp),
+      edp_(edp),
+      ep_(ep),
       dp_collectives_(dp != nullptr ? std::make_shared<comm::StreamCollectives>(*dp) : nullptr) {
   for (int i = 0; i < program_.actions_size(); ++i) {
     const Action& a = program_.actions(i);
@@ -287,9 +290,11 @@ absl::Status StepExecutor::ResolveSpans() {
 
 absl::StatusOr<v1::StepReport> StepExecutor::RunStep(int64_t step, bool trace) {
   step_start_ = absl::Now();
-  compute_ = p2p_ = tp_comm_ = dp_comm_ = cp_comm_ = 0;
+  compute_ = p2p_ = tp_comm_ = dp_comm_ = cp_comm_ = ep_comm_ = 0;
   moe_ = MoeStats();  // a failed step reports none
   cp_bytes_at_start_ = cp_ != nullptr ? cp_->p2p_bytes_sent() : 0;
+  ep_bytes_at_start_ = ep_ != nullptr ? ep_->collective_bytes_sent() : 0;
+  edp_bytes_at_start_ = edp_ != nullptr ? edp_->collective_bytes_sent() : 0;
   tp_waited_at_start_ = tp_ != nullptr ? tp_->waited_seconds() : 0;
   tp_gather_at_start_ = tp_ != nullptr ? tp_->all_gather_seconds() : 0;
   tp_scatter_at_start_ = tp_ != nullptr ? tp_->reduce_scatter_seconds() : 0;
@@ -456,6 +461,7 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   const absl::Time start = absl::Now();
   const double tp_before = tp_ ? tp_->waited_seconds() : 0;
   const double cp_before = cp_ ? cp_->waited_seconds() : 0;
+  const double ep_before = ep_ ? ep_->waited_seconds() : 0;
   if (on_stream) BATON_RETURN_IF_ERROR(BeginSpan(model, s));
 
   absl::Status status;
@@ -514,13 +520,17 @@ absl::Status StepExecutor::RunCompute(const Action& a, int64_t step) {
   const absl::Time end = absl::Now();
   const double tp_wait = tp_ ? tp_->waited_seconds() - tp_before : 0;
   const double cp_wait = cp_ ? cp_->waited_seconds() - cp_before : 0;
+  const double ep_wait = ep_ ? ep_->waited_seconds() - ep_before : 0;
   tp_comm_ += tp_wait;
   cp_comm_ += cp_wait;
+  ep_comm_ += ep_wait;
   if (on_stream) {
-    if (status.ok()) status = EndSpan(model, s, absl::StrCat(Name(a.kind()), s, " mb", mb), tp_wait + cp_wait);
+    if (status.ok()) {
+      status = EndSpan(model, s, absl::StrCat(Name(a.kind()), s, " mb", mb), tp_wait + cp_wait + ep_wait);
+    }
     return status;
   }
-  compute_ += absl::ToDoubleSeconds(end - start) - tp_wait - cp_wait;
+  compute_ += absl::ToDoubleSeconds(end - start) - tp_wait - cp_wait - ep_wait;
   Record(absl::StrCat(Name(a.kind()), s, " mb", mb), "compute", start, end);
   return status;
 }
@@ -788,6 +798,9 @@ absl::Status StepExecutor::WaitCommBatch(const std::vector<CommOp>& ops, const s
 
 absl::StatusOr<kernels::Event*> StepExecutor::StartDpReduce(int stage, StageModel* model) {
   kernels::Stream* chunk_stream = model->context().stream;
+  // Expert parallelism's two sums (dense over dp, experts over edp) run in
+  // ReduceGrads, after the chunk's stream.
+  if (model->expert_elements() > 0) return nullptr;
   // ZeRO-1: the padded gradients reduce-scattered into the shard's.
   const DpShardBuffers shard = model->DpShard();
   const comm::Buffer grads = model::CommBuffer(shard.sharded() ? shard.padded_grads : model->Gradients());
@@ -817,7 +830,16 @@ absl::StatusOr<kernels::Event*> StepExecutor::StartDpReduce(int stage, StageMode
 absl::Status StepExecutor::ReduceGrads() {
   const absl::Time start = absl::Now();
   absl::Duration waited_for_compute;  // and the tied sums timed by events
-  for (auto& [stage, model] : chunks_) {
+  // The tied embedding's two copies (first and last chunk) must stay
+  // bitwise equal. A DP reduction's summation order depends on where an
+  // element sits in the buffer (a ring's segments), and the two chunks' flat
+  // buffers differ, so with dp > 2 the copies would round apart. So the
+  // copies are summed after the DP reduction, as Megatron does: both ends
+  // then add the same two replica-identical values. A ZeRO-sharded chunk
+  // keeps only its shard of the reduced gradients; its copies are summed
+  // first and the tied gradient then reduced on its own (same size on both
+  // ends, so the same order), see below.
+  auto sum_tied = [&](int stage, StageModel* model) -> absl::Status {
     kernels::Stream* stream = pipeline_ != nullptr ? model->context().stream : nullptr;
     // The wait for the tie's other holder (its last backward) is bubble, not
     // dp: AwaitTiedPeer, outside the dp span, then the sum itself.
@@ -841,8 +863,29 @@ absl::Status StepExecutor::ReduceGrads() {
       }
       BATON_RETURN_IF_ERROR_CTX(model->SyncTiedGradients(), "tied embedding gradient sum");
     }
-    if (dp_ == nullptr) continue;
+    return absl::OkStatus();
+  };
+  for (auto& [stage, model] : chunks_) {
     const DpShardBuffers shard = model->DpShard();
+    if (dp_ == nullptr || shard.sharded()) BATON_RETURN_IF_ERROR(sum_tied(stage, model));
+    if (dp_ == nullptr) continue;
+    if (const kernels::Tensor tied = model->TiedGradient(); shard.sharded() && tied.defined()) {
+      // ZeRO: the summed tied gradient all-reduced alone, then left on DP
+      // rank 0 only, so the reduce-scatter below adds zeros to it (exact).
+      // On the chunk's stream where it can sum there (no host wait).
+      const std::string what = absl::StrCat("data-parallel all-reduce of the tied embedding gradient of stage ", stage);
+      const comm::Buffer buf = model::CommBuffer(tied);
+      if (kernels::Stream* stream = model->context().stream;
+          stream != nullptr && comm::CanEnqueueAllReduce(*dp_, buf)) {
+        BATON_RETURN_IF_ERROR(comm::EnqueueAllReduce(*dp_, buf, what, *stream, options_.op_timeout, dp_status_));
+      } else {
+        const absl::Time wait_start = absl::Now();
+        BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the tied embedding's all-reduce");
+        waited_for_compute += absl::Now() - wait_start;
+        BATON_RETURN_IF_ERROR_CTX(dp_->AllReduceSum(buf)->Wait(options_.op_timeout), what);
+      }
+      if (dp_->rank() != 0) kernels::FillZero(model->context(), tied);
+    }
     auto started = dp_started_.find(stage);
     kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
     if (reduced == nullptr) {
@@ -872,6 +915,26 @@ absl::Status StepExecutor::ReduceGrads() {
       continue;
     }
     kernels::Tensor g = model->Gradients();
+    if (const int64_t tail = model->expert_elements(); tail > 0) {
+      // Expert parallelism: the dense parameters summed over dp, this rank's
+      // experts over the ranks holding the same experts (none when dp == ep).
+      // Every rank's expert gradient already holds its expert group's tokens,
+      // so the sum covers all dp ranks' tokens and both divide by dp.
+      const absl::Time wait_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
+      waited_for_compute += absl::Now() - wait_start;
+      const int64_t n = g.numel();
+      std::shared_ptr<comm::Work> dense = dp_->AllReduceSum(model::CommBuffer(g.Rows(0, n - tail)));
+      std::shared_ptr<comm::Work> experts =
+          edp_ != nullptr ? edp_->AllReduceSum(model::CommBuffer(g.Rows(n - tail, n))) : nullptr;
+      BATON_RETURN_IF_ERROR_CTX(dense->Wait(options_.op_timeout), "data-parallel gradient all-reduce");
+      if (experts != nullptr) {
+        BATON_RETURN_IF_ERROR_CTX(experts->Wait(options_.op_timeout),
+                                  "expert-data-parallel gradient all-reduce of stage ", stage);
+      }
+      kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
+      continue;
+    }
     if (reduced != nullptr) {
       BATON_RETURN_IF_ERROR_CTX(reduced->StreamWait(*model->context().stream), "stage ", stage,
                                 " waiting for the data-parallel stream");
@@ -884,6 +947,11 @@ absl::Status StepExecutor::ReduceGrads() {
                                 "data-parallel gradient all-reduce");
     }
     kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
+  }
+  if (dp_ != nullptr) {
+    for (auto& [stage, model] : chunks_) {
+      if (!model->DpShard().sharded()) BATON_RETURN_IF_ERROR(sum_tied(stage, model));
+    }
   }
   const absl::Time end = absl::Now();
   dp_comm_ += absl::ToDoubleSeconds(end - start - waited_for_compute);
@@ -921,10 +989,16 @@ v1::StepDone StepExecutor::Finish(int64_t step, bool committed) {
   }
   done.set_comm_dp_seconds(dp_comm_);
   done.set_comm_cp_seconds(cp_comm_);
-  done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_ - cp_comm_));
+  done.set_comm_all_to_all_seconds(ep_comm_);
+  done.set_bubble_seconds(std::max(0.0, wall - compute_ - p2p_ - tp_comm_ - dp_comm_ - cp_comm_ - ep_comm_));
+  if (ep_ != nullptr) done.set_comm_all_to_all_bytes(ep_->collective_bytes_sent() - ep_bytes_at_start_);
   if (cp_ != nullptr) done.set_comm_cp_bytes(cp_->p2p_bytes_sent() - cp_bytes_at_start_);
   if (tp_ != nullptr) done.set_comm_tp_bytes(tp_->collective_bytes_sent() - tp_bytes_at_start_);
-  if (dp_ != nullptr) done.set_comm_dp_bytes(dp_->collective_bytes_sent() - dp_bytes_at_start_);
+  if (dp_ != nullptr) {
+    // The expert gradients' sums over the expert-data-parallel group too.
+    done.set_comm_dp_bytes(dp_->collective_bytes_sent() - dp_bytes_at_start_ +
+                           (edp_ != nullptr ? edp_->collective_bytes_sent() - edp_bytes_at_start_ : 0));
+  }
   int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;
   for (const auto& [stage, model] : chunks_) {
     const model::ParameterStore::MemoryBytes m = model->MemoryBytes();

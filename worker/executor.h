@@ -135,10 +135,15 @@ class StepExecutor {
   // (pp, tp) rank (null when dp == 1; the dp x cp ranks under context
   // parallelism); `cp` wraps the context-parallel ring the chunks' attention
   // uses (null when cp == 1): its waits inside an action are cp comm, not
-  // compute.
+  // compute. Expert parallelism (ep > 1): `edp` is the expert-data-parallel
+  // group (the dp ranks holding this rank's experts; null when dp == ep),
+  // over which the chunks' expert gradients (StageModel::expert_elements)
+  // are summed instead of over `dp`; `ep` wraps the expert group the MoE
+  // blocks exchange tokens in: its waits are all-to-all comm, not compute.
   StepExecutor(v1::Program program, ExecutorOptions options, std::map<int, StageModel*> chunks, BatchFn batch,
                comm::Communicator* pipeline, comm::TimedCommunicator* tp, comm::Communicator* dp,
-               comm::TimedCommunicator* cp = nullptr);
+               comm::TimedCommunicator* cp = nullptr, comm::Communicator* edp = nullptr,
+               comm::TimedCommunicator* ep = nullptr);
   // Waits for the communication stream's work (it uses the pipeline
   // communicator and the message buffers).
   ~StepExecutor();
@@ -220,6 +225,8 @@ class StepExecutor {
   comm::TimedCommunicator* tp_;
   comm::Communicator* dp_;
   comm::TimedCommunicator* cp_;
+  comm::Communicator* edp_;
+  comm::TimedCommunicator* ep_;
 
   // Per step.
   std::map<Key, Message> act_out_, act_in_, grad_out_, grad_in_;
@@ -227,13 +234,14 @@ class StepExecutor {
   std::set<int> filled_;                // microbatches whose data this step has read
   std::vector<kernels::Tensor> pool_;  // message buffers for reuse
   absl::Time step_start_;
-  double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0, cp_comm_ = 0;
+  double compute_ = 0, p2p_ = 0, tp_comm_ = 0, dp_comm_ = 0, cp_comm_ = 0, ep_comm_ = 0;
   // MoE: the chunks' routing counts and load-balancing loss of the step,
   // summed (read with the step's results; StepDone.moe_*).
   MoeStats moe_;
   // Communicators' collective_bytes_sent() (cp: p2p_bytes_sent()) when the
   // step started.
-  int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0, cp_bytes_at_start_ = 0;
+  int64_t tp_bytes_at_start_ = 0, dp_bytes_at_start_ = 0, cp_bytes_at_start_ = 0, ep_bytes_at_start_ = 0,
+          edp_bytes_at_start_ = 0;
   double tp_waited_at_start_ = 0;  // tp_->waited_seconds() when the step started
   // tp_->all_gather_seconds() and reduce_scatter_seconds() then.
   double tp_gather_at_start_ = 0, tp_scatter_at_start_ = 0;

@@ -29,7 +29,8 @@ kernels::AdamWConfig AdamWFromTrainSpec(const v1::TrainSpec& train) {
 
 absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
     const model::StageConfig& config, int64_t micro_batch_size, comm::Communicator* tp_group,
-    comm::Communicator* tie_group, const kernels::AdamWConfig& adamw, comm::Communicator* cp_group) {
+    comm::Communicator* tie_group, const kernels::AdamWConfig& adamw, comm::Communicator* cp_group,
+    comm::Communicator* ep_group) {
   if (micro_batch_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("train.micro_batch_size = ", micro_batch_size, ": must be positive"));
@@ -45,7 +46,7 @@ absl::StatusOr<std::unique_ptr<GptStageModel>> GptStageModel::Create(
         "rank 0 and the last rank 1"));
   }
   BATON_ASSIGN_OR_RETURN(std::unique_ptr<model::GptStage> stage,
-                         model::GptStage::Create(config, tp_group, cp_group));
+                         model::GptStage::Create(config, tp_group, cp_group, ep_group));
   std::unique_ptr<GptStageModel> model(
       new GptStageModel(config, micro_batch_size, std::move(stage), tie_group, adamw));
   if (needs_tie) {
@@ -354,6 +355,63 @@ absl::StatusOr<ChunkState> GptStageModel::CaptureFullState(comm::Communicator* d
     *parts[i] = std::move(full);
   }
   return state;
+}
+
+absl::StatusOr<GatheredExperts> GptStageModel::GatherExperts(comm::Communicator* ep, absl::Duration timeout) {
+  const int64_t tail = stage_->expert_elements();
+  if (tail == 0 || ep == nullptr || ep->size() != config_.ep_size || ep->rank() != config_.ep_rank) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model chunk ", config_.pp_rank, ": gathering experts needs parallel.ep > 1 and the chunk's expert group of ",
+        config_.ep_size, " ranks (this one ", config_.ep_rank, ")"));
+  }
+  const model::ParameterStore& params = stage_->parameters();
+  if (params.dp_shard().sharded()) {
+    return absl::FailedPreconditionError(absl::StrCat("model chunk ", config_.pp_rank,
+                                                      ": experts of a ZeRO-sharded chunk cannot be gathered"));
+  }
+  GatheredExperts out;
+  out.state = CaptureState();
+  if (out.state.optimizer_step < 0) {
+    return absl::InternalError(absl::StrCat("model chunk ", config_.pp_rank, ": capturing its state failed"));
+  }
+  const int64_t n = params.values().numel(), dense = n - tail, ep_size = config_.ep_size;
+  const std::string what =
+      absl::StrCat("gathering the experts of chunk ", config_.pp_rank, " over the expert-parallel group");
+  absl::StatusOr<Tensor> gathered = kernels::ZerosOn(params.device(), {ep_size * tail});
+  if (!gathered.ok()) return WithContext(gathered.status(), what);
+  std::vector<float>* parts[3] = {&out.state.values, &out.state.adam_m, &out.state.adam_v};
+  const Tensor* flats[3] = {&params.values(), &params.adam_m(), &params.adam_v()};
+  for (int i = 0; i < 3; ++i) {
+    const Tensor mine = flats[i]->Rows(dense, n);
+    BATON_RETURN_IF_ERROR_CTX(ep->AllGather(model::CommBuffer(mine), model::CommBuffer(*gathered))->Wait(timeout), what);
+    BATON_ASSIGN_OR_RETURN(std::vector<float> all, model::ParameterStore::ToHost(*gathered));
+    parts[i]->resize(static_cast<size_t>(dense));
+    parts[i]->insert(parts[i]->end(), all.begin(), all.end());
+  }
+  // The dense tensors as this rank names them, then each rank's experts:
+  // this rank's expert tensors (same shapes on every rank) under the names
+  // that rank gives them.
+  std::vector<NamedShard> own = Shards();
+  size_t first_expert = 0;
+  while (first_expert < own.size() && !params.parameters()[first_expert].spec.expert) ++first_expert;
+  for (size_t i = 0; i < first_expert; ++i) {
+    own[i].value = Tensor::View(out.state.values.data() + params.parameters()[i].offset, own[i].value.shape());
+    out.shards.push_back(own[i]);
+  }
+  int64_t offset = dense;
+  for (int r = 0; r < ep_size; ++r) {
+    model::StageConfig other = config_;
+    other.ep_rank = r;
+    std::vector<model::ParameterSpec> names = model::StageParameterSpecs(other);
+    for (size_t i = first_expert; i < own.size(); ++i) {
+      NamedShard s = own[i];
+      s.name = names[i].name;
+      s.value = Tensor::View(out.state.values.data() + offset, own[i].value.shape());
+      offset += s.value.numel();
+      out.shards.push_back(std::move(s));
+    }
+  }
+  return out;
 }
 
 absl::Status GptStageModel::RestoreFullState(const ChunkState& state) {

@@ -53,14 +53,17 @@ class GptStageModel : public StageModel {
   // then TieLocally pairs them. `cp_group`: config.cp_size ranks (this one
   // config.cp_rank) when cp_size > 1, else null; the model hands the stage
   // its CP rank's view of each microbatch's tokens and targets
-  // (model/context_parallel.h) and its activations are that view's. The
-  // communicators must outlive the model.
+  // (model/context_parallel.h) and its activations are that view's.
+  // `ep_group`: config.ep_size ranks (this one config.ep_rank) of the
+  // chunk's expert group when ep_size > 1, else null. The communicators must
+  // outlive the model.
   static absl::StatusOr<std::unique_ptr<GptStageModel>> Create(const model::StageConfig& config,
                                                                int64_t micro_batch_size,
                                                                comm::Communicator* tp_group,
                                                                comm::Communicator* tie_group,
                                                                const kernels::AdamWConfig& adamw,
-                                                               comm::Communicator* cp_group = nullptr);
+                                                               comm::Communicator* cp_group = nullptr,
+                                                               comm::Communicator* ep_group = nullptr);
 
   int64_t activation_elements() const override;
   kernels::DType activation_dtype() const override { return stage_->activation_dtype(); }
@@ -75,6 +78,7 @@ class GptStageModel : public StageModel {
   double LocalGradSqNorm() const override;
   absl::Status SyncTiedGradients() override;
   absl::Status AwaitTiedPeer() override;
+  kernels::Tensor TiedGradient() override { return holds_tied_embedding() ? TiedEmbeddingGrad() : kernels::Tensor(); }
   absl::Status OptimizerStep(float grad_scale) override;
   model::StepScore score() const override;
   // Also reports a failure of the tied-embedding sum run on the stream.
@@ -90,6 +94,11 @@ class GptStageModel : public StageModel {
   absl::StatusOr<ChunkState> CaptureFullState(comm::Communicator* dp, absl::Duration timeout) override;
   absl::Status RestoreFullState(const ChunkState& state) override;
   DpShardBuffers DpShard() override;
+  int64_t expert_elements() const override { return stage_->expert_elements(); }
+  // All-gathers the experts' values and moments (on the chunk's device) over
+  // `ep`; the other ranks' tensors are named as StageParameterSpecs names
+  // them on those ranks.
+  absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout) override;
   void ValuesGathered() override { stage_->RefreshBf16Weights(); }
   model::ParameterStore::MemoryBytes MemoryBytes() const override { return stage_->parameters().memory_bytes(); }
   int64_t activation_bytes() const override { return stage_->activation_bytes(); }

@@ -74,6 +74,16 @@ struct DpShardBuffers {
   bool sharded() const { return shard_grads.defined(); }
 };
 
+// Expert parallelism: a chunk's state with the experts of every rank of its
+// expert group (StageModel::GatherExperts): the dense parameters, then each
+// rank's experts in rank order; `shards` names the state's tensors in that
+// order, their values host views into state.values (valid while `state` is
+// neither changed nor copied: move the struct whole).
+struct GatheredExperts {
+  ChunkState state;
+  std::vector<NamedShard> shards;
+};
+
 // Mixture of Experts: what a chunk's routers did since ZeroGrad, over its
 // MoE blocks and the microbatches run forward (model::GptStage::moe_routed,
 // moe_kept, MoeAuxLossSum).
@@ -118,6 +128,9 @@ class StageModel {
   // wait for the peer's last backward is bubble (docs/metrics.md). OK at once
   // for chunks without the tie.
   virtual absl::Status AwaitTiedPeer() { return absl::OkStatus(); }
+  // The tied embedding's gradient (a view into Gradients()), on the first
+  // and last chunk of a pipeline of more than one chunk; undefined elsewhere.
+  virtual kernels::Tensor TiedGradient() { return kernels::Tensor(); }
   virtual absl::Status OptimizerStep(float grad_scale) = 0;
 
   virtual model::StepScore score() const = 0;  // last stage; zero elsewhere
@@ -172,6 +185,20 @@ class StageModel {
   // value): a DP-sharded chunk keeps its shard of the moments.
   virtual absl::Status RestoreFullState(const ChunkState& state) { return RestoreState(state); }
   virtual DpShardBuffers DpShard() { return {}; }
+  // Expert parallelism (parallel.ep > 1): how many trailing elements of
+  // Gradients() hold this rank's experts, which the executor reduces over the
+  // expert-data-parallel group (the ranks holding the same experts) rather
+  // than the data-parallel group; 0 for a chunk without expert parallelism.
+  virtual int64_t expert_elements() const { return 0; }
+  // Expert parallelism: the chunk's state with every rank's experts, for a
+  // checkpoint that is the same as without expert parallelism. A collective
+  // over `ep` (the chunk's expert group; every rank calls it for the same
+  // chunks in the same order; `timeout` bounds it). Between steps only.
+  virtual absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout) {
+    (void)ep;
+    (void)timeout;
+    return absl::UnimplementedError("this model has no experts to gather");
+  }
   // After the executor all-gathered DpShard().padded_values: refreshes what
   // is derived from the values (bf16 copies), on the chunk's stream.
   virtual void ValuesGathered() {}

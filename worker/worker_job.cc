@@ -32,8 +32,10 @@ struct WorkerJob::Job {
   std::unique_ptr<comm::Store> store;
   // dp: the dp x cp ranks holding the same parameters (comm/job_groups.h);
   // cp: this replica's context-parallel ring (cp > 1).
-  std::unique_ptr<comm::Communicator> tp, pipeline, dp, tie, cp;
-  std::unique_ptr<comm::TimedCommunicator> timed_tp, timed_cp;
+  // ep: the expert group exchanging tokens (parallel.ep > 1); edp: the dp
+  // ranks holding the same experts (ep > 1 and dp / ep > 1).
+  std::unique_ptr<comm::Communicator> tp, pipeline, dp, tie, cp, ep, edp;
+  std::unique_ptr<comm::TimedCommunicator> timed_tp, timed_cp, timed_ep;
   std::map<int, std::unique_ptr<StageModel>> chunks;
   std::unique_ptr<data::DataSource> data;
   std::unique_ptr<StepExecutor> executor;
@@ -326,6 +328,23 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (message.save_weights().with_state()) return SaveCheckpoint(message.save_weights());
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->set_generation(job_->plan.generation());
+      // Expert parallelism: replica 0's expert group gathers every expert to
+      // replica 0 (the same weights as without ep).
+      std::map<int, GatheredExperts> experts;
+      if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
+        for (auto& [chunk, model] : job_->chunks) {
+          absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout);
+          if (!all.ok()) {
+            reply.mutable_saved()->set_ok(false);
+            reply.mutable_saved()->set_error(absl::StrCat("saving the weights of chunk ", chunk, ": ",
+                                                          all.status().message()));
+            reply.mutable_saved()->set_code(static_cast<int>(all.status().code()));
+            Reply(reply);
+            return;
+          }
+          experts[chunk] = *std::move(all);
+        }
+      }
       if (job_->rank.dp_rank() == 0 && job_->rank.cp_rank() == 0) {  // dp and cp peers hold identical weights
         absl::StatusOr<std::string> dir =
             ConfineWritePath(message.save_weights().dir(), options_.output_dirs, "output_dir", "weights directory");
@@ -340,7 +359,9 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
         const int tp_size = job_->plan.tp();
         for (auto& [chunk, model] : job_->chunks) {
           std::vector<float> host;  // the values of a device chunk, copied to the host
-          absl::StatusOr<std::vector<NamedShard>> shards = model->HostShards(&host);
+          auto gathered = experts.find(chunk);
+          absl::StatusOr<std::vector<NamedShard>> shards =
+              gathered != experts.end() ? gathered->second.shards : model->HostShards(&host);
           absl::StatusOr<std::string> file =
               shards.ok() ? checkpoint::WriteShardFile(*dir, chunk, job_->rank.tp_rank(),
                                                        tp_size, *shards)
@@ -524,6 +545,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   comm_family_->Add(with_kind("reduce_scatter")).Increment(done.comm_tp_reduce_scatter_seconds());
   comm_family_->Add(with_kind("dp")).Increment(done.comm_dp_seconds());
   comm_family_->Add(with_kind("cp")).Increment(done.comm_cp_seconds());  // 0 without context parallelism
+  comm_family_->Add(with_kind("all_to_all")).Increment(done.comm_all_to_all_seconds());  // 0 without ep
   bubble_family_->Add(l).Increment(done.bubble_seconds());
   tokens_family_->Add(l).Increment(static_cast<double>(report.tokens()));
   if (report.has_loss()) loss_family_->Add(l).Set(report.loss());
@@ -534,6 +556,7 @@ void WorkerJob::RecordMetrics(const v1::StepDone& done, const v1::StepReport& re
   comm_bytes_family_->Add(with_kind("tp")).Increment(static_cast<double>(done.comm_tp_bytes()));
   comm_bytes_family_->Add(with_kind("dp")).Increment(static_cast<double>(done.comm_dp_bytes()));
   comm_bytes_family_->Add(with_kind("cp")).Increment(static_cast<double>(done.comm_cp_bytes()));
+  comm_bytes_family_->Add(with_kind("all_to_all")).Increment(static_cast<double>(done.comm_all_to_all_bytes()));
   // The model state this worker holds, by kind, on any device (ZeRO-1
   // divides "optimizer" by dp).
   device_memory_family_->Add(with_kind("weights")).Set(static_cast<double>(done.weights_bytes()));
@@ -747,20 +770,30 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   // them (a collective, chunks in the same order on every rank) and replica
   // 0 writes the whole state, so the checkpoint is the same as without ZeRO
   // and resumes into any layout and zero_stage.
+  auto fail = [&](const absl::Status& status) {
+    const absl::Status failed = WithContext(status, absl::StrCat("checkpoint of step ", save.step()));
+    BATON_LOG(ERROR) << failed;
+    saved->set_ok(false);
+    saved->set_error(std::string(failed.message()));
+    saved->set_code(static_cast<int>(failed.code()));
+    Reply(reply);
+  };
   std::map<int, ChunkState> full;
   if (job_->spec.parallel().zero_stage() >= 1 && job_->dp != nullptr) {
     for (auto& [c, model] : job_->chunks) {
       absl::StatusOr<ChunkState> state = model->CaptureFullState(job_->dp.get(), options_.op_timeout);
-      if (!state.ok()) {
-        const absl::Status failed = WithContext(state.status(), absl::StrCat("checkpoint of step ", save.step()));
-        BATON_LOG(ERROR) << failed;
-        saved->set_ok(false);
-        saved->set_error(std::string(failed.message()));
-        saved->set_code(static_cast<int>(failed.code()));
-        Reply(reply);
-        return;
-      }
+      if (!state.ok()) return fail(state.status());
       full[c] = *std::move(state);
+    }
+  }
+  // Expert parallelism: replica 0's expert group gathers every expert to
+  // replica 0, so the checkpoint is the same as without ep too.
+  std::map<int, GatheredExperts> experts;
+  if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
+    for (auto& [c, model] : job_->chunks) {
+      absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout);
+      if (!all.ok()) return fail(all.status());
+      experts[c] = *std::move(all);
     }
   }
   if (job_->rank.dp_rank() != 0 || job_->rank.cp_rank() != 0) {  // dp and cp peers hold identical state: one writes
@@ -781,6 +814,10 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   for (auto& [c, model] : job_->chunks) {
     chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get(), {}});
     if (auto it = full.find(c); it != full.end()) chunks.back().state = std::move(it->second);
+    if (auto it = experts.find(c); it != experts.end()) {
+      chunks.back().shards = it->second.shards;  // views into the state, which keeps its buffers when moved
+      chunks.back().state = std::move(it->second.state);
+    }
   }
   const prometheus::Labels labels = job_->labels;
   absl::StatusOr<double> stall = writer_->Save(
@@ -876,6 +913,11 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   const int pp = plan.pp(), tp = plan.tp(), dp = plan.dp(), v = std::max(1, plan.virtual_stages());
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
   const int cp = std::max(1, plan.cp()), cr = job->rank.cp_rank();
+  const int ep = std::max(1, plan.ep());
+  if (ep > 1 && (dp % ep != 0 || cp > 1 || job->spec.parallel().zero_stage() > 0 || !job->spec.model().has_moe())) {
+    return absl::InvalidArgumentError(absl::StrCat("parallel.ep is ", ep, ": expert parallelism needs model.moe, ep "
+                                                   "dividing dp (", dp, "), cp 1 and zero_stage 0"));
+  }
   if (cr < 0 || cr >= cp) {
     return absl::InvalidArgumentError(absl::StrCat("cp rank ", cr, " is outside the plan's cp ", cp));
   }
@@ -908,6 +950,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   auto rank_of = [&](int stage) { return placement.empty() ? stage % pp : placement.Get(stage); };
   comm_spec.layout = comm::JobLayout{pp, tp, dp, !job->spec.model().has_synthetic(), rank_of(0), rank_of(stages - 1)};
   comm_spec.layout.cp = cp;
+  comm_spec.layout.ep = ep;
   comm_spec.rank = comm::RankCoords{p, t, d, cr};
   // The coordinator's choice for the whole generation (plan.proto
   // comm_backend): NCCL splits one parent communicator per generation
@@ -978,8 +1021,12 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
         job->timed_cp = std::make_unique<comm::TimedCommunicator>(job->cp.get());
         break;
       case comm::GroupKind::kEp:
+        job->ep = std::move(comms[i]);
+        job->timed_ep = std::make_unique<comm::TimedCommunicator>(job->ep.get());
+        break;
       case comm::GroupKind::kExpertDp:
-        break;  // a planned axis: the layout above has ep = 1, so no such round
+        job->edp = std::move(comms[i]);
+        break;
     }
   }
 
@@ -1006,6 +1053,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     config.sequence_parallel = job->spec.parallel().sequence_parallel();
     config.cp_rank = cr;
     config.cp_size = cp;
+    config.ep_rank = d % ep;  // the slot in the expert group (comm/job_groups.h)
+    config.ep_size = ep;
     if (job->spec.parallel().zero_stage() > 1) {  // a coordinator newer than this worker
       return absl::InvalidArgumentError(absl::StrCat("parallel.zero_stage is ", job->spec.parallel().zero_stage(),
                                                      "; this worker runs ZeRO stages 0 and 1 only"));
@@ -1017,7 +1066,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
     BATON_ASSIGN_OR_RETURN(job->chunks[c], GptStageModel::Create(config, job->spec.train().micro_batch_size(),
                                                                  job->timed_tp.get(),
                                                                  c == 0 || c == stages - 1 ? job->tie.get() : nullptr,
-                                                                 AdamWFromTrainSpec(job->spec.train()), job->timed_cp.get()));
+                                                                 AdamWFromTrainSpec(job->spec.train()), job->timed_cp.get(),
+                                                                 job->timed_ep.get()));
   }
   if (job->spec.parallel().zero_stage() >= 1) {
     for (const auto& [c, m] : job->chunks) {
@@ -1052,7 +1102,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
       [data](int64_t step, int global_mb, MicrobatchData* out) {
         return data ? data->Fill(step, global_mb, 0, out) : absl::OkStatus();
       },
-      job->pipeline.get(), job->timed_tp.get(), job->dp.get(), job->timed_cp.get());
+      job->pipeline.get(), job->timed_tp.get(), job->dp.get(), job->timed_cp.get(), job->edp.get(),
+      job->timed_ep.get());
   if (job->spec.train().eval_every_steps() > 0 && !job->spec.model().has_synthetic()) {
     BATON_ASSIGN_OR_RETURN(job->eval_data, data::MakeEvalDataSource(job->spec, options_.data_dir));
     ExecutorOptions eval = eo;
@@ -1065,7 +1116,7 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
         [eval_data](int64_t step, int global_mb, MicrobatchData* out) {
           return eval_data->Fill(step, global_mb, 0, out);
         },
-        job->pipeline.get(), job->timed_tp.get(), nullptr, job->timed_cp.get());
+        job->pipeline.get(), job->timed_tp.get(), nullptr, job->timed_cp.get(), nullptr, job->timed_ep.get());
   }
   return absl::OkStatus();
 }

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
@@ -43,7 +44,10 @@ struct Layout {
   std::string schedule = "1f1b";
   std::string parallel_extra;  // more parallel { } fields, e.g. "dp: 2 zero_stage: 1"
   std::string Name() const {
-    return absl::StrFormat("%s_pp%d_tp%d_v%d%s", schedule, pp, tp, v, parallel_extra.empty() ? "" : "_zero");
+    return absl::StrFormat("%s_pp%d_tp%d_v%d%s", schedule, pp, tp, v,
+                           parallel_extra.empty()                        ? ""
+                           : absl::StrContains(parallel_extra, "ep:") ? "_ep"
+                                                                         : "_zero");
   }
 };
 
@@ -266,8 +270,10 @@ TEST(ResumeLayoutTest, ALlamaCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherM
 }
 
 // An MoE model's checkpoint (router and experts by name; ZeRO-1 moments
-// sharded over dp) resumes without ZeRO at pp 1 x tp 2 and under zb-v bit
-// for bit, and is refused, naming the field, by a job with other experts.
+// sharded over dp) resumes without ZeRO at pp 1 x tp 2, under zb-v and with
+// the experts split over ep 2 bit for bit; the expert-parallel job's own
+// checkpoint (its experts gathered from both ep ranks) resumes at ep 1; a
+// job with other experts is refused, naming the field.
 TEST(ResumeLayoutTest, AnMoeCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherMoe) {
   const std::string moe = R"pb(moe { experts: 4 top_k: 2 capacity_factor: 1.25 aux_loss_coef: 0.02 })pb";
   const std::string root = TempDir("resume_moe_checkpoints");
@@ -276,11 +282,17 @@ TEST(ResumeLayoutTest, AnMoeCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherMo
   ASSERT_EQ(full.exit_code, 0) << full.log;
   ASSERT_EQ(full.losses.size(), 10u);
   const std::string step10 = root + "/step-00000010";
-  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}}) {
+  std::string from_ep;
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}, Layout{2, 1, 1, "1f1b", "dp: 2 ep: 2"}}) {
     const LocalResult same = Local("moe_into_" + l.Name(), Job(l, 10, "", 16, moe), {"--resume=" + step10});
     ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
     ExpectSameState(step10, same.out + "/final", "moe " + l.Name());
+    if (absl::StrContains(l.parallel_extra, "ep")) from_ep = same.out + "/final";
   }
+  const Layout one_ep{1, 2, 1, "1f1b", ""};
+  const LocalResult back = Local("moe_from_ep", Job(one_ep, 10, "", 16, moe), {"--resume=" + from_ep});
+  ASSERT_EQ(back.exit_code, 0) << back.log;
+  ExpectSameState(step10, back.out + "/final", "moe from ep 2 into ep 1");
   const LocalResult refused =
       Local("moe_refused_experts", Job(Layout{}, 20, "", 16, R"pb(moe { experts: 8 top_k: 2 })pb"),
             {"--resume=" + step10});

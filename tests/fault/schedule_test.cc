@@ -449,5 +449,20 @@ TEST(FaultScheduleTest, ExpertHoldingRankUnderMoeAndZeroStage1Pp2Tp2Dp2OneFOneB)
   KillAtSeededPoint("pp2tp2dp2_1f1b_moe_zero1", l, 1, 1, 1, 9);
 }
 
+// Expert parallelism (dp 4 in two expert groups of ep 2): the killed rank
+// holds experts 2 and 3 of every MoE block; only DP rank 3 holds the same
+// experts (the same slot), so recovery takes its state from that replica or
+// the buddy's snapshot, never from a replica holding other experts. The run
+// ends bitwise equal to the fault-free one.
+TEST(FaultScheduleTest, ExpertParallelRankPp2Dp4Ep2OneFOneB) {
+  Layout l = Pp2Tp2Dp2("1f1b", 1);
+  l.tp = 1;
+  l.dp = 4;
+  l.model_extra = "moe { experts: 4 top_k: 2 capacity_factor: 1.25 }";
+  l.parallel_extra = "ep: 2";
+  l.extra_name = "_moe_ep2";
+  KillAtSeededPoint("pp2dp4_1f1b_moe_ep2", l, 1, 0, 1, 10);
+}
+
 }  // namespace
 }  // namespace baton

@@ -44,7 +44,8 @@ absl::StatusOr<double> AsyncWriter::Save(const std::string& dir, int64_t step,
   job.done = std::move(done);
   for (const ChunkToSave& c : chunks) {
     if (c.model == nullptr) return absl::InvalidArgumentError(absl::StrCat("checkpoint: chunk ", c.chunk, " has no model"));
-    BATON_ASSIGN_OR_RETURN(ChunkLayout layout, LayoutOfChunk(c.model->Shards(), c.chunk, c.tp_rank, c.tp_size));
+    BATON_ASSIGN_OR_RETURN(ChunkLayout layout, LayoutOfChunk(c.shards.has_value() ? *c.shards : c.model->Shards(),
+                                                                 c.chunk, c.tp_rank, c.tp_size));
     ChunkState state = c.state.has_value() ? *c.state : c.model->CaptureState();
     if (state.values.size() != static_cast<size_t>(layout.elements())) {
       return absl::InternalError(absl::StrCat("checkpoint: chunk ", c.chunk, " captured ", state.values.size(),

@@ -39,6 +39,11 @@ struct ChunkToSave {
   // moments were gathered: StageModel::CaptureFullState); unset: the writer
   // captures model->CaptureState().
   std::optional<ChunkState> state;
+  // The tensors of `state`, in order, when they are not the model's
+  // Shards() (an expert-parallel chunk's gathered experts:
+  // StageModel::GatherExperts); only their names, shapes and splits are read,
+  // during Save.
+  std::optional<std::vector<NamedShard>> shards;
 };
 
 // What one save did, passed to its callback on the writer thread.

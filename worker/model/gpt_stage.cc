@@ -160,8 +160,29 @@ namespace {
 std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config);
 }  // namespace
 
+namespace {
+std::vector<ParameterSpec> GptParameterSpecs(const StageConfig& config);
+}  // namespace
+
 std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
-  if (config.model.llama()) return LlamaParameterSpecs(config);
+  std::vector<ParameterSpec> specs = config.model.llama() ? LlamaParameterSpecs(config) : GptParameterSpecs(config);
+  if (config.ep_size > 1) {
+    // Expert parallelism: this rank's experts last (the tail the executor
+    // reduces over the expert-data-parallel group), each part in model
+    // order. The dense parameters are the same on every rank of the expert
+    // group; the group's rank 0 counts them in the global norm, every rank
+    // its own experts (the coordinator adds the group's ranks).
+    std::stable_partition(specs.begin(), specs.end(), [](const ParameterSpec& s) { return !s.expert; });
+    if (config.ep_rank != 0) {
+      for (ParameterSpec& s : specs) s.counts_in_norm &= s.expert;
+    }
+  }
+  return specs;
+}
+
+namespace {
+
+std::vector<ParameterSpec> GptParameterSpecs(const StageConfig& config) {
   const GptConfig& m = config.model;
   const int64_t c = m.d_model, f = m.ffn_dim();
   const bool tp0 = config.tp_rank == 0;
@@ -228,6 +249,7 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
         gemm_weight();
         sharded(x + "c_proj.weight", {c, f}, ShardSpec::Columns(c, f), InitKind::kNormal, proj_std, true);
         gemm_weight();
+        specs[specs.size() - 2].expert = specs.back().expert = true;
       }
       continue;
     }
@@ -251,8 +273,6 @@ std::vector<ParameterSpec> StageParameterSpecs(const StageConfig& config) {
   }
   return specs;
 }
-
-namespace {
 
 // Llama's parameters under Hugging Face's names less "model." (so import and
 // export map them one to one; every matrix [out, in] as torch stores it).
@@ -302,6 +322,7 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
         add(x + "w1.weight", {f, c}, ShardSpec::Rows(f, c), true);
         add(x + "w3.weight", {f, c}, ShardSpec::Rows(f, c), true);
         add(x + "w2.weight", {c, f}, ShardSpec::Columns(c, f), true);
+        for (size_t k = specs.size() - 3; k < specs.size(); ++k) specs[k].expert = true;
       }
       continue;
     }
@@ -323,6 +344,15 @@ std::vector<ParameterSpec> LlamaParameterSpecs(const StageConfig& config) {
 }
 
 }  // namespace
+
+int64_t GptStage::expert_elements() const {
+  if (config_.ep_size <= 1) return 0;
+  int64_t n = 0;
+  for (const Parameter& p : params_.parameters()) {
+    if (p.spec.expert) n += p.value.numel();
+  }
+  return n;
+}
 
 absl::StatusOr<std::unique_ptr<GptStage>> GptStage::Create(const StageConfig& config,
                                                            comm::Communicator* tp_group,

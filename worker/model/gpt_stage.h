@@ -297,6 +297,10 @@ class GptStage {
 
   ParameterStore& parameters() { return params_; }
   const ParameterStore& parameters() const { return params_; }
+  // Expert parallelism (config.ep_size > 1): how many trailing elements of
+  // the flat buffers hold this rank's experts (ParameterSpec::expert); 0
+  // otherwise, when every parameter is reduced over the data-parallel group.
+  int64_t expert_elements() const;
   // AdamW steps taken (the bias-correction step of the next one minus 1);
   // set when restoring a captured state.
   int64_t optimizer_step() const { return step_; }

@@ -57,6 +57,11 @@ struct ParameterSpec {
   // A GEMM weight: with bf16 copies (ParameterStore::AllocateBf16Copies) it
   // also has a bf16 copy of its values that bf16 GEMMs read.
   bool gemm_weight = false;
+  // An expert's tensor under expert parallelism (StageConfig::ep_size > 1):
+  // held by one rank of the expert group, its gradient reduced over the
+  // expert-data-parallel group. These come last in a stage's specs, so they
+  // are the tail of the flat buffers (GptStage::expert_elements).
+  bool expert = false;
 };
 
 struct Parameter {
