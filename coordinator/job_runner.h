@@ -26,7 +26,8 @@
 //                exists for every shard), the lost shard's state is fetched
 //                from a DP replica or the buddy holding its snapshot (with
 //                parallel.zero_stage >= 1 from the buddy only: DP ranks
-//                hold different optimizer shards)
+//                hold different optimizer shards; with parallel.ep > 1
+//                only a replica with the same expert slot, dp % ep)
 //                -> configuring (new generation, resume at R; steps after R
 //                are replayed), or failed
 //   saving       a periodic checkpoint (checkpoint.every_steps): from the
@@ -265,7 +266,9 @@ class JobRunner : public JobObserver {
 
   // Step pieces.
   // The global gradient norm: the reports' grad_sq_norm over DP rank 0, or
-  // over every rank with ZeRO stage >= 1 (each DP rank's own shard).
+  // over every rank with ZeRO stage >= 1 (each DP rank's own shard), or
+  // with ep > 1 over DP ranks 0 .. ep - 1 (rank 0 the dense parameters,
+  // each its own experts).
   double Aggregate(const std::map<std::string, v1::WorkerMessage>& reports, double* loss, int64_t* correct,
                    int64_t* predicted, bool* finite);
   void RecordStep(int64_t step, bool committed, bool traced, double loss, double accuracy, double norm,

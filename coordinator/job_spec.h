@@ -88,8 +88,8 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view text, absl::string_vi
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 
 // Checks that the spec is consistent and buildable (INVALID_ARGUMENT otherwise).
-// Refuses parallel.ep > 1: no model code uses it yet (with model.moe every
-// rank holds all experts of its blocks; without it there are no experts).
+// parallel.ep > 1 needs model.moe (a dense model has no experts to split),
+// ep dividing dp and the experts, and zero_stage 0.
 // parallel.cp > 1 needs a real model and model.seq_len divisible by 2*cp.
 // model.moe (job.proto MoeSpec) needs a real model, fp32, and no cp.
 // parallel.zero_stage 2 and 3 are refused here and by

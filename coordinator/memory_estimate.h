@@ -32,8 +32,8 @@
 //                buffer
 // MoE (model.moe): an MoE block's parameters are its router (E x C,
 // replicated over tp) and E experts' MLP matrices (split by tp as the dense
-// MLP's, no biases) instead of the dense MLP; every rank holds all experts
-// (no ep yet), and their gradients and moments follow as above. Its
+// MLP's, no biases) instead of the dense MLP; a rank holds experts/ep of
+// them (parallel.ep), and their gradients and moments follow as above. Its
 // activations trade the dense MLP's hidden ones for the router's (4 N E
 // floats: logits, probabilities, two logit gradients), each choice's
 // expert, gate, slot and gate gradient (4 N K), and per expert row its

@@ -56,16 +56,16 @@ std::vector<v1::StagePartition> PartitionLayers(int layers, int stages, const La
 
 // FAILED_PRECONDITION when fewer workers are ready than pp*tp*cp*dp (says how
 // many are missing); INVALID_ARGUMENT for an invalid spec (ValidateJobSpec,
-// which refuses cp > 1 and ep > 1 until the model uses them);
+// which refuses ep > 1 for a dense model);
 // RESOURCE_EXHAUSTED when a worker of the plan lacks the memory its part needs
 // (CheckPlanFitsMemory, which does not yet count cp's shorter sequences).
 // Cost: O(pp * virtual_stages * layers + workers).
 absl::StatusOr<v1::Plan> MakePlan(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
                                   int64_t generation);
 
-// MakePlan, validated with ValidateJobSpecAllowingPlannedAxes: plans a mesh
-// with cp > 1 or ep > 1 that no model runs yet (tests; the features that
-// will use those axes). Same code path as MakePlan after validation.
+// MakePlan, validated with ValidateJobSpecAllowingPlannedAxes: also plans a
+// mesh with ep > 1 for a dense model, which no worker runs (tests of the
+// mesh). Same code path as MakePlan after validation.
 absl::StatusOr<v1::Plan> MakePlanOfMesh(const v1::JobSpec& job, const std::vector<v1::WorkerInfo>& ready,
                                         int64_t generation);
 
