@@ -349,7 +349,7 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
 // model.moe (job.proto MoeSpec): the same rules as the worker's ValidateMoe
 // (worker/model/gpt_config.cc; restated, as ValidateArchitecture's are),
 // then what this version runs MoE without: a synthetic model, context
-// parallelism, bf16. With parallel.ep > 1 ep must divide the experts (each
+// parallelism. With parallel.ep > 1 ep must divide the experts (each
 // expert-parallel rank holds experts/ep of every MoE block). Runs after
 // ValidateModel (model.layers is in range).
 absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
@@ -390,10 +390,6 @@ absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
                                                "context parallelism yet: the load-balancing loss would count "
                                                "each cp rank's tokens alone. Leave cp unset (1), or "
                                                "model.moe unset"));
-  }
-  if (job.train().precision() == "bf16") {
-    return Invalid("train.precision", "is \"bf16\" but model.moe is set, and MoE is fp32 in this version: set "
-                                      "precision: \"fp32\" (or leave it unset), or leave model.moe unset");
   }
   if (d.ep > 1 && moe.experts() % d.ep != 0) {
     return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " and must divide model.moe.experts=", moe.experts(),

@@ -849,8 +849,6 @@ TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
       {"with context parallelism", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(2); },
        "parallel.cp: is 2 but model.moe is set",
        "the load-balancing loss would count each cp rank's tokens alone. Leave cp unset (1)"},
-      {"in bf16", [](v1::JobSpec* j) { j->mutable_train()->set_precision("bf16"); },
-       "train.precision: is \"bf16\" but model.moe is set", "MoE is fp32 in this version: set precision: \"fp32\""},
       {"ep not dividing dp",
        [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(4); },
        "parallel.ep: is 4 and must divide parallel.dp=2", "choose ep that divides dp"},

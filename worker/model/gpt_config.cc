@@ -207,9 +207,6 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    "cannot split an MoE model's sequences yet (the load-balancing loss would count each cp rank's "
                    "tokens alone); leave parallel.cp unset for model.moe");
   }
-  if (c.model.moe() && c.precision != kernels::Precision::kFloat32) {
-    return Invalid("model.moe", "set", "runs in fp32 only in this version: set train.precision \"fp32\" (or leave it unset)");
-  }
   if (c.sequence_parallel && c.tp_size < 2) {
     return Invalid("parallel.sequence_parallel", "true",
                    absl::StrCat("shards the sequence over the tensor-parallel group, but parallel.tp = ", c.tp_size,

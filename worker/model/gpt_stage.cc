@@ -1258,10 +1258,14 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   const int64_t n = mb.batch * mb.seq, c = m.d_model, fl = m.ffn_dim() / config_.tp_size;
   const int64_t experts = m.moe_experts, k = m.moe_top_k;
   kernels::Arena& arena = mb.arena;
+  // Under bf16 the router and the token exchange run on the fp32 image of
+  // the bf16 MLP input (routing in fp32, as Megatron and DeepSpeed do); the
+  // experts' GEMMs read bf16 rows and their bf16 weight copies.
+  BATON_ASSIGN_OR_RETURN(const Tensor x, Fp32Image(sp_ ? *sp_scratch_ : arena, a.ln2));
   // Routing: every TP rank routes the same whole tokens with the same
   // (replicated) router, so their choices agree bit for bit.
   BATON_ASSIGN_OR_RETURN(Tensor logits, (sp_ ? *sp_scratch_ : arena).Allocate({n, experts}));
-  kernels::Linear(ctx_, logits, a.ln2, b.router->value, Tensor());
+  kernels::Linear(ctx_, logits, x, b.router->value, Tensor());
   BATON_ASSIGN_OR_RETURN(a.probs, arena.Allocate({n, experts}));
   BATON_ASSIGN_OR_RETURN(a.expert, arena.Allocate({n, k}, kernels::DType::kInt32));
   BATON_ASSIGN_OR_RETURN(a.gate, arena.Allocate({n, k}));
@@ -1295,7 +1299,7 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
     moe_kept_[e] += kept[e];
   }
   BATON_ASSIGN_OR_RETURN(a.expert_in, arena.Allocate({experts, a.cap, c}));
-  kernels::Permute(ctx_, a.expert_in, a.ln2, a.expert, a.slot);
+  kernels::Permute(ctx_, a.expert_in, x, a.expert, a.slot);
   // The rows this rank's experts compute: its own tokens' (ep 1), or every
   // ep rank's for the experts held here, by all-to-all.
   BATON_RETURN_IF_ERROR(PlanExpertRows(b, kept, a));
@@ -1306,26 +1310,31 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
     BATON_RETURN_IF_ERROR(ExchangeExpertRows(a.expert_in.Reshaped({experts * a.cap, c}), a.ep_send_rows, in,
                                              a.ep_recv_rows, "the tokens for the experts", b.index));
   }
-  a.expert_rows_in = in;
+  BATON_ASSIGN_OR_RETURN(a.expert_rows_in, ForGemm(arena, in));  // bf16: rounded once, every row
   BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({rows, fl}));
-  BATON_ASSIGN_OR_RETURN(a.g, arena.Allocate({rows, fl}));
+  BATON_ASSIGN_OR_RETURN(Tensor g32, arena.Allocate({rows, fl}));
+  a.g = g32;  // bf16: the GEMM's rounded copy, row range by row range
+  if (bf16_) {
+    BATON_ASSIGN_OR_RETURN(a.g, arena.Allocate({rows, fl}, gemm_dtype_));
+  }
   if (llama_) {
     BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({rows, fl}));
   }
   BATON_ASSIGN_OR_RETURN(Tensor out, arena.Allocate({rows, c}));
   if (ep_ != nullptr) kernels::FillZero(ctx_, out);  // rows past an expert's count travel too
   for (const ExpertRows& r : a.expert_rows) {
-    const Block::Expert& x = b.experts[r.expert];
+    const Block::Expert& e = b.experts[r.expert];
     const int64_t lo = r.row, hi = r.row + r.rows;
-    const Tensor h = a.h.Rows(lo, hi), g = a.g.Rows(lo, hi);
-    kernels::Linear(ctx_, h, in.Rows(lo, hi), x.fc->value, Tensor());
+    const Tensor h = a.h.Rows(lo, hi), g = g32.Rows(lo, hi), rows_in = a.expert_rows_in.Rows(lo, hi);
+    kernels::Linear(ctx_, h, rows_in, W(e.fc), Tensor());
     if (llama_) {
-      kernels::Linear(ctx_, a.up.Rows(lo, hi), in.Rows(lo, hi), x.up->value, Tensor());
+      kernels::Linear(ctx_, a.up.Rows(lo, hi), rows_in, W(e.up), Tensor());
       kernels::SwiGlu(ctx_, g, h, a.up.Rows(lo, hi));
     } else {
       kernels::Gelu(ctx_, g, h);
     }
-    kernels::Linear(ctx_, out.Rows(lo, hi), g, x.fc2->value, Tensor());
+    if (bf16_) kernels::Cast(ctx_, a.g.Rows(lo, hi), g);
+    kernels::Linear(ctx_, out.Rows(lo, hi), a.g.Rows(lo, hi), W(e.fc2), Tensor());
   }
   if (ep_ == nullptr) {
     a.expert_out = out.Reshaped({experts, a.cap, c});
@@ -1411,25 +1420,41 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
     BATON_RETURN_IF_ERROR(ExchangeExpertRows(dexpert_out.Reshaped({experts * a.cap, c}), a.ep_send_rows,
                                              a.dexpert_out, a.ep_recv_rows, "the expert output gradients", b.index));
   }
-  BATON_ASSIGN_OR_RETURN(a.dh, arena.Allocate({rows, fl}));
+  // bf16: each gradient entering a GEMM rounded once (as the dense MLP's).
+  BATON_ASSIGN_OR_RETURN(a.dexpert_out, ForGemm(arena, a.dexpert_out));
+  BATON_ASSIGN_OR_RETURN(Tensor dh32, arena.Allocate({rows, fl}));
+  Tensor dup32;
   if (llama_) {
-    BATON_ASSIGN_OR_RETURN(a.dup, arena.Allocate({rows, fl}));
+    BATON_ASSIGN_OR_RETURN(dup32, arena.Allocate({rows, fl}));
+  }
+  a.dh = dh32;
+  a.dup = dup32;
+  if (bf16_) {
+    BATON_ASSIGN_OR_RETURN(a.dh, arena.Allocate({rows, fl}, gemm_dtype_));
+    if (llama_) {
+      BATON_ASSIGN_OR_RETURN(a.dup, arena.Allocate({rows, fl}, gemm_dtype_));
+    }
   }
   BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({rows, fl}));
   BATON_ASSIGN_OR_RETURN(Tensor dx, arena.Allocate({rows, c}));
   if (ep_ != nullptr) kernels::FillZero(ctx_, dx);  // rows past an expert's count travel too
   for (const ExpertRows& r : a.expert_rows) {
-    const Block::Expert& x = b.experts[r.expert];
+    const Block::Expert& e = b.experts[r.expert];
     const int64_t lo = r.row, hi = r.row + r.rows;
-    const Tensor dge = dg.Rows(lo, hi), dh = a.dh.Rows(lo, hi);
-    kernels::LinearBackwardInput(ctx_, dge, a.dexpert_out.Rows(lo, hi), x.fc2->value, /*accumulate=*/false);
+    const Tensor dge = dg.Rows(lo, hi), dh = dh32.Rows(lo, hi);
+    kernels::LinearBackwardInput(ctx_, dge, a.dexpert_out.Rows(lo, hi), W(e.fc2), /*accumulate=*/false);
     if (llama_) {
-      kernels::SwiGluBackward(ctx_, dh, a.dup.Rows(lo, hi), dge, a.h.Rows(lo, hi), a.up.Rows(lo, hi));
-      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
-      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), a.dup.Rows(lo, hi), x.up->value, /*accumulate=*/true);
+      kernels::SwiGluBackward(ctx_, dh, dup32.Rows(lo, hi), dge, a.h.Rows(lo, hi), a.up.Rows(lo, hi));
+      if (bf16_) {
+        kernels::Cast(ctx_, a.dh.Rows(lo, hi), dh);
+        kernels::Cast(ctx_, a.dup.Rows(lo, hi), dup32.Rows(lo, hi));
+      }
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), a.dh.Rows(lo, hi), W(e.fc), /*accumulate=*/false);
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), a.dup.Rows(lo, hi), W(e.up), /*accumulate=*/true);
     } else {
       kernels::GeluBackward(ctx_, dh, a.h.Rows(lo, hi), dge);
-      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), dh, x.fc->value, /*accumulate=*/false);
+      if (bf16_) kernels::Cast(ctx_, a.dh.Rows(lo, hi), dh);
+      kernels::LinearBackwardInput(ctx_, dx.Rows(lo, hi), a.dh.Rows(lo, hi), W(e.fc), /*accumulate=*/false);
     }
   }
   Tensor din;
@@ -1462,7 +1487,10 @@ absl::Status GptStage::MoeBackwardWeight(const Block& b, const BlockActivations&
     kernels::LinearBackwardWeight(ctx_, x.fc->grad, a.dh.Rows(lo, hi), a.expert_rows_in.Rows(lo, hi));
     if (llama_) kernels::LinearBackwardWeight(ctx_, x.up->grad, a.dup.Rows(lo, hi), a.expert_rows_in.Rows(lo, hi));
   }
-  kernels::LinearBackwardWeight(ctx_, b.router->grad, a.dlogits, ln2);
+  // The router's input is the fp32 image of the (bf16) MLP input, as in the
+  // forward.
+  BATON_ASSIGN_OR_RETURN(const Tensor x, Fp32Image(*sp_scratch_, ln2));
+  kernels::LinearBackwardWeight(ctx_, b.router->grad, a.dlogits, x);
   return absl::OkStatus();
 }
 
@@ -1483,7 +1511,7 @@ uint64_t GptStage::NextRingTag() {
   return (static_cast<uint64_t>(config_.pp_rank) << 48) | ++cp_tag_;
 }
 
-absl::StatusOr<Tensor> GptStage::RingFp32(kernels::Arena& arena, const Tensor& t) const {
+absl::StatusOr<Tensor> GptStage::Fp32Image(kernels::Arena& arena, const Tensor& t) const {
   if (t.dtype() == kernels::DType::kFloat32) return t;
   BATON_ASSIGN_OR_RETURN(Tensor wide, arena.Allocate(t.shape()));
   kernels::Cast(ctx_, wide, t);
@@ -1532,8 +1560,8 @@ absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, Bloc
   tmp.Reset();
   BATON_ASSIGN_OR_RETURN(a.att, mb.arena.Allocate({mb.batch, heads, t}));  // the log-sum-exps
   // Under bf16 the ring runs on qkv's fp32 image and rounds the merged
-  // output once (see RingFp32).
-  BATON_ASSIGN_OR_RETURN(const Tensor qkv, RingFp32(tmp, a.qkv));
+  // output once (see Fp32Image).
+  BATON_ASSIGN_OR_RETURN(const Tensor qkv, Fp32Image(tmp, a.qkv));
   Tensor y = a.y.Reshaped({mb.batch, t, cl});
   if (bf16_) {
     BATON_ASSIGN_OR_RETURN(y, tmp.Allocate({mb.batch, t, cl}));
@@ -1582,9 +1610,9 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   const int heads = static_cast<int>(config_.model.heads / config_.tp_size);
   kernels::Arena& tmp = *cp_scratch_;
   tmp.Reset();
-  BATON_ASSIGN_OR_RETURN(const Tensor qkv, RingFp32(tmp, a.qkv));
-  BATON_ASSIGN_OR_RETURN(const Tensor y, RingFp32(tmp, a.y.Reshaped({mb.batch, t, cl})));
-  BATON_ASSIGN_OR_RETURN(const Tensor dout, RingFp32(tmp, dy.Reshaped({mb.batch, t, cl})));
+  BATON_ASSIGN_OR_RETURN(const Tensor qkv, Fp32Image(tmp, a.qkv));
+  BATON_ASSIGN_OR_RETURN(const Tensor y, Fp32Image(tmp, a.y.Reshaped({mb.batch, t, cl})));
+  BATON_ASSIGN_OR_RETURN(const Tensor dout, Fp32Image(tmp, dy.Reshaped({mb.batch, t, cl})));
   Tensor dqkv = a.dqkv;  // under bf16, summed in fp32 and rounded once at the end
   if (bf16_) {
     BATON_ASSIGN_OR_RETURN(dqkv, tmp.Allocate(a.dqkv.shape()));

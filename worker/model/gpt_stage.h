@@ -142,7 +142,7 @@
 // kernels are fp32: under bf16 the ring runs on the exact fp32 image of the
 // bf16 qkv (k and v travel as fp32, twice bf16's bytes), merges and sums in
 // fp32, and rounds the output and the qkv gradient to bf16 once each
-// (RingFp32). On CUDA the ring passes device memory to the communicator
+// (Fp32Image). On CUDA the ring passes device memory to the communicator
 // after a stream synchronisation per transfer (NCCL's or Gloo's staging).
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
@@ -398,11 +398,12 @@ class GptStage {
   uint64_t NextRingTag();
   absl::StatusOr<std::shared_ptr<comm::Work>> SendToNext(const kernels::Tensor& t, uint64_t tag);
   int PrevCpRank() const;
-  // The ring's block kernels are fp32: under bf16 it runs on the exact fp32
-  // image of the bf16 qkv (and of the output and its gradient), allocated in
-  // `arena`; sums stay fp32 and the results round to bf16 once, as they
-  // leave the ring. An fp32 tensor is returned as it is.
-  absl::StatusOr<kernels::Tensor> RingFp32(kernels::Arena& arena, const kernels::Tensor& t) const;
+  // The exact fp32 image of a bf16 tensor, allocated in `arena`; an fp32
+  // tensor is returned as it is. The ring's block kernels are fp32: under
+  // bf16 it runs on the image of qkv (and of the output and its gradient);
+  // sums stay fp32 and the results round to bf16 once, as they leave the
+  // ring. MoE routes and exchanges the image of the bf16 MLP input.
+  absl::StatusOr<kernels::Tensor> Fp32Image(kernels::Arena& arena, const kernels::Tensor& t) const;
   absl::Status AwaitRingWork(comm::Work& work, const char* what, int block, bool sending);
   // The global position of the first token of half `half` of a CP view of
   // `seq`-token rows (0 without CP).

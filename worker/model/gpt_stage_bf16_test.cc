@@ -167,6 +167,62 @@ TEST_F(GptStageBf16Test, ContextParallelStaysCloseToFp32AndRepeatsBitwise) {
   }
 }
 
+// Mixture of Experts in bf16 (every block MoE, dropless): the router and
+// the token exchange run on the fp32 image of the bf16 MLP input, the
+// experts' GEMMs on bf16 rows and weight copies. Every token takes all four
+// experts (top_k = experts), so no choice can flip on bf16's rounding (a
+// flipped token moves an expert's gradient by far more than rounding does;
+// the top-2 case checks the loss only): GPT-2 and Llama stay as close to
+// fp32 as the dense model does, with pp, tp and SP, and repeat bitwise;
+// every expert matrix has its bf16 copy.
+TEST_F(GptStageBf16Test, MixtureOfExpertsStaysCloseToFp32AndRepeatsBitwise) {
+  for (const Arch arch : {Arch::kGpt2, Arch::kLlama}) {
+    model_ = SmallModel();
+    model_.moe_experts = 4;
+    model_.moe_top_k = 2;
+    model_.moe_every = 1;
+    model_.moe_capacity_factor = 0.0;
+    if (arch == Arch::kLlama) {
+      model_.arch = Arch::kLlama;
+      model_.kv_heads = 2;
+      model_.ffn = 48;
+      model_.tie_embeddings = false;
+    }
+    double top2_fp32 = 0, top2_bf16 = 0, top2_again = 0;
+    Run(1, 1, Precision::kFloat32, &top2_fp32);
+    Run(1, 1, Precision::kBFloat16, &top2_bf16);
+    Run(1, 1, Precision::kBFloat16, &top2_again);
+    EXPECT_NEAR(top2_bf16, top2_fp32, 1e-2 * top2_fp32);
+    EXPECT_NE(top2_bf16, top2_fp32);
+    EXPECT_EQ(top2_bf16, top2_again);
+    model_.moe_top_k = 4;
+    double fp32_loss = 0;
+    auto fp32 = Run(1, 1, Precision::kFloat32, &fp32_loss);
+    for (const Layout& l : {Layout{1, 1, false}, Layout{2, 2, false, true}}) {
+      SCOPED_TRACE(::testing::Message() << (arch == Arch::kLlama ? "llama" : "gpt2") << " pp=" << l.pp
+                                        << " tp=" << l.tp << (l.sequence_parallel ? " sp" : ""));
+      double loss = 0, again = 0;
+      auto m = Run(l.pp, l.tp, Precision::kBFloat16, &loss, false, l.sequence_parallel);
+      auto m2 = Run(l.pp, l.tp, Precision::kBFloat16, &again, false, l.sequence_parallel);
+      ASSERT_NE(m, nullptr);
+      EXPECT_NE(loss, fp32_loss);  // the bf16 path really ran
+      EXPECT_NEAR(loss, fp32_loss, 1e-2 * fp32_loss);
+      EXPECT_EQ(loss, again);
+      for (const std::string& name : fp32->ParameterNames()) {
+        EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(fp32->FullGrad(name))), 5e-2) << name;
+        EXPECT_EQ(Full(m->FullGrad(name)), Full(m2->FullGrad(name))) << name << " not bitwise repeatable";
+      }
+      for (const Parameter& p : m->stage(0, 0).parameters().parameters()) {
+        const bool expert = p.spec.name.find("experts.") != std::string::npos;
+        const bool router = p.spec.name.find("router") != std::string::npos ||
+                            p.spec.name.find("block_sparse_moe.gate") != std::string::npos;
+        if (expert) EXPECT_TRUE(p.value_bf16.defined()) << p.spec.name;
+        if (router) EXPECT_TRUE(p.value.defined()) << p.spec.name;
+      }
+    }
+  }
+}
+
 TEST_F(GptStageBf16Test, SameLayoutTwiceGivesIdenticalBits) {
   for (const Layout& l : {Layout{1, 1, false}, Layout{2, 2, false}}) {
     SCOPED_TRACE(::testing::Message() << "pp=" << l.pp << " tp=" << l.tp);
