@@ -94,7 +94,7 @@ absl::Status CheckTensorSizes(const v1::JobSpec& job, const ParallelDims& d) {
   }
   if (!m.has_moe()) return absl::OkStatus();
   // An MoE block's router probabilities [tokens, experts] and its experts'
-  // hidden rows [MoeExpertRows, MLP width / tp] (cp is refused with MoE).
+  // hidden rows [MoeExpertRows, MLP width / tp] (per cp rank's tokens).
   const v1::MoeSpec& moe = m.moe();
   const struct {
     const char* what;
@@ -348,9 +348,10 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
 
 // model.moe (job.proto MoeSpec): the same rules as the worker's ValidateMoe
 // (worker/model/gpt_config.cc; restated, as ValidateArchitecture's are),
-// then what this version runs MoE without: a synthetic model, context
-// parallelism. With parallel.ep > 1 ep must divide the experts (each
-// expert-parallel rank holds experts/ep of every MoE block). Runs after
+// then what this version runs MoE without: a synthetic model, expert
+// parallelism together with context parallelism. With parallel.ep > 1 ep
+// must divide the experts (each expert-parallel rank holds experts/ep of
+// every MoE block). Runs after
 // ValidateModel (model.layers is in range).
 absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
@@ -385,11 +386,11 @@ absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
                    absl::StrCat("is ", moe.aux_loss_coef(), "; must be a finite number >= 0 (unset: 0.01, "
                                 "Switch's; 0: no load-balancing loss)"));
   }
-  if (d.cp > 1) {
-    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, " but model.moe is set, and MoE does not run with "
-                                               "context parallelism yet: the load-balancing loss would count "
-                                               "each cp rank's tokens alone. Leave cp unset (1), or "
-                                               "model.moe unset"));
+  if (d.ep > 1 && d.cp > 1) {
+    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, " with parallel.ep = ", d.ep, ": expert parallelism "
+                                               "with context parallelism is not supported yet (the experts' "
+                                               "gradients would need summing over the cp ranks too); use one "
+                                               "of them"));
   }
   if (d.ep > 1 && moe.experts() % d.ep != 0) {
     return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " and must divide model.moe.experts=", moe.experts(),

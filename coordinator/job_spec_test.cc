@@ -846,9 +846,12 @@ TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
          j->mutable_model()->mutable_moe()->set_top_k(1);
        },
        "model.moe: is set but model.synthetic is set", "remove model.moe, or train a real model"},
-      {"with context parallelism", [](v1::JobSpec* j) { j->mutable_parallel()->set_cp(2); },
-       "parallel.cp: is 2 but model.moe is set",
-       "the load-balancing loss would count each cp rank's tokens alone. Leave cp unset (1)"},
+      {"with context and expert parallelism",
+       [](v1::JobSpec* j) {
+         j->mutable_parallel()->set_cp(2);
+         j->mutable_parallel()->set_ep(2);
+       },
+       "parallel.cp: is 2 with parallel.ep = 2", "expert parallelism with context parallelism is not supported yet"},
       {"ep not dividing dp",
        [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(4); },
        "parallel.ep: is 4 and must divide parallel.dp=2", "choose ep that divides dp"},

@@ -412,6 +412,15 @@ TEST(TrainingTest, MixtureOfExpertsTrainsLikeOneWorkerUnderEverySchedule) {
       l.tag += tag;
       ExpectSameTraining(single, RunJob(l.Name(), GptJob(l)), l.Name());
     }
+    if (llama) {
+      // Context parallelism (dropless: capacity would count each cp rank's
+      // tokens): the load-balancing loss spans the whole sequences.
+      Layout cp{2, 1, 1, 1, 8, "1f1b"};
+      cp = moe(cp, true);
+      cp.parallel_extra = "cp: 2";
+      cp.tag += "cp2_";
+      ExpectSameTraining(single, RunJob(cp.Name(), GptJob(cp)), cp.Name());
+    }
     if (!llama) {
       const Layout again = moe(Layout{2, 2, 2, 1, 4, "1f1b"}, false);
       const RunResult a = RunJob(again.Name() + "_again", GptJob(again));

@@ -202,11 +202,6 @@ absl::Status ValidateStageConfig(const StageConfig& c) {
                    absl::StrCat("must be divisible by parallel.tp = ", c.tp_size,
                                 " for a vocabulary-parallel embedding"));
   }
-  if (c.model.moe() && c.cp_size > 1) {
-    return Invalid("parallel.cp", c.cp_size,
-                   "cannot split an MoE model's sequences yet (the load-balancing loss would count each cp rank's "
-                   "tokens alone); leave parallel.cp unset for model.moe");
-  }
   if (c.sequence_parallel && c.tp_size < 2) {
     return Invalid("parallel.sequence_parallel", "true",
                    absl::StrCat("shards the sequence over the tensor-parallel group, but parallel.tp = ", c.tp_size,

@@ -1281,8 +1281,12 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   // The load-balancing loss, weighted as a microbatch's share of the step's
   // objective (1 / microbatches), with its logit gradient for the backward.
   BATON_ASSIGN_OR_RETURN(a.dlogits_aux, arena.Allocate({n, experts}));
-  kernels::LoadBalancingLoss(ctx_, aux_acc_, a.dlogits_aux, a.probs, a.expert, m.moe_aux_coef,
-                             1.0f / static_cast<float>(config_.microbatches));
+  if (cp_ == nullptr) {
+    kernels::LoadBalancingLoss(ctx_, aux_acc_, a.dlogits_aux, a.probs, a.expert, m.moe_aux_coef,
+                               1.0f / static_cast<float>(config_.microbatches));
+  } else {
+    BATON_RETURN_IF_ERROR(CpLoadBalancingLoss(b, arena, a));
+  }
   // The expert buffers are as long as the fullest expert's: the counts come
   // to the host (one synchronisation per MoE block), which also keeps each
   // expert's GEMMs to the rows it got.
@@ -1348,6 +1352,36 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
   kernels::Combine(ctx_, partial, a.expert_out, a.gate, a.expert, a.slot);
   return SumOverTp(partial, "the MoE output", b.index);
+}
+
+absl::Status GptStage::CpLoadBalancingLoss(const Block& b, kernels::Arena& arena, BlockActivations& a) {
+  // The loss is over the whole sequences' tokens, as without cp: the ring's
+  // ranks gather every rank's router probabilities and choices (small: E + k
+  // numbers a token), each computes the whole loss and keeps its own tokens'
+  // logit gradients; cp rank 0 alone adds the loss, so the ranks' sum is it.
+  const GptConfig& m = config_.model;
+  const int64_t n = a.probs.dim(0), experts = m.moe_experts, k = m.moe_top_k, cp = config_.cp_size;
+  BATON_ASSIGN_OR_RETURN(const Tensor probs, arena.Allocate({cp * n, experts}));
+  BATON_ASSIGN_OR_RETURN(const Tensor expert, arena.Allocate({cp * n, k}, kernels::DType::kInt32));
+  BATON_ASSIGN_OR_RETURN(const Tensor dlogits, arena.Allocate({cp * n, experts}));
+  const std::string what = absl::StrCat("context-parallel all-gather of the router's choices in block ", b.index);
+  BATON_RETURN_IF_ERROR_CTX(stream_->Synchronize(), what);  // the communicator reads what the stream wrote
+  BATON_RETURN_IF_ERROR_CTX(cp_->AllGather(CommBuffer(a.probs), CommBuffer(probs))->Wait(config_.comm_timeout), what);
+  BATON_RETURN_IF_ERROR_CTX(cp_->AllGather(CommBuffer(a.expert), CommBuffer(expert))->Wait(config_.comm_timeout),
+                            what);
+  // The executor averages gradients over the dp x cp group, as it must for
+  // the cross-entropy (each cp rank's is of its own tokens' mean); this loss
+  // is the whole sequences' already, so its gradient is weighted cp times
+  // (the kernel's weight scales the gradient only).
+  Tensor acc = aux_acc_;
+  if (config_.cp_rank != 0) {
+    BATON_ASSIGN_OR_RETURN(acc, arena.Allocate({1}));
+    kernels::FillZero(ctx_, acc);
+  }
+  kernels::LoadBalancingLoss(ctx_, acc, dlogits, probs, expert, m.moe_aux_coef,
+                             static_cast<float>(cp) / static_cast<float>(config_.microbatches));
+  kernels::Copy(ctx_, a.dlogits_aux, dlogits.Rows(config_.cp_rank * n, (config_.cp_rank + 1) * n));
+  return absl::OkStatus();
 }
 
 absl::Status GptStage::PlanExpertRows(const Block& b, const std::vector<int64_t>& kept, BlockActivations& a) {

@@ -403,6 +403,9 @@ class GptStage {
   // bf16 it runs on the image of qkv (and of the output and its gradient);
   // sums stay fp32 and the results round to bf16 once, as they leave the
   // ring. MoE routes and exchanges the image of the bf16 MLP input.
+  // MoE under context parallelism: the load-balancing loss over every cp
+  // rank's tokens (the whole sequences'); a.dlogits_aux gets this rank's rows.
+  absl::Status CpLoadBalancingLoss(const Block& b, kernels::Arena& arena, BlockActivations& a);
   absl::StatusOr<kernels::Tensor> Fp32Image(kernels::Arena& arena, const kernels::Tensor& t) const;
   absl::Status AwaitRingWork(comm::Work& work, const char* what, int block, bool sending);
   // The global position of the first token of half `half` of a CP view of

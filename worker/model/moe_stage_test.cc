@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -176,13 +177,50 @@ TEST(MoeStageLearningTest, TinyMoeModelsMemoriseAFixedBatch) {
   }
 }
 
-TEST(MoeStageRefusalTest, ContextParallelismIsRefusedNamingTheField) {
-  const GptConfig model = MoeModel(Arch::kGpt2, 2, 0.0, 1);
-  auto cp = InProcModel::Create(model, 1, 1, 42, 1, false, kernels::Device::Cpu(), kernels::Precision::kFloat32,
-                                false, /*cp=*/2);
-  ASSERT_FALSE(cp.ok());
-  EXPECT_NE(cp.status().message().find("parallel.cp"), std::string::npos) << cp.status();
-  GptConfig bad = model;
+// Context parallelism: each cp rank routes its own tokens (two chunks of
+// every sequence); the load-balancing loss counts the whole sequences'
+// tokens (the ranks gather the router's probabilities and choices), so a
+// dropless MoE at cp 2 and 4, and cp 2 with pp, tp and SP, gives the single
+// stage's loss, load-balancing loss and gradients, and repeats bitwise.
+TEST_F(MoeStageTest, ContextParallelLayoutsMatchTheSingleStage) {
+  std::mt19937 rng(5);
+  for (const Arch arch : {Arch::kGpt2, Arch::kLlama}) {
+    model_ = MoeModel(arch, 2, 0.0, 1);
+    tokens_.clear();
+    targets_.clear();
+    for (int mb = 0; mb < 2; ++mb) {  // whole sequences: cp splits seq_len
+      tokens_.push_back(RandomIds(rng, 2, model_.seq_len, model_.vocab));
+      targets_.push_back(RandomIds(rng, 2, model_.seq_len, model_.vocab));
+    }
+    double base_loss = 0;
+    auto base = Run(1, 1, &base_loss);
+    ASSERT_NE(base, nullptr);
+    const double base_aux = base->LastAuxLoss();
+    const struct {
+      int pp, tp, cp;
+      bool sp;
+    } layouts[] = {{1, 1, 2, false}, {1, 1, 4, false}, {2, 2, 2, true}};
+    for (const auto& l : layouts) {
+      SCOPED_TRACE(::testing::Message() << (arch == Arch::kLlama ? "llama" : "gpt2") << " pp=" << l.pp
+                                        << " tp=" << l.tp << " cp=" << l.cp << (l.sp ? " sp" : ""));
+      double loss = 0, again = 0;
+      auto m = Run(l.pp, l.tp, &loss, false, l.sp, l.cp);
+      auto m2 = Run(l.pp, l.tp, &again, false, l.sp, l.cp);
+      ASSERT_NE(m, nullptr);
+      ASSERT_NE(m2, nullptr);
+      EXPECT_NEAR(loss, base_loss, 1e-5 * base_loss);
+      EXPECT_NEAR(m->LastAuxLoss(), base_aux, 1e-5 * base_aux);
+      EXPECT_EQ(loss, again);
+      for (const std::string& name : base->ParameterNames()) {
+        EXPECT_LT(RelError(Full(m->FullGrad(name)), Full(base->FullGrad(name))), 1e-5) << name;
+        EXPECT_EQ(Full(m->FullGrad(name)), Full(m2->FullGrad(name))) << name << " not bitwise repeatable";
+      }
+    }
+  }
+}
+
+TEST(MoeStageRefusalTest, BadFieldsAreRefusedNamingTheField) {
+  GptConfig bad = MoeModel(Arch::kGpt2, 2, 0.0, 1);
   bad.moe_top_k = 5;
   const absl::Status status = ValidateGptConfig(bad);
   EXPECT_NE(status.message().find("model.moe.top_k"), std::string::npos) << status;
