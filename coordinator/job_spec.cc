@@ -348,11 +348,10 @@ absl::Status ValidateContextParallel(const v1::JobSpec& job, const ParallelDims&
 
 // model.moe (job.proto MoeSpec): the same rules as the worker's ValidateMoe
 // (worker/model/gpt_config.cc; restated, as ValidateArchitecture's are),
-// then what this version runs MoE without: a synthetic model, expert
-// parallelism together with context parallelism. With parallel.ep > 1 ep
-// must divide the experts (each expert-parallel rank holds experts/ep of
-// every MoE block). Runs after
-// ValidateModel (model.layers is in range).
+// then what this version runs MoE without: a synthetic model. With
+// parallel.ep > 1 ep must divide the experts (each expert-parallel rank
+// holds experts/ep of every MoE block). Runs after ValidateModel
+// (model.layers is in range).
 absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
   const v1::ModelSpec& m = job.model();
   if (!m.has_moe()) return absl::OkStatus();
@@ -385,12 +384,6 @@ absl::Status ValidateMoe(const v1::JobSpec& job, const ParallelDims& d) {
     return Invalid("model.moe.aux_loss_coef",
                    absl::StrCat("is ", moe.aux_loss_coef(), "; must be a finite number >= 0 (unset: 0.01, "
                                 "Switch's; 0: no load-balancing loss)"));
-  }
-  if (d.ep > 1 && d.cp > 1) {
-    return Invalid("parallel.cp", absl::StrCat("is ", d.cp, " with parallel.ep = ", d.ep, ": expert parallelism "
-                                               "with context parallelism is not supported yet (the experts' "
-                                               "gradients would need summing over the cp ranks too); use one "
-                                               "of them"));
   }
   if (d.ep > 1 && moe.experts() % d.ep != 0) {
     return Invalid("parallel.ep", absl::StrCat("is ", d.ep, " and must divide model.moe.experts=", moe.experts(),

@@ -846,12 +846,6 @@ TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
          j->mutable_model()->mutable_moe()->set_top_k(1);
        },
        "model.moe: is set but model.synthetic is set", "remove model.moe, or train a real model"},
-      {"with context and expert parallelism",
-       [](v1::JobSpec* j) {
-         j->mutable_parallel()->set_cp(2);
-         j->mutable_parallel()->set_ep(2);
-       },
-       "parallel.cp: is 2 with parallel.ep = 2", "expert parallelism with context parallelism is not supported yet"},
       {"ep not dividing dp",
        [](v1::JobSpec* j) { j->mutable_parallel()->set_ep(4); },
        "parallel.ep: is 4 and must divide parallel.dp=2", "choose ep that divides dp"},

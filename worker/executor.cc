@@ -916,10 +916,11 @@ absl::Status StepExecutor::ReduceGrads() {
     }
     kernels::Tensor g = model->Gradients();
     if (const int64_t tail = model->expert_elements(); tail > 0) {
-      // Expert parallelism: the dense parameters summed over dp, this rank's
-      // experts over the ranks holding the same experts (none when dp == ep).
-      // Every rank's expert gradient already holds its expert group's tokens,
-      // so the sum covers all dp ranks' tokens and both divide by dp.
+      // Expert parallelism: the dense parameters summed over dp (x cp), this
+      // rank's experts over the ranks holding the same experts (none when
+      // dp == ep), then over cp. Every rank's expert gradient already holds
+      // its expert group's tokens, so the sum covers all dp ranks' tokens and
+      // both divide by dp x cp.
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
       waited_for_compute += absl::Now() - wait_start;
@@ -931,6 +932,12 @@ absl::Status StepExecutor::ReduceGrads() {
       if (experts != nullptr) {
         BATON_RETURN_IF_ERROR_CTX(experts->Wait(options_.op_timeout),
                                   "expert-data-parallel gradient all-reduce of stage ", stage);
+      }
+      if (cp_ != nullptr) {
+        // With context parallelism the ranks holding an expert are also the
+        // cp ranks of each of those dp ranks: the sum goes on over the ring.
+        BATON_RETURN_IF_ERROR_CTX(cp_->AllReduceSum(model::CommBuffer(g.Rows(n - tail, n)))->Wait(options_.op_timeout),
+                                  "context-parallel sum of the expert gradients of stage ", stage);
       }
       kernels::Scale(model->context(), g, 1.0f / static_cast<float>(options_.dp_size));
       continue;

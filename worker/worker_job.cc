@@ -914,9 +914,9 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
   const int cp = std::max(1, plan.cp()), cr = job->rank.cp_rank();
   const int ep = std::max(1, plan.ep());
-  if (ep > 1 && (dp % ep != 0 || cp > 1 || job->spec.parallel().zero_stage() > 0 || !job->spec.model().has_moe())) {
+  if (ep > 1 && (dp % ep != 0 || job->spec.parallel().zero_stage() > 0 || !job->spec.model().has_moe())) {
     return absl::InvalidArgumentError(absl::StrCat("parallel.ep is ", ep, ": expert parallelism needs model.moe, ep "
-                                                   "dividing dp (", dp, "), cp 1 and zero_stage 0"));
+                                                   "dividing dp (", dp, ") and zero_stage 0"));
   }
   if (cr < 0 || cr >= cp) {
     return absl::InvalidArgumentError(absl::StrCat("cp rank ", cr, " is outside the plan's cp ", cp));

@@ -420,6 +420,13 @@ TEST(TrainingTest, MixtureOfExpertsTrainsLikeOneWorkerUnderEverySchedule) {
       cp.parallel_extra = "cp: 2";
       cp.tag += "cp2_";
       ExpectSameTraining(single, RunJob(cp.Name(), GptJob(cp)), cp.Name());
+      // And with the experts split over ep 2 (their gradients summed over
+      // the same slot's dp ranks, then over cp).
+      Layout cp_ep{1, 1, 2, 1, 4, "1f1b"};
+      cp_ep = moe(cp_ep, true);
+      cp_ep.parallel_extra = "cp: 2 ep: 2";
+      cp_ep.tag += "cp2_ep2_";
+      ExpectSameTraining(single, RunJob(cp_ep.Name(), GptJob(cp_ep)), cp_ep.Name());
     }
     if (!llama) {
       const Layout again = moe(Layout{2, 2, 2, 1, 4, "1f1b"}, false);
