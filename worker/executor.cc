@@ -1041,34 +1041,67 @@ absl::StatusOr<v1::StepDone> StepExecutor::Commit(int64_t step, float clip_facto
     compute_ += absl::ToDoubleSeconds(end - start);
     Record("optimizer", "compute", start, end);
   }
-  // One wait on the device, so the optimizer's device time counts in this
-  // step (and its errors are reported here): with several chunks on streams,
-  // the first one's stream waits for the others' optimizer ends first.
+  // ZeRO: the updated shards all-gathered on the chunks' streams where the
+  // data-parallel group can run there, after the optimizer (no host wait).
+  std::set<int> gathered_on_stream;
+  BATON_RETURN_IF_ERROR(EnqueueValueGathers(&gathered_on_stream));
+  // One wait on the device, so the optimizer's (and those all-gathers')
+  // device time counts in this step and its errors are reported here: with
+  // several chunks on streams, the first one's stream waits for the others'
+  // ends first.
   if (!spans_.empty()) {
     std::string stages;
     for (const Span& span : spans_) absl::StrAppend(&stages, stages.empty() ? "" : ", ", span.stage);
-    kernels::Event* done = spans_.front().end;
-    if (spans_.size() > 1) {
-      kernels::Stream* stream = chunks_.at(spans_.front().stage)->context().stream;
-      for (size_t i = 1; i < spans_.size(); ++i) {
-        BATON_RETURN_IF_ERROR_CTX(spans_[i].end->StreamWait(*stream), "optimizer step of stage ", spans_[i].stage);
-      }
-      BATON_ASSIGN_OR_RETURN(done, RecordEvent(stream, spans_.front().stage));
+    kernels::Stream* stream = chunks_.at(spans_.front().stage)->context().stream;
+    for (size_t i = 1; i < spans_.size(); ++i) {
+      kernels::Stream* other = chunks_.at(spans_[i].stage)->context().stream;
+      BATON_ASSIGN_OR_RETURN(kernels::Event * end, RecordEvent(other, spans_[i].stage));
+      BATON_RETURN_IF_ERROR_CTX(end->StreamWait(*stream), "optimizer step of stage ", spans_[i].stage);
     }
+    BATON_ASSIGN_OR_RETURN(kernels::Event * done, RecordEvent(stream, spans_.front().stage));
     BATON_RETURN_IF_ERROR_CTX(done->Synchronize(), "optimizer step of stage ", stages);
   }
+  if (absl::Status dp = dp_status_->status(); !dp.ok()) {  // an all-gather enqueued above failed
+    dp_status_->Reset();
+    return dp;
+  }
   BATON_RETURN_IF_ERROR(ResolveSpans());
-  BATON_RETURN_IF_ERROR(GatherShardedValues());
+  BATON_RETURN_IF_ERROR(GatherShardedValues(gathered_on_stream));
   return Finish(step, true);
 }
 
-absl::Status StepExecutor::GatherShardedValues() {
+absl::Status StepExecutor::EnqueueValueGathers(std::set<int>* gathered) {
+  if (dp_ == nullptr) return absl::OkStatus();
+  for (auto& [stage, model] : chunks_) {
+    const DpShardBuffers shard = model->DpShard();
+    kernels::Stream* stream = model->context().stream;
+    if (!shard.sharded() || stream == nullptr || !dp_collectives_->CanEnqueue(model::CommBuffer(shard.shard_grads)) ||
+        !dp_collectives_->CanEnqueue(model::CommBuffer(shard.padded_values))) {
+      continue;
+    }
+    // Sent from the shard's gradient buffer (spent by the optimizer step), so
+    // the all-gather's input does not alias its output.
+    kernels::Copy(model->context(), shard.shard_grads, shard.shard_values);
+    BATON_ASSIGN_OR_RETURN(kernels::Event * before, RecordEvent(stream, stage));
+    BATON_RETURN_IF_ERROR(dp_collectives_->AllGather(
+        model::CommBuffer(shard.shard_grads), model::CommBuffer(shard.padded_values),
+        absl::StrCat("data-parallel all-gather of stage ", stage, "'s updated values"), *stream, options_.op_timeout,
+        dp_status_));
+    BATON_ASSIGN_OR_RETURN(kernels::Event * after, RecordEvent(stream, stage));
+    dp_spans_.push_back({before, after});
+    model->ValuesGathered();
+    gathered->insert(stage);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::GatherShardedValues(const std::set<int>& gathered_on_stream) {
   if (dp_ == nullptr) return absl::OkStatus();
   const absl::Time start = absl::Now();
   bool gathered = false;
   for (auto& [stage, model] : chunks_) {
     const DpShardBuffers shard = model->DpShard();
-    if (!shard.sharded()) continue;
+    if (!shard.sharded() || gathered_on_stream.count(stage)) continue;
     gathered = true;
     // The all-gather sends from the shard's gradient buffer (spent by the
     // optimizer step), so its input does not alias its output.

@@ -190,7 +190,12 @@ class StepExecutor {
   absl::Status ReduceGrads();
   // ZeRO-1: all-gathers the updated values of every chunk whose optimizer
   // state is sharded over DP (StageModel::DpShard), after its optimizer step.
-  absl::Status GatherShardedValues();
+  // ZeRO: the updated shards' all-gathers, enqueued on the streams of the
+  // chunks whose data-parallel group can run there (their stages into
+  // `gathered`), timed as dp spans; GatherShardedValues runs the others'
+  // on the host.
+  absl::Status EnqueueValueGathers(std::set<int>* gathered);
+  absl::Status GatherShardedValues(const std::set<int>& gathered_on_stream);
   absl::Status EnsureDpStream(kernels::Device device);
   // Enqueues the chunk's DP all-reduce on dp_stream_ after its work so far;
   // its end event, or null where dp_ cannot reduce its gradients from a
