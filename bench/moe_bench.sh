@@ -8,8 +8,9 @@
 # dense model's GEMM work, 8x its MLP parameters), top-2 two, so the ratio
 # over the GEMM work left is the routing's cost (router, top-k, dispatch
 # plan, permute, combine and the host synchronisation for the counts).
-# Expert parallelism does not run in jobs yet, so there is no all-to-all
-# to measure here. Usage: bash bench/moe_bench.sh   (ROUNDS=5 ...)
+# One stage has no all-to-all: expert parallelism in jobs (parallel.ep) and
+# its all-to-all share are measured by bench/ep_bench.sh.
+# Usage: bash bench/moe_bench.sh   (ROUNDS=5 ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-3}
