@@ -257,8 +257,9 @@ absl::Status ValidateParallel(const ParallelDims& d) {
 // parallel.zero_stage (ZeRO, job.proto): 0 to 3, of which 0 and 1 run. Stage
 // 1 shards the AdamW moments over the data-parallel group (with cp > 1 the
 // dp*cp ranks of one (pp, tp), which reduce the gradients together), so it
-// needs at least two of them and a model that has optimizer state; not yet
-// with expert parallelism.
+// needs at least two of them and a model that has optimizer state. With
+// expert parallelism (ep > 1) it shards over the dp / ep ranks holding the
+// same experts, so it needs dp > ep, and cp 1.
 absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
   const char* field = "parallel.zero_stage";
   if (d.zero_stage < 0 || d.zero_stage > 3) {
@@ -271,13 +272,19 @@ absl::Status ValidateZeroStage(const v1::JobSpec& job, const ParallelDims& d) {
                                        "are not implemented yet: use 1 (sharded optimizer state) or 0"));
   }
   if (d.zero_stage == 0) return absl::OkStatus();
-  // ZeRO 1's shards cut one flat buffer over the whole data-parallel group,
-  // which under ep holds different experts on different slots. (A dense
-  // model with ep is refused by RefusePlannedAxes, which says why.)
-  if (d.ep > 1 && job.model().has_moe()) {
-    return Invalid(field, absl::StrCat("is ", d.zero_stage, " with parallel.ep = ", d.ep,
-                                       ": ZeRO with expert parallelism is not supported yet; use zero_stage 0 "
-                                       "with ep > 1, or ep 1"));
+  // With ep ZeRO 1 shards over the ranks that hold the same experts (dp /
+  // ep of them). (A dense model with ep is refused by RefusePlannedAxes,
+  // which says why.)
+  if (d.ep > 1 && job.model().has_moe() && d.dp == d.ep) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, " with parallel.ep = parallel.dp = ", d.ep,
+                                       ": with expert parallelism ZeRO shards over the dp / ep ranks holding the "
+                                       "same experts, and here there is one: raise dp above ep, or set "
+                                       "zero_stage 0"));
+  }
+  if (d.ep > 1 && job.model().has_moe() && d.cp > 1) {
+    return Invalid(field, absl::StrCat("is ", d.zero_stage, " with parallel.ep = ", d.ep, " and parallel.cp = ", d.cp,
+                                       ": ZeRO with expert and context parallelism together is not supported yet; "
+                                       "set zero_stage 0, or one of ep and cp to 1"));
   }
   if (d.dp * d.cp == 1) {
     return Invalid(field, absl::StrCat("is ", d.zero_stage, " and shards the optimizer state over the "

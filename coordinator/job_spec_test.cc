@@ -856,13 +856,13 @@ TEST(JobSpecTest, EachBadMoeFieldNamesTheFieldAndTheFix) {
          j->mutable_parallel()->set_ep(4);
        },
        "parallel.ep: is 4 and must divide model.moe.experts=6", "choose ep that divides experts"},
-      {"ep with ZeRO 1",
+      {"ep = dp with ZeRO 1",
        [](v1::JobSpec* j) {
          j->mutable_parallel()->set_ep(2);
          j->mutable_parallel()->set_zero_stage(1);
        },
-       "parallel.zero_stage: is 1 with parallel.ep = 2",
-       "ZeRO with expert parallelism is not supported yet; use zero_stage 0 with ep > 1, or ep 1"},
+       "parallel.zero_stage: is 1 with parallel.ep = parallel.dp = 2",
+       "ZeRO shards over the dp / ep ranks holding the same experts, and here there is one: raise dp above ep"},
       {"router probabilities too large for one tensor",
        [](v1::JobSpec* j) {
          // 6000 x 512 tokens: attention's 1 x 512 per token fits, 1024 experts' do not.
@@ -907,13 +907,20 @@ TEST(JobSpecTest, ExpertParallelismRunsOnAnMoeModelWhoseExpertsSplit) {
   EXPECT_EQ(ErrorOf(job), "");
   job.mutable_parallel()->set_ep(4);
   EXPECT_EQ(ErrorOf(job), "");
-  // Not with ZeRO 1, for planning either: it is not a planned axis.
+  // ZeRO 1 shards over the dp / ep ranks holding the same experts: none to
+  // shard at ep = dp, for planning either; at dp 4 x ep 2 it runs.
   job.mutable_parallel()->set_zero_stage(1);
-  EXPECT_NE(ErrorOf(job).find("parallel.zero_stage: is 1 with parallel.ep = 4: ZeRO with expert parallelism is not "
-                              "supported yet; use zero_stage 0 with ep > 1, or ep 1"),
-            std::string::npos)
+  EXPECT_NE(ErrorOf(job).find("parallel.zero_stage: is 1 with parallel.ep = parallel.dp = 4"), std::string::npos)
       << ErrorOf(job);
   EXPECT_FALSE(ValidateJobSpecAllowingPlannedAxes(job).ok());
+  job.mutable_parallel()->set_ep(2);
+  EXPECT_EQ(ErrorOf(job), "") << "ZeRO 1 over the two ranks of each expert slot";
+  job.mutable_parallel()->set_cp(2);
+  job.mutable_model()->set_seq_len(std::max(4, job.model().seq_len() / 4 * 4));
+  EXPECT_NE(ErrorOf(job).find("ZeRO with expert and context parallelism together is not supported yet"),
+            std::string::npos)
+      << ErrorOf(job);
+  job.mutable_parallel()->clear_cp();
   job.mutable_parallel()->set_ep(1);
   EXPECT_EQ(ErrorOf(job), "") << "ZeRO 1 without ep runs";
   job.mutable_parallel()->clear_zero_stage();

@@ -225,7 +225,9 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   const double b = job.train().micro_batch_size(), n = b * s;
   const BlockShape shape = BlockShapeOf(m, tp);
   const bool sp = d.sequence_parallel && d.tp > 1;  // sequence parallelism
-  const double group = static_cast<double>(d.dp) * d.cp;  // the data-parallel group ZeRO 1 shards over
+  // The data-parallel group ZeRO 1 shards over: dp x cp, or with ep the dp /
+  // ep ranks holding the same experts.
+  const double group = d.ep > 1 ? static_cast<double>(d.dp) / d.ep : static_cast<double>(d.dp) * d.cp;
   // GPT-2: LayerNorms and the replicated biases (6 C), qkv, proj and the
   // 4x MLP with their split biases. Llama: two RMSNorm weights (2 C), q and
   // o (C x C each), k and v (KV·hd x C each), gate, up and down (F x C each).
@@ -361,8 +363,10 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
   // `short_by`: how much less each refused worker would have to need.
   auto fix = [&](double short_by) {
     std::string zero;
-    const int group = d.dp * d.cp;  // the data-parallel group the moments shard over
-    if (group >= 2 && d.zero_stage == 0 && d.ep == 1 && !job.model().has_synthetic()) {  // no ZeRO with ep yet
+    // The group the moments shard over: dp x cp, or with ep the dp / ep
+    // ranks holding the same experts (ZeRO with ep and cp is refused).
+    const int group = d.ep > 1 ? (d.cp > 1 ? 1 : d.dp / d.ep) : d.dp * d.cp;
+    if (group >= 2 && d.zero_stage == 0 && !job.model().has_synthetic()) {
       v1::JobSpec sharded = job;
       sharded.mutable_parallel()->set_zero_stage(1);
       zero = absl::StrCat("set parallel.zero_stage: 1 to shard the AdamW moments over the ", group,

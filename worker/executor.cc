@@ -886,6 +886,25 @@ absl::Status StepExecutor::ReduceGrads() {
       }
       if (dp_->rank() != 0) kernels::FillZero(model->context(), tied);
     }
+    if (const int64_t tail = model->expert_elements(); tail > 0 && shard.sharded()) {
+      // ZeRO with expert parallelism: the moments are sharded over the ranks
+      // holding the same experts (edp). The dense gradients are summed over
+      // the expert group first (the other slots' replicas), so the
+      // reduce-scatter over edp sums every dp rank's; the experts' over edp.
+      const absl::Time wait_start = absl::Now();
+      BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
+      waited_for_compute += absl::Now() - wait_start;
+      const int64_t dense = model->Gradients().numel() - tail;
+      BATON_RETURN_IF_ERROR_CTX(
+          ep_->AllReduceSum(model::CommBuffer(shard.padded_grads.Rows(0, dense)))->Wait(options_.op_timeout),
+          "expert-group sum of the dense gradients of stage ", stage);
+      BATON_RETURN_IF_ERROR_CTX(
+          edp_->ReduceScatterSum(model::CommBuffer(shard.padded_grads), model::CommBuffer(shard.shard_grads))
+              ->Wait(options_.op_timeout),
+          "expert-data-parallel gradient reduce-scatter of stage ", stage);
+      kernels::Scale(model->context(), shard.shard_grads, 1.0f / static_cast<float>(options_.dp_size));
+      continue;
+    }
     auto started = dp_started_.find(stage);
     kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
     if (reduced == nullptr) {
@@ -1075,7 +1094,8 @@ absl::Status StepExecutor::EnqueueValueGathers(std::set<int>* gathered) {
   for (auto& [stage, model] : chunks_) {
     const DpShardBuffers shard = model->DpShard();
     kernels::Stream* stream = model->context().stream;
-    if (!shard.sharded() || stream == nullptr || !dp_collectives_->CanEnqueue(model::CommBuffer(shard.shard_grads)) ||
+    if (!shard.sharded() || stream == nullptr || model->expert_elements() > 0 ||
+        !dp_collectives_->CanEnqueue(model::CommBuffer(shard.shard_grads)) ||
         !dp_collectives_->CanEnqueue(model::CommBuffer(shard.padded_values))) {
       continue;
     }
@@ -1107,8 +1127,11 @@ absl::Status StepExecutor::GatherShardedValues(const std::set<int>& gathered_on_
     // optimizer step), so its input does not alias its output.
     kernels::Copy(model->context(), shard.shard_grads, shard.shard_values);
     BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the all-gather of its values");
+    // With expert parallelism the shards are over the ranks holding the same
+    // experts.
+    comm::Communicator* group = model->expert_elements() > 0 ? edp_ : dp_;
     BATON_RETURN_IF_ERROR_CTX(
-        dp_->AllGather(model::CommBuffer(shard.shard_grads), model::CommBuffer(shard.padded_values))
+        group->AllGather(model::CommBuffer(shard.shard_grads), model::CommBuffer(shard.padded_values))
             ->Wait(options_.op_timeout),
         "data-parallel all-gather of stage ", stage, "'s updated values");
     model->ValuesGathered();

@@ -357,7 +357,8 @@ absl::StatusOr<ChunkState> GptStageModel::CaptureFullState(comm::Communicator* d
   return state;
 }
 
-absl::StatusOr<GatheredExperts> GptStageModel::GatherExperts(comm::Communicator* ep, absl::Duration timeout) {
+absl::StatusOr<GatheredExperts> GptStageModel::GatherExperts(comm::Communicator* ep, absl::Duration timeout,
+                                                             ChunkState state) {
   const int64_t tail = stage_->expert_elements();
   if (tail == 0 || ep == nullptr || ep->size() != config_.ep_size || ep->rank() != config_.ep_rank) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -365,28 +366,33 @@ absl::StatusOr<GatheredExperts> GptStageModel::GatherExperts(comm::Communicator*
         config_.ep_size, " ranks (this one ", config_.ep_rank, ")"));
   }
   const model::ParameterStore& params = stage_->parameters();
-  if (params.dp_shard().sharded()) {
-    return absl::FailedPreconditionError(absl::StrCat("model chunk ", config_.pp_rank,
-                                                      ": experts of a ZeRO-sharded chunk cannot be gathered"));
+  const int64_t n = params.values().numel(), dense = n - tail, ep_size = config_.ep_size;
+  if (state.optimizer_step < 0 || state.values.size() != static_cast<size_t>(n)) {
+    return absl::InvalidArgumentError(absl::StrCat("model chunk ", config_.pp_rank, ": gathering experts needs the ",
+                                                   "chunk's whole state (", n, " values), got ", state.values.size()));
   }
   GatheredExperts out;
-  out.state = CaptureState();
-  if (out.state.optimizer_step < 0) {
-    return absl::InternalError(absl::StrCat("model chunk ", config_.pp_rank, ": capturing its state failed"));
-  }
-  const int64_t n = params.values().numel(), dense = n - tail, ep_size = config_.ep_size;
+  out.state = std::move(state);
   const std::string what =
       absl::StrCat("gathering the experts of chunk ", config_.pp_rank, " over the expert-parallel group");
+  // Through the chunk's device, as a device communicator needs.
+  absl::StatusOr<Tensor> mine = kernels::ZerosOn(params.device(), {tail});
   absl::StatusOr<Tensor> gathered = kernels::ZerosOn(params.device(), {ep_size * tail});
+  if (!mine.ok()) return WithContext(mine.status(), what);
   if (!gathered.ok()) return WithContext(gathered.status(), what);
-  std::vector<float>* parts[3] = {&out.state.values, &out.state.adam_m, &out.state.adam_v};
-  const Tensor* flats[3] = {&params.values(), &params.adam_m(), &params.adam_v()};
-  for (int i = 0; i < 3; ++i) {
-    const Tensor mine = flats[i]->Rows(dense, n);
-    BATON_RETURN_IF_ERROR_CTX(ep->AllGather(model::CommBuffer(mine), model::CommBuffer(*gathered))->Wait(timeout), what);
+  for (std::vector<float>* part : {&out.state.values, &out.state.adam_m, &out.state.adam_v}) {
+    if (part->empty()) continue;  // weights only
+    if (part->size() != static_cast<size_t>(n)) {
+      return absl::InvalidArgumentError(absl::StrCat("model chunk ", config_.pp_rank, ": gathering experts needs ",
+                                                     "whole moments (", n, "), got ", part->size()));
+    }
+    const std::vector<float> own(part->begin() + dense, part->end());
+    EnqueueFromHost(stage_->context(), own, *mine);
+    BATON_RETURN_IF_ERROR_CTX(stage_->stream().Synchronize(), what);
+    BATON_RETURN_IF_ERROR_CTX(ep->AllGather(model::CommBuffer(*mine), model::CommBuffer(*gathered))->Wait(timeout), what);
     BATON_ASSIGN_OR_RETURN(std::vector<float> all, model::ParameterStore::ToHost(*gathered));
-    parts[i]->resize(static_cast<size_t>(dense));
-    parts[i]->insert(parts[i]->end(), all.begin(), all.end());
+    part->resize(static_cast<size_t>(dense));
+    part->insert(part->end(), all.begin(), all.end());
   }
   // The dense tensors as this rank names them, then each rank's experts:
   // this rank's expert tensors (same shapes on every rank) under the names

@@ -95,10 +95,11 @@ class GptStageModel : public StageModel {
   absl::Status RestoreFullState(const ChunkState& state) override;
   DpShardBuffers DpShard() override;
   int64_t expert_elements() const override { return stage_->expert_elements(); }
-  // All-gathers the experts' values and moments (on the chunk's device) over
-  // `ep`; the other ranks' tensors are named as StageParameterSpecs names
-  // them on those ranks.
-  absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout) override;
+  // All-gathers the experts' values and moments (through the chunk's
+  // device) over `ep`; the other ranks' tensors are named as
+  // StageParameterSpecs names them on those ranks.
+  absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout,
+                                                ChunkState state) override;
   void ValuesGathered() override { stage_->RefreshBf16Weights(); }
   model::ParameterStore::MemoryBytes MemoryBytes() const override { return stage_->parameters().memory_bytes(); }
   int64_t activation_bytes() const override { return stage_->activation_bytes(); }

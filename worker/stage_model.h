@@ -190,13 +190,17 @@ class StageModel {
   // expert-data-parallel group (the ranks holding the same experts) rather
   // than the data-parallel group; 0 for a chunk without expert parallelism.
   virtual int64_t expert_elements() const { return 0; }
-  // Expert parallelism: the chunk's state with every rank's experts, for a
-  // checkpoint that is the same as without expert parallelism. A collective
-  // over `ep` (the chunk's expert group; every rank calls it for the same
-  // chunks in the same order; `timeout` bounds it). Between steps only.
-  virtual absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout) {
+  // Expert parallelism: `state` (this chunk's whole state: CaptureState, or
+  // CaptureFullState when sharded; moments may be left empty, for weights
+  // only) with every rank's experts, for a checkpoint that is the same as
+  // without expert parallelism. A collective over `ep` (the chunk's expert
+  // group; every rank calls it for the same chunks in the same order;
+  // `timeout` bounds it). Between steps only.
+  virtual absl::StatusOr<GatheredExperts> GatherExperts(comm::Communicator* ep, absl::Duration timeout,
+                                                        ChunkState state) {
     (void)ep;
     (void)timeout;
+    (void)state;
     return absl::UnimplementedError("this model has no experts to gather");
   }
   // After the executor all-gathered DpShard().padded_values: refreshes what

@@ -333,7 +333,10 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       std::map<int, GatheredExperts> experts;
       if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
         for (auto& [chunk, model] : job_->chunks) {
-          absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout);
+          ChunkState values = model->CaptureState();
+          values.adam_m.clear();  // weights only
+          values.adam_v.clear();
+          absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout, std::move(values));
           if (!all.ok()) {
             reply.mutable_saved()->set_ok(false);
             reply.mutable_saved()->set_error(absl::StrCat("saving the weights of chunk ", chunk, ": ",
@@ -779,9 +782,12 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
     Reply(reply);
   };
   std::map<int, ChunkState> full;
-  if (job_->spec.parallel().zero_stage() >= 1 && job_->dp != nullptr) {
+  // The group the moments are sharded over: dp (x cp), or with ep the
+  // ranks holding the same experts (none: not sharded).
+  comm::Communicator* shard_group = job_->ep != nullptr ? job_->edp.get() : job_->dp.get();
+  if (job_->spec.parallel().zero_stage() >= 1 && shard_group != nullptr) {
     for (auto& [c, model] : job_->chunks) {
-      absl::StatusOr<ChunkState> state = model->CaptureFullState(job_->dp.get(), options_.op_timeout);
+      absl::StatusOr<ChunkState> state = model->CaptureFullState(shard_group, options_.op_timeout);
       if (!state.ok()) return fail(state.status());
       full[c] = *std::move(state);
     }
@@ -791,7 +797,10 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   std::map<int, GatheredExperts> experts;
   if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
     for (auto& [c, model] : job_->chunks) {
-      absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout);
+      auto it = full.find(c);
+      absl::StatusOr<GatheredExperts> all = model->GatherExperts(
+          job_->ep.get(), options_.op_timeout, it != full.end() ? std::move(it->second) : model->CaptureState());
+      if (it != full.end()) full.erase(it);
       if (!all.ok()) return fail(all.status());
       experts[c] = *std::move(all);
     }
@@ -914,9 +923,10 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   const int p = job->rank.pp_rank(), t = job->rank.tp_rank(), d = job->rank.dp_rank();
   const int cp = std::max(1, plan.cp()), cr = job->rank.cp_rank();
   const int ep = std::max(1, plan.ep());
-  if (ep > 1 && (dp % ep != 0 || job->spec.parallel().zero_stage() > 0 || !job->spec.model().has_moe())) {
-    return absl::InvalidArgumentError(absl::StrCat("parallel.ep is ", ep, ": expert parallelism needs model.moe, ep "
-                                                   "dividing dp (", dp, ") and zero_stage 0"));
+  if (ep > 1 && (dp % ep != 0 || !job->spec.model().has_moe() ||
+                 (job->spec.parallel().zero_stage() > 0 && (cp > 1 || dp == ep)))) {
+    return absl::InvalidArgumentError(absl::StrCat("parallel.ep is ", ep, ": expert parallelism needs model.moe and ep "
+                                                   "dividing dp (", dp, "); with zero_stage, cp 1 and dp > ep"));
   }
   if (cr < 0 || cr >= cp) {
     return absl::InvalidArgumentError(absl::StrCat("cp rank ", cr, " is outside the plan's cp ", cp));
@@ -1059,9 +1069,12 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
       return absl::InvalidArgumentError(absl::StrCat("parallel.zero_stage is ", job->spec.parallel().zero_stage(),
                                                      "; this worker runs ZeRO stages 0 and 1 only"));
     }
-    if (job->spec.parallel().zero_stage() >= 1) {  // ZeRO-1: the moments sharded over the dp x cp group
-      config.dp_rank = d * cp + cr;
-      config.dp_size = dp * cp;
+    if (job->spec.parallel().zero_stage() >= 1) {
+      // ZeRO-1: the moments sharded over the dp x cp group, or with ep over
+      // the dp / ep ranks holding the same experts (the dense gradients are
+      // summed over the expert group first: comm/job_groups.h).
+      config.dp_rank = ep > 1 ? d / ep : d * cp + cr;
+      config.dp_size = ep > 1 ? dp / ep : dp * cp;
     }
     BATON_ASSIGN_OR_RETURN(job->chunks[c], GptStageModel::Create(config, job->spec.train().micro_batch_size(),
                                                                  job->timed_tp.get(),
@@ -1071,7 +1084,8 @@ absl::Status WorkerJob::Build(const v1::Configure& configure, Job* job) {
   }
   if (job->spec.parallel().zero_stage() >= 1) {
     for (const auto& [c, m] : job->chunks) {
-      BATON_LOG(INFO) << "chunk " << c << ": AdamW moments sharded over " << dp * cp << " data-parallel ranks (ZeRO-1): "
+      BATON_LOG(INFO) << "chunk " << c << ": AdamW moments sharded over " << (ep > 1 ? dp / ep : dp * cp)
+                      << " data-parallel ranks (ZeRO-1): "
                       << m->MemoryBytes().optimizer << " bytes here";
     }
   }

@@ -458,9 +458,13 @@ TEST(TrainingTest, ExpertParallelJobsTrainLikeOneWorker) {
   ep4.parallel_extra = "ep: 4";
   Layout ep2_of_4{2, 1, 4, 2, 2, "zb-v"};  // two expert groups: the experts' gradients summed over 2 ranks
   ep2_of_4.parallel_extra = "ep: 2";
-  for (Layout l : {ep2, ep4, ep2_of_4}) {
+  // ZeRO-1 over the two ranks of each expert slot (the dense gradients
+  // summed over the expert group first).
+  Layout ep2_zero{2, 1, 4, 1, 2, "1f1b"};
+  ep2_zero.parallel_extra = "ep: 2 zero_stage: 1";
+  for (Layout l : {ep2, ep4, ep2_of_4, ep2_zero}) {
     l.model_extra = moe;
-    l.tag = absl::StrCat("moe_", l.parallel_extra.substr(4), "ep_");
+    l.tag = absl::StrCat("moe_", l.parallel_extra.substr(4, 1), "ep_", l.parallel_extra.size() > 6 ? "zero_" : "");
     const RunResult run = RunJob(l.Name(), GptJob(l));
     ExpectSameTraining(single, run, l.Name());
     if (l.dp == 4 && l.tp == 2) {

@@ -271,7 +271,8 @@ TEST(ResumeLayoutTest, ALlamaCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherM
 
 // An MoE model's checkpoint (router and experts by name; ZeRO-1 moments
 // sharded over dp) resumes without ZeRO at pp 1 x tp 2, under zb-v and with
-// the experts split over ep 2 bit for bit; the expert-parallel job's own
+// the experts split over ep 2 (and with ZeRO-1 over the two ranks of each
+// expert slot at dp 4) bit for bit; the expert-parallel job's own
 // checkpoint (its experts gathered from both ep ranks) resumes at ep 1; a
 // job with other experts is refused, naming the field.
 TEST(ResumeLayoutTest, AnMoeCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherMoe) {
@@ -283,11 +284,12 @@ TEST(ResumeLayoutTest, AnMoeCheckpointResumesIntoOtherLayoutsAndNotIntoAnotherMo
   ASSERT_EQ(full.losses.size(), 10u);
   const std::string step10 = root + "/step-00000010";
   std::string from_ep;
-  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}, Layout{2, 1, 1, "1f1b", "dp: 2 ep: 2"}}) {
+  for (const Layout& l : {Layout{1, 2, 1, "1f1b", ""}, Layout{2, 1, 2, "zb-v", ""}, Layout{2, 1, 1, "1f1b", "dp: 2 ep: 2"},
+                          Layout{2, 1, 1, "gpipe", "dp: 4 ep: 2 zero_stage: 1"}}) {
     const LocalResult same = Local("moe_into_" + l.Name(), Job(l, 10, "", 16, moe), {"--resume=" + step10});
     ASSERT_EQ(same.exit_code, 0) << l.Name() << ":\n" << same.log;
     ExpectSameState(step10, same.out + "/final", "moe " + l.Name());
-    if (absl::StrContains(l.parallel_extra, "ep")) from_ep = same.out + "/final";
+    if (l.parallel_extra == "dp: 2 ep: 2") from_ep = same.out + "/final";
   }
   const Layout one_ep{1, 2, 1, "1f1b", ""};
   const LocalResult back = Local("moe_from_ep", Job(one_ep, 10, "", 16, moe), {"--resume=" + from_ep});
