@@ -563,7 +563,7 @@ TEST(SimWorkerPaths, WeightsCheckpointsAndSnapshotsHoldTheCpuBits) {
       ASSERT_TRUE(file.ok()) << file.status();
       files[d]["weights/" + *file] = ReadFile(weights_dir + "/" + *file);
       snapshots[d][c] = EncodeChunkState(p.chunk(c).CaptureState());
-      to_save.push_back({c, 0, 1, &p.chunk(c), {}});
+      to_save.push_back({c, 0, 1, &p.chunk(c), {}, {}});
     }
     checkpoint::AsyncWriter writer;
     absl::Status saved = absl::UnknownError("not called");

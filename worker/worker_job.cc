@@ -821,7 +821,7 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   }
   std::vector<checkpoint::ChunkToSave> chunks;
   for (auto& [c, model] : job_->chunks) {
-    chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get(), {}});
+    chunks.push_back({c, job_->rank.tp_rank(), job_->plan.tp(), model.get(), {}, {}});
     if (auto it = full.find(c); it != full.end()) chunks.back().state = std::move(it->second);
     if (auto it = experts.find(c); it != experts.end()) {
       chunks.back().shards = it->second.shards;  // views into the state, which keeps its buffers when moved

@@ -156,7 +156,7 @@ class Pipeline {
   std::vector<ChunkToSave> ToSave() {
     std::vector<ChunkToSave> out;
     for (int c = 0; c < chunks(); ++c) {
-      for (int r = 0; r < spec_.tp; ++r) out.push_back({c, r, spec_.tp, chunks_[c][r].get(), {}});
+      for (int r = 0; r < spec_.tp; ++r) out.push_back({c, r, spec_.tp, chunks_[c][r].get(), {}, {}});
     }
     return out;
   }
@@ -393,7 +393,7 @@ TEST(SyntheticResumeTest, SyntheticChunksSaveAndLoadTheirWeightAndStep) {
   AsyncWriter writer;
   std::vector<std::string> files;
   ASSERT_TRUE(writer
-                  .Save(dir, 1, {{0, 0, 1, chunks[0].get(), {}}, {1, 0, 1, chunks[1].get(), {}}},
+                  .Save(dir, 1, {{0, 0, 1, chunks[0].get(), {}, {}}, {1, 0, 1, chunks[1].get(), {}, {}}},
                         [&](const SaveResult& r) { files = r.files; })
                   .ok());
   writer.Flush();
