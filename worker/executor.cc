@@ -865,6 +865,17 @@ absl::Status StepExecutor::ReduceGrads() {
     }
     return absl::OkStatus();
   };
+  // Before a collective on the data-parallel communicator from the host:
+  // another chunk's reduction started on the data-parallel stream must be
+  // done, so the group's collectives run one at a time, in the same order on
+  // every rank (a host wait, only where an MoE chunk meets such a chunk).
+  auto await_dp_stream = [&]() -> absl::Status {
+    if (dp_stream_ == nullptr || dp_started_.empty()) return absl::OkStatus();
+    const absl::Time wait_start = absl::Now();
+    absl::Status s = dp_stream_->Synchronize();
+    waited_for_compute += absl::Now() - wait_start;
+    return WithContext(s, "the data-parallel stream");
+  };
   for (auto& [stage, model] : chunks_) {
     const DpShardBuffers shard = model->DpShard();
     if (dp_ == nullptr || shard.sharded()) BATON_RETURN_IF_ERROR(sum_tied(stage, model));
@@ -875,10 +886,12 @@ absl::Status StepExecutor::ReduceGrads() {
       // On the chunk's stream where it can sum there (no host wait).
       const std::string what = absl::StrCat("data-parallel all-reduce of the tied embedding gradient of stage ", stage);
       const comm::Buffer buf = model::CommBuffer(tied);
-      if (kernels::Stream* stream = model->context().stream;
-          stream != nullptr && comm::CanEnqueueAllReduce(*dp_, buf)) {
-        BATON_RETURN_IF_ERROR(comm::EnqueueAllReduce(*dp_, buf, what, *stream, options_.op_timeout, dp_status_));
+      if (kernels::Stream* stream = model->context().stream; stream != nullptr && dp_collectives_->CanEnqueue(buf)) {
+        // dp_collectives_ orders it after the reductions started on the
+        // data-parallel stream.
+        BATON_RETURN_IF_ERROR(dp_collectives_->AllReduceSum(buf, what, *stream, options_.op_timeout, dp_status_));
       } else {
+        BATON_RETURN_IF_ERROR(await_dp_stream());
         const absl::Time wait_start = absl::Now();
         BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the tied embedding's all-reduce");
         waited_for_compute += absl::Now() - wait_start;
@@ -891,6 +904,7 @@ absl::Status StepExecutor::ReduceGrads() {
       // holding the same experts (edp). The dense gradients are summed over
       // the expert group first (the other slots' replicas), so the
       // reduce-scatter over edp sums every dp rank's; the experts' over edp.
+      BATON_RETURN_IF_ERROR(await_dp_stream());
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
       waited_for_compute += absl::Now() - wait_start;
@@ -940,6 +954,7 @@ absl::Status StepExecutor::ReduceGrads() {
       // dp == ep), then over cp. Every rank's expert gradient already holds
       // its expert group's tokens, so the sum covers all dp ranks' tokens and
       // both divide by dp x cp.
+      BATON_RETURN_IF_ERROR(await_dp_stream());
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient all-reduce");
       waited_for_compute += absl::Now() - wait_start;
