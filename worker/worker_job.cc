@@ -328,26 +328,16 @@ void WorkerJob::Process(const v1::CoordinatorMessage& message) {
       if (message.save_weights().with_state()) return SaveCheckpoint(message.save_weights());
       reply.mutable_saved()->set_ok(true);
       reply.mutable_saved()->set_generation(job_->plan.generation());
-      // Expert parallelism: replica 0's expert group gathers every expert to
-      // replica 0 (the same weights as without ep).
-      std::map<int, GatheredExperts> experts;
-      if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
-        for (auto& [chunk, model] : job_->chunks) {
-          ChunkState values = model->CaptureState();
-          values.adam_m.clear();  // weights only
-          values.adam_v.clear();
-          absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout, std::move(values));
-          if (!all.ok()) {
-            reply.mutable_saved()->set_ok(false);
-            reply.mutable_saved()->set_error(absl::StrCat("saving the weights of chunk ", chunk, ": ",
-                                                          all.status().message()));
-            reply.mutable_saved()->set_code(static_cast<int>(all.status().code()));
-            Reply(reply);
-            return;
-          }
-          experts[chunk] = *std::move(all);
-        }
+      std::map<int, ChunkState> no_states;
+      absl::StatusOr<std::map<int, GatheredExperts>> all_experts = GatherExpertsToReplicaZero(&no_states, true);
+      if (!all_experts.ok()) {
+        reply.mutable_saved()->set_ok(false);
+        reply.mutable_saved()->set_error(absl::StrCat("saving the weights: ", all_experts.status().message()));
+        reply.mutable_saved()->set_code(static_cast<int>(all_experts.status().code()));
+        Reply(reply);
+        return;
       }
+      const std::map<int, GatheredExperts>& experts = *all_experts;
       if (job_->rank.dp_rank() == 0 && job_->rank.cp_rank() == 0) {  // dp and cp peers hold identical weights
         absl::StatusOr<std::string> dir =
             ConfineWritePath(message.save_weights().dir(), options_.output_dirs, "output_dir", "weights directory");
@@ -763,6 +753,29 @@ void WorkerJob::KeepOwn(int64_t step) {
   while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
 }
 
+absl::StatusOr<std::map<int, GatheredExperts>> WorkerJob::GatherExpertsToReplicaZero(
+    std::map<int, ChunkState>* states, bool weights_only) {
+  std::map<int, GatheredExperts> experts;
+  if (job_->ep == nullptr || job_->rank.dp_rank() >= job_->plan.ep()) return experts;
+  for (auto& [c, model] : job_->chunks) {
+    ChunkState state;
+    if (auto it = states->find(c); it != states->end()) {
+      state = std::move(it->second);
+      states->erase(it);
+    } else {
+      state = model->CaptureState();
+      if (weights_only) {
+        state.adam_m.clear();
+        state.adam_v.clear();
+      }
+    }
+    absl::StatusOr<GatheredExperts> all = model->GatherExperts(job_->ep.get(), options_.op_timeout, std::move(state));
+    if (!all.ok()) return WithContext(all.status(), absl::StrCat("chunk ", c));
+    experts[c] = *std::move(all);
+  }
+  return experts;
+}
+
 void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
   v1::WorkerMessage reply;
   v1::Saved* saved = reply.mutable_saved();
@@ -792,19 +805,10 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
       full[c] = *std::move(state);
     }
   }
-  // Expert parallelism: replica 0's expert group gathers every expert to
-  // replica 0, so the checkpoint is the same as without ep too.
-  std::map<int, GatheredExperts> experts;
-  if (job_->ep != nullptr && job_->rank.dp_rank() < job_->plan.ep()) {
-    for (auto& [c, model] : job_->chunks) {
-      auto it = full.find(c);
-      absl::StatusOr<GatheredExperts> all = model->GatherExperts(
-          job_->ep.get(), options_.op_timeout, it != full.end() ? std::move(it->second) : model->CaptureState());
-      if (it != full.end()) full.erase(it);
-      if (!all.ok()) return fail(all.status());
-      experts[c] = *std::move(all);
-    }
-  }
+  // Expert parallelism: the checkpoint is the same as without ep too.
+  absl::StatusOr<std::map<int, GatheredExperts>> all_experts = GatherExpertsToReplicaZero(&full, false);
+  if (!all_experts.ok()) return fail(all_experts.status());
+  std::map<int, GatheredExperts>& experts = *all_experts;
   if (job_->rank.dp_rank() != 0 || job_->rank.cp_rank() != 0) {  // dp and cp peers hold identical state: one writes
     Reply(reply);
     return;

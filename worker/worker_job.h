@@ -153,6 +153,13 @@ class WorkerJob {
   // Keeps the live chunks' state as the own snapshot of `step`.
   void KeepOwn(int64_t step);
   void SaveCheckpoint(const v1::SaveWeights& save);
+  // Expert parallelism: the expert group of replica 0 (dp ranks < ep)
+  // gathers every expert of each chunk, so replica 0 writes what ep = 1
+  // would; empty on the other ranks and without ep. `states` holds chunks'
+  // whole states (CaptureFullState) and is consumed; a chunk missing there
+  // gives CaptureState(), without moments when `weights_only`.
+  absl::StatusOr<std::map<int, GatheredExperts>> GatherExpertsToReplicaZero(std::map<int, ChunkState>* states,
+                                                                            bool weights_only);
   // Reader thread: keep a buddy copy / answer a FetchState.
   void Hold(const v1::ShardSnapshot& snapshot);
   // Evaluate{step}: train.eval_steps forward-only batches of the eval data;
