@@ -899,26 +899,6 @@ absl::Status StepExecutor::ReduceGrads() {
       }
       if (dp_->rank() != 0) kernels::FillZero(model->context(), tied);
     }
-    if (const int64_t tail = model->expert_elements(); tail > 0 && shard.sharded()) {
-      // ZeRO with expert parallelism: the moments are sharded over the ranks
-      // holding the same experts (edp). The dense gradients are summed over
-      // the expert group first (the other slots' replicas), so the
-      // reduce-scatter over edp sums every dp rank's; the experts' over edp.
-      BATON_RETURN_IF_ERROR(await_dp_stream());
-      const absl::Time wait_start = absl::Now();
-      BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
-      waited_for_compute += absl::Now() - wait_start;
-      const int64_t dense = model->Gradients().numel() - tail;
-      BATON_RETURN_IF_ERROR_CTX(
-          ep_->AllReduceSum(model::CommBuffer(shard.padded_grads.Rows(0, dense)))->Wait(options_.op_timeout),
-          "expert-group sum of the dense gradients of stage ", stage);
-      BATON_RETURN_IF_ERROR_CTX(
-          edp_->ReduceScatterSum(model::CommBuffer(shard.padded_grads), model::CommBuffer(shard.shard_grads))
-              ->Wait(options_.op_timeout),
-          "expert-data-parallel gradient reduce-scatter of stage ", stage);
-      kernels::Scale(model->context(), shard.shard_grads, 1.0f / static_cast<float>(options_.dp_size));
-      continue;
-    }
     auto started = dp_started_.find(stage);
     kernels::Event* reduced = started != dp_started_.end() ? started->second : nullptr;
     if (reduced == nullptr) {
@@ -934,14 +914,27 @@ absl::Status StepExecutor::ReduceGrads() {
       continue;
     }
     if (shard.sharded()) {
-      // ZeRO-1, CUDA memory over a host communicator: this rank keeps the
-      // sum of its shard only (host wait: the communicator reads what the
-      // chunk's stream wrote).
+      // ZeRO-1 on the host (CUDA memory over a host communicator, or an
+      // expert-parallel chunk): this rank keeps the sum of its shard only
+      // (host wait: the communicator reads what the chunk's stream wrote).
+      // With expert parallelism the moments are sharded over the ranks
+      // holding the same experts (edp): the dense gradients are summed over
+      // the expert group (the other slots) first, so the reduce-scatter over
+      // edp sums every dp rank's; the experts' over edp.
+      const int64_t tail = model->expert_elements();
+      if (tail > 0) BATON_RETURN_IF_ERROR(await_dp_stream());
       const absl::Time wait_start = absl::Now();
       BATON_RETURN_IF_ERROR_CTX(model->Synchronize(), "stage ", stage, " before the gradient reduce-scatter");
       waited_for_compute += absl::Now() - wait_start;
+      if (tail > 0) {
+        const int64_t dense = model->Gradients().numel() - tail;
+        BATON_RETURN_IF_ERROR_CTX(
+            ep_->AllReduceSum(model::CommBuffer(shard.padded_grads.Rows(0, dense)))->Wait(options_.op_timeout),
+            "expert-group sum of the dense gradients of stage ", stage);
+      }
       BATON_RETURN_IF_ERROR_CTX(
-          dp_->ReduceScatterSum(model::CommBuffer(shard.padded_grads), model::CommBuffer(shard.shard_grads))
+          (tail > 0 ? edp_ : dp_)
+              ->ReduceScatterSum(model::CommBuffer(shard.padded_grads), model::CommBuffer(shard.shard_grads))
               ->Wait(options_.op_timeout),
           "data-parallel gradient reduce-scatter of stage ", stage);
       kernels::Scale(model->context(), shard.shard_grads, 1.0f / static_cast<float>(options_.dp_size));
