@@ -23,6 +23,33 @@
 // the fused path runs (attention.h AttentionSaved, kernels::
 // AttentionBuffersFor), P's size (bf16 [B, H', T, T]) elsewhere; SdpaApplies
 // says whether a given `att` can take the fused path.
+//
+// Context-parallel (ring) attention (kernels/ops.h, ring_attention.cuh) runs
+// one (query block, key/value block) pair at a time: q from a bf16 qkv
+// [B,Tq,3C'], k and v from a bf16 key/value block kv [B,Tk,2C'] (KvOfQkv's
+// layout). PlanRingSdpa lays one pair out for cuDNN:
+//   Q: dims [B, H', Tq, hd], strides [Tq·3C', hd, 3C', 1], offset 0 (in qkv)
+//   K: dims [B, H', Tk, hd], strides [Tk·2C', hd, 2C', 1], offset 0 (in kv)
+//   V: as K, offset C'
+//   O, dO: [B,Tq,C'] → strides [Tq·C', hd, C', 1] (bf16; the final merged
+//     output and its gradient in the backward)
+//   Stats: the op's lse [B,H',Tq] fp32, [B,H',Tq,1] strides [H'·Tq, Tq, 1, 1]
+//   dQ: a bf16 [B,Tq,C'] temporary, O's layout
+//   dK, dV: a bf16 [B,Tk,2C'] temporary, K's and V's layout
+// Query row i sits at global position q_offset + i, key j at k_offset + j,
+// and j is visible to i iff k_offset + j ≤ q_offset + i. cuDNN's masks are
+// for whole blocks only (RingSdpaApplies):
+//   fully visible (k_offset + Tk − 1 ≤ q_offset): no mask;
+//   the diagonal (q_offset = k_offset, Tq = Tk): causal, top-left aligned
+//     (cuDNN's set_causal_mask: j visible iff j ≤ i);
+// any other block (partly visible, or seen by no row) is not cuDNN's: the
+// backend runs its fp32 kernels there. cuDNN's Stats is what our lse is:
+// the frontend computes it as max_j S_ij + log Σ_j exp(S_ij − max) with
+// S = q kᵀ · attn_scale after the mask (natural log; node/softmax.h), and
+// its backward recomputes P = exp(S − Stats) — so the backward takes the
+// FINAL merged lse and o of the query rows and gives this block's share of
+// dq, dk, dv (as kernels/cpu/block_attention.h's backward with the final lse
+// and δ = rowsum(dO ⊙ O), which cuDNN forms from O itself).
 #ifndef BATON_KERNELS_CUDA_SDPA_PLAN_H_
 #define BATON_KERNELS_CUDA_SDPA_PLAN_H_
 
@@ -99,6 +126,91 @@ struct SdpaKey {
 };
 SdpaKey MakeSdpaKey(const AttentionShard& shard, int device);
 std::string SdpaKeyToString(const SdpaKey& key);
+
+// ------------------------------------- context-parallel (ring) attention
+
+// One (query block, key/value block) pair, as kernels/ops.h's BlockAttention
+// takes it: qkv [batch, q_len, 3·channels], kv [batch, k_len, 2·channels].
+struct RingSdpaBlock {
+  int64_t batch = 0, q_len = 0, k_len = 0;
+  int64_t channels = 0;  // C' (q's width)
+  int64_t heads = 0;     // H'
+  int64_t q_offset = 0, k_offset = 0;
+};
+
+// The pair's visibility, from its offsets and lengths.
+enum class RingBlockMask : uint8_t {
+  kNone = 0,      // every row sees every key: k_offset + Tk − 1 ≤ q_offset
+  kCausal = 1,    // the diagonal: q_offset = k_offset and Tq = Tk
+  kPartial = 2,   // some rows see some keys (not cuDNN's)
+  kInvisible = 3  // no row sees any key: q_offset + Tq − 1 < k_offset
+};
+RingBlockMask RingBlockMaskOf(const RingSdpaBlock& block);
+
+// The stream scratch of a cuDNN block (byte offsets, each 256-aligned):
+//   forward:  o [B,Tq,C'] bf16 at 0, cuDNN's workspace at forward_workspace
+//   backward: dq [B,Tq,C'] bf16 at 0, dk|dv [B,Tk,2C'] bf16 at dkv,
+//             cuDNN's workspace at backward_workspace
+struct RingSdpaScratch {
+  size_t o_bytes = 0;             // = dq's bytes
+  size_t dkv_bytes = 0;
+  size_t forward_workspace = 0;   // offset
+  size_t dkv = 0;                 // offset (backward)
+  size_t backward_workspace = 0;  // offset
+};
+
+struct RingSdpaPlan {
+  RingSdpaBlock block;
+  int64_t head_dim = 0;
+  bool causal = false;      // the diagonal: cuDNN's top-left causal mask; else no mask
+  float scale = 0;          // 1/√hd, the fp32 kernels' bits
+  SdpaTensor q;             // in qkv
+  SdpaTensor k, v;          // in kv; dk, dv the same in the dkv temporary
+  SdpaTensor o;             // in o and dO; dq the same in the dq temporary
+  SdpaTensor stats;         // the op's lse, fp32
+  RingSdpaScratch scratch;  // the temporaries' place in the stream scratch
+};
+
+// Whether cuDNN can take the block: OK for a fully visible or diagonal block
+// with hd = C'/H' a multiple of kSdpaHeadDimMultiple, at most kSdpaMaxHeadDim,
+// and Tq, Tk ≥ 2 (a one-row block is cuDNN's decode mode, with limits of its
+// own, and gains nothing); otherwise INVALID_ARGUMENT (not a block, or a
+// head dimension cuDNN refuses) or FAILED_PRECONDITION (a partly visible or
+// invisible block, or one row), saying why. The caller then runs the fp32
+// kernels on the widened inputs.
+absl::Status RingSdpaApplies(const RingSdpaBlock& block);
+
+// The plan; fails as RingSdpaApplies does.
+absl::StatusOr<RingSdpaPlan> PlanRingSdpa(const RingSdpaBlock& block);
+
+// Stream scratch bytes the forward / backward need with cuDNN's workspace of
+// `workspace` bytes: the temporaries, then the workspace.
+size_t RingSdpaForwardScratchBytes(const RingSdpaPlan& plan, size_t workspace);
+size_t RingSdpaBackwardScratchBytes(const RingSdpaPlan& plan, size_t workspace);
+
+// OK when `bytes` (a ring graph's workspace) is at most kMaxSdpaWorkspaceBytes.
+absl::Status CheckRingSdpaWorkspace(size_t bytes, const RingSdpaBlock& block);
+
+// Identifies one pair of ring graphs (forward and backward): the dims and
+// strides depend on B, Tq, Tk, C', H' (hd = C'/H'), the mask on `causal`;
+// the offsets only choose the mask. Plans are per GPU.
+struct RingSdpaKey {
+  int64_t batch = 0, q_len = 0, k_len = 0, channels = 0, heads = 0;
+  bool causal = false;
+  int device = 0;
+
+  bool operator==(const RingSdpaKey& o) const {
+    return batch == o.batch && q_len == o.q_len && k_len == o.k_len && channels == o.channels &&
+           heads == o.heads && causal == o.causal && device == o.device;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const RingSdpaKey& k) {
+    return H::combine(std::move(h), k.batch, k.q_len, k.k_len, k.channels, k.heads, k.causal,
+                      k.device);
+  }
+};
+RingSdpaKey MakeRingSdpaKey(const RingSdpaPlan& plan, int device);
+std::string RingSdpaKeyToString(const RingSdpaKey& key);
 
 }  // namespace baton::cuda
 

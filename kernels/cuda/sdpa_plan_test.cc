@@ -3,7 +3,11 @@
 // (forward with the log-sum-exp stats, backward from the stats as cuDNN
 // recomputes P), reproduce each tensor-parallel rank's heads of the full CPU
 // attention; the saved-buffer layout, head-dimension limits, workspace bound
-// and cache keys.
+// and cache keys. The context-parallel (ring) plan likewise: one pair of
+// blocks' dims, strides and scratch layout, which blocks cuDNN takes, and a
+// query block's ring (two fully visible key blocks and its diagonal) through
+// the plan reproducing the CPU's block attention, merged, and its backward
+// from the final lse and o.
 #include "kernels/cuda/sdpa_plan.h"
 
 #include <cmath>
@@ -15,6 +19,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/block_attention.h"
 #include "kernels/cuda/plan.h"
 
 namespace baton::cuda {
@@ -274,6 +279,324 @@ TEST(SdpaPlanTest, CacheKeysSeparateEveryShapeAndDevice) {
   ASSERT_TRUE(other.ok());
   EXPECT_EQ(MakeSdpaKey(*other, 0), k);
   EXPECT_EQ(SdpaKeyToString(k), "sdpa B=4 T=256 C'=256 H'=4 hd=64 cuda:0");
+}
+
+// ------------------------------------- context-parallel (ring) attention
+
+// The SDPA definition for one ring block in float64, every tensor reached
+// through the plan: no mask, or cuDNN's top-left causal mask (j ≤ i). The
+// forward writes o and stats; the backward reads the given (final) o and
+// stats, forms D_i = do_i · o_i itself as cuDNN does, and writes dq (o's
+// layout, in its own buffer) and dk, dv (k's and v's layout, in theirs).
+bool Visible(const RingSdpaPlan& p, int64_t i, int64_t j) { return !p.causal || j <= i; }
+
+void RingSdpaForward(const RingSdpaPlan& p, const std::vector<float>& qkv,
+                     const std::vector<float>& kv, std::vector<float>& out,
+                     std::vector<float>& stats) {
+  const RingSdpaBlock& s = p.block;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        std::vector<double> sc(s.k_len);
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < s.k_len; ++j) {
+          if (!Visible(p, i, j)) continue;
+          double dot = 0;
+          for (int64_t d = 0; d < p.head_dim; ++d) {
+            dot += double{qkv[Index(p.q, b, h, i, d)]} * kv[Index(p.k, b, h, j, d)];
+          }
+          sc[j] = dot * p.scale;
+          mx = std::max(mx, sc[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < s.k_len; ++j) {
+          if (Visible(p, i, j)) sum += std::exp(sc[j] - mx);
+        }
+        const double lse = mx + std::log(sum);
+        stats[Index(p.stats, b, h, i, 0)] = static_cast<float>(lse);
+        for (int64_t d = 0; d < p.head_dim; ++d) {
+          double o = 0;
+          for (int64_t j = 0; j < s.k_len; ++j) {
+            if (Visible(p, i, j)) o += std::exp(sc[j] - lse) * kv[Index(p.v, b, h, j, d)];
+          }
+          out[Index(p.o, b, h, i, d)] = static_cast<float>(o);
+        }
+      }
+    }
+  }
+}
+
+void RingSdpaBackward(const RingSdpaPlan& p, const std::vector<float>& qkv,
+                      const std::vector<float>& kv, const std::vector<float>& out,
+                      const std::vector<float>& stats, const std::vector<float>& dout,
+                      std::vector<float>& dq, std::vector<float>& dkv) {
+  const RingSdpaBlock& s = p.block;
+  const int64_t hd = p.head_dim;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      std::vector<double> gq(s.q_len * hd, 0.0), gk(s.k_len * hd, 0.0), gv(s.k_len * hd, 0.0);
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        double big_d = 0;
+        for (int64_t d = 0; d < hd; ++d) {
+          big_d += double{dout[Index(p.o, b, h, i, d)]} * out[Index(p.o, b, h, i, d)];
+        }
+        const double lse = stats[Index(p.stats, b, h, i, 0)];
+        for (int64_t j = 0; j < s.k_len; ++j) {
+          if (!Visible(p, i, j)) continue;
+          double sc = 0, dp = 0;
+          for (int64_t d = 0; d < hd; ++d) {
+            sc += double{qkv[Index(p.q, b, h, i, d)]} * kv[Index(p.k, b, h, j, d)];
+            dp += double{dout[Index(p.o, b, h, i, d)]} * kv[Index(p.v, b, h, j, d)];
+          }
+          const double pij = std::exp(sc * p.scale - lse);
+          const double ds = pij * (dp - big_d) * p.scale;
+          for (int64_t d = 0; d < hd; ++d) {
+            gq[i * hd + d] += ds * kv[Index(p.k, b, h, j, d)];
+            gk[j * hd + d] += ds * qkv[Index(p.q, b, h, i, d)];
+            gv[j * hd + d] += pij * dout[Index(p.o, b, h, i, d)];
+          }
+        }
+      }
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        for (int64_t d = 0; d < hd; ++d) {
+          dq[Index(p.o, b, h, i, d)] = static_cast<float>(gq[i * hd + d]);
+        }
+      }
+      for (int64_t j = 0; j < s.k_len; ++j) {
+        for (int64_t d = 0; d < hd; ++d) {
+          dkv[Index(p.k, b, h, j, d)] = static_cast<float>(gk[j * hd + d]);
+          dkv[Index(p.v, b, h, j, d)] = static_cast<float>(gv[j * hd + d]);
+        }
+      }
+    }
+  }
+}
+
+RingSdpaBlock Block(int64_t batch, int64_t q_len, int64_t k_len, int64_t channels, int64_t heads,
+                    int64_t q_offset, int64_t k_offset) {
+  RingSdpaBlock b;
+  b.batch = batch;
+  b.q_len = q_len;
+  b.k_len = k_len;
+  b.channels = channels;
+  b.heads = heads;
+  b.q_offset = q_offset;
+  b.k_offset = k_offset;
+  return b;
+}
+
+TEST(RingSdpaPlanTest, DimsStridesAndScratchOfABlock) {
+  // GPT-2 small's attention under tp 4 (C' = 192, H' = 3, hd 64), cp 4 over
+  // T = 4096: halves of 512 rows; a later half's query block against an
+  // earlier key block.
+  absl::StatusOr<RingSdpaPlan> p = PlanRingSdpa(Block(2, 512, 512, 192, 3, 3584, 1024));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->causal);
+  EXPECT_EQ(p->head_dim, 64);
+  EXPECT_EQ(p->scale, 0.125f);
+  EXPECT_EQ(p->q.dim, (std::array<int64_t, 4>{2, 3, 512, 64}));
+  EXPECT_EQ(p->q.stride, (std::array<int64_t, 4>{512 * 576, 64, 576, 1}));
+  EXPECT_EQ(p->q.offset, 0);
+  EXPECT_EQ(p->k.dim, (std::array<int64_t, 4>{2, 3, 512, 64}));
+  EXPECT_EQ(p->k.stride, (std::array<int64_t, 4>{512 * 384, 64, 384, 1}));
+  EXPECT_EQ(p->k.offset, 0);
+  EXPECT_EQ(p->v.stride, p->k.stride);
+  EXPECT_EQ(p->v.offset, 192);
+  EXPECT_EQ(p->o.stride, (std::array<int64_t, 4>{512 * 192, 64, 192, 1}));
+  EXPECT_EQ(p->o.offset, 0);
+  // Stats is the op's lse [B, H', Tq], packed.
+  EXPECT_EQ(p->stats.dim, (std::array<int64_t, 4>{2, 3, 512, 1}));
+  EXPECT_EQ(p->stats.stride, (std::array<int64_t, 4>{3 * 512, 512, 1, 1}));
+  for (const SdpaTensor* t : {&p->q, &p->k, &p->v, &p->o}) {
+    EXPECT_EQ(t->offset * 2 % 16, 0);  // cuDNN's 16-byte rows
+    EXPECT_EQ(t->stride[2] * 2 % 16, 0);
+  }
+  // Temporaries: o (and dq) then dk|dv, then the workspace, 256-aligned and
+  // disjoint.
+  const RingSdpaScratch& s = p->scratch;
+  EXPECT_EQ(s.o_bytes, size_t{2} * 512 * 192 * 2);
+  EXPECT_EQ(s.dkv_bytes, size_t{2} * 512 * 384 * 2);
+  for (size_t offset : {s.forward_workspace, s.dkv, s.backward_workspace}) {
+    EXPECT_EQ(offset % 256, 0u);
+  }
+  EXPECT_GE(s.forward_workspace, s.o_bytes);
+  EXPECT_GE(s.dkv, s.o_bytes);
+  EXPECT_GE(s.backward_workspace, s.dkv + s.dkv_bytes);
+  EXPECT_EQ(RingSdpaForwardScratchBytes(*p, 1000), s.forward_workspace + 1000);
+  EXPECT_EQ(RingSdpaBackwardScratchBytes(*p, 0), s.backward_workspace);
+
+  // A diagonal block with T not a multiple of 128: rows still 16-byte
+  // aligned, the mask causal.
+  absl::StatusOr<RingSdpaPlan> d = PlanRingSdpa(Block(1, 100, 100, 64, 2, 300, 300));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->causal);
+  EXPECT_EQ(d->scale, 1.0f / std::sqrt(32.0f));
+  EXPECT_EQ(d->scratch.forward_workspace, 12800u);  // 100·64·2 = 12800, a multiple of 256
+  EXPECT_EQ(d->scratch.dkv, 12800u);
+  EXPECT_EQ(d->scratch.backward_workspace, 12800u + 25600u);
+}
+
+TEST(RingSdpaPlanTest, CudnnTakesFullyVisibleAndDiagonalBlocksOnly) {
+  struct Case {
+    const char* name;
+    RingSdpaBlock block;
+    RingBlockMask mask;
+    absl::StatusCode code;
+  };
+  const Case cases[] = {
+      {"fully visible, the last key is the first query's position",
+       Block(2, 8, 8, 64, 2, 8, 1), RingBlockMask::kNone, absl::StatusCode::kOk},
+      {"fully visible, Tq ≠ Tk", Block(2, 6, 10, 64, 2, 40, 0), RingBlockMask::kNone,
+       absl::StatusCode::kOk},
+      {"diagonal", Block(2, 8, 8, 64, 2, 16, 16), RingBlockMask::kCausal, absl::StatusCode::kOk},
+      {"diagonal at 0", Block(1, 2, 2, 64, 8, 0, 0), RingBlockMask::kCausal,
+       absl::StatusCode::kOk},
+      {"one key past full visibility", Block(2, 8, 8, 64, 2, 8, 2), RingBlockMask::kPartial,
+       absl::StatusCode::kFailedPrecondition},
+      {"same offsets, Tq ≠ Tk", Block(2, 8, 6, 64, 2, 16, 16), RingBlockMask::kPartial,
+       absl::StatusCode::kFailedPrecondition},
+      {"diagonal shifted by one", Block(2, 8, 8, 64, 2, 17, 16), RingBlockMask::kPartial,
+       absl::StatusCode::kFailedPrecondition},
+      {"invisible", Block(2, 8, 8, 64, 2, 0, 8), RingBlockMask::kInvisible,
+       absl::StatusCode::kFailedPrecondition},
+      {"one query row", Block(2, 1, 8, 64, 2, 40, 0), RingBlockMask::kNone,
+       absl::StatusCode::kFailedPrecondition},
+      {"one key row", Block(2, 8, 1, 64, 2, 40, 0), RingBlockMask::kNone,
+       absl::StatusCode::kFailedPrecondition},
+      {"head dim 4", Block(2, 8, 8, 8, 2, 8, 0), RingBlockMask::kNone,
+       absl::StatusCode::kInvalidArgument},
+      {"head dim 12", Block(2, 8, 8, 24, 2, 8, 0), RingBlockMask::kNone,
+       absl::StatusCode::kInvalidArgument},
+      {"head dim 264", Block(2, 8, 8, 528, 2, 8, 0), RingBlockMask::kNone,
+       absl::StatusCode::kInvalidArgument},
+      {"H' not dividing C'", Block(2, 8, 8, 60, 8, 8, 0), RingBlockMask::kNone,
+       absl::StatusCode::kInvalidArgument},
+      {"negative offset", Block(2, 8, 8, 64, 2, -1, -9), RingBlockMask::kNone,
+       absl::StatusCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(RingBlockMaskOf(c.block), c.mask);
+    const absl::Status s = RingSdpaApplies(c.block);
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_EQ(PlanRingSdpa(c.block).status().code(), c.code);
+  }
+  for (int64_t hd : {8, 64, 128, 256}) {
+    EXPECT_TRUE(RingSdpaApplies(Block(1, 16, 16, 2 * hd, 2, 16, 0)).ok()) << "hd " << hd;
+  }
+  // The reason names the kind of block.
+  EXPECT_NE(RingSdpaApplies(Block(2, 8, 8, 64, 2, 8, 2)).message().find("partly visible"),
+            std::string::npos);
+}
+
+// One query block of a cp ring over T = 12 in chunks of 4 (q at 8), against
+// the key/value blocks at 0 and 4 (fully visible) and its own (the
+// diagonal): each block through the plan matches the CPU's block attention
+// (Stats = the CPU's lse); merged, the CPU's full attention; the backward of
+// each block from the final lse and o, the CPU's block backward.
+TEST(RingSdpaPlanTest, RingOfBlocksReproducesTheCpuForwardAndBackward) {
+  namespace cpu = ::baton::kernels::cpu;
+  const int64_t batch = 2, t = 4, heads = 2, hd = 8, c = heads * hd, q_offset = 8;
+  const std::vector<float> qkv = Random(batch * t * 3 * c, 31);
+  const std::vector<float> dout = Random(batch * t * c, 32);
+  const cpu::BlockAttentionStrides strides{3 * c, 2 * c};
+  const int64_t k_offsets[] = {0, 4, 8};
+  std::vector<std::vector<float>> kvs;
+  for (int64_t k_offset : k_offsets) {
+    // The diagonal's keys and values are the query chunk's own.
+    std::vector<float> kv = Random(batch * t * 2 * c, 40 + static_cast<uint32_t>(k_offset));
+    if (k_offset == q_offset) {
+      for (int64_t r = 0; r < batch * t; ++r) {
+        for (int64_t e = 0; e < 2 * c; ++e) kv[r * 2 * c + e] = qkv[r * 3 * c + c + e];
+      }
+    }
+    kvs.push_back(kv);
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> scratch(2 * t * t);
+  // The CPU's ring, and the plan's blocks merged by the CPU's merge.
+  std::vector<float> out(batch * t * c, 0.0f), lse(batch * heads * t, -INFINITY);
+  std::vector<float> sdpa_out = out, sdpa_lse = lse;
+  for (size_t n = 0; n < kvs.size(); ++n) {
+    SCOPED_TRACE(::testing::Message() << "k_offset " << k_offsets[n]);
+    std::vector<float> bo(out.size()), bl(lse.size());
+    cpu::BlockAttentionForward(bo.data(), bl.data(), qkv.data(), kvs[n].data(), kvs[n].data() + c,
+                               batch, t, t, c, heads, q_offset, k_offsets[n], scratch.data(),
+                               strides);
+    cpu::MergeAttentionBlock(out.data(), lse.data(), bo.data(), bl.data(), batch, t, c, heads);
+
+    absl::StatusOr<RingSdpaPlan> p =
+        PlanRingSdpa(Block(batch, t, t, c, heads, q_offset, k_offsets[n]));
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->causal, k_offsets[n] == q_offset);
+    std::vector<float> so(out.size(), nan), sl(lse.size(), nan);
+    RingSdpaForward(*p, qkv, kvs[n], so, sl);
+    for (size_t e = 0; e < so.size(); ++e) ASSERT_NEAR(so[e], bo[e], 1e-5f) << "o " << e;
+    for (size_t e = 0; e < sl.size(); ++e) ASSERT_NEAR(sl[e], bl[e], 1e-5f) << "stats " << e;
+    cpu::MergeAttentionBlock(sdpa_out.data(), sdpa_lse.data(), so.data(), sl.data(), batch, t, c,
+                             heads);
+  }
+  for (size_t e = 0; e < out.size(); ++e) ASSERT_NEAR(sdpa_out[e], out[e], 1e-5f) << "out " << e;
+  for (size_t e = 0; e < lse.size(); ++e) ASSERT_NEAR(sdpa_lse[e], lse[e], 1e-5f) << "lse " << e;
+
+  std::vector<float> delta(lse.size());
+  cpu::AttentionDelta(delta.data(), dout.data(), out.data(), batch, t, c, heads);
+  std::vector<float> dq_cpu(qkv.size(), 0.0f), dq_sum(batch * t * c, 0.0f);
+  for (size_t n = 0; n < kvs.size(); ++n) {
+    SCOPED_TRACE(::testing::Message() << "k_offset " << k_offsets[n]);
+    std::vector<float> dkv_cpu(kvs[n].size(), 0.0f);
+    cpu::BlockAttentionBackward(dq_cpu.data(), dkv_cpu.data(), dkv_cpu.data() + c, dout.data(),
+                                qkv.data(), kvs[n].data(), kvs[n].data() + c, lse.data(),
+                                delta.data(), batch, t, t, c, heads, q_offset, k_offsets[n],
+                                scratch.data(), strides);
+    absl::StatusOr<RingSdpaPlan> p =
+        PlanRingSdpa(Block(batch, t, t, c, heads, q_offset, k_offsets[n]));
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::vector<float> dq(batch * t * c, nan), dkv(kvs[n].size(), nan);
+    RingSdpaBackward(*p, qkv, kvs[n], out, lse, dout, dq, dkv);
+    for (size_t e = 0; e < dkv.size(); ++e) ASSERT_NEAR(dkv[e], dkv_cpu[e], 1e-4f) << "dkv " << e;
+    for (size_t e = 0; e < dq.size(); ++e) dq_sum[e] += dq[e];
+  }
+  for (int64_t r = 0; r < batch * t; ++r) {
+    for (int64_t e = 0; e < c; ++e) {
+      ASSERT_NEAR(dq_sum[r * c + e], dq_cpu[r * 3 * c + e], 1e-4f) << "dq " << r << "," << e;
+    }
+  }
+}
+
+TEST(RingSdpaPlanTest, CacheKeysSeparateEveryShapeMaskAndDevice) {
+  const RingSdpaBlock base = Block(2, 64, 64, 128, 2, 128, 0);
+  absl::StatusOr<RingSdpaPlan> p = PlanRingSdpa(base);
+  ASSERT_TRUE(p.ok());
+  const RingSdpaKey k = MakeRingSdpaKey(*p, 0);
+  std::vector<RingSdpaKey> keys = {k, MakeRingSdpaKey(*p, 1)};
+  for (int field = 0; field < 6; ++field) {
+    RingSdpaBlock b = base;
+    if (field == 0) b.batch += 1;
+    if (field == 1) b.q_len += 1;
+    if (field == 2) b.k_len += 1;
+    if (field == 3) b.channels += 64;
+    if (field == 4) b.heads = 4;  // hd 32
+    if (field == 5) b.k_offset = b.q_offset;  // the diagonal: causal
+    absl::StatusOr<RingSdpaPlan> other = PlanRingSdpa(b);
+    ASSERT_TRUE(other.ok()) << field << ": " << other.status();
+    keys.push_back(MakeRingSdpaKey(*other, 0));
+  }
+  absl::flat_hash_set<RingSdpaKey> set(keys.begin(), keys.end());
+  EXPECT_EQ(set.size(), keys.size());
+  // Other offsets with the same mask are the same graphs.
+  absl::StatusOr<RingSdpaPlan> shifted = PlanRingSdpa(Block(2, 64, 64, 128, 2, 640, 64));
+  ASSERT_TRUE(shifted.ok());
+  EXPECT_EQ(MakeRingSdpaKey(*shifted, 0), k);
+  EXPECT_EQ(RingSdpaKeyToString(k), "ring sdpa B=2 Tq=64 Tk=64 C'=128 H'=2 unmasked cuda:0");
+}
+
+TEST(RingSdpaPlanTest, WorkspaceBound) {
+  const RingSdpaBlock b = Block(2, 64, 64, 128, 2, 64, 64);
+  EXPECT_TRUE(CheckRingSdpaWorkspace(kMaxSdpaWorkspaceBytes, b).ok());
+  const absl::Status over = CheckRingSdpaWorkspace(kMaxSdpaWorkspaceBytes + 1, b);
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.message().find("Tq=64"), std::string::npos) << over;
 }
 
 }  // namespace
