@@ -378,8 +378,9 @@ struct Backend {
                              const Tensor& dv, const Tensor& dqkv, int heads, int kv_heads,
                              float theta, int64_t position_offset);
 
-  // --- context-parallel (ring) attention, fp32 (see ops.h); null where the
-  // backend has none (none today): the ops then abort naming themselves ---
+  // --- context-parallel (ring) attention, fp32 or bf16 inputs (see ops.h);
+  // null where the backend has none (none today): the ops then abort naming
+  // themselves ---
   void (*kv_of_qkv)(const ExecContext&, const Tensor& kv, const Tensor& qkv);
   void (*block_attention)(const ExecContext&, const Tensor& out, const Tensor& lse,
                           const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
@@ -389,7 +390,8 @@ struct Backend {
   void (*attention_delta)(const ExecContext&, const Tensor& delta, const Tensor& dout,
                           const Tensor& out, int heads);
   void (*block_attention_backward)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv,
-                                   const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                                   const Tensor& dout, const Tensor& out, const Tensor& qkv,
+                                   const Tensor& kv,
                                    const Tensor& lse, const Tensor& delta, int heads,
                                    int64_t q_offset, int64_t k_offset, const Tensor& scratch);
   void (*qkv_grad_of_kv)(const ExecContext&, const Tensor& dqkv, const Tensor& dkv);

@@ -430,20 +430,27 @@ void RopePackBackward(const ExecContext&, const Tensor& dq, const Tensor& dk, co
 // the first C columns of qkv's [B,Tq,3C] rows, k and v the halves of kv's
 // [B,Tk,2C] rows: the kernels read and write them in place through row
 // strides, without copies.
+// fp32 or bf16 (both the same dtype; ops.cc checked).
 void KvOfQkv(const ExecContext&, const Tensor& kv, const Tensor& qkv) {
   const int64_t rows = qkv.dim(0) * qkv.dim(1), c = qkv.dim(2) / 3;
-  const float* src = qkv.f32();
-  float* dst = kv.f32();
+  const size_t element = qkv.dtype() == DType::kBFloat16 ? sizeof(uint16_t) : sizeof(float);
+  const char* src = static_cast<const char*>(qkv.raw());
+  char* dst = static_cast<char*>(kv.raw());
   for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(dst + r * 2 * c, src + r * 3 * c + c, sizeof(float) * 2 * c);
+    std::memcpy(dst + r * 2 * c * element, src + (r * 3 * c + c) * element, element * 2 * c);
   }
 }
 
+// bf16 ring inputs are widened (exactly) and take the fp32 kernels: the bits
+// of the fp32 ops on the images (ops.h).
 void BlockAttention(const ExecContext&, const Tensor& out, const Tensor& lse, const Tensor& qkv,
                     const Tensor& kv, int heads, int64_t q_offset, int64_t k_offset,
                     const Tensor& scratch) {
   const int64_t c = qkv.dim(2) / 3;
-  cpu::BlockAttentionForward(out.f32(), lse.f32(), qkv.f32(), kv.f32(), kv.f32() + c, qkv.dim(0),
+  std::vector<float> qkv_image, kv_image;
+  const float* q = Widened("BlockAttention", qkv, qkv_image);
+  const float* k = Widened("BlockAttention", kv, kv_image);
+  cpu::BlockAttentionForward(out.f32(), lse.f32(), q, k, k + c, qkv.dim(0),
                              qkv.dim(1), kv.dim(1), c, heads, q_offset, k_offset, scratch.f32(),
                              cpu::BlockAttentionStrides{3 * c, 2 * c});
 }
@@ -460,13 +467,18 @@ void AttentionDelta(const ExecContext&, const Tensor& delta, const Tensor& dout,
                       heads);
 }
 
+// `out` is not read: the fp32 kernels take delta.
 void BlockAttentionBackward(const ExecContext&, const Tensor& dqkv, const Tensor& dkv,
-                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
-                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
-                            int64_t k_offset, const Tensor& scratch) {
+                            const Tensor& dout, const Tensor& /*out*/, const Tensor& qkv,
+                            const Tensor& kv, const Tensor& lse, const Tensor& delta, int heads,
+                            int64_t q_offset, int64_t k_offset, const Tensor& scratch) {
   const int64_t c = qkv.dim(2) / 3;
-  cpu::BlockAttentionBackward(dqkv.f32(), dkv.f32(), dkv.f32() + c, dout.f32(), qkv.f32(),
-                              kv.f32(), kv.f32() + c, lse.f32(), delta.f32(), qkv.dim(0),
+  std::vector<float> dout_image, qkv_image, kv_image;
+  const float* d = Widened("BlockAttentionBackward", dout, dout_image);
+  const float* q = Widened("BlockAttentionBackward", qkv, qkv_image);
+  const float* k = Widened("BlockAttentionBackward", kv, kv_image);
+  cpu::BlockAttentionBackward(dqkv.f32(), dkv.f32(), dkv.f32() + c, d, q,
+                              k, k + c, lse.f32(), delta.f32(), qkv.dim(0),
                               qkv.dim(1), kv.dim(1), c, heads, q_offset, k_offset, scratch.f32(),
                               cpu::BlockAttentionStrides{3 * c, 2 * c});
 }

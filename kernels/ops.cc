@@ -457,9 +457,18 @@ void RequireOutAndLse(const char* op, const Tensor& out, std::initializer_list<c
 
 }  // namespace
 
+// The ring's inputs: all float32, or all bf16 (ops.h).
+void RequireRingInputs(const char* op, std::initializer_list<const Tensor*> tensors) {
+  RequireFloat(op, tensors, true, "qkv, kv, dout and out must be float32 or bfloat16");
+  for (const Tensor* t : tensors) {
+    Require(t->dtype() == (*tensors.begin())->dtype(), op,
+            "qkv, kv, dout and out must share one dtype (all float32 or all bfloat16)");
+  }
+}
+
 void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv) {
   const Backend& be = On(ctx, "KvOfQkv", {&kv, &qkv});
-  RequireFloat("KvOfQkv", {&kv, &qkv}, false, "kv and qkv must be float32");
+  RequireRingInputs("KvOfQkv", {&kv, &qkv});
   const int64_t c = RequireQkv("KvOfQkv", qkv, 1);
   RequireKv("KvOfQkv", kv, qkv, c);
   Require(kv.dim(1) == qkv.dim(1), "KvOfQkv", "shape mismatch: kv and qkv differ in seq");
@@ -471,7 +480,8 @@ void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse
                     int64_t k_offset, const Tensor& scratch) {
   const char* op = "BlockAttention";
   const Backend& be = On(ctx, op, {&out, &lse, &qkv, &kv, &scratch});
-  RequireFloat(op, {&out, &lse, &qkv, &kv, &scratch}, false, "every tensor must be float32");
+  RequireFloat(op, {&out, &lse, &scratch}, false, "out, lse and scratch must be float32");
+  RequireRingInputs(op, {&qkv, &kv});
   const int64_t c = RequireQkv(op, qkv, heads);
   RequireKv(op, kv, qkv, c);
   const int64_t b = qkv.dim(0), tq = qkv.dim(1), tk = kv.dim(1);
@@ -504,28 +514,30 @@ void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& d
 }
 
 void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
-                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
-                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
-                            int64_t k_offset, const Tensor& scratch) {
+                            const Tensor& dout, const Tensor& out, const Tensor& qkv,
+                            const Tensor& kv, const Tensor& lse, const Tensor& delta, int heads,
+                            int64_t q_offset, int64_t k_offset, const Tensor& scratch) {
   const char* op = "BlockAttentionBackward";
-  const Backend& be = On(ctx, op, {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta, &scratch});
-  RequireFloat(op, {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta, &scratch}, false,
-               "every tensor must be float32");
+  const Backend& be =
+      On(ctx, op, {&dqkv, &dkv, &dout, &out, &qkv, &kv, &lse, &delta, &scratch});
+  RequireFloat(op, {&dqkv, &dkv, &lse, &delta, &scratch}, false,
+               "dqkv, dkv, lse, delta and scratch must be float32");
+  RequireRingInputs(op, {&dout, &out, &qkv, &kv});
   const int64_t c = RequireQkv(op, qkv, heads);
   RequireKv(op, kv, qkv, c);
   const int64_t b = qkv.dim(0), tq = qkv.dim(1), tk = kv.dim(1);
   Require(dqkv.numel() == qkv.numel() && dkv.numel() == kv.numel(), op,
           "shape mismatch: dqkv must be qkv's shape, dkv kv's");
-  Require(dout.numel() == b * tq * c && lse.numel() == b * heads * tq &&
-              delta.numel() == b * heads * tq,
+  Require(dout.numel() == b * tq * c && out.numel() == dout.numel() &&
+              lse.numel() == b * heads * tq && delta.numel() == b * heads * tq,
           op,
-          "shape mismatch: dout must be [batch, q_len, channels], lse and delta "
+          "shape mismatch: dout and out must be [batch, q_len, channels], lse and delta "
           "[batch, heads, q_len]");
   Require(q_offset >= 0 && k_offset >= 0, op, "offsets must be >= 0");
   Require(scratch.numel() >= BlockAttentionBackwardScratch(tq, tk), op,
           "scratch is smaller than BlockAttentionBackwardScratch(q_len, k_len)");
-  CpEntry(be, be.block_attention_backward, op)(ctx, dqkv, dkv, dout, qkv, kv, lse, delta, heads,
-                                               q_offset, k_offset, scratch);
+  CpEntry(be, be.block_attention_backward, op)(ctx, dqkv, dkv, dout, out, qkv, kv, lse, delta,
+                                               heads, q_offset, k_offset, scratch);
 }
 
 void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) {

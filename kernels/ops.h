@@ -234,7 +234,7 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
                       const Tensor& dqkv, int heads, int kv_heads, float theta,
                       int64_t position_offset = 0);
 
-// ---- Context-parallel (ring) attention (context forms only; fp32 only) ----
+// ---- Context-parallel (ring) attention (context forms only; fp32, or bf16 inputs) ----
 //
 // Causal attention over a sequence split into chunks held by different
 // ranks, one key/value block at a time, with the math of
@@ -259,6 +259,16 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
 // atomics: kernels/cuda/ring_attention.cuh, which recomputes scores per row
 // and leaves `scratch` unused). On a backend without these kernels every op
 // below aborts naming itself (CPU, sim and CUDA all have them).
+//
+// bf16 inputs (a bf16 stage's ring: qkv, kv, and in the backward dout and
+// out, all bf16; out, lse, delta, dqkv, dkv and scratch stay fp32): the
+// same math on the inputs' exact fp32 images, so the key/value blocks travel
+// the ring in half the bytes. The CPU (and sim) compute exactly that: the
+// fp32 ops' bits on the images. CUDA runs cuDNN's fused SDPA for a block
+// where it applies (a fully visible block, or the diagonal one: Tq = Tk and
+// q_offset = k_offset), which rounds that block's o and its dq, dk, dv to
+// bf16 once before they are merged or accumulated in fp32; other blocks, or
+// a GPU without cuDNN, take its fp32 kernels on the widened inputs.
 
 // Floats of BlockAttention's and BlockAttentionBackward's `scratch` for a
 // query block of q_len rows and a key block of k_len rows: Tq·Tk and
@@ -266,7 +276,7 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
 int64_t BlockAttentionScratch(int64_t q_len, int64_t k_len);
 int64_t BlockAttentionBackwardScratch(int64_t q_len, int64_t k_len);
 
-// kv [B,T,2C] = qkv's k and v columns (overwrites kv).
+// kv [B,T,2C] = qkv's k and v columns (overwrites kv); both fp32 or both bf16.
 void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv);
 // One key/value block's attention for the queries in qkv's first C columns:
 // writes (overwrites) out [B,Tq,C] and lse [B,heads,Tq]. A row that sees no
@@ -286,11 +296,14 @@ void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& d
                     const Tensor& out, int heads);
 // One key/value block's share of the gradients: ACCUMULATES (+=) dq into
 // dqkv's first C columns (its k and v columns untouched) and dk, dv into dkv
-// [B,Tk,2C]. lse and delta are the final (merged) ones; offsets as the
-// forward's; scratch fp32 with ≥ BlockAttentionBackwardScratch(Tq, Tk)
-// elements. A block no query row sees adds nothing.
+// [B,Tk,2C]. out [B,Tq,C] (dout's dtype), lse and delta are the final
+// (merged) ones: the fp32 kernels read delta, cuDNN recomputes it from out;
+// offsets as the forward's; scratch fp32 with ≥
+// BlockAttentionBackwardScratch(Tq, Tk) elements. A block no query row sees
+// adds nothing.
 void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
-                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
+                            const Tensor& dout, const Tensor& out, const Tensor& qkv,
+                            const Tensor& kv,
                             const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
                             int64_t k_offset, const Tensor& scratch);
 // dqkv's k and v columns = dkv [B,T,2C] (overwritten; its q columns untouched).

@@ -108,7 +108,7 @@ TEST(CudaBackendProbeTest, ContextParallelAttentionHasCudaEntries) {
                "MergeAttentionBlock \\(cuda\\): the execution context has no CUDA stream");
   EXPECT_DEATH(kernels::AttentionDelta(ctx, lse, out, out, 1),
                "AttentionDelta \\(cuda\\): the execution context has no CUDA stream");
-  EXPECT_DEATH(kernels::BlockAttentionBackward(ctx, qkv, kv, out, qkv, kv, lse, lse, 1, 0, 0,
+  EXPECT_DEATH(kernels::BlockAttentionBackward(ctx, qkv, kv, out, out, qkv, kv, lse, lse, 1, 0, 0,
                                                scratch),
                "BlockAttentionBackward \\(cuda\\): the execution context has no CUDA stream");
   EXPECT_DEATH(kernels::QkvGradOfKv(ctx, qkv, kv),

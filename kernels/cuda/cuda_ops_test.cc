@@ -1288,14 +1288,14 @@ TEST_F(CudaRingAttentionTest, BlockAttentionBackwardAccumulatesTheCpusGradientsA
     }
     const k::Tensor scratch = k::Tensor::Zeros({k::BlockAttentionBackwardScratch(rc.Tq, rc.Tk)});
     k::Tensor dqkv = HostCopy(dqkv0), dkv = HostCopy(dkv0);
-    k::BlockAttentionBackward(host, dqkv, dkv, dout, qkv, kv, lse, delta, rc.heads, rc.q_offset,
+    k::BlockAttentionBackward(host, dqkv, dkv, dout, out, qkv, kv, lse, delta, rc.heads, rc.q_offset,
                               rc.k_offset, scratch);
 
     const k::Tensor d_qkv = Up(qkv), d_kv = Up(kv), d_dout = Up(dout), d_lse = Up(lse);
-    const k::Tensor d_delta = Up(delta), d_scratch = Up(scratch);
+    const k::Tensor d_delta = Up(delta), d_scratch = Up(scratch), d_out = Up(out);
     auto backward = [&] {  // (dqkv, dkv) from (dqkv0, dkv0)
       const k::Tensor d_dqkv = Up(dqkv0), d_dkv = Up(dkv0);
-      k::BlockAttentionBackward(ctx_, d_dqkv, d_dkv, d_dout, d_qkv, d_kv, d_lse, d_delta,
+      k::BlockAttentionBackward(ctx_, d_dqkv, d_dkv, d_dout, d_out, d_qkv, d_kv, d_lse, d_delta,
                                 rc.heads, rc.q_offset, rc.k_offset, d_scratch);
       return std::make_pair(Down(d_dqkv), Down(d_dkv));
     };
@@ -1338,7 +1338,7 @@ TEST_F(CudaRingAttentionTest, HeadsOverTheLimitFailTheStreamNamingTheLimit) {
     const k::Tensor qkv = zeros({B, T, 3 * C}), kv = zeros({B, T, 2 * C}), out = zeros({B, T, C});
     const k::Tensor lse = zeros({B, 2, T}), scratch = zeros({2 * T * T});
     if (backward) {
-      k::BlockAttentionBackward(ctx, qkv, kv, out, qkv, kv, lse, lse, 2, 0, 0, scratch);
+      k::BlockAttentionBackward(ctx, qkv, kv, out, out, qkv, kv, lse, lse, 2, 0, 0, scratch);
     } else {
       k::BlockAttention(ctx, out, lse, qkv, kv, 2, 0, 0, scratch);
     }

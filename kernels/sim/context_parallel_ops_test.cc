@@ -58,7 +58,9 @@ class Runner {
   }
   const ExecContext& ctx() const { return ctx_; }
 
-  Tensor Zeros(Shape shape) { return *ZerosOn(ctx_.device, std::move(shape)); }
+  Tensor Zeros(Shape shape, DType dtype = DType::kFloat32) {
+    return *ZerosOn(ctx_.device, std::move(shape), dtype);
+  }
   Tensor Up(const Tensor& host) {
     Tensor d = Zeros(host.shape());
     Copy(ctx_, d, host);
@@ -124,12 +126,22 @@ struct RingResult {
 // (the ring's order); the first block goes straight into (out, lse), the
 // rest are merged. The backward adds every query block's dk, dv into the
 // key block's dkv (the reduction back to its owner), then each owner writes
-// its dkv into its dqkv.
-RingResult RunRing(Runner& run, const Tensor& qkv, const Tensor& dout) {
+// its dkv into its dqkv. With `bf16` the blocks read bf16 qkv, kv, dout and
+// out (a bf16 stage's ring; δ from the fp32 output and dout's image), as
+// GptStage runs them.
+RingResult RunRing(Runner& run, const Tensor& qkv, const Tensor& dout, bool bf16 = false) {
   const int64_t c = kChannels;
   struct Block {
     Span span;
     Tensor qkv, kv, dout, out, lse, delta, dqkv, dkv;
+  };
+  const DType input = bf16 ? DType::kBFloat16 : DType::kFloat32;
+  auto up = [&](const Tensor& host) {  // on the device, in the inputs' dtype
+    const Tensor wide = run.Up(host);
+    if (!bf16) return wide;
+    Tensor narrow = run.Zeros(host.shape(), input);
+    Cast(run.ctx(), narrow, wide);
+    return narrow;
   };
   std::vector<std::vector<Block>> ranks;
   for (const std::vector<Span>& spans : kRanks) {
@@ -137,9 +149,9 @@ RingResult RunRing(Runner& run, const Tensor& qkv, const Tensor& dout) {
     for (Span s : spans) {
       Block b;
       b.span = s;
-      b.qkv = run.Up(SeqRows(qkv, s));
-      b.dout = run.Up(SeqRows(dout, s));
-      b.kv = run.Zeros({kBatch, s.len, 2 * c});
+      b.qkv = up(SeqRows(qkv, s));
+      b.dout = up(SeqRows(dout, s));
+      b.kv = run.Zeros({kBatch, s.len, 2 * c}, input);
       KvOfQkv(run.ctx(), b.kv, b.qkv);
       b.out = run.Zeros({kBatch, s.len, c});
       b.lse = run.Zeros({kBatch, kHeads, s.len});
@@ -175,10 +187,17 @@ RingResult RunRing(Runner& run, const Tensor& qkv, const Tensor& dout) {
   }
   for (size_t r = 0; r < ranks.size(); ++r) {
     for (Block& q : ranks[r]) {
-      AttentionDelta(run.ctx(), q.delta, q.dout, q.out, kHeads);
+      Tensor out = q.out, dout_image = q.dout;
+      if (bf16) {  // the output as the stage keeps it, and dout's image for δ
+        out = run.Zeros(q.out.shape(), input);
+        Cast(run.ctx(), out, q.out);
+        dout_image = run.Zeros(q.dout.shape());
+        Cast(run.ctx(), dout_image, q.dout);
+      }
+      AttentionDelta(run.ctx(), q.delta, dout_image, q.out, kHeads);
       for (Block* k : key_blocks(r)) {
-        BlockAttentionBackward(run.ctx(), q.dqkv, k->dkv, q.dout, q.qkv, k->kv, q.lse, q.delta,
-                               kHeads, q.span.start, k->span.start, scratch);
+        BlockAttentionBackward(run.ctx(), q.dqkv, k->dkv, q.dout, out, q.qkv, k->kv, q.lse,
+                               q.delta, kHeads, q.span.start, k->span.start, scratch);
       }
     }
   }
@@ -244,6 +263,49 @@ TEST_F(ContextParallelOpsTest, SimulatedDeviceGivesTheCpuBits) {
   EXPECT_TRUE(SameBits(again.dqkv, b.dqkv));
 }
 
+// The values of x rounded to bf16 (its exact fp32 image, as fp32).
+Tensor Bf16Image(const Tensor& x) {
+  Tensor r = Tensor::Zeros(x.shape()), narrow = Tensor::Zeros(x.shape(), DType::kBFloat16);
+  Cast(ExecContext::Host(), narrow, x);
+  Cast(ExecContext::Host(), r, narrow);
+  return r;
+}
+
+// bf16 ring inputs (ops.h): on the CPU and the simulated device the ring
+// gives the bits of the fp32 ring on the inputs' images, with k and v in
+// bf16 (half the bytes on the ring).
+TEST_F(ContextParallelOpsTest, Bf16InputsGiveTheFp32RingsBitsOnTheirImages) {
+  const Tensor qkv = Bf16Image(qkv_), dout = Bf16Image(dout_);
+  for (const bool sim : {false, true}) {
+    SCOPED_TRACE(sim ? "sim" : "cpu");
+    Runner run(sim);
+    const RingResult fp32 = RunRing(run, qkv, dout);
+    const RingResult bf16 = RunRing(run, qkv_, dout_, /*bf16=*/true);
+    EXPECT_TRUE(SameBits(bf16.out, fp32.out));
+    EXPECT_TRUE(SameBits(bf16.dqkv, fp32.dqkv));
+    ASSERT_EQ(bf16.lse.size(), fp32.lse.size());
+    for (size_t i = 0; i < fp32.lse.size(); ++i) EXPECT_TRUE(SameBits(bf16.lse[i], fp32.lse[i])) << i;
+    // Not the unrounded inputs' bits: the inputs did go through bf16.
+    EXPECT_FALSE(SameBits(bf16.out, RunRing(run, qkv_, dout_).out));
+  }
+}
+
+// Mixed dtypes among the ring's inputs are refused, naming the rule.
+TEST(ContextParallelOpsDeathTest, MixedInputDtypesAbortNamingTheRule) {
+  const Tensor qkv = Tensor::Zeros({1, 2, 6}, DType::kBFloat16), kv = Tensor::Zeros({1, 2, 4});
+  const Tensor out = Tensor::Zeros({1, 2, 2}), lse = Tensor::Zeros({1, 1, 2});
+  const Tensor scratch = Tensor::Zeros({BlockAttentionBackwardScratch(2, 2)});
+  EXPECT_DEATH(BlockAttention(ExecContext::Host(), out, lse, qkv, kv, 1, 0, 0, scratch),
+               "BlockAttention.*share one dtype");
+  EXPECT_DEATH(BlockAttention(ExecContext::Host(), out, lse, Tensor::Zeros({1, 2, 6}), kv, 1, 0, 0,
+                              Tensor::Zeros({4}, DType::kBFloat16)),
+               "BlockAttention.*scratch must be float32");
+  EXPECT_DEATH(BlockAttentionBackward(ExecContext::Host(), Tensor::Zeros({1, 2, 6}), kv, out,
+                                      Tensor::Zeros({1, 2, 2}, DType::kBFloat16),
+                                      Tensor::Zeros({1, 2, 6}), kv, lse, lse, 1, 0, 0, scratch),
+               "BlockAttentionBackward.*share one dtype");
+}
+
 TEST_F(ContextParallelOpsTest, BlockAttentionBackwardAccumulatesAndLeavesKvColumnsOfDqkv) {
   Runner cpu(/*sim=*/false);
   const Span s{0, kSeq};
@@ -260,8 +322,8 @@ TEST_F(ContextParallelOpsTest, BlockAttentionBackwardAccumulatesAndLeavesKvColum
   Tensor dkv0 = Tensor::Zeros(kv.shape()), dkv1 = Tensor::Zeros(kv.shape());
   for (int64_t i = 0; i < d1.numel(); ++i) d1.f32()[i] = 1.0f;
   for (int64_t i = 0; i < dkv1.numel(); ++i) dkv1.f32()[i] = 1.0f;
-  BlockAttentionBackward(cpu.ctx(), d0, dkv0, dout_, qkv, kv, lse, delta, kHeads, 0, 0, scratch);
-  BlockAttentionBackward(cpu.ctx(), d1, dkv1, dout_, qkv, kv, lse, delta, kHeads, 0, 0, scratch);
+  BlockAttentionBackward(cpu.ctx(), d0, dkv0, dout_, out, qkv, kv, lse, delta, kHeads, 0, 0, scratch);
+  BlockAttentionBackward(cpu.ctx(), d1, dkv1, dout_, out, qkv, kv, lse, delta, kHeads, 0, 0, scratch);
   const int64_t c = kChannels;
   for (int64_t r = 0; r < kBatch * kSeq; ++r) {
     for (int64_t j = 0; j < 3 * c; ++j) {

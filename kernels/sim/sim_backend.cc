@@ -459,12 +459,12 @@ void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& d
   SIM_ENQUEUE(Cpu().attention_delta(Host(), a, b, c, heads));
 }
 void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
-                            const Tensor& dout, const Tensor& qkv, const Tensor& kv,
-                            const Tensor& lse, const Tensor& delta, int heads, int64_t q_offset,
-                            int64_t k_offset, const Tensor& scratch) {
-  Tensor a = H(dqkv), b = H(dkv), c = H(dout), d = H(qkv), e = H(kv), f = H(lse), g = H(delta),
-         h = H(scratch);
-  SIM_ENQUEUE(Cpu().block_attention_backward(Host(), a, b, c, d, e, f, g, heads, q_offset,
+                            const Tensor& dout, const Tensor& out, const Tensor& qkv,
+                            const Tensor& kv, const Tensor& lse, const Tensor& delta, int heads,
+                            int64_t q_offset, int64_t k_offset, const Tensor& scratch) {
+  Tensor a = H(dqkv), b = H(dkv), c = H(dout), o = H(out), d = H(qkv), e = H(kv), f = H(lse),
+         g = H(delta), h = H(scratch);
+  SIM_ENQUEUE(Cpu().block_attention_backward(Host(), a, b, c, o, d, e, f, g, heads, q_offset,
                                              k_offset, h));
 }
 void QkvGradOfKv(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv) {

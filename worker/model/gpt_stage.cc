@@ -1593,15 +1593,16 @@ absl::Status GptStage::RingAttentionForward(const Block& b, Microbatch& mb, Bloc
   kernels::Arena& tmp = *cp_scratch_;
   tmp.Reset();
   BATON_ASSIGN_OR_RETURN(a.att, mb.arena.Allocate({mb.batch, heads, t}));  // the log-sum-exps
-  // Under bf16 the ring runs on qkv's fp32 image and rounds the merged
-  // output once (see Fp32Image).
-  BATON_ASSIGN_OR_RETURN(const Tensor qkv, Fp32Image(tmp, a.qkv));
+  // Under bf16 the blocks read bf16 q, k and v (the key/value blocks travel
+  // the ring in bf16), the output merges in fp32 and is rounded once
+  // (kernels/ops.h: bf16 ring inputs).
+  const Tensor& qkv = a.qkv;
   Tensor y = a.y.Reshaped({mb.batch, t, cl});
   if (bf16_) {
     BATON_ASSIGN_OR_RETURN(y, tmp.Allocate({mb.batch, t, cl}));
   }
-  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
-  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}, qkv.dtype()));
+  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}, qkv.dtype()));
   BATON_ASSIGN_OR_RETURN(Tensor block_out, tmp.Allocate({rows_b, t, cl}));
   BATON_ASSIGN_OR_RETURN(Tensor block_lse, tmp.Allocate({rows_b, heads, t}));
   BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionScratch(t, t)}));
@@ -1644,16 +1645,23 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
   const int heads = static_cast<int>(config_.model.heads / config_.tp_size);
   kernels::Arena& tmp = *cp_scratch_;
   tmp.Reset();
-  BATON_ASSIGN_OR_RETURN(const Tensor qkv, Fp32Image(tmp, a.qkv));
-  BATON_ASSIGN_OR_RETURN(const Tensor y, Fp32Image(tmp, a.y.Reshaped({mb.batch, t, cl})));
-  BATON_ASSIGN_OR_RETURN(const Tensor dout, Fp32Image(tmp, dy.Reshaped({mb.batch, t, cl})));
-  Tensor dqkv = a.dqkv;  // under bf16, summed in fp32 and rounded once at the end
+  // Under bf16 the blocks read bf16 q, k, v, dout and out (the key/value
+  // blocks travel in bf16); δ comes from the fp32 images, and dq and the
+  // dk/dv accumulators stay fp32, rounded once at the end.
+  const Tensor& qkv = a.qkv;
+  const Tensor y = a.y.Reshaped({mb.batch, t, cl}), dout = dy.Reshaped({mb.batch, t, cl});
+  Tensor dqkv = a.dqkv;
   if (bf16_) {
     BATON_ASSIGN_OR_RETURN(dqkv, tmp.Allocate(a.dqkv.shape()));
   }
   BATON_ASSIGN_OR_RETURN(Tensor delta, tmp.Allocate({mb.batch, heads, t}));
-  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}));
-  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}));
+  {
+    BATON_ASSIGN_OR_RETURN(const Tensor y_image, Fp32Image(tmp, y));
+    BATON_ASSIGN_OR_RETURN(const Tensor dout_image, Fp32Image(tmp, dout));
+    kernels::AttentionDelta(ctx_, delta, dout_image, y_image, heads);
+  }
+  BATON_ASSIGN_OR_RETURN(Tensor cur, tmp.Allocate({mb.batch, t, 2 * cl}, qkv.dtype()));
+  BATON_ASSIGN_OR_RETURN(Tensor next, tmp.Allocate({mb.batch, t, 2 * cl}, qkv.dtype()));
   // A block's dk/dv accumulator arrives from the previous rank (acc_in)
   // while this rank computes its own share into a zeroed `part`; the sum
   // goes on to the next rank. Two parts: one may still be on its way.
@@ -1663,7 +1671,6 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
     BATON_ASSIGN_OR_RETURN(part, tmp.Allocate({mb.batch, t, 2 * cl}));
   }
   BATON_ASSIGN_OR_RETURN(Tensor scratch, tmp.Allocate({kernels::BlockAttentionBackwardScratch(t, t)}));
-  kernels::AttentionDelta(ctx_, delta, dout, y, heads);
   kernels::FillZero(ctx_, dqkv);
   kernels::KvOfQkv(ctx_, cur, qkv);
   std::shared_ptr<comm::Work> sent[2];
@@ -1686,9 +1693,9 @@ absl::Status GptStage::RingAttentionBackward(const Block& b, Microbatch& mb, Blo
       for (int kh = 0; kh < 2; ++kh) {
         const int64_t q_offset = HalfOffset(qh, t), k_offset = CpHalfOffset(kh, owner, cp, full);
         if (k_offset > q_offset + t - 1) continue;
-        kernels::BlockAttentionBackward(ctx_, Half(dqkv, qh), Half(part, kh), Half(dout, qh), Half(qkv, qh),
-                                        Half(cur, kh), Half(a.att, qh), Half(delta, qh), heads, q_offset, k_offset,
-                                        scratch);
+        kernels::BlockAttentionBackward(ctx_, Half(dqkv, qh), Half(part, kh), Half(dout, qh), Half(y, qh),
+                                        Half(qkv, qh), Half(cur, kh), Half(a.att, qh), Half(delta, qh), heads,
+                                        q_offset, k_offset, scratch);
       }
     }
     if (acc_recv != nullptr) {

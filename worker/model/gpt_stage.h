@@ -138,12 +138,14 @@
 // added, sent on) and arriving home after cp hops. Saved per block: qkv,
 // the output and the log-sum-exps [B, H, T] (not P). The parameters'
 // gradients here are this rank's tokens' share: the executor averages them
-// over the cp ranks with the dp replicas (one dp · cp group). The block
-// kernels are fp32: under bf16 the ring runs on the exact fp32 image of the
-// bf16 qkv (k and v travel as fp32, twice bf16's bytes), merges and sums in
-// fp32, and rounds the output and the qkv gradient to bf16 once each
-// (Fp32Image). On CUDA the ring passes device memory to the communicator
-// after a stream synchronisation per transfer (NCCL's or Gloo's staging).
+// over the cp ranks with the dp replicas (one dp · cp group). Under bf16
+// the blocks read the bf16 qkv, and k and v travel the ring in bf16; the
+// block outputs merge in fp32, the dq and dk/dv accumulators (which travel
+// too) are fp32, and the output and the qkv gradient round to bf16 once
+// each (kernels/ops.h, bf16 ring inputs: the CPU computes on the exact fp32
+// images, CUDA runs cuDNN's SDPA with stats on the blocks it applies to).
+// On CUDA the ring passes device memory to the communicator after a stream
+// synchronisation per transfer (NCCL's or Gloo's staging).
 //
 // Per microbatch: Forward(mb) stashes what backward needs in an arena from a
 // pool (for attention, what the device's attention path keeps:
@@ -399,10 +401,9 @@ class GptStage {
   absl::StatusOr<std::shared_ptr<comm::Work>> SendToNext(const kernels::Tensor& t, uint64_t tag);
   int PrevCpRank() const;
   // The exact fp32 image of a bf16 tensor, allocated in `arena`; an fp32
-  // tensor is returned as it is. The ring's block kernels are fp32: under
-  // bf16 it runs on the image of qkv (and of the output and its gradient);
-  // sums stay fp32 and the results round to bf16 once, as they leave the
-  // ring. MoE routes and exchanges the image of the bf16 MLP input.
+  // tensor is returned as it is. The ring's backward takes δ from the images
+  // of the output and its gradient; MoE routes and exchanges the image of
+  // the bf16 MLP input.
   // MoE under context parallelism: the load-balancing loss over every cp
   // rank's tokens (the whole sequences'); a.dlogits_aux gets this rank's rows.
   absl::Status CpLoadBalancingLoss(const Block& b, kernels::Arena& arena, BlockActivations& a);
