@@ -2,6 +2,7 @@
 // processes on loopback (real Gloo), one transformer block per rank.
 //
 //   bazel run -c opt //bench:ring_attention_bench -- [--seq=8192] [--d_model=256] [--reps=3] [--cp=1,2,4]
+//       [--precision=fp32|bf16]
 //
 // For each cp in --cp the driver serves the rendezvous KV and re-executes
 // itself once per rank. A rank builds a one-block GPT stage (d_model, 4
@@ -25,7 +26,11 @@
 //              gradient hops, a send to the next rank and a receive from the
 //              previous one, of the same bytes, back to back);
 //   hidden     1 - exposed / ring alone, over all ranks and timed steps:
-//              the share of the ring's transfer time that compute covered.
+//              the share of the ring's transfer time that compute covered;
+//   bytes      what the ring sent per step and rank (the cp group's
+//              p2p_bytes_sent, what comm_cp_bytes reports): under
+//              --precision=bf16 the key/value blocks travel in bf16, their
+//              gradient accumulators in fp32.
 // Rank files go to a temporary directory; the driver prints one Markdown
 // row per cp, with the step time against cp = 1 measured in the same run.
 // With more ranks than cores the ranks share cores, so step-time ratios
@@ -125,9 +130,11 @@ struct Options {
   int64_t seq = 8192, d_model = 256;
   int reps = 3;
   std::vector<int> cps = {1, 2, 4};
+  bool bf16 = false;
 };
 
-// One rank: writes "step exposed alone" (seconds, medians) to `out`.
+// One rank: writes "step exposed alone bytes" (seconds, medians; bytes per
+// step) to `out`.
 void RunRank(const std::string& kv, int rank, int cp, const Options& o, const std::string& out) {
   kernels::cpu::SetBlasThreads(1);
   model::GptConfig m;
@@ -141,6 +148,7 @@ void RunRank(const std::string& kv, int rank, int cp, const Options& o, const st
   config->cp_rank = rank;
   config->cp_size = cp;
   config->comm_timeout = kWait;
+  config->precision = o.bf16 ? kernels::Precision::kBFloat16 : kernels::Precision::kFloat32;
   std::unique_ptr<comm::Communicator> ring;
   std::unique_ptr<RecordingCommunicator> recording;
   std::unique_ptr<comm::TimedCommunicator> timed;
@@ -175,8 +183,10 @@ void RunRank(const std::string& kv, int rank, int cp, const Options& o, const st
   }
   in.targets = in.tokens;
   std::vector<double> steps, exposed;
+  int64_t bytes_at_start = 0;
   for (int rep = 0; rep <= o.reps; ++rep) {
     if (rep == 1 && recording) recording->ops().clear();  // the timed steps' ops only
+    if (rep == 1 && timed) bytes_at_start = timed->p2p_bytes_sent();
     (*stage)->ZeroGrad();
     const double waited = timed ? timed->waited_seconds() : 0;
     const absl::Time start = absl::Now();
@@ -188,19 +198,27 @@ void RunRank(const std::string& kv, int rank, int cp, const Options& o, const st
     steps.push_back(step);
     exposed.push_back(timed ? timed->waited_seconds() - waited : 0);
   }
+  const double bytes = timed ? static_cast<double>(timed->p2p_bytes_sent() - bytes_at_start) / o.reps : 0;
   // The same transfers with nothing between them: 2 (cp - 1) key/value hops
-  // and cp gradient hops of one [2, seq / 2cp, 2 C] block each.
+  // and cp gradient hops of one [2, seq / 2cp, 2 C] block each (key/value
+  // blocks in the stage's precision, gradients in fp32).
   std::vector<double> alone;
   if (cp > 1) {
     const int64_t floats = 2 * (o.seq / (2 * cp)) * 2 * o.d_model;
+    const int64_t kv_bytes = floats * (o.bf16 ? 2 : 4);
     std::vector<float> send(floats, 1.0f), recv(floats);
     const int hops = 2 * (cp - 1) + cp;
     uint64_t tag = 1;
     for (int rep = 0; rep <= o.reps; ++rep) {
       const absl::Time start = absl::Now();
       for (int h = 0; h < hops; ++h, ++tag) {
-        auto r = ring->Recv(comm::Buffer::Host(recv.data(), floats), (rank + cp - 1) % cp, tag);
-        auto s = ring->Send(comm::Buffer::Host(send.data(), floats), (rank + 1) % cp, tag);
+        const bool kv_hop = h < 2 * (cp - 1);
+        const comm::Buffer in = kv_hop ? comm::Buffer{recv.data(), kv_bytes, comm::DType::kUInt8, -1}
+                                       : comm::Buffer::Host(recv.data(), floats);
+        const comm::Buffer out = kv_hop ? comm::Buffer{send.data(), kv_bytes, comm::DType::kUInt8, -1}
+                                        : comm::Buffer::Host(send.data(), floats);
+        auto r = ring->Recv(in, (rank + cp - 1) % cp, tag);
+        auto s = ring->Send(out, (rank + 1) % cp, tag);
         Check(s->Wait(kWait));
         Check(r->Wait(kWait));
       }
@@ -209,7 +227,8 @@ void RunRank(const std::string& kv, int rank, int cp, const Options& o, const st
     Check(ring->Barrier()->Wait(kWait));
   }
   std::ofstream file(out);
-  file << Median(steps) << " " << Median(exposed) << " " << (alone.empty() ? 0.0 : Median(alone)) << "\n";
+  file << Median(steps) << " " << Median(exposed) << " " << (alone.empty() ? 0.0 : Median(alone)) << " " << bytes
+       << "\n";
   if (recording) {
     for (const RecordingCommunicator::Op& op : recording->ops()) {
       file << (op.send ? "send " : "recv ") << op.tag << " " << op.posted_ns << " " << op.wait_ns << " " << op.done_ns
@@ -219,7 +238,7 @@ void RunRank(const std::string& kv, int rank, int cp, const Options& o, const st
 }
 
 struct RankResult {
-  double step = 0, waited = 0, alone = 0;
+  double step = 0, waited = 0, alone = 0, bytes = 0;
   // The timed steps' ring ops: tag -> (posted, wait started, done), ns.
   std::map<uint64_t, std::array<int64_t, 3>> sends, recvs;
 };
@@ -231,9 +250,11 @@ std::vector<RankResult> RunRanks(const std::string& self, const std::string& kv,
     pid_t pid = fork();
     if (pid == 0) {
       const std::string args[] = {"rank", kv, absl::StrCat(r), absl::StrCat(cp), absl::StrCat(o.seq),
-                                  absl::StrCat(o.d_model), absl::StrCat(o.reps), absl::StrCat(dir, "/rank", r)};
+                                  absl::StrCat(o.d_model), absl::StrCat(o.reps), absl::StrCat(dir, "/rank", r),
+                                  o.bf16 ? "bf16" : "fp32"};
       execl(self.c_str(), self.c_str(), args[0].c_str(), args[1].c_str(), args[2].c_str(), args[3].c_str(),
-            args[4].c_str(), args[5].c_str(), args[6].c_str(), args[7].c_str(), static_cast<char*>(nullptr));
+            args[4].c_str(), args[5].c_str(), args[6].c_str(), args[7].c_str(), args[8].c_str(),
+            static_cast<char*>(nullptr));
       _exit(127);
     }
     pids.push_back(pid);
@@ -247,7 +268,7 @@ std::vector<RankResult> RunRanks(const std::string& self, const std::string& kv,
   for (int r = 0; r < cp; ++r) {
     std::ifstream in(absl::StrCat(dir, "/rank", r));
     RankResult x;
-    if (!(in >> x.step >> x.waited >> x.alone)) Die(absl::StrCat("rank ", r, " of cp ", cp, " wrote no result"));
+    if (!(in >> x.step >> x.waited >> x.alone >> x.bytes)) Die(absl::StrCat("rank ", r, " of cp ", cp, " wrote no result"));
     std::string kind;
     uint64_t tag = 0;
     std::array<int64_t, 3> t{};
@@ -259,7 +280,8 @@ std::vector<RankResult> RunRanks(const std::string& self, const std::string& kv,
 
 int Main(int argc, char** argv) {
   Options o;
-  if (argc == 9 && std::string(argv[1]) == "rank") {
+  if (argc == 10 && std::string(argv[1]) == "rank") {
+    o.bf16 = std::string(argv[9]) == "bf16";
     int rank = 0, cp = 0;
     if (!absl::SimpleAtoi(argv[3], &rank) || !absl::SimpleAtoi(argv[4], &cp) || !absl::SimpleAtoi(argv[5], &o.seq) ||
         !absl::SimpleAtoi(argv[6], &o.d_model) || !absl::SimpleAtoi(argv[7], &o.reps)) {
@@ -282,6 +304,9 @@ int Main(int argc, char** argv) {
       }
     } else if ((v = value("--reps=")) != "\x01") {
       if (!absl::SimpleAtoi(v, &o.reps) || o.reps < 1 || o.reps > 100) Die("--reps: want 1..100");
+    } else if ((v = value("--precision=")) != "\x01") {
+      if (v != "fp32" && v != "bf16") Die("--precision: want fp32 or bf16");
+      o.bf16 = v == "bf16";
     } else if ((v = value("--cp=")) != "\x01") {
       o.cps.clear();
       for (absl::string_view item : absl::StrSplit(v, ',', absl::SkipEmpty())) {
@@ -291,7 +316,7 @@ int Main(int argc, char** argv) {
       }
       if (o.cps.empty()) Die("--cp: want at least one degree");
     } else {
-      Die(absl::StrCat("unknown flag ", arg, " (flags: --seq=N --d_model=N --reps=N --cp=1,2,4)"));
+      Die(absl::StrCat("unknown flag ", arg, " (flags: --seq=N --d_model=N --reps=N --cp=1,2,4 --precision=fp32|bf16)"));
     }
   }
   for (int cp : o.cps) {
@@ -303,11 +328,13 @@ int Main(int argc, char** argv) {
   self[n] = '\0';
   char dir_template[] = "/tmp/ring_attention_bench.XXXXXX";
   if (mkdtemp(dir_template) == nullptr) Die("mkdtemp");
-  std::printf("ring_attention_bench: one GPT block (d_model %lld, 4 heads), one sequence of %lld tokens, %d timed "
-              "steps per rank; %ld CPUs online\n\n",
-              static_cast<long long>(o.d_model), static_cast<long long>(o.seq), o.reps, sysconf(_SC_NPROCESSORS_ONLN));
+  std::printf("ring_attention_bench: one GPT block (d_model %lld, 4 heads, %s), one sequence of %lld tokens, %d "
+              "timed steps per rank; %ld CPUs online\n\n",
+              static_cast<long long>(o.d_model), o.bf16 ? "bf16" : "fp32", static_cast<long long>(o.seq), o.reps,
+              sysconf(_SC_NPROCESSORS_ONLN));
   std::printf("| cp | tokens per rank | step (median over ranks) | vs cp 1 | ring alone (per step) | exposed (per step) "
-              "| hidden | waited (per step, imbalance included) |\n|---|---|---|---|---|---|---|---|\n");
+              "| hidden | waited (per step, imbalance included) | ring MiB (per step and rank) |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
   double base = 0;
   for (int cp : o.cps) {
@@ -316,12 +343,13 @@ int Main(int argc, char** argv) {
     Check(kv.status());
     const std::vector<RankResult> results = RunRanks(self, (*kv)->address(), cp, o, dir_template);
     std::vector<double> steps;
-    double alone = 0, waited = 0, exposed_ns = 0;
+    double alone = 0, waited = 0, exposed_ns = 0, bytes = 0;
     for (int r = 0; r < cp; ++r) {
       const RankResult& x = results[r];
       steps.push_back(x.step);
       alone += x.alone / cp;
       waited += x.waited / cp;
+      bytes += x.bytes / cp;
       // Each receive against the matching send of the previous rank.
       const RankResult& sender = results[(r + cp - 1) % cp];
       for (const auto& [tag, t] : x.recvs) {
@@ -336,11 +364,11 @@ int Main(int argc, char** argv) {
     if (cp == 1) base = step;
     const std::string vs = base > 0 ? absl::StrFormat("%.2f", step / base) : "–";
     if (cp == 1) {
-      std::printf("| 1 | %lld | %.1f ms | 1.00 | – | – | – | – |\n", static_cast<long long>(o.seq), step * 1e3);
+      std::printf("| 1 | %lld | %.1f ms | 1.00 | – | – | – | – | – |\n", static_cast<long long>(o.seq), step * 1e3);
     } else {
-      std::printf("| %d | %lld | %.1f ms | %s | %.2f ms | %.2f ms | %.1f%% | %.2f ms |\n", cp,
+      std::printf("| %d | %lld | %.1f ms | %s | %.2f ms | %.2f ms | %.1f%% | %.2f ms | %.2f |\n", cp,
                   static_cast<long long>(o.seq / cp), step * 1e3, vs.c_str(), alone * 1e3, exposed * 1e3,
-                  100 * hidden, waited * 1e3);
+                  100 * hidden, waited * 1e3, bytes / (1 << 20));
     }
     std::fflush(stdout);
   }
