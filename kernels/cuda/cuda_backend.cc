@@ -30,8 +30,10 @@
 #include "kernels/cuda/moe.cuh"
 #include "kernels/cuda/plan.h"
 #include "kernels/cuda/ring_attention.cuh"
+#include "kernels/cuda/ring_sdpa.h"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/sdpa_plan.h"
 #include "kernels/cuda/stamp.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "kernels/cuda/timer_offset.h"
@@ -958,8 +960,16 @@ void RopePackBackward(const ExecContext& ctx, const Tensor& dq, const Tensor& dk
 
 // ------------------------------------- context-parallel (ring) attention
 //
-// fp32; ops.cc has checked the shapes. q is read in place from qkv
-// [B,Tq,3C], k and v from kv [B,Tk,2C] (ring_attention.cuh).
+// ops.cc has checked the shapes and dtypes. q is read in place from qkv
+// [B,Tq,3C], k and v from kv [B,Tk,2C] (ring_attention.cuh). out, lse,
+// delta, dqkv and dkv are fp32; qkv, kv and (backward) dout and out are all
+// fp32 or all bf16. fp32 runs the kernels of ring_attention.cuh. bf16 runs a
+// fully visible or diagonal block through cuDNN's fused SDPA where the
+// stream has cuDNN (ring_sdpa.h: o, or dq and dk|dv, as bf16 temporaries in
+// the stream scratch, then widened into out or added into dqkv / dkv), and
+// any other block through the fp32 kernels on its inputs widened into the
+// stream scratch (exact: the fp32 ops' math on the images). The ops'
+// `scratch` is not used on CUDA.
 
 // The block of (qkv, kv); past the kernels' head_dim limit, the stream's
 // error says so and nothing is launched.
@@ -976,32 +986,163 @@ bool RingBlockOf(StreamState& st, const char* op, const Tensor& qkv, const Tenso
   return false;
 }
 
-// bf16 ring inputs (ops.h): not on CUDA yet; the stream's error says so.
-bool RingInputsF32(StreamState& st, const char* op, const Tensor& t) {
-  if (t.dtype() == DType::kFloat32) return true;
-  Note(st, op, absl::UnimplementedError(
-                   "bf16 context-parallel attention blocks are not on CUDA yet; use "
-                   "train.precision fp32 with cp > 1"));
-  return false;
+RingSdpaBlock SdpaBlockOf(const RingBlock& b) {
+  RingSdpaBlock s;
+  s.batch = b.batch;
+  s.q_len = b.q_len;
+  s.k_len = b.k_len;
+  s.channels = b.channels;
+  s.heads = b.heads;
+  s.q_offset = b.q_offset;
+  s.k_offset = b.k_offset;
+  return s;
+}
+
+// The cuDNN path of a bf16 block, or none; a block cuDNN should have taken
+// and did not is reported once per process on stderr (the fp32 kernels
+// still give the right answer, slower).
+RingSdpaChoice ChooseRing(StreamState& st, const RingBlock& block,
+                          std::initializer_list<const void*> pointers) {
+  const RingSdpaBlock b = SdpaBlockOf(block);
+  // CudnnFor only for a block cuDNN takes: the others never need a handle.
+  if (!RingSdpaApplies(b).ok()) return ChooseRingSdpa(nullptr, b, pointers);
+  RingSdpaChoice c = ChooseRingSdpa(CudnnFor(st, GemmDType::kBF16), b, pointers);
+  if (!c.cudnn && !c.expected) {
+    static absl::once_flag once;
+    absl::call_once(once, [&] {
+      std::fprintf(stderr,
+                   "baton: a bf16 context-parallel attention block (Tq=%ld Tk=%ld, %ld heads of "
+                   "%ld) on cuda:%d runs as the fp32 kernels on widened inputs, not cuDNN: %s\n",
+                   static_cast<long>(b.q_len), static_cast<long>(b.k_len),
+                   static_cast<long>(b.heads), static_cast<long>(b.channels / b.heads),
+                   st.device, c.why_not_cudnn.c_str());
+    });
+  }
+  return c;
+}
+
+size_t Bf16Bytes(int64_t rows, int64_t width) {
+  return static_cast<size_t>(rows) * static_cast<size_t>(width) * 2;
+}
+size_t F32Bytes(int64_t rows, int64_t width) {
+  return static_cast<size_t>(rows) * static_cast<size_t>(width) * sizeof(float);
+}
+size_t Aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+char* Bytes(void* base, size_t offset) { return static_cast<char*>(base) + offset; }
+
+// The fp32 images of a bf16 block in the stream scratch: qkv's q columns
+// (in a [B,Tq,3C] buffer, k and v columns unwritten: the kernels read q only)
+// at 0, kv [B,Tk,2C] after it, dout [B,Tq,C] after that (backward).
+struct WidenedRing {
+  float* qkv = nullptr;
+  float* kv = nullptr;
+  float* dout = nullptr;
+};
+
+absl::StatusOr<WidenedRing> WidenRing(StreamState& st, const RingBlock& b, const Tensor& qkv,
+                                      const Tensor& kv, const Tensor* dout, cudaStream_t stream) {
+  const int64_t c = b.channels, q_rows = b.batch * b.q_len, k_rows = b.batch * b.k_len;
+  const size_t kv_at = Aligned256(F32Bytes(q_rows, 3 * c));
+  const size_t dout_at = kv_at + Aligned256(F32Bytes(k_rows, 2 * c));
+  const size_t bytes = dout_at + (dout != nullptr ? F32Bytes(q_rows, c) : 0);
+  BATON_ASSIGN_OR_RETURN(void* scratch, Scratch(st, bytes));
+  WidenedRing w;
+  w.qkv = static_cast<float*>(scratch);
+  w.kv = reinterpret_cast<float*>(Bytes(scratch, kv_at));
+  BATON_CUDA_RETURN_IF_ERROR(LaunchWidenColumns(w.qkv, 3 * c, qkv.data<__nv_bfloat16>(), 3 * c,
+                                                q_rows, c, stream));
+  BATON_CUDA_RETURN_IF_ERROR(
+      LaunchCastBf16ToF32(w.kv, kv.data<__nv_bfloat16>(), k_rows * 2 * c, stream));
+  if (dout != nullptr) {
+    w.dout = reinterpret_cast<float*>(Bytes(scratch, dout_at));
+    BATON_CUDA_RETURN_IF_ERROR(
+        LaunchCastBf16ToF32(w.dout, dout->data<__nv_bfloat16>(), q_rows * c, stream));
+  }
+  return w;
+}
+
+absl::Status Bf16BlockAttention(StreamState& st, const Tensor& out, const Tensor& lse,
+                                const Tensor& qkv, const Tensor& kv, const RingBlock& b,
+                                cudaStream_t stream) {
+  const RingSdpaChoice choice =
+      ChooseRing(st, b, {qkv.address(), kv.address(), lse.address()});
+  if (choice.cudnn) {
+    const RingSdpaPlan& plan = choice.plan;
+    BATON_ASSIGN_OR_RETURN(
+        void* scratch, Scratch(st, RingSdpaForwardScratchBytes(plan, choice.workspace.forward)));
+    void* o = scratch;  // bf16 [B,Tq,C]
+    BATON_RETURN_IF_ERROR(RingSdpaForward(
+        *st.cudnn, plan, o, lse.data<float>(), qkv.address(), kv.address(),
+        Bytes(scratch, plan.scratch.forward_workspace), choice.workspace.forward, stream));
+    BATON_CUDA_RETURN_IF_ERROR(LaunchCastBf16ToF32(
+        out.data<float>(), static_cast<const __nv_bfloat16*>(o), b.batch * b.q_len * b.channels,
+        stream));
+    return absl::OkStatus();
+  }
+  BATON_ASSIGN_OR_RETURN(const WidenedRing w, WidenRing(st, b, qkv, kv, nullptr, stream));
+  BATON_CUDA_RETURN_IF_ERROR(
+      LaunchBlockAttentionForward(out.data<float>(), lse.data<float>(), w.qkv, w.kv, b, stream));
+  return absl::OkStatus();
+}
+
+absl::Status Bf16BlockAttentionBackward(StreamState& st, const Tensor& dqkv, const Tensor& dkv,
+                                        const Tensor& dout, const Tensor& out, const Tensor& qkv,
+                                        const Tensor& kv, const Tensor& lse, const Tensor& delta,
+                                        const RingBlock& b, cudaStream_t stream) {
+  // A block no query row sees adds nothing (ops.h): nothing to widen either.
+  if (RingBlockMaskOf(SdpaBlockOf(b)) == RingBlockMask::kInvisible) return absl::OkStatus();
+  const int64_t c = b.channels, q_rows = b.batch * b.q_len, k_rows = b.batch * b.k_len;
+  const RingSdpaChoice choice = ChooseRing(
+      st, b, {qkv.address(), kv.address(), dout.address(), out.address(), lse.address()});
+  if (choice.cudnn) {
+    const RingSdpaPlan& plan = choice.plan;
+    BATON_ASSIGN_OR_RETURN(
+        void* scratch,
+        Scratch(st, RingSdpaBackwardScratchBytes(plan, choice.workspace.backward)));
+    void* dq = scratch;                                  // bf16 [B,Tq,C]
+    void* dkv_block = Bytes(scratch, plan.scratch.dkv);  // bf16 [B,Tk,2C]
+    BATON_RETURN_IF_ERROR(RingSdpaBackward(
+        *st.cudnn, plan, dq, dkv_block, dout.address(), out.address(), qkv.address(),
+        kv.address(), lse.data<float>(), Bytes(scratch, plan.scratch.backward_workspace),
+        choice.workspace.backward, stream));
+    BATON_CUDA_RETURN_IF_ERROR(LaunchAddWidenedColumns(
+        dqkv.data<float>(), 3 * c, static_cast<const __nv_bfloat16*>(dq), c, q_rows, c, stream));
+    BATON_CUDA_RETURN_IF_ERROR(LaunchAddWidenedColumns(
+        dkv.data<float>(), 2 * c, static_cast<const __nv_bfloat16*>(dkv_block), 2 * c, k_rows,
+        2 * c, stream));
+    return absl::OkStatus();
+  }
+  BATON_ASSIGN_OR_RETURN(const WidenedRing w, WidenRing(st, b, qkv, kv, &dout, stream));
+  BATON_CUDA_RETURN_IF_ERROR(LaunchBlockAttentionBackward(dqkv.data<float>(), dkv.data<float>(),
+                                                          w.dout, w.qkv, w.kv, lse.data<float>(),
+                                                          delta.data<float>(), b, stream));
+  return absl::OkStatus();
 }
 
 void KvOfQkv(const ExecContext& ctx, const Tensor& kv, const Tensor& qkv) {
   StreamState& st = Enter(ctx, "KvOfQkv");
-  if (!RingInputsF32(st, "KvOfQkv", qkv)) return;
+  const int64_t rows = qkv.dim(0) * qkv.dim(1), c = qkv.dim(2) / 3;
+  if (qkv.dtype() == DType::kBFloat16) {
+    Note(st, "KvOfQkv", LaunchKvOfQkv(kv.data<__nv_bfloat16>(), qkv.data<__nv_bfloat16>(), rows,
+                                      c, Native(ctx)));
+    return;
+  }
   RequireF32("KvOfQkv", {&kv, &qkv});
-  Note(st, "KvOfQkv", LaunchKvOfQkv(kv.data<float>(), qkv.data<float>(), qkv.dim(0) * qkv.dim(1),
-                                    qkv.dim(2) / 3, Native(ctx)));
+  Note(st, "KvOfQkv", LaunchKvOfQkv(kv.data<float>(), qkv.data<float>(), rows, c, Native(ctx)));
 }
 
-// The scores are recomputed per row, not stored: `scratch` is not used.
 void BlockAttention(const ExecContext& ctx, const Tensor& out, const Tensor& lse,
                     const Tensor& qkv, const Tensor& kv, int heads, int64_t q_offset,
                     int64_t k_offset, const Tensor& /*scratch*/) {
   StreamState& st = Enter(ctx, "BlockAttention");
-  if (!RingInputsF32(st, "BlockAttention", qkv)) return;
-  RequireF32("BlockAttention", {&out, &lse, &qkv, &kv});
+  RequireF32("BlockAttention", {&out, &lse});
   RingBlock block;
   if (!RingBlockOf(st, "BlockAttention", qkv, kv, heads, q_offset, k_offset, &block)) return;
+  if (qkv.dtype() == DType::kBFloat16) {
+    Note(st, "BlockAttention", Bf16BlockAttention(st, out, lse, qkv, kv, block, Native(ctx)));
+    return;
+  }
+  RequireF32("BlockAttention", {&qkv, &kv});
   Note(st, "BlockAttention",
        LaunchBlockAttentionForward(out.data<float>(), lse.data<float>(), qkv.data<float>(),
                                    kv.data<float>(), block, Native(ctx)));
@@ -1026,18 +1167,24 @@ void AttentionDelta(const ExecContext& ctx, const Tensor& delta, const Tensor& d
                             out.dim(1), out.dim(2), heads, Native(ctx)));
 }
 
-// As BlockAttention, `scratch` is not used.
+// fp32 reads delta; the cuDNN path (bf16) forms it from out and dout itself.
 void BlockAttentionBackward(const ExecContext& ctx, const Tensor& dqkv, const Tensor& dkv,
-                            const Tensor& dout, const Tensor& /*out*/, const Tensor& qkv,
+                            const Tensor& dout, const Tensor& out, const Tensor& qkv,
                             const Tensor& kv, const Tensor& lse, const Tensor& delta, int heads,
                             int64_t q_offset, int64_t k_offset, const Tensor& /*scratch*/) {
   StreamState& st = Enter(ctx, "BlockAttentionBackward");
-  if (!RingInputsF32(st, "BlockAttentionBackward", qkv)) return;
-  RequireF32("BlockAttentionBackward", {&dqkv, &dkv, &dout, &qkv, &kv, &lse, &delta});
+  RequireF32("BlockAttentionBackward", {&dqkv, &dkv, &lse, &delta});
   RingBlock block;
   if (!RingBlockOf(st, "BlockAttentionBackward", qkv, kv, heads, q_offset, k_offset, &block)) {
     return;
   }
+  if (qkv.dtype() == DType::kBFloat16) {
+    Note(st, "BlockAttentionBackward",
+         Bf16BlockAttentionBackward(st, dqkv, dkv, dout, out, qkv, kv, lse, delta, block,
+                                    Native(ctx)));
+    return;
+  }
+  RequireF32("BlockAttentionBackward", {&dout, &qkv, &kv});
   Note(st, "BlockAttentionBackward",
        LaunchBlockAttentionBackward(dqkv.data<float>(), dkv.data<float>(), dout.data<float>(),
                                     qkv.data<float>(), kv.data<float>(), lse.data<float>(),

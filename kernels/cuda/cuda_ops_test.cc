@@ -17,7 +17,9 @@
 //     all ≤ 1e-6
 //   bf16 RMSNorm / RoPE outputs vs the CPU's  ≤ 8e-3 (one bf16 ulp, ≤ 2⁻⁷)
 //   ring attention: block forward / backward ≤ 1e-5, merge ≤ 1e-6 (bitwise
-//     on −∞ rows), delta and the kv copies bitwise
+//     on −∞ rows), delta and the kv copies bitwise; bf16 inputs through
+//     cuDNN SDPA (o, dq, dk, dv rounded to bf16) ≤ 2e-2, its lse ≤ 1e-3,
+//     bf16 inputs on the fp32 kernels (widened) ≤ 1e-5
 //   MoE routing: RouterTopK's probs and gate ≤ 1e-6 (exp from float64 vs
 //     glibc's expf), its choices exact; the other eight ops bitwise
 #include <cuda_bf16.h>
@@ -1350,6 +1352,181 @@ TEST_F(CudaRingAttentionTest, HeadsOverTheLimitFailTheStreamNamingTheLimit) {
     EXPECT_NE(status.message().find(absl::StrCat("limit of ", kRingAttentionMaxHeadDim)),
               absl::string_view::npos)
         << status;
+  }
+}
+
+// ---------------------------------- bf16 ring inputs (kernels/ops.h)
+//
+// CUDA against the CPU backend on the same bf16 qkv, kv (and dout, out):
+// the CPU computes the fp32 ops on the inputs' exact images. A fully visible
+// or diagonal block runs cuDNN's fused SDPA where this GPU has it
+// (ProbeCudnnAttentionOn), which rounds the block's o and dq, dk, dv to bf16
+// once (and P, dS inside): out and the gradients ≤ 2e-2 of the max-abs, lse
+// (cuDNN's Stats, fp32 from fp32 scores) ≤ 1e-3; there every element of out
+// — and of dq, dk, dv added to zeroed accumulators — is a bf16 value (the
+// proof that cuDNN ran). Every other block (partly visible, invisible, a
+// head dimension cuDNN refuses, or no cuDNN) takes the fp32 kernels on the
+// widened inputs: ≤ 1e-5, as fp32. Every op repeats bitwise.
+
+struct Bf16RingCase {
+  const char* name;
+  int64_t B, Tq, Tk, C;
+  int heads;
+  int64_t q_offset, k_offset;
+  bool cudnn_block;  // a block cuDNN takes (fully visible or diagonal, hd a multiple of 8)
+};
+
+constexpr Bf16RingCase kBf16RingCases[] = {
+    {"diagonal, hd 64", 2, 64, 64, 128, 2, 64, 64, true},
+    {"fully visible, hd 32", 2, 48, 48, 96, 3, 96, 0, true},
+    {"fully visible, Tq < Tk, hd 128", 1, 24, 40, 256, 2, 80, 8, true},
+    {"partly visible (fp32 kernels), hd 64", 2, 32, 32, 128, 2, 40, 16, false},
+    {"diagonal, hd 20 (not cuDNN's: fp32 kernels)", 2, 16, 16, 40, 2, 16, 16, false},
+    {"invisible (fp32 kernels), hd 32", 2, 8, 8, 64, 2, 0, 16, false},
+};
+
+k::Tensor HostBf16(k::Shape shape, uint32_t seed, float scale = 1.0f) {
+  k::Tensor t = k::Tensor::Zeros(std::move(shape), k::DType::kBFloat16);
+  const std::vector<__nv_bfloat16> v = ToBf16(Random(t.numel(), seed, scale));
+  std::memcpy(t.raw(), v.data(), t.bytes());
+  return t;
+}
+
+k::Tensor HostBf16Of(const k::Tensor& f32) {
+  k::Tensor t = k::Tensor::Zeros(f32.shape(), k::DType::kBFloat16);
+  const std::vector<__nv_bfloat16> v = ToBf16(HostFloats(f32));
+  std::memcpy(t.raw(), v.data(), t.bytes());
+  return t;
+}
+
+// Every finite element is exactly a bf16 value.
+bool AllBf16Values(const std::vector<float>& v) {
+  for (float x : v) {
+    if (std::isfinite(x) && FromBf16(ToBf16({x}))[0] != x) return false;
+  }
+  return true;
+}
+
+bool CudnnOnThisGpu() { return ProbeCudnnAttentionOn(0).ok(); }
+
+TEST_F(CudaRingAttentionTest, Bf16KvOfQkvIsTheCpusBits) {
+  const k::Tensor qkv = HostBf16({2, 7, 3 * 80}, 240);
+  k::Tensor kv = k::Tensor::Zeros({2, 7, 2 * 80}, k::DType::kBFloat16);
+  k::KvOfQkv(k::ExecContext::Host(), kv, qkv);
+  absl::StatusOr<k::Tensor> d_kv = k::ZerosOn(k::Device::Cuda(0), kv.shape(), kv.dtype());
+  ASSERT_TRUE(d_kv.ok()) << d_kv.status();
+  k::KvOfQkv(ctx_, *d_kv, Up(qkv));
+  EXPECT_TRUE(Bitwise(Down(*d_kv), HostFloats(kv)));
+}
+
+TEST_F(CudaRingAttentionTest, Bf16BlockAttentionMatchesTheCpuOnTheImagesAndRepeatsBitwise) {
+  const bool cudnn = CudnnOnThisGpu();
+  for (const Bf16RingCase& rc : kBf16RingCases) {
+    SCOPED_TRACE(rc.name);
+    const k::Tensor qkv = HostBf16({rc.B, rc.Tq, 3 * rc.C}, 250, 1.5f);
+    const k::Tensor kv = HostBf16({rc.B, rc.Tk, 2 * rc.C}, 251, 1.5f);
+    k::Tensor out = k::Tensor::Zeros({rc.B, rc.Tq, rc.C});
+    k::Tensor lse = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
+    const k::Tensor scratch = k::Tensor::Zeros({k::BlockAttentionScratch(rc.Tq, rc.Tk)});
+    k::BlockAttention(k::ExecContext::Host(), out, lse, qkv, kv, rc.heads, rc.q_offset,
+                      rc.k_offset, scratch);
+
+    const k::Tensor d_qkv = Up(qkv), d_kv = Up(kv), d_scratch = Up(scratch);
+    const k::Tensor d_out = UpNaN(out.shape()), d_lse = UpNaN(lse.shape());
+    k::BlockAttention(ctx_, d_out, d_lse, d_qkv, d_kv, rc.heads, rc.q_offset, rc.k_offset,
+                      d_scratch);
+    const absl::Status status = stream_->Synchronize();
+    ASSERT_TRUE(status.ok()) << status;
+    const std::vector<float> got_out = Down(d_out), got_lse = Down(d_lse);
+    const bool fused = rc.cudnn_block && cudnn;
+    EXPECT_LE(RingError(got_out, HostFloats(out)), fused ? 2e-2 : 1e-5) << "out";
+    EXPECT_LE(RingError(got_lse, HostFloats(lse)), fused ? 1e-3 : 1e-5) << "lse";
+    if (fused) {
+      EXPECT_TRUE(AllBf16Values(got_out)) << "out is not cuDNN's bf16 o, widened";
+    }
+
+    k::BlockAttention(ctx_, d_out, d_lse, d_qkv, d_kv, rc.heads, rc.q_offset, rc.k_offset,
+                      d_scratch);
+    EXPECT_TRUE(Bitwise(Down(d_out), got_out)) << "out, second run";
+    EXPECT_TRUE(Bitwise(Down(d_lse), got_lse)) << "lse, second run";
+  }
+}
+
+// The backward from a "final" lse that other key blocks raised (the block's
+// own + 0.3, −∞ rows 0.25) and out = the block's output rounded to bf16, with
+// delta from out's and dout's images (what the stage does): the CPU reads
+// delta, cuDNN forms it from out and dout — the same numbers. dqkv and dkv
+// start random (the op adds), then zeroed (cuDNN's increments are bf16).
+TEST_F(CudaRingAttentionTest, Bf16BlockAttentionBackwardAccumulatesTheCpusGradients) {
+  const bool cudnn = CudnnOnThisGpu();
+  for (const Bf16RingCase& rc : kBf16RingCases) {
+    SCOPED_TRACE(rc.name);
+    const k::ExecContext& host = k::ExecContext::Host();
+    const k::Tensor qkv = HostBf16({rc.B, rc.Tq, 3 * rc.C}, 260, 1.5f);
+    const k::Tensor kv = HostBf16({rc.B, rc.Tk, 2 * rc.C}, 261, 1.5f);
+    const k::Tensor dout = HostBf16({rc.B, rc.Tq, rc.C}, 262);
+    k::Tensor out32 = k::Tensor::Zeros({rc.B, rc.Tq, rc.C});
+    k::Tensor lse = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
+    k::BlockAttention(host, out32, lse, qkv, kv, rc.heads, rc.q_offset, rc.k_offset,
+                      k::Tensor::Zeros({k::BlockAttentionScratch(rc.Tq, rc.Tk)}));
+    for (int64_t r = 0; r < lse.numel(); ++r) {
+      lse.f32()[r] = lse.f32()[r] == -INFINITY ? 0.25f : lse.f32()[r] + 0.3f;
+    }
+    const k::Tensor out = HostBf16Of(out32);
+    k::Tensor delta = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
+    {
+      k::Tensor dout_image = k::Tensor::Zeros(dout.shape()), out_image = k::Tensor::Zeros(out.shape());
+      k::Cast(host, dout_image, dout);
+      k::Cast(host, out_image, out);
+      k::AttentionDelta(host, delta, dout_image, out_image, rc.heads);
+    }
+    const k::Tensor scratch = k::Tensor::Zeros({k::BlockAttentionBackwardScratch(rc.Tq, rc.Tk)});
+    const k::Tensor d_qkv = Up(qkv), d_kv = Up(kv), d_dout = Up(dout), d_out = Up(out);
+    const k::Tensor d_lse = Up(lse), d_delta = Up(delta), d_scratch = Up(scratch);
+    const bool fused = rc.cudnn_block && cudnn;
+    for (const bool zero_start : {false, true}) {
+      SCOPED_TRACE(zero_start ? "zeroed accumulators" : "random accumulators");
+      const k::Tensor dqkv0 = zero_start ? k::Tensor::Zeros({rc.B, rc.Tq, 3 * rc.C})
+                                         : HostRandom({rc.B, rc.Tq, 3 * rc.C}, 264, 0.5f);
+      const k::Tensor dkv0 = zero_start ? k::Tensor::Zeros({rc.B, rc.Tk, 2 * rc.C})
+                                        : HostRandom({rc.B, rc.Tk, 2 * rc.C}, 265, 0.5f);
+      k::Tensor dqkv = HostCopy(dqkv0), dkv = HostCopy(dkv0);
+      k::BlockAttentionBackward(host, dqkv, dkv, dout, out, qkv, kv, lse, delta, rc.heads,
+                                rc.q_offset, rc.k_offset, scratch);
+      auto backward = [&] {  // (dqkv, dkv) from (dqkv0, dkv0)
+        const k::Tensor d_dqkv = Up(dqkv0), d_dkv = Up(dkv0);
+        k::BlockAttentionBackward(ctx_, d_dqkv, d_dkv, d_dout, d_out, d_qkv, d_kv, d_lse,
+                                  d_delta, rc.heads, rc.q_offset, rc.k_offset, d_scratch);
+        const absl::Status status = stream_->Synchronize();
+        EXPECT_TRUE(status.ok()) << status;
+        return std::make_pair(Down(d_dqkv), Down(d_dkv));
+      };
+      const auto [got_dqkv, got_dkv] = backward();
+      const auto [again_dqkv, again_dkv] = backward();
+      EXPECT_TRUE(Bitwise(again_dqkv, got_dqkv) && Bitwise(again_dkv, got_dkv)) << "second run";
+      const std::vector<float> init_dqkv = HostFloats(dqkv0), init_dkv = HostFloats(dkv0);
+      const double bound = fused ? 2e-2 : 1e-5;
+      EXPECT_LE(RingError(Increment(got_dqkv, init_dqkv), Increment(HostFloats(dqkv), init_dqkv)),
+                bound)
+          << "dq";
+      EXPECT_LE(RingError(Increment(got_dkv, init_dkv), Increment(HostFloats(dkv), init_dkv)),
+                bound)
+          << "dk, dv";
+      bool kv_columns_kept = true;
+      for (size_t e = 0; e < got_dqkv.size(); ++e) {
+        if (static_cast<int64_t>(e) % (3 * rc.C) >= rc.C) {
+          kv_columns_kept = kv_columns_kept && Bitwise({got_dqkv[e]}, {init_dqkv[e]});
+        }
+      }
+      EXPECT_TRUE(kv_columns_kept) << "dqkv's k and v columns changed";
+      if (rc.q_offset + rc.Tq - 1 < rc.k_offset) {
+        EXPECT_TRUE(Bitwise(got_dqkv, init_dqkv) && Bitwise(got_dkv, init_dkv)) << "invisible";
+      }
+      if (fused && zero_start) {
+        EXPECT_TRUE(AllBf16Values(got_dqkv) && AllBf16Values(got_dkv))
+            << "the gradients are not cuDNN's bf16 dq, dk, dv, widened";
+      }
+    }
   }
 }
 

@@ -54,13 +54,23 @@ Loaded& LoadOnce() {
   return *loaded;
 }
 
-// The frontend's error with what was being done and the shape.
-absl::Status FeStatus(fe::error_t e, const char* what, const SdpaPlan& plan) {
-  if (e.is_good()) return absl::OkStatus();
+// The shape, for errors.
+std::string Describe(const SdpaPlan& plan) {
   const AttentionShard& s = plan.shard;
-  return absl::InternalError(absl::StrCat("cuDNN ", what, " (B=", s.batch, " T=", s.seq,
-                                          " H'=", s.heads, " hd=", s.head_dim,
-                                          "): ", e.get_message()));
+  return absl::StrCat("B=", s.batch, " T=", s.seq, " H'=", s.heads, " hd=", s.head_dim);
+}
+std::string Describe(const RingSdpaPlan& plan) {
+  const RingSdpaBlock& b = plan.block;
+  return absl::StrCat("context-parallel block B=", b.batch, " Tq=", b.q_len, " Tk=", b.k_len,
+                      " H'=", b.heads, " hd=", plan.head_dim, plan.causal ? ", causal" : ", unmasked");
+}
+
+// The frontend's error with what was being done and the shape.
+template <typename Plan>
+absl::Status FeStatus(fe::error_t e, const char* what, const Plan& plan) {
+  if (e.is_good()) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat("cuDNN ", what, " (", Describe(plan), "): ", e.get_message()));
 }
 
 std::vector<int64_t> Vec(const std::array<int64_t, 4>& a) { return {a.begin(), a.end()}; }
@@ -87,7 +97,8 @@ void SetTypes(fe::graph::Graph& g) {
 
 // validate → operation graph → heuristics (mode A, fallback) without
 // non-deterministic engines → support check → the first plan that builds.
-absl::StatusOr<int64_t> Finish(fe::graph::Graph& g, cudnnHandle_t handle, const SdpaPlan& plan,
+template <typename Plan>
+absl::StatusOr<int64_t> Finish(fe::graph::Graph& g, cudnnHandle_t handle, const Plan& plan,
                                const char* what) {
   BATON_RETURN_IF_ERROR(FeStatus(g.validate(), what, plan));
   BATON_RETURN_IF_ERROR(FeStatus(g.build_operation_graph(handle), what, plan));
@@ -114,6 +125,26 @@ absl::Status CheckWorkspace(int64_t need, size_t have, const char* what) {
                                                  "-byte workspace; given ", have,
                                                  " (size it with Prepare)"));
 }
+
+// Runs `graph` on `stream` with the variant pack `pack`.
+template <typename Plan>
+absl::Status Execute(fe::graph::Graph& graph, cudnnHandle_t handle,
+                     std::unordered_map<int64_t, void*>& pack, void* workspace,
+                     cudaStream_t stream, const char* what, const Plan& plan) {
+  try {
+    const cudnnStatus_t s = fe::detail::set_stream(handle, stream);
+    if (s != CUDNN_STATUS_SUCCESS) {
+      return absl::InternalError(
+          absl::StrCat("cudnnSetStream: ", fe::detail::get_error_string(s)));
+    }
+    return FeStatus(graph.execute(handle, pack, workspace), what, plan);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("cuDNN ", what, ": ", e.what()));
+  }
+}
+
+// The variant pack's pointer for `t` in the bf16 buffer `base`.
+void* At(const void* base, const SdpaTensor& t) { return At(base, t.offset); }
 
 }  // namespace
 
@@ -168,6 +199,7 @@ CudnnAttention::CudnnAttention(cudnnContext* handle, int device)
 
 CudnnAttention::~CudnnAttention() {
   cache_.clear();
+  ring_cache_.clear();
   if (handle_ != nullptr) (void)fe::detail::destroy_handle(handle_);
 }
 
@@ -253,16 +285,7 @@ absl::Status CudnnAttention::Forward(const SdpaPlan& plan, void* out, float* sta
   pack[kV] = At(qkv, plan.v.offset);
   pack[kO] = At(out, plan.o.offset);
   pack[kStats] = stats;
-  try {
-    const cudnnStatus_t s = fe::detail::set_stream(handle_, stream);
-    if (s != CUDNN_STATUS_SUCCESS) {
-      return absl::InternalError(
-          absl::StrCat("cudnnSetStream: ", fe::detail::get_error_string(s)));
-    }
-    return FeStatus(g->forward.execute(handle_, pack, workspace), "SDPA forward", plan);
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("cuDNN SDPA forward: ", e.what()));
-  }
+  return Execute(g->forward, handle_, pack, workspace, stream, "SDPA forward", plan);
 }
 
 absl::Status CudnnAttention::Backward(const SdpaPlan& plan, void* dqkv, const void* dout,
@@ -281,16 +304,117 @@ absl::Status CudnnAttention::Backward(const SdpaPlan& plan, void* dqkv, const vo
   pack[kDQ] = At(dqkv, plan.q.offset);
   pack[kDK] = At(dqkv, plan.k.offset);
   pack[kDV] = At(dqkv, plan.v.offset);
-  try {
-    const cudnnStatus_t s = fe::detail::set_stream(handle_, stream);
-    if (s != CUDNN_STATUS_SUCCESS) {
-      return absl::InternalError(
-          absl::StrCat("cudnnSetStream: ", fe::detail::get_error_string(s)));
-    }
-    return FeStatus(g->backward.execute(handle_, pack, workspace), "SDPA backward", plan);
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("cuDNN SDPA backward: ", e.what()));
+  return Execute(g->backward, handle_, pack, workspace, stream, "SDPA backward", plan);
+}
+
+// ------------------------------------- context-parallel (ring) blocks
+
+absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::FindRing(const RingSdpaPlan& plan) {
+  const RingSdpaKey key = MakeRingSdpaKey(plan, device_);
+  auto it = ring_cache_.find(key);
+  if (it != ring_cache_.end()) {
+    if (!it->second->status.ok()) return it->second->status;
+    return it->second.get();
   }
+  auto graphs = std::make_unique<Graphs>();
+  auto build = [&]() -> absl::Status {
+    {
+      fe::graph::Graph& g = graphs->forward;
+      SetTypes(g);
+      auto q = Input(g, "Q", kQ, plan.q);
+      auto k = Input(g, "K", kK, plan.k);
+      auto v = Input(g, "V", kV, plan.v);
+      fe::graph::SDPA_attributes attributes;
+      attributes.set_name("ring_block_sdpa").set_generate_stats(true).set_attn_scale(plan.scale);
+      if (plan.causal) attributes.set_causal_mask(true);  // top-left: the diagonal block
+      auto [o, stats] = g.sdpa(q, k, v, attributes);
+      Output(o, kO, plan.o);
+      Output(stats, kStats, plan.stats);
+      stats->set_data_type(fe::DataType_t::FLOAT);
+      BATON_ASSIGN_OR_RETURN(graphs->forward_workspace,
+                             Finish(g, handle_, plan, "ring SDPA forward"));
+    }
+    {
+      fe::graph::Graph& g = graphs->backward;
+      SetTypes(g);
+      auto q = Input(g, "Q", kQ, plan.q);
+      auto k = Input(g, "K", kK, plan.k);
+      auto v = Input(g, "V", kV, plan.v);
+      auto o = Input(g, "O", kO, plan.o);
+      auto d_o = Input(g, "dO", kDO, plan.o);
+      auto stats = Input(g, "Stats", kStats, plan.stats);
+      stats->set_data_type(fe::DataType_t::FLOAT);
+      fe::graph::SDPA_backward_attributes attributes;
+      attributes.set_name("ring_block_sdpa_backward")
+          .set_attn_scale(plan.scale)
+          .set_deterministic_algorithm(true);
+      if (plan.causal) attributes.set_causal_mask(true);
+      auto [dq, dk, dv] = g.sdpa_backward(q, k, v, o, d_o, stats, attributes);
+      Output(dq, kDQ, plan.o);  // the dq temporary: o's layout
+      Output(dk, kDK, plan.k);  // the dk|dv temporary: kv's layout
+      Output(dv, kDV, plan.v);
+      BATON_ASSIGN_OR_RETURN(graphs->backward_workspace,
+                             Finish(g, handle_, plan, "ring SDPA backward"));
+    }
+    return CheckRingSdpaWorkspace(
+        static_cast<size_t>(std::max(graphs->forward_workspace, graphs->backward_workspace)),
+        plan.block);
+  };
+  absl::Status s;
+  try {
+    s = build();
+  } catch (const std::exception& e) {
+    s = absl::InternalError(absl::StrCat("cuDNN SDPA graphs for ", RingSdpaKeyToString(key),
+                                         ": ", e.what()));
+  }
+  graphs->status = s;
+  Graphs* g = graphs.get();
+  ring_cache_.emplace(key, std::move(graphs));
+  if (!s.ok()) return s;
+  return g;
+}
+
+absl::StatusOr<RingSdpaWorkspace> CudnnAttention::PrepareRing(const RingSdpaPlan& plan) {
+  BATON_ASSIGN_OR_RETURN(Graphs * g, FindRing(plan));
+  RingSdpaWorkspace w;
+  w.forward = static_cast<size_t>(g->forward_workspace);
+  w.backward = static_cast<size_t>(g->backward_workspace);
+  return w;
+}
+
+absl::Status CudnnAttention::RingForward(const RingSdpaPlan& plan, void* out, float* stats,
+                                         const void* qkv, const void* kv, void* workspace,
+                                         size_t workspace_bytes, cudaStream_t stream) {
+  BATON_ASSIGN_OR_RETURN(Graphs * g, FindRing(plan));
+  BATON_RETURN_IF_ERROR(
+      CheckWorkspace(g->forward_workspace, workspace_bytes, "ring SDPA forward"));
+  std::unordered_map<int64_t, void*>& pack = g->forward_pack;
+  pack[kQ] = At(qkv, plan.q);
+  pack[kK] = At(kv, plan.k);
+  pack[kV] = At(kv, plan.v);
+  pack[kO] = At(out, plan.o);
+  pack[kStats] = stats;
+  return Execute(g->forward, handle_, pack, workspace, stream, "ring SDPA forward", plan);
+}
+
+absl::Status CudnnAttention::RingBackward(const RingSdpaPlan& plan, void* dq, void* dkv,
+                                          const void* dout, const void* out, const void* qkv,
+                                          const void* kv, const float* stats, void* workspace,
+                                          size_t workspace_bytes, cudaStream_t stream) {
+  BATON_ASSIGN_OR_RETURN(Graphs * g, FindRing(plan));
+  BATON_RETURN_IF_ERROR(
+      CheckWorkspace(g->backward_workspace, workspace_bytes, "ring SDPA backward"));
+  std::unordered_map<int64_t, void*>& pack = g->backward_pack;
+  pack[kQ] = At(qkv, plan.q);
+  pack[kK] = At(kv, plan.k);
+  pack[kV] = At(kv, plan.v);
+  pack[kO] = At(out, plan.o);
+  pack[kDO] = At(dout, plan.o);
+  pack[kStats] = const_cast<float*>(stats);
+  pack[kDQ] = At(dq, plan.o);
+  pack[kDK] = At(dkv, plan.k);
+  pack[kDV] = At(dkv, plan.v);
+  return Execute(g->backward, handle_, pack, workspace, stream, "ring SDPA backward", plan);
 }
 
 }  // namespace baton::cuda

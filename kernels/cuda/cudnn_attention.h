@@ -23,6 +23,16 @@
 // is the first that builds from heuristics mode A, so a shape on one GPU
 // model with one cuDNN version always runs the same kernels.
 //
+// Context-parallel (ring) blocks (sdpa_plan.h RingSdpaPlan) have graphs of
+// their own, cached per RingSdpaKey the same way: q read from qkv, k and v
+// from a key/value block kv, no mask (a fully visible block) or the top-left
+// causal mask (the diagonal). Forward: o (bf16) and Stats — cuDNN's natural-
+// log log-sum-exp of the scaled, masked scores, i.e. the block's lse
+// (sdpa_plan.h). Backward: given the query rows' FINAL (merged) Stats and o
+// and their do, this block's dq, dk, dv (bf16) — the block's share of the
+// full attention's gradient, as kernels/cpu/block_attention.h computes it
+// with the final lse and δ (cuDNN forms δ = rowsum(do ⊙ o) itself).
+//
 // libcudnn.so.9 is opened (dlopen) at the first Create, never at process
 // start: see third_party/cudnn_frontend/BUILD.
 //
@@ -85,14 +95,35 @@ class CudnnAttention {
 
   size_t cached_shapes() const { return cache_.size(); }
 
+  // ---- context-parallel (ring) blocks ----
+
+  // Builds the forward and backward graphs of `plan`'s key (first call per
+  // key) and returns their workspaces; an error (cached) when cuDNN cannot
+  // run that block shape on this GPU.
+  absl::StatusOr<RingSdpaWorkspace> PrepareRing(const RingSdpaPlan& plan);
+  // out: the block's o, [B,Tq,C'] bf16 (plan.o); stats: the block's lse
+  // [B,H',Tq] fp32 (plan.stats); qkv [B,Tq,3C'] and kv [B,Tk,2C'] bf16.
+  absl::Status RingForward(const RingSdpaPlan& plan, void* out, float* stats, const void* qkv,
+                           const void* kv, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream);
+  // dq [B,Tq,C'] and dkv [B,Tk,2C'] bf16 (overwritten) from dout and out
+  // (the final merged o), [B,Tq,C'] bf16, qkv, kv and stats (the final lse).
+  absl::Status RingBackward(const RingSdpaPlan& plan, void* dq, void* dkv, const void* dout,
+                            const void* out, const void* qkv, const void* kv, const float* stats,
+                            void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+  size_t cached_ring_shapes() const { return ring_cache_.size(); }
+
  private:
   struct Graphs;
   CudnnAttention(cudnnContext* handle, int device);
   absl::StatusOr<Graphs*> Find(const SdpaPlan& plan);
+  absl::StatusOr<Graphs*> FindRing(const RingSdpaPlan& plan);
 
   cudnnContext* handle_;
   int device_;
   absl::flat_hash_map<SdpaKey, std::unique_ptr<Graphs>> cache_;
+  absl::flat_hash_map<RingSdpaKey, std::unique_ptr<Graphs>> ring_cache_;
 };
 
 }  // namespace baton::cuda

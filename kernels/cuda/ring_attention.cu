@@ -287,13 +287,40 @@ struct Dkv {
 // The CPU's scale: 1/√hd in float.
 float ScaleOf(int64_t hd) { return 1.0f / sqrtf(static_cast<float>(hd)); }
 
-// Copies `rows` rows of `width` floats between row strides (in floats).
-cudaError_t CopyColumns(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+// Copies `rows` rows of `width` elements between row strides (in elements).
+template <typename T>
+cudaError_t CopyColumns(T* dst, int64_t dst_stride, const T* src, int64_t src_stride,
                         int64_t rows, int64_t width, cudaStream_t stream) {
   if (rows < 0 || width < 0) return cudaErrorInvalidValue;
   if (rows == 0 || width == 0) return cudaSuccess;
-  return cudaMemcpy2DAsync(dst, dst_stride * sizeof(float), src, src_stride * sizeof(float),
-                           width * sizeof(float), rows, cudaMemcpyDeviceToDevice, stream);
+  return cudaMemcpy2DAsync(dst, dst_stride * sizeof(T), src, src_stride * sizeof(T),
+                           width * sizeof(T), rows, cudaMemcpyDeviceToDevice, stream);
+}
+
+// Thread per element e = r·width + c.
+template <bool kAdd>
+__global__ void WidenColumnsKernel(float* __restrict__ y, int64_t y_stride,
+                                   const __nv_bfloat16* __restrict__ x, int64_t x_stride,
+                                   int64_t n, int64_t width) {
+  for (int64_t e = GlobalThread(); e < n; e += GridThreads()) {
+    const int64_t r = e / width, c = e % width;
+    const float v = __bfloat162float(x[r * x_stride + c]);
+    float* at = y + r * y_stride + c;
+    *at = kAdd ? __fadd_rn(*at, v) : v;
+  }
+}
+
+template <bool kAdd>
+cudaError_t WidenColumns(float* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
+                         int64_t rows, int64_t width, cudaStream_t stream) {
+  if (rows < 0 || width < 0 || y_stride < width || x_stride < width) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t n = rows * width;
+  if (n == 0) return cudaSuccess;
+  const LaunchShape s = ElementwiseLaunch(n, 1);
+  WidenColumnsKernel<kAdd><<<s.blocks, s.threads, 0, stream>>>(y, y_stride, x, x_stride, n, width);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -301,6 +328,23 @@ cudaError_t CopyColumns(float* dst, int64_t dst_stride, const float* src, int64_
 cudaError_t LaunchKvOfQkv(float* kv, const float* qkv, int64_t rows, int64_t channels,
                           cudaStream_t stream) {
   return CopyColumns(kv, 2 * channels, qkv + channels, 3 * channels, rows, 2 * channels, stream);
+}
+
+cudaError_t LaunchKvOfQkv(__nv_bfloat16* kv, const __nv_bfloat16* qkv, int64_t rows,
+                          int64_t channels, cudaStream_t stream) {
+  return CopyColumns(kv, 2 * channels, qkv + channels, 3 * channels, rows, 2 * channels, stream);
+}
+
+cudaError_t LaunchWidenColumns(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                               int64_t x_stride, int64_t rows, int64_t width,
+                               cudaStream_t stream) {
+  return WidenColumns<false>(y, y_stride, x, x_stride, rows, width, stream);
+}
+
+cudaError_t LaunchAddWidenedColumns(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                                    int64_t x_stride, int64_t rows, int64_t width,
+                                    cudaStream_t stream) {
+  return WidenColumns<true>(y, y_stride, x, x_stride, rows, width, stream);
 }
 
 cudaError_t LaunchQkvGradOfKv(float* dqkv, const float* dkv, int64_t rows, int64_t channels,

@@ -36,9 +36,17 @@
 // rounded (glibc's float forms agree but for ≤ 1 ulp); forward and backward
 // differ from the CPU's GEMMs by accumulation order and expf vs FastExp
 // (a few 1e-6 of the max-abs at most; cuda_ops_test's bound is 1e-5).
+//
+// bf16 inputs (kernels/ops.h): the backend runs a fully visible or diagonal
+// block through cuDNN's fused SDPA (sdpa_plan.h RingSdpaPlan, ring_sdpa.h),
+// which writes the block's o or dq, dk, dv as bf16 temporaries; the helpers
+// below widen those into the fp32 out or add them into the fp32 dqkv / dkv
+// (y += float(x), elementwise: fixed bits). Any other block widens its bf16
+// inputs into fp32 (exactly) and runs the fp32 kernels above.
 #ifndef BATON_KERNELS_CUDA_RING_ATTENTION_CUH_
 #define BATON_KERNELS_CUDA_RING_ATTENTION_CUH_
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,6 +72,9 @@ struct RingBlock {
 // kv [rows, 2C] = qkv [rows, 3C]'s k and v columns.
 cudaError_t LaunchKvOfQkv(float* kv, const float* qkv, int64_t rows, int64_t channels,
                           cudaStream_t stream);
+// The same copy of bf16 rows (2-byte elements).
+cudaError_t LaunchKvOfQkv(__nv_bfloat16* kv, const __nv_bfloat16* qkv, int64_t rows,
+                          int64_t channels, cudaStream_t stream);
 // dqkv [rows, 3C]'s k and v columns = dkv [rows, 2C]; its q columns untouched.
 cudaError_t LaunchQkvGradOfKv(float* dqkv, const float* dkv, int64_t rows, int64_t channels,
                               cudaStream_t stream);
@@ -89,6 +100,19 @@ cudaError_t LaunchBlockAttentionBackward(float* dqkv, float* dkv, const float* d
                                          const float* qkv, const float* kv, const float* lse,
                                          const float* delta, const RingBlock& block,
                                          cudaStream_t stream);
+
+// y[r·y_stride + c] = float(x[r·x_stride + c]) for r < rows, c < width
+// (exact): e.g. qkv's q columns widened in place of an fp32 qkv. Strides
+// ≥ width, in elements.
+cudaError_t LaunchWidenColumns(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                               int64_t x_stride, int64_t rows, int64_t width,
+                               cudaStream_t stream);
+
+// y[r·y_stride + c] += float(x[r·x_stride + c]) (one fp32 rounding): a cuDNN
+// block's bf16 dq into dqkv's q columns, its dk|dv into dkv.
+cudaError_t LaunchAddWidenedColumns(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                                    int64_t x_stride, int64_t rows, int64_t width,
+                                    cudaStream_t stream);
 
 }  // namespace baton::cuda
 

@@ -171,6 +171,13 @@ struct RingSdpaPlan {
   RingSdpaScratch scratch;  // the temporaries' place in the stream scratch
 };
 
+// cuDNN's workspace bytes for one ring block's graphs (CudnnAttention::
+// PrepareRing).
+struct RingSdpaWorkspace {
+  size_t forward = 0;
+  size_t backward = 0;
+};
+
 // Whether cuDNN can take the block: OK for a fully visible or diagonal block
 // with hd = C'/H' a multiple of kSdpaHeadDimMultiple, at most kSdpaMaxHeadDim,
 // and Tq, Tk ≥ 2 (a one-row block is cuDNN's decode mode, with limits of its
