@@ -1475,7 +1475,8 @@ TEST_F(CudaRingAttentionTest, Bf16BlockAttentionBackwardAccumulatesTheCpusGradie
     const k::Tensor out = HostBf16Of(out32);
     k::Tensor delta = k::Tensor::Zeros({rc.B, rc.heads, rc.Tq});
     {
-      k::Tensor dout_image = k::Tensor::Zeros(dout.shape()), out_image = k::Tensor::Zeros(out.shape());
+      k::Tensor dout_image = k::Tensor::Zeros(dout.shape());
+      k::Tensor out_image = k::Tensor::Zeros(out.shape());
       k::Cast(host, dout_image, dout);
       k::Cast(host, out_image, out);
       k::AttentionDelta(host, delta, dout_image, out_image, rc.heads);

@@ -62,7 +62,8 @@ std::string Describe(const SdpaPlan& plan) {
 std::string Describe(const RingSdpaPlan& plan) {
   const RingSdpaBlock& b = plan.block;
   return absl::StrCat("context-parallel block B=", b.batch, " Tq=", b.q_len, " Tk=", b.k_len,
-                      " H'=", b.heads, " hd=", plan.head_dim, plan.causal ? ", causal" : ", unmasked");
+                      " H'=", b.heads, " hd=", plan.head_dim,
+                      plan.causal ? ", causal" : ", unmasked");
 }
 
 // The frontend's error with what was being done and the shape.
