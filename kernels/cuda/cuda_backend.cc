@@ -637,7 +637,9 @@ CudnnAttention* CudnnFor(StreamState& st, GemmDType dtype) {
     } else {
       static absl::once_flag once;
       absl::call_once(once, [&] {
-        std::fprintf(stderr, "baton: bf16 attention on cuda:%d runs as GEMMs + softmax: %s\n",
+        std::fprintf(stderr,
+                     "baton: no cuDNN for bf16 attention on cuda:%d (attention runs as GEMMs + "
+                     "softmax, context-parallel blocks as the fp32 ring kernels): %s\n",
                      st.device, std::string(c.status().message()).c_str());
       });
     }
