@@ -15,12 +15,13 @@
 #     "all_to_all"} over baton_step_wall_seconds_total and
 #     baton_comm_bytes_total{kind="all_to_all"} per step, between the first
 #     scrape after step 1 and the last one, averaged over the 4 workers;
-#     against the exchange's bytes at full capacity: per MoE block and
-#     microbatch 4 all-to-alls (tokens out and back, their gradients back
-#     and out), each sending (ep-1)/ep of the rank's E x cap rows of d_model
-#     floats (cap = ceil(1.25 x 512 tokens x top_k / E) = 160; the buffers
-#     are padded to the fullest expert, at most cap), plus the all-gathers
-#     of the counts;
+#     against their bound, the exchange at full capacity: per MoE block
+#     and microbatch 4 all-to-alls (tokens out and back, their gradients
+#     back and out), each sending at most (ep-1)/ep of the rank's E x cap
+#     rows of d_model floats (cap = ceil(1.25 x 512 tokens x top_k / E) =
+#     160; only the kept rows travel, so the bytes are below the bound by
+#     the dropped choices and the routing's skew), plus the all-gathers of
+#     the counts;
 #   - steps.jsonl's comm_ratio (all kinds: here all-to-all + DP) and the
 #     most DP bytes a rank sent per step (max_dp_bytes): with ep the expert
 #     gradients are summed over dp/ep ranks only, none at ep = dp;

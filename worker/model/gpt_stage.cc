@@ -74,6 +74,9 @@ struct GptStage::BlockActivations {
   Tensor expert_rows_in;
   std::vector<ExpertRows> expert_rows;
   std::vector<int64_t> ep_send_rows, ep_recv_rows;
+  // Under EP: every ep rank's kept rows per expert, [ep][E] (rank s's row
+  // is what its buffer holds of each expert; only those rows travel).
+  std::vector<int64_t> ep_kept;
 };
 
 struct GptStage::Microbatch {
@@ -1311,8 +1314,8 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   Tensor in = a.expert_in.Reshaped({experts * a.cap, c});
   if (ep_ != nullptr) {
     BATON_ASSIGN_OR_RETURN(in, arena.Allocate({rows, c}));
-    BATON_RETURN_IF_ERROR(ExchangeExpertRows(a.expert_in.Reshaped({experts * a.cap, c}), a.ep_send_rows, in,
-                                             a.ep_recv_rows, "the tokens for the experts", b.index));
+    BATON_RETURN_IF_ERROR(SendToExperts(arena, a, a.expert_in.Reshaped({experts * a.cap, c}), in,
+                                        "the tokens for the experts", b.index));
   }
   BATON_ASSIGN_OR_RETURN(a.expert_rows_in, ForGemm(arena, in));  // bf16: rounded once, every row
   BATON_ASSIGN_OR_RETURN(a.h, arena.Allocate({rows, fl}));
@@ -1325,7 +1328,6 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
     BATON_ASSIGN_OR_RETURN(a.up, arena.Allocate({rows, fl}));
   }
   BATON_ASSIGN_OR_RETURN(Tensor out, arena.Allocate({rows, c}));
-  if (ep_ != nullptr) kernels::FillZero(ctx_, out);  // rows past an expert's count travel too
   for (const ExpertRows& r : a.expert_rows) {
     const Block::Expert& e = b.experts[r.expert];
     const int64_t lo = r.row, hi = r.row + r.rows;
@@ -1345,8 +1347,8 @@ absl::StatusOr<Tensor> GptStage::MoeForward(const Block& b, Microbatch& mb, Bloc
   } else {
     // Back to the ranks whose tokens they are, in this rank's buffer layout.
     BATON_ASSIGN_OR_RETURN(a.expert_out, arena.Allocate({experts, a.cap, c}));
-    BATON_RETURN_IF_ERROR(ExchangeExpertRows(out, a.ep_recv_rows, a.expert_out.Reshaped({experts * a.cap, c}),
-                                             a.ep_send_rows, "the expert outputs", b.index));
+    BATON_RETURN_IF_ERROR(ReturnFromExperts(arena, a, out, a.expert_out.Reshaped({experts * a.cap, c}),
+                                            "the expert outputs", b.index));
   }
   // The gated sum of each token's kept choices: a partial sum over TP.
   BATON_ASSIGN_OR_RETURN(Tensor partial, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));
@@ -1395,31 +1397,60 @@ absl::Status GptStage::PlanExpertRows(const Block& b, const std::vector<int64_t>
     }
     return absl::OkStatus();
   }
-  // Every ep rank's buffer length and kept counts, in one all-gather of
-  // host int64s: [cap, kept[0..E)] per rank.
+  // Every ep rank's kept counts, in one all-gather of host int64s.
   const int ep = config_.ep_size;
   const int64_t local = experts / ep;
-  std::vector<int64_t> mine(experts + 1), all((experts + 1) * ep);
-  mine[0] = a.cap;
-  std::copy(kept.begin(), kept.end(), mine.begin() + 1);
+  std::vector<int64_t> mine(kept.begin(), kept.end());
+  a.ep_kept.assign(experts * ep, 0);
   comm::Buffer from{mine.data(), static_cast<int64_t>(mine.size()), comm::DType::kInt64, -1};
-  comm::Buffer to{all.data(), static_cast<int64_t>(all.size()), comm::DType::kInt64, -1};
+  comm::Buffer to{a.ep_kept.data(), static_cast<int64_t>(a.ep_kept.size()), comm::DType::kInt64, -1};
   BATON_RETURN_IF_ERROR_CTX(ep_->AllGather(from, to)->Wait(config_.comm_timeout),
                             "expert-parallel all-gather of the expert counts in block ", b.index);
-  // This rank sends rank r the slab of r's experts in its buffer (cap rows
-  // each, padding included) and receives, from each rank s, the slab of
-  // this rank's experts in s's buffer: [s][local expert][cap_s] rows.
+  // Only kept rows travel, packed (PackExpertRows): this rank sends rank r
+  // its kept rows of r's experts, and receives from each rank s the kept
+  // rows of this rank's experts in s's buffer: [s][local expert][kept] rows.
   int64_t row = 0;
   for (int s = 0; s < ep; ++s) {
-    const int64_t cap_s = all[s * (experts + 1)];
-    a.ep_send_rows.push_back(local * a.cap);
-    a.ep_recv_rows.push_back(local * cap_s);
+    int64_t send = 0;
+    for (int64_t l = 0; l < local; ++l) send += kept[s * local + l];
+    a.ep_send_rows.push_back(send);
+    int64_t recv = 0;
     for (int64_t l = 0; l < local; ++l) {
-      const int64_t rows = all[s * (experts + 1) + 1 + config_.ep_rank * local + l];
-      if (rows > 0) a.expert_rows.push_back({static_cast<int>(l), row + l * cap_s, rows});
+      const int64_t rows = a.ep_kept[s * experts + config_.ep_rank * local + l];
+      if (rows > 0) a.expert_rows.push_back({static_cast<int>(l), row, rows});
+      row += rows;
+      recv += rows;
     }
-    row += local * cap_s;
+    a.ep_recv_rows.push_back(recv);
   }
+  return absl::OkStatus();
+}
+
+void GptStage::PackExpertRows(const BlockActivations& a, const Tensor& buffer, const Tensor& packed, bool pack) {
+  const int64_t experts = config_.model.moe_experts;
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {  // rank r's experts are r·local … : rank order
+    const int64_t n = a.ep_kept[config_.ep_rank * experts + e];
+    if (n == 0) continue;
+    const Tensor rows = buffer.Rows(e * a.cap, e * a.cap + n), at = packed.Rows(row, row + n);
+    kernels::Copy(ctx_, pack ? at : rows, pack ? rows : at);
+    row += n;
+  }
+}
+
+absl::Status GptStage::SendToExperts(kernels::Arena& arena, const BlockActivations& a, const Tensor& buffer,
+                                     const Tensor& to, const char* what, int block) {
+  BATON_ASSIGN_OR_RETURN(const Tensor packed, arena.Allocate({Sum(a.ep_send_rows), buffer.dim(1)}));
+  PackExpertRows(a, buffer, packed, /*pack=*/true);
+  return ExchangeExpertRows(packed, a.ep_send_rows, to, a.ep_recv_rows, what, block);
+}
+
+absl::Status GptStage::ReturnFromExperts(kernels::Arena& arena, const BlockActivations& a, const Tensor& rows,
+                                         const Tensor& buffer, const char* what, int block) {
+  BATON_ASSIGN_OR_RETURN(const Tensor packed, arena.Allocate({Sum(a.ep_send_rows), buffer.dim(1)}));
+  BATON_RETURN_IF_ERROR(ExchangeExpertRows(rows, a.ep_recv_rows, packed, a.ep_send_rows, what, block));
+  kernels::FillZero(ctx_, buffer);  // the rows past each expert's count
+  PackExpertRows(a, buffer, packed, /*pack=*/false);
   return absl::OkStatus();
 }
 
@@ -1451,8 +1482,8 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
   if (ep_ != nullptr) {
     // To the experts' ranks, in the rows their forward computed.
     BATON_ASSIGN_OR_RETURN(a.dexpert_out, arena.Allocate({rows, c}));
-    BATON_RETURN_IF_ERROR(ExchangeExpertRows(dexpert_out.Reshaped({experts * a.cap, c}), a.ep_send_rows,
-                                             a.dexpert_out, a.ep_recv_rows, "the expert output gradients", b.index));
+    BATON_RETURN_IF_ERROR(SendToExperts(arena, a, dexpert_out.Reshaped({experts * a.cap, c}), a.dexpert_out,
+                                        "the expert output gradients", b.index));
   }
   // bf16: each gradient entering a GEMM rounded once (as the dense MLP's).
   BATON_ASSIGN_OR_RETURN(a.dexpert_out, ForGemm(arena, a.dexpert_out));
@@ -1471,7 +1502,6 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
   }
   BATON_ASSIGN_OR_RETURN(Tensor dg, arena.Allocate({rows, fl}));
   BATON_ASSIGN_OR_RETURN(Tensor dx, arena.Allocate({rows, c}));
-  if (ep_ != nullptr) kernels::FillZero(ctx_, dx);  // rows past an expert's count travel too
   for (const ExpertRows& r : a.expert_rows) {
     const Block::Expert& e = b.experts[r.expert];
     const int64_t lo = r.row, hi = r.row + r.rows;
@@ -1496,8 +1526,8 @@ absl::StatusOr<Tensor> GptStage::MoeBackwardInput(const Block& b, Microbatch& mb
     din = dx.Reshaped({experts, a.cap, c});
   } else {
     BATON_ASSIGN_OR_RETURN(din, arena.Allocate({experts, a.cap, c}));
-    BATON_RETURN_IF_ERROR(ExchangeExpertRows(dx, a.ep_recv_rows, din.Reshaped({experts * a.cap, c}), a.ep_send_rows,
-                                             "the expert input gradients", b.index));
+    BATON_RETURN_IF_ERROR(ReturnFromExperts(arena, a, dx, din.Reshaped({experts * a.cap, c}),
+                                            "the expert input gradients", b.index));
   }
   // A partial sum over TP, like the dense MLP's (under SP a temporary).
   BATON_ASSIGN_OR_RETURN(Tensor dln2, (sp_ ? *sp_scratch_ : arena).Allocate({n, c}));

@@ -113,14 +113,13 @@
 // over TP; the router's input gradient joins the TP sum from rank 0 only.
 // Expert parallelism (StageConfig::ep_size > 1): this rank holds E/ep of
 // the experts; after routing and permuting its own tokens it all-gathers the
-// ep group's buffer lengths and kept counts, sends each rank the slab of
-// that rank's experts (an AllToAllV, host memory after a stream
-// synchronisation, padding rows included), runs its experts on every
-// source's rows, and sends the outputs back the same way; the backward
-// exchanges the output gradients and the input gradients likewise. Each
-// expert's weight gradient then sums every ep rank's tokens' share; the
-// executor reduces it over the expert-data-parallel group only. fp32 only,
-// and no context parallelism (StageConfig validation).
+// ep group's kept counts, sends each rank the kept rows of that rank's
+// experts, packed (an AllToAllV, host memory after a stream
+// synchronisation; the buffers' padding rows do not travel), runs its
+// experts on every source's rows, and sends the outputs back the same way;
+// the backward exchanges the output gradients and the input gradients
+// likewise. Each expert's weight gradient then sums every ep rank's tokens'
+// share; the executor reduces it over the expert-data-parallel group only.
 //
 // Context parallelism (StageConfig::cp_size > 1; Liu et al.'s ring
 // attention with the load-balanced causal split, context_parallel.h): the
@@ -376,6 +375,19 @@ class GptStage {
   // this rank's tokens: without EP its own buffer's; under EP each ep rank's
   // slab of this rank's experts (an all-gather of the counts first).
   absl::Status PlanExpertRows(const Block& block, const std::vector<int64_t>& kept, BlockActivations& a);
+  // Copies the kept rows of `buffer` [E·cap, ·] (this rank's per-expert
+  // layout) into `packed` [Σ ep_send_rows, ·] in rank order (pack), or back
+  // (unpack; the padding rows untouched).
+  void PackExpertRows(const BlockActivations& a, const kernels::Tensor& buffer, const kernels::Tensor& packed,
+                      bool pack);
+  // The kept rows of `buffer` to the ranks holding their experts, packed,
+  // into `to` [Σ ep_recv_rows, ·] (the rows a.expert_rows index); and the
+  // experts' rows `rows` back into this rank's `buffer` (padding zeroed).
+  // The packed send or receive buffer comes from `arena`.
+  absl::Status SendToExperts(kernels::Arena& arena, const BlockActivations& a, const kernels::Tensor& buffer,
+                             const kernels::Tensor& to, const char* what, int block);
+  absl::Status ReturnFromExperts(kernels::Arena& arena, const BlockActivations& a, const kernels::Tensor& rows,
+                                 const kernels::Tensor& buffer, const char* what, int block);
   // AllToAllV over the ep group of `from`'s rows (send_rows[r] rows to rank
   // r, in rank order) into `to` (recv_rows[r] from rank r), after a stream
   // synchronisation; errors name `what` and the block.
