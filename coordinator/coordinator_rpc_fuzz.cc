@@ -17,7 +17,10 @@
 //                    command (ok / with an error and code; a RunStep with a
 //                    verdict: which half, or the StepDone in the report; 0-2
 //                    member reports in the report), a raw message
-//                    (own / raw ids), a snapshot, a heartbeat with wrong ids
+//                    (own / raw ids), a snapshot, a heartbeat with wrong ids,
+//                    a raw Fragment (fuzzed index, count, total_bytes, data),
+//                    a snapshot over 3 MiB as its fragments (all; one left
+//                    out; a heartbeat between two; the last one repeated)
 //    3 Await         slot: waits up to 20 ms for a command on the session
 //    4 CloseSession  slot, clean (WritesDone) or cancelled
 //    5 KvSet  6 KvGet  7 KvAdd  8 KvWait (0-3 keys, timeout 0-19 ms)
@@ -47,6 +50,7 @@
 #include "baton/v1/coordinator.grpc.pb.h"
 #include "common/clock.h"
 #include "common/grpc_credentials.h"
+#include "common/session_fragments.h"
 #include "coordinator/grpc/coordinator_service.h"
 #include "coordinator/job_runner.h"
 #include "coordinator/job_spec.h"
@@ -631,7 +635,7 @@ class Run {
     v1::WorkerMessage m;
     m.set_worker_id(who.id);
     m.set_incarnation(who.incarnation);
-    switch (kind % 8) {
+    switch (kind % 10) {
       case 0:
         m.mutable_heartbeat()->set_step(in_->Byte());
         m.mutable_heartbeat()->set_send_time_us(3);
@@ -657,6 +661,49 @@ class Run {
         snap->set_step(in_->Byte());
         snap->set_generation(generation_);
         snap->set_data(in_->Str());
+        break;
+      }
+      case 8: {
+        v1::Fragment* f = m.mutable_fragment();
+        f->set_index(static_cast<int8_t>(in_->Byte()));
+        f->set_count(static_cast<int8_t>(in_->Byte()));
+        const uint8_t total = in_->Byte();
+        f->set_total_bytes(total & 0x80 ? static_cast<int64_t>(in_->U64())
+                                        : static_cast<int64_t>(kFragmentPayloadBytes) + total - 64);
+        f->set_data(in_->Str());
+        break;
+      }
+      case 9: {
+        // A snapshot just over the fragment payload, as its fragments.
+        const uint8_t how = in_->Byte();
+        v1::ShardSnapshot* snap = m.mutable_snapshot();
+        snap->set_owner(who.name);
+        snap->set_step(in_->Byte());
+        snap->set_generation(generation_);
+        std::string data = in_->Str();
+        data.resize(kFragmentPayloadBytes + data.size(), 's');
+        snap->set_data(std::move(data));
+        std::vector<v1::Fragment> fragments = SplitIntoFragments(m.SerializeAsString());
+        const size_t skip = (how & 1) ? (how >> 4) % fragments.size() : fragments.size();
+        for (size_t i = 0; i < fragments.size(); ++i) {
+          if (i == skip) continue;
+          v1::WorkerMessage piece;
+          piece.set_worker_id(who.id);
+          piece.set_incarnation(who.incarnation);
+          *piece.mutable_fragment() = fragments[i];
+          if (!s->Write(piece)) return;
+          if (i == 0 && (how & 2)) {
+            v1::WorkerMessage beat;
+            beat.set_worker_id(who.id);
+            beat.set_incarnation(who.incarnation);
+            beat.mutable_heartbeat()->set_send_time_us(4);
+            if (!s->Write(beat)) return;
+          }
+        }
+        if (!(how & 4)) return;
+        m.set_worker_id(who.id);
+        m.set_incarnation(who.incarnation);
+        *m.mutable_fragment() = fragments.back();  // a repeat of the last one
         break;
       }
       default:

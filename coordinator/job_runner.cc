@@ -36,12 +36,6 @@
 namespace baton {
 namespace {
 
-// A relayed snapshot larger than this is dropped (the buddy keeps none of
-// that step; recovery then falls back to a DP replica, none under ZeRO, or an
-// older step).
-// Below gRPC's default 4 MiB message limit on both ends.
-constexpr size_t kMaxRelayedSnapshotBytes = (4 << 20) - (64 << 10);
-
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.9g", v) : "null"; }
 
 // MoE: the share of the top-k choices dropped at capacity (0 when none were
@@ -1504,12 +1498,8 @@ void JobRunner::Handle(const std::string& worker, v1::WorkerMessage message, std
       }
       auto buddy = buddy_.find(worker);
       if (buddy == buddy_.end() || snap.data().empty()) return;  // kept by its owner only
-      if (snap.data().size() > kMaxRelayedSnapshotBytes) {
-        BATON_LOG(WARNING) << "snapshot of " << worker << " at step " << snap.step() << " is "
-                           << snap.data().size() << " bytes, over the relay limit of " << kMaxRelayedSnapshotBytes
-                           << "; its buddy keeps none";
-        return;
-      }
+      // Any size the session took (a snapshot over 3 MiB came, and is relayed,
+      // as fragments: docs/protocol.md, "Fragments").
       Held& held = held_snapshots_[SlotOf(worker)];
       if (held.holder != buddy->second || held.owner != worker) held = Held{buddy->second, worker, {}};
       PushBounded(&held.steps, snap.step(), kHeldSnapshots);

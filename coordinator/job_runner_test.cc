@@ -135,6 +135,11 @@ class FakeWorkers : public JobWorkers {
     absl::MutexLock lock(&mu_);
     capture_seconds_ = seconds;
   }
+  // Pads every snapshot's state to `bytes` (a big stage's state).
+  void set_state_padding(size_t bytes) {
+    absl::MutexLock lock(&mu_);
+    state_padding_ = bytes;
+  }
   // The steps whose Commit (a message or inside RunStep) asked `worker` for
   // a snapshot, in order.
   std::vector<int64_t> SnapshotSteps(const std::string& worker) const {
@@ -349,7 +354,8 @@ class FakeWorkers : public JobWorkers {
         plan_of_[worker] = c.plan();
         plan_of_[worker].clear_ranks();
         r.mutable_configured()->set_generation(c.plan().generation());
-        const std::string want = absl::StrCat(shard_[worker], "@", c.resume_step());
+        std::string want = absl::StrCat(shard_[worker], "@", c.resume_step());
+        if (c.resume_step() != 0 && state_padding_ > want.size()) want.resize(state_padding_, '.');
         std::string have;
         if (c.resume_step() == 0) {
           have = want;
@@ -359,7 +365,10 @@ class FakeWorkers : public JobWorkers {
           have = own_[worker][c.resume_step()];
         }
         r.mutable_configured()->set_ok(have == want);
-        if (have != want) r.mutable_configured()->set_error(absl::StrCat("wrong state '", have, "', want ", want));
+        if (have != want) {
+          r.mutable_configured()->set_error(
+              absl::StrCat("wrong state '", have.substr(0, 64), "', want ", want.substr(0, 64)));
+        }
         model_step_[worker] = c.resume_step();
         break;
       }
@@ -410,7 +419,8 @@ class FakeWorkers : public JobWorkers {
         ++dones_apart_[worker];
         out->push_back(r);
         if (!m.commit().snapshot()) return;
-        const std::string state = absl::StrCat(shard_[worker], "@", step);
+        std::string state = absl::StrCat(shard_[worker], "@", step);
+        if (state_padding_ > state.size()) state.resize(state_padding_, '.');
         own_[worker][step] = state;
         v1::WorkerMessage snap;
         snap.mutable_snapshot()->set_owner(worker);
@@ -480,6 +490,7 @@ class FakeWorkers : public JobWorkers {
   Hook hook_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 100;
   double capture_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t state_padding_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, v1::WorkerInfo> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::CoordinatorMessage>> sent_ ABSL_GUARDED_BY(mu_);
@@ -956,6 +967,30 @@ TEST_F(JobRunnerTest, UnderZeroTheLostShardComesFromItsBuddyNotADataParallelRepl
   EXPECT_EQ(owners, (std::vector<std::string>{"worker-1"}));
   EXPECT_NE(Status().recovery().find("from worker-0's snapshot"), std::string::npos) << Status().recovery();
   EXPECT_EQ(Status().recovery().find("DP replica"), std::string::npos) << Status().recovery();
+}
+
+// A snapshot over gRPC's 4 MiB message limit is relayed to the buddy like
+// any other (the session carries it as fragments; there is no relay cap):
+// under ZeRO the lost shard still comes back from the buddy's copy.
+TEST_F(JobRunnerTest, ASnapshotOverFourMiBIsRelayedAndRestoresTheLostShard) {
+  constexpr size_t kBig = (size_t{4} << 20) + 1;
+  Start(ZeroJob(1, 2, 4, 1), 3, [](FakeWorkers* f) { f->set_state_padding(kBig); });
+  KillAt("worker-1", 3);
+  ASSERT_EQ(Finish(), JobState::kDone) << runner_->error();
+  size_t relayed = 0;
+  for (const auto& m : fake_->Sent("worker-0")) {
+    if (m.has_hold_snapshot() && m.hold_snapshot().owner() == "worker-1") {
+      EXPECT_EQ(m.hold_snapshot().data().size(), kBig);
+      ++relayed;
+    }
+  }
+  EXPECT_GE(relayed, 2u) << "worker-1's snapshots of steps 1 and 2 went to its buddy";
+  const std::vector<v1::Configure> spare = fake_->Configures("worker-2");
+  ASSERT_EQ(spare.size(), 1u);
+  EXPECT_EQ(spare[0].resume_step(), 2);
+  ASSERT_EQ(spare[0].state().size(), kBig);
+  EXPECT_EQ(spare[0].state().substr(0, 6), "0.0@2.");
+  EXPECT_NE(Status().recovery().find("from worker-0's snapshot"), std::string::npos) << Status().recovery();
 }
 
 // The step's gradient norm: without ZeRO the DP replicas hold the same

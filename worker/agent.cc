@@ -2,12 +2,15 @@
 
 #include <unistd.h>
 
+#include <optional>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
+#include "common/session_fragments.h"
 #include "common/version.h"
 
 namespace baton {
@@ -163,7 +166,38 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   const absl::Duration period = absl::Milliseconds(std::max<int64_t>(10, reg.heartbeat_ms()));
   std::thread beats([&]() { Heartbeats(stream.get(), reg, period); });
   v1::CoordinatorMessage msg;
+  // Messages over kFragmentPayloadBytes come as fragments (docs/protocol.md,
+  // "Fragments"); a bad fragment stream ends the session like a broken one.
+  FragmentAssembler assembler;
+  absl::Status broken;
   while (stream->Read(&msg)) {
+    if (msg.has_fragment() || assembler.in_progress()) {
+      {
+        absl::MutexLock lock(&mu_);
+        last_heard_ = absl::Now();  // a long transfer is the coordinator talking
+      }
+      if (!msg.has_fragment()) {
+        broken = absl::InvalidArgumentError(
+            absl::StrCat("bad session fragment: a whole message arrived while ", assembler.buffered_bytes(),
+                         " bytes of a fragmented one were received and more were due"));
+      } else if (absl::StatusOr<std::optional<std::string>> got = assembler.Add(std::move(*msg.mutable_fragment()));
+                 !got.ok()) {
+        broken = got.status();
+      } else if (!got->has_value()) {
+        continue;
+      } else if (!msg.ParseFromString(**got)) {
+        broken = absl::InvalidArgumentError(
+            absl::StrCat("bad session fragment: the ", (*got)->size(), " joined bytes are not a CoordinatorMessage"));
+      } else if (msg.has_fragment()) {
+        broken = absl::InvalidArgumentError("bad session fragment: the joined message is itself a fragment");
+      }
+      if (!broken.ok()) {
+        BATON_LOG(ERROR) << "session with coordinator " << options_.coordinator << ": " << broken
+                         << "; ending it as broken";
+        ctx.TryCancel();
+        break;
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
       last_heard_ = absl::Now();
@@ -206,6 +240,7 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
     registration_.Clear();
   }
   grpc::Status status = stream->Finish();
+  if (!broken.ok()) return broken;
   if (status.ok()) return absl::UnavailableError("coordinator closed the session");
   return FromGrpcStatus(status, "session");
 }
@@ -225,8 +260,29 @@ bool WorkerAgent::Send(v1::WorkerMessage message) {
   if (stream_ == nullptr) return false;
   message.set_worker_id(registration_.worker_id());
   message.set_incarnation(registration_.incarnation());
-  if (!stream_->Write(message)) return false;
-  last_sent_ = absl::Now();
+  const size_t bytes = message.ByteSizeLong();
+  if (!NeedsFragments(bytes)) {
+    if (!stream_->Write(message)) return false;
+    last_sent_ = absl::Now();
+    return true;
+  }
+  if (bytes > static_cast<size_t>(kMaxFragmentedMessageBytes)) {
+    BATON_LOG(ERROR) << "not sending a session message of " << bytes << " bytes: over the "
+                     << kMaxFragmentedMessageBytes << "-byte bound of a fragmented message";
+    return false;
+  }
+  // Its fragments in a row, under stream_mu_ (nothing else goes between);
+  // each one renews the lease at the coordinator.
+  const std::string serialized = message.SerializeAsString();
+  const int64_t count = FragmentCount(static_cast<int64_t>(serialized.size()));
+  for (int64_t i = 0; i < count; ++i) {
+    v1::WorkerMessage piece;
+    piece.set_worker_id(message.worker_id());
+    piece.set_incarnation(message.incarnation());
+    *piece.mutable_fragment() = FragmentOf(serialized, static_cast<int32_t>(i));
+    if (!stream_->Write(piece)) return false;
+    last_sent_ = absl::Now();
+  }
   return true;
 }
 

@@ -7,6 +7,9 @@
 // ends for any reason (coordinator restart, lease expiry, network) it
 // registers again with exponential backoff and never exits on its own.
 // Commands pushed by the coordinator go to the handler given at construction.
+// A message over 3 MiB (a snapshot, a fetched state; a Configure with a
+// state) crosses as fragments both ways (common/session_fragments.h); a bad
+// fragment stream from the coordinator ends the session as broken.
 //
 // A coordinator that goes silent (frozen, partitioned) makes the worker not
 // ready once nothing came from it for a lease, no ack nor command (counted in
@@ -90,7 +93,9 @@ class WorkerAgent {
   // The training step heartbeats report (the last one this worker ran).
   void SetStep(int64_t step);
 
-  // Sends `message` on the open session (ids filled in); false when none is open.
+  // Sends `message` on the open session (ids filled in), as its fragments in
+  // a row when it is over kFragmentPayloadBytes; false when none is open (or
+  // the message is over kMaxFragmentedMessageBytes). Blocks until written.
   bool Send(v1::WorkerMessage message);
 
   // Now on the coordinator's clock (microseconds since the Unix epoch), from

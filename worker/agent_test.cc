@@ -8,6 +8,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/session_fragments.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -414,6 +416,71 @@ TEST_F(AgentTest, ACoordinatorThatStopsAnsweringMakesItNotReadyUntilItAnswersAga
   fake_.SetSilent(false);
   EXPECT_TRUE(WaitReady()) << agent_->Readiness();
   EXPECT_EQ(fake_.sessions(), 1);
+}
+
+// Messages over 3 MiB cross as fragments both ways (docs/protocol.md,
+// "Fragments"): the agent sends a big snapshot as its fragments in a row
+// with its ids, and joins a fragmented command before the handler sees it.
+TEST_F(AgentTest, BigMessagesCrossAsFragmentsBothWays) {
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  std::string data(7 << 20, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 13);
+  v1::WorkerMessage snap;
+  snap.mutable_snapshot()->set_owner("w0");
+  snap.mutable_snapshot()->set_data(data);
+  ASSERT_TRUE(agent_->Send(snap));
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* f) { return f->received().size() >= 3; }));
+  std::vector<v1::WorkerMessage> got = fake_.received();
+  ASSERT_EQ(got.size(), 3u);
+  FragmentAssembler assembler;
+  std::optional<std::string> whole;
+  for (v1::WorkerMessage& m : got) {
+    ASSERT_TRUE(m.has_fragment());
+    EXPECT_EQ(m.worker_id(), 7);
+    EXPECT_EQ(m.incarnation(), 1);
+    auto r = assembler.Add(std::move(*m.mutable_fragment()));
+    ASSERT_TRUE(r.ok()) << r.status();
+    whole = std::move(*r);
+  }
+  ASSERT_TRUE(whole.has_value());
+  v1::WorkerMessage back;
+  ASSERT_TRUE(back.ParseFromString(*whole));
+  EXPECT_TRUE(back.snapshot().data() == data);
+  EXPECT_EQ(back.worker_id(), 7);
+
+  v1::CoordinatorMessage hold;
+  hold.mutable_hold_snapshot()->set_owner("w1");
+  hold.mutable_hold_snapshot()->set_data(data);
+  for (v1::Fragment& f : SplitIntoFragments(hold.SerializeAsString())) {
+    v1::CoordinatorMessage piece;
+    *piece.mutable_fragment() = std::move(f);
+    fake_.Push(piece);
+  }
+  const absl::Time deadline = absl::Now() + kWait;
+  absl::MutexLock lock(&mu_);
+  auto one = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !commands_.empty(); };
+  mu_.AwaitWithTimeout(absl::Condition(&one), deadline - absl::Now());
+  ASSERT_EQ(commands_.size(), 1u) << "the handler sees the joined command only";
+  EXPECT_EQ(commands_[0].hold_snapshot().owner(), "w1");
+  EXPECT_TRUE(commands_[0].hold_snapshot().data() == data);
+}
+
+// A bad fragment stream from the coordinator ends the session like a broken
+// stream: the agent registers again.
+TEST_F(AgentTest, ABadFragmentStreamEndsTheSessionAndItRegistersAgain) {
+  StartAgent();
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  std::vector<v1::Fragment> f = SplitIntoFragments(std::string(kFragmentPayloadBytes * 2 + 1, 'x'));
+  v1::CoordinatorMessage piece;
+  *piece.mutable_fragment() = f[1];  // no message starts at index 1
+  fake_.Push(piece);
+  ASSERT_TRUE(fake_.WaitFor([](FakeCoordinator* c) { return c->registrations().size() >= 2; }))
+      << "the session was not ended";
+  ASSERT_TRUE(WaitReady()) << agent_->Readiness();
+  absl::MutexLock lock(&mu_);
+  EXPECT_TRUE(commands_.empty());
+  EXPECT_GE(sessions_ended_, 1);
 }
 
 }  // namespace

@@ -79,9 +79,10 @@ constexpr uint64_t kReportTag = 3;
 // session's 4 MiB messages.
 constexpr size_t kMaxRunStepBytes = 64 << 10;
 constexpr size_t kMaxMemberReportBytes = 4 << 20;
-// A leader's report must fit the session's 4 MiB messages; past this its
-// members' trace events are left out (their timings stay).
-constexpr size_t kMaxGroupReportBytes = WorkerJob::kMaxSnapshotBytes;
+// A leader's report stays under the session's 4 MiB messages (it is never
+// fragmented); past this its members' trace events are left out (their
+// timings stay).
+constexpr size_t kMaxGroupReportBytes = (4 << 20) - (64 << 10);
 // The group has no watchdog of its own: the leader bounds its pass-on and
 // gather by --op_timeout_s, and a member waits for its next step until the
 // job is aborted (a checkpoint or a recovery elsewhere may come between).
@@ -671,7 +672,7 @@ void WorkerJob::Snapshot(int64_t step) {
     snap->set_data(bytes);
   } else {
     snap->set_error(absl::StrCat("snapshot of ", bytes.size(), " bytes is over the ", kMaxSnapshotBytes,
-                                 "-byte limit of the session stream; kept locally only"));
+                                 "-byte limit of a (fragmented) session message; kept locally only"));
     snap->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
   }
   snapshot_bytes_family_->Add(job_->labels).Increment(static_cast<double>(bytes.size()));
@@ -862,7 +863,7 @@ void WorkerJob::SaveCheckpoint(const v1::SaveWeights& save) {
 }
 
 void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {
-  if (snapshot.data().empty() || snapshot.data().size() > kMaxSnapshotBytes || snapshot.owner().empty()) return;
+  if (snapshot.data().empty() || snapshot.owner().empty()) return;  // its size: the session's reassembly bound
   absl::MutexLock lock(&snap_mu_);
   std::map<int64_t, std::string>& copies = held_[snapshot.owner()];
   copies[snapshot.step()] = snapshot.data();

@@ -53,6 +53,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "common/session_fragments.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -88,9 +89,11 @@ class WorkerJob {
 
   static constexpr int kOwnSnapshots = 3;
   static constexpr int kHeldSnapshots = 2;
-  // A shard state larger than this is kept locally but not sent to the buddy
-  // (gRPC's default 4 MiB message limit on the session stream).
-  static constexpr size_t kMaxSnapshotBytes = (4 << 20) - (64 << 10);
+  // A shard state larger than this is kept locally but not sent to the buddy:
+  // the session carries messages over gRPC's 4 MiB as fragments
+  // (common/session_fragments.h) up to kMaxFragmentedMessageBytes (2 GiB - 1,
+  // protobuf's own bound), less room for the message around the state.
+  static constexpr size_t kMaxSnapshotBytes = static_cast<size_t>(kMaxFragmentedMessageBytes) - (64 << 10);
 
   struct Options {
     std::string name;                      // this worker's name (as in the plan)

@@ -532,6 +532,15 @@ TEST_F(WorkerJobTest, AnAbortReleasesAStepBlockedOnALostPeerAndKeepsTheState) {
   EXPECT_TRUE(dropped.data().empty());
   EXPECT_EQ(dropped.error(), "w0 holds no state of w1 at step 1");
   EXPECT_EQ(dropped.code(), static_cast<int>(absl::StatusCode::kNotFound));
+  // A copy over gRPC's 4 MiB message limit is held and given back whole too
+  // (the session carries it as fragments; there is no 4 MiB cap).
+  const std::string big((size_t{4} << 20) + 1, 'b');
+  v1::CoordinatorMessage hold;
+  hold.mutable_hold_snapshot()->set_owner("w1");
+  hold.mutable_hold_snapshot()->set_step(4);
+  hold.mutable_hold_snapshot()->set_data(big);
+  w0.job->Handle(hold);
+  EXPECT_TRUE(Fetch(w0, "w1", 4).data() == big);
 }
 
 TEST_F(WorkerJobTest, RollsBackToStepRAndReplaysBitForBit) {

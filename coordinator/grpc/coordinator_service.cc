@@ -2,6 +2,8 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/base/config.h"
@@ -9,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
+#include "common/session_fragments.h"
 #include "common/version.h"
 
 #ifdef ABSL_HAVE_THREAD_SANITIZER
@@ -21,7 +24,14 @@ namespace {
 // The coordinator's end of one Session stream, shared by the stream's reactor
 // (which lives until gRPC's OnDone) and the registry (which may keep it
 // longer). Writes are queued: at most one StartWrite is in flight; the next
-// starts from OnWriteDone. gRPC is called under mu_ only where it never
+// starts from OnWriteDone. A message over kFragmentPayloadBytes is written
+// as its fragments, one after another, before the next queued message
+// (docs/protocol.md, "Fragments"). The queue holds at most max_messages
+// messages and max_bytes bytes of messages up to max_bytes each, plus at
+// most one message larger than max_bytes (a big relayed snapshot or state):
+// a session's write memory is bounded by max_bytes + the largest message the
+// job sends (a state it received under max_session_message_bytes) + the one
+// being written. gRPC is called under mu_ only where it never
 // calls back inline (StartWrite and TryCancel: their completions run on
 // gRPC's threads); Finish, whose completion may run inline, is called
 // outside it.
@@ -53,21 +63,22 @@ class GrpcSession final : public SessionHandle {
     {
       absl::MutexLock lock(&mu_);
       if (ended_ || closing_) return false;
+      const size_t bytes = message.ByteSizeLong();
       if (!writing_) {
-        writing_ = true;
-        in_flight_ = std::move(message);
-        reactor_->StartWrite(&in_flight_);
+        StartLocked(std::move(message), bytes);
         return true;
       }
-      const size_t bytes = message.ByteSizeLong();
-      if (queue_.size() + 1 <= max_messages_ && queued_bytes_ + bytes <= max_bytes_) {
+      const bool oversize = bytes > max_bytes_;
+      if (queue_.size() + 1 <= max_messages_ &&
+          (oversize ? oversize_waiting_ == 0 : queued_bytes_ - oversize_waiting_ + bytes <= max_bytes_)) {
         queue_.emplace_back(std::move(message), bytes);
         queued_bytes_ += bytes;
+        if (oversize) oversize_waiting_ = bytes;
         return true;
       }
       overflow = absl::StrCat("the worker does not read its session: ", queue_.size(), " messages (",
                               queued_bytes_, " bytes) wait to be written, the limit is ", max_messages_,
-                              " messages / ", max_bytes_, " bytes");
+                              " messages / ", max_bytes_, " bytes (plus one larger message)");
       closing_ = true;
       reason_ = overflow;
       DropQueueLocked();
@@ -88,12 +99,17 @@ class GrpcSession final : public SessionHandle {
         closing_ = true;  // the stream broke; the read fails too and ends it
         DropQueueLocked();
       }
+      if (!closing_ && !ended_ && next_fragment_ < fragment_count_) {
+        WriteNextFragmentLocked();  // the rest of a fragmented message first
+        return;
+      }
       if (!closing_ && !ended_ && !queue_.empty()) {
-        in_flight_ = std::move(queue_.front().first);
-        queued_bytes_ -= queue_.front().second;
+        v1::CoordinatorMessage next = std::move(queue_.front().first);
+        const size_t bytes = queue_.front().second;
+        queued_bytes_ -= bytes;
+        if (bytes > max_bytes_) oversize_waiting_ = 0;
         queue_.pop_front();
-        writing_ = true;
-        reactor_->StartWrite(&in_flight_);
+        StartLocked(std::move(next), bytes);
         return;
       }
       if (!ended_ || finish_called_) return;
@@ -122,6 +138,36 @@ class GrpcSession final : public SessionHandle {
   void DropQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     queue_.clear();
     queued_bytes_ = 0;
+    oversize_waiting_ = 0;
+    std::string().swap(outgoing_);
+    next_fragment_ = fragment_count_ = 0;
+  }
+
+  // Starts writing `message` (of `bytes` serialized): whole, or its first
+  // fragment.
+  void StartLocked(v1::CoordinatorMessage&& message, size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    if (!NeedsFragments(bytes)) {
+      in_flight_ = std::move(message);
+      reactor_->StartWrite(&in_flight_);
+      return;
+    }
+    outgoing_ = message.SerializeAsString();
+    message.Clear();
+    fragment_count_ = static_cast<int32_t>(FragmentCount(static_cast<int64_t>(outgoing_.size())));
+    next_fragment_ = 0;
+    WriteNextFragmentLocked();
+  }
+
+  void WriteNextFragmentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    in_flight_.Clear();
+    *in_flight_.mutable_fragment() = FragmentOf(outgoing_, next_fragment_++);
+    if (next_fragment_ == fragment_count_) {
+      std::string().swap(outgoing_);  // the last one is copied out
+      next_fragment_ = fragment_count_ = 0;
+    }
+    reactor_->StartWrite(&in_flight_);
   }
 
   const std::string peer_;
@@ -133,6 +179,12 @@ class GrpcSession final : public SessionHandle {
   v1::CoordinatorMessage in_flight_ ABSL_GUARDED_BY(mu_);  // the write in flight reads it
   std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // with its size
   size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t oversize_waiting_ ABSL_GUARDED_BY(mu_) = 0;  // bytes of the one queued message over max_bytes_
+  // The message being written as fragments: its bytes and the next to write
+  // (fragment_count_ 0: none).
+  std::string outgoing_ ABSL_GUARDED_BY(mu_);
+  int32_t next_fragment_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t fragment_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite is in flight
   bool closing_ ABSL_GUARDED_BY(mu_) = false;  // Close, an overflow or a broken write: no more writes
   bool ended_ ABSL_GUARDED_BY(mu_) = false;    // the read side ended (End)
@@ -271,7 +323,8 @@ class CoordinatorService::SessionReactor final
   SessionReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx)
       : service_(service),
         session_(std::make_shared<GrpcSession>(ctx, this, service->options_.max_session_queue_messages,
-                                               service->options_.max_session_queue_bytes)) {
+                                               service->options_.max_session_queue_bytes)),
+        assembler_(service->options_.max_session_message_bytes) {
     StartRead(&msg_);
   }
 
@@ -321,6 +374,27 @@ class CoordinatorService::SessionReactor final
     if (msg_.worker_id() != id_ || msg_.incarnation() != incarnation_) {
       return Invalid("Session: worker_id/incarnation changed within one session");
     }
+    if (msg_.has_fragment()) {
+      // A fragment renews the lease like any message: a long transfer is not
+      // a hung worker.
+      service_->registry_->Renew(id_, incarnation_, -1).IgnoreError();
+      absl::StatusOr<std::optional<std::string>> got = assembler_.Add(std::move(*msg_.mutable_fragment()));
+      if (!got.ok()) return Invalid(absl::StrCat("Session: ", got.status().message()));
+      if (!got->has_value()) return grpc::Status::OK;
+      if (!msg_.ParseFromString(**got)) {
+        return Invalid(absl::StrCat("Session: bad session fragment: the ", (*got)->size(),
+                                    " joined bytes are not a WorkerMessage"));
+      }
+      if (msg_.has_fragment()) return Invalid("Session: bad session fragment: the joined message is itself a fragment");
+      // Handled as if it had come whole.
+    } else if (assembler_.in_progress()) {
+      return Invalid(absl::StrCat("Session: bad session fragment: a whole message arrived while ",
+                                  assembler_.buffered_bytes(),
+                                  " bytes of a fragmented one were received and more were due"));
+    }
+    if (msg_.worker_id() != id_ || msg_.incarnation() != incarnation_) {
+      return Invalid("Session: worker_id/incarnation changed within one session");
+    }
     absl::Status s;
     if (msg_.has_heartbeat()) {
       s = service_->registry_->Heartbeat(id_, incarnation_, msg_.heartbeat());
@@ -366,6 +440,7 @@ class CoordinatorService::SessionReactor final
   CoordinatorService* const service_;
   const std::shared_ptr<GrpcSession> session_;
   v1::WorkerMessage msg_;  // the read in flight fills it
+  FragmentAssembler assembler_;  // joins the worker's fragmented messages
   bool opened_ = false;    // the registry holds session_
   int64_t id_ = 0, incarnation_ = 0;
   std::string name_;

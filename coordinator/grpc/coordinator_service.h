@@ -8,6 +8,11 @@
 // write is in flight per stream, and a worker that stops reading while its
 // queue passes `max_session_queue_messages` / `max_session_queue_bytes` has
 // its session ended (it is then a lost worker) instead of growing memory.
+// Messages over 3 MiB cross as fragments both ways (common/
+// session_fragments.h): a worker's are joined (at most
+// `max_session_message_bytes`, one at a time per session; a bad fragment
+// stream ends the session with INVALID_ARGUMENT saying what was wrong), and
+// each fragment renews the worker's lease.
 //
 // Who may call which RPC (certificate roles, join token) is not decided
 // here: coordinator/grpc/rpc_authorization.h checks every call before it
@@ -19,11 +24,13 @@
 #include <atomic>
 #include <functional>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "common/session_fragments.h"
 #include "coordinator/grpc/job_observer.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/worker_registry.h"
@@ -46,7 +53,12 @@ class CoordinatorService final : public v1::Coordinator::WithCallbackMethod_Sess
     // in flight); past either bound the worker is not reading and its
     // session is ended.
     size_t max_session_queue_messages = 4096;
+    // Of messages up to this size each; one larger message (a relayed
+    // snapshot or a Configure.state over it) may wait beyond it.
     size_t max_session_queue_bytes = size_t{64} << 20;
+    // The largest message a worker may send as fragments (a snapshot, a
+    // fetched state); a session holds at most one in assembly.
+    int64_t max_session_message_bytes = kMaxFragmentedMessageBytes;
   };
   CoordinatorService(WorkerRegistry* registry, KvStore* kv, Options options);
 

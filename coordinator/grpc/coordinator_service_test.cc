@@ -3,11 +3,15 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/session_fragments.h"
 #include "gtest/gtest.h"
 
 namespace baton {
@@ -362,7 +366,17 @@ TEST(CoordinatorServiceAuthTest, PendingTracesAreCapped) {
 // Records what the service tells the job.
 class RecordingObserver final : public JobObserver {
  public:
-  void OnWorkerMessage(const std::string&, v1::WorkerMessage) override {}
+  void OnWorkerMessage(const std::string&, v1::WorkerMessage message) override {
+    absl::MutexLock lock(&mu_);
+    messages_.push_back(std::move(message));
+  }
+  // The job messages handed over so far, once there are at least `n` (~5 s).
+  std::vector<v1::WorkerMessage> AwaitMessages(size_t n) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return messages_.size() >= n; };
+    mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(5));
+    return messages_;
+  }
   void OnWorkerLost(const std::string& worker, const std::string& why, bool) override {
     absl::MutexLock lock(&mu_);
     lost_[worker] = why;
@@ -380,6 +394,7 @@ class RecordingObserver final : public JobObserver {
  private:
   absl::Mutex mu_;
   std::map<std::string, std::string> lost_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
 };
 
 v1::CoordinatorMessage BigCommand(size_t bytes) {
@@ -488,6 +503,220 @@ TEST(CoordinatorServiceSessionTest, SendOnAClosedSessionIsFalse) {
   EXPECT_FALSE(session->Send(BigCommand(10)));
   session->Close(absl::AbortedError("again"));  // harmless
   EXPECT_TRUE(s.service_.AwaitSessionsDone(absl::Seconds(5)));
+}
+
+// A snapshot over gRPC's 4 MiB limit comes as fragments: the job gets it
+// whole, and every fragment renews the lease (a long transfer is not a hung
+// worker).
+TEST(CoordinatorServiceFragmentTest, AFragmentedMessageIsJoinedAndHandledWhole) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  ServiceWith s(options);
+  grpc::ClientContext ctx;
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
+  ASSERT_NE(session, nullptr);
+  const int64_t id = s.registry_.List()[0].worker_id();
+  v1::WorkerMessage snap;
+  snap.set_worker_id(id);
+  snap.set_incarnation(id);
+  snap.mutable_snapshot()->set_owner("w1");
+  snap.mutable_snapshot()->set_step(7);
+  std::string data(9 << 20, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7);
+  snap.mutable_snapshot()->set_data(data);
+  std::vector<v1::Fragment> fragments = SplitIntoFragments(snap.SerializeAsString());
+  ASSERT_EQ(fragments.size(), 4u);
+  for (size_t i = 0; i < fragments.size(); ++i) {
+    v1::WorkerMessage piece;
+    piece.set_worker_id(id);
+    piece.set_incarnation(id);
+    *piece.mutable_fragment() = std::move(fragments[i]);
+    if (i + 1 == fragments.size()) {
+      // 6 s since the heartbeat, but the fragments renewed the 3 s lease.
+      EXPECT_TRUE(s.registry_.ExpireLeases().empty()) << "a fragment did not renew the lease";
+      EXPECT_TRUE(job.AwaitMessages(0).empty()) << "handed over before its last fragment";
+    }
+    s.clock_.Advance(absl::Seconds(2));
+    ASSERT_TRUE(stream->Write(piece));
+    absl::SleepFor(absl::Milliseconds(100));  // handled (renewed at the advanced clock)
+  }
+  std::vector<v1::WorkerMessage> got = job.AwaitMessages(1);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].snapshot().step(), 7);
+  EXPECT_TRUE(got[0].snapshot().data() == data);
+  EXPECT_EQ(s.registry_.List()[0].state(), v1::READY) << "a fragment did not renew the lease";
+  // Then whole messages again.
+  v1::WorkerMessage report;
+  report.set_worker_id(id);
+  report.set_incarnation(id);
+  report.mutable_report()->set_step(8);
+  ASSERT_TRUE(stream->Write(report));
+  EXPECT_EQ(job.AwaitMessages(2).size(), 2u);
+}
+
+// Each violation of the fragment rules ends the session, with a status that
+// says what was wrong.
+TEST(CoordinatorServiceFragmentTest, ABadFragmentStreamEndsTheSession) {
+  struct Case {
+    std::string name;
+    std::function<std::vector<v1::Fragment>(const std::vector<v1::Fragment>&)> make;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"starts past 0", [](const std::vector<v1::Fragment>& f) { return std::vector<v1::Fragment>{f[1]}; },
+       "arrived with no message in assembly"},
+      {"skips one", [](const std::vector<v1::Fragment>& f) { return std::vector<v1::Fragment>{f[0], f[2]}; },
+       "expected fragment 1 of 3"},
+      {"wrong count",
+       [](const std::vector<v1::Fragment>& f) {
+         v1::Fragment x = f[0];
+         x.set_count(5);
+         return std::vector<v1::Fragment>{x};
+       },
+       "count 5 does not match"},
+      {"over the bound",
+       [](const std::vector<v1::Fragment>& f) {
+         v1::Fragment x = f[0];
+         x.set_total_bytes(int64_t{3} << 30);
+         x.set_count(1024);
+         return std::vector<v1::Fragment>{x};
+       },
+       "over this receiver's bound"},
+      {"short fragment",
+       [](const std::vector<v1::Fragment>& f) {
+         v1::Fragment x = f[0];
+         x.mutable_data()->resize(100);
+         return std::vector<v1::Fragment>{x};
+       },
+       "carries 100 bytes"},
+      {"not a message",
+       [](const std::vector<v1::Fragment>&) {
+         return SplitIntoFragments(std::string(kFragmentPayloadBytes + 10, '\xff'));
+       },
+       "are not a WorkerMessage"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RecordingObserver job;
+    CoordinatorService::Options options;
+    options.job = &job;
+    ServiceWith s(options);
+    grpc::ClientContext ctx;
+    std::unique_ptr<SessionStream> stream;
+    std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
+    ASSERT_NE(session, nullptr);
+    const int64_t id = s.registry_.List()[0].worker_id();
+    v1::WorkerMessage snap;
+    snap.set_worker_id(id);
+    snap.set_incarnation(id);
+    snap.mutable_snapshot()->set_data(std::string(7 << 20, 'x'));
+    for (v1::Fragment& f : c.make(SplitIntoFragments(snap.SerializeAsString()))) {
+      v1::WorkerMessage piece;
+      piece.set_worker_id(id);
+      piece.set_incarnation(id);
+      *piece.mutable_fragment() = std::move(f);
+      if (!stream->Write(piece)) break;
+    }
+    v1::CoordinatorMessage msg;
+    while (stream->Read(&msg)) {
+    }
+    const grpc::Status status = stream->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_NE(status.error_message().find(c.says), std::string::npos) << status.error_message();
+    EXPECT_EQ(job.AwaitLost("w1"), "its session ended");
+    EXPECT_TRUE(job.AwaitMessages(0).empty());
+  }
+}
+
+// A whole message in the middle of a fragmented one is refused too.
+TEST(CoordinatorServiceFragmentTest, AWholeMessageBetweenFragmentsEndsTheSession) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  ServiceWith s(options);
+  grpc::ClientContext ctx;
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
+  ASSERT_NE(session, nullptr);
+  const int64_t id = s.registry_.List()[0].worker_id();
+  v1::WorkerMessage piece;
+  piece.set_worker_id(id);
+  piece.set_incarnation(id);
+  *piece.mutable_fragment() = FragmentOf(std::string(kFragmentPayloadBytes + 1, 'x'), 0);
+  ASSERT_TRUE(stream->Write(piece));
+  v1::WorkerMessage report;
+  report.set_worker_id(id);
+  report.set_incarnation(id);
+  report.mutable_report()->set_step(1);
+  stream->Write(report);
+  v1::CoordinatorMessage msg;
+  while (stream->Read(&msg)) {
+  }
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("a whole message arrived while"), std::string::npos) << status.error_message();
+}
+
+// A command over 3 MiB goes as its fragments in a row, before the next
+// queued command; the worker joins them.
+TEST(CoordinatorServiceFragmentTest, ABigCommandIsSentAsFragmentsInARow) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  ServiceWith s(options);
+  grpc::ClientContext ctx;
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
+  ASSERT_NE(session, nullptr);
+  v1::CoordinatorMessage big = BigCommand(8 << 20);
+  ASSERT_TRUE(session->Send(big));
+  ASSERT_TRUE(session->Send(BigCommand(10)));
+  ASSERT_TRUE(session->Send(big));
+  FragmentAssembler assembler;
+  std::vector<v1::CoordinatorMessage> got;
+  while (got.size() < 3) {
+    v1::CoordinatorMessage msg;
+    ASSERT_TRUE(stream->Read(&msg));
+    if (msg.has_ack()) continue;
+    if (!msg.has_fragment()) {
+      EXPECT_FALSE(assembler.in_progress()) << "a message went between the fragments of another";
+      got.push_back(msg);
+      continue;
+    }
+    EXPECT_LT(msg.ByteSizeLong(), size_t{4} << 20);
+    auto joined = assembler.Add(std::move(*msg.mutable_fragment()));
+    ASSERT_TRUE(joined.ok()) << joined.status();
+    if (!joined->has_value()) continue;
+    v1::CoordinatorMessage whole;
+    ASSERT_TRUE(whole.ParseFromString(**joined));
+    got.push_back(std::move(whole));
+  }
+  EXPECT_TRUE(got[0].hold_snapshot().data() == big.hold_snapshot().data());
+  EXPECT_EQ(got[1].hold_snapshot().data().size(), 10u);
+  EXPECT_TRUE(got[2].hold_snapshot().data() == big.hold_snapshot().data());
+}
+
+// The queue bound: messages up to max_session_queue_bytes count against it;
+// one larger message may wait beyond it, a second one ends the session.
+TEST(CoordinatorServiceFragmentTest, OneMessageOverTheQueueBoundMayWaitNotTwo) {
+  RecordingObserver job;
+  CoordinatorService::Options options;
+  options.job = &job;
+  options.max_session_queue_bytes = size_t{1} << 20;
+  ServiceWith s(options);
+  grpc::ClientContext ctx;
+  std::unique_ptr<SessionStream> stream;
+  std::shared_ptr<SessionHandle> session = OpenW1Session(s, &ctx, &stream);
+  ASSERT_NE(session, nullptr);
+  // The worker reads nothing more.
+  int accepted = 0;
+  for (int i = 0; i < 100 && session->Send(BigCommand(8 << 20)); ++i) ++accepted;
+  EXPECT_GE(accepted, 2) << "the one in flight and one over the bound";
+  EXPECT_LE(accepted, 3) << "more than the one in flight, the one over the bound and one the transport took";
+  const std::string why = job.AwaitLost("w1");
+  EXPECT_NE(why.find("plus one larger message"), std::string::npos) << why;
 }
 
 }  // namespace
