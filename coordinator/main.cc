@@ -196,8 +196,9 @@ int Main() {
   // No bandwidth-delay probing: it sends a PING after the data the
   // coordinator receives and reads its ack, a fifth of the coordinator's CPU
   // per step at 1,024 workers (docs/BENCHMARKS.md). The windows stay at
-  // HTTP/2's 64 KiB, which the largest session messages (snapshots, under
-  // 4 MiB) cross in 64 round trips (docs/protocol.md, "Snapshots").
+  // HTTP/2's 64 KiB, so a session message of S bytes (a snapshot or a state
+  // over 3 MiB travels as fragments) crosses in S / 64 KiB round trips
+  // (docs/protocol.md, "Snapshots" and "Fragments").
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
