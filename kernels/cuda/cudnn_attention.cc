@@ -147,6 +147,32 @@ absl::Status Execute(fe::graph::Graph& graph, cudnnHandle_t handle,
 // The variant pack's pointer for `t` in the bf16 buffer `base`.
 void* At(const void* base, const SdpaTensor& t) { return At(base, t.offset); }
 
+// The graphs cached under `key`, built by `build` on first use; a failed
+// build is cached too, and its status returned every time. `what` names the
+// key in errors.
+template <typename Cache, typename Key, typename Build>
+auto FindOrBuild(Cache& cache, const Key& key, const std::string& what, Build build)
+    -> absl::StatusOr<typename Cache::mapped_type::element_type*> {
+  using Graphs = typename Cache::mapped_type::element_type;
+  auto it = cache.find(key);
+  if (it != cache.end()) {
+    if (!it->second->status.ok()) return it->second->status;
+    return it->second.get();
+  }
+  auto graphs = std::make_unique<Graphs>();
+  absl::Status s;
+  try {
+    s = build(*graphs);
+  } catch (const std::exception& e) {
+    s = absl::InternalError(absl::StrCat("cuDNN SDPA graphs for ", what, ": ", e.what()));
+  }
+  graphs->status = s;
+  Graphs* g = graphs.get();
+  cache.emplace(key, std::move(graphs));
+  if (!s.ok()) return s;
+  return g;
+}
+
 }  // namespace
 
 struct CudnnAttention::Graphs {
@@ -206,15 +232,9 @@ CudnnAttention::~CudnnAttention() {
 
 absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::Find(const SdpaPlan& plan) {
   const SdpaKey key = MakeSdpaKey(plan.shard, device_);
-  auto it = cache_.find(key);
-  if (it != cache_.end()) {
-    if (!it->second->status.ok()) return it->second->status;
-    return it->second.get();
-  }
-  auto graphs = std::make_unique<Graphs>();
-  auto build = [&]() -> absl::Status {
+  auto build = [&](Graphs& graphs) -> absl::Status {
     {
-      fe::graph::Graph& g = graphs->forward;
+      fe::graph::Graph& g = graphs.forward;
       SetTypes(g);
       auto q = Input(g, "Q", kQ, plan.q);
       auto k = Input(g, "K", kK, plan.k);
@@ -228,10 +248,10 @@ absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::Find(const SdpaPlan& pla
       Output(o, kO, plan.o);
       Output(stats, kStats, plan.stats);
       stats->set_data_type(fe::DataType_t::FLOAT);
-      BATON_ASSIGN_OR_RETURN(graphs->forward_workspace, Finish(g, handle_, plan, "SDPA forward"));
+      BATON_ASSIGN_OR_RETURN(graphs.forward_workspace, Finish(g, handle_, plan, "SDPA forward"));
     }
     {
-      fe::graph::Graph& g = graphs->backward;
+      fe::graph::Graph& g = graphs.backward;
       SetTypes(g);
       auto q = Input(g, "Q", kQ, plan.q);
       auto k = Input(g, "K", kK, plan.k);
@@ -249,25 +269,14 @@ absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::Find(const SdpaPlan& pla
       Output(dq, kDQ, plan.q);
       Output(dk, kDK, plan.k);
       Output(dv, kDV, plan.v);
-      BATON_ASSIGN_OR_RETURN(graphs->backward_workspace,
+      BATON_ASSIGN_OR_RETURN(graphs.backward_workspace,
                              Finish(g, handle_, plan, "SDPA backward"));
     }
     const size_t ws = static_cast<size_t>(
-        std::max(graphs->forward_workspace, graphs->backward_workspace));
+        std::max(graphs.forward_workspace, graphs.backward_workspace));
     return CheckSdpaWorkspace(ws, plan.shard);
   };
-  absl::Status s;
-  try {
-    s = build();
-  } catch (const std::exception& e) {
-    s = absl::InternalError(absl::StrCat("cuDNN SDPA graphs for ",
-                                         SdpaKeyToString(key), ": ", e.what()));
-  }
-  graphs->status = s;
-  Graphs* g = graphs.get();
-  cache_.emplace(key, std::move(graphs));
-  if (!s.ok()) return s;
-  return g;
+  return FindOrBuild(cache_, key, SdpaKeyToString(key), build);
 }
 
 absl::StatusOr<size_t> CudnnAttention::Prepare(const SdpaPlan& plan) {
@@ -312,15 +321,9 @@ absl::Status CudnnAttention::Backward(const SdpaPlan& plan, void* dqkv, const vo
 
 absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::FindRing(const RingSdpaPlan& plan) {
   const RingSdpaKey key = MakeRingSdpaKey(plan, device_);
-  auto it = ring_cache_.find(key);
-  if (it != ring_cache_.end()) {
-    if (!it->second->status.ok()) return it->second->status;
-    return it->second.get();
-  }
-  auto graphs = std::make_unique<Graphs>();
-  auto build = [&]() -> absl::Status {
+  auto build = [&](Graphs& graphs) -> absl::Status {
     {
-      fe::graph::Graph& g = graphs->forward;
+      fe::graph::Graph& g = graphs.forward;
       SetTypes(g);
       auto q = Input(g, "Q", kQ, plan.q);
       auto k = Input(g, "K", kK, plan.k);
@@ -332,11 +335,11 @@ absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::FindRing(const RingSdpaP
       Output(o, kO, plan.o);
       Output(stats, kStats, plan.stats);
       stats->set_data_type(fe::DataType_t::FLOAT);
-      BATON_ASSIGN_OR_RETURN(graphs->forward_workspace,
+      BATON_ASSIGN_OR_RETURN(graphs.forward_workspace,
                              Finish(g, handle_, plan, "ring SDPA forward"));
     }
     {
-      fe::graph::Graph& g = graphs->backward;
+      fe::graph::Graph& g = graphs.backward;
       SetTypes(g);
       auto q = Input(g, "Q", kQ, plan.q);
       auto k = Input(g, "K", kK, plan.k);
@@ -354,25 +357,14 @@ absl::StatusOr<CudnnAttention::Graphs*> CudnnAttention::FindRing(const RingSdpaP
       Output(dq, kDQ, plan.o);  // the dq temporary: o's layout
       Output(dk, kDK, plan.k);  // the dk|dv temporary: kv's layout
       Output(dv, kDV, plan.v);
-      BATON_ASSIGN_OR_RETURN(graphs->backward_workspace,
+      BATON_ASSIGN_OR_RETURN(graphs.backward_workspace,
                              Finish(g, handle_, plan, "ring SDPA backward"));
     }
     return CheckRingSdpaWorkspace(
-        static_cast<size_t>(std::max(graphs->forward_workspace, graphs->backward_workspace)),
+        static_cast<size_t>(std::max(graphs.forward_workspace, graphs.backward_workspace)),
         plan.block);
   };
-  absl::Status s;
-  try {
-    s = build();
-  } catch (const std::exception& e) {
-    s = absl::InternalError(absl::StrCat("cuDNN SDPA graphs for ", RingSdpaKeyToString(key),
-                                         ": ", e.what()));
-  }
-  graphs->status = s;
-  Graphs* g = graphs.get();
-  ring_cache_.emplace(key, std::move(graphs));
-  if (!s.ok()) return s;
-  return g;
+  return FindOrBuild(ring_cache_, key, RingSdpaKeyToString(key), build);
 }
 
 absl::StatusOr<RingSdpaWorkspace> CudnnAttention::PrepareRing(const RingSdpaPlan& plan) {
