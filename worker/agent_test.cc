@@ -93,9 +93,12 @@ class FakeCoordinator : public v1::Coordinator::Service {
   }
 
   // Controls.
-  void Push(const v1::CoordinatorMessage& m) {
+  void Push(const v1::CoordinatorMessage& m) { PushInARow({m}); }
+  // Queues `ms` with nothing between them (a fragmented message's pieces
+  // go out in a row, as the coordinator sends them).
+  void PushInARow(const std::vector<v1::CoordinatorMessage>& ms) {
     absl::MutexLock lock(&mu_);
-    outbox_.push_back(m);
+    outbox_.insert(outbox_.end(), ms.begin(), ms.end());
   }
   void DropSession() {
     absl::MutexLock lock(&mu_);
@@ -452,11 +455,11 @@ TEST_F(AgentTest, BigMessagesCrossAsFragmentsBothWays) {
   v1::CoordinatorMessage hold;
   hold.mutable_hold_snapshot()->set_owner("w1");
   hold.mutable_hold_snapshot()->set_data(data);
+  std::vector<v1::CoordinatorMessage> pieces;
   for (v1::Fragment& f : SplitIntoFragments(hold.SerializeAsString())) {
-    v1::CoordinatorMessage piece;
-    *piece.mutable_fragment() = std::move(f);
-    fake_.Push(piece);
+    *pieces.emplace_back().mutable_fragment() = std::move(f);
   }
+  fake_.PushInARow(pieces);
   const absl::Time deadline = absl::Now() + kWait;
   absl::MutexLock lock(&mu_);
   auto one = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !commands_.empty(); };
