@@ -540,7 +540,13 @@ TEST(CoordinatorServiceFragmentTest, AFragmentedMessageIsJoinedAndHandledWhole) 
     }
     s.clock_.Advance(absl::Seconds(2));
     ASSERT_TRUE(stream->Write(piece));
-    absl::SleepFor(absl::Milliseconds(100));  // handled (renewed at the advanced clock)
+    if (i + 1 == fragments.size()) break;
+    // Handled: it renewed the lease at the advanced clock (bounded wait).
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (s.registry_.List()[0].last_heartbeat_age_seconds() != 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(s.registry_.List()[0].last_heartbeat_age_seconds(), 0) << "fragment " << i << " did not renew the lease";
   }
   std::vector<v1::WorkerMessage> got = job.AwaitMessages(1);
   ASSERT_EQ(got.size(), 1u);
