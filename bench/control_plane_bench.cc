@@ -85,6 +85,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "baton/v1/coordinator.grpc.pb.h"
+#include "common/grpc_transport.h"
 #include "common/report_group.h"
 #include "grpcpp/grpcpp.h"
 
@@ -436,7 +437,11 @@ int RunSimProcess(const std::string& arg) {
     if (i % per_connection == 0) {
       grpc::ChannelArguments args;
       args.SetInt("bench.channel", first + i);  // distinct args: a connection of its own
-      args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, absl::GetFlag(FLAGS_bdp_probe) ? 1 : 0);  // as baton-worker
+      if (absl::GetFlag(FLAGS_bdp_probe)) {
+        args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 1);
+      } else {
+        SetTransportArgs(&args);  // as baton-worker
+      }
       stubs.push_back(v1::Coordinator::NewStub(
           grpc::CreateCustomChannel(parts[0], grpc::InsecureChannelCredentials(), args)));
     }

@@ -26,6 +26,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/clock.h"
 #include "common/grpc_credentials.h"
+#include "common/grpc_transport.h"
 #include "common/join_token.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
@@ -195,11 +196,10 @@ int Main() {
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 256);
   // No bandwidth-delay probing: it sends a PING after the data the
   // coordinator receives and reads its ack, a fifth of the coordinator's CPU
-  // per step at 1,024 workers (docs/BENCHMARKS.md). The windows stay at
-  // HTTP/2's 64 KiB, so a session message of S bytes (a snapshot or a state
-  // over 3 MiB travels as fragments) crosses in S / 64 KiB round trips
-  // (docs/protocol.md, "Snapshots" and "Fragments").
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  // per step at 1,024 workers (docs/BENCHMARKS.md); big session messages
+  // cross slower for it on a long round trip (common/grpc_transport.h,
+  // docs/protocol.md "Snapshots").
+  SetTransportArgs(&builder);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || grpc_port == 0) {

@@ -28,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_credentials.h"
+#include "common/grpc_transport.h"
 #include "common/join_token.h"
 #include "common/log.h"
 #include "common/shutdown_signal.h"
@@ -274,8 +275,8 @@ int Main() {
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   // No bandwidth-delay probing (a PING after each message received, which
-  // the coordinator must answer), as the coordinator (its main.cc).
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  // the coordinator must answer), as the coordinator (common/grpc_transport.h).
+  SetTransportArgs(&args);
   auto channel = MakeChannel(coordinator, *tls, *join_token, args);
   WorkerJob::Options job_options;
   job_options.name = name;
