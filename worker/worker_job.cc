@@ -191,6 +191,7 @@ WorkerJob::~WorkerJob() {
     stopping_ = true;
   }
   thread_.join();
+  AwaitSnapshotSent();
 }
 
 void WorkerJob::Handle(const v1::CoordinatorMessage& message) {
@@ -227,9 +228,26 @@ void WorkerJob::AbortJob(const std::string& reason) {
 }
 
 void WorkerJob::Reply(v1::WorkerMessage message) {
+  AwaitSnapshotSent();
   if (!session_->Send(std::move(message))) {
     BATON_LOG(WARNING) << "could not reply to the coordinator: no session";
   }
+}
+
+void WorkerJob::SendSnapshot(v1::WorkerMessage snapshot) {
+  absl::MutexLock lock(&send_mu_);
+  if (snapshot_sender_.joinable()) snapshot_sender_.join();
+  snapshot_sender_ = std::thread([this, message = std::move(snapshot)]() mutable {
+    const int64_t step = message.snapshot().step();
+    if (!session_->Send(std::move(message))) {
+      BATON_LOG(WARNING) << "could not send the snapshot of step " << step << " to the coordinator: no session";
+    }
+  });
+}
+
+void WorkerJob::AwaitSnapshotSent() {
+  absl::MutexLock lock(&send_mu_);
+  if (snapshot_sender_.joinable()) snapshot_sender_.join();
 }
 
 void WorkerJob::Loop() {
@@ -684,7 +702,7 @@ void WorkerJob::Snapshot(int64_t step) {
   const double stall = absl::ToDoubleSeconds(absl::Now() - start);
   snapshot_stall_family_->Add(job_->labels).Increment(stall);
   snap->set_capture_seconds(stall);  // the coordinator spaces snapshots by it
-  Reply(std::move(msg));
+  SendSnapshot(std::move(msg));
 }
 
 absl::Status WorkerJob::Restore(int64_t step, const std::string& state) {

@@ -145,7 +145,15 @@ class WorkerJob {
   absl::Status Configure(const v1::Configure& configure);
   absl::Status Build(const v1::Configure& configure, Job* job);
   void AbortJob(const std::string& reason);
+  // Sends `message` on the session, after any snapshot still being sent
+  // (AwaitSnapshotSent): nothing overtakes a snapshot.
   void Reply(v1::WorkerMessage message);
+  // Sends a snapshot on a thread of its own, so the job loop goes on with
+  // the next step while it crosses (docs/protocol.md, "Snapshots"); waits
+  // for the one before it first, so at most one is in flight.
+  void SendSnapshot(v1::WorkerMessage snapshot);
+  // Returns once no snapshot is being sent.
+  void AwaitSnapshotSent();
   void RecordMetrics(const v1::StepDone& done, const v1::StepReport& report);
   // After committed step `step`: capture, keep and send the snapshot.
   void Snapshot(int64_t step);
@@ -215,6 +223,11 @@ class WorkerJob {
   int64_t generation_ ABSL_GUARDED_BY(snap_mu_) = 0;  // of the live job, for FetchState answers
   std::string held_job_ ABSL_GUARDED_BY(snap_mu_);
   v1::RankAssignment held_rank_ ABSL_GUARDED_BY(snap_mu_);
+
+  // The thread sending the latest snapshot (SendSnapshot), joined by the
+  // next reply.
+  absl::Mutex send_mu_;
+  std::thread snapshot_sender_ ABSL_GUARDED_BY(send_mu_);
 
   // Periodic checkpoints: copies state synchronously, writes in the background.
   std::unique_ptr<checkpoint::AsyncWriter> writer_;

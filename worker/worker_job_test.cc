@@ -43,8 +43,23 @@ class FakeSession : public JobSession {
  public:
   bool Send(v1::WorkerMessage message) override {
     absl::MutexLock lock(&mu_);
+    if (message.has_snapshot()) {  // a slow link: held until released
+      auto released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !hold_snapshots_; };
+      mu_.Await(absl::Condition(&released));
+    }
     messages_.push_back(std::move(message));
     return true;
+  }
+  // While held, a snapshot's Send blocks (its transfer takes that long).
+  void HoldSnapshots(bool hold) {
+    absl::MutexLock lock(&mu_);
+    hold_snapshots_ = hold;
+  }
+  // Waits (bounded) until the step heartbeats report is `step`.
+  bool AwaitStep(int64_t step) {
+    absl::MutexLock lock(&mu_);
+    auto there = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return step_ == step; };
+    return mu_.AwaitWithTimeout(absl::Condition(&there), kWait);
   }
   void SetStep(int64_t step) override {
     absl::MutexLock lock(&mu_);
@@ -98,6 +113,7 @@ class FakeSession : public JobSession {
   absl::Mutex mu_;
   std::vector<v1::WorkerMessage> messages_ ABSL_GUARDED_BY(mu_);
   int64_t step_ ABSL_GUARDED_BY(mu_) = -1;
+  bool hold_snapshots_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 v1::JobSpec Spec(int pp) {
@@ -671,6 +687,43 @@ TEST_F(WorkerJobTest, AStepDoneRidesInTheNextReportUnlessItsStepIsSnapshotted) {
         EXPECT_TRUE(done.error().empty()) << done.error();
       }
     }
+  }
+}
+
+// A snapshot crosses to the coordinator on a thread of its own: the next
+// step runs while it is still being sent (a big state on a slow link), and
+// that step's report waits for it, so the session carries the snapshot
+// before the report as before.
+TEST_F(WorkerJobTest, TheNextStepRunsWhileTheSnapshotIsStillBeingSent) {
+  StartWorkers(2);
+  for (const v1::Configured& c : ConfigureAll(1)) ASSERT_TRUE(c.ok()) << c.error();
+  using M = v1::WorkerMessage;
+  v1::CoordinatorMessage run;
+  run.mutable_run_step()->set_step(1);
+  for (Worker& w : workers_) w.job->Handle(run);
+  for (Worker& w : workers_) ASSERT_TRUE(w.session->Next(M::kReport).has_value()) << w.name;
+  for (Worker& w : workers_) w.session->HoldSnapshots(true);
+  run.mutable_run_step()->set_step(2);
+  v1::Commit* commit = run.mutable_run_step()->mutable_commit();
+  commit->set_step(1);
+  commit->set_clip_factor(1.0);
+  commit->set_snapshot(true);
+  for (Worker& w : workers_) w.job->Handle(run);
+  for (Worker& w : workers_) {
+    EXPECT_TRUE(w.session->AwaitStep(2)) << w.name << " did not run step 2 while its snapshot was being sent";
+    EXPECT_EQ(w.session->Count(M::kReport), 0) << w.name << ": the report went ahead of the snapshot";
+  }
+  for (Worker& w : workers_) w.session->HoldSnapshots(false);
+  for (Worker& w : workers_) {
+    EXPECT_EQ(w.session->KindsOnceThere(M::kReport), (std::vector<M::BodyCase>{M::kStepDone, M::kSnapshot, M::kReport}))
+        << w.name;
+    std::optional<M> snap = w.session->Next(M::kSnapshot);
+    ASSERT_TRUE(snap.has_value()) << w.name;
+    EXPECT_EQ(snap->snapshot().step(), 1);
+    std::optional<M> report = w.session->Next(M::kReport);
+    ASSERT_TRUE(report.has_value()) << w.name;
+    EXPECT_EQ(report->report().step(), 2);
+    EXPECT_TRUE(report->report().error().empty()) << report->report().error();
   }
 }
 
