@@ -160,6 +160,7 @@ class Server final : public v1::Coordinator::Service {
 
 struct Result {
   double up_s = 0, down_s = 0;
+  bool ok = false;  // every message crossed both ways
 };
 
 Result RunOnce(bool baton_settings, int count, absl::Duration delay) {
@@ -189,17 +190,21 @@ Result RunOnce(bool baton_settings, int count, absl::Duration delay) {
   const absl::Time start = absl::Now();
   for (int i = 0; i < count; ++i) stream->Write(out);
   v1::CoordinatorMessage in;
-  stream->Read(&in);  // the ack
+  const bool acked_ok = stream->Read(&in) && in.has_ack();
   const absl::Time acked = absl::Now();
   int got = 0;
-  while (got < count && stream->Read(&in)) ++got;
+  while (acked_ok && got < count && stream->Read(&in)) ++got;
   const absl::Time end = absl::Now();
   stream->WritesDone();
-  stream->Finish();
+  const grpc::Status status = stream->Finish();
   server->Shutdown();
   shutdown(listen_fd, SHUT_RDWR);
   close(listen_fd);
-  if (got != count) std::fprintf(stderr, "only %d of %d messages came down\n", got, count);
+  r.ok = acked_ok && got == count && status.ok();
+  if (!r.ok) {
+    std::fprintf(stderr, "round failed: upload %s, %d of %d messages came down, status %s\n",
+                 acked_ok ? "acked" : "not acked", got, count, status.error_message().c_str());
+  }
   r.up_s = absl::ToDoubleSeconds(acked - start);
   r.down_s = absl::ToDoubleSeconds(end - acked);
   return r;
@@ -217,11 +222,12 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int mib = std::max(3, absl::GetFlag(FLAGS_mib));
   const int count = mib / 3;
-  const absl::Duration delay = absl::Milliseconds(absl::GetFlag(FLAGS_delay_ms));
+  const absl::Duration delay = absl::Milliseconds(std::max(0.0, absl::GetFlag(FLAGS_delay_ms)));
   std::vector<double> up[2], down[2];
   for (int round = 0; round < std::max(1, absl::GetFlag(FLAGS_rounds)); ++round) {
     for (int s = 0; s < 2; ++s) {
       const baton::Result r = baton::RunOnce(s == 1, count, delay);
+      if (!r.ok) return 1;
       up[s].push_back(r.up_s);
       down[s].push_back(r.down_s);
     }
