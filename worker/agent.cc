@@ -171,7 +171,8 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
   FragmentAssembler assembler;
   absl::Status broken;
   while (stream->Read(&msg)) {
-    if (msg.has_fragment() || assembler.in_progress()) {
+    const bool joined = msg.has_fragment() || assembler.in_progress();
+    if (joined) {
       {
         absl::MutexLock lock(&mu_);
         last_heard_ = absl::Now();  // a long transfer is the coordinator talking
@@ -227,6 +228,9 @@ absl::Status WorkerAgent::RunSession(bool* opened) {
     }
     if (msg.has_ack()) continue;
     if (on_command_) on_command_(msg);
+    // A joined (big) message's buffers would stay allocated in `msg` for
+    // every later Read: freed instead (the handler kept what it needs).
+    if (joined) msg = v1::CoordinatorMessage();
   }
   {
     absl::MutexLock lock(&mu_);
@@ -272,13 +276,16 @@ bool WorkerAgent::Send(v1::WorkerMessage message) {
     return false;
   }
   // Its fragments in a row, under stream_mu_ (nothing else goes between);
-  // each one renews the lease at the coordinator.
+  // each one renews the lease at the coordinator. The message's own copy is
+  // freed first: a snapshot is one state-sized copy less while it crosses.
   const std::string serialized = message.SerializeAsString();
+  const int64_t worker_id = message.worker_id(), incarnation = message.incarnation();
+  message = v1::WorkerMessage();
   const int64_t count = FragmentCount(static_cast<int64_t>(serialized.size()));
   for (int64_t i = 0; i < count; ++i) {
     v1::WorkerMessage piece;
-    piece.set_worker_id(message.worker_id());
-    piece.set_incarnation(message.incarnation());
+    piece.set_worker_id(worker_id);
+    piece.set_incarnation(incarnation);
     *piece.mutable_fragment() = FragmentOf(serialized, static_cast<int32_t>(i));
     if (!stream_->Write(piece)) return false;
     last_sent_ = absl::Now();

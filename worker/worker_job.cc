@@ -1,6 +1,7 @@
 #include "worker/worker_job.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -670,34 +671,44 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
 
 void WorkerJob::Snapshot(int64_t step) {
   const absl::Time start = absl::Now();
-  v1::ShardState shard;
-  shard.set_step(step);
-  shard.set_pp_rank(job_->rank.pp_rank());
-  shard.set_tp_rank(job_->rank.tp_rank());
-  shard.set_tp_size(job_->plan.tp());
-  for (auto& [c, model] : job_->chunks) {
-    v1::ShardState::Chunk* chunk = shard.add_chunks();
-    chunk->set_chunk(c);
-    chunk->set_state(EncodeChunkState(model->CaptureState()));
+  std::string bytes;
+  {  // the encoded chunks are freed before the copies below are made
+    v1::ShardState shard;
+    shard.set_step(step);
+    shard.set_pp_rank(job_->rank.pp_rank());
+    shard.set_tp_rank(job_->rank.tp_rank());
+    shard.set_tp_size(job_->plan.tp());
+    for (auto& [c, model] : job_->chunks) {
+      v1::ShardState::Chunk* chunk = shard.add_chunks();
+      chunk->set_chunk(c);
+      chunk->set_state(EncodeChunkState(model->CaptureState()));
+    }
+    bytes = shard.SerializeAsString();
   }
-  std::string bytes = shard.SerializeAsString();
+  const size_t size = bytes.size();
+  snapshot_bytes_family_->Add(job_->labels).Increment(static_cast<double>(size));
   v1::WorkerMessage msg;
   v1::ShardSnapshot* snap = msg.mutable_snapshot();
   snap->set_owner(options_.name);
   snap->set_step(step);
   snap->set_generation(job_->plan.generation());
-  if (bytes.size() <= kMaxSnapshotBytes) {
-    snap->set_data(bytes);
-  } else {
-    snap->set_error(absl::StrCat("snapshot of ", bytes.size(), " bytes is over the ", kMaxSnapshotBytes,
+  {
+    // The oldest goes before the newest comes in, and the copy to send is
+    // made from the one kept: one state-sized copy fewer at the peak.
+    absl::MutexLock lock(&snap_mu_);
+    if (std::distance(own_.upper_bound(step), own_.end()) >= kOwnSnapshots) {  // older than those kept
+      if (size <= kMaxSnapshotBytes) snap->set_data(std::move(bytes));
+    } else {
+      own_.erase(step);
+      while (own_.size() >= kOwnSnapshots) own_.erase(own_.begin());  // older than `step`
+      const std::string& kept = own_.emplace(step, std::move(bytes)).first->second;
+      if (size <= kMaxSnapshotBytes) snap->set_data(kept);
+    }
+  }
+  if (size > kMaxSnapshotBytes) {
+    snap->set_error(absl::StrCat("snapshot of ", size, " bytes is over the ", kMaxSnapshotBytes,
                                  "-byte limit of a (fragmented) session message; kept locally only"));
     snap->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-  }
-  snapshot_bytes_family_->Add(job_->labels).Increment(static_cast<double>(bytes.size()));
-  {
-    absl::MutexLock lock(&snap_mu_);
-    own_[step] = std::move(bytes);
-    while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
   }
   const double stall = absl::ToDoubleSeconds(absl::Now() - start);
   snapshot_stall_family_->Add(job_->labels).Increment(stall);
@@ -884,8 +895,12 @@ void WorkerJob::Hold(const v1::ShardSnapshot& snapshot) {
   if (snapshot.data().empty() || snapshot.owner().empty()) return;  // its size: the session's reassembly bound
   absl::MutexLock lock(&snap_mu_);
   std::map<int64_t, std::string>& copies = held_[snapshot.owner()];
-  copies[snapshot.step()] = snapshot.data();
-  while (copies.size() > kHeldSnapshots) copies.erase(copies.begin());
+  // Older than every copy kept: not kept. Else the oldest goes before the
+  // newest comes in (one state-sized copy fewer at the peak).
+  if (std::distance(copies.upper_bound(snapshot.step()), copies.end()) >= kHeldSnapshots) return;
+  copies.erase(snapshot.step());
+  while (copies.size() >= kHeldSnapshots) copies.erase(copies.begin());
+  copies.emplace(snapshot.step(), snapshot.data());
 }
 
 void WorkerJob::Fetch(const v1::FetchState& fetch) {
