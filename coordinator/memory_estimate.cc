@@ -203,6 +203,20 @@ double ZeroShardElements(double n, double dp) {
   return std::ceil(std::ceil(n / dp) / kZeroShardAlignment) * kZeroShardAlignment;
 }
 
+// In-memory recovery snapshots (docs/protocol.md, "Snapshots"), in the
+// worker's host RAM, in shard states (values and both AdamW moments, as the
+// worker holds them): its last 3 own (WorkerJob::kOwnSnapshots) and the
+// last 2 of the worker it is the buddy of (kHeldSnapshots; taken at the
+// size of its own), plus what a snapshot step holds for a while: the state
+// being captured and encoded, the copy being sent, and a relayed copy
+// being joined from its fragments, parsed and kept. Measured at 12.0
+// states above the same job without snapshots (bench/
+// snapshot_memory_bench.sh; docs/BENCHMARKS.md, "Host memory of in-memory
+// snapshots"), so 13. With
+// fault_tolerance.snapshot_every_steps: 0 a worker keeps at most one (after
+// a resume from a checkpoint).
+constexpr double kSnapshotStates = 13;
+
 }  // namespace
 
 WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
@@ -314,6 +328,13 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   if (!att.backward_scratch) {  // every rank of the stage is a CUDA device: each chunk's stream's scratch
     w.scratch_bytes = chunks * CudaStreamScratchBytes(n, b, s, c, heads, tp, bf16, att.fused, !shape.llama);
   }
+  // Snapshots are held in host RAM: counted unless every rank of the stage
+  // computes on a CUDA device (whose registered memory is the GPU's).
+  if (att.backward_scratch) {
+    const v1::FaultToleranceSpec& ft = job.fault_tolerance();
+    const bool off = ft.has_snapshot_every_steps() && ft.snapshot_every_steps() == 0;
+    w.snapshot_bytes = (off ? 1 : kSnapshotStates) * kFloat * (params + 2 * moment_elements);
+  }
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
   // With a data-parallel group (dp*cp ranks: the CP ranks reduce the
   // gradients with the DP replicas), a flat gradient buffer.
@@ -346,8 +367,10 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                         FormatBytes(m.optimizer_bytes), ", activations of ", m.peak_microbatches,
                         " microbatch-chunks in flight ", FormatBytes(m.activation_bytes),
                         m.scratch_bytes > 0 ? absl::StrCat(", op scratch ", FormatBytes(m.scratch_bytes)) : "",
-                        ", communication ", FormatBytes(m.comm_bytes), ", runtime ",
-                        FormatBytes(kRuntimeOverheadBytes));
+                        ", communication ", FormatBytes(m.comm_bytes),
+                        m.snapshot_bytes > 0 ? absl::StrCat(", in-memory snapshots ", FormatBytes(m.snapshot_bytes))
+                                             : "",
+                        ", runtime ", FormatBytes(kRuntimeOverheadBytes));
   };
   // What to change; with several DP replicas of whole AdamW state, ZeRO
   // stage 1 first, the fix that changes nothing else about the job, with
@@ -440,7 +463,21 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
                                         job.model().moe().experts() / d.ep, " of each MoE block), ")
                          : "lower model.moe.experts (every rank holds all experts of its blocks), ";
     }
-    return absl::StrCat(zero, sp, cp, ep, experts,
+    // In-memory snapshots: what turning them off saves (recovery then has
+    // no snapshot to resume from: a DP replica's state, else a checkpoint).
+    std::string snapshots;
+    const v1::FaultToleranceSpec& ft = job.fault_tolerance();
+    if (!(ft.has_snapshot_every_steps() && ft.snapshot_every_steps() == 0)) {
+      v1::JobSpec off = job;
+      off.mutable_fault_tolerance()->set_snapshot_every_steps(0);
+      if (const double saved = most_saved(off, &WorkerMemory::snapshot_bytes); saved > 0) {
+        snapshots = absl::StrCat("set fault_tolerance.snapshot_every_steps: 0 to keep no in-memory recovery "
+                                 "snapshots in host RAM (up to ",
+                                 FormatBytes(saved), " less per worker; a lost worker is then restored from a "
+                                 "data-parallel replica or the last checkpoint), ");
+      }
+    }
+    return absl::StrCat(zero, sp, cp, ep, experts, snapshots,
                         "lower train.micro_batch_size, model.seq_len or schedule.microbatches (for gpipe), raise "
                         "parallel.pp or parallel.tp, or use workers with more memory");
   };

@@ -30,6 +30,12 @@
 //   comm         point-to-point activation and gradient buffers, the TP
 //                all-reduce buffer and, with dp*cp > 1, a flat gradient
 //                buffer
+//   snapshots    in-memory recovery snapshots, in host RAM: 13 shard
+//                states (values and moments; 3 own, 2 of the buddy's, and
+//                a snapshot step's copies in flight, as measured), one with
+//                fault_tolerance.snapshot_every_steps: 0; not counted where
+//                every rank of the stage is on CUDA (host RAM is not
+//                reported there)
 // MoE (model.moe): an MoE block's parameters are its router (E x C,
 // replicated over tp) and E experts' MLP matrices (split by tp as the dense
 // MLP's, no biases) instead of the dense MLP; a rank holds experts/ep of
@@ -72,8 +78,11 @@ struct WorkerMemory {
   double activation_bytes = 0;
   double comm_bytes = 0;
   double scratch_bytes = 0;  // CUDA: op temporaries held by each chunk's stream
+  // In-memory recovery snapshots in host RAM; 0 where every rank of the
+  // stage computes on CUDA (the GPU's memory holds none of them).
+  double snapshot_bytes = 0;
   double total() const {
-    return parameter_bytes + optimizer_bytes + activation_bytes + scratch_bytes + comm_bytes +
+    return parameter_bytes + optimizer_bytes + activation_bytes + scratch_bytes + comm_bytes + snapshot_bytes +
            kRuntimeOverheadBytes;
   }
 };

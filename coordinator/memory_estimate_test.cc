@@ -53,7 +53,10 @@ TEST(MemoryEstimateTest, ParametersAndOptimizerStateFollowTheModelShape) {
   EXPECT_EQ(m.peak_microbatches, 1);
   // Attention scores alone are heads * seq^2 floats per block and microbatch.
   EXPECT_GT(m.activation_bytes, 12 * 12 * 1024.0 * 1024 * 4);
-  EXPECT_LT(m.total(), 8 * kGiB);
+  // A CPU worker's in-memory snapshots: 13 shard states of values and both
+  // moments (12 bytes a parameter), in its host RAM.
+  EXPECT_DOUBLE_EQ(m.snapshot_bytes, 13 * 3 * m.parameter_bytes);
+  EXPECT_LT(m.total() - m.snapshot_bytes, 8 * kGiB);
 }
 
 // Attention keeps P [B,H,T,T] in the GEMM inputs' precision, plus T·T floats
@@ -498,7 +501,9 @@ TEST(MemoryEstimateTest, ZeroStageOneShardsTheAdamWMomentsOverTheDataParallelRan
   EXPECT_DOUBLE_EQ(a.parameter_bytes, b.parameter_bytes);
   EXPECT_DOUBLE_EQ(a.activation_bytes, b.activation_bytes);
   EXPECT_DOUBLE_EQ(a.comm_bytes, b.comm_bytes);
-  EXPECT_DOUBLE_EQ(a.total() - b.total(), a.optimizer_bytes - b.optimizer_bytes);
+  // The snapshots hold the moments as the worker does: sharded too.
+  EXPECT_DOUBLE_EQ(a.snapshot_bytes - b.snapshot_bytes, 13 * (a.optimizer_bytes - b.optimizer_bytes));
+  EXPECT_DOUBLE_EQ(a.total() - b.total(), 14 * (a.optimizer_bytes - b.optimizer_bytes));
 
   // Per stage, each with its own count on its TP rank: the Llama stages of
   // LlamaStagesSplitOverPipelineAndTensorRanks hold 1248 and 1264.
@@ -511,6 +516,41 @@ TEST(MemoryEstimateTest, ZeroStageOneShardsTheAdamWMomentsOverTheDataParallelRan
   EXPECT_DOUBLE_EQ(EstimateWorkerMemory(llama, *llama_plan, 0).optimizer_bytes, 4 * 1248.0 + 8 * Shard(1248, 2));
   EXPECT_DOUBLE_EQ(EstimateWorkerMemory(llama, *llama_plan, 1).optimizer_bytes, 4 * 1264.0 + 8 * Shard(1264, 2));
   EXPECT_EQ(Shard(1264, 2), 640) << "632 padded to 16";
+}
+
+// In-memory recovery snapshots live in the worker's host RAM: a CPU job
+// that fits without them but not with them is refused with
+// fault_tolerance.snapshot_every_steps: 0 among the fixes, and accepted with
+// it; where every rank of a stage is on CUDA they are not counted against
+// the GPU's memory.
+TEST(MemoryEstimateTest, InMemorySnapshotsCountInHostRamAndCanBeTurnedOff) {
+  const std::string text = R"pb(name: "s" model { layers: 4 d_model: 256 heads: 4 vocab: 16 seq_len: 16 }
+                                schedule { kind: "1f1b" microbatches: 2 } train { steps: 1 micro_batch_size: 1 }
+                                parallel { dp: 2 } )pb";
+  const v1::JobSpec on = Job(text.c_str());
+  const v1::JobSpec off = Job((text + "fault_tolerance { snapshot_every_steps: 0 }").c_str());
+  auto plan = MakePlan(on, Workers(2, 0), 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const WorkerMemory with = EstimateWorkerMemory(on, *plan, 0), without = EstimateWorkerMemory(off, *plan, 0);
+  const double state = 3 * with.parameter_bytes;  // values and both moments
+  EXPECT_DOUBLE_EQ(with.snapshot_bytes, 13 * state);
+  EXPECT_DOUBLE_EQ(without.snapshot_bytes, state) << "one kept after a resume from a checkpoint";
+  const int64_t memory = static_cast<int64_t>((with.total() + without.total()) / 2);
+  auto refused = MakePlan(on, Workers(2, memory), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("in-memory snapshots " + FormatBytes(with.snapshot_bytes)), std::string::npos) << message;
+  EXPECT_NE(message.find("set fault_tolerance.snapshot_every_steps: 0 to keep no in-memory recovery snapshots in "
+                         "host RAM (up to " +
+                         FormatBytes(with.snapshot_bytes - without.snapshot_bytes) + " less per worker"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(MakePlan(off, Workers(2, memory), 1).ok()) << MakePlan(off, Workers(2, memory), 1).status();
+
+  v1::Plan on_cuda = *plan;
+  for (v1::RankAssignment& r : *on_cuda.mutable_ranks()) r.set_device("cuda:0");
+  EXPECT_EQ(EstimateWorkerMemory(on, on_cuda, 0).snapshot_bytes, 0);
 }
 
 // A job whose DP replicas do not fit with whole AdamW state is refused with
@@ -823,10 +863,9 @@ TEST(MemoryEstimateTest, AnMoeJobThatDoesNotFitIsRefusedNamingTheExperts) {
   EXPECT_NE(message.find("job 'm': pipeline stage "), std::string::npos) << message;
   EXPECT_NE(message.find("parameters "), std::string::npos) << message;
   EXPECT_NE(message.find("set parallel.zero_stage: 1"), std::string::npos) << message;
-  EXPECT_NE(message.find("lower model.moe.experts (every rank holds all experts of its blocks), lower "
-                         "train.micro_batch_size"),
-            std::string::npos)
+  EXPECT_NE(message.find("lower model.moe.experts (every rank holds all experts of its blocks), "), std::string::npos)
       << message;
+  EXPECT_NE(message.find("lower train.micro_batch_size"), std::string::npos) << message;
   EXPECT_NE(message.find("raise parallel.pp or parallel.tp"), std::string::npos) << message;
   EXPECT_TRUE(MakePlan(dense, Workers(8, memory), 1).ok());
   auto dense_refused = MakePlan(dense, Workers(8, static_cast<int64_t>(need_dense / 2)), 1);
