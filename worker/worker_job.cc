@@ -669,22 +669,23 @@ absl::Status WorkerJob::Configure(const v1::Configure& configure) {
   return absl::OkStatus();
 }
 
+std::string WorkerJob::EncodeShardState(int64_t step) {
+  v1::ShardState shard;
+  shard.set_step(step);
+  shard.set_pp_rank(job_->rank.pp_rank());
+  shard.set_tp_rank(job_->rank.tp_rank());
+  shard.set_tp_size(job_->plan.tp());
+  for (auto& [c, model] : job_->chunks) {
+    v1::ShardState::Chunk* chunk = shard.add_chunks();
+    chunk->set_chunk(c);
+    chunk->set_state(EncodeChunkState(model->CaptureState()));
+  }
+  return shard.SerializeAsString();  // the encoded chunks are freed on return
+}
+
 void WorkerJob::Snapshot(int64_t step) {
   const absl::Time start = absl::Now();
-  std::string bytes;
-  {  // the encoded chunks are freed before the copies below are made
-    v1::ShardState shard;
-    shard.set_step(step);
-    shard.set_pp_rank(job_->rank.pp_rank());
-    shard.set_tp_rank(job_->rank.tp_rank());
-    shard.set_tp_size(job_->plan.tp());
-    for (auto& [c, model] : job_->chunks) {
-      v1::ShardState::Chunk* chunk = shard.add_chunks();
-      chunk->set_chunk(c);
-      chunk->set_state(EncodeChunkState(model->CaptureState()));
-    }
-    bytes = shard.SerializeAsString();
-  }
+  std::string bytes = EncodeShardState(step);
   const size_t size = bytes.size();
   snapshot_bytes_family_->Add(job_->labels).Increment(static_cast<double>(size));
   v1::WorkerMessage msg;
@@ -768,18 +769,9 @@ absl::Status WorkerJob::RestoreFromCheckpoint(int64_t step, const std::string& d
 }
 
 void WorkerJob::KeepOwn(int64_t step) {
-  v1::ShardState shard;
-  shard.set_step(step);
-  shard.set_pp_rank(job_->rank.pp_rank());
-  shard.set_tp_rank(job_->rank.tp_rank());
-  shard.set_tp_size(job_->plan.tp());
-  for (auto& [c, model] : job_->chunks) {
-    v1::ShardState::Chunk* chunk = shard.add_chunks();
-    chunk->set_chunk(c);
-    chunk->set_state(EncodeChunkState(model->CaptureState()));
-  }
+  std::string bytes = EncodeShardState(step);
   absl::MutexLock lock(&snap_mu_);
-  own_[step] = shard.SerializeAsString();
+  own_[step] = std::move(bytes);
   while (own_.size() > kOwnSnapshots) own_.erase(own_.begin());
 }
 

@@ -155,6 +155,8 @@ class WorkerJob {
   // Returns once no snapshot is being sent.
   void AwaitSnapshotSent();
   void RecordMetrics(const v1::StepDone& done, const v1::StepReport& report);
+  // The live chunks' state as a serialized ShardState of `step`.
+  std::string EncodeShardState(int64_t step);
   // After committed step `step`: capture, keep and send the snapshot.
   void Snapshot(int64_t step);
   // Sets every chunk to the state of step `step` (from `state`, or the own snapshot).
