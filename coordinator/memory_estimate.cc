@@ -217,6 +217,12 @@ double ZeroShardElements(double n, double dp) {
 // a resume from a checkpoint).
 constexpr double kSnapshotStates = 13;
 
+// fault_tolerance.snapshot_every_steps: 0 (unset means by cost, not none).
+bool SnapshotsOff(const v1::JobSpec& job) {
+  const v1::FaultToleranceSpec& ft = job.fault_tolerance();
+  return ft.has_snapshot_every_steps() && ft.snapshot_every_steps() == 0;
+}
+
 }  // namespace
 
 WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, int pp_rank) {
@@ -331,9 +337,7 @@ WorkerMemory EstimateWorkerMemory(const v1::JobSpec& job, const v1::Plan& plan, 
   // Snapshots are held in host RAM: counted unless every rank of the stage
   // computes on a CUDA device (whose registered memory is the GPU's).
   if (att.backward_scratch) {
-    const v1::FaultToleranceSpec& ft = job.fault_tolerance();
-    const bool off = ft.has_snapshot_every_steps() && ft.snapshot_every_steps() == 0;
-    w.snapshot_bytes = (off ? 1 : kSnapshotStates) * kFloat * (params + 2 * moment_elements);
+    w.snapshot_bytes = (SnapshotsOff(job) ? 1 : kSnapshotStates) * kFloat * (params + 2 * moment_elements);
   }
   const double message = kFloat * n * c;  // one microbatch's activations or gradients
   // With a data-parallel group (dp*cp ranks: the CP ranks reduce the
@@ -466,8 +470,7 @@ absl::Status CheckPlanFitsMemory(const v1::JobSpec& job, const v1::Plan& plan,
     // In-memory snapshots: what turning them off saves (recovery then has
     // no snapshot to resume from: a DP replica's state, else a checkpoint).
     std::string snapshots;
-    const v1::FaultToleranceSpec& ft = job.fault_tolerance();
-    if (!(ft.has_snapshot_every_steps() && ft.snapshot_every_steps() == 0)) {
+    if (!SnapshotsOff(job)) {
       v1::JobSpec off = job;
       off.mutable_fault_tolerance()->set_snapshot_every_steps(0);
       if (const double saved = most_saved(off, &WorkerMemory::snapshot_bytes); saved > 0) {
